@@ -1,0 +1,481 @@
+"""Apply a delta in place, safely: verify everything first, journal each chunk, verify the result.
+
+Protocol (the crash-safety argument is in FORMAT.md, "Applying"):
+
+1. **Plan (read only).** Hash every segment of every tensor the delta names. Each changed chunk must
+   match its pre-image (to do), its post-image (already done by an earlier run) or, if torn by a kill
+   mid-write, have a journal record from that run. Substituting pre-images for done chunks must give
+   each tensor's base digest: a delta for another base is refused here, before any byte is written.
+   Every chunk to do is decoded and its post-image hashed against the record, so a delta that decodes
+   badly is refused here too.
+2. **Write.** Per chunk: write its decoded patch to a journal slot, then scatter it into the mapped
+   tensor, then re-hash the region against the post-image. Patches write target values (never XOR),
+   so replaying a journal record over a torn chunk is idempotent.
+3. **Verify.** Every tensor's digest and the checkpoint fingerprint must equal the delta's target;
+   then the maps are flushed and the journal removed.
+
+Structural changes (added, removed, re-typed tensors) rewrite the file holding them through a temp
+file and an atomic rename; in-place patching covers everything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from .checkpoint import Checkpoint, TensorSource, open_checkpoint, write_safetensors
+from .codec.chunk import OVERWRITE, Patch, decode_chunk
+from .dtypes import dtype
+from .encode import default_threads, uint_view
+from .errors import BaseMismatchError, CheckpointError, UsageError, VerificationError
+from .format import ChunkRecord, DeltaReader, TensorEntry, TensorMeta
+from .integrity import SEGMENT_BYTES, fingerprint_from_digests, n_segments, seg_hash, tensor_digest_from_segments
+
+log = logging.getLogger(__name__)
+
+# Decoded patches kept from the plan phase for the write phase, so most chunks decode once.
+DEFAULT_CACHE_BYTES = 512 << 20
+
+
+class TensorTarget(Protocol):
+    """What apply needs of a place holding tensors (a checkpoint, a dict of torch tensors)."""
+
+    tensors: dict  # name -> object with .dtype (str), .shape (tuple), .nbytes (int)
+
+    def raw(self, name: str) -> np.ndarray: ...
+
+
+@dataclass
+class ApplyReport:
+    target_fingerprint: str
+    chunks_applied: int
+    chunks_skipped: int  # already at their post-image (a rerun)
+    chunks_recovered: int  # torn by an earlier kill, restored from the journal
+    written_bytes: int
+    seconds: float
+    structural: list[str] = field(default_factory=list)  # tensors added, removed or replaced
+
+
+@dataclass
+class _ChunkPlan:
+    rec: ChunkRecord
+    state: str  # "todo", "done", "torn"
+    patch: Patch | None = None
+
+
+@dataclass
+class _TensorPlan:
+    entry: TensorEntry
+    state: str  # "patch", "done", "add", "remove", "replace"
+    segs: list[bytes] = field(default_factory=list)  # current segment hashes (patch tensors)
+    chunks: list[_ChunkPlan] = field(default_factory=list)
+
+
+def _where(e: TensorEntry, r: ChunkRecord | None = None) -> str:
+    return f"tensor {e.name!r}" + (f" chunk {r.chunk_index}" if r is not None else "")
+
+
+def _matches(info: object, meta: TensorMeta) -> bool:
+    return (info.dtype, tuple(info.shape)) == (meta.dtype, meta.shape)
+
+
+def _digest(meta: TensorMeta, segs: list[bytes]) -> bytes:
+    return tensor_digest_from_segments(meta.dtype, meta.shape, meta.nbytes, segs)
+
+
+# ------------------------------------------------------------------------------------------- journal
+
+JOURNAL_MAGIC = b"DRJRNL01"
+_JHEAD = struct.Struct("<8s32sIIBIQ16s16s")  # magic, target fp, tensor idx, chunk idx, kind, n, len, post, hash
+SLOT_BYTES = _JHEAD.size + 2 * SEGMENT_BYTES + 64
+
+
+class Journal:
+    """Fixed slots, one per writer thread, each holding the patch of the chunk that thread is writing.
+
+    Only a chunk whose slot record is complete (hash-checked) can be torn, because its region is
+    written only after the record; replaying the record's target values over it is idempotent.
+    """
+
+    def __init__(self, path: str, target_fp: str) -> None:
+        self.path = path
+        self.fp = bytes.fromhex(target_fp)
+
+    def read(self) -> dict[tuple[int, int], tuple[bytes, Patch]]:
+        """Complete records written for this delta's target: (tensor idx, chunk idx) -> (post, patch)."""
+        out: dict[tuple[int, int], tuple[bytes, Patch]] = {}
+        if not os.path.exists(self.path):
+            return out
+        with open(self.path, "rb") as f:
+            while True:
+                head = f.read(SLOT_BYTES)
+                if len(head) < _JHEAD.size:
+                    break
+                magic, fp, ti, ci, kind, n, ln, post, h = _JHEAD.unpack_from(head)
+                body = head[_JHEAD.size:_JHEAD.size + ln]
+                if magic != JOURNAL_MAGIC or fp != self.fp or len(body) != ln or seg_hash(body) != h:
+                    continue  # an empty, stale or half-written slot: its chunk was never touched
+                if kind == 1:
+                    patch = Patch(None, None, np.frombuffer(body, np.uint8))
+                else:
+                    pos = np.frombuffer(body, "<u4", n).astype(np.int64)
+                    patch = Patch(pos, np.frombuffer(body, np.uint8, offset=4 * n), None)  # values: raw bytes
+                out[(ti, ci)] = (post, patch)
+        return out
+
+    def open_for_write(self, slots: int) -> None:
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.slots = slots
+
+    def write(self, slot: int, ti: int, ci: int, post: bytes, patch: Patch) -> None:
+        if patch.dense is not None:
+            kind, n, body = 1, patch.dense.size, patch.dense.tobytes()
+        else:
+            kind, n = 0, patch.positions.size
+            body = patch.positions.astype("<u4").tobytes() + patch.values.tobytes()
+        head = _JHEAD.pack(JOURNAL_MAGIC, self.fp, ti, ci, kind, n, len(body), post, seg_hash(body))
+        os.pwrite(self._fd, head + body, slot * SLOT_BYTES)
+
+    def remove(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def journal_path(checkpoint_path: str) -> str:
+    p = os.path.abspath(checkpoint_path)
+    return os.path.join(p, ".deltarefit-journal") if os.path.isdir(p) else p + ".deltarefit-journal"
+
+
+# ---------------------------------------------------------------------------------------------- plan
+
+
+def _decode(delta: DeltaReader, e: TensorEntry, r: ChunkRecord, base_seg: np.ndarray | None) -> Patch:
+    meta = e.base if e.op == "patch" else e.target
+    dt = dtype(meta.dtype)
+    payload = delta.read_payload(r, _where(e, r))
+    if base_seg is None:  # add/replace: an overwrite against zeros of the target's size
+        n = min(SEGMENT_BYTES, meta.nbytes - r.chunk_index * SEGMENT_BYTES) // dt.itemsize
+        base_seg = np.zeros(n, dt.uint)
+        # Overwrite chunks of new tensors count every element as changed against nothing.
+        if r.encoding != OVERWRITE:
+            raise BaseMismatchError(f"{delta.path}: {_where(e, r)}: new tensors must be overwritten")
+        patch = decode_chunk(dt, base_seg, r.encoding, payload, int(np.count_nonzero(
+            np.frombuffer(_peek_overwrite(payload, n * dt.itemsize, e, r), dt.uint))), r.decoded_len,
+            f"{delta.path}: {_where(e, r)}")
+        return patch
+    return decode_chunk(dt, base_seg, r.encoding, payload, r.n_changed, r.decoded_len, f"{delta.path}: {_where(e, r)}")
+
+
+def _peek_overwrite(payload: bytes, expected: int, e: TensorEntry, r: ChunkRecord) -> bytes:
+    from .codec.chunk import _unzstd
+
+    return _unzstd(payload, expected, _where(e, r))
+
+
+def _post_image(seg: np.ndarray, patch: Patch) -> np.ndarray:
+    img = seg.copy()
+    patch.apply_to(img)
+    return img
+
+
+class Applier:
+    """One application of one delta to one ``TensorTarget``; ``run`` does plan, write and verify."""
+
+    def __init__(self, delta: DeltaReader, target: TensorTarget, *, journal: Journal | None,
+                 threads: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.d = delta
+        self.t = target
+        self.journal = journal
+        self.threads = threads or default_threads()
+        self.cache_left = cache_bytes
+        self.progress = progress
+        self.recovered = journal.read() if journal else {}
+
+    # -- plan ------------------------------------------------------------------------------------
+
+    def plan(self) -> list[_TensorPlan]:
+        known = {e.name for e in self.d.tensors}
+        extra = [n for n in self.t.tensors if n not in known]
+        if extra:
+            raise BaseMismatchError(f"checkpoint holds tensor {extra[0]!r}, which the delta's base does not have "
+                                    "(wrong base checkpoint?)")
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="plan") as pool:
+            plans = [self._plan_tensor(pool, ti, e) for ti, e in enumerate(self.d.tensors)]
+        return plans
+
+    def _plan_tensor(self, pool: ThreadPoolExecutor, ti: int, e: TensorEntry) -> _TensorPlan:
+        info = self.t.tensors.get(e.name)
+        w = _where(e)
+        if e.op in ("same", "patch"):
+            if info is None or not _matches(info, e.base):
+                found = "missing" if info is None else f"{info.dtype}{list(info.shape)}"
+                raise BaseMismatchError(f"{w}: expected {e.base.dtype}{list(e.base.shape)}, found {found} "
+                                        "(wrong base checkpoint?)")
+            return self._plan_patch(pool, ti, e)
+        if e.op == "add":
+            if info is None:
+                return self._plan_new(pool, ti, e, "add")
+            return self._plan_existing_target(pool, e, info)
+        if e.op == "remove":
+            if info is None:
+                return _TensorPlan(e, "done")
+            self._check_digest(pool, e, info, e.base, "base")
+            return _TensorPlan(e, "remove")
+        # replace
+        if info is not None and _matches(info, e.base) and self._digest_of(pool, e.name) == e.base.digest:
+            return self._plan_new(pool, ti, e, "replace")
+        if info is None:
+            raise BaseMismatchError(f"{w}: missing from the checkpoint (wrong base checkpoint?)")
+        return self._plan_existing_target(pool, e, info)
+
+    def _plan_existing_target(self, pool, e: TensorEntry, info) -> _TensorPlan:
+        if not _matches(info, e.target):
+            raise BaseMismatchError(f"{_where(e)}: found {info.dtype}{list(info.shape)}, which is neither the "
+                                    "delta's base nor its target")
+        self._check_digest(pool, e, info, e.target, "target")
+        return _TensorPlan(e, "done")
+
+    def _digest_of(self, pool, name: str) -> bytes:
+        info = self.t.tensors[name]
+        raw = self.t.raw(name)
+        segs = list(pool.map(lambda o: seg_hash(raw[o:o + SEGMENT_BYTES]), range(0, info.nbytes, SEGMENT_BYTES)))
+        return tensor_digest_from_segments(info.dtype, tuple(info.shape), info.nbytes, segs)
+
+    def _check_digest(self, pool, e: TensorEntry, info, meta: TensorMeta, what: str) -> None:
+        if self._digest_of(pool, e.name) != meta.digest:
+            raise BaseMismatchError(f"{_where(e)}: bytes differ from the delta's {what} (wrong base checkpoint?)")
+
+    def _plan_new(self, pool, ti: int, e: TensorEntry, state: str) -> _TensorPlan:
+        def check(r: ChunkRecord) -> _ChunkPlan:
+            patch = _decode(self.d, e, r, None)
+            if seg_hash(patch.dense) != r.post_hash:
+                raise VerificationError(f"{self.d.path}: {_where(e, r)}: decodes to bytes that miss the post-image "
+                                        "hash (corrupt delta)")
+            return _ChunkPlan(r, "todo", None)
+
+        return _TensorPlan(e, state, chunks=list(pool.map(check, self.d.chunks(e))))
+
+    def _plan_patch(self, pool, ti: int, e: TensorEntry) -> _TensorPlan:
+        raw = self.t.raw(e.name)
+        recs = {r.chunk_index: r for r in self.d.chunks(e)}
+
+        def seg(ci: int) -> tuple[bytes, _ChunkPlan | None]:
+            off = ci * SEGMENT_BYTES
+            region = raw[off:off + SEGMENT_BYTES]
+            h = seg_hash(region)
+            if self.progress:
+                self.progress(region.size)
+            r = recs.get(ci)
+            if r is None:
+                return h, None
+            if h == r.post_hash:
+                return h, _ChunkPlan(r, "done")
+            if h == r.pre_hash:
+                patch = _decode(self.d, e, r, uint_view(region, e.base.dtype))
+                img = _post_image(uint_view(region, e.base.dtype), patch)
+                if seg_hash(img) != r.post_hash:
+                    raise VerificationError(f"{self.d.path}: {_where(e, r)}: decodes to bytes that miss the "
+                                            "post-image hash (corrupt delta)")
+                return h, _ChunkPlan(r, "todo", patch)
+            if (ti, ci) in self.recovered and self.recovered[(ti, ci)][0] == r.post_hash:
+                return h, _ChunkPlan(r, "torn")
+            raise BaseMismatchError(f"{_where(e, r)}: bytes match neither the delta's base nor its target "
+                                    "(wrong base checkpoint, or modified since?)")
+
+        results = list(pool.map(seg, range(n_segments(e.base.nbytes))))
+        segs = [h for h, _ in results]
+        chunks = [c for _, c in results if c is not None]
+        # Base check: with pre-images in place of chunks already done, the digest must be the base's.
+        pre = list(segs)
+        for c in chunks:
+            pre[c.rec.chunk_index] = c.rec.pre_hash
+        if _digest(e.base, pre) != e.base.digest:
+            raise BaseMismatchError(f"{_where(e)}: bytes differ from the delta's base (wrong base checkpoint?)")
+        for c in chunks:  # keep decoded patches within the memory budget, re-decode the rest later
+            if c.patch is not None:
+                size = c.patch.dense.nbytes if c.patch.dense is not None else c.patch.positions.size * 10
+                if size <= self.cache_left:
+                    self.cache_left -= size
+                else:
+                    c.patch = None
+        return _TensorPlan(e, "patch", segs, chunks)
+
+    # -- write -----------------------------------------------------------------------------------
+
+    def write(self, plans: list[_TensorPlan]) -> tuple[int, int, int, int]:
+        applied = skipped = recovered = written = 0
+        import threading
+
+        slots: dict[int, int] = {}
+        lock = threading.Lock()
+
+        def slot() -> int:
+            tid = threading.get_ident()
+            with lock:
+                return slots.setdefault(tid, len(slots))
+
+        if self.journal:
+            self.journal.open_for_write(self.threads)
+
+        def do(tp: _TensorPlan, ti: int, c: _ChunkPlan) -> int:
+            e, r = tp.entry, c.rec
+            raw = self.t.raw(e.name)
+            off = r.chunk_index * SEGMENT_BYTES
+            view = uint_view(raw[off:off + SEGMENT_BYTES], e.base.dtype)
+            aligned = view.base is raw or view.ctypes.data == raw[off:].ctypes.data
+            if c.state == "torn":
+                patch = self.recovered[(ti, r.chunk_index)][1]
+                if patch.dense is None:
+                    patch = Patch(patch.positions, np.frombuffer(patch.values.tobytes(), dtype(e.base.dtype).uint), None)
+                else:
+                    patch = Patch(None, None, np.frombuffer(patch.dense.tobytes(), dtype(e.base.dtype).uint))
+            else:
+                patch = c.patch or _decode(self.d, e, r, view)
+                if self.journal:
+                    self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch)
+            if aligned:
+                patch.apply_to(view)
+            else:  # misaligned tensor data: patch a copy, then copy the bytes back
+                patch.apply_to(view)
+                raw[off:off + view.nbytes] = view.view(np.uint8)
+            region = raw[off:off + SEGMENT_BYTES]
+            if seg_hash(region) != r.post_hash:
+                raise VerificationError(f"{_where(e, r)}: region does not hash to the post-image after writing")
+            tp.segs[r.chunk_index] = r.post_hash
+            c.patch = None
+            return region.size
+
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="apply") as pool:
+            for ti, tp in enumerate(plans):
+                if tp.state != "patch":
+                    continue
+                jobs = [c for c in tp.chunks if c.state in ("todo", "torn")]
+                skipped += sum(1 for c in tp.chunks if c.state == "done")
+                recovered += sum(1 for c in jobs if c.state == "torn")
+                applied += sum(1 for c in jobs if c.state == "todo")
+                for n in pool.map(lambda c, tp=tp, ti=ti: do(tp, ti, c), jobs):
+                    written += n
+        return applied, skipped, recovered, written
+
+    # -- verify ----------------------------------------------------------------------------------
+
+    def target_digests(self, plans: list[_TensorPlan]) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        for tp in plans:
+            e = tp.entry
+            if e.target is None:
+                continue
+            if tp.state == "patch":
+                got = _digest(e.target, tp.segs)
+                if got != e.target.digest:
+                    raise VerificationError(f"{_where(e)}: digest after apply does not match the delta's target")
+            out[e.name] = e.target.digest
+        return out
+
+
+def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | None, threads: int | None = None,
+              cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None,
+              structural: Callable[[DeltaReader, list[_TensorPlan]], list[str]] | None = None) -> ApplyReport:
+    t0 = time.perf_counter()
+    ap = Applier(delta, target, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress)
+    plans = ap.plan()
+    struct_todo = [tp for tp in plans if tp.state in ("add", "remove", "replace")]
+    if struct_todo and structural is None:
+        raise UsageError(f"tensor {struct_todo[0].entry.name!r} is {struct_todo[0].entry.op}d by this delta, "
+                         "which this target cannot do in place")
+    applied, skipped, recovered, written = ap.write(plans)
+    names = structural(delta, plans) if struct_todo else []
+    digests = ap.target_digests(plans)
+    fp = fingerprint_from_digests(digests)
+    if fp != delta.target_fingerprint:
+        raise VerificationError(f"fingerprint after apply {fp[:16]}… is not the delta's target "
+                                f"{delta.target_fingerprint[:16]}…")
+    return ApplyReport(fp, applied, skipped, recovered, written, time.perf_counter() - t0, names)
+
+
+# ------------------------------------------------------------------------------- safetensors on disk
+
+
+def _rewrite_file(ck: Checkpoint, delta: DeltaReader, plans: list[_TensorPlan]) -> list[str]:
+    """Structural changes in a single-file checkpoint: write the target file whole, then rename it in."""
+    files = ck.files()
+    if len(files) != 1:
+        raise UsageError(f"{ck.path}: adding, removing or re-typing tensors is supported for single-file "
+                         "checkpoints only; this one has several files")
+    by_name = {tp.entry.name: tp for tp in plans}
+    sources: list[TensorSource] = []
+    changed: list[str] = []
+    for e in delta.tensors:
+        tp = by_name[e.name]
+        if e.target is None:
+            if tp.state == "remove":
+                changed.append(e.name)
+            continue
+        if tp.state in ("add", "replace"):
+            changed.append(e.name)
+            sources.append(TensorSource(e.name, e.target.dtype, e.target.shape, e.target.nbytes,
+                                        lambda e=e: _new_tensor_chunks(delta, e)))
+        else:
+            raw = ck.raw(e.name)
+            sources.append(TensorSource(e.name, e.target.dtype, e.target.shape, e.target.nbytes,
+                                        lambda raw=raw: (raw[o:o + SEGMENT_BYTES] for o in range(0, raw.size,
+                                                                                                 SEGMENT_BYTES))))
+    write_safetensors(files[0], sources, metadata=_metadata_of(files[0]))
+    return changed
+
+
+def _new_tensor_chunks(delta: DeltaReader, e: TensorEntry) -> Iterator[bytes]:
+    for r in delta.chunks(e):
+        patch = _decode(delta, e, r, None)
+        data = patch.dense.tobytes()
+        if seg_hash(data) != r.post_hash:
+            raise VerificationError(f"{_where(e, r)}: decoded bytes miss the post-image hash")
+        yield data
+
+
+def _metadata_of(file: str) -> dict[str, str] | None:
+    import json
+
+    with open(file, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        head = json.loads(f.read(n))
+    meta = head.get("__metadata__")
+    return meta if isinstance(meta, dict) else None
+
+
+def apply(delta_path: str, checkpoint_path: str, *, threads: int | None = None,
+          cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None) -> ApplyReport:
+    """Apply the delta file to the checkpoint in place; idempotent, crash-safe, verified at the end."""
+    with DeltaReader(delta_path) as d:
+        try:
+            ck = open_checkpoint(checkpoint_path, writable=True)
+        except CheckpointError:
+            raise
+        with ck:
+            journal = Journal(journal_path(checkpoint_path), d.target_fingerprint)
+            structural_done: list[str] = []
+
+            def structural(delta: DeltaReader, plans: list[_TensorPlan]) -> list[str]:
+                ck.flush()  # in-place patches first become durable, then the file is rewritten
+                structural_done.extend(_rewrite_file(ck, delta, plans))
+                return structural_done
+
+            rep = run_apply(d, ck, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
+                            structural=structural)
+            ck.flush()
+        journal.remove()
+    log.info("applied %s to %s: %d chunks (%d skipped, %d recovered) in %.2f s", delta_path, checkpoint_path,
+             rep.chunks_applied, rep.chunks_skipped, rep.chunks_recovered, rep.seconds)
+    return rep

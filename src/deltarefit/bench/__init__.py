@@ -1,0 +1,35 @@
+"""The deltarefit benchmark: real AdamW and calibrated synthetic bf16 pairs, our codec vs. peers.
+
+Run it with ``python -m deltarefit.bench [--quick] [--out DIR] [--synthetic-params 1e8 ...]
+[--threads N] [--markdown docs/BENCHMARKS.md]``. Modules:
+
+* :mod:`.pairs`: checkpoint pairs (real AdamW steps on a pretrained BERT; calibrated synthetic pairs).
+* :mod:`.peers`: byte counts of the peers (raw, zstd -1, NeMo-style, TRL-style, ZipNN), with decoders.
+* :mod:`.entropy`: the empirical conditional entropy bound H(D | base exponent, tensor).
+* :mod:`.report`: the driver, the table, ``docs/BENCHMARKS.md``, and :func:`main`.
+
+Our codec is imported lazily (``deltarefit.encode`` / ``deltarefit.apply``); without it the rest of
+the benchmark still runs and reports "ours" as unavailable. torch/transformers are only imported to
+make the AdamW pairs.
+"""
+
+from __future__ import annotations
+
+from .entropy import EntropyBound, entropy_bound, ulp_distance, ulp_key
+from .pairs import Calibration, Pair, calibrate, make_adamw_pairs, make_synthetic_pair
+from .report import main, run_bench, write_markdown
+
+__all__ = [
+    "Calibration",
+    "EntropyBound",
+    "Pair",
+    "calibrate",
+    "entropy_bound",
+    "main",
+    "make_adamw_pairs",
+    "make_synthetic_pair",
+    "run_bench",
+    "ulp_distance",
+    "ulp_key",
+    "write_markdown",
+]

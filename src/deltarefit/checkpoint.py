@@ -1,0 +1,502 @@
+"""Safetensors checkpoints as raw bit patterns over mmap: open, validate, view, modify in place, write,
+fingerprint. Values are never converted; every tensor is its bytes.
+
+Contract
+--------
+* A checkpoint is one ``.safetensors`` file; or a directory holding ``model.safetensors.index.json``
+  (Hugging Face layout: ``{"metadata": {...}, "weight_map": {tensor: shard}}``) plus its shards; or a
+  directory without an index holding one or more ``*.safetensors`` files (all of them belong to it, and a
+  tensor name may appear only once). Other files in a directory are ignored. With an index, every
+  ``weight_map`` entry must be in its shard; shard tensors the index does not map there are ignored.
+* Headers are parsed here, strictly: header length <= 100 MiB and inside the file, a JSON object
+  (``__metadata__`` is metadata, not a tensor), known dtypes, shapes of non-negative ints,
+  ``data_offsets`` ``[begin, end]`` with ``end - begin == prod(shape) * itemsize`` inside the data
+  section, no two tensors overlapping. Every failure raises ``CheckpointError`` with one line that names
+  the file and, where there is one, the tensor.
+* ``open_checkpoint`` maps each file (read-only, or shared-writable with ``writable=True``);
+  ``Checkpoint.raw(name)`` is a 1-D ``uint8`` view of the tensor's bytes over that map, writable iff the
+  checkpoint is. ``flush()`` makes writes durable (msync + fsync); ``close()`` is idempotent and views
+  taken before it must not be used after it. Files are never truncated or rewritten in place.
+* ``write_safetensors`` streams ``TensorSource`` chunks into a standard safetensors file (readable by
+  ``safetensors`` itself), data aligned to each tensor's itemsize, written to a temp file in the same
+  directory and atomically renamed onto the target; memory stays O(one chunk).
+* ``fingerprint_checkpoint`` returns ``(fingerprint hex, {name: tensor digest})`` as defined in
+  ``integrity``, hashing segments on a thread pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import mmap
+import os
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Self
+
+import numpy as np
+
+from .dtypes import DTYPES
+from .errors import CheckpointError, UsageError
+from .integrity import SEGMENT_BYTES, fingerprint_from_digests, segment_hashes, tensor_digest_from_segments
+
+__all__ = [
+    "INDEX_NAME",
+    "MAX_HEADER_BYTES",
+    "Checkpoint",
+    "TensorInfo",
+    "TensorSource",
+    "fingerprint_checkpoint",
+    "is_checkpoint",
+    "open_checkpoint",
+    "write_safetensors",
+]
+
+MAX_HEADER_BYTES = 100 << 20
+INDEX_NAME = "model.safetensors.index.json"
+SUFFIX = ".safetensors"
+# Segments hashed per thread-pool task: a big tensor is spread over threads, small ones stay cheap.
+HASH_TASK_SEGMENTS = 16
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors dtype string, a key of deltarefit.dtypes.DTYPES
+    shape: tuple[int, ...]
+    nbytes: int
+    file: str  # absolute path of the .safetensors file holding it
+    offset: int  # absolute byte offset of the tensor data within that file
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    chunks: Callable[[], Iterable[bytes | memoryview | np.ndarray]]  # the raw bytes, in order, in pieces
+
+
+def _shape_str(dt: str, shape: Sequence[int]) -> str:
+    return f"{dt}[{','.join(str(int(d)) for d in shape)}]"
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _load_json(raw: bytes, what: str) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{what} is not valid JSON: {e}") from None
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+
+def _read_header(f: BinaryIO, label: str, file: str) -> list[TensorInfo]:
+    """Validate one file's header; its tensors in data order, offsets absolute."""
+    size = os.fstat(f.fileno()).st_size
+    if size < 8:
+        raise CheckpointError(f"{label}: truncated: {size} bytes, too short for the 8-byte header length")
+    (hlen,) = struct.unpack("<Q", f.read(8))
+    if hlen > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{label}: header length {hlen} exceeds the {MAX_HEADER_BYTES >> 20} MiB limit")
+    raw = f.read(hlen) if 8 + hlen <= size else b""
+    if len(raw) != hlen:
+        raise CheckpointError(f"{label}: header length {hlen} runs past the end of the file ({size} bytes)")
+    header = _load_json(raw, f"{label}: header")
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{label}: header is not a JSON object")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise CheckpointError(f"{label}: __metadata__ is not an object of strings")
+    start = 8 + hlen
+    infos = [_read_entry(label, file, k, v, start, size - start) for k, v in header.items()]
+    _check_overlaps(label, infos, start)
+    return sorted(infos, key=lambda t: t.offset)
+
+
+def _read_entry(label: str, file: str, name: str, entry: Any, start: int, data_size: int) -> TensorInfo:
+    where = f"{label}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: header entry is not an object")
+    dt = entry.get("dtype")
+    if not isinstance(dt, str) or dt not in DTYPES:
+        raise CheckpointError(f"{where}: unknown dtype {dt!r}; supported: {', '.join(DTYPES)}")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    offs = entry.get("data_offsets")
+    if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)):
+        raise CheckpointError(f"{where}: data_offsets {offs!r} is not a pair of non-negative integers")
+    begin, end = offs
+    need = math.prod(shape) * DTYPES[dt].itemsize
+    if begin > end:
+        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] begin after they end")
+    if end - begin != need:
+        raise CheckpointError(
+            f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes but {_shape_str(dt, shape)} needs {need}"
+        )
+    if end > data_size:
+        raise CheckpointError(
+            f"{where}: data_offsets [{begin}, {end}] run past the end of the data section ({data_size} bytes)"
+        )
+    return TensorInfo(name, dt, tuple(shape), need, file, start + begin)
+
+
+def _check_overlaps(label: str, infos: list[TensorInfo], start: int) -> None:
+    spans = sorted((t for t in infos if t.nbytes), key=lambda t: t.offset)
+    for a, b in itertools.pairwise(spans):
+        if b.offset < a.offset + a.nbytes:
+            raise CheckpointError(
+                f"{label}: tensors {a.name!r} [{a.offset - start}, {a.offset - start + a.nbytes}] and "
+                f"{b.name!r} [{b.offset - start}, {b.offset - start + b.nbytes}] overlap"
+            )
+
+
+class _MappedFile:
+    """One open safetensors file: its validated tensors and (if any holds bytes) its mmap."""
+
+    def __init__(self, file: str, label: str, writable: bool) -> None:
+        try:
+            self.fh: BinaryIO = open(file, "r+b" if writable else "rb")  # noqa: SIM115 - lives with the map
+        except OSError as e:
+            raise CheckpointError(f"{label}: cannot open: {e.strerror or e}") from None
+        self.mm: mmap.mmap | None = None
+        try:
+            self.tensors = _read_header(self.fh, label, file)
+            if any(t.nbytes for t in self.tensors):
+                access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+                self.mm = mmap.mmap(self.fh.fileno(), 0, access=access)
+                # Touching a page past EOF is SIGBUS, not an exception: refuse a file that shrank.
+                end = max(t.offset + t.nbytes for t in self.tensors)
+                if len(self.mm) < end:
+                    raise CheckpointError(f"{label}: file shrank to {len(self.mm)} bytes while opening")
+        except OSError as e:
+            self.close()
+            raise CheckpointError(f"{label}: cannot map: {e}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def flush(self) -> None:
+        if self.mm is not None:
+            self.mm.flush()
+        os.fsync(self.fh.fileno())
+
+    def close(self) -> None:
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:
+                pass  # views are still alive: the mapping stays valid until the last one is dropped
+            self.mm = None
+        self.fh.close()
+
+
+class Checkpoint:
+    """An open checkpoint: ``tensors`` in file (then shard) order, bytes reachable through ``raw``."""
+
+    def __init__(self, path: str, files: list[_MappedFile], tensors: dict[str, TensorInfo], writable: bool):
+        self.path = path
+        self.tensors = tensors
+        self.writable = writable
+        self._files = {os.path.abspath(f.fh.name): f for f in files}
+        self._closed = False
+
+    def raw(self, name: str) -> np.ndarray:
+        """1-D uint8 view of the tensor's bytes over the mmap (writable iff the checkpoint is)."""
+        self._check_open()
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.path}: no tensor {name!r}")
+        if info.nbytes == 0:
+            empty = np.zeros(0, np.uint8)
+            empty.flags.writeable = self.writable
+            return empty
+        mm = self._files[info.file].mm
+        return np.frombuffer(mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
+    def files(self) -> list[str]:
+        """Absolute paths of the safetensors files, in shard order."""
+        return list(self._files)
+
+    def flush(self) -> None:
+        """Make writes through ``raw`` views durable (mmap flush + fsync); a no-op when read-only."""
+        self._check_open()
+        if not self.writable:
+            return
+        for file, mf in self._files.items():
+            try:
+                mf.flush()
+            except OSError as e:
+                raise CheckpointError(f"{file}: flush failed: {e}") from e
+
+    def close(self) -> None:
+        """Unmap and close every file (idempotent). Does not fsync: call ``flush`` for durability."""
+        if self._closed:
+            return
+        self._closed = True
+        for mf in self._files.values():
+            mf.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self.path}: checkpoint is closed")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "rw" if self.writable else "r"
+        return f"Checkpoint({self.path!r}, {len(self.tensors)} tensors, {len(self._files)} files, {mode})"
+
+
+# A plan: (absolute file, label for messages, names the index maps to it or None for "all").
+_Plan = list[tuple[str, str, set[str] | None]]
+
+
+def _check_shard_name(label: str, shard: str) -> None:
+    norm = os.path.normpath(shard) if shard and "\0" not in shard else ""
+    if not norm or norm == "." or os.path.isabs(shard) or norm == ".." or norm.startswith(".." + os.sep):
+        raise CheckpointError(f"{label}: shard name {shard!r} is not a file inside the checkpoint directory")
+
+
+def _index_plan(path: str) -> _Plan:
+    label = os.path.join(path, INDEX_NAME)
+    try:
+        with open(label, "rb") as f:
+            raw = f.read(MAX_HEADER_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"{label}: cannot read: {e.strerror or e}") from None
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{label}: larger than the {MAX_HEADER_BYTES >> 20} MiB limit")
+    index = _load_json(raw, label)
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise CheckpointError(f"{label}: 'weight_map' is missing or not an object of tensor -> shard file")
+    by_shard: dict[str, set[str]] = {}
+    for name, shard in wm.items():
+        by_shard.setdefault(shard, set()).add(name)
+    plan: _Plan = []
+    for shard in sorted(by_shard):
+        _check_shard_name(label, shard)
+        file = os.path.abspath(os.path.join(path, shard))
+        if not os.path.isfile(file):
+            first = min(by_shard[shard])
+            raise CheckpointError(f"{label}: shard {shard!r} (holding tensor {first!r}) does not exist")
+        plan.append((file, os.path.join(path, shard), by_shard[shard]))
+    return plan
+
+
+def _dir_plan(path: str) -> _Plan:
+    if os.path.isfile(os.path.join(path, INDEX_NAME)):
+        return _index_plan(path)
+    try:
+        with os.scandir(path) as it:
+            names = sorted(e.name for e in it if e.name.endswith(SUFFIX) and e.is_file())
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot list: {e.strerror or e}") from None
+    if not names:
+        raise CheckpointError(f"{path}: no {INDEX_NAME} and no *{SUFFIX} files")
+    return [(os.path.abspath(os.path.join(path, n)), os.path.join(path, n), None) for n in names]
+
+
+def _select(label: str, mf: _MappedFile, wanted: set[str] | None, into: dict[str, TensorInfo]) -> None:
+    if wanted is not None:
+        missing = sorted(wanted - {t.name for t in mf.tensors})
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(
+                f"{label}: index maps tensor {missing[0]!r} to this shard but it has none{more}"
+            )
+    for t in mf.tensors:
+        if wanted is not None and t.name not in wanted:
+            continue
+        if t.name in into:
+            raise CheckpointError(f"{label}: tensor {t.name!r} is also in {into[t.name].file}")
+        into[t.name] = t
+
+
+def open_checkpoint(path: str | os.PathLike[str], *, writable: bool = False) -> Checkpoint:
+    """Open and validate a checkpoint (file or directory); see the module docstring."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        plan = _dir_plan(p)
+    elif os.path.isfile(p):
+        plan = [(os.path.abspath(p), p, None)]
+    else:
+        raise CheckpointError(f"{p}: no such checkpoint file or directory")
+    files: list[_MappedFile] = []
+    tensors: dict[str, TensorInfo] = {}
+    try:
+        for file, label, wanted in plan:
+            files.append(_MappedFile(file, label, writable))
+            _select(label, files[-1], wanted, tensors)
+    except BaseException:
+        for mf in files:
+            mf.close()
+        raise
+    return Checkpoint(p, files, tensors, writable)
+
+
+def is_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Cheap test (no parsing): a ``.safetensors`` file, or a directory with an index or any shard."""
+    p = os.fspath(path)
+    if os.path.isfile(p):
+        return p.endswith(SUFFIX)
+    if not os.path.isdir(p):
+        return False
+    if os.path.isfile(os.path.join(p, INDEX_NAME)):
+        return True
+    try:
+        with os.scandir(p) as it:
+            return any(e.name.endswith(SUFFIX) and e.is_file() for e in it)
+    except OSError:
+        return False
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+
+def _sorted_sources(path: str, sources: list[TensorSource]) -> list[TensorSource]:
+    """Validate sources; order them by (itemsize descending, name) so every tensor stays aligned."""
+    seen: set[str] = set()
+    for s in sources:
+        where = f"{path}: tensor {s.name!r}"
+        if not isinstance(s.name, str) or not s.name or s.name == "__metadata__":
+            raise CheckpointError(f"{where}: not a valid tensor name")
+        if s.name in seen:
+            raise CheckpointError(f"{where}: given twice")
+        seen.add(s.name)
+        if not isinstance(s.dtype, str) or s.dtype not in DTYPES:
+            raise CheckpointError(f"{where}: unknown dtype {s.dtype!r}; supported: {', '.join(DTYPES)}")
+        if not all(_is_count(d) for d in s.shape):
+            raise CheckpointError(f"{where}: shape {s.shape!r} is not a tuple of non-negative integers")
+        need = math.prod(int(d) for d in s.shape) * DTYPES[s.dtype].itemsize
+        if s.nbytes != need:
+            raise CheckpointError(
+                f"{where}: nbytes {s.nbytes} but {_shape_str(s.dtype, s.shape)} needs {need}"
+            )
+    return sorted(sources, key=lambda s: (-DTYPES[s.dtype].itemsize, s.name))
+
+
+def _header_bytes(path: str, sources: list[TensorSource], metadata: dict[str, str] | None) -> bytes:
+    header: dict[str, Any] = {}
+    if metadata is not None:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise CheckpointError(f"{path}: metadata must map strings to strings")
+        header["__metadata__"] = dict(metadata)
+    off = 0
+    for s in sources:
+        header[s.name] = {
+            "dtype": s.dtype,
+            "shape": [int(d) for d in s.shape],
+            "data_offsets": [off, off + s.nbytes],
+        }
+        off += s.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            f"{path}: header of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES >> 20} MiB limit"
+        )
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _byte_view(chunk: bytes | memoryview | np.ndarray) -> memoryview:
+    if isinstance(chunk, np.ndarray):
+        return memoryview(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
+    mv = memoryview(chunk)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+def _stream(f: BinaryIO, path: str, s: TensorSource) -> None:
+    """Write one source's chunks as they come; the byte count must be exactly ``s.nbytes``."""
+    n = 0
+    for chunk in s.chunks():
+        mv = _byte_view(chunk)
+        n += mv.nbytes
+        if n > s.nbytes:
+            break
+        f.write(mv)
+    if n != s.nbytes:
+        got = f"more than {s.nbytes}" if n > s.nbytes else str(n)
+        raise CheckpointError(
+            f"{path}: tensor {s.name!r}: source produced {got} bytes but {_shape_str(s.dtype, s.shape)} "
+            f"needs {s.nbytes}"
+        )
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(
+    path: str | os.PathLike[str], tensors: Iterable[TensorSource], *, metadata: dict[str, str] | None = None
+) -> None:
+    """Write a standard safetensors file atomically (temp file, fsync, rename, fsync the directory)."""
+    p = os.fspath(path)
+    sources = _sorted_sources(p, list(tensors))
+    header = _header_bytes(p, sources, metadata)
+    tmp = p + f".tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            for s in sources:
+                _stream(f, p, s)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+        _fsync_dir(os.path.dirname(os.path.abspath(p)))
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"{p}: write failed: {e}") from e
+        raise
+
+
+# ----------------------------------------------------------------------------------------------- hashing
+
+
+def fingerprint_checkpoint(ck: Checkpoint, *, threads: int | None = None) -> tuple[str, dict[str, bytes]]:
+    """``(fingerprint hex, {name: tensor digest})``; segments are hashed on ``threads`` threads."""
+    workers = threads if threads is not None else min(32, os.cpu_count() or 1)
+    if workers < 1:
+        raise UsageError(f"threads must be >= 1, got {threads}")
+    step = SEGMENT_BYTES * HASH_TASK_SEGMENTS
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deltarefit-hash") as pool:
+        jobs: dict[str, list[Future[list[bytes]]]] = {}
+        for name in ck.tensors:
+            raw = ck.raw(name)
+            jobs[name] = [pool.submit(segment_hashes, raw[i : i + step]) for i in range(0, raw.size, step)]
+        digests: dict[str, bytes] = {}
+        for name, futures in jobs.items():
+            info = ck.tensors[name]
+            segs = [h for fut in futures for h in fut.result()]
+            digests[name] = tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, segs)
+    return fingerprint_from_digests(digests), digests

@@ -1,0 +1,193 @@
+"""Encode and decode one chunk: pure functions from (base bits, target bits) to bytes and back.
+
+A chunk is one segment of a tensor (``integrity.SEGMENT_BYTES`` of raw bytes, the last one shorter).
+``encode_chunk`` tries the encodings that can win for the chunk's change density and keeps the
+smallest; ``decode_chunk`` turns a payload back into a ``Patch`` that, scattered over the base,
+gives the target bit for bit. Encodings (numbers are part of the format, see FORMAT.md):
+
+* ``ULP``         positions grouped by the base's exponent, rice-coded gaps per group, signed ulp
+                  distances, all through an adaptive binary range coder (kernels.py).
+* ``SPARSE_XOR``  zstd( u8 width | position gaps as uint{8,16,32} | XOR values ) (the NeMo-RL layout).
+* ``DENSE_XOR``   zstd( base XOR target ) over the whole chunk.
+* ``OVERWRITE``   zstd( target ) over the whole chunk; also used for added or re-typed tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from ..dtypes import DType
+from ..errors import DecodeError, LimitError
+from . import kernels as K
+
+ULP = 1
+SPARSE_XOR = 2
+DENSE_XOR = 3
+OVERWRITE = 4
+ENCODING_NAMES = {ULP: "ulp", SPARSE_XOR: "sparse_xor", DENSE_XOR: "dense_xor", OVERWRITE: "overwrite"}
+
+# Dense encodings are only worth trying once this fraction of a chunk changed.
+DENSE_TRY_FRACTION = 0.08
+ZSTD_LEVEL = 1
+
+_tls = threading.local()
+
+
+def _zc() -> zstandard.ZstdCompressor:
+    # One compressor per thread: zstandard's objects are not safe to share between threads.
+    c = getattr(_tls, "zc", None)
+    if c is None:
+        c = _tls.zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
+    return c
+
+
+def _zd() -> zstandard.ZstdDecompressor:
+    d = getattr(_tls, "zd", None)
+    if d is None:
+        d = _tls.zd = zstandard.ZstdDecompressor()
+    return d
+
+
+@dataclass(frozen=True)
+class EncodedChunk:
+    encoding: int
+    payload: bytes
+    n_changed: int
+    decoded_len: int  # bytes the zstd stage expands to (0 for ULP)
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Decoded chunk: either sparse (positions, values) or a full dense image of the chunk."""
+
+    positions: np.ndarray | None  # sorted int64 element indices
+    values: np.ndarray | None  # target bits at those positions (uint view of the dtype)
+    dense: np.ndarray | None  # the whole target chunk (uint view)
+
+    def apply_to(self, view: np.ndarray) -> None:
+        """Write the target bits into ``view`` (the chunk's elements, same uint dtype). Idempotent."""
+        if self.dense is not None:
+            view[:] = self.dense
+        elif self.positions is not None and self.positions.size:
+            K.scatter(view, self.positions, self.values)
+
+
+def _kind(dt: DType) -> int:
+    return {"float": K.KIND_FLOAT, "int": K.KIND_INT}.get(dt.kind, K.KIND_UINT)
+
+
+def _ctx(dt: DType) -> tuple[int, int, int]:
+    """(shift, mask, n_contexts) selecting a float's exponent field; a single context otherwise."""
+    if dt.kind == "float":
+        return dt.man_bits, (1 << dt.exp_bits) - 1, 1 << dt.exp_bits
+    return 0, 0, 1
+
+
+def max_payload_len(dt: DType, n: int) -> int:
+    """Hard limit on one chunk's payload: never more than a zstd'd overwrite could need, plus slack."""
+    return n * dt.itemsize + n * dt.itemsize // 64 + 4096
+
+
+def _width_code(max_gap: int) -> int:
+    return 1 if max_gap < 1 << 8 else 2 if max_gap < 1 << 16 else 4
+
+
+def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk | None:
+    """Smallest bit-exact encoding of ``target`` given ``base`` (uint views, equal length), or None."""
+    n = base.size
+    shift, mask, nctx = _ctx(dt)
+    out = np.empty(max_payload_len(dt, n) + 64, np.uint8)
+    nbytes, m = K.ulp_encode(base, target, dt.bits, _kind(dt), shift, mask, nctx, out)
+    if m == 0:
+        return None
+    cands: list[EncodedChunk] = []
+    if nbytes >= 0:
+        cands.append(EncodedChunk(ULP, out[:nbytes].tobytes(), m, 0))
+    if m >= DENSE_TRY_FRACTION * n or not cands:
+        x = np.bitwise_xor(base, target)
+        raw = x.tobytes()
+        cands.append(EncodedChunk(DENSE_XOR, _zc().compress(raw), m, len(raw)))
+        raw_t = target.tobytes()
+        cands.append(EncodedChunk(OVERWRITE, _zc().compress(raw_t), m, len(raw_t)))
+    else:
+        pos = np.flatnonzero(base != target)
+        gaps = np.diff(pos, prepend=-1) - 1
+        w = _width_code(int(gaps.max()))
+        raw = bytes([w]) + gaps.astype(f"<u{w}").tobytes() + np.bitwise_xor(base[pos], target[pos]).tobytes()
+        cands.append(EncodedChunk(SPARSE_XOR, _zc().compress(raw), m, len(raw)))
+    return min(cands, key=lambda c: len(c.payload))
+
+
+def encode_overwrite(target: np.ndarray) -> EncodedChunk:
+    """An OVERWRITE chunk (for tensors with no usable base: added, reshaped, re-typed)."""
+    raw = target.tobytes()
+    return EncodedChunk(OVERWRITE, _zc().compress(raw), target.size, len(raw))
+
+
+def _unzstd(payload: bytes, expected: int, where: str) -> bytes:
+    try:
+        params = zstandard.get_frame_parameters(payload)
+    except zstandard.ZstdError as e:
+        raise DecodeError(f"{where}: not a zstd frame ({e})") from None
+    if params.content_size != expected:
+        raise LimitError(f"{where}: zstd frame declares {params.content_size} bytes, expected {expected}")
+    try:
+        raw = _zd().decompress(payload, max_output_size=expected)
+    except zstandard.ZstdError as e:
+        raise DecodeError(f"{where}: zstd frame does not decode ({e})") from None
+    if len(raw) != expected:
+        raise DecodeError(f"{where}: zstd frame holds {len(raw)} bytes, expected {expected}")
+    return raw
+
+
+def decode_chunk(
+    dt: DType, base: np.ndarray, encoding: int, payload: bytes, n_changed: int, decoded_len: int, where: str
+) -> Patch:
+    """Decode a chunk payload against its base (uint view). Raises DecodeError/LimitError on bad input."""
+    n = base.size
+    if not 0 <= n_changed <= n:
+        raise DecodeError(f"{where}: record claims {n_changed} changed elements in a chunk of {n}")
+    if encoding == ULP:
+        if decoded_len != 0:
+            raise DecodeError(f"{where}: ulp chunk declares a decoded length")
+        pos = np.empty(n_changed, np.int64)
+        val = np.empty(n_changed, dt.uint)
+        buf = np.frombuffer(payload, np.uint8)
+        shift, mask, nctx = _ctx(dt)
+        st = K.ulp_decode(base, buf, n_changed, dt.bits, _kind(dt), shift, mask, nctx, pos, val)
+        if st != 0:
+            raise DecodeError(f"{where}: {K.STATUS.get(st, f'status {st}')}")
+        return Patch(pos, val, None)
+    if encoding in (DENSE_XOR, OVERWRITE):
+        raw = _unzstd(payload, n * dt.itemsize, where)
+        arr = np.frombuffer(raw, dt.uint)
+        if encoding == DENSE_XOR:
+            arr = np.bitwise_xor(base, arr)
+        changed = int(np.count_nonzero(arr != base))
+        if changed != n_changed:
+            raise DecodeError(f"{where}: decodes to {changed} changed elements, record says {n_changed}")
+        return Patch(None, None, arr)
+    if encoding == SPARSE_XOR:
+        if decoded_len < 1:
+            raise DecodeError(f"{where}: sparse chunk declares {decoded_len} decoded bytes")
+        limit = 1 + n_changed * (4 + dt.itemsize)
+        if decoded_len > limit:
+            raise LimitError(f"{where}: sparse chunk declares {decoded_len} decoded bytes, limit {limit}")
+        raw = _unzstd(payload, decoded_len, where)
+        w = raw[0]
+        if w not in (1, 2, 4) or len(raw) != 1 + n_changed * (w + dt.itemsize):
+            raise DecodeError(f"{where}: sparse chunk layout does not match its {n_changed} changes")
+        gaps = np.frombuffer(raw, f"<u{w}", n_changed, 1).astype(np.int64)
+        pos = np.cumsum(gaps + 1) - 1
+        if n_changed and pos[-1] >= n:
+            raise DecodeError(f"{where}: position {int(pos[-1])} lies beyond the chunk's {n} elements")
+        xor = np.frombuffer(raw, dt.uint, n_changed, 1 + n_changed * w)
+        val = np.bitwise_xor(base[pos], xor)
+        if np.any(val == base[pos]):
+            raise DecodeError(f"{where}: sparse chunk lists an unchanged element")
+        return Patch(pos, val, None)
+    raise DecodeError(f"{where}: unknown encoding {encoding}")

@@ -1,0 +1,463 @@
+"""Numba kernels of the ULP-context codec: a binary range coder and the chunk encode/decode loops.
+
+Pure functions over numpy arrays; they release the GIL, so chunks run in parallel on threads.
+The bitstream is specified in FORMAT.md ("Encoding 1: ulp"). All arithmetic is on uint64 with
+explicit casts: numba promotes mixed int64/uint64 arithmetic to float64, which would silently lose bits.
+
+Decoders never trust their input: every count, context id, rank and length is checked, reading past
+the end of the payload is detected, and failures come back as negative status codes (see ``STATUS``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+U64 = np.uint64
+PROB_BITS = 11
+PROB_INIT = 1 << (PROB_BITS - 1)
+MOVE_BITS = 5
+TOP = 1 << 24
+MAX_UNARY = 64  # adaptive slots for unary codes (gap quotients, magnitude lengths)
+
+# Kinds of key mapping (must match codec.chunk).
+KIND_FLOAT = 0
+KIND_INT = 1  # two's complement: flip the sign bit
+KIND_UINT = 2  # identity
+
+STATUS = {
+    -1: "payload ends early (truncated or corrupt)",
+    -2: "bad group header (context id, count or rice parameter out of range)",
+    -3: "a position lies beyond the end of its chunk",
+    -4: "change counts do not add up to the chunk record's count",
+    -5: "output buffer too small",
+    -6: "payload has trailing bytes",
+}
+
+# ---------------------------------------------------------------------------------------------
+# Range coder (LZMA style: 11-bit adaptive probabilities, carry propagation through a cache byte).
+# Encoder state is a tuple (low, range, cache, cache_size, out_pos); decoder state (code, range,
+# in_pos, overrun). Tuples of scalars stay in registers; state arrays did not (2x slower).
+# Only bits worth modelling go through it (unary codes); equiprobable bits go to a raw bit stream.
+# ---------------------------------------------------------------------------------------------
+
+
+@njit(inline="always")
+def _shift_low(low, cache, csize, opos, out):
+    if low < U64(0xFF000000) or low >= U64(1 << 32):
+        carry = low >> U64(32)
+        temp = cache
+        while True:
+            if opos < out.size:
+                out[opos] = np.uint8((temp + carry) & U64(0xFF))
+            opos += 1
+            temp = U64(0xFF)
+            csize -= 1
+            if csize == 0:
+                break
+        cache = (low >> U64(24)) & U64(0xFF)
+    csize += 1
+    low = (low & U64(0x00FFFFFF)) << U64(8)
+    return low, cache, csize, opos
+
+
+@njit(inline="always")
+def _enc_bit(s, out, probs, idx, bit):
+    low, rng, cache, csize, opos = s
+    p = U64(probs[idx])
+    bound = (rng >> U64(PROB_BITS)) * p
+    if bit == 0:
+        rng = bound
+        probs[idx] = np.uint16(p + ((U64(1 << PROB_BITS) - p) >> U64(MOVE_BITS)))
+    else:
+        low += bound
+        rng -= bound
+        probs[idx] = np.uint16(p - (p >> U64(MOVE_BITS)))
+    while rng < U64(TOP):
+        rng = (rng << U64(8)) & U64(0xFFFFFFFF)
+        low, cache, csize, opos = _shift_low(low, cache, csize, opos, out)
+    return (low, rng, cache, csize, opos)
+
+
+@njit(inline="always")
+def _enc_flush(s, out):
+    low, rng, cache, csize, opos = s
+    for _ in range(5):
+        low, cache, csize, opos = _shift_low(low, cache, csize, opos, out)
+    return opos
+
+
+@njit(inline="always")
+def _dec_byte(buf, pos, lim):
+    if pos < lim:
+        return U64(buf[pos]), 0
+    return U64(0), 1
+
+
+@njit(inline="always")
+def _dec_bit(s, buf, lim, probs, idx):
+    code, rng, pos, bad = s
+    p = U64(probs[idx])
+    bound = (rng >> U64(PROB_BITS)) * p
+    if code < bound:
+        rng = bound
+        probs[idx] = np.uint16(p + ((U64(1 << PROB_BITS) - p) >> U64(MOVE_BITS)))
+        bit = 0
+    else:
+        code -= bound
+        rng -= bound
+        probs[idx] = np.uint16(p - (p >> U64(MOVE_BITS)))
+        bit = 1
+    while rng < U64(TOP):
+        rng = (rng << U64(8)) & U64(0xFFFFFFFF)
+        v, o = _dec_byte(buf, pos, lim)
+        pos += 1
+        bad |= o
+        code = ((code << U64(8)) | v) & U64(0xFFFFFFFF)
+    return bit, (code, rng, pos, bad)
+
+
+# Raw bit stream, LSB first: writer state (acc, nacc, pos), reader state (acc, nacc, pos, bad).
+
+
+@njit(inline="always")
+def _put(w, out, value, nbits):
+    acc, nacc, pos = w
+    while nbits > 0:
+        nb = min(nbits, 32)
+        acc |= (value & ((U64(1) << U64(nb)) - U64(1))) << U64(nacc)
+        value >>= U64(nb)
+        nbits -= nb
+        nacc += nb
+        while nacc >= 8:
+            if pos < out.size:
+                out[pos] = np.uint8(acc & U64(0xFF))
+            pos += 1
+            acc >>= U64(8)
+            nacc -= 8
+    return (acc, nacc, pos)
+
+
+@njit(inline="always")
+def _put_gamma(w, out, x):
+    # Elias gamma of x >= 1: (len-1) zeros, a one, then the len-1 bits below the leading one.
+    nb = _bitlen(x)
+    w = _put(w, out, U64(1) << U64(nb - 1), nb)
+    return _put(w, out, x, nb - 1)
+
+
+@njit(inline="always")
+def _get(r, buf, lim, nbits):
+    acc, nacc, pos, bad = r
+    v = U64(0)
+    shift = 0
+    while nbits > 0:
+        nb = min(nbits, 32)
+        while nacc < nb:
+            if pos < lim:
+                acc |= U64(buf[pos]) << U64(nacc)
+            else:
+                bad = 1
+            pos += 1
+            nacc += 8
+        v |= (acc & ((U64(1) << U64(nb)) - U64(1))) << U64(shift)
+        acc >>= U64(nb)
+        nacc -= nb
+        shift += nb
+        nbits -= nb
+    return v, (acc, nacc, pos, bad)
+
+
+@njit(inline="always")
+def _get_gamma(r, buf, lim, max_bits):
+    # Returns 0 for a malformed code (gamma values are >= 1).
+    nz = 0
+    while True:
+        b, r = _get(r, buf, lim, 1)
+        if b == U64(1):
+            break
+        nz += 1
+        if nz >= max_bits or r[3] != 0:
+            return U64(0), r
+    rest, r = _get(r, buf, lim, nz)
+    return (U64(1) << U64(nz)) | rest, r
+
+
+@njit(inline="always")
+def _bitlen(x):
+    n = 0
+    while x > U64(0):
+        n += 1
+        x >>= U64(1)
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys: a monotone bijection from bit patterns to unsigned integers, so D = key(t) - key(b) is the
+# signed distance in ulps for floats (-0.0 and +0.0 are one apart; NaN payloads keep their bits).
+# ---------------------------------------------------------------------------------------------
+
+
+@njit(inline="always")
+def _key(u, kind, sign, mask):
+    if kind == KIND_FLOAT:
+        if u & sign:
+            return mask - u
+        return u | sign
+    if kind == KIND_INT:
+        return u ^ sign
+    return u
+
+
+@njit(inline="always")
+def _unkey(k, kind, sign, mask):
+    if kind == KIND_FLOAT:
+        if k & sign:
+            return k ^ sign
+        return mask - k
+    if kind == KIND_INT:
+        return k ^ sign
+    return k
+
+
+
+@njit(nogil=True, cache=True)
+def ulp_encode(base, target, bits, kind, ctx_shift, ctx_mask, n_ctx, out):
+    """Encode one chunk into ``out``. Returns (byte count, or -5 if ``out`` is too small; n_changed).
+
+    Payload: u32 LE length of the range-coded part, the range-coded part, the raw bit stream.
+    """
+    n = base.size
+    mask = (U64(1) << U64(bits - 1) << U64(1)) - U64(1)
+    sign = U64(1) << U64(bits - 1)
+    cs = U64(ctx_shift)
+    cm = U64(ctx_mask)
+    seen = np.zeros(n_ctx, np.int64)
+    # Pass 1: changed positions, their context and their rank among same-context elements.
+    # Worst-case sized buffers: np.empty does not touch the pages, so this costs nothing when sparse.
+    pos = np.empty(n, np.int64)
+    ectx = np.empty(n, np.int64)
+    rank = np.empty(n, np.int64)
+    m = 0
+    for i in range(n):
+        b = U64(base[i])
+        e = np.int64((b >> cs) & cm)
+        r = seen[e]
+        seen[e] = r + 1
+        if b != U64(target[i]):
+            pos[m] = i
+            ectx[m] = e
+            rank[m] = r
+            m += 1
+    if m == 0:
+        return 0, 0
+    # Group the changes by context (a counting sort keeps rank order within a group).
+    gcount = np.zeros(n_ctx, np.int64)
+    for j in range(m):
+        gcount[ectx[j]] += 1
+    gstart = np.zeros(n_ctx + 1, np.int64)
+    for c in range(n_ctx):
+        gstart[c + 1] = gstart[c] + gcount[c]
+    fill = gstart[:n_ctx].copy()
+    granks = np.empty(m, np.int64)
+    for j in range(m):
+        c = ectx[j]
+        granks[fill[c]] = rank[j]
+        fill[c] += 1
+    raw = np.empty(m * 20 + n_ctx * 24 + 64, np.uint8)
+    s = (U64(0), U64(0xFFFFFFFF), U64(0), 1, 4)
+    w = (U64(0), 0, 0)
+    ngroups = 0
+    for c in range(n_ctx):
+        if gcount[c] > 0:
+            ngroups += 1
+    w = _put_gamma(w, raw, U64(ngroups))
+    pq = np.full(MAX_UNARY, PROB_INIT, np.uint16)
+    prev_c = -1
+    for c in range(n_ctx):
+        cnt = gcount[c]
+        if cnt == 0:
+            continue
+        w = _put_gamma(w, raw, U64(c - prev_c))
+        prev_c = c
+        w = _put_gamma(w, raw, U64(cnt))
+        # Rice parameter: the best of the three around log2(mean gap) (the cost is convex in k).
+        span = granks[gstart[c + 1] - 1] + 1 - cnt  # sum of the gaps
+        k0 = _bitlen(U64(span // cnt)) - 1
+        best_k = 0
+        best_cost = -1
+        for k in range(max(k0 - 1, 0), min(k0 + 2, 25)):
+            cost = cnt * (k + 1)
+            prev = -1
+            for j in range(gstart[c], gstart[c + 1]):
+                cost += (granks[j] - prev - 1) >> k
+                prev = granks[j]
+            if best_cost < 0 or cost < best_cost:
+                best_cost = cost
+                best_k = k
+        w = _put(w, raw, U64(best_k), 5)
+        prev = -1
+        for j in range(gstart[c], gstart[c + 1]):
+            gap = granks[j] - prev - 1
+            prev = granks[j]
+            q = gap >> best_k
+            for t in range(q):
+                s = _enc_bit(s, out, pq, min(t, MAX_UNARY - 1), 1)
+            s = _enc_bit(s, out, pq, min(q, MAX_UNARY - 1), 0)
+            w = _put(w, raw, U64(gap), best_k)
+    # Values, in position order: sign (raw: it carries a full bit) and magnitude of D = key(t) - key(b);
+    # the magnitude's length is unary-coded in the base's context, its lower bits go raw.
+    plen = np.full(n_ctx * MAX_UNARY, PROB_INIT, np.uint16)
+    for j in range(m):
+        i = pos[j]
+        b = U64(base[i])
+        t = U64(target[i])
+        e = ectx[j]
+        d = (_key(t, kind, sign, mask) - _key(b, kind, sign, mask)) & mask
+        neg = U64(0)
+        mag = d
+        if d & sign:
+            neg = U64(1)
+            mag = ((~d) + U64(1)) & mask
+        ln = _bitlen(mag)
+        for t2 in range(ln - 1):
+            s = _enc_bit(s, out, plen, e * MAX_UNARY + t2, 1)
+        if ln < bits:
+            s = _enc_bit(s, out, plen, e * MAX_UNARY + ln - 1, 0)
+        w = _put(w, raw, neg | (mag << U64(1)), ln)  # sign, then the ln-1 bits below the leading one
+    end = _enc_flush(s, out)
+    acc, nacc, rpos = w
+    if nacc > 0:
+        w = _put(w, raw, U64(0), 8 - nacc)
+        rpos = w[2]
+    if rpos > raw.size or end + rpos > out.size:
+        return -5, m
+    rc_len = end - 4
+    for k in range(4):
+        out[k] = np.uint8((rc_len >> (8 * k)) & 0xFF)
+    out[end:end + rpos] = raw[:rpos]
+    return end + rpos, m
+
+
+@njit(nogil=True, cache=True)
+def ulp_decode(base, payload, n_changed, bits, kind, ctx_shift, ctx_mask, n_ctx, out_pos, out_val):
+    """Decode one chunk into sorted positions and target values. Returns 0 or a negative status."""
+    n = base.size
+    mask = (U64(1) << U64(bits - 1) << U64(1)) - U64(1)
+    sign = U64(1) << U64(bits - 1)
+    cs = U64(ctx_shift)
+    cm = U64(ctx_mask)
+    if n_changed <= 0 or n_changed > n or out_pos.size < n_changed or out_val.size < n_changed:
+        return -4
+    if payload.size < 9:
+        return -1
+    rc_len = 0
+    for k in range(4):
+        rc_len |= np.int64(payload[k]) << (8 * k)
+    rc_end = 4 + rc_len
+    if rc_len < 5 or rc_end > payload.size:
+        return -1
+    code = U64(0)
+    for k in range(5):
+        code = ((code << U64(8)) | U64(payload[4 + k])) & U64(0xFFFFFFFF)
+    s = (code, U64(0xFFFFFFFF), 9, 0)
+    lim = payload.size
+    r = (U64(0), 0, rc_end, 0)
+    g, r = _get_gamma(r, payload, lim, 40)
+    ngroups = np.int64(g)
+    if ngroups <= 0 or ngroups > n_ctx:
+        return -2
+    gbeg = np.zeros(n_ctx, np.int64)
+    gend = np.zeros(n_ctx, np.int64)
+    granks = np.empty(n_changed, np.int64)
+    pq = np.full(MAX_UNARY, PROB_INIT, np.uint16)
+    c = -1
+    total = 0
+    for _ in range(ngroups):
+        g, r = _get_gamma(r, payload, lim, 40)
+        dc = np.int64(g)
+        if dc <= 0 or c + dc >= n_ctx:
+            return -2
+        c += dc
+        g, r = _get_gamma(r, payload, lim, 40)
+        cnt = np.int64(g)
+        if cnt <= 0:
+            return -2
+        if total + cnt > n_changed:
+            return -4
+        g, r = _get(r, payload, lim, 5)
+        k = np.int64(g)
+        if k > 24:
+            return -2
+        gbeg[c] = total
+        prev = -1
+        for j in range(cnt):
+            q = 0
+            while True:
+                bit, s = _dec_bit(s, payload, rc_end, pq, min(q, MAX_UNARY - 1))
+                if bit == 0:
+                    break
+                q += 1
+                if (q << k) >= n:
+                    return -3
+            g, r = _get(r, payload, lim, k)
+            rk = prev + 1 + ((q << k) | np.int64(g))
+            if rk >= n:
+                return -3
+            granks[total + j] = rk
+            prev = rk
+        total += cnt
+        gend[c] = total
+        if s[3] != 0 or r[3] != 0:
+            return -1
+    if total != n_changed:
+        return -4
+    # Pass over the chunk: the r-th element of context e is the next change of group e.
+    seen = np.zeros(n_ctx, np.int64)
+    ptr = gbeg.copy()
+    o = 0
+    for i in range(n):
+        e = np.int64((U64(base[i]) >> cs) & cm)
+        rr = seen[e]
+        seen[e] = rr + 1
+        p = ptr[e]
+        if p < gend[e] and granks[p] == rr:
+            out_pos[o] = i
+            o += 1
+            ptr[e] = p + 1
+    if o != n_changed:
+        return -3
+    plen = np.full(n_ctx * MAX_UNARY, PROB_INIT, np.uint16)
+    for j in range(n_changed):
+        i = out_pos[j]
+        b = U64(base[i])
+        e = np.int64((b >> cs) & cm)
+        ln = 1
+        while ln < bits:
+            bit, s = _dec_bit(s, payload, rc_end, plen, e * MAX_UNARY + ln - 1)
+            if bit == 0:
+                break
+            ln += 1
+        v, r = _get(r, payload, lim, ln)
+        neg = v & U64(1)
+        mag = (U64(1) << U64(ln - 1)) | (v >> U64(1))
+        kb = _key(b, kind, sign, mask)
+        if neg:
+            kt = (kb - mag) & mask
+        else:
+            kt = (kb + mag) & mask
+        out_val[j] = _unkey(kt, kind, sign, mask)
+    if s[3] != 0 or r[3] != 0:
+        return -1
+    # Both streams must be consumed exactly: the range decoder's reads end at its part's end, and
+    # the raw stream holds no whole unread byte (padding bits are zero).
+    if s[2] != rc_end or r[2] != lim or (r[0] != U64(0)):
+        return -6
+    return 0
+
+
+@njit(nogil=True, cache=True)
+def scatter(dst, pos, val):
+    """dst[pos[j]] = val[j]. Positions must already be validated."""
+    for j in range(pos.size):
+        dst[pos[j]] = val[j]
