@@ -387,7 +387,10 @@ class Applier:
 
 def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | None, threads: int | None = None,
               cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None,
-              structural: Callable[[DeltaReader, list[_TensorPlan]], list[str]] | None = None) -> ApplyReport:
+              structural: Callable[[DeltaReader, list[_TensorPlan]], list[str]] | None = None,
+              structural_check: Callable[[list[_TensorPlan]], None] | None = None) -> ApplyReport:
+    """Plan, write, verify (see the module docstring). ``structural`` performs added/removed/re-typed
+    tensors after the in-place patches; ``structural_check`` may refuse them, before any write."""
     t0 = time.perf_counter()
     ap = Applier(delta, target, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress)
     plans = ap.plan()
@@ -395,6 +398,8 @@ def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | No
     if struct_todo and structural is None:
         raise UsageError(f"tensor {struct_todo[0].entry.name!r} is {struct_todo[0].entry.op}d by this delta, "
                          "which this target cannot do in place")
+    if struct_todo and structural_check is not None:
+        structural_check(struct_todo)
     applied, skipped, recovered, written = ap.write(plans)
     names = structural(delta, plans) if struct_todo else []
     digests = ap.target_digests(plans)
@@ -408,12 +413,16 @@ def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | No
 # ------------------------------------------------------------------------------- safetensors on disk
 
 
+def _check_single_file(ck: Checkpoint, todo: list[_TensorPlan]) -> None:
+    if len(ck.files()) != 1:
+        e = todo[0].entry
+        raise UsageError(f"{ck.path}: tensor {e.name!r} is {e.op}d by this delta; adding, removing or re-typing "
+                         "tensors is supported for single-file checkpoints only, and this one has several files")
+
+
 def _rewrite_file(ck: Checkpoint, delta: DeltaReader, plans: list[_TensorPlan]) -> list[str]:
     """Structural changes in a single-file checkpoint: write the target file whole, then rename it in."""
     files = ck.files()
-    if len(files) != 1:
-        raise UsageError(f"{ck.path}: adding, removing or re-typing tensors is supported for single-file "
-                         "checkpoints only; this one has several files")
     by_name = {tp.entry.name: tp for tp in plans}
     sources: list[TensorSource] = []
     changed: list[str] = []
@@ -473,7 +482,7 @@ def apply(delta_path: str, checkpoint_path: str, *, threads: int | None = None,
                 return structural_done
 
             rep = run_apply(d, ck, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
-                            structural=structural)
+                            structural=structural, structural_check=lambda todo: _check_single_file(ck, todo))
             ck.flush()
         journal.remove()
     log.info("applied %s to %s: %d chunks (%d skipped, %d recovered) in %.2f s", delta_path, checkpoint_path,

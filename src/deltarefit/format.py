@@ -14,6 +14,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+import zstandard
+
 from .codec.chunk import ENCODING_NAMES, OVERWRITE, max_payload_len
 from .dtypes import DTYPES, dtype
 from .errors import FormatError, IntegrityError, LimitError, UnsupportedVersionError
@@ -28,6 +30,7 @@ RECORD_SIZE = RECORD.size  # 80
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_RECORDS = 1 << 26  # 64 Mi chunks = 64 TiB of tensor bytes in one delta
 MAX_NDIM = 64
+FLAG_MANIFEST_ZSTD = 1  # the manifest section is one zstd frame (the only layout v1 writes or reads)
 OPS = ("same", "patch", "add", "remove", "replace")
 ZERO_HASH = bytes(SEG_HASH_BYTES)
 
@@ -117,12 +120,13 @@ class DeltaWriter:
         man = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode("utf-8")
         if len(man) > MAX_MANIFEST_BYTES:
             raise LimitError(f"{self.path}: manifest of {len(man)} bytes exceeds {MAX_MANIFEST_BYTES}")
+        man = zstandard.ZstdCompressor(level=9, write_content_size=True).compress(man)
         table = b"".join(r.pack() for r in self.records)
         self._f.write(man)
         self._f.write(table)
         payload_off = HEADER_SIZE
         man_off = payload_off + self._off
-        head = HEADER.pack(MAGIC, VERSION, 0, HEADER_SIZE, payload_off, self._off, man_off, len(man),
+        head = HEADER.pack(MAGIC, VERSION, FLAG_MANIFEST_ZSTD, HEADER_SIZE, payload_off, self._off, man_off, len(man),
                            man_off + len(man), len(table), seg_hash(man + table), ZERO_HASH)
         head = head[:-16] + seg_hash(head[:-16])
         self._f.seek(0)
@@ -192,7 +196,7 @@ class DeltaReader:
             raise UnsupportedVersionError(f"{p}: format version {ver} is not supported (this build reads {VERSION})")
         if seg_hash(head[:-16]) != head_hash:
             raise IntegrityError(f"{p}: header hash mismatch (corrupt header)")
-        if flags != 0 or hsize != HEADER_SIZE:
+        if flags != FLAG_MANIFEST_ZSTD or hsize != HEADER_SIZE:
             raise FormatError(f"{p}: unknown header flags {flags:#x} or size {hsize}")
         if man_len > MAX_MANIFEST_BYTES:
             raise LimitError(f"{p}: manifest declares {man_len} bytes, limit {MAX_MANIFEST_BYTES}")
@@ -210,8 +214,9 @@ class DeltaReader:
         index = self._f.read(man_len + tab_len)
         if len(index) != man_len + tab_len or seg_hash(index) != idx_hash:
             raise IntegrityError(f"{p}: manifest/table hash mismatch (corrupt or tampered index)")
+        man_raw = _unzstd_manifest(index[:man_len], p)
         try:
-            man = json.loads(index[:man_len].decode("utf-8"))
+            man = json.loads(man_raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise FormatError(f"{p}: manifest is not valid JSON ({e})") from None
         self.manifest = man
@@ -298,6 +303,16 @@ class DeltaReader:
 
     def chunks(self, e: TensorEntry) -> list[ChunkRecord]:
         return self.records[e.first:e.first + e.count]
+
+
+def _unzstd_manifest(data: bytes, p: str) -> bytes:
+    try:
+        size = zstandard.get_frame_parameters(data).content_size
+        if size > MAX_MANIFEST_BYTES:
+            raise LimitError(f"{p}: manifest expands to {size} bytes, limit {MAX_MANIFEST_BYTES}")
+        return zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_MANIFEST_BYTES)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"{p}: manifest is not a valid zstd frame ({e})") from None
 
 
 def _unpack_record(buf: bytes, off: int) -> tuple:

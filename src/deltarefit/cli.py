@@ -1,0 +1,252 @@
+"""Command line: parse, call one library function, render errors as one line with an exit code.
+
+Exit codes: 0 ok, 1 unexpected, 2 usage, 3 bad delta, 4 bad checkpoint, 5 wrong base, 6 verification.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import click
+
+from . import __version__
+from .errors import DeltaRefitError
+
+log = logging.getLogger("deltarefit")
+
+ENCODE_EXAMPLES = """
+\b
+Examples:
+  deltarefit encode base.safetensors new.safetensors -o step42.delta
+  deltarefit encode ckpt/step41 ckpt/step42 -o step42.delta --threads 8
+"""
+APPLY_EXAMPLES = """
+\b
+Examples:
+  deltarefit apply step42.delta rollout/model.safetensors
+  deltarefit apply step42.delta rollout/ --quiet
+"""
+
+
+def _progress_enabled(quiet: bool) -> bool:
+    return not quiet and sys.stderr.isatty() and os.environ.get("DELTAREFIT_NO_PROGRESS", "") in ("", "0")
+
+
+@contextmanager
+def _progress(label: str, total: int, quiet: bool) -> Iterator[Callable[[int], None] | None]:
+    """A rich progress bar on stderr over ``total`` bytes; None when stderr is not a terminal or --quiet."""
+    if not _progress_enabled(quiet) or total <= 0:
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), transient=True, console=_stderr_console()) as p:
+        task = p.add_task(label, total=total)
+        yield lambda n: p.update(task, advance=n)
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _ckpt_bytes(path: str) -> int:
+    from .checkpoint import open_checkpoint
+
+    with open_checkpoint(path) as ck:
+        return sum(t.nbytes for t in ck.tensors.values())
+
+
+def _run(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except DeltaRefitError as e:
+        click.echo(f"deltarefit: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("deltarefit: interrupted", err=True)
+        sys.exit(130)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="deltarefit")
+@click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr.")
+def main(verbose: bool) -> None:
+    """Bit-exact compressed weight deltas for RL refit: encode, apply in place, verify."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+
+_threads = click.option("--threads", type=click.IntRange(min=1), default=None,
+                        help="Worker threads (default: available cores, at most 8).")
+_quiet = click.option("-q", "--quiet", is_flag=True, help="No progress bar (also off when stderr is not a tty).")
+_json = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+@main.command(epilog=ENCODE_EXAMPLES)
+@click.argument("base", type=click.Path(exists=True))
+@click.argument("target", type=click.Path(exists=True))
+@click.option("-o", "--output", required=True, type=click.Path(), help="Delta file to write (atomically).")
+@_threads
+@_quiet
+@_json
+def encode(base: str, target: str, output: str, threads: int | None, quiet: bool, as_json: bool) -> None:
+    """Encode the delta taking checkpoint BASE to checkpoint TARGET (a .safetensors file or HF directory)."""
+
+    def go() -> None:
+        from .encode import encode as enc
+
+        with _progress("encode", _ckpt_bytes(target) if _progress_enabled(quiet) else 0, quiet) as cb:
+            rep = enc(base, target, output, threads=threads, progress=cb)
+        summary = {
+            "delta": output, "delta_bytes": rep.delta_bytes, "full_bytes": rep.full_bytes, "ratio": rep.ratio,
+            "changed_fraction": rep.changed_fraction, "seconds": rep.seconds,
+            "base_fingerprint": rep.base_fingerprint, "target_fingerprint": rep.target_fingerprint,
+        }
+        if as_json:
+            click.echo(json.dumps(summary, indent=2))
+        else:
+            click.echo(f"{output}: {rep.delta_bytes:,} bytes, {rep.ratio:.1f}x smaller than the full checkpoint "
+                       f"({rep.full_bytes:,} bytes), {100 * rep.changed_fraction:.3f}% of elements changed, "
+                       f"{rep.seconds:.2f} s")
+            click.echo(f"target fingerprint {rep.target_fingerprint}")
+
+    _run(go)
+
+
+@main.command(epilog=APPLY_EXAMPLES)
+@click.argument("delta", type=click.Path())
+@click.argument("checkpoint", type=click.Path())
+@_threads
+@_quiet
+@_json
+def apply(delta: str, checkpoint: str, threads: int | None, quiet: bool, as_json: bool) -> None:
+    """Apply DELTA to CHECKPOINT in place. Verifies the base first and the target fingerprint last.
+
+    Idempotent and crash-safe: running it again after an interruption finishes the job; running it on
+    a checkpoint that already is the target changes nothing.
+    """
+
+    def go() -> None:
+        from .apply import apply as ap
+
+        with _progress("apply", _ckpt_bytes(checkpoint) if _progress_enabled(quiet) else 0, quiet) as cb:
+            rep = ap(delta, checkpoint, threads=threads, progress=cb)
+        if as_json:
+            click.echo(json.dumps(rep.__dict__, indent=2))
+        else:
+            click.echo(f"{checkpoint}: applied {rep.chunks_applied} chunks ({rep.chunks_skipped} already done, "
+                       f"{rep.chunks_recovered} recovered) in {rep.seconds:.2f} s; "
+                       f"fingerprint {rep.target_fingerprint} verified")
+
+    _run(go)
+
+
+@main.command()
+@click.argument("delta", type=click.Path())
+@_json
+@click.option("--all", "show_all", is_flag=True, help="List unchanged tensors too.")
+def inspect(delta: str, as_json: bool, show_all: bool) -> None:
+    """Show what DELTA changes: per tensor elements, changed fraction, encodings and bytes; totals and ratio."""
+
+    def go() -> None:
+        from .api import inspect as ins
+
+        info = ins(delta)
+        if as_json:
+            click.echo(json.dumps(info, indent=2))
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"{delta}  ({info['delta_bytes']:,} bytes, {info['ratio']:.1f}x)")
+        for col in ("tensor", "op", "dtype", "elements", "changed", "bytes", "encodings"):
+            table.add_column(col, justify="right" if col in ("elements", "changed", "bytes") else "left")
+        for t in info["tensors"]:
+            if t["op"] == "same" and not show_all:
+                continue
+            enc = " ".join(f"{k}:{v}" for k, v in sorted(t["encodings"].items()))
+            table.add_row(t["name"], t["op"], t["dtype"], f"{t['elements']:,}",
+                          f"{100 * t['changed_fraction']:.3f}%", f"{t['bytes']:,}", enc)
+        Console(width=160).print(table)
+        click.echo(f"total: {info['changed_elements']:,} of {info['total_elements']:,} elements changed "
+                   f"({100 * info['changed_fraction']:.3f}%); delta {info['delta_bytes']:,} bytes vs full "
+                   f"{info['full_bytes']:,} bytes: {info['ratio']:.1f}x")
+        click.echo(f"base   {info['base_fingerprint']}\ntarget {info['target_fingerprint']}")
+
+    _run(go)
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path())
+@_threads
+@_json
+def fingerprint(checkpoint: str, threads: int | None, as_json: bool) -> None:
+    """Print the layout-independent fingerprint of CHECKPOINT (file or directory)."""
+
+    def go() -> None:
+        from .checkpoint import fingerprint_checkpoint, open_checkpoint
+
+        with open_checkpoint(checkpoint) as ck:
+            fp, digests = fingerprint_checkpoint(ck, threads=threads)
+        if as_json:
+            click.echo(json.dumps({"fingerprint": fp, "tensors": {k: v.hex() for k, v in digests.items()}}, indent=2))
+        else:
+            click.echo(fp)
+
+    _run(go)
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path())
+@click.argument("expected")
+@_threads
+def verify(checkpoint: str, expected: str, threads: int | None) -> None:
+    """Exit 0 if CHECKPOINT's fingerprint is EXPECTED, else 6 with a one-line error."""
+
+    def go() -> None:
+        from .api import verify as ver
+
+        click.echo(f"{checkpoint}: fingerprint {ver(checkpoint, expected, threads=threads)} verified")
+
+    _run(go)
+
+
+@main.command()
+@click.option("--out", default="out/demo", show_default=True, type=click.Path(), help="Working directory.")
+@click.option("--steps", default=6, show_default=True, type=click.IntRange(min=1), help="Optimizer steps.")
+@click.option("--lr", default=1e-5, show_default=True, type=float, help="AdamW learning rate.")
+def demo(out: str, steps: int, lr: float) -> None:
+    """Train a real small model with AdamW; each step encode, apply, verify, and report."""
+
+    def go() -> None:
+        from .demo import run_demo
+
+        if not run_demo(out, steps=steps, lr=lr):
+            sys.exit(6)
+
+    _run(go)
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def bench(ctx: click.Context) -> None:
+    """Run the codec benchmark (see `deltarefit bench --help-bench`); arguments go to deltarefit.bench."""
+
+    def go() -> None:
+        from .bench.report import main as bench_main
+
+        sys.exit(bench_main(list(ctx.args)) or 0)
+
+    _run(go)
+
+
+if __name__ == "__main__":
+    main()
