@@ -99,6 +99,61 @@ def _meta(info: TensorInfo, segs: list[bytes]) -> TensorMeta:
     return TensorMeta(info.dtype, info.shape, tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, segs))
 
 
+@dataclass
+class _Job:
+    """One tensor's share of the work; results arrive in order and are folded in by ``_fold``."""
+
+    ti: int
+    name: str
+    op: str
+    base: TensorInfo | None
+    target: TensorInfo | None
+    works: list[Work]
+    n_base: int = 0  # for add/remove/replace: how many leading works hash base segments
+    pre: list[bytes] = field(default_factory=list)
+    post: list[bytes] = field(default_factory=list)
+    changed: int = 0
+    first: int = 0
+
+
+def _jobs(base: Checkpoint, target: Checkpoint, names: list[str]) -> Iterator[_Job]:
+    for ti, name in enumerate(names):
+        bi, tinfo = base.tensors.get(name), target.tensors.get(name)
+        if bi is not None and tinfo is not None and (bi.dtype, bi.shape) == (tinfo.dtype, tinfo.shape):
+            braw, traw = base.raw(name), target.raw(name)
+            works = [_patch_work(bi.dtype, braw[o:o + SEGMENT_BYTES], traw[o:o + SEGMENT_BYTES])
+                     for _, o in _segments(bi.nbytes)]
+            yield _Job(ti, name, "patch", bi, tinfo, works)
+            continue
+        op = "replace" if bi is not None and tinfo is not None else "add" if tinfo is not None else "remove"
+        works = []
+        if bi is not None:
+            braw = base.raw(name)
+            works += [_hash_work(braw[o:o + SEGMENT_BYTES]) for _, o in _segments(bi.nbytes)]
+        n_base = len(works)
+        if tinfo is not None:
+            traw = target.raw(name)
+            works += [_overwrite_work(tinfo.dtype, traw[o:o + SEGMENT_BYTES]) for _, o in _segments(tinfo.nbytes)]
+        yield _Job(ti, name, op, bi, tinfo, works, n_base)
+
+
+def _ordered(pool: ThreadPoolExecutor, jobs: Iterator[_Job], window: int) -> Iterator[tuple[_Job, int, object]]:
+    """Run every job's works on the pool, at most ``window`` in flight across tensors, yielding
+    ``(job, k, result)`` in order; a job with no works yields ``(job, -1, None)`` once."""
+    pending: deque[tuple[_Job, int, Future | None]] = deque()
+    for job in jobs:
+        if not job.works:
+            pending.append((job, -1, None))
+        for k, w in enumerate(job.works):
+            pending.append((job, k, pool.submit(w)))
+            while len(pending) >= window:
+                j, i, f = pending.popleft()
+                yield j, i, f.result() if f is not None else None
+    while pending:
+        j, i, f = pending.popleft()
+        yield j, i, f.result() if f is not None else None
+
+
 def encode_checkpoints(
     base: Checkpoint, target: Checkpoint, out: str, *, threads: int | None = None,
     progress: Callable[[int], None] | None = None,
@@ -115,57 +170,42 @@ def encode_checkpoints(
     changed_total = 0
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="encode") as pool:
-            for ti, name in enumerate(names):
-                bi, tinfo = base.tensors.get(name), target.tensors.get(name)
-                if bi is not None and tinfo is not None and (bi.dtype, bi.shape) == (tinfo.dtype, tinfo.shape):
-                    op = "patch"
-                    braw, traw = base.raw(name), target.raw(name)
-                    works = [_patch_work(bi.dtype, braw[o:o + SEGMENT_BYTES], traw[o:o + SEGMENT_BYTES])
-                             for _, o in _segments(bi.nbytes)]
-                else:
-                    op = "replace" if bi is not None and tinfo is not None else "add" if tinfo else "remove"
-                    works = []
-                    if bi is not None:
-                        braw = base.raw(name)
-                        works += [_hash_work(braw[o:o + SEGMENT_BYTES]) for _, o in _segments(bi.nbytes)]
-                    if tinfo is not None:
-                        traw = target.raw(name)
-                        works += [_overwrite_work(tinfo.dtype, traw[o:o + SEGMENT_BYTES])
-                                  for _, o in _segments(tinfo.nbytes)]
-                first = len(writer.records)
-                pre_segs: list[bytes] = []
-                post_segs: list[bytes] = []
-                changed = 0
-                nb_base = len(list(_segments(bi.nbytes))) if (bi is not None and op != "patch") else 0
-                for k, (pre, post, enc) in enumerate(_ordered(pool, works, threads)):
-                    if op == "patch":
-                        pre_segs.append(pre)
-                        post_segs.append(post)
+            for job, k, res in _ordered(pool, _jobs(base, target, names), 4 * threads):
+                if k == 0 or k == -1:
+                    job.first = len(writer.records)
+                if k >= 0:
+                    pre, post, enc = res
+                    if job.op == "patch":
+                        job.pre.append(pre)
+                        job.post.append(post)
                         ci = k
-                    elif k < nb_base:
-                        pre_segs.append(pre)
-                        continue
+                    elif k < job.n_base:
+                        job.pre.append(pre)
+                        enc = None
                     else:
-                        post_segs.append(post)
-                        ci = k - nb_base
+                        job.post.append(post)
+                        ci = k - job.n_base
                     if enc is not None:
-                        writer.add_chunk(ti, ci, enc.encoding, enc.n_changed, enc.payload, enc.decoded_len,
-                                         ZERO_HASH if op != "patch" else pre, post)
+                        writer.add_chunk(job.ti, ci, enc.encoding, enc.n_changed, enc.payload, enc.decoded_len,
+                                         pre if job.op == "patch" else ZERO_HASH, post)
                         counts[ENCODING_NAMES[enc.encoding]] += 1
-                        changed += enc.n_changed
+                        job.changed += enc.n_changed
                     if progress:
                         progress(SEGMENT_BYTES)
-                bmeta = _meta(bi, pre_segs) if bi is not None else None
-                tmeta = _meta(tinfo, post_segs) if tinfo is not None else None
-                count = len(writer.records) - first
-                if op == "patch" and count == 0:
-                    op = "same"
+                if k != len(job.works) - 1 and k != -1:
+                    continue
+                # The job's last result: its manifest entry.
+                bmeta = _meta(job.base, job.pre) if job.base is not None else None
+                tmeta = _meta(job.target, job.post) if job.target is not None else None
+                count = len(writer.records) - job.first
+                op = "same" if job.op == "patch" and count == 0 else job.op
                 if bmeta:
-                    base_digests[name] = bmeta.digest
+                    base_digests[job.name] = bmeta.digest
                 if tmeta:
-                    target_digests[name] = tmeta.digest
-                entries.append(TensorEntry(name, op, bmeta, tmeta, changed, first, count))
-                changed_total += changed
+                    target_digests[job.name] = tmeta.digest
+                entries.append(TensorEntry(job.name, op, bmeta, tmeta, job.changed, job.first, count))
+                changed_total += job.changed
+                job.works = []  # drop the views
         total_elems = sum(int(np.prod(t.shape, dtype=np.int64)) for t in target.tensors.values())
         full_bytes = sum(t.nbytes for t in target.tensors.values())
         bfp, tfp = fingerprint_from_digests(base_digests), fingerprint_from_digests(target_digests)
@@ -184,18 +224,6 @@ def encode_checkpoints(
     log.info("encoded %s: %d bytes (%.1fx), %.2f%% changed, %.2f s", out, size, full_bytes / max(size, 1),
              100 * changed_total / max(total_elems, 1), dt)
     return EncodeReport(out, bfp, tfp, size, full_bytes, changed_total, total_elems, dt, counts)
-
-
-def _ordered(pool: ThreadPoolExecutor, works: list[Work], threads: int) -> Iterator[tuple[bytes, bytes, EncodedChunk | None]]:
-    """Run works on the pool, at most a bounded window in flight, yielding results in order."""
-    window: deque[Future] = deque()
-    it = iter(works)
-    for w in it:
-        window.append(pool.submit(w))
-        if len(window) >= 2 * threads:
-            yield window.popleft().result()
-    while window:
-        yield window.popleft().result()
 
 
 def encode(base: str, target: str, out: str, *, threads: int | None = None,

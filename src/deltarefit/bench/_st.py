@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 import numpy as np
 
@@ -132,7 +133,9 @@ def iter_pair(base: str, target: str) -> Iterator[tuple[TensorInfo, np.ndarray, 
     for name, t in ti.items():
         b = bi[name]
         if (b.dtype, b.shape) != (t.dtype, t.shape):
-            raise ValueError(f"tensor {name!r}: base {b.dtype}{list(b.shape)} != target {t.dtype}{list(t.shape)}")
+            raise ValueError(
+                f"tensor {name!r}: base {b.dtype}{list(b.shape)} != target {t.dtype}{list(t.shape)}"
+            )
         yield t, read_raw(b), read_raw(t)
 
 
@@ -158,7 +161,7 @@ class StreamingWriter:
             off += nbytes
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
-        self._f = open(self.path, "wb")
+        self._f = open(self.path, "wb")  # noqa: SIM115 - closed by close()/__exit__
         self._f.write(struct.pack("<Q", len(blob)) + blob)
         self._next = 0
 
@@ -167,7 +170,7 @@ class StreamingWriter:
         self.write_part(name, raw, last=True)
 
     def write_part(self, name: str, raw: np.ndarray, *, last: bool) -> None:
-        exp_name, dt, shape = self._specs[self._next]
+        exp_name, dt, _shape = self._specs[self._next]
         if name != exp_name:
             raise ValueError(f"expected tensor {exp_name!r} next, got {name!r}")
         if raw.dtype.itemsize != ITEMSIZE[dt]:
@@ -190,10 +193,12 @@ class StreamingWriter:
         total = sum(int(np.prod(s, dtype=np.int64)) * ITEMSIZE[d] for _, d, s in self._specs)
         return 8 + n + total
 
-    def __enter__(self) -> StreamingWriter:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if et is None:
             self.close()
         else:

@@ -124,8 +124,7 @@ def _encode_sparse(kind: str, base_path: str, target_path: str, out_path: str) -
     fn = nemo_tensor if kind == "nemo" else trl_tensor
     t0 = time.perf_counter()
     with open(out_path, "wb") as out:
-        for _info, b, t in iter_pair(base_path, target_path):
-            out.write(fn(b, t, cctx))
+        out.writelines(fn(b, t, cctx) for _info, b, t in iter_pair(base_path, target_path))
     dt = time.perf_counter() - t0
     return PeerResult(kind, os.path.getsize(out_path), dt, note=f"zstd level {ZSTD_LEVEL}, single-threaded")
 
@@ -172,8 +171,12 @@ def decode_trl(base_path: str, patch_path: str) -> Iterator[tuple[TensorInfo, np
             n, width, li, lv = _TRL_HDR.unpack(_read_exact(f, _TRL_HDR.size))
             raw = read_raw(info)
             if n:
-                idx = np.frombuffer(dctx.decompress(_read_exact(f, li), max_output_size=n * width), f"<i{width}")
-                vals = np.frombuffer(dctx.decompress(_read_exact(f, lv), max_output_size=n * raw.itemsize), raw.dtype)
+                idx = np.frombuffer(
+                    dctx.decompress(_read_exact(f, li), max_output_size=n * width), f"<i{width}"
+                )
+                vals = np.frombuffer(
+                    dctx.decompress(_read_exact(f, lv), max_output_size=n * raw.itemsize), raw.dtype
+                )
                 raw[idx] = vals
             yield info, raw
         if f.read(1):
@@ -202,7 +205,12 @@ def zipnn(base_path: str, target_path: str, threads: int, *, delta: bool) -> Pee
         import zipnn as zn  # type: ignore[import-not-found]
     except Exception as e:  # noqa: BLE001 - optional peer, any import failure means unavailable
         return PeerResult(name, None, None, available=False, note=f"zipnn not importable: {e}")
-    version = getattr(zn, "__version__", "?")
+    try:
+        from importlib.metadata import version as _dist_version
+
+        version = _dist_version("zipnn")
+    except Exception:  # noqa: BLE001
+        version = getattr(zn, "__version__", "?")
     try:
         total = 0
         seconds = 0.0
@@ -212,7 +220,7 @@ def zipnn(base_path: str, target_path: str, threads: int, *, delta: bool) -> Pee
             zdt = _ZIPNN_DTYPES.get(info.dtype, "bfloat16")
             key = zdt
             if key not in coders:
-                kw: dict[str, object] = dict(input_format="byte", bytearray_dtype=zdt, threads=threads)
+                kw: dict[str, object] = {"input_format": "byte", "bytearray_dtype": zdt, "threads": threads}
                 if delta:
                     kw["delta_compressed_type"] = "byte"
                 coders[key] = zn.ZipNN(**kw)
@@ -235,7 +243,9 @@ def zipnn(base_path: str, target_path: str, threads: int, *, delta: bool) -> Pee
         return PeerResult(name, None, None, available=False, note=f"zipnn {version} failed: {e}")
 
 
-def run_peers(base_path: str, target_path: str, work_dir: str, threads: int, *, verify: bool = True) -> dict[str, PeerResult]:
+def run_peers(
+    base_path: str, target_path: str, work_dir: str, threads: int, *, verify: bool = True
+) -> dict[str, PeerResult]:
     """All peers on one pair; sparse patches are written under ``work_dir`` and (``verify``) decoded."""
     os.makedirs(work_dir, exist_ok=True)
     out: dict[str, PeerResult] = {"full": full(target_path), "zstd_full": zstd_full(target_path, threads)}
@@ -245,7 +255,9 @@ def run_peers(base_path: str, target_path: str, work_dir: str, threads: int, *, 
         if verify:
             r.verified = verify_decoded(dec(base_path, path), target_path)
             if not r.verified:
-                raise AssertionError(f"{kind}-style patch does not decode to the target: byte count dishonest")
+                raise AssertionError(
+                    f"{kind}-style patch does not decode to the target: byte count dishonest"
+                )
         os.remove(path)
         out[kind] = r
     out["zipnn"] = zipnn(base_path, target_path, threads, delta=False)

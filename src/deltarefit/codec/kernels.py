@@ -301,9 +301,17 @@ def ulp_encode(base, target, bits, kind, ctx_shift, ctx_mask, n_ctx, out):
             gap = granks[j] - prev - 1
             prev = granks[j]
             q = gap >> best_k
-            for t in range(q):
-                s = _enc_bit(s, out, pq, min(t, MAX_UNARY - 1), 1)
-            s = _enc_bit(s, out, pq, min(q, MAX_UNARY - 1), 0)
+            # Quotient: "q > 0" and "q > 1" through the range coder (they carry what the geometric
+            # model misses), the rest of the unary code raw.
+            s = _enc_bit(s, out, pq, 0, 1 if q > 0 else 0)
+            if q > 0:
+                s = _enc_bit(s, out, pq, 1, 1 if q > 1 else 0)
+                if q > 1:
+                    q -= 2
+                    while q >= 32:
+                        w = _put(w, raw, U64(0), 32)
+                        q -= 32
+                    w = _put(w, raw, U64(1) << U64(q), q + 1)
             w = _put(w, raw, U64(gap), best_k)
     # Values, in position order: sign (raw: it carries a full bit) and magnitude of D = key(t) - key(b);
     # the magnitude's length is unary-coded in the base's context, its lower bits go raw.
@@ -393,13 +401,19 @@ def ulp_decode(base, payload, n_changed, bits, kind, ctx_shift, ctx_mask, n_ctx,
         prev = -1
         for j in range(cnt):
             q = 0
-            while True:
-                bit, s = _dec_bit(s, payload, rc_end, pq, min(q, MAX_UNARY - 1))
-                if bit == 0:
-                    break
-                q += 1
-                if (q << k) >= n:
-                    return -3
+            bit, s = _dec_bit(s, payload, rc_end, pq, 0)
+            if bit == 1:
+                bit, s = _dec_bit(s, payload, rc_end, pq, 1)
+                q = 1
+                if bit == 1:
+                    q = 2
+                    while True:
+                        b1, r = _get(r, payload, lim, 1)
+                        if b1 == U64(1) or r[3] != 0:
+                            break
+                        q += 1
+                        if (q << k) >= n:
+                            return -3
             g, r = _get(r, payload, lim, k)
             rk = prev + 1 + ((q << k) | np.int64(g))
             if rk >= n:
@@ -412,19 +426,25 @@ def ulp_decode(base, payload, n_changed, bits, kind, ctx_shift, ctx_mask, n_ctx,
             return -1
     if total != n_changed:
         return -4
-    # Pass over the chunk: the r-th element of context e is the next change of group e.
-    seen = np.zeros(n_ctx, np.int64)
+    # Pass over the chunk: the r-th element of context e is the next change of group e. Each context
+    # counts down to its next change (never reaching zero again once its group is exhausted).
+    left = np.full(n_ctx, -1, np.int64)
     ptr = gbeg.copy()
+    for e in range(n_ctx):
+        if gend[e] > gbeg[e]:
+            left[e] = granks[gbeg[e]] + 1
     o = 0
     for i in range(n):
         e = np.int64((U64(base[i]) >> cs) & cm)
-        rr = seen[e]
-        seen[e] = rr + 1
-        p = ptr[e]
-        if p < gend[e] and granks[p] == rr:
+        c = left[e] - 1
+        left[e] = c
+        if c == 0:
             out_pos[o] = i
             o += 1
-            ptr[e] = p + 1
+            p = ptr[e] + 1
+            ptr[e] = p
+            if p < gend[e]:
+                left[e] = granks[p] - granks[p - 1]
     if o != n_changed:
         return -3
     plen = np.full(n_ctx * MAX_UNARY, PROB_INIT, np.uint16)
