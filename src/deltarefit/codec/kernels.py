@@ -272,7 +272,7 @@ def ulp_encode(base, target, bits, kind, ctx_shift, ctx_mask, n_ctx, out):
         if gcount[c] > 0:
             ngroups += 1
     w = _put_gamma(w, raw, U64(ngroups))
-    pq = np.full(MAX_UNARY, PROB_INIT, np.uint16)
+    pq = np.full(2, PROB_INIT, np.uint16)  # slots for "q > 0" and "q > 1"
     prev_c = -1
     for c in range(n_ctx):
         cnt = gcount[c]
@@ -378,7 +378,7 @@ def ulp_decode(base, payload, n_changed, bits, kind, ctx_shift, ctx_mask, n_ctx,
     gbeg = np.zeros(n_ctx, np.int64)
     gend = np.zeros(n_ctx, np.int64)
     granks = np.empty(n_changed, np.int64)
-    pq = np.full(MAX_UNARY, PROB_INIT, np.uint16)
+    pq = np.full(2, PROB_INIT, np.uint16)  # slots for "q > 0" and "q > 1"
     c = -1
     total = 0
     for _ in range(ngroups):
