@@ -109,9 +109,9 @@ class Journal:
         self.path = path
         self.fp = bytes.fromhex(target_fp)
 
-    def read(self) -> dict[tuple[int, int], tuple[bytes, Patch]]:
-        """Complete records written for this delta's target: (tensor idx, chunk idx) -> (post, patch)."""
-        out: dict[tuple[int, int], tuple[bytes, Patch]] = {}
+    def read(self) -> dict[tuple[int, int], tuple[bytes, int, int, bytes]]:
+        """Complete records for this delta's target: (tensor idx, chunk idx) -> (post hash, kind, n, body)."""
+        out: dict[tuple[int, int], tuple[bytes, int, int, bytes]] = {}
         if not os.path.exists(self.path):
             return out
         with open(self.path, "rb") as f:
@@ -123,12 +123,7 @@ class Journal:
                 body = head[_JHEAD.size:_JHEAD.size + ln]
                 if magic != JOURNAL_MAGIC or fp != self.fp or len(body) != ln or seg_hash(body) != h:
                     continue  # an empty, stale or half-written slot: its chunk was never touched
-                if kind == 1:
-                    patch = Patch(None, None, np.frombuffer(body, np.uint8))
-                else:
-                    pos = np.frombuffer(body, "<u4", n).astype(np.int64)
-                    patch = Patch(pos, np.frombuffer(body, np.uint8, offset=4 * n), None)  # values: raw bytes
-                out[(ti, ci)] = (post, patch)
+                out[(ti, ci)] = (post, kind, n, body)
         return out
 
     def open_for_write(self, slots: int) -> None:
@@ -152,6 +147,22 @@ class Journal:
             os.unlink(self.path)
 
 
+def _journal_patch(rec: tuple[bytes, int, int, bytes], dt_name: str, n_elems: int) -> Patch | None:
+    """A journal record as a patch for a chunk of ``n_elems`` elements, or None if it cannot be one."""
+    _, kind, n, body = rec
+    dt = dtype(dt_name)
+    if kind == 1:
+        if len(body) != n_elems * dt.itemsize:
+            return None
+        return Patch(None, None, np.frombuffer(body, dt.uint))
+    if kind != 0 or not 0 < n <= n_elems or len(body) != n * (4 + dt.itemsize):
+        return None
+    pos = np.frombuffer(body, "<u4", n).astype(np.int64)
+    if np.any(np.diff(pos) <= 0) or pos[-1] >= n_elems:
+        return None
+    return Patch(pos, np.frombuffer(body, dt.uint, n, 4 * n), None)
+
+
 def journal_path(checkpoint_path: str) -> str:
     p = os.path.abspath(checkpoint_path)
     return os.path.join(p, ".deltarefit-journal") if os.path.isdir(p) else p + ".deltarefit-journal"
@@ -171,16 +182,16 @@ def _decode(delta: DeltaReader, e: TensorEntry, r: ChunkRecord, base_seg: np.nda
         if r.encoding != OVERWRITE:
             raise BaseMismatchError(f"{delta.path}: {_where(e, r)}: new tensors must be overwritten")
         patch = decode_chunk(dt, base_seg, r.encoding, payload, int(np.count_nonzero(
-            np.frombuffer(_peek_overwrite(payload, n * dt.itemsize, e, r), dt.uint))), r.decoded_len,
+            np.frombuffer(_peek_overwrite(payload, n * dt.itemsize, f"{delta.path}: {_where(e, r)}"), dt.uint))), r.decoded_len,
             f"{delta.path}: {_where(e, r)}")
         return patch
     return decode_chunk(dt, base_seg, r.encoding, payload, r.n_changed, r.decoded_len, f"{delta.path}: {_where(e, r)}")
 
 
-def _peek_overwrite(payload: bytes, expected: int, e: TensorEntry, r: ChunkRecord) -> bytes:
+def _peek_overwrite(payload: bytes, expected: int, where: str) -> bytes:
     from .codec.chunk import _unzstd
 
-    return _unzstd(payload, expected, _where(e, r))
+    return _unzstd(payload, expected, where)
 
 
 def _post_image(seg: np.ndarray, patch: Patch) -> np.ndarray:
@@ -289,8 +300,12 @@ class Applier:
                     raise VerificationError(f"{self.d.path}: {_where(e, r)}: decodes to bytes that miss the "
                                             "post-image hash (corrupt delta)")
                 return h, _ChunkPlan(r, "todo", patch)
-            if (ti, ci) in self.recovered and self.recovered[(ti, ci)][0] == r.post_hash:
-                return h, _ChunkPlan(r, "torn")
+            rec = self.recovered.get((ti, ci))
+            if rec is not None and rec[0] == r.post_hash:
+                view = uint_view(region, e.base.dtype)
+                patch = _journal_patch(rec, e.base.dtype, view.size)
+                if patch is not None and seg_hash(_post_image(view, patch)) == r.post_hash:
+                    return h, _ChunkPlan(r, "torn", patch)
             raise BaseMismatchError(f"{_where(e, r)}: bytes match neither the delta's base nor its target "
                                     "(wrong base checkpoint, or modified since?)")
 
@@ -303,8 +318,14 @@ class Applier:
             pre[c.rec.chunk_index] = c.rec.pre_hash
         if _digest(e.base, pre) != e.base.digest:
             raise BaseMismatchError(f"{_where(e)}: bytes differ from the delta's base (wrong base checkpoint?)")
+        post = list(pre)
+        for c in chunks:
+            post[c.rec.chunk_index] = c.rec.post_hash
+        if _digest(e.target, post) != e.target.digest:
+            raise VerificationError(f"{self.d.path}: {_where(e)}: chunk post-images do not make the target digest "
+                                    "(corrupt delta)")
         for c in chunks:  # keep decoded patches within the memory budget, re-decode the rest later
-            if c.patch is not None:
+            if c.patch is not None and c.state == "todo":  # a torn chunk's patch can't be re-decoded
                 size = c.patch.dense.nbytes if c.patch.dense is not None else c.patch.positions.size * 10
                 if size <= self.cache_left:
                     self.cache_left -= size
@@ -333,40 +354,34 @@ class Applier:
             e, r = tp.entry, c.rec
             raw = self.t.raw(e.name)
             off = r.chunk_index * SEGMENT_BYTES
-            view = uint_view(raw[off:off + SEGMENT_BYTES], e.base.dtype)
-            aligned = view.base is raw or view.ctypes.data == raw[off:].ctypes.data
-            if c.state == "torn":
-                patch = self.recovered[(ti, r.chunk_index)][1]
-                if patch.dense is None:
-                    patch = Patch(patch.positions, np.frombuffer(patch.values.tobytes(), dtype(e.base.dtype).uint), None)
-                else:
-                    patch = Patch(None, None, np.frombuffer(patch.dense.tobytes(), dtype(e.base.dtype).uint))
-            else:
-                patch = c.patch or _decode(self.d, e, r, view)
-                if self.journal:
-                    self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch)
-            if aligned:
-                patch.apply_to(view)
-            else:  # misaligned tensor data: patch a copy, then copy the bytes back
-                patch.apply_to(view)
-                raw[off:off + view.nbytes] = view.view(np.uint8)
             region = raw[off:off + SEGMENT_BYTES]
+            view = uint_view(region, e.base.dtype)
+            patch = c.patch or _decode(self.d, e, r, view)
+            if c.state == "todo" and self.journal:
+                self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch)
+            patch.apply_to(view)
+            if view.ctypes.data != region.ctypes.data:  # misaligned data was patched in a copy
+                region[:] = view.view(np.uint8)
             if seg_hash(region) != r.post_hash:
                 raise VerificationError(f"{_where(e, r)}: region does not hash to the post-image after writing")
             tp.segs[r.chunk_index] = r.post_hash
             c.patch = None
             return region.size
 
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="apply") as pool:
-            for ti, tp in enumerate(plans):
-                if tp.state != "patch":
-                    continue
-                jobs = [c for c in tp.chunks if c.state in ("todo", "torn")]
-                skipped += sum(1 for c in tp.chunks if c.state == "done")
-                recovered += sum(1 for c in jobs if c.state == "torn")
-                applied += sum(1 for c in jobs if c.state == "todo")
-                for n in pool.map(lambda c, tp=tp, ti=ti: do(tp, ti, c), jobs):
-                    written += n
+        for state in ("torn", "todo"):
+            # Torn chunks go first and alone: their only copy is a journal slot that the next new
+            # chunk written by the same slot number would overwrite.
+            with ThreadPoolExecutor(self.threads if state == "todo" else 1, thread_name_prefix="apply") as pool:
+                for ti, tp in enumerate(plans):
+                    if tp.state != "patch":
+                        continue
+                    jobs = [c for c in tp.chunks if c.state == state]
+                    for n in pool.map(lambda c, tp=tp, ti=ti: do(tp, ti, c), jobs):
+                        written += n
+        for tp in (tp for tp in plans if tp.state == "patch"):
+            applied += sum(1 for c in tp.chunks if c.state == "todo")
+            skipped += sum(1 for c in tp.chunks if c.state == "done")
+            recovered += sum(1 for c in tp.chunks if c.state == "torn")
         return applied, skipped, recovered, written
 
     # -- verify ----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ read. Nothing here decodes chunks or touches checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -19,7 +20,15 @@ import zstandard
 from .codec.chunk import ENCODING_NAMES, OVERWRITE, max_payload_len
 from .dtypes import DTYPES, dtype
 from .errors import FormatError, IntegrityError, LimitError, UnsupportedVersionError
-from .integrity import DIGEST_BYTES, SEG_HASH_BYTES, SEGMENT_BYTES, n_segments, seg_hash
+from .integrity import (
+    DIGEST_BYTES,
+    SEG_HASH_BYTES,
+    SEGMENT_BYTES,
+    fingerprint_from_digests,
+    n_segments,
+    seg_hash,
+    tensor_digest_from_segments,
+)
 
 MAGIC = b"DRDELTA\x00"
 VERSION = 1
@@ -99,6 +108,7 @@ class DeltaWriter:
     def __init__(self, path: str) -> None:
         self.path = path
         self.tmp = f"{path}.tmp-{os.getpid()}"
+        _remove_stale_temps(path)
         self._f = open(self.tmp, "wb")
         self._f.write(bytes(HEADER_SIZE))
         self._off = 0
@@ -145,6 +155,23 @@ class DeltaWriter:
         finally:
             if os.path.exists(self.tmp):
                 os.unlink(self.tmp)
+
+
+def _remove_stale_temps(path: str) -> None:
+    """Remove ``path.tmp-PID`` files left by writers that were killed (their PID no longer runs)."""
+    import glob
+
+    for tmp in glob.glob(glob.escape(path) + ".tmp-*"):
+        pid = tmp.rsplit("-", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        except PermissionError:
+            pass  # another user's live process
 
 
 def _fsync_dir(d: str) -> None:
@@ -217,10 +244,12 @@ class DeltaReader:
         man_raw = _unzstd_manifest(index[:man_len], p)
         try:
             man = json.loads(man_raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"{p}: manifest is not valid JSON ({e})") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            # ValueError covers JSONDecodeError and integers past Python's digit limit; RecursionError
+            # deep nesting. Hostile manifests must fail as format errors, not crash the reader.
+            raise FormatError(f"{p}: manifest is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
         self.manifest = man
-        self.records = [ChunkRecord(*_unpack_record(index, man_len + i * RECORD_SIZE))
+        self.records = [ChunkRecord(*_unpack_record(index, man_len + i * RECORD_SIZE, p))
                         for i in range(tab_len // RECORD_SIZE)]
         self._validate(man)
 
@@ -228,6 +257,8 @@ class DeltaReader:
         p = self.path
         if not isinstance(man, dict) or man.get("format") != "deltarefit.delta" or man.get("version") != VERSION:
             raise FormatError(f"{p}: manifest is not a deltarefit.delta v{VERSION} manifest")
+        if man.get("hash") != "blake3-128":
+            raise FormatError(f"{p}: unknown chunk hash {man.get('hash')!r} (expected 'blake3-128')")
         if man.get("segment_bytes") != SEGMENT_BYTES:
             raise FormatError(f"{p}: segment size {man.get('segment_bytes')} is not {SEGMENT_BYTES}")
         self.base_fingerprint = _hex(man.get("base_fingerprint"), f"{p}: base_fingerprint")
@@ -255,6 +286,25 @@ class DeltaReader:
             off += sum(r.payload_len for r in self.records[e.first:e.first + e.count])
         if off != self.payload_len:
             raise FormatError(f"{p}: chunk payloads cover {off} bytes, payload section holds {self.payload_len}")
+        self._validate_digests()
+
+    def _validate_digests(self) -> None:
+        """The delta must agree with itself: tensor digests make the fingerprints, and the chunks of
+        added or replaced tensors make their target digests. (A patched tensor's target digest also
+        depends on its unchanged segments, so apply checks it against the checkpoint before writing.)"""
+        p = self.path
+        base = {e.name: e.base.digest for e in self.tensors if e.base is not None}
+        target = {e.name: e.target.digest for e in self.tensors if e.target is not None}
+        if fingerprint_from_digests(base) != self.base_fingerprint:
+            raise IntegrityError(f"{p}: tensor base digests do not make the base fingerprint (corrupt delta)")
+        if fingerprint_from_digests(target) != self.target_fingerprint:
+            raise IntegrityError(f"{p}: tensor target digests do not make the target fingerprint (corrupt delta)")
+        for e in self.tensors:
+            if e.op in ("add", "replace"):
+                posts = [r.post_hash for r in self.chunks(e)]
+                if tensor_digest_from_segments(e.target.dtype, e.target.shape, e.target.nbytes, posts) != e.target.digest:
+                    raise IntegrityError(f"{p}: tensor {e.name!r}: chunk post-images do not make its target digest "
+                                         "(corrupt delta)")
 
     def _validate_chunks(self, ti: int, e: TensorEntry, off: int) -> None:
         p = self.path
@@ -308,6 +358,8 @@ class DeltaReader:
 def _unzstd_manifest(data: bytes, p: str) -> bytes:
     try:
         size = zstandard.get_frame_parameters(data).content_size
+        if size == zstandard.CONTENTSIZE_UNKNOWN:
+            raise FormatError(f"{p}: manifest zstd frame does not declare its content size")
         if size > MAX_MANIFEST_BYTES:
             raise LimitError(f"{p}: manifest expands to {size} bytes, limit {MAX_MANIFEST_BYTES}")
         return zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_MANIFEST_BYTES)
@@ -315,10 +367,10 @@ def _unzstd_manifest(data: bytes, p: str) -> bytes:
         raise FormatError(f"{p}: manifest is not a valid zstd frame ({e})") from None
 
 
-def _unpack_record(buf: bytes, off: int) -> tuple:
+def _unpack_record(buf: bytes, off: int, p: str) -> tuple:
     (ti, ci, enc, r1, r2, nch, poff, plen, dlen, ph, pre, post) = RECORD.unpack_from(buf, off)
     if r1 or r2:
-        raise FormatError(f"chunk record at table offset {off}: reserved bytes are not zero")
+        raise FormatError(f"{p}: chunk record #{off // RECORD_SIZE}: reserved bytes are not zero")
     return (ti, ci, enc, nch, poff, plen, dlen, ph, pre, post)
 
 
@@ -338,7 +390,7 @@ def _meta(v: Any, where: str) -> TensorMeta | None:
     if not isinstance(v, dict):
         raise FormatError(f"{where}: expected an object")
     dt = v.get("dtype")
-    if dt not in DTYPES:
+    if not isinstance(dt, str) or dt not in DTYPES:
         raise FormatError(f"{where}: unsupported dtype {dt!r}")
     shape = v.get("shape")
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM

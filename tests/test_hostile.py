@@ -1,0 +1,982 @@
+"""Hostile deltas and wrong checkpoints: every one is refused with the right error, and nothing is written.
+
+For each bad input the checkpoint's sha256 must be unchanged and no journal or temp file may remain.
+Errors must be ``DeltaRefitError`` subclasses (never IndexError, struct.error, ValueError...) whose
+message names what is wrong and where (file, tensor, chunk).
+
+Corrupt files come in two kinds: *damaged* (truncated, bit-flipped, appended to: the hashes catch them)
+and *crafted* (edited, then every offset and hash recomputed with ``_pairs.Delta``, so only a semantic
+check can refuse them).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+import zstandard
+from _pairs import (
+    Delta,
+    fix_header_hash,
+    leftovers,
+    section_spans,
+    sha,
+    write_pair,
+    write_tensors,
+    zstd_frame,
+)
+
+import deltarefit
+from deltarefit import format as fmt
+from deltarefit.codec.chunk import DENSE_XOR, OVERWRITE, SPARSE_XOR, ULP
+from deltarefit.errors import (
+    BaseMismatchError,
+    DecodeError,
+    DeltaRefitError,
+    FormatError,
+    IntegrityError,
+    LimitError,
+    UnsupportedVersionError,
+    VerificationError,
+)
+from deltarefit.integrity import SEGMENT_BYTES, seg_hash
+
+ELEMS = SEGMENT_BYTES // 2  # bf16 elements in a full chunk
+L0 = "layers.0.weight"  # 256x1024 bf16: one (short) chunk of 262144 elements
+BIG = "big.weight"  # 1536x1024 bf16: three full chunks
+
+
+@pytest.fixture(autouse=True)
+def _watchdog():
+    """A hang is a failure: dump every thread's stack and exit if one test runs past 60 s."""
+    faulthandler.dump_traceback_later(60, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pair")
+    base, target = write_pair(d)
+    delta = str(d / "good.delta")
+    deltarefit.encode(base, target, delta)
+    with open(delta, "rb") as f:
+        data = f.read()
+    tensors = safetensors.torch.load_file(base)
+    return {"dir": d, "base": base, "target": target, "delta": delta, "data": data, "tensors": tensors,
+            "target_tensors": safetensors.torch.load_file(target)}
+
+
+@pytest.fixture
+def ckpt(pair, tmp_path):
+    """A fresh copy of the base checkpoint, alone in its own directory."""
+    d = tmp_path / "ck"
+    d.mkdir()
+    p = str(d / "model.safetensors")
+    shutil.copyfile(pair["base"], p)
+    return p
+
+
+@pytest.fixture
+def ddir(tmp_path):
+    d = tmp_path / "deltas"
+    d.mkdir()
+    return d
+
+
+def write_bytes(path, data: bytes) -> str:
+    with open(path, "wb") as f:
+        f.write(data)
+    return str(path)
+
+
+def refused(delta: str, ckpt: str, exc: type[BaseException] | tuple, *patterns: str) -> DeltaRefitError:
+    """apply(delta, ckpt) must raise ``exc`` (a DeltaRefitError subclass) whose message matches every
+    pattern, leave the checkpoint's bytes as they were and leave no journal or temp file."""
+    before = sha(ckpt)
+    listing = sorted(os.listdir(os.path.dirname(ckpt)))
+    try:
+        deltarefit.apply(delta, ckpt)
+    except Exception as e:  # noqa: BLE001 - the point is to see what escapes
+        err = e
+    else:
+        raise AssertionError(f"apply accepted a bad delta {delta}")
+    assert isinstance(err, DeltaRefitError), f"raised {type(err).__name__}, not a DeltaRefitError: {err!r}"
+    assert isinstance(err, exc), f"raised {type(err).__name__}: {err}"
+    msg = str(err)
+    for p in patterns:
+        assert re.search(p, msg), f"message {msg!r} does not match {p!r}"
+    assert sha(ckpt) == before, f"checkpoint bytes changed although apply raised {type(err).__name__}: {msg}"
+    assert leftovers(ckpt) == [], f"left behind: {leftovers(ckpt)}"
+    assert sorted(os.listdir(os.path.dirname(ckpt))) == listing
+    return err
+
+
+def bf16_chunk(tensors: dict[str, torch.Tensor], name: str, ci: int) -> np.ndarray:
+    u = tensors[name].contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+    return u[ci * ELEMS:(ci + 1) * ELEMS].copy()
+
+
+def zc(raw: bytes) -> bytes:
+    return zstandard.ZstdCompressor(level=1, write_content_size=True).compress(raw)
+
+
+# ------------------------------------------------------------------------------- sanity of the tools
+
+
+def test_surgery_roundtrip_and_good_delta_applies(pair, ckpt, ddir):
+    """The parser/serializer reproduces the encoder's file bit for bit, and the unedited delta applies:
+    every refusal below is about the edit, not about the re-serialization."""
+    d = Delta.parse(pair["data"])
+    assert d.to_bytes() == pair["data"]
+    assert {r.encoding for r in d.records} == {ULP}
+    p = d.write(ddir / "same.delta")
+    rep = deltarefit.apply(p, ckpt)
+    assert rep.chunks_applied == len(d.records)
+    assert sha(ckpt) == sha(pair["target"])
+    assert leftovers(ckpt) == []
+
+
+def sparse_xor(b: np.ndarray, t: np.ndarray, width: int = 4, last_pos: int | None = None,
+               zero_xor_at: int | None = None) -> tuple[bytes, int, int]:
+    """(payload, decoded_len, n_changed) of a SPARSE_XOR chunk built by hand from base/target bits;
+    ``last_pos`` moves the last change to that element index (the gap before it grows)."""
+    pos = np.flatnonzero(b != t)
+    gaps = np.diff(pos, prepend=-1) - 1
+    if last_pos is not None:
+        gaps[-1] = last_pos - pos[-2] - 1
+    xor = b[pos] ^ t[pos]
+    if zero_xor_at is not None:
+        xor[zero_xor_at] = 0
+    raw = bytes([width]) + gaps.astype(f"<u{width}").tobytes() + xor.astype("<u2").tobytes()
+    return zc(raw), len(raw), pos.size
+
+
+def test_handmade_sparse_and_dense_chunks_apply(pair, ckpt, ddir):
+    """Positive control for the crafted cases: correct hand-built SPARSE_XOR, DENSE_XOR and OVERWRITE
+    payloads (hashes recomputed) apply and give the target bit for bit."""
+    d = Delta.parse(pair["data"])
+    b, t = bf16_chunk(pair["tensors"], L0, 0), bf16_chunk(pair["target_tensors"], L0, 0)
+    k = d.record_of(L0)
+    pay, dlen, _n = sparse_xor(b, t)
+    d.records[k] = _rec(d.records[k], encoding=SPARSE_XOR, decoded_len=dlen)
+    d.payloads[k] = pay
+    k1 = d.record_of(BIG, 1)
+    b1, t1 = bf16_chunk(pair["tensors"], BIG, 1), bf16_chunk(pair["target_tensors"], BIG, 1)
+    d.records[k1] = _rec(d.records[k1], encoding=DENSE_XOR, decoded_len=SEGMENT_BYTES)
+    d.payloads[k1] = zc((b1 ^ t1).tobytes())
+    k2 = d.record_of(BIG, 2)
+    d.records[k2] = _rec(d.records[k2], encoding=OVERWRITE, decoded_len=SEGMENT_BYTES)
+    d.payloads[k2] = zc(bf16_chunk(pair["target_tensors"], BIG, 2).tobytes())
+    deltarefit.apply(d.write(ddir / "hand.delta"), ckpt)
+    assert sha(ckpt) == sha(pair["target"])
+
+
+def _rec(r: fmt.ChunkRecord, **kw) -> fmt.ChunkRecord:
+    from dataclasses import replace
+
+    return replace(r, **kw)
+
+
+# ----------------------------------------------------------------------------------------- truncation
+
+# (section, fraction of the way into it); a fraction of -1 means "one byte before its end".
+TRUNCATIONS = [
+    ("empty", 0), ("header", 1), ("header", 7), ("header", 8), ("header", 50), ("header", 95),
+    ("payload", 0), ("payload", 0.5), ("payload", -1), ("manifest", 0), ("manifest", 0.5),
+    ("table", 0), ("table", 0.5), ("table", -1),
+]
+
+
+def _offset(data: bytes, section: str, where: float) -> int:
+    if section == "empty":
+        return 0
+    if section == "header":
+        return int(where)
+    b, e = section_spans(data)[section]
+    return e - 1 if where == -1 else b + int(where * (e - b))
+
+
+@pytest.mark.parametrize(("section", "where"), TRUNCATIONS, ids=[f"{s}-{w}" for s, w in TRUNCATIONS])
+def test_truncated(pair, ckpt, ddir, section, where):
+    data = pair["data"]
+    n = _offset(data, section, where)
+    p = write_bytes(ddir / "t.delta", data[:n])
+    err = refused(p, ckpt, FormatError, re.escape(p))
+    with pytest.raises(FormatError):
+        deltarefit.inspect(p)
+    if n < 8:
+        assert "bad magic" in str(err)
+    elif n < fmt.HEADER_SIZE:
+        assert "truncated header" in str(err)
+    else:
+        assert "truncated or appended" in str(err)
+
+
+# ----------------------------------------------------------------------------------------- bit flips
+
+
+def _flip_offsets(data: bytes) -> list[tuple[str, int]]:
+    s = section_spans(data)
+    r0 = s["table"][0]
+    rl = s["table"][1] - fmt.RECORD_SIZE  # last record
+    pb, pe = s["payload"]
+    mb, me = s["manifest"]
+    return [
+        ("magic", 0), ("magic", 7), ("version", 8), ("flags", 10), ("header_size", 12), ("payload_off", 16),
+        ("payload_len", 24), ("manifest_off", 32), ("manifest_len", 40), ("table_off", 48), ("table_len", 56),
+        ("index_hash", 64), ("header_hash", 80), ("header_hash", 95),
+        ("payload", pb), ("payload", (pb + pe) // 2), ("payload", pe - 1),
+        ("manifest", mb), ("manifest", (mb + me) // 2), ("manifest", me - 1),
+        ("record.tensor_index", r0), ("record.n_changed", r0 + 12), ("record.payload_hash", r0 + 32),
+        ("record.pre_hash", r0 + 48), ("record.post_hash", rl + 79),
+    ]
+
+
+def _record_at(d: Delta, payload_off: int) -> tuple[str, fmt.ChunkRecord]:
+    for r in d.records:
+        if r.payload_offset <= payload_off < r.payload_offset + r.payload_len:
+            return d.manifest["tensors"][r.tensor_index]["name"], r
+    raise AssertionError(payload_off)
+
+
+@pytest.mark.parametrize("i", range(25))
+def test_bit_flip(pair, ckpt, ddir, i):
+    data = pair["data"]
+    what, off = _flip_offsets(data)[i]
+    bad = bytearray(data)
+    bad[off] ^= 1 << (i % 8)
+    p = write_bytes(ddir / f"flip-{what}.delta", bytes(bad))
+    if what == "magic":
+        refused(p, ckpt, FormatError, re.escape(p), "bad magic")
+    elif what == "version":
+        refused(p, ckpt, UnsupportedVersionError, re.escape(p), "format version")
+    elif what in ("manifest",) or what.startswith("record"):
+        refused(p, ckpt, IntegrityError, re.escape(p), "manifest/table hash mismatch")
+    elif what == "payload":
+        name, r = _record_at(Delta.parse(data), off - fmt.HEADER_SIZE)
+        refused(p, ckpt, IntegrityError, re.escape(p), re.escape(f"tensor {name!r} chunk {r.chunk_index}"),
+                "payload hash mismatch")
+    else:
+        refused(p, ckpt, IntegrityError, re.escape(p), "header hash mismatch")
+    if what != "payload":  # inspect reads everything but the payloads
+        with pytest.raises(FormatError):
+            deltarefit.inspect(p)
+
+
+# --------------------------------------------------------------------------- appended, magic, version
+
+
+@pytest.mark.parametrize("extra", [b"\0", b"x" * 4096, "copy"])
+def test_appended(pair, ckpt, ddir, extra):
+    data = pair["data"]
+    p = write_bytes(ddir / "a.delta", data + (data if extra == "copy" else extra))
+    refused(p, ckpt, FormatError, re.escape(p), "appended")
+
+
+@pytest.mark.parametrize("version", [0, 2, 0xFFFF])
+def test_unknown_version(pair, ckpt, ddir, version):
+    """The header hash is fixed up, so the version check itself must be what refuses the file."""
+    bad = fix_header_hash(pair["data"][:8] + struct.pack("<H", version) + pair["data"][10:])
+    p = write_bytes(ddir / "v.delta", bad)
+    refused(p, ckpt, UnsupportedVersionError, re.escape(p), f"format version {version} is not supported")
+
+
+@pytest.mark.parametrize("magic", [b"DRDELTA\x01", b"drdelta\x00", b"\x00" * 8, b"PK\x03\x04\x14\x00\x00\x00"])
+def test_bad_magic(pair, ckpt, ddir, magic):
+    p = write_bytes(ddir / "m.delta", fix_header_hash(magic + pair["data"][8:]))
+    refused(p, ckpt, FormatError, re.escape(p), "bad magic")
+
+
+def test_checkpoint_given_as_delta(pair, ckpt, ddir):
+    other = shutil.copyfile(pair["base"], ddir / "other.safetensors")
+    refused(str(other), ckpt, FormatError, "bad magic")
+    assert sha(other) == sha(pair["base"])
+
+
+def test_missing_or_directory_delta(ckpt, ddir):
+    refused(str(ddir / "nope.delta"), ckpt, FormatError, "cannot open")
+    refused(str(ddir), ckpt, FormatError, "cannot open")
+
+
+# ---------------------------------------------------------------------------------------- wrong base
+
+
+def _variant(pair, ckpt, edit) -> str:
+    """Rewrite the working checkpoint as the base tensors after ``edit(dict)``."""
+    ts = {k: v.clone() for k, v in pair["tensors"].items()}
+    edit(ts)
+    write_tensors(ckpt, ts)
+    return ckpt
+
+
+def test_wrong_base_other_checkpoint(pair, ckpt, ddir, tmp_path):
+    """A delta made for another checkpoint with the same names, dtypes and shapes."""
+    d = tmp_path / "other"
+    d.mkdir()
+    b, t = write_pair(d, seed=1)
+    p = str(ddir / "other.delta")
+    deltarefit.encode(b, t, p)
+    refused(p, ckpt, BaseMismatchError, "wrong base")
+
+
+def test_wrong_base_target_of_other_delta(pair, ckpt, ddir, tmp_path):
+    """The checkpoint is the *target* of another pair: still neither this delta's base nor its target."""
+    d = tmp_path / "other"
+    d.mkdir()
+    _b, t = write_pair(d, seed=2)
+    shutil.copyfile(t, ckpt)
+    refused(pair["delta"], ckpt, BaseMismatchError, "wrong base")
+
+
+@pytest.mark.parametrize(("name", "elem"), [("frozen.bias", 7), ("embed.weight", ELEMS + 12345), (BIG, 5)])
+def test_wrong_base_one_element(pair, ckpt, name, elem):
+    """One element differs from the base: in a tensor the delta does not touch, in an untouched chunk of a
+    patched tensor (the base digest must catch it), and in a chunk the delta patches."""
+
+    def edit(ts):
+        iv = ts[name].view(torch.int16).reshape(-1)
+        iv[elem] ^= 0x10
+
+    _variant(pair, ckpt, edit)
+    refused(pair["delta"], ckpt, BaseMismatchError, re.escape(f"tensor {name!r}"))
+
+
+def test_wrong_base_missing_tensor(pair, ckpt):
+    _variant(pair, ckpt, lambda ts: ts.pop("proj.f16"))
+    refused(pair["delta"], ckpt, BaseMismatchError, re.escape("tensor 'proj.f16'"), "missing")
+
+
+def test_wrong_base_extra_tensor(pair, ckpt):
+    _variant(pair, ckpt, lambda ts: ts.__setitem__("lm_head.extra", torch.zeros(16, dtype=torch.bfloat16)))
+    refused(pair["delta"], ckpt, BaseMismatchError, "'lm_head.extra'")
+
+
+@pytest.mark.parametrize("how", ["dtype", "shape"])
+def test_wrong_base_dtype_or_shape(pair, ckpt, how):
+    """Same bytes, other dtype (BF16 -> F16) or other shape: refused on metadata, not on bytes."""
+
+    def edit(ts):
+        ts[L0] = ts[L0].view(torch.float16) if how == "dtype" else ts[L0].reshape(512, 512)
+
+    _variant(pair, ckpt, edit)
+    found = "F16[256, 1024]" if how == "dtype" else "BF16[512, 512]"
+    refused(pair["delta"], ckpt, BaseMismatchError, re.escape(f"tensor {L0!r}"), re.escape(found))
+
+
+# ---------------------------------------------------------------------- crafted but consistent: records
+
+
+def test_crafted_n_changed_beyond_chunk(pair, ckpt, ddir):
+    d = Delta.parse(pair["data"])
+    k = d.record_of(L0)
+    n = 256 * 1024
+    d.records[k] = _rec(d.records[k], n_changed=n + 1)
+    d.tensor(L0)[1]["changed"] = n + 1  # keep the manifest's sum consistent: the per-chunk check must fire
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, FormatError, re.escape(p), re.escape(f"tensor {L0!r} chunk 0"), f"{n + 1} changed elements")
+
+
+def test_crafted_n_changed_zero(pair, ckpt, ddir):
+    d = Delta.parse(pair["data"])
+    k = d.record_of(L0)
+    d.tensor(L0)[1]["changed"] -= d.records[k].n_changed
+    d.records[k] = _rec(d.records[k], n_changed=0)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, FormatError, re.escape(p), "0 changed elements")
+
+
+def test_crafted_n_changed_lies_within_range(pair, ckpt, ddir):
+    """A plausible but wrong count (manifest adjusted too): the decoder must notice."""
+    d = Delta.parse(pair["data"])
+    k = d.record_of(L0)
+    d.records[k] = _rec(d.records[k], n_changed=d.records[k].n_changed - 1)
+    d.tensor(L0)[1]["changed"] -= 1
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, (DecodeError, VerificationError), re.escape(p), re.escape(f"tensor {L0!r} chunk 0"))
+
+
+@pytest.mark.parametrize("ci", [3, 1 << 31, 0xFFFFFFFF])
+def test_crafted_chunk_index_out_of_range(pair, ckpt, ddir, ci):
+    d = Delta.parse(pair["data"])
+    k = d.record_of(BIG, 2)
+    d.records[k] = _rec(d.records[k], chunk_index=ci)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, FormatError, re.escape(p), re.escape(f"tensor {BIG!r} chunk {ci}"), "beyond")
+
+
+def test_crafted_chunk_index_repeated(pair, ckpt, ddir):
+    d = Delta.parse(pair["data"])
+    k = d.record_of(BIG, 1)
+    d.records[k] = _rec(d.records[k], chunk_index=0)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, FormatError, re.escape(p), "out of order")
+
+
+def test_crafted_record_names_other_tensor(pair, ckpt, ddir):
+    d = Delta.parse(pair["data"])
+    k = d.record_of(L0)
+    d.records[k] = _rec(d.records[k], tensor_index=d.records[k].tensor_index + 1)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, FormatError, re.escape(p), "record names tensor")
+
+
+@pytest.mark.parametrize("enc", [0, 5, 255])
+def test_crafted_unknown_encoding(pair, ckpt, ddir, enc):
+    d = Delta.parse(pair["data"])
+    k = d.record_of(L0)
+    d.records[k] = _rec(d.records[k], encoding=enc)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, FormatError, re.escape(p), f"encoding {enc}")
+
+
+def test_crafted_reserved_bytes(pair, ckpt, ddir):
+    d = Delta.parse(pair["data"])
+    raw = bytearray(d.to_bytes())
+    tab = section_spans(bytes(raw))["table"][0]
+    raw[tab + 9] = 1  # first reserved byte of record 0
+    d2 = bytes(raw)
+    s = section_spans(d2)
+    idx = seg_hash(d2[s["manifest"][0]:])
+    d2 = fix_header_hash(d2[:64] + idx + d2[80:])
+    p = write_bytes(ddir / "c.delta", d2)
+    refused(p, ckpt, FormatError, "reserved bytes", re.escape(p))
+
+
+def test_crafted_payload_offsets_overlap(pair, ckpt, ddir):
+    """Records whose payloads overlap (hashes right, offsets lying): the layout check must refuse it."""
+    d = Delta.parse(pair["data"])
+    d.keep_records = True
+    k = d.record_of(BIG, 1)
+    d.records[k] = _rec(d.records[k], payload_offset=d.records[k].payload_offset - 1)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, FormatError, re.escape(p), "holes or overlap")
+
+
+def test_crafted_payload_over_limit(pair, ckpt, ddir):
+    d = Delta.parse(pair["data"])
+    k = d.record_of(L0)
+    d.payloads[k] = bytes(256 * 1024 * 2 + 256 * 1024 * 2 // 64 + 4097)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, LimitError, re.escape(p), "exceeds the limit")
+
+
+@pytest.mark.parametrize("enc", [SPARSE_XOR, DENSE_XOR, OVERWRITE])
+def test_crafted_decoded_len_over_limit(pair, ckpt, ddir, enc):
+    d = Delta.parse(pair["data"])
+    k = d.record_of(L0)
+    d.records[k] = _rec(d.records[k], encoding=enc, decoded_len=0xFFFFFFFF)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, LimitError, re.escape(p), "decoded bytes")
+
+
+def test_crafted_ulp_with_decoded_len(pair, ckpt, ddir):
+    d = Delta.parse(pair["data"])
+    k = d.record_of(L0)
+    d.records[k] = _rec(d.records[k], decoded_len=16)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, DecodeError, re.escape(p), "decoded length")
+
+
+@pytest.mark.parametrize("enc", [SPARSE_XOR, DENSE_XOR, OVERWRITE])
+def test_crafted_ulp_payload_relabelled(pair, ckpt, ddir, enc):
+    """An ULP payload under a zstd encoding: not a zstd frame."""
+    d = Delta.parse(pair["data"])
+    k = d.record_of(L0)
+    d.records[k] = _rec(d.records[k], encoding=enc, decoded_len=1 if enc == SPARSE_XOR else 256 * 1024 * 2)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, (DecodeError, LimitError), re.escape(p), re.escape(f"tensor {L0!r} chunk 0"))
+
+
+# -------------------------------------------------------------------- crafted: sparse / dense payloads
+
+
+def _with_sparse(pair, **kw) -> Delta:
+    d = Delta.parse(pair["data"])
+    k = d.record_of(L0)
+    b, t = bf16_chunk(pair["tensors"], L0, 0), bf16_chunk(pair["target_tensors"], L0, 0)
+    pay, dlen, n = sparse_xor(b, t, **kw)
+    d.records[k] = _rec(d.records[k], encoding=SPARSE_XOR, decoded_len=dlen, n_changed=n)
+    d.payloads[k] = pay
+    return d
+
+
+@pytest.mark.parametrize("last", [256 * 1024, 256 * 1024 + 1, 1 << 20, (1 << 32) - 2])
+def test_crafted_sparse_positions_past_chunk(pair, ckpt, ddir, last):
+    """The last position lies at or past the chunk's 262144 elements (up to the u32 gap limit)."""
+    d = _with_sparse(pair, last_pos=last)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, DecodeError, re.escape(p), re.escape(f"tensor {L0!r} chunk 0"), "beyond the chunk")
+
+
+def test_crafted_sparse_lists_unchanged_element(pair, ckpt, ddir):
+    p = _with_sparse(pair, zero_xor_at=100).write(ddir / "c.delta")
+    refused(p, ckpt, DecodeError, re.escape(p), "unchanged element")
+
+
+@pytest.mark.parametrize("width", [0, 3, 8])
+def test_crafted_sparse_bad_width(pair, ckpt, ddir, width):
+    d = _with_sparse(pair)
+    k = d.record_of(L0)
+    raw = zstandard.ZstdDecompressor().decompress(d.payloads[k])
+    d.payloads[k] = zc(bytes([width]) + raw[1:])
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, DecodeError, re.escape(p), "layout does not match")
+
+
+def test_crafted_sparse_short_layout(pair, ckpt, ddir):
+    """The frame is fine but holds fewer bytes than n_changed entries need."""
+    d = _with_sparse(pair)
+    k = d.record_of(L0)
+    raw = zstandard.ZstdDecompressor().decompress(d.payloads[k])[:-2]
+    d.payloads[k] = zc(raw)
+    d.records[k] = _rec(d.records[k], decoded_len=len(raw))
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, DecodeError, re.escape(p), "layout does not match")
+
+
+def test_crafted_sparse_wrong_values(pair, ckpt, ddir):
+    """Positions fine, one XOR value wrong: decodes, but misses the post-image hash."""
+    d = _with_sparse(pair)
+    k = d.record_of(L0)
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(d.payloads[k]))
+    raw[-1] ^= 0x01 if raw[-1] != 0x01 else 0x03
+    d.payloads[k] = zc(bytes(raw))
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, VerificationError, re.escape(p), "post-image")
+
+
+@pytest.mark.parametrize("enc", [SPARSE_XOR, DENSE_XOR, OVERWRITE])
+def test_crafted_zstd_huge_content_size(pair, ckpt, ddir, enc):
+    """A chunk's zstd frame declares 1 TiB of content: refused from the frame header, nothing allocated."""
+    d = Delta.parse(pair["data"])
+    k = d.record_of(L0)
+    dlen = 64 if enc == SPARSE_XOR else 256 * 1024 * 2
+    d.records[k] = _rec(d.records[k], encoding=enc, decoded_len=dlen)
+    d.payloads[k] = zstd_frame(b"\x04" + bytes(63), 1 << 40)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, LimitError, re.escape(p), re.escape(f"tensor {L0!r} chunk 0"), str(1 << 40))
+
+
+@pytest.mark.parametrize("enc", [DENSE_XOR, OVERWRITE])
+def test_crafted_dense_wrong_count(pair, ckpt, ddir, enc):
+    """A correct dense image with a record count off by one."""
+    d = Delta.parse(pair["data"])
+    k = d.record_of(BIG, 1)
+    b1, t1 = bf16_chunk(pair["tensors"], BIG, 1), bf16_chunk(pair["target_tensors"], BIG, 1)
+    d.records[k] = _rec(d.records[k], encoding=enc, decoded_len=SEGMENT_BYTES, n_changed=d.records[k].n_changed + 1)
+    d.tensor(BIG)[1]["changed"] += 1
+    d.payloads[k] = zc(((b1 ^ t1) if enc == DENSE_XOR else t1).tobytes())
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, DecodeError, re.escape(p), re.escape(f"tensor {BIG!r} chunk 1"), "changed elements")
+
+
+def test_crafted_zstd_frame_lies_about_size(pair, ckpt, ddir):
+    """The frame declares the right size but holds less: a decode error, not a short buffer."""
+    d = Delta.parse(pair["data"])
+    k = d.record_of(L0)
+    d.records[k] = _rec(d.records[k], encoding=OVERWRITE, decoded_len=256 * 1024 * 2)
+    d.payloads[k] = zstd_frame(bytes(1000), 256 * 1024 * 2)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, DecodeError, re.escape(p), "zstd frame")
+
+
+# --------------------------------------------------------------------------- crafted: ULP payloads
+
+
+def _ulp_variants(p: bytes) -> dict[str, bytes]:
+    rc_len = struct.unpack_from("<I", p)[0]
+    raw_at = 4 + rc_len
+    mid = (raw_at + len(p)) // 2
+    v = {
+        "cut-1": p[:-1], "cut-half": p[: len(p) // 2], "cut-to-9": p[:9], "cut-to-4": p[:4], "empty": b"",
+        "rc_len-0": struct.pack("<I", 0) + p[4:], "rc_len-huge": struct.pack("<I", 0xFFFFFFFF) + p[4:],
+        "rc_len-short": struct.pack("<I", rc_len - 3) + p[4:], "rc_len-long": struct.pack("<I", rc_len + 3) + p[4:],
+        "rc-byte": p[:20] + bytes([p[20] ^ 0x5A]) + p[21:],
+        "rc-last": p[:raw_at - 1] + bytes([p[raw_at - 1] ^ 0x80]) + p[raw_at:],
+        "raw-first": p[:raw_at] + bytes([p[raw_at] ^ 0x01]) + p[raw_at + 1:],
+        "raw-mid": p[:mid] + bytes([p[mid] ^ 0x10]) + p[mid + 1:],
+        "trailing-0": p + b"\0", "trailing-ff": p + b"\xff" * 7,
+        "zeros": bytes(len(p)), "ones": b"\xff" * len(p),
+        "swap-halves": p[:4] + p[raw_at:] + p[4:raw_at],
+    }
+    return v
+
+
+ULP_VARIANTS = list(_ulp_variants(b"\x10\0\0\0" + bytes(range(40))))
+
+
+@pytest.mark.parametrize("variant", ULP_VARIANTS)
+def test_crafted_ulp_garbled(pair, ckpt, ddir, variant):
+    """An ULP payload truncated or garbled, its payload hash recomputed: DecodeError or VerificationError
+    (never a crash, an IndexError or a hang)."""
+    d = Delta.parse(pair["data"])
+    k = d.record_of(BIG, 1)
+    d.payloads[k] = _ulp_variants(d.payloads[k])[variant]
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, (DecodeError, VerificationError), re.escape(p), re.escape(f"tensor {BIG!r} chunk 1"))
+
+
+@pytest.mark.parametrize("name", ["norm.f32", "proj.f16", "proj.f8", "steps.i32"])
+def test_crafted_ulp_fuzz(pair, ckpt, ddir, name):
+    """Seeded random mutations of one ULP payload per dtype (flips, cuts, inserts, overwrites)."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    d0 = Delta.parse(pair["data"])
+    k = d0.record_of(name)
+    good = d0.payloads[k]
+    before = sha(ckpt)
+    for trial in range(10):
+        p = bytearray(good)
+        op = trial % 4
+        i = int(rng.integers(0, len(p)))
+        if op == 0:
+            p[i] ^= 1 << int(rng.integers(0, 8))
+        elif op == 1:
+            del p[i:]
+        elif op == 2:
+            p[i:i] = rng.integers(0, 256, int(rng.integers(1, 9)), dtype=np.uint8).tobytes()
+        else:
+            j = min(len(p), i + int(rng.integers(1, 64)))
+            p[i:j] = rng.integers(0, 256, j - i, dtype=np.uint8).tobytes()
+        if bytes(p) == good:
+            continue
+        d = d0.copy()
+        d.payloads[k] = bytes(p)
+        path = d.write(ddir / f"fuzz-{trial}.delta")
+        refused(path, ckpt, (DecodeError, VerificationError), re.escape(f"tensor {name!r} chunk 0"))
+    assert sha(ckpt) == before
+
+
+# ------------------------------------------------------------------------------ crafted: manifest
+
+
+def _man(pair, edit) -> Delta:
+    d = Delta.parse(pair["data"])
+    edit(d)
+    return d
+
+
+def _set(key: str, value):
+    def edit(d: Delta):
+        d.manifest[key] = value
+
+    return edit
+
+
+def _tensor_set(name: str, *keys_value):
+    *keys, value = keys_value
+
+    def edit(d: Delta):
+        obj = d.tensor(name)[1]
+        for k in keys[:-1]:
+            obj = obj[k]
+        obj[keys[-1]] = value
+
+    return edit
+
+
+def _manifest_raw(raw: bytes):
+    def edit(d: Delta):
+        d.manifest_raw = raw
+
+    return edit
+
+
+def _dup_name(d: Delta):
+    """List the record-less 'frozen.bias' entry twice (record numbering stays consistent)."""
+    ts = d.manifest["tensors"]
+    i = d.tensor("frozen.bias")[0]
+    ts.insert(i + 1, dict(ts[i]))
+
+
+def _drop_tensors(d: Delta):
+    del d.manifest["tensors"]
+
+
+def _deep(n: int) -> bytes:
+    return b"[" * n + b"]" * n
+
+
+MANIFESTS = [
+    ("list", _manifest_raw(b"[]"), FormatError, "not a deltarefit.delta"),
+    ("string", _manifest_raw(b'"deltarefit.delta"'), FormatError, "not a deltarefit.delta"),
+    ("null", _manifest_raw(b"null"), FormatError, "not a deltarefit.delta"),
+    ("not-json", _manifest_raw(b"{not json"), FormatError, "not valid JSON"),
+    ("not-utf8", _manifest_raw(b'{"a":"\xff\xfe"}'), FormatError, "not valid JSON"),
+    ("empty", _manifest_raw(b""), FormatError, "not valid JSON"),
+    ("wrong-format", _set("format", "safetensors"), FormatError, "not a deltarefit.delta"),
+    ("wrong-version", _set("version", 2), FormatError, "not a deltarefit.delta v1"),
+    ("segment-bytes", _set("segment_bytes", 1 << 16), FormatError, "segment size"),
+    ("base-fp-not-hex", _set("base_fingerprint", "zz" * 32), FormatError, "base_fingerprint"),
+    ("target-fp-short", _set("target_fingerprint", "ab"), FormatError, "target_fingerprint"),
+    ("no-tensors", _drop_tensors, FormatError, "no tensor list"),
+    ("tensors-dict", _set("tensors", {}), FormatError, "no tensor list"),
+    ("bad-dtype", _tensor_set(L0, "base", "dtype", "BF17"), FormatError, "unsupported dtype 'BF17'"),
+    ("dtype-null", _tensor_set(L0, "target", "dtype", None), FormatError, "unsupported dtype None"),
+    ("dtype-list", _tensor_set(L0, "base", "dtype", ["BF16"]), FormatError, "unsupported dtype"),
+    ("dtype-object", _tensor_set(L0, "base", "dtype", {"a": 1}), FormatError, "unsupported dtype"),
+    ("negative-shape", _tensor_set(L0, "base", "shape", [256, -1024]), FormatError, "bad shape"),
+    ("float-shape", _tensor_set(L0, "base", "shape", [256.0, 1024]), FormatError, "bad shape"),
+    ("bool-shape", _tensor_set(L0, "base", "shape", [True, 1024]), FormatError, "bad shape"),
+    ("huge-shape", _tensor_set(L0, "base", "shape", [1 << 47, 1 << 47]), (FormatError,), "(limit|shape)"),
+    ("shape-not-list", _tensor_set(L0, "base", "shape", "256x1024"), FormatError, "bad shape"),
+    ("too-many-dims", _tensor_set(L0, "base", "shape", [1] * 65), FormatError, "bad shape"),
+    ("name-twice", _dup_name, FormatError, "listed twice"),
+    ("name-not-string", _tensor_set(L0, "name", 7), FormatError, "expected an object with a name"),
+    ("op-unknown", _tensor_set(L0, "op", "xor"), FormatError, "unknown op 'xor'"),
+    ("op-same-with-records", _tensor_set(L0, "op", "same"), FormatError, "op 'same'"),
+    ("first-wrong", _tensor_set(L0, "first", 0), FormatError, "chunk records start at"),
+    ("count-negative", _tensor_set(L0, "count", -1), FormatError, "non-negative"),
+    ("changed-wrong", _tensor_set(L0, "changed", 1), FormatError, "manifest says 1"),
+    ("digest-not-hex", _tensor_set(L0, "base", "digest", "g" * 64), FormatError, "not hex"),
+    ("target-missing", _tensor_set(L0, "target", None), FormatError, "needs base"),
+    ("dtype-changed-by-patch", _tensor_set(L0, "target", "dtype", "F16"), FormatError, "cannot change dtype"),
+    ("big-int", _manifest_raw(b'{"format":' + b"1" * 5000 + b"}"), FormatError, "JSON"),
+    ("deep-nesting", _manifest_raw(_deep(100000)), FormatError, "JSON"),
+]
+
+
+@pytest.mark.parametrize(
+    ("edit", "exc", "pattern"),
+    [pytest.param(m[1], m[2], m[3], id=m[0])
+     for m in MANIFESTS],
+)
+def test_crafted_manifest(pair, ckpt, ddir, edit, exc, pattern):
+    p = _man(pair, edit).write(ddir / "c.delta")
+    refused(p, ckpt, exc, re.escape(p), pattern)
+
+
+@pytest.mark.parametrize("how", ["shape", "base-digest"])
+def test_crafted_manifest_semantic_base(pair, ckpt, ddir, how):
+    """Consistent manifests describing another base: a tensor's shape (same bytes), or its base digest."""
+    d = Delta.parse(pair["data"])
+    t = d.tensor(L0)[1]
+    if how == "shape":
+        t["base"]["shape"] = t["target"]["shape"] = [512, 512]
+    else:
+        t["base"]["digest"] = "ab" * 32
+        d.refingerprint()
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, BaseMismatchError, re.escape(f"tensor {L0!r}"))
+
+
+@pytest.mark.parametrize("how", ["target_fingerprint", "base_fingerprint", "tensor-target-digest",
+                                 "record-post-is-pre"])
+def test_crafted_wrong_target_is_refused_before_writing(pair, ckpt, ddir, how):
+    """Chunks that decode to their post-images but a manifest whose target they do not give (a fingerprint
+    that its digests do not make; a tensor target digest, fingerprint recomputed; a record claiming its
+    chunk is already done): the plan has every hash it needs to refuse these before writing."""
+    d = Delta.parse(pair["data"])
+    if how.endswith("fingerprint"):
+        d.manifest[how] = "cd" * 32
+    elif how == "tensor-target-digest":
+        d.tensor(L0)[1]["target"]["digest"] = "cd" * 32
+        d.refingerprint()
+    else:
+        k = d.record_of(BIG, 1)
+        d.records[k] = _rec(d.records[k], post_hash=d.records[k].pre_hash)
+    p = d.write(ddir / "c.delta")
+    # A manifest that contradicts itself is a corrupt delta (caught on read); one that is consistent
+    # but wrong about the checkpoint is caught by the plan. Either way, before writing.
+    refused(p, ckpt, (IntegrityError, VerificationError), re.escape(p), "(fingerprint|digest)")
+
+
+# ------------------------------------------------------------------------- crafted: header and frame
+
+
+def test_crafted_manifest_frame_huge_content_size(pair, ckpt, ddir):
+    d = Delta.parse(pair["data"])
+    d.manifest_frame = zstd_frame(json.dumps(d.manifest).encode(), 1 << 40)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, LimitError, re.escape(p), "manifest expands to")
+
+
+@pytest.mark.parametrize("frame", [b"", b"\x28\xb5\x2f\xfd", b"{}", "short-frame"])
+def test_crafted_manifest_frame_broken(pair, ckpt, ddir, frame):
+    d = Delta.parse(pair["data"])
+    if frame == "short-frame":
+        raw = json.dumps(d.manifest).encode()
+        frame = zstd_frame(raw[:100], len(raw))
+    d.manifest_frame = frame
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, FormatError, re.escape(p), "manifest")
+
+
+@pytest.mark.parametrize(("field", "value", "exc", "pattern"), [
+    ("flags", 0, FormatError, "unknown header flags"),
+    ("flags", 0xFFFF, FormatError, "unknown header flags"),
+    ("header_size", 128, FormatError, "size 128"),
+    ("man_len", (256 << 20) + 1, LimitError, "manifest declares"),
+    ("tab_len", 81, LimitError, "chunk table"),
+    ("tab_len", 80 * ((1 << 26) + 1), LimitError, "chunk table"),
+    ("pay_len", 1 << 62, FormatError, "section layout"),
+    ("pay_off", 0, FormatError, "section layout"),
+    ("idx_hash", b"\0" * 16, IntegrityError, "manifest/table hash"),
+])
+def test_crafted_header(pair, ckpt, ddir, field, value, exc, pattern):
+    """Header fields edited with the header hash fixed up: the field's own check must refuse it."""
+    d = Delta.parse(pair["data"])
+    if field in d.header:
+        d.header[field] = value
+    else:
+        d.extra[field] = value
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, exc, re.escape(p), pattern)
+
+
+# --------------------------------------------------------------------------------------- the CLI
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DELTAREFIT_NO_PROGRESS="1")
+    return subprocess.run([sys.executable, "-m", "deltarefit", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, check=False)
+
+
+def _cli_refused(delta: str, ckpt: str, code: int, *patterns: str) -> None:
+    before = sha(ckpt)
+    r = cli("apply", delta, ckpt)
+    assert r.returncode == code, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("deltarefit: error: "), r.stderr
+    for p in patterns:
+        assert re.search(p, lines[0]), (p, lines[0])
+    assert sha(ckpt) == before
+    assert leftovers(ckpt) == []
+
+
+def test_cli_truncated(pair, ckpt, ddir):
+    p = write_bytes(ddir / "t.delta", pair["data"][: len(pair["data"]) // 2])
+    _cli_refused(p, ckpt, 3, re.escape(p), "truncated")
+
+
+def test_cli_unknown_version(pair, ckpt, ddir):
+    p = write_bytes(ddir / "v.delta", fix_header_hash(pair["data"][:8] + struct.pack("<H", 9) + pair["data"][10:]))
+    _cli_refused(p, ckpt, 3, "format version 9")
+
+
+def test_cli_wrong_base(pair, ckpt):
+    _variant(pair, ckpt, lambda ts: ts.pop(BIG))
+    _cli_refused(pair["delta"], ckpt, 5, re.escape(f"tensor {BIG!r}"), "wrong base")
+
+
+def test_cli_garbled_ulp(pair, ckpt, ddir):
+    d = Delta.parse(pair["data"])
+    k = d.record_of(BIG, 0)
+    d.payloads[k] = d.payloads[k][:-7]
+    p = d.write(ddir / "c.delta")
+    _cli_refused(p, ckpt, 3, re.escape(f"tensor {BIG!r} chunk 0"))
+
+
+def test_cli_arguments_swapped(pair, ckpt):
+    """`apply CKPT DELTA`: the checkpoint is refused as a delta, and the delta file is not touched either."""
+    before = sha(pair["delta"])
+    _cli_refused(ckpt, pair["delta"], 3, "bad magic")
+    assert sha(pair["delta"]) == before
+
+
+# ------------------------------------------------------------------- structural deltas (add/remove/replace)
+
+
+@pytest.fixture(scope="module")
+def spair(pair):
+    """A delta from the base that adds 'new.weight' (2 chunks), removes 'frozen.bias' and re-types
+    'proj.f16' to F32 (replace)."""
+    d = pair["dir"]
+    t2 = dict(pair["target_tensors"])
+    t2["new.weight"] = (torch.randn(700, 1024, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)
+    del t2["frozen.bias"]
+    t2["proj.f16"] = t2["proj.f16"].float()
+    target = write_tensors(d / "target2.safetensors", t2)
+    delta = str(d / "structural.delta")
+    deltarefit.encode(pair["base"], target, delta)
+    with open(delta, "rb") as f:
+        data = f.read()
+    ops = {t["name"]: t["op"] for t in Delta.parse(data).manifest["tensors"]}
+    assert (ops["new.weight"], ops["frozen.bias"], ops["proj.f16"]) == ("add", "remove", "replace")
+    return {"target": target, "delta": delta, "data": data, "fp": deltarefit.fingerprint(target)}
+
+
+def test_structural_good_delta_applies(spair, ckpt, ddir):
+    p = Delta.parse(spair["data"]).write(ddir / "s.delta")
+    rep = deltarefit.apply(p, ckpt)
+    assert sorted(rep.structural) == ["frozen.bias", "new.weight", "proj.f16"]
+    assert deltarefit.fingerprint(ckpt) == spair["fp"]
+    assert leftovers(ckpt) == []
+
+
+def test_structural_wrong_base_removed_tensor_differs(pair, spair, ckpt):
+    def edit(ts):
+        ts["frozen.bias"].view(torch.int16)[3] ^= 1
+
+    _variant(pair, ckpt, edit)
+    refused(spair["delta"], ckpt, BaseMismatchError, "'frozen.bias'")
+
+
+def test_structural_wrong_base_replaced_tensor_missing(pair, spair, ckpt):
+    _variant(pair, ckpt, lambda ts: ts.pop("proj.f16"))
+    refused(spair["delta"], ckpt, BaseMismatchError, "'proj.f16'", "missing")
+
+
+def test_structural_added_chunk_wrong_bytes(spair, ckpt, ddir):
+    """The added tensor's overwrite chunk is a valid frame of the right size, but of other bytes."""
+    d = Delta.parse(spair["data"])
+    k = d.record_of("new.weight", 1)
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(d.payloads[k]))
+    raw[1000] ^= 0x40
+    d.payloads[k] = zc(bytes(raw))
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, VerificationError, re.escape(p), re.escape("tensor 'new.weight' chunk 1"), "post-image")
+
+
+def test_structural_added_chunk_huge_content_size(spair, ckpt, ddir):
+    d = Delta.parse(spair["data"])
+    k = d.record_of("new.weight", 0)
+    d.payloads[k] = zstd_frame(bytes(64), 1 << 40)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, LimitError, re.escape("tensor 'new.weight' chunk 0"), str(1 << 40), re.escape(p))
+
+
+def test_structural_added_chunk_not_overwrite(spair, ckpt, ddir):
+    d = Delta.parse(spair["data"])
+    k = d.record_of("new.weight", 0)
+    d.records[k] = _rec(d.records[k], encoding=ULP, decoded_len=0)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, FormatError, re.escape(p), "not allowed for op 'add'")
+
+
+def test_structural_added_tensor_missing_a_chunk(spair, ckpt, ddir):
+    d = Delta.parse(spair["data"])
+    k = d.record_of("new.weight", 1)
+    del d.records[k], d.payloads[k]
+    i, t = d.tensor("new.weight")
+    t["count"] -= 1
+    for later in d.manifest["tensors"][i + 1:]:
+        later["first"] -= 1
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, FormatError, re.escape(p), "needs all 2 chunks")
+
+
+@pytest.mark.parametrize("how", ["target_fingerprint", "added-target-digest"])
+def test_structural_wrong_target_is_refused_before_writing(spair, ckpt, ddir, how):
+    """As above for a structural delta, whose file would be rewritten whole: refused before that."""
+    d = Delta.parse(spair["data"])
+    if how == "target_fingerprint":
+        d.manifest["target_fingerprint"] = "cd" * 32
+    else:
+        d.tensor("new.weight")[1]["target"]["digest"] = "cd" * 32
+        d.refingerprint()
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, (IntegrityError, VerificationError), re.escape(p), "(fingerprint|digest)")
