@@ -154,7 +154,8 @@ def test_zero_d_and_empty_tensors_and_header_only_file(tmp_path):
 def test_chunk_kinds_are_all_accepted(tmp_path):
     arr = np.arange(12, dtype="<i4").reshape(3, 4)
     b = arr.tobytes()
-    chunks = lambda: [arr[:1], memoryview(arr[1:2]), bytearray(b[32:40]), b[40:]]
+    def chunks():
+        return [arr[:1], memoryview(arr[1:2]), bytearray(b[32:40]), b[40:]]
     path = tmp_path / "kinds.safetensors"
     write_safetensors(path, [TensorSource("x", "I32", (3, 4), 48, chunks)])
     assert raw_bytes(path) == {"x": b}
@@ -336,7 +337,7 @@ def test_missing_paths_and_bad_indexes_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         open_checkpoint(tmp_path / "nope.safetensors")
     (tmp_path / "bare").mkdir()
-    with pytest.raises(CheckpointError, match="no model.safetensors.index.json and no"):
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors\.index\.json and no"):
         open_checkpoint(tmp_path / "bare")
 
     model = _model(np.random.default_rng(4))
@@ -360,14 +361,14 @@ def test_missing_paths_and_bad_indexes_are_refused(tmp_path):
     refused({"embed": "../model.safetensors"}, "shard name '../model.safetensors' is not a file inside")
     refused([1], "'weight_map' is missing")
     index.write_text("{not json")
-    with pytest.raises(CheckpointError, match="index.json is not valid JSON"):
+    with pytest.raises(CheckpointError, match=r"index\.json is not valid JSON"):
         open_checkpoint(d)
 
 
 def test_same_tensor_in_two_unindexed_shards_is_refused(tmp_path):
     write_safetensors(tmp_path / "a.safetensors", [src("x", "U8", (3,), b"abc")])
     write_safetensors(tmp_path / "b.safetensors", [src("x", "U8", (3,), b"abc")])
-    with pytest.raises(CheckpointError, match="b.safetensors: tensor 'x' is also in .*a.safetensors"):
+    with pytest.raises(CheckpointError, match=r"b\.safetensors: tensor 'x' is also in .*a\.safetensors"):
         open_checkpoint(tmp_path)
 
 

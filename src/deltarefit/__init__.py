@@ -5,10 +5,10 @@ Encode the change between two checkpoints, ship it, apply it in place, verify th
 
 __version__ = "0.1.0"
 
-from .apply import ApplyReport, apply  # noqa: E402
-from .api import fingerprint, inspect, verify  # noqa: E402
-from .encode import EncodeReport, encode  # noqa: E402
-from .errors import (  # noqa: E402
+from .api import fingerprint, inspect, verify
+from .apply import ApplyReport, apply
+from .encode import EncodeReport, encode
+from .errors import (
     BaseMismatchError,
     CheckpointError,
     DecodeError,

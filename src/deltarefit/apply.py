@@ -32,12 +32,18 @@ from typing import Protocol
 import numpy as np
 
 from .checkpoint import Checkpoint, TensorSource, open_checkpoint, write_safetensors
-from .codec.chunk import OVERWRITE, Patch, decode_chunk
+from .codec.chunk import Patch, decode_chunk, decode_new
 from .dtypes import dtype
 from .encode import default_threads, uint_view
-from .errors import BaseMismatchError, CheckpointError, UsageError, VerificationError
+from .errors import BaseMismatchError, UsageError, VerificationError
 from .format import ChunkRecord, DeltaReader, TensorEntry, TensorMeta
-from .integrity import SEGMENT_BYTES, fingerprint_from_digests, n_segments, seg_hash, tensor_digest_from_segments
+from .integrity import (
+    SEGMENT_BYTES,
+    fingerprint_from_digests,
+    n_segments,
+    seg_hash,
+    tensor_digest_from_segments,
+)
 
 log = logging.getLogger(__name__)
 
@@ -172,26 +178,14 @@ def journal_path(checkpoint_path: str) -> str:
 
 
 def _decode(delta: DeltaReader, e: TensorEntry, r: ChunkRecord, base_seg: np.ndarray | None) -> Patch:
-    meta = e.base if e.op == "patch" else e.target
-    dt = dtype(meta.dtype)
+    """Decode a chunk against its base segment, or (``base_seg`` None) a chunk of a new tensor."""
+    where = f"{delta.path}: {_where(e, r)}"
     payload = delta.read_payload(r, _where(e, r))
-    if base_seg is None:  # add/replace: an overwrite against zeros of the target's size
-        n = min(SEGMENT_BYTES, meta.nbytes - r.chunk_index * SEGMENT_BYTES) // dt.itemsize
-        base_seg = np.zeros(n, dt.uint)
-        # Overwrite chunks of new tensors count every element as changed against nothing.
-        if r.encoding != OVERWRITE:
-            raise BaseMismatchError(f"{delta.path}: {_where(e, r)}: new tensors must be overwritten")
-        patch = decode_chunk(dt, base_seg, r.encoding, payload, int(np.count_nonzero(
-            np.frombuffer(_peek_overwrite(payload, n * dt.itemsize, f"{delta.path}: {_where(e, r)}"), dt.uint))), r.decoded_len,
-            f"{delta.path}: {_where(e, r)}")
-        return patch
-    return decode_chunk(dt, base_seg, r.encoding, payload, r.n_changed, r.decoded_len, f"{delta.path}: {_where(e, r)}")
-
-
-def _peek_overwrite(payload: bytes, expected: int, where: str) -> bytes:
-    from .codec.chunk import _unzstd
-
-    return _unzstd(payload, expected, where)
+    if base_seg is None:
+        dt = dtype(e.target.dtype)
+        n = min(SEGMENT_BYTES, e.target.nbytes - r.chunk_index * SEGMENT_BYTES) // dt.itemsize
+        return Patch(None, None, decode_new(dt, n, r.encoding, payload, where))
+    return decode_chunk(dtype(e.base.dtype), base_seg, r.encoding, payload, r.n_changed, r.decoded_len, where)
 
 
 def _post_image(seg: np.ndarray, patch: Patch) -> np.ndarray:
@@ -201,7 +195,7 @@ def _post_image(seg: np.ndarray, patch: Patch) -> np.ndarray:
 
 
 class Applier:
-    """One application of one delta to one ``TensorTarget``; ``run`` does plan, write and verify."""
+    """One application of one delta to one ``TensorTarget``: ``plan``, then ``write``, then ``target_digests``."""
 
     def __init__(self, delta: DeltaReader, target: TensorTarget, *, journal: Journal | None,
                  threads: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
@@ -483,11 +477,7 @@ def apply(delta_path: str, checkpoint_path: str, *, threads: int | None = None,
           cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None) -> ApplyReport:
     """Apply the delta file to the checkpoint in place; idempotent, crash-safe, verified at the end."""
     with DeltaReader(delta_path) as d:
-        try:
-            ck = open_checkpoint(checkpoint_path, writable=True)
-        except CheckpointError:
-            raise
-        with ck:
+        with open_checkpoint(checkpoint_path, writable=True) as ck:
             journal = Journal(journal_path(checkpoint_path), d.target_fingerprint)
             structural_done: list[str] = []
 

@@ -175,7 +175,7 @@ class _MappedFile:
 
     def __init__(self, file: str, label: str, writable: bool) -> None:
         try:
-            self.fh: BinaryIO = open(file, "r+b" if writable else "rb")  # noqa: SIM115 - lives with the map
+            self.fh: BinaryIO = open(file, "r+b" if writable else "rb")
         except OSError as e:
             raise CheckpointError(f"{label}: cannot open: {e.strerror or e}") from None
         self.mm: mmap.mmap | None = None
@@ -202,10 +202,10 @@ class _MappedFile:
 
     def close(self) -> None:
         if self.mm is not None:
-            try:
+            # Views still alive make close() raise BufferError: the mapping then stays valid until
+            # the last view is dropped, which is what their holders need.
+            with contextlib.suppress(BufferError):
                 self.mm.close()
-            except BufferError:
-                pass  # views are still alive: the mapping stays valid until the last one is dropped
             self.mm = None
         self.fh.close()
 

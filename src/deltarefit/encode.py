@@ -62,8 +62,7 @@ def uint_view(raw: np.ndarray, dt_name: str) -> np.ndarray:
 
 
 def _segments(nbytes: int) -> Iterator[tuple[int, int]]:
-    for ci, off in enumerate(range(0, nbytes, SEGMENT_BYTES)):
-        yield ci, off
+    yield from enumerate(range(0, nbytes, SEGMENT_BYTES))
 
 
 # A work item returns (pre_hash, post_hash, encoded chunk or None).

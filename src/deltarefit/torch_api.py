@@ -338,10 +338,10 @@ def state_dict_fingerprint(tensors: Mapping[str, torch.Tensor], *, threads: int 
     """
     threads = threads or default_threads()
     prepared: dict[str, tuple[str, tuple[int, ...], np.ndarray]] = {}
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+    for name, t0 in tensors.items():
+        if not isinstance(t0, torch.Tensor) or t0.layout != torch.strided:
             raise UsageError(f"tensor {name!r}: expected a dense torch.Tensor")
-        t = t.detach()
+        t = t0.detach()
         dt = safetensors_dtype(t.dtype)
         if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg().to("cpu").contiguous()

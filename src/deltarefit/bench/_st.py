@@ -161,7 +161,7 @@ class StreamingWriter:
             off += nbytes
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
-        self._f = open(self.path, "wb")  # noqa: SIM115 - closed by close()/__exit__
+        self._f = open(self.path, "wb")
         self._f.write(struct.pack("<Q", len(blob)) + blob)
         self._next = 0
 

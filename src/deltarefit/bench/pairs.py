@@ -241,11 +241,11 @@ def calibrate(base_path: str, target_path: str) -> Calibration:
         chg += np.bincount(ec, minlength=256)
         lo, hi = _ulp_bin(ulp_distance(b[m], t[m]))
         keys, cnt = np.unique(np.stack([ec, lo, hi], axis=1), axis=0, return_counts=True)
-        for (ee, l, h), c in zip(keys.tolist(), cnt.tolist()):
-            bins[(ee, l, h)] = bins.get((ee, l, h), 0) + c
+        for (ee, lo_, hi_), c in zip(keys.tolist(), cnt.tolist(), strict=True):
+            bins[(ee, lo_, hi_)] = bins.get((ee, lo_, hi_), 0) + c
     ulp_bins: list[list[list[int]]] = [[] for _ in range(256)]
-    for (ee, l, h), c in sorted(bins.items()):
-        ulp_bins[ee].append([l, h, c])
+    for (ee, lo_, hi_), c in sorted(bins.items()):
+        ulp_bins[ee].append([lo_, hi_, c])
     total = int(exp.sum())
     return Calibration(
         source=os.path.basename(str(target_path)),

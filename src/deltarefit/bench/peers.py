@@ -203,13 +203,13 @@ def zipnn(base_path: str, target_path: str, threads: int, *, delta: bool) -> Pee
     name = "zipnn_delta" if delta else "zipnn"
     try:
         import zipnn as zn  # type: ignore[import-not-found]
-    except Exception as e:  # noqa: BLE001 - optional peer, any import failure means unavailable
+    except Exception as e:
         return PeerResult(name, None, None, available=False, note=f"zipnn not importable: {e}")
     try:
         from importlib.metadata import version as _dist_version
 
         version = _dist_version("zipnn")
-    except Exception:  # noqa: BLE001
+    except Exception:
         version = getattr(zn, "__version__", "?")
     try:
         total = 0
@@ -238,7 +238,7 @@ def zipnn(base_path: str, target_path: str, threads: int, *, delta: bool) -> Pee
             note += "; decompress did NOT return the input (round trip failed)"
             log.warning("%s: %s", name, note)
         return PeerResult(name, total, seconds, verified=ok, note=note)
-    except Exception as e:  # noqa: BLE001 - an optional peer must never fail the benchmark
+    except Exception as e:
         log.warning("%s failed: %s", name, e)
         return PeerResult(name, None, None, available=False, note=f"zipnn {version} failed: {e}")
 

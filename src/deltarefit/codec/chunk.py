@@ -144,6 +144,13 @@ def _unzstd(payload: bytes, expected: int, where: str) -> bytes:
     return raw
 
 
+def decode_new(dt: DType, n: int, encoding: int, payload: bytes, where: str) -> np.ndarray:
+    """The ``n`` elements of a chunk of a tensor with no base (added or re-typed): OVERWRITE only."""
+    if encoding != OVERWRITE:
+        raise DecodeError(f"{where}: a new tensor's chunk must be an overwrite, not encoding {encoding}")
+    return np.frombuffer(_unzstd(payload, n * dt.itemsize, where), dt.uint)
+
+
 def decode_chunk(
     dt: DType, base: np.ndarray, encoding: int, payload: bytes, n_changed: int, decoded_len: int, where: str
 ) -> Patch:

@@ -81,7 +81,7 @@ def _enc_bit(s, out, probs, idx, bit):
 
 @njit(inline="always")
 def _enc_flush(s, out):
-    low, rng, cache, csize, opos = s
+    low, _rng, cache, csize, opos = s
     for _ in range(5):
         low, cache, csize, opos = _shift_low(low, cache, csize, opos, out)
     return opos
@@ -334,7 +334,7 @@ def ulp_encode(base, target, bits, kind, ctx_shift, ctx_mask, n_ctx, out):
             s = _enc_bit(s, out, plen, e * MAX_UNARY + ln - 1, 0)
         w = _put(w, raw, neg | (mag << U64(1)), ln)  # sign, then the ln-1 bits below the leading one
     end = _enc_flush(s, out)
-    acc, nacc, rpos = w
+    _acc, nacc, rpos = w
     if nacc > 0:
         w = _put(w, raw, U64(0), 8 - nacc)
         rpos = w[2]
@@ -462,10 +462,7 @@ def ulp_decode(base, payload, n_changed, bits, kind, ctx_shift, ctx_mask, n_ctx,
         neg = v & U64(1)
         mag = (U64(1) << U64(ln - 1)) | (v >> U64(1))
         kb = _key(b, kind, sign, mask)
-        if neg:
-            kt = (kb - mag) & mask
-        else:
-            kt = (kb + mag) & mask
+        kt = ((kb - mag) if neg else (kb + mag)) & mask
         out_val[j] = _unkey(kt, kind, sign, mask)
     if s[3] != 0 or r[3] != 0:
         return -1
