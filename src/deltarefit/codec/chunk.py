@@ -113,7 +113,9 @@ def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChun
         cands.append(EncodedChunk(DENSE_XOR, _zc().compress(raw), m, len(raw)))
         raw_t = target.tobytes()
         cands.append(EncodedChunk(OVERWRITE, _zc().compress(raw_t), m, len(raw_t)))
-    else:
+    elif dt.kind != "float" or not cands or len(cands[0].payload) > 3 * m:
+        # Worth a second pass only where the ulp model may lose: integer tensors, or float changes
+        # that are not small steps (over 24 bits per change).
         pos = np.flatnonzero(base != target)
         gaps = np.diff(pos, prepend=-1) - 1
         w = _width_code(int(gaps.max()))

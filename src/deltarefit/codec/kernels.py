@@ -235,9 +235,9 @@ def ulp_encode(base, target, bits, kind, ctx_shift, ctx_mask, n_ctx, out):
     seen = np.zeros(n_ctx, np.int64)
     # Pass 1: changed positions, their context and their rank among same-context elements.
     # Worst-case sized buffers: np.empty does not touch the pages, so this costs nothing when sparse.
-    pos = np.empty(n, np.int64)
-    ectx = np.empty(n, np.int64)
-    rank = np.empty(n, np.int64)
+    pos = np.empty(n, np.int32)
+    ectx = np.empty(n, np.int32)
+    rank = np.empty(n, np.int32)
     m = 0
     for i in range(n):
         b = U64(base[i])
