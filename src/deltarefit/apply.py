@@ -493,3 +493,9 @@ def apply(delta_path: str, checkpoint_path: str, *, threads: int | None = None,
     log.info("applied %s to %s: %d chunks (%d skipped, %d recovered) in %.2f s", delta_path, checkpoint_path,
              rep.chunks_applied, rep.chunks_skipped, rep.chunks_recovered, rep.seconds)
     return rep
+
+
+def check(delta_path: str, checkpoint_path: str, *, threads: int | None = None) -> None:
+    """Everything apply verifies before writing, and nothing else: raises if the delta would not apply."""
+    with DeltaReader(delta_path) as d, open_checkpoint(checkpoint_path) as ck:
+        Applier(d, ck, journal=None, threads=threads, cache_bytes=0).plan()

@@ -220,6 +220,162 @@ def verify(checkpoint: str, expected: str, threads: int | None) -> None:
 
 
 @main.command()
+@click.argument("store")
+@click.argument("checkpoint", type=click.Path(exists=True))
+@click.option("--step", type=int, default=None, help="Training step to record in the commit.")
+@click.option("--state", "state_dir", type=click.Path(), default=None,
+              help="Publisher state directory holding the committed baseline (default: STORE/.publisher).")
+@click.option("--keyframe-every", type=click.IntRange(min=1), default=20, show_default=True,
+              help="A full keyframe every K versions (the first version always is one).")
+@click.option("--keyframe-ratio", type=float, default=0.5, show_default=True,
+              help="Also a keyframe once deltas since the last one reach this fraction of a checkpoint.")
+@click.option("--quorum", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Joint commit: wait for this many subscribers to acknowledge (0 = off).")
+@click.option("--ack-timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for acks.")
+@click.option("--sign", "signing_key", type=click.Path(exists=True), default=None,
+              help="Sign the commit record with this Ed25519 private key (see keygen).")
+@_threads
+@_json
+def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, quorum, ack_timeout, signing_key,
+            threads, as_json) -> None:
+    """Commit CHECKPOINT as the next version of the stream in STORE (a directory)."""
+
+    def go() -> None:
+        from .stream.publisher import Publisher
+
+        sd = state_dir or os.path.join(os.path.abspath(store), ".publisher")
+        rec = Publisher(store, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=quorum,
+                        ack_timeout=ack_timeout, signing_key=signing_key, threads=threads).publish(checkpoint, step=step)
+        if as_json:
+            click.echo(rec.to_bytes().decode())
+        else:
+            click.echo(f"{store}: version {rec.version} ({rec.kind}, {rec.part_bytes:,} bytes) fingerprint "
+                       f"{rec.fingerprint}")
+
+    _run(go)
+
+
+@main.command()
+@click.argument("store")
+@click.argument("checkpoint", type=click.Path())
+@click.option("--to", "to_version", type=click.IntRange(min=1), default=None, help="Stop at this version.")
+@click.option("--id", "subscriber_id", default=None, help="Subscriber id (for acks and retention).")
+@click.option("--verify-key", "public_key", type=click.Path(exists=True), default=None,
+              help="Refuse commit records not signed by this Ed25519 public key.")
+@click.option("--prepare", is_flag=True, help="Joint commit: acknowledge a proposed version instead of syncing.")
+@_threads
+@_json
+def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, threads, as_json) -> None:
+    """Bring CHECKPOINT to the newest version of STORE (created from a keyframe if missing)."""
+
+    def go() -> None:
+        from .stream.subscriber import Subscriber
+
+        sub = Subscriber(store, checkpoint, subscriber_id=subscriber_id, public_key=public_key, threads=threads)
+        if prepare:
+            v = sub.prepare()
+            click.echo(f"{checkpoint}: " + (f"acknowledged version {v}" if v else "nothing to acknowledge"))
+            return
+        rep = sub.sync(to_version=to_version)
+        if as_json:
+            click.echo(json.dumps(rep.__dict__, indent=2))
+        else:
+            click.echo(f"{checkpoint}: version {rep.from_version} -> {rep.version} via {rep.route} "
+                       f"({rep.bytes_fetched:,} bytes fetched) fingerprint {rep.fingerprint} verified")
+
+    _run(go)
+
+
+@main.command("log")
+@click.argument("store")
+@_json
+def log_cmd(store, as_json) -> None:
+    """List the versions of STORE: parents, kinds, sizes and ratios."""
+
+    def go() -> None:
+        from .storage.base import open_store
+        from .stream.records import list_versions, load_commit
+
+        st = open_store(store)
+        rows = []
+        for v in list_versions(st):
+            r = load_commit(st, v)
+            rows.append({"version": v, "kind": r.kind, "step": r.step, "parent": r.parent,
+                         "fingerprint": r.fingerprint, "delta_bytes": r.delta.bytes if r.delta else None,
+                         "keyframe_bytes": sum(p.bytes for _, p in r.keyframe) or None, "full_bytes": r.full_bytes,
+                         "ratio": (r.full_bytes / r.delta.bytes) if r.delta and r.delta.bytes else None,
+                         "signed": bool(r.signature), "created": r.created})
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+            return
+        for r in rows:
+            size = f"delta {r['delta_bytes']:,} B ({r['ratio']:.1f}x)" if r["delta_bytes"] else "no delta"
+            kf = f", keyframe {r['keyframe_bytes']:,} B" if r["keyframe_bytes"] else ""
+            parent = (r["parent"] or "-")[:12]
+            click.echo(f"v{r['version']:<5} {r['kind']:<8} step {r['step']!s:<6} parent {parent:<12} "
+                       f"fp {r['fingerprint'][:12]}  {size}{kf}{'  signed' if r['signed'] else ''}")
+
+    _run(go)
+
+
+@main.command()
+@click.argument("store")
+@click.option("--ttl", type=float, default=24 * 3600.0, show_default=True,
+              help="Seconds since its last sync after which a subscriber no longer holds back retention.")
+@click.option("--orphan-grace", type=float, default=3600.0, show_default=True,
+              help="Seconds before uncommitted parts (dead or losing publishes) may be deleted.")
+@click.option("--dry-run", is_flag=True, help="List what would be deleted, delete nothing.")
+@_json
+def retain(store, ttl, orphan_grace, dry_run, as_json) -> None:
+    """Delete parts of STORE that no live subscriber or late joiner can need."""
+
+    def go() -> None:
+        from .storage.base import open_store
+        from .stream.retention import retain as ret
+
+        rep = ret(open_store(store), ttl=ttl, orphan_grace=orphan_grace, dry_run=dry_run)
+        if as_json:
+            click.echo(json.dumps(rep.__dict__, indent=2))
+        else:
+            verb = "would delete" if dry_run else "deleted"
+            click.echo(f"{store}: head {rep.head}, newest keyframe {rep.keyframe}, oldest live subscriber "
+                       f"{rep.oldest_live}; {verb} {len(rep.deleted)} objects, kept {rep.kept_bytes:,} bytes of parts")
+
+    _run(go)
+
+
+@main.command()
+@click.argument("private_key", type=click.Path())
+def keygen(private_key) -> None:
+    """Write a new Ed25519 signing key to PRIVATE_KEY and its public key to PRIVATE_KEY.pub."""
+
+    def go() -> None:
+        from .signing import keygen as kg
+
+        click.echo(f"wrote {private_key} (keep it secret) and {kg(private_key)}")
+
+    _run(go)
+
+
+@main.command()
+@click.argument("deltas", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("-o", "--output", required=True, type=click.Path(), help="Composed delta to write.")
+@click.option("--base", required=True, type=click.Path(exists=True),
+              help="The checkpoint the first delta applies to (read only; chunk contexts come from it).")
+def compose(deltas, output, base) -> None:
+    """Compose DELTAS (applied in order) into one delta equal to them bit for bit."""
+
+    def go() -> None:
+        from .compose import compose as comp
+
+        rep = comp(list(deltas), output, base=base)
+        click.echo(f"{output}: {rep.delta_bytes:,} bytes, {len(deltas)} deltas composed, target "
+                   f"{rep.target_fingerprint}")
+
+    _run(go)
+
+
+@main.command()
 @click.option("--out", default="out/demo", show_default=True, type=click.Path(), help="Working directory.")
 @click.option("--steps", default=6, show_default=True, type=click.IntRange(min=1), help="Optimizer steps.")
 @click.option("--lr", default=1e-5, show_default=True, type=float, help="AdamW learning rate.")

@@ -1,0 +1,89 @@
+"""Signed commit records: Ed25519 over the record's canonical bytes (``cryptography``).
+
+Keys are PEM files: ``keygen`` writes a private key (mode 0600) and its public key beside it.
+A subscriber configured with a public key refuses records that are unsigned, signed by another key,
+or altered after signing.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import DeltaRefitError, UsageError
+
+
+class SignatureError(DeltaRefitError):
+    """A commit record is unsigned, or its signature does not verify with the configured key."""
+
+    exit_code = 8
+
+
+def keygen(private_path: str) -> str:
+    """Write a new Ed25519 private key to ``private_path`` and its public key to ``private_path + '.pub'``."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    if os.path.exists(private_path):
+        raise UsageError(f"{private_path} exists; refusing to overwrite a key")
+    key = Ed25519PrivateKey.generate()
+    priv = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+    pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(priv)
+    with open(private_path + ".pub", "wb") as f:
+        f.write(pub)
+    return private_path + ".pub"
+
+
+class Signer:
+    def __init__(self, private_path: str) -> None:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        try:
+            with open(private_path, "rb") as f:
+                key = serialization.load_pem_private_key(f.read(), password=None)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{private_path}: cannot load a private key ({e})") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise UsageError(f"{private_path}: not an Ed25519 private key")
+        self._key = key
+        self.key_id = key_id(key.public_key())
+
+    def sign(self, message: bytes) -> str:
+        return self._key.sign(message).hex()
+
+
+class Verifier:
+    def __init__(self, public_path: str) -> None:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+        try:
+            with open(public_path, "rb") as f:
+                key = serialization.load_pem_public_key(f.read())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{public_path}: cannot load a public key ({e})") from None
+        if not isinstance(key, Ed25519PublicKey):
+            raise UsageError(f"{public_path}: not an Ed25519 public key")
+        self._key = key
+        self.key_id = key_id(key)
+
+    def verify(self, message: bytes, signature_hex: str, where: str) -> None:
+        from cryptography.exceptions import InvalidSignature
+
+        try:
+            self._key.verify(bytes.fromhex(signature_hex), message)
+        except (InvalidSignature, ValueError):
+            raise SignatureError(f"{where}: signature does not verify with key {self.key_id}") from None
+
+
+def key_id(public_key) -> str:
+    """A short stable id of a public key: the first 16 hex digits of BLAKE3 of its raw bytes."""
+    import blake3
+    from cryptography.hazmat.primitives import serialization
+
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return blake3.blake3(raw).hexdigest(8)

@@ -1,0 +1,65 @@
+"""The storage seam: a handful of operations on keys (``/``-separated strings, never ``Path``).
+
+Contract every store keeps:
+* ``put`` makes an object visible whole or not at all (never a partial object under its key).
+* ``create`` is a conditional create: it writes only if the key does not exist and reports whether it
+  did; of two racing creators exactly one wins. Commit records rely on it.
+* ``get``/``get_to`` return exactly what was put; missing keys raise ``KeyError``.
+* ``list(prefix)`` returns the keys under a prefix, sorted.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from ..errors import DeltaRefitError, UsageError
+
+
+class StoreError(DeltaRefitError):
+    """A storage operation failed (I/O, permissions, a lost connection)."""
+
+    exit_code = 7
+
+
+@runtime_checkable
+class Store(Protocol):
+    url: str
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def put_file(self, key: str, path: str) -> None: ...
+
+    def create(self, key: str, data: bytes) -> bool: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def get_to(self, key: str, path: str) -> None: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def size(self, key: str) -> int: ...
+
+    def list(self, prefix: str = "") -> list[str]: ...
+
+    def delete(self, key: str) -> None: ...
+
+
+def check_key(key: str) -> str:
+    """Keys are relative, ``/``-separated, without empty, ``.`` or ``..`` parts."""
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise UsageError(f"bad storage key {key!r}")
+    return key
+
+
+def open_store(url: str) -> Store:
+    """A store from a URL: a local directory path (or ``file://``), or ``memory://name``."""
+    if url.startswith("memory://"):
+        from .memory import MemoryStore
+
+        return MemoryStore.named(url[len("memory://"):])
+    if url.startswith("s3://"):
+        raise UsageError(f"{url}: S3 stores are not available in this build yet")
+    from .local import LocalStore
+
+    return LocalStore(url[len("file://"):] if url.startswith("file://") else url)

@@ -1,0 +1,139 @@
+"""A version stream in a local (or network-mounted POSIX) directory: the embedded default."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+
+from .base import StoreError, check_key
+
+
+class LocalStore:
+    """Objects are files under ``root``. ``put`` writes a temp file, fsyncs and renames it into place;
+    ``create`` links a complete temp file to the key (``link`` fails if the key exists), so a
+    conditional create is atomic and a reader never sees a partial commit record."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.url = self.root
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"{self.root}: cannot create store directory ({e.strerror})") from None
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *check_key(key).split("/"))
+
+    def _tmp(self, path: str) -> str:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return f"{path}.tmp-{os.getpid()}-{id(self):x}"
+
+    def _write_tmp(self, path: str, data: bytes) -> str:
+        tmp = self._tmp(path)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        try:
+            tmp = self._write_tmp(path, data)
+            os.replace(tmp, path)
+            _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            raise StoreError(f"{path}: write failed ({e.strerror})") from None
+
+    def put_file(self, key: str, src: str) -> None:
+        path = self._path(key)
+        try:
+            tmp = self._tmp(path)
+            shutil.copyfile(src, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            raise StoreError(f"{path}: write failed ({e.strerror})") from None
+
+    def create(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        try:
+            tmp = self._write_tmp(path, data)
+        except OSError as e:
+            raise StoreError(f"{path}: write failed ({e.strerror})") from None
+        try:
+            os.link(tmp, path)  # atomic: fails with EEXIST if another writer got there first
+            _fsync_dir(os.path.dirname(path))
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise StoreError(f"{path}: create failed ({e.strerror})") from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise KeyError(key) from None
+        except OSError as e:
+            raise StoreError(f"{path}: read failed ({e.strerror})") from None
+
+    def get_to(self, key: str, dest: str) -> None:
+        path = self._path(key)
+        if not os.path.exists(path):
+            raise KeyError(key)
+        tmp = f"{dest}.tmp-{os.getpid()}"
+        try:
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, dest)
+        except OSError as e:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise StoreError(f"{path}: copy to {dest} failed ({e.strerror})") from None
+
+    def exists(self, key: str) -> bool:
+        return os.path.exists(self._path(key))
+
+    def size(self, key: str) -> int:
+        try:
+            return os.path.getsize(self._path(key))
+        except FileNotFoundError:
+            raise KeyError(key) from None
+
+    def mtime(self, key: str) -> float:
+        try:
+            return os.path.getmtime(self._path(key))
+        except FileNotFoundError:
+            raise KeyError(key) from None
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        out: list[str] = []
+        if not os.path.isdir(base):
+            return out
+        for d, _, files in os.walk(base):
+            for f in files:
+                if ".tmp-" in f:
+                    continue  # an unfinished write, never an object
+                out.append(os.path.relpath(os.path.join(d, f), self.root).replace(os.sep, "/"))
+        return sorted(k for k in out if k.startswith(prefix))
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(key))
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,353 @@
+"""The publisher: turns each new checkpoint into a committed version bound to its parent.
+
+Protocol for version N (the parent N-1 is the publisher's committed baseline):
+
+1. Encode the delta from the baseline to the new checkpoint (and, on keyframe versions, keep the
+   checkpoint's files too) into a local staging directory.
+2. Upload the parts under ``v/N/<attempt>/`` (an attempt id unique to this publish).
+3. Joint commit (optional): put ``v/N/prepared.json``, wait for enough subscribers to acknowledge
+   that they verified the delta against their copy of N-1; too few in time aborts the version.
+4. Create ``v/N/commit.json`` conditionally. This is the commit point: losing the race to another
+   publisher raises ``PublishError`` and removes this attempt's parts.
+5. Advance the baseline by applying the delta to it in place (crash-safe, verified), then record
+   ``{version, fingerprint}`` in ``publisher.json`` atomically.
+
+A publisher killed anywhere leaves either no visible version (orphan parts, removed by retention) or a
+committed version its baseline has not reached yet; the next run finds its own commit and finishes
+step 5 before anything else. Publishing the same checkpoint again returns the existing version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+
+import blake3
+
+from ..apply import apply as apply_delta
+from ..checkpoint import open_checkpoint
+from ..encode import encode as encode_delta
+from ..errors import DeltaRefitError, UsageError
+from ..signing import Signer
+from ..storage.base import Store, open_store
+from .records import (
+    CommitRecord,
+    Part,
+    StreamError,
+    commit_key,
+    head,
+    load_commit,
+    now,
+    parse_commit,
+    prepared_key,
+    vkey,
+)
+
+log = logging.getLogger(__name__)
+
+
+class PublishError(StreamError):
+    """This publish did not commit (lost a race, or the joint commit was not acknowledged)."""
+
+
+@dataclass
+class PublishState:
+    version: int
+    fingerprint: str
+
+
+def file_hash(path: str) -> str:
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _checkpoint_files(path: str) -> list[tuple[str, str]]:
+    """(name inside the keyframe, local path) of a checkpoint's files, index included."""
+    if os.path.isfile(path):
+        return [("model.safetensors", path)]
+    with open_checkpoint(path) as ck:
+        files = [(os.path.basename(f), f) for f in ck.files()]
+    idx = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(idx):
+        files.append(("model.safetensors.index.json", idx))
+    return files
+
+
+class Publisher:
+    """Publishes checkpoints to ``store``; keeps its committed baseline under ``state_dir``.
+
+    ``keyframe_every``: a keyframe every K versions (the first version always is one).
+    ``keyframe_ratio``: also a keyframe once the deltas since the last keyframe add up to this
+    fraction of a full checkpoint. ``quorum``: joint commit, wait for this many subscriber acks
+    (``ack_timeout`` seconds) before committing. ``signing_key``: sign commit records (Ed25519 PEM).
+    """
+
+    def __init__(self, store: Store | str, state_dir: str, *, keyframe_every: int = 20,
+                 keyframe_ratio: float = 0.5, quorum: int = 0, ack_timeout: float = 60.0,
+                 signing_key: str | None = None, threads: int | None = None, publisher_id: str | None = None) -> None:
+        if keyframe_every < 1 or keyframe_ratio <= 0 or quorum < 0 or ack_timeout <= 0:
+            raise UsageError("keyframe_every >= 1, keyframe_ratio > 0, quorum >= 0 and ack_timeout > 0 are required")
+        self.store = open_store(store) if isinstance(store, str) else store
+        self.state_dir = os.path.abspath(state_dir)
+        os.makedirs(self.state_dir, exist_ok=True)
+        self.keyframe_every = keyframe_every
+        self.keyframe_ratio = keyframe_ratio
+        self.quorum = quorum
+        self.ack_timeout = ack_timeout
+        self.signer = Signer(signing_key) if signing_key else None
+        self.threads = threads
+        self.publisher_id = publisher_id or f"{os.uname().nodename}-{os.getpid()}"
+        self.baseline = os.path.join(self.state_dir, "baseline.safetensors")
+        self.state_path = os.path.join(self.state_dir, "publisher.json")
+        self.staging = os.path.join(self.state_dir, "staging")
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def state(self) -> PublishState | None:
+        try:
+            with open(self.state_path) as f:
+                d = json.load(f)
+            return PublishState(int(d["version"]), str(d["fingerprint"]))
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as e:
+            raise StreamError(f"{self.state_path}: unreadable publisher state ({e})") from None
+
+    def _save_state(self, st: PublishState) -> None:
+        tmp = f"{self.state_path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"version": st.version, "fingerprint": st.fingerprint, "stream": self.store.url}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.state_path)
+
+    def recover(self) -> PublishState | None:
+        """Bring the baseline to the stream's head: finish our own publish that committed but died
+        before its baseline advanced, and follow versions other publishers committed on our parent."""
+        st = self.state()
+        pending = os.path.join(self.state_dir, "pending.json")
+        if os.path.exists(pending):
+            with open(pending, "rb") as f:
+                mine = f.read()
+            rec = parse_commit(mine, pending)
+            try:
+                theirs = self.store.get(commit_key(rec.version))
+            except KeyError:
+                theirs = None
+            if theirs == mine:
+                st = self._advance(st, rec)
+            else:  # never committed, or another publisher's record won: our parts are orphans
+                self._drop_attempt(rec)
+            os.unlink(pending)
+        h = head(self.store)
+        if st is None:
+            if h:
+                raise StreamError(f"{self.store.url}: the stream already has {h} versions and this publisher "
+                                  f"({self.state_dir}) has no baseline; publish into a new stream or restore the state")
+            return None
+        if h < st.version:
+            raise StreamError(f"{self.store.url}: newest version {h} is older than this publisher's {st.version}")
+        while st.version < h:
+            rec = load_commit(self.store, st.version + 1)
+            if rec.parent != st.fingerprint or rec.delta is None:
+                raise StreamError(f"{self.store.url}: version {rec.version} does not follow this publisher's "
+                                  f"baseline {st.fingerprint[:16]}… (another publisher moved the stream on)")
+            st = self._advance(st, rec)
+        return st
+
+    def _advance(self, st: PublishState | None, rec: CommitRecord) -> PublishState:
+        """Make the baseline equal to committed version ``rec`` and record it."""
+        if st is not None and st.version == rec.version and st.fingerprint == rec.fingerprint:
+            return st
+        os.makedirs(self.staging, exist_ok=True)
+        if st is not None and rec.delta is not None and rec.parent == st.fingerprint:
+            local = self._fetch(rec.delta, os.path.join(self.staging, "advance.delta"))
+            apply_delta(local, self.baseline, threads=self.threads)  # idempotent: a rerun is a no-op
+            os.unlink(local)
+        elif rec.keyframe:
+            kdir = os.path.join(self.staging, "keyframe")
+            os.makedirs(kdir, exist_ok=True)
+            for name, part in rec.keyframe:
+                self._fetch(part, os.path.join(kdir, name))
+            tmp = f"{self.baseline}.tmp-{os.getpid()}"
+            _copy_checkpoint(kdir if len(rec.keyframe) > 1 else os.path.join(kdir, rec.keyframe[0][0]), tmp)
+            os.replace(tmp, self.baseline)
+            shutil.rmtree(kdir, ignore_errors=True)
+        else:
+            raise StreamError(f"{self.store.url}: version {rec.version} cannot be reached from this publisher's "
+                              "baseline")
+        from ..api import verify
+
+        verify(self.baseline, rec.fingerprint, threads=self.threads)
+        st = PublishState(rec.version, rec.fingerprint)
+        self._save_state(st)
+        log.info("baseline advanced to version %d", rec.version)
+        return st
+
+    def _fetch(self, part: Part, dest: str) -> str:
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        self.store.get_to(part.key, dest)
+        if os.path.getsize(dest) != part.bytes or file_hash(dest) != part.blake3:
+            raise StreamError(f"{self.store.url}/{part.key}: part does not match its commit record")
+        return dest
+
+    # -- publish ---------------------------------------------------------------------------------
+
+    def publish(self, checkpoint: str, *, step: int | None = None) -> CommitRecord:
+        """Commit ``checkpoint`` as the next version; returns its commit record."""
+        st = self.recover()
+        version = 1 if st is None else st.version + 1
+        attempt = f"{vkey(version)}/{uuid.uuid4().hex[:12]}"
+        shutil.rmtree(self.staging, ignore_errors=True)
+        os.makedirs(self.staging)
+        delta_part = None
+        full_bytes = 0
+        fp = None
+        if st is not None:
+            local = os.path.join(self.staging, "delta")
+            rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads)
+            if rep.base_fingerprint != st.fingerprint:
+                raise StreamError(f"{self.baseline}: baseline fingerprint {rep.base_fingerprint[:16]}… is not the "
+                                  f"committed {st.fingerprint[:16]}… (modified by hand?)")
+            fp, full_bytes = rep.target_fingerprint, rep.full_bytes
+            if fp == st.fingerprint:
+                prev = load_commit(self.store, st.version)
+                log.info("checkpoint is already version %d; nothing to publish", st.version)
+                return prev
+            delta_part = Part(f"{attempt}/delta", os.path.getsize(local), file_hash(local))
+        keyframe = st is None or version % self.keyframe_every == 0 or self._chain_bytes(version) + (
+            delta_part.bytes if delta_part else 0) >= self.keyframe_ratio * max(full_bytes, 1)
+        kf_parts: list[tuple[str, Part]] = []
+        if keyframe:
+            files = _checkpoint_files(checkpoint)
+            kf_parts = [(name, Part(f"{attempt}/keyframe/{name}", os.path.getsize(p), file_hash(p)))
+                        for name, p in files]
+        if fp is None:
+            from ..api import fingerprint
+
+            fp = fingerprint(checkpoint, threads=self.threads)
+            with open_checkpoint(checkpoint) as ck:
+                full_bytes = sum(t.nbytes for t in ck.tensors.values())
+        rec = CommitRecord(version, st.fingerprint if st else None, fp, "keyframe" if keyframe else "delta",
+                           delta_part, kf_parts, full_bytes, step, now(), self.publisher_id)
+        if self.signer:
+            rec = _signed(rec, self.signer)
+        # Upload, then (joint) commit.
+        try:
+            if delta_part:
+                self.store.put_file(delta_part.key, os.path.join(self.staging, "delta"))
+            if kf_parts:
+                for (name, part), (_, path) in zip(kf_parts, _checkpoint_files(checkpoint), strict=True):
+                    self.store.put_file(part.key, path)
+            if self.quorum:
+                self._joint(rec)
+            # The record we are about to commit, kept locally first: a kill right after the commit
+            # is recognised on the next run by comparing it with the stored one.
+            pending = os.path.join(self.state_dir, "pending.json")
+            _write_atomic(pending, rec.to_bytes())
+            if not self.store.create(commit_key(version), rec.to_bytes()):
+                os.unlink(pending)
+                raise PublishError(f"{self.store.url}: version {version} was committed by another publisher first")
+        except BaseException:
+            if not self.store.exists(commit_key(version)) or self.store.get(commit_key(version)) != rec.to_bytes():
+                self._drop_attempt(rec)
+            raise
+        if self.quorum:
+            self.store.delete(prepared_key(version))
+        # Committed: advance the baseline (in place when a delta exists: no second full copy).
+        if delta_part:
+            apply_delta(os.path.join(self.staging, "delta"), self.baseline, threads=self.threads)
+        else:
+            tmp = f"{self.baseline}.tmp-{os.getpid()}"
+            _copy_checkpoint(checkpoint, tmp)
+            os.replace(tmp, self.baseline)
+        self._save_state(PublishState(version, fp))
+        os.unlink(pending)
+        self.store.put("HEAD", f"{version}\n".encode())
+        shutil.rmtree(self.staging, ignore_errors=True)
+        log.info("published version %d (%s, %d bytes)", version, rec.kind, rec.part_bytes)
+        return rec
+
+    def _chain_bytes(self, version: int) -> int:
+        """Delta bytes since the newest keyframe before ``version``."""
+        total = 0
+        v = version - 1
+        while v >= 1:
+            rec = load_commit(self.store, v)
+            if rec.kind == "keyframe":
+                break
+            total += rec.delta.bytes if rec.delta else 0
+            v -= 1
+        return total
+
+    def _joint(self, rec: CommitRecord) -> None:
+        self.store.put(prepared_key(rec.version), rec.to_bytes())
+        deadline = time.monotonic() + self.ack_timeout
+        while True:
+            acks = [k for k in self.store.list(f"acks/{rec.version:012d}/") if k.endswith(".json")]
+            ok = 0
+            for k in acks:
+                try:
+                    a = json.loads(self.store.get(k))
+                except (KeyError, ValueError):
+                    continue
+                ok += bool(a.get("ok")) and a.get("fingerprint") == rec.fingerprint
+            if ok >= self.quorum:
+                return
+            if time.monotonic() > deadline:
+                self.store.delete(prepared_key(rec.version))
+                raise PublishError(f"{self.store.url}: version {rec.version}: {ok} of {self.quorum} subscribers "
+                                   f"acknowledged within {self.ack_timeout:g} s; not committed, baseline unchanged")
+            time.sleep(0.05)
+
+    def _drop_attempt(self, rec: CommitRecord) -> None:
+        for part in ([rec.delta] if rec.delta else []) + [p for _, p in rec.keyframe]:
+            try:
+                self.store.delete(part.key)
+            except DeltaRefitError as e:  # best effort: retention removes orphans later
+                log.warning("could not remove part %s: %s", part.key, e)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _signed(rec: CommitRecord, signer: Signer) -> CommitRecord:
+    from dataclasses import replace
+
+    return replace(rec, signature={"alg": "ed25519", "key_id": signer.key_id, "sig": signer.sign(rec.signed_bytes())})
+
+
+def _copy_checkpoint(src: str, dest: str) -> None:
+    """The baseline is always one file: a directory checkpoint is rewritten as a single file."""
+    if os.path.isfile(src):
+        shutil.copyfile(src, dest)
+        return
+    from ..checkpoint import TensorSource, write_safetensors
+    from ..integrity import SEGMENT_BYTES
+
+    with open_checkpoint(src) as ck:
+        sources = [TensorSource(n, i.dtype, i.shape, i.nbytes,
+                                lambda n=n, i=i: (ck.raw(n)[o:o + SEGMENT_BYTES] for o in range(0, i.nbytes, SEGMENT_BYTES)))
+                   for n, i in ck.tensors.items()]
+        write_safetensors(dest, sources)
+
+
+def publish(store: str, checkpoint: str, *, state_dir: str | None = None, step: int | None = None,
+            **kwargs) -> CommitRecord:
+    """Library form of ``deltarefit publish STORE CHECKPOINT``."""
+    state_dir = state_dir or os.path.join(os.path.abspath(store) if "://" not in store else ".", ".publisher")
+    return Publisher(store, state_dir, **kwargs).publish(checkpoint, step=step)

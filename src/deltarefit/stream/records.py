@@ -1,0 +1,159 @@
+"""Commit records and the stream's key layout. Pure functions over a ``Store``.
+
+Layout of a stream in a store (keys)::
+
+    v/000000000042/commit.json            the commit record: created last, conditionally (commit point)
+    v/000000000042/prepared.json          joint commit: a version proposed to subscribers
+    v/000000000042/<attempt>/delta        the delta from version 41 (absent for the first version)
+    v/000000000042/<attempt>/keyframe/... the full checkpoint's files (keyframe versions only)
+    acks/000000000042/<subscriber>.json   joint commit: subscribers that verified they can apply it
+    subs/<subscriber>.json                subscriber positions, for retention
+    HEAD                                  a hint naming the newest version (the commits are the truth)
+
+Parts live under a per-attempt directory so that racing publishers never overwrite each other's
+parts; only the winner's commit record points at its parts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import DeltaRefitError
+from ..storage.base import Store
+
+COMMIT_FORMAT = "deltarefit.commit"
+COMMIT_VERSION = 1
+MAX_RECORD_BYTES = 16 << 20
+
+
+class StreamError(DeltaRefitError):
+    """A version stream is inconsistent with what the caller holds: broken chain, wrong parent,
+    a version that does not exist or was pruned, a lost publish race."""
+
+    exit_code = 9
+
+
+def vkey(version: int) -> str:
+    return f"v/{version:012d}"
+
+
+def commit_key(version: int) -> str:
+    return f"{vkey(version)}/commit.json"
+
+
+def prepared_key(version: int) -> str:
+    return f"{vkey(version)}/prepared.json"
+
+
+@dataclass(frozen=True)
+class Part:
+    key: str
+    bytes: int
+    blake3: str  # hex of the full 32-byte BLAKE3 of the object
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    version: int
+    parent: str | None  # fingerprint of the version it applies to (None for the first)
+    fingerprint: str
+    kind: str  # "delta" or "keyframe" (a keyframe version may carry a delta too)
+    delta: Part | None
+    keyframe: list[tuple[str, Part]] = field(default_factory=list)  # (file name, part)
+    full_bytes: int = 0
+    step: int | None = None
+    created: float = 0.0
+    publisher: str = ""
+    signature: dict[str, str] | None = None
+
+    def body(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("signature")
+        d["keyframe"] = [[name, asdict(p)] for name, p in self.keyframe]
+        return {"format": COMMIT_FORMAT, "format_version": COMMIT_VERSION, **d}
+
+    def signed_bytes(self) -> bytes:
+        """The canonical bytes a signature covers: sorted-key compact JSON of everything but it."""
+        return json.dumps(self.body(), sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+    def to_bytes(self) -> bytes:
+        d = self.body()
+        if self.signature is not None:
+            d["signature"] = self.signature
+        return json.dumps(d, sort_keys=True, indent=1).encode("utf-8")
+
+    @property
+    def part_bytes(self) -> int:
+        return (self.delta.bytes if self.delta else 0) + sum(p.bytes for _, p in self.keyframe)
+
+
+def parse_commit(data: bytes, where: str) -> CommitRecord:
+    """Parse and validate a commit record's shape (not its signature: see ``Subscriber``)."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise StreamError(f"{where}: commit record of {len(data)} bytes exceeds the limit")
+    try:
+        d = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise StreamError(f"{where}: commit record is not valid JSON ({type(e).__name__})") from None
+    try:
+        if d.pop("format") != COMMIT_FORMAT or d.pop("format_version") != COMMIT_VERSION:
+            raise StreamError(f"{where}: not a {COMMIT_FORMAT} v{COMMIT_VERSION} record")
+        delta = Part(**d.pop("delta")) if d.get("delta") is not None else d.pop("delta")
+        kf = [(str(n), Part(**p)) for n, p in d.pop("keyframe")]
+        rec = CommitRecord(delta=delta, keyframe=kf, **d)
+    except StreamError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise StreamError(f"{where}: malformed commit record ({type(e).__name__}: {e})") from None
+    if (not isinstance(rec.version, int) or rec.version < 1 or rec.kind not in ("delta", "keyframe")
+            or (rec.kind == "keyframe") != bool(rec.keyframe) or (rec.delta is None and rec.parent is not None)
+            or (rec.delta is None and not rec.keyframe)):
+        raise StreamError(f"{where}: inconsistent commit record (version, kind, parts)")
+    for _, p in ([("delta", rec.delta)] if rec.delta else []) + rec.keyframe:
+        if not p.key.startswith(vkey(rec.version) + "/") or ".." in p.key:
+            raise StreamError(f"{where}: part {p.key!r} lies outside its version")
+    return rec
+
+
+def load_commit(store: Store, version: int) -> CommitRecord:
+    try:
+        data = store.get(commit_key(version))
+    except KeyError:
+        raise StreamError(f"{store.url}: version {version} is not committed") from None
+    rec = parse_commit(data, f"{store.url}/{commit_key(version)}")
+    if rec.version != version:
+        raise StreamError(f"{store.url}/{commit_key(version)}: record says version {rec.version}")
+    return rec
+
+
+def list_versions(store: Store) -> list[int]:
+    """Committed version numbers, ascending."""
+    out = []
+    for k in store.list("v/"):
+        parts = k.split("/")
+        if len(parts) == 3 and parts[2] == "commit.json" and parts[1].isdigit():
+            out.append(int(parts[1]))
+    return sorted(out)
+
+
+def head(store: Store) -> int:
+    """The newest committed version (0 for an empty stream): the HEAD hint, probed forward, since a
+    publisher killed between its commit and the hint leaves the hint one behind."""
+    try:
+        h = int(store.get("HEAD").decode().strip())
+    except (KeyError, ValueError):
+        vs = list_versions(store)
+        return vs[-1] if vs else 0
+    if h > 0 and not store.exists(commit_key(h)):
+        vs = list_versions(store)  # a hint ahead of the commits (pruned or hand-edited): don't trust it
+        return vs[-1] if vs else 0
+    while store.exists(commit_key(h + 1)):
+        h += 1
+    return h
+
+
+def now() -> float:
+    return round(time.time(), 3)

@@ -1,0 +1,95 @@
+"""Retention: delete the parts nobody can need any more, never those a live subscriber needs.
+
+What is kept, with ``h`` the head, ``k`` the newest keyframe and ``s`` the oldest version a live
+subscriber holds (subscribers report their version to ``subs/<id>.json`` on every sync; one silent
+for longer than ``ttl`` seconds is not live):
+
+* the keyframe parts of ``k`` (late joiners start there);
+* every delta part of versions after ``min(s, k)``, so each live subscriber can follow the chain;
+* all commit records (they are small and are the history ``log`` shows).
+
+Deleted: other keyframe parts, delta parts of versions up to ``min(s, k)``, acks of versions that
+are no longer proposed, and orphan parts (a publish that died before committing, or lost a race)
+older than ``orphan_grace`` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ..storage.base import Store
+from .records import head, list_versions, load_commit, prepared_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RetentionReport:
+    head: int
+    keyframe: int
+    oldest_live: int | None
+    deleted: list[str] = field(default_factory=list)
+    kept_bytes: int = 0
+
+
+def live_subscribers(store: Store, ttl: float) -> dict[str, int]:
+    out: dict[str, int] = {}
+    cutoff = time.time() - ttl
+    for k in store.list("subs/"):
+        try:
+            d = json.loads(store.get(k))
+            if float(d["updated"]) >= cutoff:
+                out[k[len("subs/"):-len(".json")]] = int(d["version"])
+        except (KeyError, ValueError, TypeError):
+            log.warning("ignoring unreadable subscriber record %s", k)
+    return out
+
+
+def retain(store: Store, *, ttl: float = 24 * 3600, orphan_grace: float = 3600, dry_run: bool = False) -> RetentionReport:
+    h = head(store)
+    versions = list_versions(store)
+    recs = {v: load_commit(store, v) for v in versions}
+    keyframes = [v for v in versions if recs[v].keyframe]
+    k = keyframes[-1] if keyframes else 0
+    live = live_subscribers(store, ttl)
+    s = min(live.values()) if live else h
+    cut = min(s, k)
+    keep: set[str] = set()
+    for v, r in recs.items():
+        if v == k:
+            keep.update(p.key for _, p in r.keyframe)
+        if r.delta is not None and v > cut:
+            keep.add(r.delta.key)
+    referenced = {p.key for r in recs.values() for p in ([r.delta] if r.delta else []) + [q for _, q in r.keyframe]}
+    rep = RetentionReport(h, k, min(live.values()) if live else None)
+    for key in store.list("v/"):
+        parts = key.split("/")
+        if len(parts) < 4:
+            continue  # commit and prepared records
+        v = int(parts[1])
+        if key in keep:
+            rep.kept_bytes += store.size(key)
+            continue
+        if key not in referenced and (store.exists(prepared_key(v)) or not _older_than(store, key, orphan_grace)):
+            continue  # an orphan still being uploaded or proposed
+        rep.deleted.append(key)
+    for key in store.list("acks/"):
+        v = int(key.split("/")[1])
+        if v <= h and not store.exists(prepared_key(v)):
+            rep.deleted.append(key)
+    if not dry_run:
+        for key in rep.deleted:
+            store.delete(key)
+    log.info("retention: head %d, keyframe %d, oldest live %s: deleted %d objects", h, k, rep.oldest_live,
+             len(rep.deleted))
+    return rep
+
+
+def _older_than(store: Store, key: str, seconds: float) -> bool:
+    mtime = getattr(store, "mtime", None)
+    if mtime is None:
+        return True  # stores without timestamps (memory) treat every orphan as old
+    return time.time() - mtime(key) > seconds

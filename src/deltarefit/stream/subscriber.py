@@ -1,0 +1,272 @@
+"""The subscriber: brings a local checkpoint from its version to the stream's head, verified.
+
+``sync`` is staged: it reads and checks every commit record on the way (parent links, signatures),
+picks the cheapest route in bytes (the chain of deltas, or the newest usable keyframe plus the deltas
+after it), downloads every part into a staging directory and checks it against its record, and only
+then applies, version by version, verifying the fingerprint after each and recording
+``{version, fingerprint}`` atomically beside the checkpoint. A sync interrupted anywhere resumes on
+the next run: applies are idempotent and crash-safe, and the recorded version only moves after a
+verified apply.
+
+Joint commit: ``prepare`` verifies a proposed (prepared, not yet committed) version against the
+local checkpoint without writing it, and acknowledges it in the store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+
+from ..api import fingerprint as fingerprint_of
+from ..apply import apply as apply_delta
+from ..apply import check as check_delta
+from ..errors import BaseMismatchError, UsageError
+from ..signing import SignatureError, Verifier
+from ..storage.base import Store, open_store
+from .publisher import _copy_checkpoint, file_hash
+from .records import CommitRecord, Part, StreamError, head, load_commit, now, parse_commit, prepared_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncReport:
+    from_version: int
+    version: int
+    fingerprint: str
+    route: str  # "none", "chain", "keyframe"
+    bytes_fetched: int
+    versions_applied: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def state_path(checkpoint: str) -> str:
+    p = os.path.abspath(checkpoint)
+    return os.path.join(p, ".deltarefit-version.json") if os.path.isdir(p) else p + ".deltarefit-version.json"
+
+
+class Subscriber:
+    def __init__(self, store: Store | str, checkpoint: str, *, subscriber_id: str | None = None,
+                 public_key: str | None = None, threads: int | None = None) -> None:
+        self.store = open_store(store) if isinstance(store, str) else store
+        self.checkpoint = os.path.abspath(checkpoint)
+        import blake3
+
+        self.id = subscriber_id or f"{os.uname().nodename}-{blake3.blake3(self.checkpoint.encode()).hexdigest(4)}"
+        if not self.id.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise UsageError(f"subscriber id {self.id!r}: use letters, digits, '-', '_' and '.' only")
+        self.verifier = Verifier(public_key) if public_key else None
+        self.threads = threads
+        self.staging = self.checkpoint + ".deltarefit-staging"
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def current(self) -> tuple[int, str] | None:
+        """(version, fingerprint) of the local checkpoint as last verified, or None."""
+        try:
+            with open(state_path(self.checkpoint)) as f:
+                d = json.load(f)
+            return int(d["version"]), str(d["fingerprint"])
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as e:
+            raise StreamError(f"{state_path(self.checkpoint)}: unreadable version state ({e})") from None
+
+    def _record(self, version: int, fp: str) -> None:
+        path = state_path(self.checkpoint)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"version": version, "fingerprint": fp, "stream": self.store.url, "updated": now()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        try:  # a heartbeat for retention; losing it costs nothing but an earlier prune
+            self.store.put(f"subs/{self.id}.json", json.dumps({"version": version, "updated": now()}).encode())
+        except Exception as e:
+            log.warning("could not record subscriber position: %s", e)
+
+    def _commit(self, version: int) -> CommitRecord:
+        rec = load_commit(self.store, version)
+        self._check_signature(rec, f"{self.store.url} version {version}")
+        return rec
+
+    def _check_signature(self, rec: CommitRecord, where: str) -> None:
+        if self.verifier is None:
+            return
+        sig = rec.signature
+        if not sig or sig.get("alg") != "ed25519" or "sig" not in sig:
+            raise SignatureError(f"{where}: commit record is not signed")
+        self.verifier.verify(rec.signed_bytes(), sig["sig"], where)
+
+    # -- sync ------------------------------------------------------------------------------------
+
+    def sync(self, *, to_version: int | None = None) -> SyncReport:
+        try:
+            return self._sync(to_version)
+        except BaseMismatchError:
+            # Killed between installing a keyframe (or an apply) and recording it: the checkpoint is
+            # ahead of its record. Find its version by fingerprint and go on from there, once.
+            fp = fingerprint_of(self.checkpoint, threads=self.threads)
+            cur = self.current()
+            for v in range(head(self.store), (cur[0] if cur else 0), -1):
+                if self._commit(v).fingerprint == fp:
+                    self._record(v, fp)
+                    return self._sync(to_version)
+            raise
+
+    def _sync(self, to_version: int | None) -> SyncReport:
+        t0 = time.perf_counter()
+        h = head(self.store)
+        target = h if to_version is None else to_version
+        if target < 1 or target > h:
+            raise StreamError(f"{self.store.url}: no committed version {target} (head is {h})")
+        cur = self._adopt()
+        start = cur[0] if cur else 0
+        if cur and cur[0] > target:
+            raise StreamError(f"{self.checkpoint} is at version {cur[0]}, ahead of {target}")
+        if cur and cur[0] == target:
+            return SyncReport(start, target, cur[1], "none", 0, [], time.perf_counter() - t0)
+        if cur is None:  # a new subscriber starts from the newest keyframe: read records back to it
+            first = target
+            while first > 1 and not load_commit(self.store, first).keyframe:
+                first -= 1
+        else:
+            first = cur[0] + 1
+        recs = {v: self._commit(v) for v in range(first, target + 1)}
+        for v, rec in recs.items():  # the chain must link up, starting from what we hold
+            parent = recs[v - 1].fingerprint if v - 1 in recs else (cur[1] if cur else None)
+            if cur is None and v == min(recs):
+                continue
+            if rec.parent != parent:
+                raise StreamError(f"{self.store.url}: version {v} applies to {str(rec.parent)[:16]}…, not to "
+                                  f"{str(parent)[:16]}… held by {'version ' + str(v - 1)}: broken chain")
+        route, plan = self._route(cur, recs)
+        os.makedirs(self.staging, exist_ok=True)
+        fetched = 0
+        local: dict[str, str] = {}
+        for part in plan:  # stage everything first: nothing is applied from a partial download
+            dest = os.path.join(self.staging, part.key.replace("/", "_"))
+            if not (os.path.exists(dest) and os.path.getsize(dest) == part.bytes and file_hash(dest) == part.blake3):
+                self.store.get_to(part.key, dest)
+                if os.path.getsize(dest) != part.bytes or file_hash(dest) != part.blake3:
+                    raise StreamError(f"{self.store.url}/{part.key}: part does not match its commit record")
+                fetched += part.bytes
+            local[part.key] = dest
+        applied: list[int] = []
+        version, fp = cur if cur else (0, "")
+        for v in sorted(recs):
+            rec = recs[v]
+            if route == "keyframe" and v < self._kf_version:
+                continue
+            if route == "keyframe" and v == self._kf_version:
+                self._install_keyframe(rec, local)
+            else:
+                apply_delta(local[rec.delta.key], self.checkpoint, threads=self.threads)
+            got = fingerprint_of(self.checkpoint, threads=self.threads) if route == "keyframe" and v == self._kf_version \
+                else rec.fingerprint  # apply verified the target fingerprint itself
+            if got != rec.fingerprint:
+                raise StreamError(f"{self.checkpoint}: fingerprint after version {v} is {got[:16]}…, "
+                                  f"expected {rec.fingerprint[:16]}…")
+            version, fp = v, rec.fingerprint
+            self._record(version, fp)
+            applied.append(v)
+        shutil.rmtree(self.staging, ignore_errors=True)
+        return SyncReport(start, version, fp, route, fetched, applied, time.perf_counter() - t0)
+
+    def _adopt(self) -> tuple[int, str] | None:
+        """The local state; for a checkpoint without one, find its version by fingerprint."""
+        cur = self.current()
+        if cur is not None or not os.path.exists(self.checkpoint):
+            if cur is not None and not os.path.exists(self.checkpoint):
+                raise StreamError(f"{self.checkpoint}: missing, but its version record exists; remove "
+                                  f"{state_path(self.checkpoint)} to restore it from a keyframe")
+            return cur
+        fp = fingerprint_of(self.checkpoint, threads=self.threads)
+        for v in range(head(self.store), 0, -1):
+            rec = self._commit(v)
+            if rec.fingerprint == fp:
+                self._record(v, fp)
+                return v, fp
+        raise StreamError(f"{self.checkpoint}: fingerprint {fp[:16]}… is no version of {self.store.url}")
+
+    def _route(self, cur: tuple[int, str] | None, recs: dict[int, CommitRecord]) -> tuple[str, list[Part]]:
+        """Cheapest in bytes: the whole delta chain, or a keyframe and the deltas after it."""
+        versions = sorted(recs)
+        best: tuple[int, str, int] | None = None  # (bytes, route, keyframe version)
+        if cur is not None and all(recs[v].delta is not None for v in versions):
+            best = (sum(recs[v].delta.bytes for v in versions), "chain", 0)
+        for k in versions:
+            rec = recs[k]
+            if not rec.keyframe or any(recs[v].delta is None for v in versions if v > k):
+                continue
+            cost = sum(p.bytes for _, p in rec.keyframe) + sum(recs[v].delta.bytes for v in versions if v > k)
+            if best is None or cost < best[0]:
+                best = (cost, "keyframe", k)
+        if best is None:
+            raise StreamError(f"{self.store.url}: no route to version {versions[-1]} from "
+                              f"{'version ' + str(cur[0]) if cur else 'nothing'} (no keyframe, or parts pruned)")
+        self._kf_version = best[2]
+        parts: list[Part] = []
+        for v in versions:
+            if best[1] == "keyframe" and v == best[2]:
+                parts += [p for _, p in recs[v].keyframe]
+            elif best[1] == "chain" or v > best[2]:
+                parts.append(recs[v].delta)
+        return best[1], parts
+
+    def _install_keyframe(self, rec: CommitRecord, local: dict[str, str]) -> None:
+        """Replace the checkpoint by a keyframe's files (built aside, then renamed into place)."""
+        if os.path.isdir(self.checkpoint):
+            raise UsageError(f"{self.checkpoint}: a directory checkpoint cannot be replaced by a keyframe yet; "
+                             "sync into a .safetensors file path")
+        kdir = os.path.join(self.staging, "keyframe")
+        os.makedirs(kdir, exist_ok=True)
+        for name, part in rec.keyframe:
+            os.replace(local[part.key], os.path.join(kdir, name))
+        tmp = f"{self.checkpoint}.tmp-{os.getpid()}"
+        src = kdir if len(rec.keyframe) > 1 else os.path.join(kdir, rec.keyframe[0][0])
+        _copy_checkpoint(src, tmp)
+        os.replace(tmp, self.checkpoint)
+
+    # -- joint commit ----------------------------------------------------------------------------
+
+    def prepare(self) -> int | None:
+        """Acknowledge the proposed next version if it applies to the local checkpoint (nothing is
+        written to the checkpoint). Returns the version acknowledged, or None if none is proposed."""
+        cur = self.current()
+        if cur is None:
+            return None
+        v = cur[0] + 1
+        try:
+            data = self.store.get(prepared_key(v))
+        except KeyError:
+            return None
+        rec = parse_commit(data, f"{self.store.url}/{prepared_key(v)}")
+        self._check_signature(rec, f"{self.store.url} proposed version {v}")
+        ok, why = True, ""
+        if rec.parent != cur[1] or rec.delta is None:
+            ok, why = False, "parent is not the local checkpoint"
+        else:
+            os.makedirs(self.staging, exist_ok=True)
+            dest = os.path.join(self.staging, rec.delta.key.replace("/", "_"))
+            self.store.get_to(rec.delta.key, dest)
+            if os.path.getsize(dest) != rec.delta.bytes or file_hash(dest) != rec.delta.blake3:
+                ok, why = False, "delta does not match its record"
+            else:
+                try:
+                    check_delta(dest, self.checkpoint, threads=self.threads)
+                except Exception as e:
+                    ok, why = False, str(e)
+        ack = {"ok": ok, "fingerprint": rec.fingerprint, "subscriber": self.id, "why": why, "at": now()}
+        self.store.put(f"acks/{v:012d}/{self.id}.json", json.dumps(ack).encode())
+        return v if ok else None
+
+
+def sync(store: str, checkpoint: str, **kwargs) -> SyncReport:
+    """Library form of ``deltarefit sync STORE CHECKPOINT``."""
+    opts = {k: kwargs.pop(k) for k in ("subscriber_id", "public_key", "threads") if k in kwargs}
+    return Subscriber(store, checkpoint, **opts).sync(**kwargs)
