@@ -9,6 +9,7 @@ one's target) and every intermediate chunk against its pre-image hash.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -30,7 +31,7 @@ def compose(deltas: list[str], out: str, *, base: str) -> EncodeReport:
     t0 = time.perf_counter()
     readers = [DeltaReader(p) for p in deltas]
     try:
-        for a, b in zip(readers, readers[1:], strict=False):
+        for a, b in itertools.pairwise(readers):
             if a.target_fingerprint != b.base_fingerprint:
                 raise UsageError(f"{b.path} does not apply to the target of {a.path}: not a chain")
         for r in readers:

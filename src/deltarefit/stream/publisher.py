@@ -245,7 +245,7 @@ class Publisher:
             if delta_part:
                 self.store.put_file(delta_part.key, os.path.join(self.staging, "delta"))
             if kf_parts:
-                for (name, part), (_, path) in zip(kf_parts, _checkpoint_files(checkpoint), strict=True):
+                for (_name, part), (_, path) in zip(kf_parts, _checkpoint_files(checkpoint), strict=True):
                     self.store.put_file(part.key, path)
             if self.quorum:
                 self._joint(rec)
