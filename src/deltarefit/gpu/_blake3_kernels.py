@@ -179,7 +179,9 @@ def _columns16(w):
     return w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15
 
 
-@triton.jit
+# Integer arguments are not specialized on their values (== 1, multiple of 16): that would compile a
+# new variant for many buffer lengths, for no speed (offsets are multiples of 1024 by construction).
+@triton.jit(do_not_specialize=["n_bytes", "chunk_begin", "chunk_end", "chunks_per_seg", "seg_bytes"])
 def chunk_cv_kernel(src_ptr, cv_ptr, n_bytes, chunk_begin, chunk_end, chunks_per_seg, seg_bytes,
                     TILE: tl.constexpr, LOAD: tl.constexpr):
     """Chaining values of chunks ``chunk_begin .. chunk_end - 1``; one lane per chunk, TILE per program.
@@ -291,7 +293,7 @@ def _ld(p, i, mask):
     return tl.load(p + i, mask=mask, other=0).to(tl.uint32, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_out", "n_full", "in_full", "out_full", "last_in"])
 def parent_kernel(in_ptr, out_ptr, n_out, n_full, in_full, out_full, last_in, TILE: tl.constexpr):
     """One merge level: node ``j`` of the output level, one lane per output node.
 

@@ -6,12 +6,14 @@ Contracts:
   bytes) on a CUDA device, any length (0 and lengths that are not multiples of 4, 64 or 1024 included).
   Returns a ``[n_segments, 16]`` uint8 tensor on the same device whose row ``i`` equals
   ``blake3.blake3(raw[i * 2**20 : (i + 1) * 2**20]).digest(16)`` (``deltarefit.integrity.seg_hash``);
-  an empty input has no segments. The input is only read.
+  an empty input has no segments. The input is only read. Asynchronous like any CUDA op (no host sync);
+  temporary device memory: 32 bytes per KiB of input (the chunk chaining values, ~3%).
 * ``blake3_gpu(raw, out_len)``: plain BLAKE3 of the whole input (``out_len <= 32``), empty included.
 * ``tensor_digest_gpu(t)`` / ``fingerprint_gpu(tensors)``: ``integrity.tensor_digest_from_segments`` /
   ``fingerprint_from_digests`` over these hashes; equal to ``torch_api.state_dict_fingerprint`` of
   the same tensors. Only the 16-byte segment hashes (16 bytes per MiB) are copied to the host.
-* ``segment_hashes(raw, impl="auto")``: Triton when it is importable, else ``blake3_torch``'s reference.
+* ``segment_hashes(raw, impl="auto")``: Triton when it is importable and ``raw`` is on CUDA, else
+  ``blake3_torch``'s reference.
 
 Kernels: ``_blake3_kernels.chunk_cv_kernel`` computes every chunk's chaining value of every segment in
 one launch (one lane per chunk); whole chunks use the fast word loads (LOAD 1/2), the buffer's last,
@@ -19,8 +21,9 @@ short chunk (and everything, if the base is not 4-byte aligned) uses byte loads 
 (LOAD 0). Then ``parent_kernel`` runs once per tree level (10 for 1 MiB segments) merging pairs within
 every segment at once; the last level leaves each segment's root, whose first 16 bytes are the hash.
 
-Without a GPU, set ``TRITON_INTERPRET=1`` before this module is first imported and pass CPU tensors:
-Triton's interpreter then runs the same kernels (slowly) with numpy.
+Without a GPU, set ``TRITON_INTERPRET=1`` before this module is first imported (and keep it set while
+kernels run: Triton decorates some of its own modules lazily) and pass CPU tensors: Triton's interpreter
+then runs the same kernels with numpy, about 1.5 s per program of up to ``tile`` chunks.
 """
 
 from __future__ import annotations
@@ -135,9 +138,14 @@ def blake3_gpu(raw: torch.Tensor, out_len: int = 32, *, config: KernelConfig | N
 
 
 def segment_hashes(raw: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
-    """Segment hashes with ``impl`` = "triton", "torch", or "auto" (Triton if importable)."""
+    """Segment hashes with ``impl`` = "triton", "torch", or "auto".
+
+    "auto" is Triton when it is importable and can run on ``raw``'s device (CUDA, or any device under
+    Triton's interpreter), else the torch reference.
+    """
     if impl == "auto":
-        impl = "triton" if HAVE_TRITON else "torch"
+        runs = raw.device.type == "cuda" or type(getattr(_k, "chunk_cv_kernel", None)).__name__ == "InterpretedFunction"
+        impl = "triton" if HAVE_TRITON and runs else "torch"
     if impl == "triton":
         return segment_hashes_gpu(raw)
     if impl == "torch":
