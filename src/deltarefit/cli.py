@@ -377,16 +377,75 @@ def compose(deltas, output, base) -> None:
 
 @main.command()
 @click.option("--out", default="out/demo", show_default=True, type=click.Path(), help="Working directory.")
-@click.option("--steps", default=6, show_default=True, type=click.IntRange(min=1), help="Optimizer steps.")
+@click.option("--steps", default=8, show_default=True, type=click.IntRange(min=1), help="Optimizer steps.")
 @click.option("--lr", default=1e-5, show_default=True, type=float, help="AdamW learning rate.")
-def demo(out: str, steps: int, lr: float) -> None:
-    """Train a real small model with AdamW; each step encode, apply, verify, and report."""
+@click.option("--rollouts", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Rollout processes syncing from the version stream.")
+def demo(out: str, steps: int, lr: float, rollouts: int) -> None:
+    """RL refit over a version stream: a trainer process publishes each step, rollout processes sync,
+    verify bit for bit, and generate stamped rollouts; a table and OUT/refit.png at the end."""
 
     def go() -> None:
         from .demo import run_demo
 
-        if not run_demo(out, steps=steps, lr=lr):
+        if not run_demo(out, steps=steps, lr=lr, rollouts=rollouts):
             sys.exit(6)
+
+    _run(go)
+
+
+@main.command()
+@click.option("--params", "params", multiple=True,
+              help="Model parameters, e.g. 8B, 70B, 1T (repeatable; default: 8B 70B 235B 1T).")
+@click.option("--change-pct", default=3.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Percent of bf16 elements changed per step.")
+@click.option("--ratio", default=None, type=click.FloatRange(min=1),
+              help="Compression ratio at that change rate (default: the codec's measured curve).")
+@click.option("--codec", default="ours", show_default=True, type=click.Choice(["ours", "nemo", "trl"]),
+              help="Whose measured ratio curve to use (docs/BENCHMARKS.md).")
+@click.option("--link-gbps", default=25.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Bandwidth between the trainer's and the rollouts' clusters, Gbit/s.")
+@click.option("--store-gbps", default=400.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Object storage aggregate throughput, Gbit/s.")
+@click.option("--fabric-gbps", default=400.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Each rollout node's link inside its cluster, Gbit/s.")
+@click.option("--nodes", default=16, show_default=True, type=click.IntRange(min=1), help="Rollout nodes.")
+@click.option("--fanout", default=2, show_default=True, type=click.IntRange(min=1), help="Relay tree fan-out.")
+@click.option("--shards", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Trainer shards encoding in parallel (rollout replicas are sharded alike for apply).")
+@click.option("--encode-cores", default=8.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Cores encoding per shard.")
+@click.option("--apply-cores", default=8.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Cores applying per shard.")
+@click.option("--encode-gbps-core", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Encode GB/s per core (default: measured, docs/BENCHMARKS.md).")
+@click.option("--apply-gbps-core", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Apply GB/s per core (default: measured, docs/BENCHMARKS.md).")
+@click.option("--chunk-mb", default=512.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Transfer chunk in MiB (pipelining granularity).")
+@click.option("--calibrate", is_flag=True, help="Measure encode/apply GB/s per core now on a synthetic pair.")
+@click.option("--references", is_flag=True, help="Reproduce the published refit figures and exit.")
+@click.option("--plot", "plot_path", default="out/simulate.png", show_default=True, type=click.Path(),
+              help="PNG to write (empty: none).")
+def simulate(params, change_pct, ratio, codec, link_gbps, store_gbps, fabric_gbps, nodes, fanout, shards,
+             encode_cores, apply_cores, encode_gbps_core, apply_gbps_core, chunk_mb, calibrate, references,
+             plot_path) -> None:
+    """Model refit time at scale: full checkpoint vs delta, via object storage or a relay tree."""
+
+    def go() -> None:
+        from . import simulate as sim
+        from .errors import UsageError
+
+        try:
+            sizes = [sim.parse_params(p) for p in params] or [8e9, 70e9, 235e9, 1e12]
+        except ValueError as e:
+            raise UsageError(f"--params: {e}") from None
+        base = sim.Setup(change=change_pct / 100, ratio=ratio, codec=codec, link_gbps=link_gbps,
+                         store_gbps=store_gbps, fabric_gbps=fabric_gbps, nodes=nodes, fanout=fanout, shards=shards,
+                         encode_cores=encode_cores, apply_cores=apply_cores,
+                         encode_gbps_core=encode_gbps_core or sim.ENCODE_GBPS_PER_CORE,
+                         apply_gbps_core=apply_gbps_core or sim.APPLY_GBPS_PER_CORE, chunk_bytes=chunk_mb * (1 << 20))
+        sim.run(base, sizes, do_calibrate=calibrate, show_references=references, plot_path=plot_path or None)
 
     _run(go)
 

