@@ -450,10 +450,10 @@ def simulate(params, change_pct, ratio, codec, link_gbps, store_gbps, fabric_gbp
     _run(go)
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True}, add_help_option=False)
 @click.pass_context
 def bench(ctx: click.Context) -> None:
-    """Run the codec benchmark (see `deltarefit bench --help-bench`); arguments go to deltarefit.bench."""
+    """Codec benchmark against peers and the entropy bound (--quick, --out, --markdown; --help for all)."""
 
     def go() -> None:
         from .bench.report import main as bench_main
