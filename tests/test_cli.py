@@ -101,7 +101,7 @@ def test_the_set_of_commands_and_flags_is_deliberate():
         "inspect": ["as_json", "delta", "show_all"],
         "fingerprint": ["as_json", "checkpoint", "threads"],
         "verify": ["checkpoint", "expected", "threads"],
-        "publish": ["ack_timeout", "as_json", "checkpoint", "keyframe_every", "keyframe_ratio", "quorum",
+        "publish": ["ack_timeout", "as_json", "catchup", "checkpoint", "keyframe_every", "keyframe_ratio", "quorum",
                     "signing_key", "state_dir", "step", "store", "threads"],
         "sync": ["as_json", "checkpoint", "prepare", "public_key", "store", "subscriber_id", "threads", "to_version"],
         "log": ["as_json", "store"],

@@ -101,7 +101,7 @@ def _digest(meta: TensorMeta, segs: list[bytes]) -> bytes:
 
 JOURNAL_MAGIC = b"DRJRNL01"
 _JHEAD = struct.Struct("<8s32sIIBIQ16s16s")  # magic, target fp, tensor idx, chunk idx, kind, n, len, post, hash
-SLOT_BYTES = _JHEAD.size + 2 * SEGMENT_BYTES + 64
+SLOT_BYTES = _JHEAD.size + SEGMENT_BYTES  # a record's body never exceeds one segment (see write)
 
 
 class Journal:
@@ -136,12 +136,19 @@ class Journal:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         self.slots = slots
 
-    def write(self, slot: int, ti: int, ci: int, post: bytes, patch: Patch) -> None:
+    def write(self, slot: int, ti: int, ci: int, post: bytes, patch: Patch, pre: np.ndarray) -> None:
+        """Journal a chunk's patch; ``pre`` is the chunk's current (pre-image) elements."""
+        if patch.dense is None and patch.positions.size * (4 + patch.values.itemsize) > pre.nbytes:
+            # A dense-ish sparse patch would outgrow its slot (and spill into the next one): record
+            # the whole post-image instead, which is never larger than a segment.
+            patch = Patch(None, None, _post_image(pre, patch))
         if patch.dense is not None:
             kind, n, body = 1, patch.dense.size, patch.dense.tobytes()
         else:
             kind, n = 0, patch.positions.size
             body = patch.positions.astype("<u4").tobytes() + patch.values.tobytes()
+        if len(body) > SEGMENT_BYTES:
+            raise AssertionError(f"journal record of {len(body)} bytes exceeds its slot")  # a bug, not bad input
         head = _JHEAD.pack(JOURNAL_MAGIC, self.fp, ti, ci, kind, n, len(body), post, seg_hash(body))
         os.pwrite(self._fd, head + body, slot * SLOT_BYTES)
 
@@ -352,7 +359,7 @@ class Applier:
             view = uint_view(region, e.base.dtype)
             patch = c.patch or _decode(self.d, e, r, view)
             if c.state == "todo" and self.journal:
-                self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch)
+                self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch, view)
             patch.apply_to(view)
             if view.ctypes.data != region.ctypes.data:  # misaligned data was patched in a copy
                 region[:] = view.view(np.uint8)

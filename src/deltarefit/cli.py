@@ -234,10 +234,12 @@ def verify(checkpoint: str, expected: str, threads: int | None) -> None:
 @click.option("--ack-timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for acks.")
 @click.option("--sign", "signing_key", type=click.Path(exists=True), default=None,
               help="Sign the commit record with this Ed25519 private key (see keygen).")
+@click.option("--catchup", is_flag=True,
+              help="Also ship a delta straight from the newest keyframe (late joiners skip the chain).")
 @_threads
 @_json
 def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, quorum, ack_timeout, signing_key,
-            threads, as_json) -> None:
+            catchup, threads, as_json) -> None:
     """Commit CHECKPOINT as the next version of the stream in STORE (a directory)."""
 
     def go() -> None:
@@ -245,7 +247,8 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
 
         sd = state_dir or os.path.join(os.path.abspath(store), ".publisher")
         rec = Publisher(store, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=quorum,
-                        ack_timeout=ack_timeout, signing_key=signing_key, threads=threads).publish(checkpoint, step=step)
+                        ack_timeout=ack_timeout, signing_key=signing_key, threads=threads,
+                        catchup=catchup).publish(checkpoint, step=step)
         if as_json:
             click.echo(rec.to_bytes().decode())
         else:
@@ -303,6 +306,7 @@ def log_cmd(store, as_json) -> None:
             rows.append({"version": v, "kind": r.kind, "step": r.step, "parent": r.parent,
                          "fingerprint": r.fingerprint, "delta_bytes": r.delta.bytes if r.delta else None,
                          "keyframe_bytes": sum(p.bytes for _, p in r.keyframe) or None, "full_bytes": r.full_bytes,
+                         "catchup_from": r.catchup_from, "catchup_bytes": r.catchup.bytes if r.catchup else None,
                          "ratio": (r.full_bytes / r.delta.bytes) if r.delta and r.delta.bytes else None,
                          "signed": bool(r.signature), "created": r.created})
         if as_json:
@@ -311,6 +315,8 @@ def log_cmd(store, as_json) -> None:
         for r in rows:
             size = f"delta {r['delta_bytes']:,} B ({r['ratio']:.1f}x)" if r["delta_bytes"] else "no delta"
             kf = f", keyframe {r['keyframe_bytes']:,} B" if r["keyframe_bytes"] else ""
+            if r["catchup_bytes"]:
+                kf += f", catch-up from v{r['catchup_from']} {r['catchup_bytes']:,} B"
             parent = (r["parent"] or "-")[:12]
             click.echo(f"v{r['version']:<5} {r['kind']:<8} step {r['step']!s:<6} parent {parent:<12} "
                        f"fp {r['fingerprint'][:12]}  {size}{kf}{'  signed' if r['signed'] else ''}")

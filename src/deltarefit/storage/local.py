@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
+import uuid
 
 from .base import StoreError, check_key
 
@@ -27,7 +29,8 @@ class LocalStore:
 
     def _tmp(self, path: str) -> str:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        return f"{path}.tmp-{os.getpid()}-{id(self):x}"
+        # Unique per call: threads sharing this object may write the same key at once.
+        return f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
     def _write_tmp(self, path: str, data: bytes) -> str:
         tmp = self._tmp(path)
@@ -125,6 +128,21 @@ class LocalStore:
                     continue  # an unfinished write, never an object
                 out.append(os.path.relpath(os.path.join(d, f), self.root).replace(os.sep, "/"))
         return sorted(k for k in out if k.startswith(prefix))
+
+    def sweep_temps(self, older_than: float) -> list[str]:
+        """Remove unfinished writes (``*.tmp-*``) older than ``older_than`` seconds: a writer killed
+        mid-upload leaves one, and ``list`` never shows them."""
+        removed = []
+        cutoff = time.time() - older_than
+        for d, _, files in os.walk(self.root):
+            for f in files:
+                p = os.path.join(d, f)
+                if ".tmp-" in f:
+                    with contextlib.suppress(FileNotFoundError):
+                        if os.path.getmtime(p) < cutoff:
+                            os.unlink(p)
+                            removed.append(os.path.relpath(p, self.root))
+        return removed
 
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):

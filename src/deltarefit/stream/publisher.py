@@ -19,6 +19,7 @@ step 5 before anything else. Publishing the same checkpoint again returns the ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -44,7 +45,9 @@ from .records import (
     load_commit,
     now,
     parse_commit,
+    parse_proposal,
     prepared_key,
+    proposal_bytes,
     vkey,
 )
 
@@ -92,7 +95,8 @@ class Publisher:
 
     def __init__(self, store: Store | str, state_dir: str, *, keyframe_every: int = 20,
                  keyframe_ratio: float = 0.5, quorum: int = 0, ack_timeout: float = 60.0,
-                 signing_key: str | None = None, threads: int | None = None, publisher_id: str | None = None) -> None:
+                 signing_key: str | None = None, threads: int | None = None, publisher_id: str | None = None,
+                 catchup: bool = False) -> None:
         if keyframe_every < 1 or keyframe_ratio <= 0 or quorum < 0 or ack_timeout <= 0:
             raise UsageError("keyframe_every >= 1, keyframe_ratio > 0, quorum >= 0 and ack_timeout > 0 are required")
         self.store = open_store(store) if isinstance(store, str) else store
@@ -104,6 +108,11 @@ class Publisher:
         self.ack_timeout = ack_timeout
         self.signer = Signer(signing_key) if signing_key else None
         self.threads = threads
+        # Catch-up deltas: each version also ships one delta straight from the newest keyframe, so a
+        # late joiner needs the keyframe and one delta instead of the whole chain. Costs a local copy
+        # of that keyframe and a second encode per publish.
+        self.catchup = catchup
+        self.keyframe_copy = os.path.join(self.state_dir, "keyframe.safetensors")
         self.publisher_id = publisher_id or f"{os.uname().nodename}-{os.getpid()}"
         self.baseline = os.path.join(self.state_dir, "baseline.safetensors")
         self.state_path = os.path.join(self.state_dir, "publisher.json")
@@ -146,6 +155,9 @@ class Publisher:
                 st = self._advance(st, rec)
             else:  # never committed, or another publisher's record won: our parts are orphans
                 self._drop_attempt(rec)
+                with contextlib.suppress(KeyError, StreamError):
+                    if parse_proposal(self.store.get(prepared_key(rec.version)), pending)[0] == rec:
+                        self.store.delete(prepared_key(rec.version))  # our dead joint proposal
             os.unlink(pending)
         h = head(self.store)
         if st is None:
@@ -219,12 +231,20 @@ class Publisher:
                                   f"committed {st.fingerprint[:16]}… (modified by hand?)")
             fp, full_bytes = rep.target_fingerprint, rep.full_bytes
             if fp == st.fingerprint:
-                prev = load_commit(self.store, st.version)
+                shutil.rmtree(self.staging, ignore_errors=True)
                 log.info("checkpoint is already version %d; nothing to publish", st.version)
-                return prev
+                return load_commit(self.store, st.version)
             delta_part = Part(f"{attempt}/delta", os.path.getsize(local), file_hash(local))
         keyframe = st is None or version % self.keyframe_every == 0 or self._chain_bytes(version) + (
             delta_part.bytes if delta_part else 0) >= self.keyframe_ratio * max(full_bytes, 1)
+        catchup_from, catchup_part = None, None
+        kf_state = self._keyframe_state()
+        if self.catchup and not keyframe and kf_state is not None and kf_state[0] < version - 1:
+            local = os.path.join(self.staging, "catchup")
+            rep = encode_delta(self.keyframe_copy, checkpoint, local, threads=self.threads)
+            if rep.base_fingerprint == kf_state[1]:
+                catchup_from = kf_state[0]
+                catchup_part = Part(f"{attempt}/catchup", os.path.getsize(local), file_hash(local))
         kf_parts: list[tuple[str, Part]] = []
         if keyframe:
             files = _checkpoint_files(checkpoint)
@@ -237,13 +257,16 @@ class Publisher:
             with open_checkpoint(checkpoint) as ck:
                 full_bytes = sum(t.nbytes for t in ck.tensors.values())
         rec = CommitRecord(version, st.fingerprint if st else None, fp, "keyframe" if keyframe else "delta",
-                           delta_part, kf_parts, full_bytes, step, now(), self.publisher_id)
+                           delta_part, kf_parts, full_bytes, step, now(), self.publisher_id, catchup_from,
+                           catchup_part)
         if self.signer:
             rec = _signed(rec, self.signer)
         # Upload, then (joint) commit.
         try:
             if delta_part:
                 self.store.put_file(delta_part.key, os.path.join(self.staging, "delta"))
+            if catchup_part:
+                self.store.put_file(catchup_part.key, os.path.join(self.staging, "catchup"))
             if kf_parts:
                 for (_name, part), (_, path) in zip(kf_parts, _checkpoint_files(checkpoint), strict=True):
                     self.store.put_file(part.key, path)
@@ -260,8 +283,8 @@ class Publisher:
             if not self.store.exists(commit_key(version)) or self.store.get(commit_key(version)) != rec.to_bytes():
                 self._drop_attempt(rec)
             raise
-        if self.quorum:
-            self.store.delete(prepared_key(version))
+        # A proposal for this version (ours, or a joint publish that died waiting) is settled now.
+        self.store.delete(prepared_key(version))
         # Committed: advance the baseline (in place when a delta exists: no second full copy).
         if delta_part:
             apply_delta(os.path.join(self.staging, "delta"), self.baseline, threads=self.threads)
@@ -270,11 +293,24 @@ class Publisher:
             _copy_checkpoint(checkpoint, tmp)
             os.replace(tmp, self.baseline)
         self._save_state(PublishState(version, fp))
+        if keyframe and self.catchup:  # the base of the catch-up deltas to come
+            tmp = f"{self.keyframe_copy}.tmp-{os.getpid()}"
+            shutil.copyfile(self.baseline, tmp)
+            os.replace(tmp, self.keyframe_copy)
+            _write_atomic(self.keyframe_copy + ".json", json.dumps({"version": version, "fingerprint": fp}).encode())
         os.unlink(pending)
         self.store.put("HEAD", f"{version}\n".encode())
         shutil.rmtree(self.staging, ignore_errors=True)
         log.info("published version %d (%s, %d bytes)", version, rec.kind, rec.part_bytes)
         return rec
+
+    def _keyframe_state(self) -> tuple[int, str] | None:
+        try:
+            with open(self.keyframe_copy + ".json") as f:
+                d = json.load(f)
+            return int(d["version"]), str(d["fingerprint"])
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return None
 
     def _chain_bytes(self, version: int) -> int:
         """Delta bytes since the newest keyframe before ``version``."""
@@ -289,7 +325,8 @@ class Publisher:
         return total
 
     def _joint(self, rec: CommitRecord) -> None:
-        self.store.put(prepared_key(rec.version), rec.to_bytes())
+        # The wall-clock deadline lets retention tell a live proposal from a dead publisher's.
+        self.store.put(prepared_key(rec.version), proposal_bytes(rec, time.time() + self.ack_timeout))
         deadline = time.monotonic() + self.ack_timeout
         while True:
             acks = [k for k in self.store.list(f"acks/{rec.version:012d}/") if k.endswith(".json")]
@@ -309,7 +346,7 @@ class Publisher:
             time.sleep(0.05)
 
     def _drop_attempt(self, rec: CommitRecord) -> None:
-        for part in ([rec.delta] if rec.delta else []) + [p for _, p in rec.keyframe]:
+        for part in ([rec.delta] if rec.delta else []) + [p for _, p in rec.keyframe] + ([rec.catchup] if rec.catchup else []):
             try:
                 self.store.delete(part.key)
             except DeltaRefitError as e:  # best effort: retention removes orphans later

@@ -67,6 +67,8 @@ class CommitRecord:
     step: int | None = None
     created: float = 0.0
     publisher: str = ""
+    catchup_from: int | None = None  # a catch-up delta from this (keyframe) version straight to this one
+    catchup: Part | None = None
     signature: dict[str, str] | None = None
 
     def body(self) -> dict[str, Any]:
@@ -87,7 +89,8 @@ class CommitRecord:
 
     @property
     def part_bytes(self) -> int:
-        return (self.delta.bytes if self.delta else 0) + sum(p.bytes for _, p in self.keyframe)
+        return ((self.delta.bytes if self.delta else 0) + sum(p.bytes for _, p in self.keyframe)
+                + (self.catchup.bytes if self.catchup else 0))
 
 
 def parse_commit(data: bytes, where: str) -> CommitRecord:
@@ -102,6 +105,8 @@ def parse_commit(data: bytes, where: str) -> CommitRecord:
         if d.pop("format") != COMMIT_FORMAT or d.pop("format_version") != COMMIT_VERSION:
             raise StreamError(f"{where}: not a {COMMIT_FORMAT} v{COMMIT_VERSION} record")
         delta = Part(**d.pop("delta")) if d.get("delta") is not None else d.pop("delta")
+        if d.get("catchup") is not None:
+            d["catchup"] = Part(**d["catchup"])
         kf = [(str(n), Part(**p)) for n, p in d.pop("keyframe")]
         rec = CommitRecord(delta=delta, keyframe=kf, **d)
     except StreamError:
@@ -110,12 +115,28 @@ def parse_commit(data: bytes, where: str) -> CommitRecord:
         raise StreamError(f"{where}: malformed commit record ({type(e).__name__}: {e})") from None
     if (not isinstance(rec.version, int) or rec.version < 1 or rec.kind not in ("delta", "keyframe")
             or (rec.kind == "keyframe") != bool(rec.keyframe) or (rec.delta is None and rec.parent is not None)
-            or (rec.delta is None and not rec.keyframe)):
+            or (rec.delta is None and not rec.keyframe)
+            or (rec.catchup is None) != (rec.catchup_from is None)
+            or (rec.catchup_from is not None and not (isinstance(rec.catchup_from, int) and 1 <= rec.catchup_from < rec.version))):
         raise StreamError(f"{where}: inconsistent commit record (version, kind, parts)")
-    for _, p in ([("delta", rec.delta)] if rec.delta else []) + rec.keyframe:
+    for _, p in ([("delta", rec.delta)] if rec.delta else []) + rec.keyframe + ([("catchup", rec.catchup)] if rec.catchup else []):
         if not p.key.startswith(vkey(rec.version) + "/") or ".." in p.key:
             raise StreamError(f"{where}: part {p.key!r} lies outside its version")
     return rec
+
+
+def proposal_bytes(rec: CommitRecord, deadline: float) -> bytes:
+    """A joint-commit proposal: the record to be committed and when its publisher stops waiting."""
+    return json.dumps({"deadline": deadline, "record": json.loads(rec.to_bytes())}, sort_keys=True).encode()
+
+
+def parse_proposal(data: bytes, where: str) -> tuple[CommitRecord, float]:
+    try:
+        d = json.loads(data.decode("utf-8"))
+        deadline, record = float(d["deadline"]), d["record"]
+    except (UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
+        raise StreamError(f"{where}: malformed proposal ({type(e).__name__})") from None
+    return parse_commit(json.dumps(record).encode(), where), deadline
 
 
 def load_commit(store: Store, version: int) -> CommitRecord:

@@ -6,6 +6,7 @@ for longer than ``ttl`` seconds is not live):
 
 * the keyframe parts of ``k`` (late joiners start there);
 * every delta part of versions after ``min(s, k)``, so each live subscriber can follow the chain;
+* catch-up deltas from ``k``;
 * all commit records (they are small and are the history ``log`` shows).
 
 Deleted: other keyframe parts, delta parts of versions up to ``min(s, k)``, acks of versions that
@@ -21,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..storage.base import Store
-from .records import head, list_versions, load_commit, prepared_key
+from .records import StreamError, head, list_versions, load_commit, parse_proposal
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,26 @@ def retain(store: Store, *, ttl: float = 24 * 3600, orphan_grace: float = 3600, 
             keep.update(p.key for _, p in r.keyframe)
         if r.delta is not None and v > cut:
             keep.add(r.delta.key)
-    referenced = {p.key for r in recs.values() for p in ([r.delta] if r.delta else []) + [q for _, q in r.keyframe]}
+        if r.catchup is not None and r.catchup_from == k:  # catch-ups from older keyframes lead nowhere kept
+            keep.add(r.catchup.key)
+    referenced = {p.key for r in recs.values()
+                  for p in ([r.delta] if r.delta else []) + [q for _, q in r.keyframe] + ([r.catchup] if r.catchup else [])}
     rep = RetentionReport(h, k, min(live.values()) if live else None)
+    # Proposals (joint commit) still open: for a version after the head and younger than the grace.
+    # Settled ones (at or below the head) and stale ones (a joint publish that died) are removed.
+    proposals: set[int] = set()
+    for key in store.list("v/"):
+        parts = key.split("/")
+        if len(parts) == 3 and parts[2] == "prepared.json":
+            v = int(parts[1])
+            try:
+                _, deadline = parse_proposal(store.get(key), key)
+            except (KeyError, StreamError):
+                deadline = 0.0  # unreadable: treat as dead
+            if v > h and time.time() < deadline + orphan_grace:
+                proposals.add(v)
+            else:
+                rep.deleted.append(key)
     for key in store.list("v/"):
         parts = key.split("/")
         if len(parts) < 4:
@@ -73,16 +92,18 @@ def retain(store: Store, *, ttl: float = 24 * 3600, orphan_grace: float = 3600, 
         if key in keep:
             rep.kept_bytes += store.size(key)
             continue
-        if key not in referenced and (store.exists(prepared_key(v)) or not _older_than(store, key, orphan_grace)):
+        if key not in referenced and (v in proposals or not _older_than(store, key, orphan_grace)):
             continue  # an orphan still being uploaded or proposed
         rep.deleted.append(key)
     for key in store.list("acks/"):
-        v = int(key.split("/")[1])
-        if v <= h and not store.exists(prepared_key(v)):
+        if int(key.split("/")[1]) not in proposals:
             rep.deleted.append(key)
     if not dry_run:
         for key in rep.deleted:
             store.delete(key)
+        sweep = getattr(store, "sweep_temps", None)
+        if sweep is not None:  # unfinished uploads of killed writers, invisible to list()
+            rep.deleted += sweep(orphan_grace)
     log.info("retention: head %d, keyframe %d, oldest live %s: deleted %d objects", h, k, rep.oldest_live,
              len(rep.deleted))
     return rep

@@ -25,10 +25,11 @@ from ..api import fingerprint as fingerprint_of
 from ..apply import apply as apply_delta
 from ..apply import check as check_delta
 from ..errors import BaseMismatchError, UsageError
+from ..format import DeltaReader
 from ..signing import SignatureError, Verifier
 from ..storage.base import Store, open_store
 from .publisher import _copy_checkpoint, file_hash
-from .records import CommitRecord, Part, StreamError, head, load_commit, now, parse_commit, prepared_key
+from .records import CommitRecord, Part, StreamError, head, load_commit, now, parse_proposal, prepared_key
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,17 @@ class SyncReport:
     bytes_fetched: int
     versions_applied: list[int] = field(default_factory=list)
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One step of a sync route: install a keyframe, or apply a delta or a catch-up delta."""
+
+    kind: str  # "keyframe", "delta", "catchup"
+    version: int  # the version reached
+    parts: list[Part]
+    parent: str | None  # fingerprint a delta applies to
+    fingerprint: str  # fingerprint reached
 
 
 def state_path(checkpoint: str) -> str:
@@ -144,36 +156,44 @@ class Subscriber:
             if rec.parent != parent:
                 raise StreamError(f"{self.store.url}: version {v} applies to {str(rec.parent)[:16]}…, not to "
                                   f"{str(parent)[:16]}… held by {'version ' + str(v - 1)}: broken chain")
-        route, plan = self._route(cur, recs)
+        route, steps = self._route(cur, recs)
         os.makedirs(self.staging, exist_ok=True)
         fetched = 0
         local: dict[str, str] = {}
-        for part in plan:  # stage everything first: nothing is applied from a partial download
+        for part in (p for st in steps for p in st.parts):  # stage everything first
             dest = os.path.join(self.staging, part.key.replace("/", "_"))
             if not (os.path.exists(dest) and os.path.getsize(dest) == part.bytes and file_hash(dest) == part.blake3):
-                self.store.get_to(part.key, dest)
+                try:
+                    self.store.get_to(part.key, dest)
+                except KeyError:
+                    raise StreamError(f"{self.store.url}/{part.key}: part is missing (pruned?)") from None
                 if os.path.getsize(dest) != part.bytes or file_hash(dest) != part.blake3:
                     raise StreamError(f"{self.store.url}/{part.key}: part does not match its commit record")
                 fetched += part.bytes
             local[part.key] = dest
+        for st in steps:  # each staged delta must say what its record says, before any write
+            if st.kind != "keyframe":
+                with DeltaReader(local[st.parts[0].key]) as d:
+                    if (d.base_fingerprint, d.target_fingerprint) != (st.parent, st.fingerprint):
+                        raise StreamError(f"{self.store.url} version {st.version}: its {st.kind} goes from "
+                                          f"{d.base_fingerprint[:16]}… to {d.target_fingerprint[:16]}…, the record "
+                                          f"says {str(st.parent)[:16]}… to {st.fingerprint[:16]}…")
         applied: list[int] = []
         version, fp = cur if cur else (0, "")
-        for v in sorted(recs):
-            rec = recs[v]
-            if route == "keyframe" and v < self._kf_version:
-                continue
-            if route == "keyframe" and v == self._kf_version:
-                self._install_keyframe(rec, local)
+        for st in steps:
+            if st.kind == "keyframe":
+                self._install_keyframe(recs[st.version], local)
+                got = fingerprint_of(self.checkpoint, threads=self.threads)
             else:
-                apply_delta(local[rec.delta.key], self.checkpoint, threads=self.threads)
-            got = fingerprint_of(self.checkpoint, threads=self.threads) if route == "keyframe" and v == self._kf_version \
-                else rec.fingerprint  # apply verified the target fingerprint itself
-            if got != rec.fingerprint:
-                raise StreamError(f"{self.checkpoint}: fingerprint after version {v} is {got[:16]}…, "
-                                  f"expected {rec.fingerprint[:16]}…")
-            version, fp = v, rec.fingerprint
+                # apply verifies that the checkpoint reached the delta's own target fingerprint; the
+                # record must name that same fingerprint (an edited record must not be believed).
+                got = apply_delta(local[st.parts[0].key], self.checkpoint, threads=self.threads).target_fingerprint
+            if got != st.fingerprint:
+                raise StreamError(f"{self.checkpoint}: fingerprint after version {st.version} is {got[:16]}…, "
+                                  f"expected {st.fingerprint[:16]}…")
+            version, fp = st.version, st.fingerprint
             self._record(version, fp)
-            applied.append(v)
+            applied.append(version)
         shutil.rmtree(self.staging, ignore_errors=True)
         return SyncReport(start, version, fp, route, fetched, applied, time.perf_counter() - t0)
 
@@ -193,30 +213,56 @@ class Subscriber:
                 return v, fp
         raise StreamError(f"{self.checkpoint}: fingerprint {fp[:16]}… is no version of {self.store.url}")
 
-    def _route(self, cur: tuple[int, str] | None, recs: dict[int, CommitRecord]) -> tuple[str, list[Part]]:
-        """Cheapest in bytes: the whole delta chain, or a keyframe and the deltas after it."""
+    def _route(self, cur: tuple[int, str] | None, recs: dict[int, CommitRecord]) -> tuple[str, list[_Step]]:
+        """Cheapest in bytes among: the chain of deltas; a keyframe and the deltas after it; a catch-up
+        delta (one delta from a keyframe's version, composed by the publisher) and the deltas after it,
+        from that keyframe's version or from a keyframe installed first. Parts retention pruned are skipped."""
         versions = sorted(recs)
-        best: tuple[int, str, int] | None = None  # (bytes, route, keyframe version)
-        if cur is not None and all(recs[v].delta is not None for v in versions):
-            best = (sum(recs[v].delta.bytes for v in versions), "chain", 0)
-        for k in versions:
+        last = versions[-1]
+        have: dict[str, bool] = {}
+
+        def present(*ps: Part | None) -> bool:  # retention may have pruned parts the records name
+            for p in ps:
+                if p is None:
+                    return False
+                if p.key not in have:
+                    have[p.key] = self.store.exists(p.key)
+                if not have[p.key]:
+                    return False
+            return True
+
+        def chain(after: int) -> list[_Step] | None:
+            steps = [_Step("delta", v, [recs[v].delta], recs[v].parent, recs[v].fingerprint)
+                     for v in versions if v > after]
+            return steps if all(present(*s.parts) for s in steps) else None
+
+        def keyframe(k: int) -> _Step | None:
             rec = recs[k]
-            if not rec.keyframe or any(recs[v].delta is None for v in versions if v > k):
+            parts = [p for _, p in rec.keyframe]
+            return _Step("keyframe", k, parts, None, rec.fingerprint) if parts and present(*parts) else None
+
+        routes: list[tuple[str, list[_Step]]] = []
+        if cur is not None and (c := chain(cur[0])) is not None:
+            routes.append(("chain", c))
+        for k in versions:
+            kf, rest = keyframe(k), chain(k)
+            if kf is not None and rest is not None:
+                routes.append(("keyframe", [kf, *rest]))
+        for m in versions:
+            rec = recs[m]
+            if rec.catchup is None or not present(rec.catchup) or (rest := chain(m)) is None:
                 continue
-            cost = sum(p.bytes for _, p in rec.keyframe) + sum(recs[v].delta.bytes for v in versions if v > k)
-            if best is None or cost < best[0]:
-                best = (cost, "keyframe", k)
-        if best is None:
-            raise StreamError(f"{self.store.url}: no route to version {versions[-1]} from "
+            f = rec.catchup_from
+            up = _Step("catchup", m, [rec.catchup], None, rec.fingerprint)
+            if cur is not None and cur[0] == f:
+                routes.append(("catchup", [_Step(up.kind, m, up.parts, cur[1], up.fingerprint), *rest]))
+            elif f in recs and (kf := keyframe(f)) is not None:
+                routes.append(("keyframe+catchup", [kf, _Step(up.kind, m, up.parts, kf.fingerprint, up.fingerprint),
+                                                    *rest]))
+        if not routes:
+            raise StreamError(f"{self.store.url}: no route to version {last} from "
                               f"{'version ' + str(cur[0]) if cur else 'nothing'} (no keyframe, or parts pruned)")
-        self._kf_version = best[2]
-        parts: list[Part] = []
-        for v in versions:
-            if best[1] == "keyframe" and v == best[2]:
-                parts += [p for _, p in recs[v].keyframe]
-            elif best[1] == "chain" or v > best[2]:
-                parts.append(recs[v].delta)
-        return best[1], parts
+        return min(routes, key=lambda r: sum(p.bytes for s in r[1] for p in s.parts))
 
     def _install_keyframe(self, rec: CommitRecord, local: dict[str, str]) -> None:
         """Replace the checkpoint by a keyframe's files (built aside, then renamed into place)."""
@@ -227,7 +273,8 @@ class Subscriber:
         os.makedirs(kdir, exist_ok=True)
         for name, part in rec.keyframe:
             os.replace(local[part.key], os.path.join(kdir, name))
-        tmp = f"{self.checkpoint}.tmp-{os.getpid()}"
+        # A fixed temp name: a sync killed here leaves it, and the next one overwrites it.
+        tmp = f"{self.checkpoint}.deltarefit-keyframe.tmp"
         src = kdir if len(rec.keyframe) > 1 else os.path.join(kdir, rec.keyframe[0][0])
         _copy_checkpoint(src, tmp)
         os.replace(tmp, self.checkpoint)
@@ -245,7 +292,7 @@ class Subscriber:
             data = self.store.get(prepared_key(v))
         except KeyError:
             return None
-        rec = parse_commit(data, f"{self.store.url}/{prepared_key(v)}")
+        rec, _ = parse_proposal(data, f"{self.store.url}/{prepared_key(v)}")
         self._check_signature(rec, f"{self.store.url} proposed version {v}")
         ok, why = True, ""
         if rec.parent != cur[1] or rec.delta is None:
