@@ -118,7 +118,9 @@ class LocalStore:
             raise KeyError(key) from None
 
     def list(self, prefix: str = "") -> list[str]:
-        base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        # Keys are matched as string prefixes (as object stores do): walk the deepest whole directory.
+        head = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = self._path(head) if head else self.root
         out: list[str] = []
         if not os.path.isdir(base):
             return out

@@ -310,6 +310,7 @@ class Subscriber:
                     ok, why = False, str(e)
         ack = {"ok": ok, "fingerprint": rec.fingerprint, "subscriber": self.id, "why": why, "at": now()}
         self.store.put(f"acks/{v:012d}/{self.id}.json", json.dumps(ack).encode())
+        shutil.rmtree(self.staging, ignore_errors=True)  # the proposal may never commit; sync fetches again
         return v if ok else None
 
 
