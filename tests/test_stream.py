@@ -495,6 +495,31 @@ def test_joint_commit(tmp_path, chain, chain_fps):
     check_stream_whole(store)
 
 
+def test_joint_commit_with_quorum_all_waits_for_every_live_subscriber(tmp_path, chain, chain_fps):
+    from deltarefit.stream.publisher import ALL
+
+    store = LocalStore(str(tmp_path / "store"))
+    setup = _publisher(store, str(tmp_path / "pub"))
+    for v in range(1, 3):
+        setup.publish(chain[v])
+    subs = [Subscriber(LocalStore(store.url), str(tmp_path / f"{n}.safetensors"), subscriber_id=n)
+            for n in ("a", "b", "c")]
+    for s in subs:
+        s.sync()  # each sync records a heartbeat: three live subscribers
+    # Only two of the three answer: with quorum "all" that is not enough.
+    res, got = _joint_round(_publisher(LocalStore(store.url), str(tmp_path / "pub"), quorum=ALL, ack_timeout=1.5),
+                            chain[3], subs[:2])
+    assert isinstance(res, PublishError) and "2 of 3" in str(res), res
+    assert head(store) == 2
+    # All three answer: it commits.
+    rec, got = _joint_round(_publisher(LocalStore(store.url), str(tmp_path / "pub"), quorum=ALL, ack_timeout=30),
+                            chain[3], subs)
+    assert not isinstance(rec, BaseException), rec
+    assert rec.version == 3 and all(got[s.id] == [3] for s in subs)
+    r = run("publish", store.url, chain[4], "--state", str(tmp_path / "pub"), "--quorum", "most")
+    assert r.returncode == 2 and "--quorum" in r.stderr
+
+
 def test_prepare_with_nothing_proposed(stream, tmp_path):
     sub = _new_sub(stream, tmp_path, "idle")
     assert sub.prepare() is None  # no checkpoint yet

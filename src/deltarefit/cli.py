@@ -229,8 +229,8 @@ def verify(checkpoint: str, expected: str, threads: int | None) -> None:
               help="A full keyframe every K versions (the first version always is one).")
 @click.option("--keyframe-ratio", type=float, default=0.5, show_default=True,
               help="Also a keyframe once deltas since the last one reach this fraction of a checkpoint.")
-@click.option("--quorum", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Joint commit: wait for this many subscribers to acknowledge (0 = off).")
+@click.option("--quorum", default="0", show_default=True,
+              help="Joint commit: wait for this many subscribers to acknowledge, or 'all' live ones (0 = off).")
 @click.option("--ack-timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for acks.")
 @click.option("--sign", "signing_key", type=click.Path(exists=True), default=None,
               help="Sign the commit record with this Ed25519 private key (see keygen).")
@@ -243,10 +243,14 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
     """Commit CHECKPOINT as the next version of the stream in STORE (a directory)."""
 
     def go() -> None:
-        from .stream.publisher import Publisher
+        from .errors import UsageError
+        from .stream.publisher import ALL, Publisher
 
+        if quorum != "all" and not quorum.isdigit():
+            raise UsageError(f"--quorum must be a number or 'all', not {quorum!r}")
+        q = ALL if quorum == "all" else int(quorum)
         sd = state_dir or os.path.join(os.path.abspath(store), ".publisher")
-        rec = Publisher(store, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=quorum,
+        rec = Publisher(store, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=q,
                         ack_timeout=ack_timeout, signing_key=signing_key, threads=threads,
                         catchup=catchup).publish(checkpoint, step=step)
         if as_json:

@@ -54,6 +54,9 @@ from .records import (
 log = logging.getLogger(__name__)
 
 
+ALL = -1  # quorum: every live subscriber
+
+
 class PublishError(StreamError):
     """This publish did not commit (lost a race, or the joint commit was not acknowledged)."""
 
@@ -90,15 +93,18 @@ class Publisher:
     ``keyframe_every``: a keyframe every K versions (the first version always is one).
     ``keyframe_ratio``: also a keyframe once the deltas since the last keyframe add up to this
     fraction of a full checkpoint. ``quorum``: joint commit, wait for this many subscriber acks
+    (``ALL``: every live subscriber, those that synced within ``live_ttl`` seconds; at least one)
     (``ack_timeout`` seconds) before committing. ``signing_key``: sign commit records (Ed25519 PEM).
     """
 
     def __init__(self, store: Store | str, state_dir: str, *, keyframe_every: int = 20,
-                 keyframe_ratio: float = 0.5, quorum: int = 0, ack_timeout: float = 60.0,
+                 keyframe_ratio: float = 0.5, quorum: int = 0, ack_timeout: float = 60.0, live_ttl: float = 3600.0,
                  signing_key: str | None = None, threads: int | None = None, publisher_id: str | None = None,
                  catchup: bool = False) -> None:
-        if keyframe_every < 1 or keyframe_ratio <= 0 or quorum < 0 or ack_timeout <= 0:
-            raise UsageError("keyframe_every >= 1, keyframe_ratio > 0, quorum >= 0 and ack_timeout > 0 are required")
+        if keyframe_every < 1 or keyframe_ratio <= 0 or (quorum < 0 and quorum != ALL) or ack_timeout <= 0:
+            raise UsageError("keyframe_every >= 1, keyframe_ratio > 0, quorum >= 0 (or ALL) and ack_timeout > 0 "
+                             "are required")
+        self.live_ttl = live_ttl
         self.store = open_store(store) if isinstance(store, str) else store
         self.state_dir = os.path.abspath(state_dir)
         os.makedirs(self.state_dir, exist_ok=True)
@@ -328,6 +334,11 @@ class Publisher:
         # The wall-clock deadline lets retention tell a live proposal from a dead publisher's.
         self.store.put(prepared_key(rec.version), proposal_bytes(rec, time.time() + self.ack_timeout))
         deadline = time.monotonic() + self.ack_timeout
+        need = self.quorum
+        if need == ALL:
+            from .retention import live_subscribers
+
+            need = max(1, len(live_subscribers(self.store, self.live_ttl)))
         while True:
             acks = [k for k in self.store.list(f"acks/{rec.version:012d}/") if k.endswith(".json")]
             ok = 0
@@ -337,11 +348,11 @@ class Publisher:
                 except (KeyError, ValueError):
                     continue
                 ok += bool(a.get("ok")) and a.get("fingerprint") == rec.fingerprint
-            if ok >= self.quorum:
+            if ok >= need:
                 return
             if time.monotonic() > deadline:
                 self.store.delete(prepared_key(rec.version))
-                raise PublishError(f"{self.store.url}: version {rec.version}: {ok} of {self.quorum} subscribers "
+                raise PublishError(f"{self.store.url}: version {rec.version}: {ok} of {need} subscribers "
                                    f"acknowledged within {self.ack_timeout:g} s; not committed, baseline unchanged")
             time.sleep(0.05)
 
