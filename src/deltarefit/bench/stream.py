@@ -39,7 +39,7 @@ def _chain(d: str, mib: int, versions: int, rate: float, seed: int) -> list[str]
         p = os.path.join(d, f"step{s:03d}.safetensors")
         _write(p, cur)
         paths.append(p)
-        for k, v in cur.items():
+        for v in cur.values():
             idx = np.flatnonzero(rng.random(v.size) < rate)
             v[idx] = (v[idx].astype(np.int64) + rng.choice([-1, 1], idx.size)).astype(np.uint16)
     return paths
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         pub = Publisher(store, os.path.join(work, "pub"), keyframe_every=10**6, keyframe_ratio=1e9, catchup=True)
         for i, p in enumerate(steps):
             pub.publish(p, step=i)
-        from deltarefit.stream.records import load_commit
         from deltarefit.storage import LocalStore
+        from deltarefit.stream.records import load_commit
 
         st = LocalStore(store)
         # Sync overhead on the last version.
