@@ -42,6 +42,7 @@ import numpy as np
 
 from .dtypes import DTYPES
 from .errors import CheckpointError, UsageError
+from .fsutil import fsync_dir
 from .integrity import SEGMENT_BYTES, fingerprint_from_digests, segment_hashes, tensor_digest_from_segments
 
 __all__ = [
@@ -447,14 +448,6 @@ def _stream(f: BinaryIO, path: str, s: TensorSource) -> None:
         )
 
 
-def _fsync_dir(d: str) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_safetensors(
     path: str | os.PathLike[str], tensors: Iterable[TensorSource], *, metadata: dict[str, str] | None = None
 ) -> None:
@@ -471,7 +464,7 @@ def write_safetensors(
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)
-        _fsync_dir(os.path.dirname(os.path.abspath(p)))
+        fsync_dir(os.path.dirname(os.path.abspath(p)))
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -20,6 +20,7 @@ import zstandard
 from .codec.chunk import ENCODING_NAMES, OVERWRITE, max_payload_len
 from .dtypes import DTYPES, dtype
 from .errors import FormatError, IntegrityError, LimitError, UnsupportedVersionError
+from .fsutil import fsync_dir
 from .integrity import (
     DIGEST_BYTES,
     SEG_HASH_BYTES,
@@ -146,7 +147,7 @@ class DeltaWriter:
         size = man_off + len(man) + len(table)
         self._f.close()
         os.replace(self.tmp, self.path)
-        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         return size
 
     def abort(self) -> None:
@@ -172,14 +173,6 @@ def _remove_stale_temps(path: str) -> None:
                 os.unlink(tmp)
         except PermissionError:
             pass  # another user's live process
-
-
-def _fsync_dir(d: str) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------- reader

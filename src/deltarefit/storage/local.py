@@ -8,6 +8,7 @@ import shutil
 import time
 import uuid
 
+from ..fsutil import fsync_dir
 from .base import StoreError, check_key
 
 
@@ -34,31 +35,28 @@ class LocalStore:
 
     def _write_tmp(self, path: str, data: bytes) -> str:
         tmp = self._tmp(path)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_file(tmp, data)
         return tmp
 
     def put(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        try:
-            tmp = self._write_tmp(path, data)
-            os.replace(tmp, path)
-            _fsync_dir(os.path.dirname(path))
-        except OSError as e:
-            raise StoreError(f"{path}: write failed ({e.strerror})") from None
+        self._put(key, lambda tmp: _write_file(tmp, data))
 
     def put_file(self, key: str, src: str) -> None:
+        self._put(key, lambda tmp: shutil.copyfile(src, tmp))
+
+    def _put(self, key: str, fill) -> None:
+        """Fill a temp file beside the key, fsync it, rename it over the key: whole or nothing."""
         path = self._path(key)
+        tmp = self._tmp(path)
         try:
-            tmp = self._tmp(path)
-            shutil.copyfile(src, tmp)
+            fill(tmp)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
         except OSError as e:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
             raise StoreError(f"{path}: write failed ({e.strerror})") from None
 
     def create(self, key: str, data: bytes) -> bool:
@@ -69,7 +67,7 @@ class LocalStore:
             raise StoreError(f"{path}: write failed ({e.strerror})") from None
         try:
             os.link(tmp, path)  # atomic: fails with EEXIST if another writer got there first
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
             return True
         except FileExistsError:
             return False
@@ -151,9 +149,8 @@ class LocalStore:
             os.unlink(self._path(key))
 
 
-def _fsync_dir(d: str) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _write_file(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())

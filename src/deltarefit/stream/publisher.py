@@ -34,6 +34,7 @@ from ..apply import apply as apply_delta
 from ..checkpoint import open_checkpoint
 from ..encode import encode as encode_delta
 from ..errors import DeltaRefitError, UsageError
+from ..fsutil import write_atomic
 from ..signing import Signer
 from ..storage.base import Store, open_store
 from .records import (
@@ -137,12 +138,8 @@ class Publisher:
             raise StreamError(f"{self.state_path}: unreadable publisher state ({e})") from None
 
     def _save_state(self, st: PublishState) -> None:
-        tmp = f"{self.state_path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"version": st.version, "fingerprint": st.fingerprint, "stream": self.store.url}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.state_path)
+        write_atomic(self.state_path, json.dumps({"version": st.version, "fingerprint": st.fingerprint,
+                                                  "stream": self.store.url}).encode())
 
     def recover(self) -> PublishState | None:
         """Bring the baseline to the stream's head: finish our own publish that committed but died
@@ -281,7 +278,7 @@ class Publisher:
             # The record we are about to commit, kept locally first: a kill right after the commit
             # is recognised on the next run by comparing it with the stored one.
             pending = os.path.join(self.state_dir, "pending.json")
-            _write_atomic(pending, rec.to_bytes())
+            write_atomic(pending, rec.to_bytes())
             if not self.store.create(commit_key(version), rec.to_bytes()):
                 os.unlink(pending)
                 raise PublishError(f"{self.store.url}: version {version} was committed by another publisher first")
@@ -303,7 +300,7 @@ class Publisher:
             tmp = f"{self.keyframe_copy}.tmp-{os.getpid()}"
             shutil.copyfile(self.baseline, tmp)
             os.replace(tmp, self.keyframe_copy)
-            _write_atomic(self.keyframe_copy + ".json", json.dumps({"version": version, "fingerprint": fp}).encode())
+            write_atomic(self.keyframe_copy + ".json", json.dumps({"version": version, "fingerprint": fp}).encode())
         os.unlink(pending)
         self.store.put("HEAD", f"{version}\n".encode())
         shutil.rmtree(self.staging, ignore_errors=True)
@@ -362,15 +359,6 @@ class Publisher:
                 self.store.delete(part.key)
             except DeltaRefitError as e:  # best effort: retention removes orphans later
                 log.warning("could not remove part %s: %s", part.key, e)
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _signed(rec: CommitRecord, signer: Signer) -> CommitRecord:

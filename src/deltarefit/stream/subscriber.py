@@ -26,6 +26,7 @@ from ..apply import apply as apply_delta
 from ..apply import check as check_delta
 from ..errors import BaseMismatchError, UsageError
 from ..format import DeltaReader
+from ..fsutil import write_atomic
 from ..signing import SignatureError, Verifier
 from ..storage.base import Store, open_store
 from .publisher import _copy_checkpoint, file_hash
@@ -89,13 +90,8 @@ class Subscriber:
             raise StreamError(f"{state_path(self.checkpoint)}: unreadable version state ({e})") from None
 
     def _record(self, version: int, fp: str) -> None:
-        path = state_path(self.checkpoint)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"version": version, "fingerprint": fp, "stream": self.store.url, "updated": now()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(state_path(self.checkpoint), json.dumps(
+            {"version": version, "fingerprint": fp, "stream": self.store.url, "updated": now()}).encode())
         try:  # a heartbeat for retention; losing it costs nothing but an earlier prune
             self.store.put(f"subs/{self.id}.json", json.dumps({"version": version, "updated": now()}).encode())
         except Exception as e:
