@@ -224,7 +224,8 @@ def verify(checkpoint: str, expected: str, threads: int | None) -> None:
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--step", type=int, default=None, help="Training step to record in the commit.")
 @click.option("--state", "state_dir", type=click.Path(), default=None,
-              help="Publisher state directory holding the committed baseline (default: STORE/.publisher).")
+              help="Publisher state directory holding the committed baseline (default: STORE/.publisher for a "
+                   "directory store, else ~/.cache/deltarefit/publisher-<hash of STORE>).")
 @click.option("--keyframe-every", type=click.IntRange(min=1), default=20, show_default=True,
               help="A full keyframe every K versions (the first version always is one).")
 @click.option("--keyframe-ratio", type=float, default=0.5, show_default=True,
@@ -249,7 +250,9 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
         if quorum != "all" and not quorum.isdigit():
             raise UsageError(f"--quorum must be a number or 'all', not {quorum!r}")
         q = ALL if quorum == "all" else int(quorum)
-        sd = state_dir or os.path.join(os.path.abspath(store), ".publisher")
+        from .stream.publisher import default_state_dir
+
+        sd = state_dir or default_state_dir(store)
         rec = Publisher(store, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=q,
                         ack_timeout=ack_timeout, signing_key=signing_key, threads=threads,
                         catchup=catchup).publish(checkpoint, step=step)

@@ -53,13 +53,16 @@ def check_key(key: str) -> str:
 
 
 def open_store(url: str) -> Store:
-    """A store from a URL: a local directory path (or ``file://``), or ``memory://name``."""
+    """A store from a URL: a local directory path (or ``file://``), ``memory://name``, or
+    ``s3://bucket/prefix`` (endpoint and credentials from the standard AWS environment)."""
     if url.startswith("memory://"):
         from .memory import MemoryStore
 
         return MemoryStore.named(url[len("memory://"):])
     if url.startswith("s3://"):
-        raise UsageError(f"{url}: S3 stores are not available in this build yet")
+        from .s3 import S3Store
+
+        return S3Store(url)
     from .local import LocalStore
 
     return LocalStore(url[len("file://"):] if url.startswith("file://") else url)

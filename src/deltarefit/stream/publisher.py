@@ -385,5 +385,13 @@ def _copy_checkpoint(src: str, dest: str) -> None:
 def publish(store: str, checkpoint: str, *, state_dir: str | None = None, step: int | None = None,
             **kwargs) -> CommitRecord:
     """Library form of ``deltarefit publish STORE CHECKPOINT``."""
-    state_dir = state_dir or os.path.join(os.path.abspath(store) if "://" not in store else ".", ".publisher")
-    return Publisher(store, state_dir, **kwargs).publish(checkpoint, step=step)
+    return Publisher(store, state_dir or default_state_dir(store), **kwargs).publish(checkpoint, step=step)
+
+
+def default_state_dir(store: str) -> str:
+    """Where a publisher keeps its baseline when not told: inside a local store (``STORE/.publisher``),
+    else under ``$XDG_CACHE_HOME/deltarefit`` (``~/.cache``) by a hash of the store's URL."""
+    if "://" not in store or store.startswith("file://"):
+        return os.path.join(os.path.abspath(store.removeprefix("file://")), ".publisher")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "deltarefit", "publisher-" + blake3.blake3(store.encode()).hexdigest(8))
