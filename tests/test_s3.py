@@ -23,6 +23,8 @@ pytest.register_assert_rewrite("conftest_s3")
 from conftest_s3 import missing_reason, subprocess_env  # noqa: E402
 
 if missing_reason():
+    if os.environ.get("CI"):  # CI installs the test extra: a missing server there is a broken set-up
+        raise RuntimeError(f"S3 tests cannot run in CI: {missing_reason()}")
     pytest.skip(missing_reason(), allow_module_level=True)
 
 import deltarefit  # noqa: E402
