@@ -159,18 +159,65 @@ def test_added_removed_and_retyped_tensors_are_explicit_and_apply(tmp_path):
     assert again.chunks_applied == 0 and again.structural == []
 
 
-def test_structural_changes_in_a_multi_file_directory_are_refused_before_writing(tmp_path):
+def test_structural_changes_in_a_multi_file_directory_without_index_are_refused_before_writing(tmp_path):
     base, target = bf16_pair(4)
     target["extra"] = torch.zeros(4, dtype=torch.bfloat16)
+    names = sorted(base)
+    shard(base, str(tmp_path / "b"), [names[:2], names[2:]])
+    os.unlink(tmp_path / "b" / "model.safetensors.index.json")  # shards with no index
+    save_file(target, str(tmp_path / "t.safetensors"))
+    d = str(tmp_path / "d.delta")
+    deltarefit.encode(str(tmp_path / "b"), str(tmp_path / "t.safetensors"), d)
+    before = {f: open(tmp_path / "b" / f, "rb").read() for f in os.listdir(tmp_path / "b")}
+    with pytest.raises(UsageError, match="no index"):
+        deltarefit.apply(d, str(tmp_path / "b"))
+    assert {f: open(tmp_path / "b" / f, "rb").read() for f in os.listdir(tmp_path / "b")} == before
+
+
+def _structural_target(seed: int) -> tuple[dict, dict]:
+    base, target = bf16_pair(seed)
+    del target["model.step"]  # removed from shard 2
+    target["lm_head.weight"] = torch.randn(64, 32).to(torch.bfloat16)  # added
+    target["model.scale"] = torch.tensor([1.0, 2.0], dtype=torch.float16)  # re-typed, in shard 2
+    return base, target
+
+
+def test_structural_changes_in_an_indexed_directory_rewrite_only_the_touched_shards(tmp_path):
+    base, target = _structural_target(5)
+    names = sorted(base)  # embed, mlp | norm, scale, step
+    shard(base, str(tmp_path / "b"), [names[:2], names[2:]])
+    untouched = open(tmp_path / "b" / "model-00001-of-00002.safetensors", "rb").read()
+    save_file(target, str(tmp_path / "t.safetensors"))
+    d = str(tmp_path / "d.delta")
+    deltarefit.encode(str(tmp_path / "b"), str(tmp_path / "t.safetensors"), d)
+    rep = deltarefit.apply(d, str(tmp_path / "b"))
+    assert sorted(rep.structural) == ["lm_head.weight", "model.scale", "model.step"]
+    assert deltarefit.fingerprint(str(tmp_path / "b")) == deltarefit.fingerprint(str(tmp_path / "t.safetensors"))
+    files = sorted(os.listdir(tmp_path / "b"))
+    assert "model-00002-of-00002.safetensors" not in files  # replaced, then deleted
+    assert not any(f.startswith(".deltarefit") for f in files)
+    # The shard holding no structural change was patched in place, never rewritten.
+    assert len(open(tmp_path / "b" / "model-00001-of-00002.safetensors", "rb").read()) == len(untouched)
+    assert deltarefit.apply(d, str(tmp_path / "b")).structural == []
+
+
+def test_a_rewrite_killed_after_its_index_commit_is_finished_by_the_next_run(tmp_path):
+    base, target = _structural_target(6)
     names = sorted(base)
     shard(base, str(tmp_path / "b"), [names[:2], names[2:]])
     save_file(target, str(tmp_path / "t.safetensors"))
     d = str(tmp_path / "d.delta")
     deltarefit.encode(str(tmp_path / "b"), str(tmp_path / "t.safetensors"), d)
-    before = {f: open(tmp_path / "b" / f, "rb").read() for f in os.listdir(tmp_path / "b")}
-    with pytest.raises(UsageError, match="single-file"):
-        deltarefit.apply(d, str(tmp_path / "b"))
-    assert {f: open(tmp_path / "b" / f, "rb").read() for f in os.listdir(tmp_path / "b")} == before
+    old = open(tmp_path / "b" / "model-00002-of-00002.safetensors", "rb").read()
+    deltarefit.apply(d, str(tmp_path / "b"))
+    # Put the world back as a kill between the index commit and the deletes leaves it.
+    (tmp_path / "b" / "model-00002-of-00002.safetensors").write_bytes(old)
+    (tmp_path / "b" / ".deltarefit-replaced.json").write_text('["model-00002-of-00002.safetensors"]')
+    again = deltarefit.apply(d, str(tmp_path / "b"))
+    assert again.chunks_applied == 0 and again.structural == []
+    files = os.listdir(tmp_path / "b")
+    assert "model-00002-of-00002.safetensors" not in files and ".deltarefit-replaced.json" not in files
+    assert deltarefit.fingerprint(str(tmp_path / "b")) == deltarefit.fingerprint(str(tmp_path / "t.safetensors"))
 
 
 def test_empty_and_zero_d_tensors_round_trip(tmp_path):

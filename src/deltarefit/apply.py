@@ -20,6 +20,7 @@ file and an atomic rename; in-place patching covers everything else.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -31,7 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .checkpoint import Checkpoint, TensorSource, open_checkpoint, write_safetensors
+from .checkpoint import INDEX_NAME, Checkpoint, TensorSource, open_checkpoint, write_safetensors
 from .codec.chunk import Patch, decode_chunk, decode_new
 from .dtypes import dtype
 from .encode import default_threads, uint_view
@@ -429,11 +430,94 @@ def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | No
 # ------------------------------------------------------------------------------- safetensors on disk
 
 
-def _check_single_file(ck: Checkpoint, todo: list[_TensorPlan]) -> None:
-    if len(ck.files()) != 1:
+REPLACED_LIST = ".deltarefit-replaced.json"
+
+
+def _indexed(ck: Checkpoint) -> str | None:
+    """The index file of a Hugging Face directory checkpoint, or None."""
+    idx = os.path.join(ck.path, INDEX_NAME)
+    return idx if os.path.isdir(ck.path) and os.path.exists(idx) else None
+
+
+def _check_structural(ck: Checkpoint, todo: list[_TensorPlan]) -> None:
+    if len(ck.files()) != 1 and _indexed(ck) is None:
         e = todo[0].entry
         raise UsageError(f"{ck.path}: tensor {e.name!r} is {e.op}d by this delta; adding, removing or re-typing "
-                         "tensors is supported for single-file checkpoints only, and this one has several files")
+                         "tensors needs a single-file checkpoint or a directory with "
+                         f"{INDEX_NAME}, and this one has several files and no index")
+
+
+def _source(name: str, meta: TensorMeta, chunks: Callable[[], object]) -> TensorSource:
+    return TensorSource(name, meta.dtype, meta.shape, meta.nbytes, chunks)
+
+
+def _raw_chunks(raw: np.ndarray) -> Callable[[], Iterator[np.ndarray]]:
+    return lambda: (raw[o:o + SEGMENT_BYTES] for o in range(0, raw.size, SEGMENT_BYTES))
+
+
+def _rewrite_indexed_dir(ck: Checkpoint, delta: DeltaReader, plans: list[_TensorPlan]) -> list[str]:
+    """Structural changes in a directory with an index: only the shards they touch are rewritten, under
+    new names; then the index is replaced (the commit point: before it the old shards and index are
+    intact, after it the new ones are); then the replaced shards are deleted. A kill between the
+    commit and the deletes leaves them listed in ``.deltarefit-replaced.json`` for the next run."""
+    import json
+
+    from .fsutil import write_atomic
+
+    idx_path = _indexed(ck)
+    with open(idx_path) as f:
+        index = json.load(f)
+    tag = delta.target_fingerprint[:12]
+    by_name = {tp.entry.name: tp for tp in plans}
+    file_of = {n: os.path.basename(i.file) for n, i in ck.tensors.items()}
+    touched = sorted({file_of[n] for n, tp in by_name.items() if tp.state in ("remove", "replace")})
+    new_name = {f: f"{f.removesuffix('.safetensors')}.dr-{tag}.safetensors" for f in touched}
+    groups: dict[str, list[TensorSource]] = {}
+    weight_map: dict[str, str] = {}
+    changed: list[str] = []
+    for e in delta.tensors:
+        tp = by_name[e.name]
+        if tp.state in ("add", "remove", "replace"):
+            changed.append(e.name)
+        if e.target is None:
+            continue
+        if tp.state == "add":
+            dest = f"model-added.dr-{tag}.safetensors"
+        else:
+            dest = new_name.get(file_of[e.name], file_of[e.name])
+        weight_map[e.name] = dest
+        if dest == file_of.get(e.name) and tp.state != "replace":
+            continue  # untouched shard: stays as it is
+        chunks = (lambda e=e: _new_tensor_chunks(delta, e)) if tp.state in ("add", "replace") \
+            else _raw_chunks(ck.raw(e.name))
+        groups.setdefault(dest, []).append(_source(e.name, e.target, chunks))
+    for dest, sources in groups.items():
+        old = next((f for f, n in new_name.items() if n == dest), None)
+        meta = _metadata_of(os.path.join(ck.path, old)) if old else None
+        write_safetensors(os.path.join(ck.path, dest), sources, metadata=meta)
+    write_atomic(os.path.join(ck.path, REPLACED_LIST), json.dumps(touched).encode())
+    write_atomic(idx_path, json.dumps({"metadata": index.get("metadata", {}), "weight_map": weight_map},
+                                      indent=2, sort_keys=True).encode())
+    remove_replaced_shards(ck.path)
+    return changed
+
+
+def remove_replaced_shards(directory: str) -> None:
+    """Delete shards a committed structural rewrite replaced (those its index no longer names)."""
+    import json
+
+    listing = os.path.join(directory, REPLACED_LIST)
+    if not os.path.exists(listing):
+        return
+    with open(listing) as f:
+        replaced = json.load(f)
+    with open(os.path.join(directory, INDEX_NAME)) as f:
+        live = set(json.load(f).get("weight_map", {}).values())
+    for name in replaced:
+        if isinstance(name, str) and name not in live and "/" not in name and name.endswith(".safetensors"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+    os.unlink(listing)
 
 
 def _rewrite_file(ck: Checkpoint, delta: DeltaReader, plans: list[_TensorPlan]) -> list[str]:
@@ -450,13 +534,9 @@ def _rewrite_file(ck: Checkpoint, delta: DeltaReader, plans: list[_TensorPlan]) 
             continue
         if tp.state in ("add", "replace"):
             changed.append(e.name)
-            sources.append(TensorSource(e.name, e.target.dtype, e.target.shape, e.target.nbytes,
-                                        lambda e=e: _new_tensor_chunks(delta, e)))
+            sources.append(_source(e.name, e.target, lambda e=e: _new_tensor_chunks(delta, e)))
         else:
-            raw = ck.raw(e.name)
-            sources.append(TensorSource(e.name, e.target.dtype, e.target.shape, e.target.nbytes,
-                                        lambda raw=raw: (raw[o:o + SEGMENT_BYTES] for o in range(0, raw.size,
-                                                                                                 SEGMENT_BYTES))))
+            sources.append(_source(e.name, e.target, _raw_chunks(ck.raw(e.name))))
     write_safetensors(files[0], sources, metadata=_metadata_of(files[0]))
     return changed
 
@@ -483,18 +563,21 @@ def _metadata_of(file: str) -> dict[str, str] | None:
 def apply(delta_path: str, checkpoint_path: str, *, threads: int | None = None,
           cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None) -> ApplyReport:
     """Apply the delta file to the checkpoint in place; idempotent, crash-safe, verified at the end."""
+    if os.path.isdir(checkpoint_path):
+        remove_replaced_shards(checkpoint_path)  # finish a structural rewrite killed after its commit
     with DeltaReader(delta_path) as d:
         with open_checkpoint(checkpoint_path, writable=True) as ck:
             journal = Journal(journal_path(checkpoint_path), d.target_fingerprint)
             structural_done: list[str] = []
 
             def structural(delta: DeltaReader, plans: list[_TensorPlan]) -> list[str]:
-                ck.flush()  # in-place patches first become durable, then the file is rewritten
-                structural_done.extend(_rewrite_file(ck, delta, plans))
+                ck.flush()  # in-place patches first become durable, then the files are rewritten
+                rewrite = _rewrite_indexed_dir if _indexed(ck) else _rewrite_file
+                structural_done.extend(rewrite(ck, delta, plans))
                 return structural_done
 
             rep = run_apply(d, ck, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
-                            structural=structural, structural_check=lambda todo: _check_single_file(ck, todo))
+                            structural=structural, structural_check=lambda todo: _check_structural(ck, todo))
             ck.flush()
         journal.remove()
     log.info("applied %s to %s: %d chunks (%d skipped, %d recovered) in %.2f s", delta_path, checkpoint_path,
