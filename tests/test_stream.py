@@ -905,6 +905,22 @@ def test_store_create_race_one_object_many_threads(kind, tmp_path):
     _race([s] * 6, rounds=30)
 
 
+def test_directory_checkpoints_are_created_and_replaced_from_keyframes(stream, tmp_path, chain, chain_fps):
+    os.makedirs(tmp_path / "r")
+    d = str(tmp_path / "r" / "rollout")  # no .safetensors suffix: a directory checkpoint
+    sub = Subscriber(stream.store, d, subscriber_id="dir")
+    rep = sub.sync(to_version=12)
+    assert rep.route == "keyframe" and os.path.isdir(d) and sub.current() == (12, chain_fps[12])
+    assert deltarefit.fingerprint(d) == chain_fps[12]
+    # The deltas after 12 are pruned: the only route left replaces the directory with keyframe 20.
+    for v in range(13, 21):
+        stream.store.delete(commits(stream.store)[v].delta.key)
+    rep = sub.sync()
+    assert rep.route == "keyframe" and rep.version == HEAD
+    assert deltarefit.fingerprint(d) == chain_fps[HEAD]
+    assert os.listdir(tmp_path / "r") == ["rollout"]  # no old copy, temp or staging left beside it
+
+
 def test_memory_store_named_is_shared(tmp_path):
     from deltarefit.storage import open_store
 

@@ -261,19 +261,33 @@ class Subscriber:
         return min(routes, key=lambda r: sum(p.bytes for s in r[1] for p in s.parts))
 
     def _install_keyframe(self, rec: CommitRecord, local: dict[str, str]) -> None:
-        """Replace the checkpoint by a keyframe's files (built aside, then renamed into place)."""
-        if os.path.isdir(self.checkpoint):
-            raise UsageError(f"{self.checkpoint}: a directory checkpoint cannot be replaced by a keyframe yet; "
-                             "sync into a .safetensors file path")
+        """Replace the checkpoint by a keyframe's files, built aside and renamed into place.
+
+        A checkpoint that is (or, when missing, is named as) a ``.safetensors`` file becomes one file;
+        otherwise a Hugging Face directory holding the keyframe's files as published. Replacing an
+        existing directory takes two renames: a kill between them leaves the checkpoint missing, and
+        the next sync, holding nothing, installs the keyframe again and removes the old copy."""
         kdir = os.path.join(self.staging, "keyframe")
         os.makedirs(kdir, exist_ok=True)
         for name, part in rec.keyframe:
             os.replace(local[part.key], os.path.join(kdir, name))
-        # A fixed temp name: a sync killed here leaves it, and the next one overwrites it.
+        # Fixed temp names: a sync killed here leaves them, and the next one replaces them.
         tmp = f"{self.checkpoint}.deltarefit-keyframe.tmp"
-        src = kdir if len(rec.keyframe) > 1 else os.path.join(kdir, rec.keyframe[0][0])
-        _copy_checkpoint(src, tmp)
+        old = f"{self.checkpoint}.deltarefit-old"
+        as_dir = os.path.isdir(self.checkpoint) or (
+            not os.path.exists(self.checkpoint) and not self.checkpoint.endswith(".safetensors"))
+        if not as_dir:
+            src = kdir if len(rec.keyframe) > 1 else os.path.join(kdir, rec.keyframe[0][0])
+            _copy_checkpoint(src, tmp)
+            os.replace(tmp, self.checkpoint)
+            return
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.replace(kdir, tmp)
+        if os.path.isdir(self.checkpoint):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(self.checkpoint, old)
         os.replace(tmp, self.checkpoint)
+        shutil.rmtree(old, ignore_errors=True)
 
     # -- joint commit ----------------------------------------------------------------------------
 
