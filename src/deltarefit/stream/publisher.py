@@ -42,6 +42,8 @@ from .records import (
     Part,
     StreamError,
     commit_key,
+    fetch_part,
+    file_hash,
     head,
     load_commit,
     now,
@@ -66,14 +68,6 @@ class PublishError(StreamError):
 class PublishState:
     version: int
     fingerprint: str
-
-
-def file_hash(path: str) -> str:
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    with open(path, "rb") as f:
-        while chunk := f.read(16 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _checkpoint_files(path: str) -> list[tuple[str, str]]:
@@ -208,10 +202,7 @@ class Publisher:
         return st
 
     def _fetch(self, part: Part, dest: str) -> str:
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        self.store.get_to(part.key, dest)
-        if os.path.getsize(dest) != part.bytes or file_hash(dest) != part.blake3:
-            raise StreamError(f"{self.store.url}/{part.key}: part does not match its commit record")
+        fetch_part(self.store, part, dest)
         return dest
 
     # -- publish ---------------------------------------------------------------------------------

@@ -17,9 +17,12 @@ parts; only the winner's commit record points at its parts.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import blake3
 
 from ..errors import DeltaRefitError
 from ..storage.base import Store
@@ -174,6 +177,30 @@ def head(store: Store) -> int:
     while store.exists(commit_key(h + 1)):
         h += 1
     return h
+
+
+def file_hash(path: str) -> str:
+    """Full BLAKE3 (hex) of a file, as parts are named in commit records."""
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_part(store: Store, part: Part, dest: str) -> int:
+    """Download ``part`` to ``dest`` and check it against its record (size and BLAKE3). Returns the
+    bytes fetched: 0 when ``dest`` already holds it (a staged download from an interrupted run)."""
+    if os.path.exists(dest) and os.path.getsize(dest) == part.bytes and file_hash(dest) == part.blake3:
+        return 0
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    try:
+        store.get_to(part.key, dest)
+    except KeyError:
+        raise StreamError(f"{store.url}/{part.key}: part is missing (pruned?)") from None
+    if os.path.getsize(dest) != part.bytes or file_hash(dest) != part.blake3:
+        raise StreamError(f"{store.url}/{part.key}: part does not match its commit record")
+    return part.bytes
 
 
 def now() -> float:

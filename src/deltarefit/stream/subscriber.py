@@ -29,8 +29,18 @@ from ..format import DeltaReader
 from ..fsutil import write_atomic
 from ..signing import SignatureError, Verifier
 from ..storage.base import Store, open_store
-from .publisher import _copy_checkpoint, file_hash
-from .records import CommitRecord, Part, StreamError, head, load_commit, now, parse_proposal, prepared_key
+from .publisher import _copy_checkpoint
+from .records import (
+    CommitRecord,
+    Part,
+    StreamError,
+    fetch_part,
+    head,
+    load_commit,
+    now,
+    parse_proposal,
+    prepared_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +128,10 @@ class Subscriber:
         except BaseMismatchError:
             # Killed between installing a keyframe (or an apply) and recording it: the checkpoint is
             # ahead of its record. Find its version by fingerprint and go on from there, once.
-            fp = fingerprint_of(self.checkpoint, threads=self.threads)
             cur = self.current()
-            for v in range(head(self.store), (cur[0] if cur else 0), -1):
-                if self._commit(v).fingerprint == fp:
-                    self._record(v, fp)
-                    return self._sync(to_version)
-            raise
+            if self._adopt_by_fingerprint(above=cur[0] if cur else 0)[0] is None:
+                raise
+            return self._sync(to_version)
 
     def _sync(self, to_version: int | None) -> SyncReport:
         t0 = time.perf_counter()
@@ -158,14 +165,7 @@ class Subscriber:
         local: dict[str, str] = {}
         for part in (p for st in steps for p in st.parts):  # stage everything first
             dest = os.path.join(self.staging, part.key.replace("/", "_"))
-            if not (os.path.exists(dest) and os.path.getsize(dest) == part.bytes and file_hash(dest) == part.blake3):
-                try:
-                    self.store.get_to(part.key, dest)
-                except KeyError:
-                    raise StreamError(f"{self.store.url}/{part.key}: part is missing (pruned?)") from None
-                if os.path.getsize(dest) != part.bytes or file_hash(dest) != part.blake3:
-                    raise StreamError(f"{self.store.url}/{part.key}: part does not match its commit record")
-                fetched += part.bytes
+            fetched += fetch_part(self.store, part, dest)
             local[part.key] = dest
         for st in steps:  # each staged delta must say what its record says, before any write
             if st.kind != "keyframe":
@@ -201,13 +201,20 @@ class Subscriber:
                 raise StreamError(f"{self.checkpoint}: missing, but its version record exists; remove "
                                   f"{state_path(self.checkpoint)} to restore it from a keyframe")
             return cur
+        v, fp = self._adopt_by_fingerprint(above=0)
+        if v is None:
+            raise StreamError(f"{self.checkpoint}: fingerprint {fp[:16]}… is no version of {self.store.url}")
+        return v, fp
+
+    def _adopt_by_fingerprint(self, *, above: int) -> tuple[int | None, str]:
+        """The newest version after ``above`` whose fingerprint the checkpoint has (recorded as held),
+        or None; and the checkpoint's fingerprint."""
         fp = fingerprint_of(self.checkpoint, threads=self.threads)
-        for v in range(head(self.store), 0, -1):
-            rec = self._commit(v)
-            if rec.fingerprint == fp:
+        for v in range(head(self.store), above, -1):
+            if self._commit(v).fingerprint == fp:
                 self._record(v, fp)
                 return v, fp
-        raise StreamError(f"{self.checkpoint}: fingerprint {fp[:16]}… is no version of {self.store.url}")
+        return None, fp
 
     def _route(self, cur: tuple[int, str] | None, recs: dict[int, CommitRecord]) -> tuple[str, list[_Step]]:
         """Cheapest in bytes among: the chain of deltas; a keyframe and the deltas after it; a catch-up
@@ -308,16 +315,12 @@ class Subscriber:
         if rec.parent != cur[1] or rec.delta is None:
             ok, why = False, "parent is not the local checkpoint"
         else:
-            os.makedirs(self.staging, exist_ok=True)
             dest = os.path.join(self.staging, rec.delta.key.replace("/", "_"))
-            self.store.get_to(rec.delta.key, dest)
-            if os.path.getsize(dest) != rec.delta.bytes or file_hash(dest) != rec.delta.blake3:
-                ok, why = False, "delta does not match its record"
-            else:
-                try:
-                    check_delta(dest, self.checkpoint, threads=self.threads)
-                except Exception as e:
-                    ok, why = False, str(e)
+            try:
+                fetch_part(self.store, rec.delta, dest)
+                check_delta(dest, self.checkpoint, threads=self.threads)
+            except Exception as e:  # any failure is a "no" vote, and its reason goes into the ack
+                ok, why = False, str(e)
         ack = {"ok": ok, "fingerprint": rec.fingerprint, "subscriber": self.id, "why": why, "at": now()}
         self.store.put(f"acks/{v:012d}/{self.id}.json", json.dumps(ack).encode())
         shutil.rmtree(self.staging, ignore_errors=True)  # the proposal may never commit; sync fetches again
