@@ -18,10 +18,10 @@ from . import __version__
 from .checkpoint import open_checkpoint
 from .codec.chunk import ENCODING_NAMES, decode_chunk, encode_chunk
 from .dtypes import dtype
-from .encode import EncodeReport, uint_view
+from .encode import EncodeReport, tensor_meta, uint_view
 from .errors import BaseMismatchError, UsageError, VerificationError
-from .format import VERSION, DeltaReader, DeltaWriter, TensorEntry, TensorMeta
-from .integrity import SEGMENT_BYTES, fingerprint_from_digests, seg_hash, tensor_digest_from_segments
+from .format import VERSION, DeltaReader, DeltaWriter, TensorEntry
+from .integrity import SEGMENT_BYTES, fingerprint_from_digests, seg_hash
 
 
 def compose(deltas: list[str], out: str, *, base: str) -> EncodeReport:
@@ -114,10 +114,7 @@ def _compose(ck, readers, entries_by, recs_by, writer):
                 writer.add_chunk(ti, ci, enc.encoding, enc.n_changed, enc.payload, enc.decoded_len, pre, post)
                 counts[ENCODING_NAMES[enc.encoding]] += 1
                 changed += enc.n_changed
-        bmeta = TensorMeta(info.dtype, tuple(info.shape),
-                           tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, pre_segs))
-        tmeta = TensorMeta(info.dtype, tuple(info.shape),
-                           tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, post_segs))
+        bmeta, tmeta = tensor_meta(info, pre_segs), tensor_meta(info, post_segs)
         count = len(writer.records) - first_rec
         entries.append(TensorEntry(name, "patch" if count else "same", bmeta, tmeta, changed, first_rec, count))
         changed_total += changed

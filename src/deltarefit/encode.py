@@ -94,7 +94,8 @@ def _hash_work(b: np.ndarray) -> Work:
     return run
 
 
-def _meta(info: TensorInfo, segs: list[bytes]) -> TensorMeta:
+def tensor_meta(info: TensorInfo, segs: list[bytes]) -> TensorMeta:
+    """A tensor's manifest entry (dtype, shape, digest) from its segment hashes."""
     return TensorMeta(info.dtype, info.shape, tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, segs))
 
 
@@ -194,8 +195,8 @@ def encode_checkpoints(
                 if k != len(job.works) - 1 and k != -1:
                     continue
                 # The job's last result: its manifest entry.
-                bmeta = _meta(job.base, job.pre) if job.base is not None else None
-                tmeta = _meta(job.target, job.post) if job.target is not None else None
+                bmeta = tensor_meta(job.base, job.pre) if job.base is not None else None
+                tmeta = tensor_meta(job.target, job.post) if job.target is not None else None
                 count = len(writer.records) - job.first
                 op = "same" if job.op == "patch" and count == 0 else job.op
                 if bmeta:
