@@ -217,6 +217,21 @@ def test_put_file_40mib_multipart_round_trip(s3_env, tmp_path):
     print(f"40 MiB put_file {t_put:.2f} s, get_to {t_get:.2f} s")
 
 
+def test_rate_paces_multipart_transfers_bytes_exact(s3_env, tmp_path):
+    """Link emulation: every connection of a parallel multipart transfer shares the store's bucket."""
+    rate = 20e6  # 20 MB/s: 12 MiB up and down take at least ~1.2 s
+    st = S3Store(s3_env.url("rate"), multipart_threshold=4 * MiB, multipart_chunksize=4 * MiB, max_concurrency=4,
+                 rate=rate)
+    src = tmp_path / "src"
+    src.write_bytes(os.urandom(6 * MiB))
+    t0 = time.monotonic()
+    st.put_file("v/a", str(src))
+    st.get_to("v/a", str(tmp_path / "back"))
+    took = time.monotonic() - t0
+    assert _sha(str(tmp_path / "back")) == _sha(str(src))
+    assert took >= (12 * MiB - 2 * max(rate * 0.05, 64 << 10)) / rate * 0.95
+
+
 def test_failed_multipart_upload_is_aborted_not_visible(s3_env, tmp_path):
     """A part upload fails mid-transfer: put_file raises StoreError, no object appears and no
     incomplete upload is left, even when the transfer manager's own abort fails too."""

@@ -52,17 +52,21 @@ def check_key(key: str) -> str:
     return key
 
 
-def open_store(url: str) -> Store:
+def open_store(url: str, *, rate: float | None = None) -> Store:
     """A store from a URL: a local directory path (or ``file://``), ``memory://name``, or
-    ``s3://bucket/prefix`` (endpoint and credentials from the standard AWS environment)."""
+    ``s3://bucket/prefix`` (endpoint and credentials from the standard AWS environment).
+
+    ``rate`` (bytes/s) emulates a link: transfers of parts in and out of the store are paced to it."""
     if url.startswith("memory://"):
         from .memory import MemoryStore
 
+        if rate:
+            raise UsageError("memory:// stores have no link to emulate (rate=)")
         return MemoryStore.named(url[len("memory://"):])
     if url.startswith("s3://"):
         from .s3 import S3Store
 
-        return S3Store(url)
+        return S3Store(url, rate=rate)
     from .local import LocalStore
 
-    return LocalStore(url[len("file://"):] if url.startswith("file://") else url)
+    return LocalStore(url[len("file://"):] if url.startswith("file://") else url, rate=rate)

@@ -9,6 +9,7 @@ import time
 import uuid
 
 from ..fsutil import fsync_dir
+from ..transport.ratelimit import TokenBucket
 from .base import StoreError, check_key
 
 
@@ -17,8 +18,11 @@ class LocalStore:
     ``create`` links a complete temp file to the key (``link`` fails if the key exists), so a
     conditional create is atomic and a reader never sees a partial commit record."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, rate: float | None = None) -> None:
         self.root = os.path.abspath(root)
+        # Link emulation: file copies in and out of the store are paced to ``rate`` bytes/s (one bucket
+        # for the store: its transfers share the emulated link). None: as fast as the disk goes.
+        self._bucket = TokenBucket(rate) if rate else None
         self.url = self.root
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -27,6 +31,10 @@ class LocalStore:
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
+
+    def path_of(self, key: str) -> str:
+        """The file that holds ``key`` (readers on this host may open it instead of copying it)."""
+        return self._path(key)
 
     def _tmp(self, path: str) -> str:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -42,7 +50,16 @@ class LocalStore:
         self._put(key, lambda tmp: _write_file(tmp, data))
 
     def put_file(self, key: str, src: str) -> None:
-        self._put(key, lambda tmp: shutil.copyfile(src, tmp))
+        self._put(key, lambda tmp: self._copy(src, tmp))
+
+    def _copy(self, src: str, dest: str) -> None:
+        if self._bucket is None:
+            shutil.copyfile(src, dest)
+            return
+        with open(src, "rb") as fi, open(dest, "wb") as fo:
+            while b := fi.read(1 << 20):
+                self._bucket.take(len(b))
+                fo.write(b)
 
     def _put(self, key: str, fill) -> None:
         """Fill a temp file beside the key, fsync it, rename it over the key: whole or nothing."""
@@ -93,7 +110,7 @@ class LocalStore:
             raise KeyError(key)
         tmp = f"{dest}.tmp-{os.getpid()}"
         try:
-            shutil.copyfile(path, tmp)
+            self._copy(path, tmp)
             os.replace(tmp, dest)
         except OSError as e:
             with contextlib.suppress(FileNotFoundError):

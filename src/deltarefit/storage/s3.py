@@ -31,7 +31,7 @@ _TOKEN = "deltarefit-put"  # object metadata naming one put_file call, to find i
 
 class S3Store:
     def __init__(self, url: str, *, multipart_threshold: int = 16 * MiB, multipart_chunksize: int = 16 * MiB,
-                 max_concurrency: int = 8) -> None:
+                 max_concurrency: int = 8, rate: float | None = None) -> None:
         if not url.startswith("s3://"):
             raise UsageError(f"{url}: not an s3:// URL")
         bucket, _, prefix = url[len("s3://"):].partition("/")
@@ -50,6 +50,14 @@ class S3Store:
         self._cli: Any = None
         self._cfg: Any = None
         self._started: dict[str, list[str]] = {}  # put_file token -> multipart upload ids it started
+        # Link emulation: one token bucket for the store, shared by every connection of every transfer
+        # (they share the emulated link). boto3 calls the callback from its worker threads as bytes
+        # move; sleeping there holds that connection back, as a slow link would.
+        self._cb = None
+        if rate:
+            from ..transport.ratelimit import TokenBucket
+
+            self._cb = TokenBucket(rate).take
 
     # ------------------------------------------------------------------------------------ plumbing
 
@@ -161,7 +169,7 @@ class S3Store:
         import io
 
         self._upload(key, lambda extra: c.upload_fileobj(io.BytesIO(data), self.bucket, obj, ExtraArgs=extra,
-                                                         Config=self._tcfg()))
+                                                         Config=self._tcfg(), Callback=self._cb))
 
     def put_file(self, key: str, path: str) -> None:
         obj = self._obj(key)
@@ -169,7 +177,7 @@ class S3Store:
         if not os.path.isfile(path):
             raise StoreError(f"{self._where(key)}: put_file: {path} is not a readable file")
         self._upload(key, lambda extra: c.upload_file(path, self.bucket, obj, ExtraArgs=extra,
-                                                      Config=self._tcfg()))
+                                                      Config=self._tcfg(), Callback=self._cb))
 
     def _upload(self, key: str, go) -> None:
         """Run a transfer-manager upload. On failure the transfer manager aborts its multipart upload;
@@ -234,7 +242,7 @@ class S3Store:
         c = self._client()
         tmp = f"{dest}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         try:
-            c.download_file(self.bucket, obj, tmp, Config=self._tcfg())
+            c.download_file(self.bucket, obj, tmp, Config=self._tcfg(), Callback=self._cb)
             os.replace(tmp, dest)
         except BaseException as e:
             with contextlib.suppress(FileNotFoundError):
