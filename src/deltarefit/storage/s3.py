@@ -30,8 +30,8 @@ _TOKEN = "deltarefit-put"  # object metadata naming one put_file call, to find i
 
 
 class S3Store:
-    def __init__(self, url: str, *, multipart_threshold: int = 16 * MiB, multipart_chunksize: int = 16 * MiB,
-                 max_concurrency: int = 8, rate: float | None = None) -> None:
+    def __init__(self, url: str, *, multipart_threshold: int = 8 * MiB, multipart_chunksize: int = 8 * MiB,
+                 max_concurrency: int = 10, rate: float | None = None) -> None:
         if not url.startswith("s3://"):
             raise UsageError(f"{url}: not an s3:// URL")
         bucket, _, prefix = url[len("s3://"):].partition("/")
