@@ -295,3 +295,6 @@ def test_quick_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[st
     text = md.read_text()
     assert "python -m deltarefit.bench --quick" in text and "adamw-lr3e-06" in text and "## Machine" in text
     assert "adamw-lr3e-06" in capsys.readouterr().out
+    png = (tmp_path / "BENCHMARKS.png").read_bytes()  # the plot beside the report, linked from it
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") > 500
+    assert "![size ratios and throughput](BENCHMARKS.png)" in text

@@ -334,10 +334,14 @@ def write_markdown(
     path: str | os.PathLike[str],
     command: str,
     machine_info: dict[str, str],
+    plot: str | None = None,
 ) -> None:
-    """Write the benchmark table, legend, machine and command to ``path`` (Markdown)."""
+    """Write the benchmark table, legend, machine and command to ``path`` (Markdown); ``plot`` is the
+    name of a PNG beside it to show under the table."""
     lines = ["# Benchmarks", "", "Produced by:", "", "```", command, "```", ""]
     lines += table_lines(results)
+    if plot:
+        lines += ["", f"![size ratios and throughput]({plot})"]
     lines += ["", _LEGEND, "## Machine", ""]
     lines += [f"* {k}: {v}" for k, v in machine_info.items()]
     notes = sorted({n for r in results for n in r.get("notes", [])})
@@ -357,6 +361,43 @@ def write_markdown(
         )
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("\n".join(lines) + "\n")
+
+
+def write_plot(results: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> bool:
+    """Two panels: size ratio per pair and codec (log scale), and ours' encode/apply GB/s beside zstd -1
+    and a file copy. False (and nothing written) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [r["pair"]["name"] for r in results]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 4.8))
+    cols = [c for c in COLUMNS if any(r["ratio"].get(c) for r in results)]
+    w = 0.8 / max(1, len(cols))
+    for j, c in enumerate(cols):
+        a1.bar([i + j * w for i in range(len(names))], [r["ratio"].get(c) or 0 for r in results], w,
+               label=COLUMN_TITLES[c])
+    a1.set_yscale("log")
+    a1.set_xticks([i + 0.4 - w / 2 for i in range(len(names))], names, rotation=20, ha="right", fontsize=8)
+    a1.set_ylabel("checkpoint bytes / shipped bytes")
+    a1.set_title("size ratio (higher is better)")
+    a1.legend(fontsize=7, ncol=3, loc="lower center")
+    speeds = [("ours_encode", "ours encode"), ("ours_apply", "ours apply"), ("zstd_full", "zstd -1 full"),
+              ("copy", "file copy")]
+    w = 0.8 / len(speeds)
+    for j, (k, label) in enumerate(speeds):
+        a2.bar([i + j * w for i in range(len(names))], [r["gbps"].get(k) or 0 for r in results], w, label=label)
+    a2.set_xticks([i + 0.4 - w / 2 for i in range(len(names))], names, rotation=20, ha="right", fontsize=8)
+    a2.set_ylabel("GB/s of checkpoint")
+    a2.set_title("throughput on this machine")
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def _parse_count(s: str) -> float:
@@ -405,6 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"note: {n}")
     if args.markdown:
         cmd = shlex.join(["python", "-m", "deltarefit.bench", *argv])
-        write_markdown(results, args.markdown, cmd, machine_info(threads))
-        print(f"wrote {args.markdown}")
+        png = str(Path(args.markdown).with_suffix(".png"))
+        plotted = write_plot(results, png)
+        write_markdown(results, args.markdown, cmd, machine_info(threads), plot=os.path.basename(png) if plotted else None)
+        print(f"wrote {args.markdown}" + (f" and {png}" if plotted else ""))
     return 0

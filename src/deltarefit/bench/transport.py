@@ -248,13 +248,42 @@ def _row(r: dict[str, Any]) -> str:
             f"delta {_fmt_s(r['delta'])} ({r['delta_bytes'] / 1e6:.2f} MB), {r['speedup']:.1f}x faster")
 
 
-def markdown(res: dict[str, Any], cmd: str) -> str:
+def write_plot(res: dict[str, Any], path: str) -> bool:
+    """Refit time, full checkpoint vs delta, per transport and link (bars, log scale)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [(f"{r['transport']}\n{r['link']}", r["full"], r["delta"]) for r in res["store"]]
+    if res["dist"]:
+        rows.append(("torch.distributed\ngloo loopback", res["dist"]["full"], res["dist"]["delta"]))
+    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 3, 4.2))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r[1] for r in rows], 0.4, label="full checkpoint")
+    ax.bar([x + 0.2 for x in xs], [r[2] for r in rows], 0.4, label="delta (publish + sync)")
+    for x, (_, f, d) in zip(xs, rows, strict=True):
+        ax.annotate(f"{f / d:.1f}x", (x, max(f, d)), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), [r[0] for r in rows], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds")
+    ax.set_title(f"refit time, {res['mib']} MiB bf16, {res['change_rate']:.0%} changed")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def markdown(res: dict[str, Any], cmd: str, plot: str | None = None) -> str:
     from deltarefit.bench.report import machine_info
 
     lines = ["# Transport benchmark", "", "Produced by:", "", "```", cmd, "```", "",
              f"A bf16 checkpoint of {res['mib']} MiB, {res['change_rate']:.0%} of its elements moved by +-1 ulp "
              "between the two versions. Times are wall seconds on this machine (trainer and rollout share it).",
-             "", "## Refit through a store at an emulated link", "",
+             "", *([f"![refit times]({plot})", ""] if plot else []), "## Refit through a store at an emulated link", "",
              "| transport | link | full bytes | delta bytes | full: up | down | verify | **full** | delta: publish "
              "| sync | **delta** | speed-up | rollout-side speed-up |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -315,8 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     if a.markdown:
+        png = os.path.splitext(a.markdown)[0] + ".png"
+        plotted = write_plot(res, png)
         with open(a.markdown, "w") as f:
-            f.write(markdown(res, cmd.strip()))
+            f.write(markdown(res, cmd.strip(), os.path.basename(png) if plotted else None))
     return 0
 
 
