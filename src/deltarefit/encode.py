@@ -116,14 +116,24 @@ class _Job:
     first: int = 0
 
 
-def _jobs(base: Checkpoint, target: Checkpoint, names: list[str]) -> Iterator[_Job]:
+# Per tensor present in both checkpoints with the same dtype and shape: one work item per segment.
+PatchWorks = Callable[[str, TensorInfo, TensorInfo], list[Work]]
+
+
+def _host_patch_works(base: Checkpoint, target: Checkpoint) -> PatchWorks:
+    def works(name: str, bi: TensorInfo, tinfo: TensorInfo) -> list[Work]:
+        braw, traw = base.raw(name), target.raw(name)
+        return [_patch_work(bi.dtype, braw[o:o + SEGMENT_BYTES], traw[o:o + SEGMENT_BYTES])
+                for _, o in _segments(bi.nbytes)]
+
+    return works
+
+
+def _jobs(base: Checkpoint, target: Checkpoint, names: list[str], patch_works: PatchWorks) -> Iterator[_Job]:
     for ti, name in enumerate(names):
         bi, tinfo = base.tensors.get(name), target.tensors.get(name)
         if bi is not None and tinfo is not None and (bi.dtype, bi.shape) == (tinfo.dtype, tinfo.shape):
-            braw, traw = base.raw(name), target.raw(name)
-            works = [_patch_work(bi.dtype, braw[o:o + SEGMENT_BYTES], traw[o:o + SEGMENT_BYTES])
-                     for _, o in _segments(bi.nbytes)]
-            yield _Job(ti, name, "patch", bi, tinfo, works)
+            yield _Job(ti, name, "patch", bi, tinfo, patch_works(name, bi, tinfo))
             continue
         op = "replace" if bi is not None and tinfo is not None else "add" if tinfo is not None else "remove"
         works = []
@@ -156,9 +166,14 @@ def _ordered(pool: ThreadPoolExecutor, jobs: Iterator[_Job], window: int) -> Ite
 
 def encode_checkpoints(
     base: Checkpoint, target: Checkpoint, out: str, *, threads: int | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None, patch_works: PatchWorks | None = None,
 ) -> EncodeReport:
-    """Write the delta taking ``base`` to ``target`` to ``out``. ``progress`` gets bytes scanned."""
+    """Write the delta taking ``base`` to ``target`` to ``out``. ``progress`` gets bytes scanned.
+
+    ``base`` and ``target`` need only ``tensors`` (name -> info with dtype, shape, nbytes) and
+    ``raw(name)``; ``patch_works`` replaces the host scan of tensors present in both (the GPU encoder
+    scans on the device and hands over compact changes). Tensors are generated lazily, so the scan of
+    one tensor overlaps with the entropy coding of the previous ones on the pool."""
     t0 = time.perf_counter()
     threads = threads or default_threads()
     names = sorted(set(base.tensors) | set(target.tensors), key=lambda n: n.encode("utf-8"))
@@ -170,7 +185,8 @@ def encode_checkpoints(
     changed_total = 0
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="encode") as pool:
-            for job, k, res in _ordered(pool, _jobs(base, target, names), 4 * threads):
+            jobs = _jobs(base, target, names, patch_works or _host_patch_works(base, target))
+            for job, k, res in _ordered(pool, jobs, 4 * threads):
                 if k == 0 or k == -1:
                     job.first = len(writer.records)
                 if k >= 0:

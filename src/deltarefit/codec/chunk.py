@@ -96,30 +96,67 @@ def _width_code(max_gap: int) -> int:
     return 1 if max_gap < 1 << 8 else 2 if max_gap < 1 << 16 else 4
 
 
-def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk | None:
-    """Smallest bit-exact encoding of ``target`` given ``base`` (uint views, equal length), or None."""
+@dataclass(frozen=True)
+class Changes:
+    """A chunk's changes in compact form: what ``scan_chunk`` finds on the host, or a GPU
+    compare-and-compact kernel finds on the device (``deltarefit.gpu.encode``). Entries are in
+    position order; ``ectx`` is the base's context (exponent field) and ``rank`` the position's rank
+    among the chunk's elements of that context."""
+
+    n: int  # elements in the chunk
+    pos: np.ndarray  # ascending element indices
+    ectx: np.ndarray  # int32
+    rank: np.ndarray  # int32
+    bvals: np.ndarray  # base bits at pos (uint view of the dtype)
+    tvals: np.ndarray  # target bits at pos
+
+    @property
+    def m(self) -> int:
+        return int(self.pos.size)
+
+
+def scan_chunk(dt: DType, base: np.ndarray, target: np.ndarray) -> Changes:
+    """The changes between two uint views of one chunk (equal length)."""
     n = base.size
     shift, mask, nctx = _ctx(dt)
-    out = np.empty(max_payload_len(dt, n) + 64, np.uint8)
-    nbytes, m = K.ulp_encode(base, target, dt.bits, _kind(dt), shift, mask, nctx, out)
+    pos, ectx, rank = np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int32)
+    bvals, tvals = np.empty(n, base.dtype), np.empty(n, base.dtype)
+    m = K.ulp_scan(base, target, shift, mask, nctx, pos, ectx, rank, bvals, tvals)
+    return Changes(n, pos[:m], ectx[:m], rank[:m], bvals[:m], tvals[:m])
+
+
+def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk | None:
+    """Smallest bit-exact encoding of ``target`` given ``base`` (uint views, equal length), or None."""
+    return encode_changes(dt, scan_chunk(dt, base, target), lambda: (base, target))
+
+
+def encode_changes(dt: DType, ch: Changes, dense) -> EncodedChunk | None:
+    """Smallest bit-exact encoding of a chunk from its compact changes, or None when nothing changed.
+    ``dense()`` returns the whole chunk's (base, target) uint views; it is called only for chunks
+    changed so densely that a whole-chunk encoding may win (at least ``DENSE_TRY_FRACTION``)."""
+    n, m = ch.n, ch.m
     if m == 0:
         return None
+    _, _, nctx = _ctx(dt)
+    out = np.empty(max_payload_len(dt, n) + 64, np.uint8)
+    nbytes = K.ulp_encode_changes(ch.ectx, ch.rank, ch.bvals, ch.tvals, dt.bits, _kind(dt), nctx, out)
     cands: list[EncodedChunk] = []
     if nbytes >= 0:
         cands.append(EncodedChunk(ULP, out[:nbytes].tobytes(), m, 0))
     if m >= DENSE_TRY_FRACTION * n or not cands:
+        base, target = dense()
         x = np.bitwise_xor(base, target)
         raw = x.tobytes()
         cands.append(EncodedChunk(DENSE_XOR, _zc().compress(raw), m, len(raw)))
         raw_t = target.tobytes()
         cands.append(EncodedChunk(OVERWRITE, _zc().compress(raw_t), m, len(raw_t)))
-    elif dt.kind != "float" or not cands or len(cands[0].payload) > 3 * m:
+    elif dt.kind != "float" or len(cands[0].payload) > 3 * m:
         # Worth a second pass only where the ulp model may lose: integer tensors, or float changes
         # that are not small steps (over 24 bits per change).
-        pos = np.flatnonzero(base != target)
+        pos = ch.pos.astype(np.int64)
         gaps = np.diff(pos, prepend=-1) - 1
         w = _width_code(int(gaps.max()))
-        raw = bytes([w]) + gaps.astype(f"<u{w}").tobytes() + np.bitwise_xor(base[pos], target[pos]).tobytes()
+        raw = bytes([w]) + gaps.astype(f"<u{w}").tobytes() + np.bitwise_xor(ch.bvals, ch.tvals).tobytes()
         cands.append(EncodedChunk(SPARSE_XOR, _zc().compress(raw), m, len(raw)))
     return min(cands, key=lambda c: len(c.payload))
 

@@ -222,22 +222,15 @@ def _unkey(k, kind, sign, mask):
 
 
 @njit(nogil=True, cache=True)
-def ulp_encode(base, target, bits, kind, ctx_shift, ctx_mask, n_ctx, out):
-    """Encode one chunk into ``out``. Returns (byte count, or -5 if ``out`` is too small; n_changed).
-
-    Payload: u32 LE length of the range-coded part, the range-coded part, the raw bit stream.
-    """
+def ulp_scan(base, target, ctx_shift, ctx_mask, n_ctx, pos, ectx, rank, bvals, tvals):
+    """Pass 1 of the encoder (what a GPU compare-and-compact produces instead): the changed positions
+    in order, their context (the base's exponent field), their rank among the chunk's elements of the
+    same context, and the base and target bits there. Fills the arrays' first m entries; returns m.
+    The arrays must hold ``base.size`` entries (np.empty: untouched pages cost nothing)."""
     n = base.size
-    mask = (U64(1) << U64(bits - 1) << U64(1)) - U64(1)
-    sign = U64(1) << U64(bits - 1)
     cs = U64(ctx_shift)
     cm = U64(ctx_mask)
     seen = np.zeros(n_ctx, np.int64)
-    # Pass 1: changed positions, their context and their rank among same-context elements.
-    # Worst-case sized buffers: np.empty does not touch the pages, so this costs nothing when sparse.
-    pos = np.empty(n, np.int32)
-    ectx = np.empty(n, np.int32)
-    rank = np.empty(n, np.int32)
     m = 0
     for i in range(n):
         b = U64(base[i])
@@ -248,9 +241,20 @@ def ulp_encode(base, target, bits, kind, ctx_shift, ctx_mask, n_ctx, out):
             pos[m] = i
             ectx[m] = e
             rank[m] = r
+            bvals[m] = base[i]
+            tvals[m] = target[i]
             m += 1
-    if m == 0:
-        return 0, 0
+    return m
+
+
+@njit(nogil=True, cache=True)
+def ulp_encode_changes(ectx, rank, bvals, tvals, bits, kind, n_ctx, out):
+    """Code a chunk's changes (``ulp_scan``'s output, m >= 1 entries in position order; positions are
+    implied by context and rank) into ``out``. Returns the byte count, or -5 if ``out`` is too small.
+    The same bytes whether the scan ran here or on a GPU."""
+    m = ectx.size
+    mask = (U64(1) << U64(bits - 1) << U64(1)) - U64(1)
+    sign = U64(1) << U64(bits - 1)
     # Group the changes by context (a counting sort keeps rank order within a group).
     gcount = np.zeros(n_ctx, np.int64)
     for j in range(m):
@@ -317,9 +321,8 @@ def ulp_encode(base, target, bits, kind, ctx_shift, ctx_mask, n_ctx, out):
     # the magnitude's length is unary-coded in the base's context, its lower bits go raw.
     plen = np.full(n_ctx * MAX_UNARY, PROB_INIT, np.uint16)
     for j in range(m):
-        i = pos[j]
-        b = U64(base[i])
-        t = U64(target[i])
+        b = U64(bvals[j])
+        t = U64(tvals[j])
         e = ectx[j]
         d = (_key(t, kind, sign, mask) - _key(b, kind, sign, mask)) & mask
         neg = U64(0)
@@ -339,12 +342,12 @@ def ulp_encode(base, target, bits, kind, ctx_shift, ctx_mask, n_ctx, out):
         w = _put(w, raw, U64(0), 8 - nacc)
         rpos = w[2]
     if rpos > raw.size or end + rpos > out.size:
-        return -5, m
+        return -5
     rc_len = end - 4
     for k in range(4):
         out[k] = np.uint8((rc_len >> (8 * k)) & 0xFF)
     out[end:end + rpos] = raw[:rpos]
-    return end + rpos, m
+    return end + rpos
 
 
 @njit(nogil=True, cache=True)
