@@ -83,9 +83,28 @@ def store_refit(url_of, steps: list[str], work: str, rate: float | None, label: 
     pub = Publisher(open_store(url, rate=rate), os.path.join(work, f"pub-{label}"), keyframe_every=10**6,
                     keyframe_ratio=1e9)
     sub = Subscriber(open_store(url, rate=rate), ck, subscriber_id="bench")
-    t = time.perf_counter()
+    # Trainer and rollout are different machines in production; here they share two cores. So the
+    # critical path is measured piecewise: publish until its commit record exists (a watcher thread
+    # notes the moment), then the rollout's sync, run after the publisher has also advanced its own
+    # baseline (off the critical path: the rollout need not wait for it).
+    import threading
+
+    from deltarefit.stream.records import commit_key
+
+    seen: list[float] = []
+
+    def watch() -> None:
+        while not sub.store.exists(commit_key(2)):
+            time.sleep(0.002)
+        seen.append(time.perf_counter())
+
+    th = threading.Thread(target=watch)
+    th.start()
+    t0 = time.perf_counter()
     rec = pub.publish(steps[1], step=1)
-    t_pub = time.perf_counter() - t
+    t_pub_all = time.perf_counter() - t0
+    th.join()
+    t_pub = seen[0] - t0  # encode, upload, commit
     t = time.perf_counter()
     rep = sub.sync()
     t_sync = time.perf_counter() - t
@@ -97,6 +116,7 @@ def store_refit(url_of, steps: list[str], work: str, rate: float | None, label: 
     return {"transport": label, "full_bytes": full_bytes, "delta_bytes": rec.delta.bytes,
             "full_up": t_up, "full_down": t_down, "full_verify": t_ver, "full": full,
             "delta_publish": t_pub, "delta_sync": t_sync, "delta": delta, "speedup": full / delta,
+            "publish_total": t_pub_all,
             "rollout_speedup": (t_down + t_ver) / t_sync}
 
 
@@ -284,7 +304,7 @@ def markdown(res: dict[str, Any], cmd: str, plot: str | None = None) -> str:
              f"A bf16 checkpoint of {res['mib']} MiB, {res['change_rate']:.0%} of its elements moved by +-1 ulp "
              "between the two versions. Times are wall seconds on this machine (trainer and rollout share it).",
              "", *([f"![refit times]({plot})", ""] if plot else []), "## Refit through a store at an emulated link", "",
-             "| transport | link | full bytes | delta bytes | full: up | down | verify | **full** | delta: publish "
+             "| transport | link | full bytes | delta bytes | full: up | down | verify | **full** | delta: to commit "
              "| sync | **delta** | speed-up | rollout-side speed-up |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["store"]:
@@ -293,8 +313,11 @@ def markdown(res: dict[str, Any], cmd: str, plot: str | None = None) -> str:
                      f"{r['delta_publish']:.2f} | {r['delta_sync']:.2f} | **{r['delta']:.2f}** | "
                      f"{r['speedup']:.1f}x | {r['rollout_speedup']:.1f}x |")
     lines += ["", "* *full*: upload the checkpoint through the link, download it, verify its fingerprint.",
-              "* *delta*: `Publisher.publish` (encode against the trainer's baseline, upload, commit) and "
-              "`Subscriber.sync` (download, check, apply in place, verify).",
+              "* *delta*: `Publisher.publish` until its commit record exists (encode against the trainer's "
+              "baseline, upload, commit), then the rollout's `Subscriber.sync` (download, check, apply in place, "
+              "verify). The publisher's last step, advancing its own baseline, is off this critical path (a "
+              "rollout need not wait for it) and is not counted; it is run before the sync, not beside it, "
+              "because trainer and rollout share this machine's two cores.",
               "* *rollout-side speed-up*: (download + verify) / sync, what a rollout node waits for once the "
               "version is in the store.", ""]
     d = res["dist"]
