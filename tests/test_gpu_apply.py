@@ -70,7 +70,7 @@ def test_resumes_tensors_left_half_applied(tmp_path, device):
     g = torch.Generator().manual_seed(1)
     base = {"a": (torch.randn(4 << 20, generator=g) * 0.02).to(torch.bfloat16)}  # 8 segments
     target = {"a": _bits(base["a"], rng, 0.03)}
-    path, enc = _delta(tmp_path, base, target)
+    path, _ = _delta(tmp_path, base, target)
     live = _on(base, device)
     live["a"][: 3 << 19] = target["a"][: 3 << 19].to(device)  # the first 3 segments already written
     rep = apply_to_device_tensors(path, live)
@@ -84,12 +84,12 @@ def test_wrong_base_refused_nothing_written(tmp_path, device):
     other = {k: v.clone() for k, v in base.items()}
     other["big.bf16"].view(torch.int16).reshape(-1)[12345] += 1  # one element off in one segment
     live = _on(other, device)
-    with pytest.raises(BaseMismatchError, match="big.bf16"):
+    with pytest.raises(BaseMismatchError, match=r"big\.bf16"):
         apply_to_device_tensors(path, live)
     assert _same_bits(_on(live, "cpu"), other)
     wrong_shape = _on(base, device)
     wrong_shape["w.f32"] = wrong_shape["w.f32"][:-1].contiguous()
-    with pytest.raises(BaseMismatchError, match="w.f32"):
+    with pytest.raises(BaseMismatchError, match=r"w\.f32"):
         apply_to_device_tensors(path, wrong_shape)
     extra = _on(base, device)
     extra["stray"] = torch.zeros(3, device=device)
