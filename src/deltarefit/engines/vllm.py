@@ -1,0 +1,427 @@
+"""Refit a running vLLM engine in place from a deltarefit delta, through vLLM's own weight loading.
+
+The rollout node keeps the checkpoint its engine was loaded from on disk. A refit is two steps, run in
+every worker by ``collective_rpc`` (driver side: :func:`refit_engine`):
+
+1. ``deltarefit.apply.apply`` patches that checkpoint in place: the base is verified before any byte is
+   written (a delta for another base is refused, nothing changed, engine untouched), the result is
+   verified against the delta's target fingerprint.
+2. The tensors the delta changed are read back one at a time from the updated safetensors (mmap) and fed
+   to ``model_runner.reload_weights(weights_iterator=...)``, so vLLM's own loader does the name mapping,
+   the fusing (qkv_proj, gate_up_proj), the tensor-parallel slicing and its post-load processing (CPU
+   weight prepacking, quantization). Memory: one tensor, plus whatever vLLM buffers for one layer.
+
+vLLM (0.32) reloads layer by layer: a layer is rebuilt once all of its elements have arrived, so feeding
+``q_proj`` alone would leave the ``k``/``v`` rows of the fused ``qkv_proj`` uninitialized. The feed is
+therefore widened to every checkpoint tensor of every layer a changed tensor touches (the model's
+``packed_modules_mapping`` names the siblings), and, before vLLM finalizes, any layer still partly loaded
+(a mapping this rule does not know, e.g. fused MoE experts) is completed from the checkpoint too.
+
+Use it as ``LLM(model=ckpt_dir, worker_extension_cls=deltarefit.engines.vllm.EXTENSION, ...)`` and then
+``refit_engine(llm, "step42.delta", ckpt_dir)``. Nothing here imports vLLM at module import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from .. import errors
+from ..apply import apply as apply_delta_to_checkpoint
+from ..checkpoint import open_checkpoint
+from ..errors import DeltaRefitError, UsageError
+from ..format import DeltaReader
+
+log = logging.getLogger(__name__)
+
+EXTENSION = "deltarefit.engines.vllm.DeltaRefitWorkerExtension"
+LOCK_NAME = ".deltarefit-engine.lock"  # serializes apply between workers sharing one checkpoint directory
+PROBE_ROWS = 1024  # identity rows per probe GEMM when reading a linear layer's effective weight
+
+
+# ------------------------------------------------------------------------------------ name grouping
+
+
+def layer_key(name: str, packed: dict[str, list[str]]) -> str:
+    """The engine layer a checkpoint tensor loads into: its module path, fused siblings renamed.
+
+    ``model.layers.0.self_attn.k_proj.weight`` -> ``model.layers.0.self_attn.qkv_proj`` when ``packed`` (the
+    model's ``packed_modules_mapping``) has ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``.
+    """
+    module = name.rpartition(".")[0]
+    parent, _, last = module.rpartition(".")
+    for fused, parts in packed.items():
+        if last in parts:
+            return f"{parent}.{fused}" if parent else fused
+    return module
+
+
+def reload_set(changed: Iterable[str], names: Iterable[str], packed: dict[str, list[str]]) -> list[str]:
+    """Checkpoint tensors (in ``names`` order) to feed so every layer ``changed`` touches loads whole."""
+    touched = {layer_key(n, packed) for n in changed}
+    return [n for n in names if layer_key(n, packed) in touched]
+
+
+def _packed_mapping(model: Any) -> dict[str, list[str]]:
+    mapping = getattr(model, "packed_modules_mapping", None) or {}
+    return {str(k): [str(p) for p in v] for k, v in dict(mapping).items()}
+
+
+def _delta_names(delta_path: str) -> tuple[str, str, list[str], list[str]]:
+    """(base fp, target fp, tensors whose values change, tensors removed) of a delta, validated."""
+    with DeltaReader(delta_path) as d:
+        changed = [e.name for e in d.tensors if e.op in ("patch", "add", "replace")]
+        removed = [e.name for e in d.tensors if e.op == "remove"]
+        return d.base_fingerprint, d.target_fingerprint, changed, removed
+
+
+# ------------------------------------------------------------------------------------ engine access
+
+
+def _partial_layers(model: Any) -> list[str] | None:
+    """Layers vLLM's layerwise reload has started but not completed; None if this vLLM cannot tell."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # pragma: no cover - another vLLM layout
+        return None
+    out = []
+    for name, layer in model.named_modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
+            continue
+        if 0 < info.load_numel < (info.load_numel_total or 0):
+            out.append(name)
+    return out
+
+
+def _is_linear(module: Any) -> bool:
+    return (hasattr(module, "quant_method") and hasattr(module, "input_size_per_partition")
+            and hasattr(module, "output_size_per_partition"))
+
+
+def _probe_rows(module: Any, start: int, stop: int) -> Any:
+    """Rows [start, stop) of the transposed weight the layer's kernel actually multiplies with.
+
+    Multiplying the identity by the (possibly prepacked) kernel weight returns the weight itself, exactly
+    for float weights (one nonzero product per output, accumulated in at least the weight's precision);
+    -0.0 comes back as +0.0.
+    """
+    import torch
+
+    dtype = getattr(module, "params_dtype", None) or torch.bfloat16
+    device = next((p.device for p in module.parameters() if p.numel()), torch.device("cpu"))
+    k = module.input_size_per_partition
+    eye = torch.zeros(stop - start, k, dtype=dtype, device=device)
+    eye[torch.arange(stop - start), torch.arange(start, stop)] = 1
+    with torch.inference_mode():
+        return module.quant_method.apply(module, eye, bias=None)
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    import torch
+
+    if a.shape != b.shape:
+        return False
+    a, b = a.float(), b.float()
+    return bool(torch.all((a == b) | (torch.isnan(a) & torch.isnan(b))))
+
+
+def _bits_digest(t: Any) -> str:
+    import torch
+
+    t = t.detach().contiguous().cpu()
+    raw = t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32,
+                                                                     8: torch.int64}[t.element_size()])
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------ worker extension
+
+
+class DeltaRefitWorkerExtension:
+    """Mixed into every vLLM worker (``worker_extension_cls``); called through ``llm.collective_rpc``.
+
+    Method names are prefixed or specific enough not to collide with vLLM's Worker (vLLM asserts this).
+    """
+
+    # -- main entry -----------------------------------------------------------------------------------
+
+    def apply_delta(self, delta_path: str, checkpoint_dir: str, verify: bool = False) -> dict[str, Any]:
+        """Apply the delta to the on-disk checkpoint (verified), then reload what changed into the engine.
+
+        Returns a JSON-able report. A deltarefit error (wrong base, corrupt delta, ...) is returned as
+        ``{"ok": False, "error_type": ..., "error": ...}``; :func:`refit_engine` raises it on the driver.
+        Rerunning after any failure is safe: the apply is idempotent and the reload set comes from the
+        delta, not from what this run wrote, so an engine left behind its files catches up.
+        """
+        t0 = time.perf_counter()
+        rank = getattr(self, "rank", None)
+        try:
+            return self._deltarefit_apply(delta_path, checkpoint_dir, verify, t0, rank)
+        except DeltaRefitError as e:
+            log.warning("deltarefit refit refused on rank %s: %s", rank, e)
+            return {"ok": False, "rank": rank, "error_type": type(e).__name__, "error": str(e),
+                    "seconds": time.perf_counter() - t0}
+
+    def _deltarefit_apply(self, delta_path: str, ckpt: str, verify: bool, t0: float,
+                          rank: Any) -> dict[str, Any]:
+        if not os.path.isdir(ckpt):
+            raise UsageError(f"{ckpt}: the engine's checkpoint must be a directory (what vLLM loaded)")
+        base_fp, _, changed, removed = _delta_names(delta_path)
+        if removed:
+            # The engine has no way to drop a parameter; refusing here keeps files and engine in step.
+            raise UsageError(f"{delta_path}: removes tensors {removed[:5]}; a running engine cannot drop "
+                             "parameters, restart it from the target checkpoint instead")
+        with open(os.path.join(ckpt, LOCK_NAME), "a+") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one writer per directory; later workers re-verify
+            rep = apply_delta_to_checkpoint(delta_path, ckpt)
+        t_apply = time.perf_counter()
+        fed, nbytes, completed = self._deltarefit_reload(ckpt, changed)
+        t_reload = time.perf_counter()
+        report: dict[str, Any] = {
+            "ok": True, "rank": rank, "base_fingerprint": base_fp, "target_fingerprint": rep.target_fingerprint,
+            "chunks_applied": rep.chunks_applied, "chunks_skipped": rep.chunks_skipped,
+            "chunks_recovered": rep.chunks_recovered, "written_bytes": rep.written_bytes,
+            "tensors_changed": len(changed), "tensors_reloaded": len(fed), "bytes_reloaded": nbytes,
+            "completed_layers": completed, "seconds_apply": t_apply - t0, "seconds_reload": t_reload - t_apply,
+        }
+        if verify:
+            report["verify"] = self.deltarefit_verify(ckpt, fed)
+            if report["verify"]["mismatched"]:
+                raise errors.VerificationError(
+                    f"engine weights differ from {ckpt} after reload: {report['verify']['mismatched'][:5]}")
+        report["seconds"] = time.perf_counter() - t0
+        log.info("deltarefit refit on rank %s: %d tensors, %d bytes, %.2f s", rank, len(fed), nbytes,
+                 report["seconds"])
+        return report
+
+    def _deltarefit_model(self) -> Any:
+        runner = getattr(self, "model_runner", None)
+        if runner is None or not hasattr(runner, "get_model"):
+            raise UsageError("this vLLM worker has no model_runner.get_model(); unsupported vLLM version")
+        return runner.get_model()
+
+    def _deltarefit_reload(self, ckpt: str, changed: list[str]) -> tuple[list[str], int, list[str]]:
+        """Feed the layers ``changed`` touches to vLLM's reload; returns (fed names, bytes, completed)."""
+        model = self._deltarefit_model()
+        packed = _packed_mapping(model)
+        fed: list[str] = []
+        state = {"bytes": 0, "completed": []}
+        if not changed:
+            return fed, 0, []
+        from safetensors import safe_open
+
+        with contextlib.ExitStack() as stack:
+            ck = stack.enter_context(open_checkpoint(ckpt))
+            names = list(ck.tensors)
+            handles: dict[str, Any] = {}
+
+            def read(name: str) -> Any:
+                file = ck.tensors[name].file
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+                t = handles[file].get_tensor(name)  # one tensor in memory at a time
+                state["bytes"] += t.numel() * t.element_size()
+                fed.append(name)
+                return t
+
+            def weights() -> Iterator[tuple[str, Any]]:
+                first = reload_set(changed, names, packed)
+                for n in first:
+                    yield n, read(n)
+                # Any layer still partly loaded now would be rebuilt with uninitialized elements: complete it.
+                partial = _partial_layers(model)
+                if not partial:
+                    return
+                done = set(fed)
+                rest = [n for n in names if n not in done]
+                extra = []
+                for layer in partial:
+                    under = [n for n in rest if layer_key(n, packed) == layer
+                             or layer_key(n, packed).startswith(layer + ".")]
+                    fed_under = any(layer_key(n, packed) == layer or layer_key(n, packed).startswith(layer + ".")
+                                    for n in fed)
+                    if under:
+                        extra.extend(under)
+                    elif not fed_under:
+                        # Engine names do not line up with checkpoint names here: feed everything left.
+                        extra = rest
+                        break
+                    # else: every tensor of the layer was fed; it is short only by padding (vocab rows).
+                state["completed"] = partial
+                seen = set()
+                for n in rest:
+                    if n in extra and n not in seen:
+                        seen.add(n)
+                        yield n, read(n)
+
+            if hasattr(self, "reload_weights"):
+                self.reload_weights(weights_iterator=weights())
+            else:  # pragma: no cover - a worker without the wrapper
+                self.model_runner.reload_weights(weights_iterator=weights())
+        return fed, state["bytes"], state["completed"]
+
+    # -- checks ---------------------------------------------------------------------------------------
+
+    def deltarefit_verify(self, checkpoint_dir: str, names: list[str] | None = None) -> dict[str, Any]:
+        """Compare the engine's weights with the checkpoint tensors they were loaded from.
+
+        Linear layers are read through their kernel (identity probe, so prepacked CPU weights and fused
+        qkv/gate_up rows are covered) and compared by value (-0.0 equals +0.0); other parameters
+        (embeddings, norms, lm_head) by bits, over the rows the checkpoint has (vocab padding excluded).
+        Only unsharded engines (tensor parallel size 1) are compared; sharded layers are listed as
+        unverified. ``names``: checkpoint tensors to check (default all).
+        """
+        import torch
+        from safetensors import safe_open
+
+        model = self._deltarefit_model()
+        packed = _packed_mapping(model)
+        tp = int(getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+        out: dict[str, Any] = {"verified": [], "mismatched": [], "unverified": []}
+        with contextlib.ExitStack() as stack:
+            ck = stack.enter_context(open_checkpoint(checkpoint_dir))
+            wanted = list(ck.tensors) if names is None else [n for n in ck.tensors if n in set(names)]
+            handles: dict[str, Any] = {}
+
+            def read(name: str) -> Any:
+                file = ck.tensors[name].file
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+                return handles[file].get_tensor(name)
+
+            groups: dict[str, list[str]] = {}
+            for n in wanted:
+                groups.setdefault(layer_key(n, packed), []).append(n)
+            for key, members in groups.items():
+                try:
+                    module = model.get_submodule(key)
+                except AttributeError:
+                    out["unverified"].extend(members)
+                    continue
+                if tp != 1:
+                    out["unverified"].extend(members)
+                    continue
+                for suffix in sorted({m.rpartition(".")[2] for m in members}):
+                    ms = [m for m in members if m.rpartition(".")[2] == suffix]
+                    if len(ms) > 1 or layer_key(ms[0], packed) != ms[0].rpartition(".")[0]:
+                        # fused: order the siblings as the model's mapping does
+                        order = next((p for f, p in packed.items() if key.endswith("." + f) or key == f), [])
+                        full = {m.rpartition(".")[0].rpartition(".")[2]: m for m in ms}
+                        if set(full) != set(order):
+                            out["unverified"].extend(ms)  # only part of a fused layer asked for
+                            continue
+                        ms = [full[p] for p in order]
+                    want = torch.cat([read(m) for m in ms]) if len(ms) > 1 else read(ms[0])
+                    ok = self._deltarefit_compare(module, suffix, want)
+                    if ok is None:
+                        out["unverified"].extend(ms)
+                    else:
+                        out["verified" if ok else "mismatched"].extend(ms)
+        return out
+
+    def _deltarefit_compare(self, module: Any, suffix: str, want: Any) -> bool | None:
+        import torch
+
+        if suffix == "weight" and _is_linear(module) and want.ndim == 2:
+            n, k = module.output_size_per_partition, module.input_size_per_partition
+            if tuple(want.shape) != (n, k):
+                return None
+            for i in range(0, k, PROBE_ROWS):
+                j = min(k, i + PROBE_ROWS)
+                got = _probe_rows(module, i, j)  # (j - i, n): columns i..j of the weight, transposed
+                if not _same_values(got.cpu(), want[:, i:j].t().to(got.dtype)):
+                    return False
+            return True
+        try:
+            param = module.get_parameter(suffix)
+        except AttributeError:
+            return None
+        if param.numel() == 0 or param.ndim != want.ndim or param.shape[1:] != want.shape[1:] \
+                or param.shape[0] < want.shape[0]:
+            return None
+        got = param.detach()[: want.shape[0]].cpu()
+        if got.dtype != want.dtype:
+            return _same_values(got, want)  # e.g. a bias the CPU kernel keeps in fp32
+        return torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+
+    def deltarefit_digests(self) -> dict[str, str]:
+        """sha256 of what the engine computes with: each linear layer's effective (kernel) weight, read
+        through an identity probe, and the bits of every other non-empty parameter and buffer.
+
+        Two engines of one model and parallel layout hold the same weights iff these are equal.
+        """
+        import torch
+
+        model = self._deltarefit_model()
+        out: dict[str, str] = {}
+        for name, module in model.named_modules():
+            for pname, p in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+                if p.numel():
+                    out[f"{name}.{pname}"] = _bits_digest(p)
+            if _is_linear(module):
+                try:
+                    k = module.input_size_per_partition
+                    w = torch.cat([_probe_rows(module, i, min(k, i + PROBE_ROWS)).cpu()
+                                   for i in range(0, k, PROBE_ROWS)])
+                except Exception as e:  # a layer whose kernel cannot be probed this way (quantized, ...)
+                    out[f"{name}#kernel"] = f"unprobed: {type(e).__name__}"
+                    continue
+                out[f"{name}#kernel"] = _bits_digest(w)
+        return out
+
+
+# ------------------------------------------------------------------------------------ driver side
+
+
+def _raise(report: dict[str, Any]) -> None:
+    cls = getattr(errors, str(report.get("error_type")), None)
+    if not (isinstance(cls, type) and issubclass(cls, DeltaRefitError)):
+        cls = DeltaRefitError
+    raise cls(f"rank {report.get('rank')}: {report.get('error')}")
+
+
+def refit_engine(llm: Any, delta_path: str, checkpoint_dir: str, *, verify: bool = False,
+                 timeout: float | None = None) -> dict[str, Any]:
+    """Refit a running ``vllm.LLM`` (started with ``worker_extension_cls=EXTENSION`` from
+    ``checkpoint_dir``) to the delta's target; returns a JSON-able report, raises deltarefit errors.
+
+    Call it between ``generate`` calls (the offline LLM is idle then). The prefix cache is reset
+    afterwards: its blocks were computed with the old weights.
+    """
+    t0 = time.perf_counter()
+    reports = llm.collective_rpc("apply_delta", timeout=timeout,
+                                 args=(os.path.abspath(delta_path), os.path.abspath(checkpoint_dir)),
+                                 kwargs={"verify": verify})
+    failed = [r for r in reports if not r.get("ok")]
+    if failed:
+        if len(failed) < len(reports):
+            log.error("refit failed on %d of %d workers; rerun refit_engine (safe) before serving",
+                      len(failed), len(reports))
+        _raise(failed[0])
+    fps = {r["target_fingerprint"] for r in reports}
+    if len(fps) != 1:
+        raise errors.VerificationError(f"workers disagree on the target fingerprint: {sorted(fps)}")
+    reset = None
+    with contextlib.suppress(AttributeError):
+        reset = bool(llm.reset_prefix_cache())
+    if reset is False:
+        log.warning("refit done but vLLM did not reset its prefix cache (requests running?): cached blocks "
+                    "were computed with the old weights; call llm.reset_prefix_cache() once idle")
+    return {
+        "ok": True, "prefix_cache_reset": reset, "target_fingerprint": fps.pop(), "base_fingerprint": reports[0]["base_fingerprint"],
+        "tensors_reloaded": max(r["tensors_reloaded"] for r in reports),
+        "bytes_reloaded": sum(r["bytes_reloaded"] for r in reports),
+        "seconds": time.perf_counter() - t0, "workers": reports,
+    }
+
+
+def engine_digests(llm: Any, timeout: float | None = None) -> list[dict[str, str]]:
+    """Per worker: ``deltarefit_digests`` (see there)."""
+    return llm.collective_rpc("deltarefit_digests", timeout=timeout)
