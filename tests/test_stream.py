@@ -912,12 +912,19 @@ def test_directory_checkpoints_are_created_and_replaced_from_keyframes(stream, t
     rep = sub.sync(to_version=12)
     assert rep.route == "keyframe" and os.path.isdir(d) and sub.current() == (12, chain_fps[12])
     assert deltarefit.fingerprint(d) == chain_fps[12]
+    # What an engine needs beside the weights lives in the same directory and must survive.
+    for name, text in (("config.json", '{"model_type": "bert"}'), ("tokenizer.json", "{}")):
+        with open(os.path.join(d, name), "w") as f:
+            f.write(text)
     # The deltas after 12 are pruned: the only route left replaces the directory with keyframe 20.
     for v in range(13, 21):
         stream.store.delete(commits(stream.store)[v].delta.key)
     rep = sub.sync()
     assert rep.route == "keyframe" and rep.version == HEAD
     assert deltarefit.fingerprint(d) == chain_fps[HEAD]
+    with open(os.path.join(d, "config.json")) as f:
+        assert f.read() == '{"model_type": "bert"}'
+    assert os.path.exists(os.path.join(d, "tokenizer.json"))
     assert os.listdir(tmp_path / "r") == ["rollout"]  # no old copy, temp or staging left beside it
 
 

@@ -279,3 +279,46 @@ def test_refit_running_engine_matches_fresh_engine(tmp_path, monkeypatch):
                       "changed_fraction1": rep.changed_fraction, "refit1": {k: w1[k] for k in keys},
                       "refit1_again": {k: again["workers"][0][k] for k in keys},
                       "refit2": {k: w2[k] for k in keys}, "refit3": {k: w3[k] for k in keys}}, indent=1))
+
+
+@pytest.mark.slow
+def test_sync_engine_follows_a_version_stream_by_deltas_and_by_keyframe(tmp_path):
+    """An engine kept in step with a version stream: two versions by deltas (refit through the engine's
+    loader), then, with the deltas pruned, a keyframe installed into its directory (config and tokenizer
+    kept) and every weight reloaded. Each time the engine's weights must equal the checkpoint's."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here (make test-vllm builds a venv with it)")
+    from deltarefit.engines.vllm import sync_engine
+    from deltarefit.storage.local import LocalStore
+    from deltarefit.stream.publisher import Publisher
+    from deltarefit.stream.records import load_commit
+    from deltarefit.stream.subscriber import Subscriber
+
+    base, target, _other = build_models(str(tmp_path / "models"))
+    target2 = str(tmp_path / "models" / "target2")
+    perturb(target, target2, SPARSE)
+    store = LocalStore(str(tmp_path / "store"))
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=3, keyframe_ratio=1000.0)
+    for ck in (base, target):
+        pub.publish(ck)
+    engine_dir = str(tmp_path / "rollout")
+    shutil.copytree(base, engine_dir)
+    llm = start_engine(engine_dir)
+    try:
+        rep = sync_engine(llm, store, engine_dir, subscriber_id="engine", verify=True)
+        assert (rep.version, rep.route, rep.versions_applied) == (2, "chain", [2])
+        assert fingerprint(engine_dir) == fingerprint(target) == rep.fingerprint
+        # Version 3 is a keyframe (every 3rd); its delta is pruned, so the route installs the keyframe.
+        pub.publish(target2)
+        rec = load_commit(store, 3)
+        assert rec.keyframe and rec.delta is not None
+        store.delete(rec.delta.key)
+        rep = sync_engine(llm, store, engine_dir, subscriber_id="engine")
+        assert (rep.version, rep.route) == (3, "keyframe")
+        assert fingerprint(engine_dir) == fingerprint(target2)
+        assert os.path.exists(os.path.join(engine_dir, "config.json"))
+        assert os.path.exists(os.path.join(engine_dir, "tokenizer.json"))
+        check = llm.collective_rpc("deltarefit_verify", args=(engine_dir,))[0]
+        assert check["mismatched"] == [] and check["unverified"] == [], check
+        assert Subscriber(store, engine_dir).current() == (3, fingerprint(target2))
+    finally:
+        stop_engine(llm)

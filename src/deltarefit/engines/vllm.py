@@ -267,6 +267,22 @@ class DeltaRefitWorkerExtension:
                 self.model_runner.reload_weights(weights_iterator=weights())
         return fed, state["bytes"], state["completed"]
 
+    def deltarefit_reload_all(self, checkpoint_dir: str) -> dict[str, Any]:
+        """Reload every tensor of the checkpoint into the engine (after a keyframe replaced its files)."""
+        t0 = time.perf_counter()
+        rank = getattr(self, "rank", None)
+        try:
+            with open_checkpoint(checkpoint_dir) as ck:
+                names = list(ck.tensors)
+                from ..checkpoint import fingerprint_checkpoint
+
+                fp = fingerprint_checkpoint(ck)[0]
+            fed, nbytes, _ = self._deltarefit_reload(checkpoint_dir, names)
+        except DeltaRefitError as e:
+            return {"ok": False, "rank": rank, "error_type": type(e).__name__, "error": str(e)}
+        return {"ok": True, "rank": rank, "target_fingerprint": fp, "tensors_reloaded": len(fed),
+                "bytes_reloaded": nbytes, "seconds": time.perf_counter() - t0}
+
     # -- checks ---------------------------------------------------------------------------------------
 
     def deltarefit_verify(self, checkpoint_dir: str, names: list[str] | None = None) -> dict[str, Any]:
@@ -420,6 +436,43 @@ def refit_engine(llm: Any, delta_path: str, checkpoint_dir: str, *, verify: bool
         "bytes_reloaded": sum(r["bytes_reloaded"] for r in reports),
         "seconds": time.perf_counter() - t0, "workers": reports,
     }
+
+
+def reload_engine(llm: Any, checkpoint_dir: str, *, timeout: float | None = None) -> dict[str, Any]:
+    """Reload a running engine's weights from every tensor of ``checkpoint_dir`` (a full refit, as after
+    a keyframe); resets the prefix cache."""
+    t0 = time.perf_counter()
+    reports = llm.collective_rpc("deltarefit_reload_all", timeout=timeout, args=(os.path.abspath(checkpoint_dir),))
+    failed = [r for r in reports if not r.get("ok")]
+    if failed:
+        _raise(failed[0])
+    with contextlib.suppress(AttributeError):
+        llm.reset_prefix_cache()
+    return {"ok": True, "target_fingerprint": reports[0]["target_fingerprint"],
+            "tensors_reloaded": max(r["tensors_reloaded"] for r in reports), "seconds": time.perf_counter() - t0}
+
+
+def sync_engine(llm: Any, store: Any, checkpoint_dir: str, *, to_version: int | None = None,
+                subscriber_id: str | None = None, public_key: str | None = None, verify: bool = False,
+                timeout: float | None = None) -> Any:
+    """Bring a running engine (loaded from ``checkpoint_dir``) to the newest version of a stream.
+
+    The stream subscriber does what ``deltarefit sync`` does (records checked, cheapest route, parts
+    staged and checked before any write, the version recorded only once verified), with each delta
+    applied through :func:`refit_engine` (files, then the touched layers) and, when the route installs a
+    keyframe into the directory (config and tokenizer files stay), every weight reloaded through
+    :func:`reload_engine`. Returns the subscriber's ``SyncReport``; ``current()`` of a
+    ``Subscriber(store, checkpoint_dir)`` gives the version to stamp rollouts with. Safe to rerun after
+    any failure: a version is recorded only after the engine took it.
+    """
+    from ..stream.subscriber import Subscriber
+
+    ck = os.path.abspath(checkpoint_dir)
+    sub = Subscriber(store, ck, subscriber_id=subscriber_id, public_key=public_key,
+                     apply_hook=lambda delta: refit_engine(llm, delta, ck, verify=verify,
+                                                           timeout=timeout)["target_fingerprint"],
+                     keyframe_hook=lambda: reload_engine(llm, ck, timeout=timeout))
+    return sub.sync(to_version=to_version)
 
 
 def engine_digests(llm: Any, timeout: float | None = None) -> list[dict[str, str]]:

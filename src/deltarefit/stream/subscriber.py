@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..api import fingerprint as fingerprint_of
@@ -74,7 +75,14 @@ def state_path(checkpoint: str) -> str:
 
 class Subscriber:
     def __init__(self, store: Store | str, checkpoint: str, *, subscriber_id: str | None = None,
-                 public_key: str | None = None, threads: int | None = None) -> None:
+                 public_key: str | None = None, threads: int | None = None,
+                 apply_hook: Callable[[str], str] | None = None,
+                 keyframe_hook: Callable[[], None] | None = None) -> None:
+        """``apply_hook(delta_path) -> target fingerprint`` replaces the plain in-place apply of each
+        staged delta (an engine applies it to the checkpoint and reloads what changed, see
+        ``deltarefit.engines.vllm.sync_engine``); it must end with the checkpoint at the delta's target.
+        ``keyframe_hook()`` runs after a keyframe was installed into the checkpoint (an engine reloads
+        everything), before the version is recorded."""
         self.store = open_store(store) if isinstance(store, str) else store
         self.checkpoint = os.path.abspath(checkpoint)
         import blake3
@@ -85,6 +93,8 @@ class Subscriber:
         self.verifier = Verifier(public_key) if public_key else None
         self.threads = threads
         self.staging = self.checkpoint + ".deltarefit-staging"
+        self.apply_hook = apply_hook
+        self.keyframe_hook = keyframe_hook
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -180,10 +190,15 @@ class Subscriber:
             if st.kind == "keyframe":
                 self._install_keyframe(recs[st.version], local)
                 got = fingerprint_of(self.checkpoint, threads=self.threads)
+                if self.keyframe_hook is not None and got == st.fingerprint:
+                    self.keyframe_hook()
             else:
                 # apply verifies that the checkpoint reached the delta's own target fingerprint; the
                 # record must name that same fingerprint (an edited record must not be believed).
-                got = apply_delta(local[st.parts[0].key], self.checkpoint, threads=self.threads).target_fingerprint
+                if self.apply_hook is not None:
+                    got = self.apply_hook(local[st.parts[0].key])
+                else:
+                    got = apply_delta(local[st.parts[0].key], self.checkpoint, threads=self.threads).target_fingerprint
             if got != st.fingerprint:
                 raise StreamError(f"{self.checkpoint}: fingerprint after version {st.version} is {got[:16]}…, "
                                   f"expected {st.fingerprint[:16]}…")
@@ -288,6 +303,16 @@ class Subscriber:
             _copy_checkpoint(src, tmp)
             os.replace(tmp, self.checkpoint)
             return
+        if os.path.isdir(self.checkpoint):
+            # A Hugging Face directory also holds what is not weights (config, tokenizer, generation
+            # settings): they stay, only the weight files and their index come from the keyframe.
+            for name in os.listdir(self.checkpoint):
+                src = os.path.join(self.checkpoint, name)
+                if (name.endswith(".safetensors") or name == "model.safetensors.index.json"
+                        or name.startswith(".deltarefit") or not os.path.isfile(src)
+                        or os.path.exists(os.path.join(kdir, name))):
+                    continue
+                shutil.copy2(src, os.path.join(kdir, name))
         shutil.rmtree(tmp, ignore_errors=True)
         os.replace(kdir, tmp)
         if os.path.isdir(self.checkpoint):
