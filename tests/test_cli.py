@@ -108,9 +108,16 @@ def test_the_set_of_commands_and_flags_is_deliberate():
         "retain": ["as_json", "dry_run", "orphan_grace", "store", "ttl"],
         "keygen": ["private_key"],
         "compose": ["base", "deltas", "output"],
-        "demo": ["lr", "out", "rollouts", "steps"],
+        "demo": ["lr", "out", "rollouts", "s3_url", "steps", "transport"],
         "simulate": ["apply_cores", "apply_gbps_core", "calibrate", "change_pct", "chunk_mb", "codec", "encode_cores",
                      "encode_gbps_core", "fabric_gbps", "fanout", "link_gbps", "nodes", "params", "plot_path", "ratio",
                      "references", "shards", "store_gbps"],
         "bench": [],
+        "relay": [],
+    }
+    relay = {name: sorted(p.name for p in cmd.params) for name, cmd in main.commands["relay"].commands.items()}
+    assert relay == {
+        "root": ["fanout", "key_file", "listen", "mirror", "node_id", "poll", "rate", "store"],
+        "node": ["checkpoint", "fanout", "join", "key_file", "listen", "mirror", "node_id", "rate", "until_version"],
+        "keygen": ["key_file"],
     }

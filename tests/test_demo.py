@@ -67,6 +67,23 @@ def test_demo_cli_two_steps_two_rollouts_bit_exact(tmp_path):
         assert (out / f"rollout-{i}" / "model.safetensors").exists()
 
 
+def test_demo_over_s3_one_step_bit_exact(tmp_path):
+    """--transport s3 starts a SeaweedFS server on loopback; trainer and rollouts meet only in it."""
+    from deltarefit.bench.seaweed import missing_reason
+
+    if missing_reason():
+        if os.environ.get("CI"):
+            raise RuntimeError(f"the S3 demo cannot run in CI: {missing_reason()}")
+        pytest.skip(missing_reason())
+    out = tmp_path / "demo"
+    res = demo(out, "--steps", "1", "--rollouts", "2", "--transport", "s3")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "SeaweedFS server on loopback" in res.stdout
+    rows = table_rows(res.stdout)
+    assert sorted(rows) == [0, 1] and all(r["bit-exact"] == "yes" for r in rows.values()), res.stdout
+    assert not (out / "store" / "v").exists()  # nothing went through the local directory
+
+
 def test_a_corrupted_rollout_copy_between_steps_fails_the_cli(tmp_path):
     # Rollout 1's copy gets one flipped bit after step 0: its next sync must refuse it, the demo exit 6.
     res = demo(tmp_path / "demo", "--steps", "2", "--rollouts", "2", fault="file:1:0")

@@ -388,20 +388,93 @@ def compose(deltas, output, base) -> None:
     _run(go)
 
 
+@main.group()
+def relay() -> None:
+    """Relay tree: a root serves a version stream; nodes keep their checkpoints in sync and forward it."""
+
+
+_relay_common = [
+    click.option("--listen", required=True, help="HOST:PORT to serve children on (port 0: any free port)."),
+    click.option("--key", "key_file", required=True, type=click.Path(exists=True),
+                 help="Shared key file (>= 32 bytes, see 'relay keygen'); every connection is authenticated."),
+    click.option("--fanout", type=click.IntRange(min=0), default=2, show_default=True, help="Children per relay."),
+    click.option("--rate", default=None, help="Pace each connection's sends (link emulation), e.g. 1Gbit, 125MB."),
+    click.option("--mirror", default=None, type=click.Path(),
+                 help="Directory for this relay's mirror of the stream (default: beside the checkpoint, or a "
+                      "per-port cache directory for the root)."),
+    click.option("--id", "node_id", default=None, help="Relay id (letters, digits, '-', '_', '.'; default host-port)."),
+]
+
+
+def _relay_opts(f):
+    for opt in reversed(_relay_common):
+        f = opt(f)
+    return f
+
+
+@relay.command("root")
+@click.argument("store")
+@_relay_opts
+@click.option("--poll", type=float, default=1.0, show_default=True, help="Seconds between looks at the head.")
+def relay_root(store, listen, key_file, fanout, rate, mirror, node_id, poll) -> None:
+    """Serve the version stream in STORE (a directory or s3://bucket/prefix) to a relay tree."""
+    from .relay import run_root
+
+    _run(lambda: sys.exit(run_root(store, listen=listen, key_file=key_file, fanout=fanout, rate=rate,
+                                   mirror=mirror, node_id=node_id, poll=poll)))
+
+
+@relay.command("node")
+@click.argument("checkpoint", type=click.Path())
+@click.option("--join", required=True, help="HOST:PORT[,HOST:PORT...] of relays to join (the root first).")
+@_relay_opts
+@click.option("--until-version", type=click.IntRange(min=1), default=None,
+              help="Exit 0 once the checkpoint is verified at this version (and the children are done too).")
+def relay_node(checkpoint, join, listen, key_file, fanout, rate, mirror, node_id, until_version) -> None:
+    """Keep CHECKPOINT in sync from a relay tree and forward the stream to children."""
+    from .relay import run_node
+
+    _run(lambda: sys.exit(run_node(checkpoint, join=join, listen=listen, key_file=key_file, fanout=fanout,
+                                   rate=rate, mirror=mirror, node_id=node_id, until=until_version)))
+
+
+@relay.command("keygen")
+@click.argument("key_file", type=click.Path())
+def relay_keygen(key_file) -> None:
+    """Write a new random shared key (64 hex digits, mode 0600) to KEY_FILE."""
+
+    def go() -> None:
+        from .relay.protocol import write_key
+
+        try:
+            write_key(key_file)
+        except FileExistsError:
+            from .errors import UsageError
+
+            raise UsageError(f"{key_file} exists; not overwriting a key") from None
+        click.echo(f"wrote {key_file} (copy it to every relay; keep it secret)")
+
+    _run(go)
+
+
 @main.command()
 @click.option("--out", default="out/demo", show_default=True, type=click.Path(), help="Working directory.")
 @click.option("--steps", default=8, show_default=True, type=click.IntRange(min=1), help="Optimizer steps.")
 @click.option("--lr", default=1e-5, show_default=True, type=float, help="AdamW learning rate.")
 @click.option("--rollouts", default=2, show_default=True, type=click.IntRange(min=1),
               help="Rollout processes syncing from the version stream.")
-def demo(out: str, steps: int, lr: float, rollouts: int) -> None:
+@click.option("--transport", default="local", show_default=True, type=click.Choice(["local", "s3"]),
+              help="Where the stream lives: a local directory, or S3 (--s3-url, else a SeaweedFS on loopback).")
+@click.option("--s3-url", default=None, help="s3://bucket/prefix for --transport s3 (AWS environment for the "
+              "endpoint and credentials); without it a local SeaweedFS server is started for the run.")
+def demo(out: str, steps: int, lr: float, rollouts: int, transport: str, s3_url: str | None) -> None:
     """RL refit over a version stream: a trainer process publishes each step, rollout processes sync,
     verify bit for bit, and generate stamped rollouts; a table and OUT/refit.png at the end."""
 
     def go() -> None:
         from .demo import run_demo
 
-        if not run_demo(out, steps=steps, lr=lr, rollouts=rollouts):
+        if not run_demo(out, steps=steps, lr=lr, rollouts=rollouts, transport=transport, s3_url=s3_url):
             sys.exit(6)
 
     _run(go)
