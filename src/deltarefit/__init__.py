@@ -5,6 +5,7 @@ Encode the change between two checkpoints, ship it, apply it in place, verify th
 
 __version__ = "0.1.0"
 
+from . import shard  # sharded trainers and tensor-parallel rollouts (docs/SHARDING.md)
 from .api import fingerprint, inspect, verify
 from .apply import ApplyReport, apply
 from .encode import EncodeReport, encode
@@ -39,5 +40,6 @@ __all__ = [
     "encode",
     "fingerprint",
     "inspect",
+    "shard",
     "verify",
 ]
