@@ -1,0 +1,35 @@
+"""The transport benchmark end to end on a tiny pair: local and S3 stores at an emulated link, gloo
+broadcast, S3 throughput; the report and plot it writes. Figures are printed, never asserted on."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from deltarefit.bench import seaweed
+from deltarefit.bench.transport import main
+
+
+def test_transport_bench_tiny_pair(tmp_path, capsys):
+    s3 = seaweed.missing_reason() is None
+    if not s3 and os.environ.get("CI"):
+        raise RuntimeError(f"the S3 part cannot run in CI: {seaweed.missing_reason()}")
+    md, js = tmp_path / "T.md", tmp_path / "t.json"
+    args = ["--mib", "4", "--links", "200Mbit", "--markdown", str(md), "--json", str(js), "--out", str(tmp_path / "w")]
+    assert main(args + ([] if s3 else ["--no-s3"])) == 0
+    res = json.loads(js.read_text())
+    kinds = [r["transport"] for r in res["store"]]
+    assert kinds == (["local", "s3"] if s3 else ["local"])
+    for r in res["store"]:
+        assert r["delta_bytes"] < r["full_bytes"] / 5
+        assert r["full"] > 0 and r["delta"] > 0 and r["delta_publish"] > 0 and r["delta_sync"] > 0
+        assert r["link"] == "200Mbit"
+    assert res["dist"]["delta_bytes"] < res["dist"]["full_bytes"] / 5
+    if s3:
+        assert res["s3"]["bytes"] == res["store"][0]["full_bytes"] and res["s3"]["up_ratio"] > 0
+    text = md.read_text()
+    assert "## Refit through a store at an emulated link" in text and "## Where the delta's time goes" in text
+    assert "![refit times](T.png)" in text and (tmp_path / "T.png").read_bytes()[:4] == b"\x89PNG"
+    assert "faster" in capsys.readouterr().out
