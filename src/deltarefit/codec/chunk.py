@@ -30,8 +30,12 @@ DENSE_XOR = 3
 OVERWRITE = 4
 ENCODING_NAMES = {ULP: "ulp", SPARSE_XOR: "sparse_xor", DENSE_XOR: "dense_xor", OVERWRITE: "overwrite"}
 
-# Dense encodings are only worth trying once this fraction of a chunk changed.
+# Dense encodings are only worth trying once this fraction of a chunk changed and the ulp coding spends
+# more than DENSE_TRY_BITS bits per element of the chunk: below that, zstd of a whole chunk never came
+# close (on every benchmark pair, dense was at least 2x the ulp size there), and trying it costs two
+# zstd passes over the chunk, about as much as the rest of the encoder.
 DENSE_TRY_FRACTION = 0.08
+DENSE_TRY_BITS = 1.0
 ZSTD_LEVEL = 1
 
 _tls = threading.local()
@@ -143,7 +147,7 @@ def encode_changes(dt: DType, ch: Changes, dense) -> EncodedChunk | None:
     cands: list[EncodedChunk] = []
     if nbytes >= 0:
         cands.append(EncodedChunk(ULP, out[:nbytes].tobytes(), m, 0))
-    if m >= DENSE_TRY_FRACTION * n or not cands:
+    if not cands or (m >= DENSE_TRY_FRACTION * n and 8 * len(cands[0].payload) > DENSE_TRY_BITS * n):
         base, target = dense()
         x = np.bitwise_xor(base, target)
         raw = x.tobytes()
