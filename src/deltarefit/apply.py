@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -213,6 +214,7 @@ class Applier:
         self.journal = journal
         self.threads = threads or default_threads()
         self.cache_left = cache_bytes
+        self._cache_lock = threading.Lock()  # tensors are planned on several threads
         self.progress = progress
         self.recovered = journal.read() if journal else {}
 
@@ -224,9 +226,17 @@ class Applier:
         if extra:
             raise BaseMismatchError(f"checkpoint holds tensor {extra[0]!r}, which the delta's base does not have "
                                     "(wrong base checkpoint?)")
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="plan") as pool:
-            plans = [self._plan_tensor(pool, ti, e) for ti, e in enumerate(self.d.tensors)]
-        return plans
+        # Segments go to ``pool``; tensors are planned ``2 x threads`` at a time (``outer``), so that a
+        # checkpoint of many one-segment tensors still keeps every core busy. Results are taken in
+        # tensor order, so the error reported is the first bad tensor's, whatever the timing.
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="plan") as pool, \
+                ThreadPoolExecutor(2 * self.threads, thread_name_prefix="plan-tensor") as outer:
+            futs = [outer.submit(self._plan_tensor, pool, ti, e) for ti, e in enumerate(self.d.tensors)]
+            try:
+                return [f.result() for f in futs]
+            finally:
+                for f in futs:
+                    f.cancel()
 
     def _plan_tensor(self, pool: ThreadPoolExecutor, ti: int, e: TensorEntry) -> _TensorPlan:
         info = self.t.tensors.get(e.name)
@@ -329,9 +339,11 @@ class Applier:
         for c in chunks:  # keep decoded patches within the memory budget, re-decode the rest later
             if c.patch is not None and c.state == "todo":  # a torn chunk's patch can't be re-decoded
                 size = c.patch.dense.nbytes if c.patch.dense is not None else c.patch.positions.size * 10
-                if size <= self.cache_left:
-                    self.cache_left -= size
-                else:
+                with self._cache_lock:
+                    keep = size <= self.cache_left
+                    if keep:
+                        self.cache_left -= size
+                if not keep:
                     c.patch = None
         return _TensorPlan(e, "patch", segs, chunks)
 
@@ -339,8 +351,6 @@ class Applier:
 
     def write(self, plans: list[_TensorPlan]) -> tuple[int, int, int, int]:
         applied = skipped = recovered = written = 0
-        import threading
-
         slots: dict[int, int] = {}
         lock = threading.Lock()
 
@@ -374,12 +384,14 @@ class Applier:
             # Torn chunks go first and alone: their only copy is a journal slot that the next new
             # chunk written by the same slot number would overwrite.
             with ThreadPoolExecutor(self.threads if state == "todo" else 1, thread_name_prefix="apply") as pool:
-                for ti, tp in enumerate(plans):
-                    if tp.state != "patch":
-                        continue
-                    jobs = [c for c in tp.chunks if c.state == state]
-                    for n in pool.map(lambda c, tp=tp, ti=ti: do(tp, ti, c), jobs):
-                        written += n
+                futs = [pool.submit(do, tp, ti, c) for ti, tp in enumerate(plans) if tp.state == "patch"
+                        for c in tp.chunks if c.state == state]
+                try:
+                    for f in futs:
+                        written += f.result()
+                finally:
+                    for f in futs:
+                        f.cancel()
         for tp in (tp for tp in plans if tp.state == "patch"):
             applied += sum(1 for c in tp.chunks if c.state == "todo")
             skipped += sum(1 for c in tp.chunks if c.state == "done")
