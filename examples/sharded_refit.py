@@ -1,12 +1,15 @@
 """Sharded refit on one machine: 2 trainer ranks (dim-0 sharded fp32 masters, fused qkv/gate_up) and
 2 tensor-parallel rollout ranks (fused qkv/gate_up, column/row-parallel slices), 4 processes over
-torch.distributed gloo on loopback; parts travel through a local directory.
+torch.distributed gloo on loopback; versions travel through a version stream in a local directory
+(``OUT/stream``: per-rank parts, the joined manifest, the commit record created last).
 
 Each step the trainers take a real AdamW step on a toy causal-LM loss (each rank updates only its own
-master shard; the shards are all-gathered into the compute copy, as FSDP does), publish their parts
-(no rank gathers for publishing) and join them into a version; the rollouts check the TP group's
-base digests, apply in place, check the group's target digests, and finally compare their slices bit
-for bit with the full conversion of the gathered masters (a test-only gather). One line per step;
+master shard; the shards are all-gathered into the compute copy, as FSDP does) and publish the version
+with ``ShardStreamPublisher`` (each rank uploads its part, no rank gathers tensors; rank 0 joins the
+parts and commits; each rank's baseline advances once the commit exists); the rollouts follow the
+stream with ``sync_sharded`` (records and parts checked before any write, the TP group's base digests
+before and target digests after apply), and finally compare their slices bit for bit with the full
+conversion of the gathered masters (a test-only gather, written beside the stream). One line per step;
 exit status 1 on any mismatch.
 
     python examples/sharded_refit.py [--steps 5] [--out DIR] [--lr 1e-6] [--wrong-map]
@@ -18,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -29,12 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from deltarefit.errors import BaseMismatchError
 from deltarefit.shard import digest as D
 from deltarefit.shard.convert import export_full
 from deltarefit.shard.names import cuts_from_layouts, llama_shapes, tp_layout, trainer_layout
-from deltarefit.shard.part import join, read_part
-from deltarefit.shard.publish import ShardPublisher
-from deltarefit.shard.rollout import apply_version, group_check, needed_ranks, slice_digests
+from deltarefit.shard.rollout import group_check, slice_digests
+from deltarefit.shard.stream import ShardStreamPublisher, load_manifest, load_shard_commit, sync_sharded
+from deltarefit.storage.local import LocalStore
 
 CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64, "tie_word_embeddings": False}
@@ -109,7 +114,9 @@ def trainer(rank: int, a, shapes, tlay, cuts, group) -> bool:
     for m in masters.values():
         m.requires_grad_(True)
     opt = torch.optim.AdamW(list(masters.values()), lr=a.lr, weight_decay=0.0)
-    pub = ShardPublisher(tlay, "BF16", cuts=cuts, rank=rank, world=TRAINERS)
+    store = LocalStore(os.path.join(a.out, "stream"))
+    sp = ShardStreamPublisher(store, tlay, "BF16", cuts=cuts, rank=rank, world=TRAINERS, group=group,
+                              state_dir=os.path.join(a.out, "trainer-state"), timeout=120)
     gen = torch.Generator().manual_seed(100 + rank)
     tokens = torch.randint(0, CONFIG["vocab_size"], (4, 32), generator=gen)
     names = sorted(shapes)
@@ -140,43 +147,35 @@ def trainer(rank: int, a, shapes, tlay, cuts, group) -> bool:
                     t = torch.from_numpy(full[n])
                     dist.all_reduce(t, group=group)
                     p.copy_(t)
-        vdir = os.path.join(a.out, f"v{step:06d}")
+        vdir = os.path.join(a.out, f"v{step:06d}")  # test-only side files (reference, stats)
         os.makedirs(vdir, exist_ok=True)
         local = {n: m.detach() for n, m in masters.items()}
         if rank == 0 and step == a.steps:
             tracemalloc.start()
-        blob, st = pub.publish(local, step)
+        rec = sp.publish(local, step=step)  # upload; rank 0 joins and commits; every baseline advances
+        blob, st = sp.last_part, sp.last_stats
         if rank == 0 and step == a.steps:
             _, peak = tracemalloc.get_traced_memory()
             tracemalloc.stop()
-            print(f"trainer rank 0 publish memory beyond the model: baseline slice {pub.baseline_bytes()} B "
+            print(f"trainer rank 0 publish memory beyond the model: baseline slice {sp.pub.baseline_bytes()} B "
                   f"(masters {sum(m.numel() * 4 for m in masters.values())} B) + peak {peak} B during publish "
                   f"(part {len(blob)} B)", flush=True)
-        with open(os.path.join(vdir, f"part-{rank}.bin"), "wb") as f:
-            f.write(blob)
-        summed = allreduce_digests(names, pub.partial_digests(blob), group)
+        summed = allreduce_digests(names, sp.pub.partial_digests(blob), group)
         stats = torch.tensor([st.changed, st.elements, st.part_bytes, st.served_bytes], dtype=torch.int64)
         dist.all_reduce(stats, group=group, op=dist.ReduceOp.SUM)
         secs = torch.tensor([int(st.seconds * 1e6)], dtype=torch.int64)
         dist.all_reduce(secs, group=group, op=dist.ReduceOp.MAX)
-        dist.barrier(group=group)
         if rank == 0:
-            blobs = [open(os.path.join(vdir, f"part-{r}.bin"), "rb").read() for r in range(TRAINERS)]
-            man = join([read_part(b) for b in blobs], blobs)
-            if group_check(summed, man):
+            if group_check(summed, load_manifest(store, rec)):
                 ok = False
-                print(f"step {step}: trainer digests do not sum to the joined version", flush=True)
-            man["stats"] = {"changed": int(stats[0]), "elements": int(stats[1]), "part_bytes": int(stats[2]),
-                            "served_bytes": int(stats[3]), "publish_us": int(secs[0])}
+                print(f"step {step}: trainer digests do not sum to the committed version", flush=True)
             # test-only reference: the full conversion of the (gathered) masters
             ref = export_full({n: p.detach().numpy() for n, p in model.named_parameters()}, "BF16")
             np.savez(os.path.join(vdir, "ref.npz"), **{n: b for n, (_, b) in ref.items()})
-            tmp = os.path.join(vdir, "manifest.json.tmp")
-            with open(tmp, "w") as f:
-                json.dump(man, f)
-            os.replace(tmp, os.path.join(vdir, "manifest.json"))  # the commit point
-        dist.barrier(group=group)
-        pub.commit(blob)
+            with open(os.path.join(vdir, "stats.json"), "w") as f:
+                json.dump({"version": rec.version, "keyframe": rec.keyframe, "changed": int(stats[0]),
+                           "elements": int(stats[1]), "part_bytes": int(stats[2]), "served_bytes": int(stats[3]),
+                           "publish_us": int(secs[0])}, f)
         dist.barrier()  # version committed: rollouts may sync
         dist.barrier()  # rollouts done with this step
     return ok
@@ -184,6 +183,7 @@ def trainer(rank: int, a, shapes, tlay, cuts, group) -> bool:
 
 def rollout(rank: int, a, shapes, rlay, group) -> bool:
     tensors = {n: torch.zeros(lt.shape, dtype=torch.bfloat16) for n, lt in rlay.items()}
+    store = LocalStore(os.path.join(a.out, "stream"))
     names = sorted(shapes)
     ok = True
     good_map = rlay
@@ -193,24 +193,20 @@ def rollout(rank: int, a, shapes, rlay, group) -> bool:
         rlay = wrong_map(good_map) if a.wrong_map and step and rank == TRAINERS + 1 else good_map
         dist.barrier()
         vdir = os.path.join(a.out, f"v{step:06d}")
-        with open(os.path.join(vdir, "manifest.json")) as f:
-            man = json.load(f)
+        with open(os.path.join(vdir, "stats.json")) as f:
+            s = json.load(f)
         t0 = time.perf_counter()
-        # fetch only the parts that meet this rank's slices
-        blobs = {r: open(os.path.join(vdir, f"part-{r}.bin"), "rb").read() for r in needed_ranks(man, rlay)}
-        pre = allreduce_digests(names, slice_digests(tensors, rlay, man["tensors"]), group)
-        bad = [] if man["keyframe"] else group_check(pre, man, "base")
-        base_ok = not bad
-        if bad and rank == TRAINERS:
-            print(f"step {step}: the TP group's base digests differ from the version's for {len(bad)} tensors "
-                  f"(e.g. {bad[0]}): refusing the version, nothing written", flush=True)
-        applied = False
-        if base_ok:
-            try:
-                apply_version(man, blobs, tensors, rlay)
-                applied = True
-            except Exception as e:  # a refusal: report it as a mismatch
-                print(f"rollout {rank}: step {step}: {type(e).__name__}: {e}", flush=True)
+        base_ok = applied = False
+        try:  # fetches only the parts that meet this rank's slices; checks the group's digests
+            sync_sharded(store, tensors, rlay, state_path=os.path.join(a.out, f"rollout-{rank}.json"), group=group)
+            base_ok = applied = True
+        except BaseMismatchError as e:
+            if rank == TRAINERS:
+                print(f"step {step}: {e}", flush=True)  # "...: refusing the version, nothing written"
+        except Exception as e:  # a refusal: report it as a mismatch
+            base_ok = True
+            print(f"rollout {rank}: step {step}: {type(e).__name__}: {e}", flush=True)
+        man = load_manifest(store, load_shard_commit(store, s["version"]))
         post = allreduce_digests(names, slice_digests(tensors, rlay, man["tensors"]), group)
         dig_ok = not group_check(post, man, "target")
         secs = time.perf_counter() - t0
@@ -224,8 +220,7 @@ def rollout(rank: int, a, shapes, rlay, group) -> bool:
         t = torch.tensor([secs])
         dist.all_reduce(t, group=group, op=dist.ReduceOp.MAX)
         if rank == TRAINERS:
-            s = man["stats"]
-            print(f"step {step:3d}  {'keyframe' if man['keyframe'] else 'delta   '}  changed "
+            print(f"step {step:3d}  {'keyframe' if s['keyframe'] else 'delta   '}  changed "
                   f"{100 * s['changed'] / max(s['elements'], 1):6.2f}%  parts {s['part_bytes']:8d} B  ratio "
                   f"{s['served_bytes'] / max(s['part_bytes'], 1):6.1f}x  publish {s['publish_us'] / 1e6:.3f}s  "
                   f"sync {float(t[0]):.3f}s  verified {'yes' if int(good[0]) else 'NO'}", flush=True)
@@ -282,6 +277,13 @@ def main(argv=None) -> int:
             a.port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         a.out = a.out or tmp
+        # a fresh stream each run (an old one under --out would be followed, not restarted)
+        for name in ("stream", "trainer-state", *(f"rollout-{r}.json" for r in range(TRAINERS, TRAINERS + ROLLOUTS))):
+            path = os.path.join(a.out, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.unlink(path)
         t0 = time.perf_counter()
         try:
             mp.spawn(worker, args=(a,), nprocs=TRAINERS + ROLLOUTS, join=True)

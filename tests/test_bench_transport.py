@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-
 from deltarefit.bench import seaweed
 from deltarefit.bench.transport import main
 

@@ -7,6 +7,8 @@
 * ``part``        the part format (JSON header + codec payloads) and the version manifest (``join``)
 * ``publish``     ``ShardPublisher``: each trainer rank diffs its own shard into its part
 * ``rollout``     ``apply_version``: in place into a rank's slices, pre-image checked, O(chunk) memory
+* ``stream``      sharded versions in a version stream: ``ShardStreamPublisher`` (every trainer rank
+                  uploads its part, one commits), ``sync_sharded`` (a rollout rank follows the stream)
 """
 
 from .convert import export_full, to_served_bits
@@ -14,8 +16,8 @@ from .names import cuts_from_layouts, identity_layout, llama_shapes, tp_layout, 
 from .part import join, read_part
 from .publish import PartStats, ShardPublisher
 from .rollout import apply_version, apply_version_to_module, group_check, needed_ranks, slice_digests
+from .stream import ShardStreamPublisher, retain_sharded, sync_sharded
 
-__all__ = ["PartStats", "ShardPublisher", "apply_version", "apply_version_to_module", "cuts_from_layouts",
-           "export_full", "group_check", "identity_layout", "join", "llama_shapes", "needed_ranks", "read_part",
-           "slice_digests",
-           "to_served_bits", "tp_layout", "trainer_layout"]
+__all__ = ["PartStats", "ShardPublisher", "ShardStreamPublisher", "apply_version", "apply_version_to_module",
+           "cuts_from_layouts", "export_full", "group_check", "identity_layout", "join", "llama_shapes", "needed_ranks", "read_part",
+           "retain_sharded", "slice_digests", "sync_sharded", "to_served_bits", "tp_layout", "trainer_layout"]

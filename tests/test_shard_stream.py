@@ -1,0 +1,443 @@
+"""Sharded versions through the version stream: 2 trainer ranks commit parts to a store, TP=2 rollout
+ranks (and whole-model holders) sync through it, ranks simulated in one process. Kills between steps,
+tampered objects, late ranks, diverged baselines and late joiners."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from deltarefit.errors import BaseMismatchError
+from deltarefit.shard import digest as D
+from deltarefit.shard import stream as S
+from deltarefit.shard.convert import to_bf16_bits
+from deltarefit.shard.names import cuts_from_layouts, identity_layout, llama_shapes, tp_layout, trainer_layout
+from deltarefit.shard.rollout import group_check, slice_digests
+from deltarefit.shard.stream import (
+    ShardStreamPublisher,
+    held_version,
+    load_shard_commit,
+    new_attempt,
+    retain_sharded,
+    state_fingerprint,
+    sync_sharded,
+)
+from deltarefit.storage.local import LocalStore
+from deltarefit.storage.memory import MemoryStore
+from deltarefit.stream.publisher import PublishError
+from deltarefit.stream.records import StreamError, commit_key, head, load_commit
+
+CFG = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 32, "tie_word_embeddings": False}
+SHAPES = llama_shapes(CFG)
+TLAYS = [trainer_layout(SHAPES, [2], [r], ["S0"]) for r in range(2)]
+RLAYS = [tp_layout(SHAPES, 2, r) for r in range(2)]
+CUTS = cuts_from_layouts([*RLAYS, identity_layout(SHAPES)])
+
+
+def project(layout, full, dtype):
+    out = {}
+    for ln, lt in layout.items():
+        a = np.zeros(lt.shape, dtype)
+        for p in lt.pieces:
+            box = p.box()
+            f = box.flat(np.arange(box.count))
+            a.reshape(-1)[p.to_local(f)] = full[p.name].reshape(-1)[f]
+        out[ln] = a
+    return out
+
+
+def masters(seed=0):
+    rng = np.random.default_rng(seed)
+    return {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s in SHAPES.items()}
+
+
+def step(full, rng, scale=2e-5):
+    for n in full:
+        full[n] += (rng.standard_normal(full[n].shape) * scale).astype(np.float32)
+
+
+def trainers(store, state_dir=None, **kw):
+    return [ShardStreamPublisher(store, TLAYS[r], "BF16", cuts=CUTS, rank=r, world=2,
+                                 state_dir=None if state_dir is None else str(state_dir), timeout=5, poll=0.01, **kw)
+            for r in range(2)]
+
+
+def publish_all(tps, full, attempt=None, ranks=(0, 1)):
+    """The steps every rank takes, in one process: upload, commit (rank 0), advance."""
+    attempt = attempt or new_attempt()
+    for r in ranks:
+        tps[r].upload(project(TLAYS[r], full, np.float32), attempt)
+    v = tps[0].version + 1
+    rec = tps[0].commit_version(v, attempt)
+    for tp in tps:
+        tp.advance(tp.wait_commit(v))
+    return rec
+
+
+def rollout_tensors():
+    return [{n: torch.zeros(lt.shape, dtype=torch.bfloat16) for n, lt in lay.items()} for lay in RLAYS]
+
+
+def bits(t):
+    return t.view(torch.int16).numpy().view(np.uint16) if isinstance(t, torch.Tensor) else t
+
+
+def assert_exact(tensors, layout, full):
+    want = project(layout, {n: to_bf16_bits(a) for n, a in full.items()}, np.uint16)
+    assert set(want) == set(tensors)
+    for n in want:
+        assert np.array_equal(bits(tensors[n]), want[n]), n
+
+
+def snapshot(tensors):
+    return {n: bits(t).copy() for n, t in tensors.items()}
+
+
+@pytest.fixture(params=["local", "memory"])
+def store(request, tmp_path):
+    return LocalStore(str(tmp_path / "store")) if request.param == "local" else MemoryStore()
+
+
+def test_three_versions_tp_rollouts_bit_exact(store, tmp_path):
+    tps = trainers(store, tmp_path / "trainer")
+    roll = rollout_tensors()
+    whole = {n: np.zeros(s, np.uint16) for n, s in SHAPES.items()}  # identity layout, numpy, syncs only at the end
+    full = masters()
+    rng = np.random.default_rng(1)
+    recs = []
+    for i in range(3):
+        if i:
+            step(full, rng)
+        rec = publish_all(tps, full)
+        recs.append(rec)
+        assert rec.version == i + 1 and rec.keyframe == (i == 0) and head(store) == i + 1
+        assert [tp.version for tp in tps] == [i + 1, i + 1]
+        for r in range(2):
+            rep = sync_sharded(store, roll[r], RLAYS[r], state_path=str(tmp_path / f"roll{r}.json"))
+            assert rep.version == i + 1 and rep.versions_applied == [i + 1]
+            assert_exact(roll[r], RLAYS[r], full)
+        # the TP group's summed slice digests are the version's (what an all-reduce would give)
+        man = S.load_manifest(store, rec)
+        total = {}
+        for r in range(2):
+            for n, d in slice_digests(roll[r], RLAYS[r], man["tensors"]).items():
+                total[n] = D.add(total.get(n, D.ZERO), d)
+        assert group_check(total, man) == []
+        assert state_fingerprint(man["tensors"]) == rec.fingerprint
+    # the chain: each record names its parent's fingerprint; delta manifests start from it
+    for a, b in itertools.pairwise(recs):
+        assert load_shard_commit(store, b.version).parent == a.fingerprint
+        assert state_fingerprint(S.load_manifest(store, b)["tensors"], "base") == a.fingerprint
+    # a whole-model holder catching up over all versions (layout from the manifest), then a no-op rerun
+    rep = sync_sharded(store, whole, state_path=str(tmp_path / "whole.json"), adopt=False)
+    assert rep.route == "keyframe" and rep.versions_applied == [1, 2, 3]
+    assert_exact(whole, identity_layout(SHAPES), full)
+    rep = sync_sharded(store, whole, state_path=str(tmp_path / "whole.json"))
+    assert rep.route == "none" and rep.bytes_fetched == 0
+    # plain-stream readers refuse a sharded record clearly
+    with pytest.raises(StreamError, match=r"not a deltarefit\.commit"):
+        load_commit(store, 1)
+
+
+def _publish_rank(tp, full, attempt, step_no, out, errs):
+    try:
+        out[tp.rank] = tp.publish(project(TLAYS[tp.rank], full, np.float32), attempt=attempt, step=step_no)
+    except Exception as e:  # surfaced by the caller
+        errs.append(e)
+
+
+def test_publish_api_with_rank_threads(tmp_path):
+    store = MemoryStore()
+    tps = trainers(store, tmp_path / "t")
+    full = masters()
+    rng = np.random.default_rng(2)
+    roll = rollout_tensors()
+    for i in range(2):
+        if i:
+            step(full, rng)
+        attempt, out, errs = new_attempt(), {}, []
+        ths = [threading.Thread(target=_publish_rank, args=(tps[r], full, attempt, 10 + i, out, errs))
+               for r in (1, 0)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        assert not errs
+        assert out[0].same_version(out[1]) and out[0].step == 10 + i
+    for r in range(2):
+        sync_sharded(store, roll[r], RLAYS[r], state_path=str(tmp_path / f"r{r}.json"))
+        assert_exact(roll[r], RLAYS[r], full)
+
+
+def test_kill_before_commit_then_rerun(store, tmp_path):
+    sd = tmp_path / "trainer"
+    tps = trainers(store, sd)
+    full = masters()
+    rng = np.random.default_rng(3)
+    publish_all(tps, full)
+    step(full, rng)
+    dead = new_attempt()
+    for r in range(2):  # both parts uploaded, then the committer dies: no commit record
+        tps[r].upload(project(TLAYS[r], full, np.float32), dead)
+    assert head(store) == 1 and not store.exists(commit_key(2))
+    assert [held(store, sd, r) for r in range(2)] == [1, 1]
+    # restarted ranks (state from state_dir), the next step's masters, a fresh attempt
+    tps = trainers(store, sd)
+    step(full, rng)
+    rec = publish_all(tps, full)
+    assert rec.version == 2 and rec.attempt != dead
+    roll = rollout_tensors()
+    for r in range(2):
+        sync_sharded(store, roll[r], RLAYS[r], state_path=str(tmp_path / f"r{r}.json"))
+        assert_exact(roll[r], RLAYS[r], full)
+    # the dead attempt's parts are orphans: retention removes them, keeps the committed ones
+    deleted = retain_sharded(store)
+    assert deleted and all(f"/{dead}/" in k for k in deleted)
+    assert all(store.exists(p.key) for p in (rec.manifest, *rec.parts))
+    # reusing an attempt id with other bytes is refused
+    step(full, rng)
+    tps[0].upload(project(TLAYS[0], full, np.float32), "fixed")
+    step(full, rng)
+    with pytest.raises(StreamError, match="attempt id reused"):
+        trainers(store, sd)[0].upload(project(TLAYS[0], full, np.float32), "fixed")
+
+
+def held(store, sd, r):
+    """The version rank r's saved state holds (without following the stream)."""
+    tp = trainers(store, sd)[r]
+    tp._load_state()
+    return tp.version
+
+
+def test_kill_after_commit_before_advance(store, tmp_path):
+    sd = tmp_path / "trainer"
+    tps = trainers(store, sd)
+    full = masters()
+    rng = np.random.default_rng(4)
+    publish_all(tps, full)
+    step(full, rng)
+    attempt = new_attempt()
+    for r in range(2):
+        tps[r].upload(project(TLAYS[r], full, np.float32), attempt)
+    rec = tps[0].commit_version(2, attempt)
+    tps[0].advance(rec)  # rank 1 dies before advancing: its saved state is still version 1
+    assert tps[1].version == 1
+    tps = [tps[0], trainers(store, sd)[1]]
+    assert tps[1].recover() == 2 and tps[1].fingerprint == rec.fingerprint
+    step(full, rng)
+    publish_all(tps, full)
+    # a rank that lost its state altogether rebuilds its baseline from the keyframe chain
+    fresh = trainers(store, None)[1]
+    assert fresh.recover() == 3
+    tps = [tps[0], fresh]
+    step(full, rng)
+    publish_all(tps, full)
+    roll = rollout_tensors()
+    for r in range(2):
+        rep = sync_sharded(store, roll[r], RLAYS[r], state_path=str(tmp_path / f"r{r}.json"))
+        assert rep.versions_applied == [1, 2, 3, 4]
+        assert_exact(roll[r], RLAYS[r], full)
+
+
+def test_rollout_killed_between_apply_and_record(tmp_path, monkeypatch):
+    store = MemoryStore()
+    tps = trainers(store)
+    full = masters()
+    rng = np.random.default_rng(5)
+    publish_all(tps, full)
+    roll = rollout_tensors()[0]
+    sp = str(tmp_path / "r0.json")
+    sync_sharded(store, roll, RLAYS[0], state_path=sp)
+    step(full, rng)
+    publish_all(tps, full)
+    real = S._record
+
+    def killed(path, v, fp, url):
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(S, "_record", killed)
+    with pytest.raises(KeyboardInterrupt):
+        sync_sharded(store, roll, RLAYS[0], state_path=sp)
+    monkeypatch.setattr(S, "_record", real)
+    assert held_version(sp)[0] == 1
+    rep = sync_sharded(store, roll, RLAYS[0], state_path=sp)  # applied already: every cell skipped
+    assert rep.versions_applied == [2] and rep.applied[0].written == 0
+    assert held_version(sp)[0] == 2
+    assert_exact(roll, RLAYS[0], full)
+
+
+def test_tampered_objects_refused_nothing_written(store, tmp_path):
+    tps = trainers(store)
+    full = masters()
+    rng = np.random.default_rng(6)
+    publish_all(tps, full)
+    roll = rollout_tensors()[0]
+    sp = str(tmp_path / "r0.json")
+    sync_sharded(store, roll, RLAYS[0], state_path=sp)
+    step(full, rng)
+    publish_all(tps, full)
+    step(full, rng)
+    rec = publish_all(tps, full)
+    before = snapshot(roll)
+    for ref in (rec.parts[0], rec.manifest):
+        good = store.get(ref.key)
+        bad = bytearray(good)
+        bad[len(bad) // 2] ^= 1
+        store.put(ref.key, bytes(bad))
+        with pytest.raises(StreamError, match="does not match its commit record"):
+            sync_sharded(store, roll, RLAYS[0], state_path=sp)
+        # version 3 is tampered: nothing of version 2 was written either (everything staged first)
+        assert all(np.array_equal(bits(roll[n]), before[n]) for n in roll)
+        assert held_version(sp)[0] == 1
+        store.put(ref.key, good)
+    # a rollout whose tensors are not what its state says is refused before any write
+    wrong = {n: t.clone() for n, t in roll.items()}
+    name = next(iter(wrong))
+    wrong[name].view(torch.int16).view(-1)[0] ^= 1
+    with pytest.raises(BaseMismatchError):
+        sync_sharded(store, wrong, RLAYS[0], state_path=sp)
+    assert held_version(sp)[0] == 1
+    sync_sharded(store, roll, RLAYS[0], state_path=sp)
+    assert_exact(roll, RLAYS[0], full)
+
+
+def test_late_rank_times_out_without_commit(tmp_path):
+    store = MemoryStore()
+    tps = trainers(store, tmp_path / "t")
+    for tp in tps:
+        tp.timeout = 0.3
+    full = masters()
+    publish_all(tps, full)
+    step(full, np.random.default_rng(7))
+    attempt = new_attempt()
+    tps[0].upload(project(TLAYS[0], full, np.float32), attempt)
+    with pytest.raises(PublishError, match=r"no part from ranks \[1\] within 0.3 s; not committed"):
+        tps[0].commit_version(2, attempt)
+    with pytest.raises(PublishError, match="was not committed within"):
+        tps[1].wait_commit(2)
+    assert not store.exists(commit_key(2)) and head(store) == 1 and [tp.version for tp in tps] == [1, 1]
+    # the late rank arrives: the same attempt can still be committed
+    tps[1].upload(project(TLAYS[1], full, np.float32), attempt)
+    rec = tps[0].commit_version(2, attempt)
+    for tp in tps:
+        tp.advance(rec)
+    roll = rollout_tensors()[1]
+    sync_sharded(store, roll, RLAYS[1], state_path=str(tmp_path / "r1.json"))
+    assert_exact(roll, RLAYS[1], full)
+
+
+def test_diverged_baseline_not_committed(tmp_path):
+    store = MemoryStore()
+    tps = trainers(store)
+    full = masters()
+    publish_all(tps, full)
+    tps[1].pub.baseline[next(iter(tps[1].pub.baseline))].reshape(-1)[0] ^= 1  # a rank's baseline drifts
+    step(full, np.random.default_rng(8))
+    with pytest.raises(PublishError, match="do not start from version 1"):
+        publish_all(tps, full)
+    assert head(store) == 1
+
+
+def test_keyframes_late_joiner_and_adoption(tmp_path):
+    store = MemoryStore()
+    tps = trainers(store, keyframe_every=2)
+    full = masters()
+    rng = np.random.default_rng(9)
+    recs, convs = [], []
+    for i in range(3):
+        if i:
+            step(full, rng)
+        recs.append(publish_all(tps, full))
+        convs.append({n: to_bf16_bits(a) for n, a in full.items()})
+    assert [r.keyframe for r in recs] == [True, True, False]
+    # a late joiner holding nothing starts at the newest keyframe (version 2), never fetching version 1
+    roll = rollout_tensors()[0]
+    rep = sync_sharded(store, roll, RLAYS[0], state_path=str(tmp_path / "late.json"))
+    assert rep.route == "keyframe" and rep.versions_applied == [2, 3]
+    assert rep.bytes_fetched <= sum(p.bytes for r in recs[1:] for p in (r.manifest, *r.parts))
+    assert_exact(roll, RLAYS[0], full)
+    # a rank whose engine loaded the full export of version 2 adopts it by its cell digests
+    loaded = {n: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).clone()
+              for n, a in project(RLAYS[1], convs[1], np.uint16).items()}
+    rep = sync_sharded(store, loaded, RLAYS[1], state_path=str(tmp_path / "adopt.json"))
+    assert rep.route == "adopted" and rep.from_version == 0 and rep.versions_applied == [3]
+    assert_exact(loaded, RLAYS[1], full)
+
+
+GLOO_RANK = r'''
+import datetime, json, sys
+import numpy as np
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[2])
+import test_shard_stream as T
+from deltarefit.errors import DeltaRefitError
+from deltarefit.shard.stream import ShardStreamPublisher
+a = json.loads(sys.argv[1])
+r = a["rank"]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a['port']}", rank=r, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+tp = ShardStreamPublisher(a["store"], T.TLAYS[r], "BF16", cuts=T.CUTS, rank=r, world=2, group=dist.group.WORLD,
+                          state_dir=a["state"], timeout=30)
+full = T.masters()
+rng = np.random.default_rng(11)
+out = []
+for i in range(3):
+    if i:
+        T.step(full, rng)
+    m = T.project(T.TLAYS[r], full, np.float32)
+    if i == 1 and r == 1:  # this rank fails locally: every rank must hear it, nothing committed
+        m.pop(next(iter(m)))
+    try:
+        out.append(tp.publish(m, step=i).version)
+    except DeltaRefitError as e:
+        out.append(type(e).__name__ + ": " + str(e)[:200])
+np.savez(a["ref"], **{n: v for n, v in full.items()}) if r == 0 else None
+print(json.dumps({"rank": r, "out": out, "version": tp.version}))
+dist.destroy_process_group()
+'''
+
+
+def test_gloo_group_publish_and_a_failing_rank(tmp_path):
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    args = {"port": port, "store": str(tmp_path / "store"), "state": str(tmp_path / "state"),
+            "ref": str(tmp_path / "ref.npz")}
+    procs = [subprocess.Popen([sys.executable, "-c", GLOO_RANK, json.dumps(dict(args, rank=r)), here],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, DELTAREFIT_NO_PROGRESS="1", OMP_NUM_THREADS="1"))
+             for r in range(2)]
+    res = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, se[-3000:]
+        res.append(json.loads(so.strip().splitlines()[-1]))
+    for r in res:
+        assert r["out"][0] == 1 and r["out"][2] == 2 and r["version"] == 2, r
+        assert r["out"][1].startswith("PublishError") and "rank 1" in r["out"][1], r
+    store = LocalStore(str(tmp_path / "store"))
+    assert head(store) == 2
+    with np.load(tmp_path / "ref.npz") as z:
+        full = {n: z[n] for n in z.files}
+    roll = rollout_tensors()
+    for r in range(2):
+        rep = sync_sharded(store, roll[r], RLAYS[r], state_path=str(tmp_path / f"r{r}.json"))
+        assert rep.versions_applied == [1, 2]
+        assert_exact(roll[r], RLAYS[r], full)
