@@ -195,9 +195,11 @@ def test_kill_before_commit_then_rerun(store, tmp_path):
     for r in range(2):
         sync_sharded(store, roll[r], RLAYS[r], state_path=str(tmp_path / f"r{r}.json"))
         assert_exact(roll[r], RLAYS[r], full)
-    # the dead attempt's parts are orphans: retention removes them, keeps the committed ones
+    # the dead attempt's parts are orphans: retention removes them (and the descriptors the committer
+    # read, needed by nobody once a version is committed), keeps the committed parts and manifests
     deleted = retain_sharded(store)
-    assert deleted and all(f"/{dead}/" in k for k in deleted)
+    assert any(f"/{dead}/" in k for k in deleted)
+    assert all(f"/{dead}/" in k or k.endswith(".head.json") for k in deleted)
     assert all(store.exists(p.key) for p in (rec.manifest, *rec.parts))
     # reusing an attempt id with other bytes is refused
     step(full, rng)
@@ -440,4 +442,38 @@ def test_gloo_group_publish_and_a_failing_rank(tmp_path):
     for r in range(2):
         rep = sync_sharded(store, roll[r], RLAYS[r], state_path=str(tmp_path / f"r{r}.json"))
         assert rep.versions_applied == [1, 2]
+        assert_exact(roll[r], RLAYS[r], full)
+
+
+def test_the_committer_reads_descriptors_never_whole_parts(tmp_path):
+    """At scale a keyframe's parts are the whole served model: joining them must not read them."""
+
+    class Counting(MemoryStore):
+        def __init__(self, name):
+            super().__init__(name)
+            self.reads: list[str] = []
+
+        def get(self, key):
+            self.reads.append(key)
+            return super().get(key)
+
+        def get_to(self, key, dest):
+            self.reads.append(key)
+            return super().get_to(key, dest)
+
+    store = Counting("committer-reads")
+    tps = trainers(store)
+    full = masters()
+    attempt = new_attempt()
+    for r in (0, 1):
+        tps[r].upload(project(TLAYS[r], full, np.float32), attempt)
+    store.reads.clear()
+    rec = tps[0].commit_version(1, attempt)
+    assert rec.keyframe and store.reads
+    assert not [k for k in store.reads if "/parts/" in k and not k.endswith(".head.json")], store.reads
+    for tp in tps:
+        tp.advance(tp.wait_commit(1))
+    roll = rollout_tensors()
+    for r in range(2):
+        S.sync_sharded(store, roll[r], RLAYS[r], state_path=str(tmp_path / f"r{r}.json"))
         assert_exact(roll[r], RLAYS[r], full)

@@ -129,8 +129,20 @@ def _hex(x, where: str, nullable: bool) -> str | None:
     return x
 
 
-def read_part(data: bytes | memoryview, where: str = "part") -> Part:
-    """Parse and validate a part (every bound checked before any payload is decoded)."""
+def part_head(data: bytes | memoryview) -> bytes:
+    """The fixed prefix and JSON header of a serialized part: what a committer needs to join it
+    (``read_part(head, head_only=True)``), a few KB instead of the payload."""
+    mv = memoryview(data)
+    if len(mv) < _PREFIX.size:
+        raise FormatError(f"{len(mv)} bytes is too short for a part")
+    hlen = _PREFIX.unpack(mv[:_PREFIX.size])[3]
+    return bytes(mv[:_PREFIX.size + hlen])
+
+
+def read_part(data: bytes | memoryview, where: str = "part", *, head_only: bool = False) -> Part:
+    """Parse and validate a part (every bound checked before any payload is decoded). With
+    ``head_only``, ``data`` is ``part_head`` of it: everything but the payload is checked, and chunk
+    offsets are checked against the header's payload size; the result has an empty payload."""
     mv = memoryview(data)
     if len(mv) < _PREFIX.size:
         raise FormatError(f"{where}: {len(mv)} bytes is too short for a part")
@@ -148,9 +160,13 @@ def read_part(data: bytes | memoryview, where: str = "part") -> Part:
     if not isinstance(h, dict) or h.get("format") != "deltarefit.shard_part" or h.get("format_version") != 1:
         raise FormatError(f"{where}: not a version-1 shard part header")
     payload = mv[_PREFIX.size + hlen:]
-    if _int(h.get("payload_bytes"), f"{where}: payload_bytes") != len(payload):
+    payload_bytes = _int(h.get("payload_bytes"), f"{where}: payload_bytes")
+    if head_only:
+        if len(payload):
+            raise FormatError(f"{where}: a part head has {len(payload)} bytes after its header")
+    elif payload_bytes != len(payload):
         raise IntegrityError(f"{where}: payload is {len(payload)} bytes, header says {h.get('payload_bytes')}")
-    if blake3.blake3(payload).hexdigest() != h.get("payload_blake3"):
+    elif blake3.blake3(payload).hexdigest() != h.get("payload_blake3"):
         raise IntegrityError(f"{where}: payload does not hash to the header's BLAKE3")
     for k in ("version", "rank", "world"):
         _int(h.get(k), f"{where}: {k}")
@@ -219,16 +235,23 @@ def read_part(data: bytes | memoryview, where: str = "part") -> Part:
                 raise FormatError(f"{wc}: chunks hold {total} changes, cell says {changed}")
             cells.append(Cell(box, base, target, changed, tuple(chunks)))
         tensors.append(TensorPart(t["name"], dt.name, shape, tuple(cells)))
-    if pos != len(payload):
-        raise FormatError(f"{where}: chunks cover {pos} of {len(payload)} payload bytes")
+    if pos != payload_bytes:
+        raise FormatError(f"{where}: chunks cover {pos} of {payload_bytes} payload bytes")
     return Part(h, tuple(tensors), payload)
 
 
 # ---------------------------------------------------------------------------------------- manifest
 
 
-def join(parts: Sequence[Part], blobs: Sequence[bytes | memoryview]) -> dict:
-    """The version manifest of parts of every trainer rank (``blobs`` are the parts' serialized bytes).
+def _size_and_hash(b: bytes | memoryview | tuple[int, str]) -> tuple[int, str]:
+    if isinstance(b, tuple):
+        return int(b[0]), str(b[1])
+    return len(b), blake3.blake3(b).hexdigest()
+
+
+def join(parts: Sequence[Part], blobs: Sequence[bytes | memoryview | tuple[int, str]]) -> dict:
+    """The version manifest of parts of every trainer rank. ``blobs``: the parts' serialized bytes, or
+    their (size, BLAKE3) when only their heads were read (``read_part(..., head_only=True)``).
 
     Refuses (FormatError) parts of different versions, missing or repeated ranks, and cells of a tensor
     that overlap or do not cover it exactly. Reads headers only (parts are already parsed).
@@ -278,9 +301,9 @@ def join(parts: Sequence[Part], blobs: Sequence[bytes | memoryview]) -> dict:
                          "target": D.to_hex(target)}
     return {"format": "deltarefit.shard_version", "format_version": 1, "version": parts[0].version,
             "keyframe": parts[0].keyframe, "world": world,
-            "parts": [{"rank": p.header["rank"], "bytes": len(b), "blake3": blake3.blake3(b).hexdigest(),
-                       "covers": _covers(p)}
-                      for p, b in sorted(zip(parts, blobs, strict=True), key=lambda pb: pb[0].header["rank"])],
+            "parts": [{"rank": p.header["rank"], "bytes": sh[0], "blake3": sh[1], "covers": _covers(p)}
+                      for p, sh in sorted(zip(parts, map(_size_and_hash, blobs), strict=True),
+                                          key=lambda pb: pb[0].header["rank"])],
             "tensors": tensors, "changed": changed, "elements": elements}
 
 

@@ -52,7 +52,7 @@ slices must have that version's target digest. Such a rank needs no keyframe.
 
 from __future__ import annotations
 
-import contextlib
+import base64
 import io
 import json
 import logging
@@ -75,7 +75,7 @@ from ..stream.publisher import PublishError
 from ..stream.records import MAX_RECORD_BYTES, Part, StreamError, commit_key, head, list_versions, now, vkey
 from ..transport.collectives import all_gather_bytes, broadcast_bytes
 from .names import Layout, identity_layout
-from .part import join, manifest_bytes, read_part
+from .part import join, manifest_bytes, part_head, read_part
 from .publish import PartStats, ShardPublisher
 from .rollout import ApplyStats, _plan, apply_version, group_check, needed_ranks, slice_digests
 
@@ -92,6 +92,27 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 def part_key(version: int, attempt: str, rank: int) -> str:
     return f"{vkey(version)}/{attempt}/parts/rank-{rank}"
+
+
+def head_key(version: int, attempt: str, rank: int) -> str:
+    """A rank's descriptor of its part: size, BLAKE3 and the part's head (what the committer joins)."""
+    return part_key(version, attempt, rank) + ".head.json"
+
+
+def _descriptor(key: str, blob: bytes) -> bytes:
+    ref = _ref(key, blob)
+    return json.dumps({"key": ref.key, "bytes": ref.bytes, "blake3": ref.blake3,
+                       "head": base64.b64encode(part_head(blob)).decode()}, sort_keys=True).encode()
+
+
+def _parse_descriptor(data: bytes, where: str) -> tuple[Part, bytes]:
+    try:
+        d = json.loads(data)
+        ref = Part(str(d["key"]), int(d["bytes"]), str(d["blake3"]))
+        head_bytes = base64.b64decode(d["head"], validate=True)
+    except (ValueError, KeyError, TypeError) as e:
+        raise StreamError(f"{where}: malformed part descriptor ({type(e).__name__})") from None
+    return ref, head_bytes
 
 
 def manifest_key(version: int, attempt: str) -> str:
@@ -407,6 +428,8 @@ class ShardStreamPublisher:
             self.pub.baseline = saved
         key = part_key(v, attempt, self.rank)
         _put_once(self.store, key, blob)
+        # After the part: the descriptor's existence says the part is complete.
+        _put_once(self.store, head_key(v, attempt, self.rank), _descriptor(key, blob))
         self._own = (v, attempt, blob)
         self.last_part = blob
         return _ref(key, blob)
@@ -423,21 +446,24 @@ class ShardStreamPublisher:
         _check_attempt(attempt)
         if version != self.version + 1:
             raise StreamError(f"committer is at version {self.version}; cannot commit version {version}")
+        # The committer reads each rank's descriptor (size, BLAKE3, the part's head: a few KB), never a
+        # whole part: at scale, the parts of a keyframe are the whole served model.
         keys = [part_key(version, attempt, r) for r in range(self.world)]
-        blobs: list[bytes | None] = [None] * self.world
+        descs: list[tuple[Part, bytes] | None] = [None] * self.world
         deadline = time.monotonic() + self.timeout
         while True:
             for r, k in enumerate(keys):
-                if blobs[r] is not None:
+                if descs[r] is not None:
                     continue
-                if refs is not None:
-                    if refs[r].key != k:
-                        raise PublishError(f"rank {r} reports part {refs[r].key}, expected {k}")
-                    blobs[r] = _get_checked(self.store, refs[r], f"rank {r} part of version {version}")
-                elif self.store.exists(k):
-                    with contextlib.suppress(KeyError):  # deleted between exists and get
-                        blobs[r] = self.store.get(k)
-            missing = [r for r, b in enumerate(blobs) if b is None]
+                hk = head_key(version, attempt, r)
+                try:
+                    descs[r] = _parse_descriptor(self.store.get(hk), f"{self.store.url}/{hk}")
+                except KeyError:
+                    continue
+                if descs[r][0].key != k or (refs is not None and refs[r] != descs[r][0]):
+                    raise PublishError(f"{self.store.url}/{hk}: rank {r} describes {descs[r][0]}, expected part {k}"
+                                       + (f" as reported {refs[r]}" if refs is not None else ""))
+            missing = [r for r, d in enumerate(descs) if d is None]
             if not missing:
                 break
             if self.store.exists(commit_key(version)):
@@ -447,12 +473,13 @@ class ShardStreamPublisher:
                 raise PublishError(f"{self.store.url}: version {version} attempt {attempt}: no part from ranks "
                                    f"{missing} within {self.timeout:g} s; not committed, baselines unchanged")
             time.sleep(self.poll)
-        parts = [read_part(b, f"{self.store.url}/{k}") for b, k in zip(blobs, keys, strict=True)]
+        ranks_refs = [d[0] for d in descs]
+        parts = [read_part(d[1], f"{self.store.url}/{d[0].key}", head_only=True) for d in descs]
         for r, pt in enumerate(parts):
             if pt.version != version or pt.header["rank"] != r or pt.header["world"] != self.world:
                 raise PublishError(f"{self.store.url}/{keys[r]}: part of rank {pt.header['rank']}/{pt.header['world']}, "
                                    f"version {pt.version}")
-        man = join(parts, blobs)  # refuses overlapping or missing cells
+        man = join(parts, [(ref.bytes, ref.blake3) for ref in ranks_refs])  # refuses overlapping or missing cells
         fp = state_fingerprint(man["tensors"])
         parent = self.fingerprint if version > 1 else None
         if not man["keyframe"] and state_fingerprint(man["tensors"], "base") != parent:
@@ -462,7 +489,7 @@ class ShardStreamPublisher:
         mkey = manifest_key(version, attempt)
         _put_once(self.store, mkey, mdata)
         rec = ShardCommit(version, parent, fp, bool(man["keyframe"]), self.world, _ref(mkey, mdata),
-                          tuple(_ref(k, b) for k, b in zip(keys, blobs, strict=True)), step, now(), self.publisher_id)
+                          tuple(ranks_refs), step, now(), self.publisher_id)
         # The commit point: the record is created last, conditionally; exactly one attempt wins.
         if not self.store.create(commit_key(version), rec.to_bytes()):
             theirs = load_shard_commit(self.store, version)
