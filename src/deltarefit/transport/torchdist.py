@@ -37,6 +37,7 @@ from ..fsutil import fsync_dir
 from ..storage.base import Store, open_store
 from ..storage.local import LocalStore
 from ..stream.records import CommitRecord, Part, StreamError, commit_key, head, load_commit, parse_commit
+from .collectives import broadcast_bytes
 
 FP_BYTES = 96  # a fingerprint's hex (64 chars) fits, with room; padded with NUL
 DEFAULT_CHUNK = 16 << 20
@@ -89,16 +90,8 @@ def _all_gather_bytes(t, group, device):
 
 def _bcast_blob(data: bytes | None, status: int, group, src: int, device) -> tuple[int, bytes]:
     """Broadcast (status, bytes) from ``src``; returns them on every rank."""
-    torch, dist = _dist()
-    hdr = torch.tensor([status, len(data or b"")], dtype=torch.int64, device=device)
-    dist.broadcast(hdr, src, group=group)
-    status, n = int(hdr[0]), int(hdr[1])
-    buf = torch.empty(n, dtype=torch.uint8, device=device)
-    if data is not None:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    if n:
-        dist.broadcast(buf, src, group=group)
-    return status, buf.cpu().numpy().tobytes()
+    got = broadcast_bytes(bytes([status]) + data if data is not None else None, src, group, device)
+    return got[0], got[1:]
 
 
 def _plan(store: Store, held: list[int | None], to_version: int | None) -> tuple[list[CommitRecord], list[Part]]:
