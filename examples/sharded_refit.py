@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from deltarefit.errors import BaseMismatchError
 from deltarefit.shard import digest as D
 from deltarefit.shard.convert import export_full
-from deltarefit.shard.names import cuts_from_layouts, llama_shapes, tp_layout, trainer_layout
+from deltarefit.shard.names import cuts_from_layouts, llama_shapes, local_from_full, tp_layout, trainer_layout
 from deltarefit.shard.rollout import group_check, slice_digests
 from deltarefit.shard.stream import ShardStreamPublisher, load_manifest, load_shard_commit, sync_sharded
 from deltarefit.storage.local import LocalStore
@@ -46,17 +46,6 @@ CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "
 TRAINERS, ROLLOUTS = 2, 2
 
 
-def project(layout, full: dict[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
-    """Local tensors of ``layout`` filled from full checkpoint-named arrays (test-side helper)."""
-    out = {}
-    for ln, lt in layout.items():
-        a = np.zeros(lt.shape, dtype)
-        for p in lt.pieces:
-            box = p.box()
-            f = box.flat(np.arange(box.count, dtype=np.int64))
-            a.reshape(-1)[p.to_local(f)] = full[p.name].reshape(-1)[f]
-        out[ln] = a
-    return out
 
 
 def engine_slices(full: dict[str, np.ndarray], tp: int, r: int) -> dict[str, np.ndarray]:
@@ -110,7 +99,7 @@ def trainer(rank: int, a, shapes, tlay, cuts, group) -> bool:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).float()
     sd = {n: p.detach().numpy() for n, p in model.named_parameters()}
-    masters = {n: torch.from_numpy(v) for n, v in project(tlay, sd, np.float32).items()}
+    masters = {n: torch.from_numpy(v) for n, v in local_from_full(tlay, sd, np.float32).items()}
     for m in masters.values():
         m.requires_grad_(True)
     opt = torch.optim.AdamW(list(masters.values()), lr=a.lr, weight_decay=0.0)
@@ -127,7 +116,7 @@ def trainer(rank: int, a, shapes, tlay, cuts, group) -> bool:
             model.zero_grad()
             loss.backward()
             grads = {n: p.grad.detach().numpy() for n, p in model.named_parameters()}
-            local_g = project(tlay, grads, np.float32)
+            local_g = local_from_full(tlay, grads, np.float32)
             for n, m in masters.items():
                 g = torch.from_numpy(local_g[n])
                 dist.all_reduce(g, group=group)  # data-parallel gradient average (shard only)

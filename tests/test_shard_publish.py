@@ -21,6 +21,7 @@ from deltarefit.shard.names import (
     identity_layout,
     llama_shapes,
     load_table,
+    local_from_full,
     tp_layout,
     trainer_layout,
 )
@@ -34,16 +35,6 @@ CFG = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_
 SHAPES = llama_shapes(CFG)
 
 
-def project(layout, full, dtype):
-    out = {}
-    for ln, lt in layout.items():
-        a = np.zeros(lt.shape, dtype)
-        for p in lt.pieces:
-            box = p.box()
-            f = box.flat(np.arange(box.count))
-            a.reshape(-1)[p.to_local(f)] = full[p.name].reshape(-1)[f]
-        out[ln] = a
-    return out
 
 
 class Sim:
@@ -56,7 +47,7 @@ class Sim:
         self.v = 0
 
     def publish(self, full):
-        blobs = [pub.publish(project(lay, full, np.float32), self.v)[0] for pub, lay in zip(self.pubs, self.tl, strict=True)]
+        blobs = [pub.publish(local_from_full(lay, full, np.float32), self.v)[0] for pub, lay in zip(self.pubs, self.tl, strict=True)]
         man = join([read_part(b) for b in blobs], blobs)
         for pub, b in zip(self.pubs, blobs, strict=True):
             pub.commit(b)
@@ -121,7 +112,7 @@ def test_sharded_versions_bit_exact(kind):
                 assert group_check(group_sum(states[k], lays, man), man, "base") == []
             for st, lay in zip(states[k], lays, strict=True):
                 apply_version(man, blobs, st, lay)
-                want = project(lay, ref, np.uint16)
+                want = local_from_full(lay, ref, np.uint16)
                 for n in st:
                     np.testing.assert_array_equal(st[n], want[n], err_msg=f"{k} {n} step {i}")
             assert group_check(group_sum(states[k], lays, man), man, "target") == []
@@ -198,7 +189,7 @@ def test_wrong_trainer_maps_caught(two_versions):
     full = masters(5)
     # rank 1 believes it holds rank 0's rows: overlap and a hole, refused by join
     bad = [ShardPublisher(tl[0], cuts=cuts, rank=r, world=2) for r in range(2)]
-    blobs = [p.publish(project(tl[0], full, np.float32), 0)[0] for p in bad]
+    blobs = [p.publish(local_from_full(tl[0], full, np.float32), 0)[0] for p in bad]
     with pytest.raises(FormatError, match=r"cover|overlap"):
         join([read_part(b) for b in blobs], blobs)
     # a consistently wrong fused split (k and v swapped on every trainer rank) is self-consistent, but
@@ -209,7 +200,7 @@ def test_wrong_trainer_maps_caught(two_versions):
     sim = Sim(wrong, cuts)
     # the trainer's actual fused master is cat(q, k, v); the wrong map reads it as (q, v, k)
     true_lay = [trainer_layout(SHAPES, [2], [r], ["S0"]) for r in range(2)]
-    blobs = [p.publish(project(t, full, np.float32), 0)[0] for p, t in zip(sim.pubs, true_lay, strict=True)]
+    blobs = [p.publish(local_from_full(t, full, np.float32), 0)[0] for p, t in zip(sim.pubs, true_lay, strict=True)]
     man = join([read_part(b) for b in blobs], blobs)
     export = export_full(full, "BF16")
     mism = [n for n, ent in man["tensors"].items() if D.to_hex(D.full_digest(n, "BF16", export[n][1])) != ent["target"]]
@@ -354,7 +345,7 @@ def test_fp8_block_scaled_sharded():
         assert set(man["tensors"]) == set(ck)
         for st, lay in zip(states, rl, strict=True):
             apply_version(man, blobs, st, lay)
-            want = project(lay, {n: b for n, (_, b) in exp.items()}, np.uint64)
+            want = local_from_full(lay, {n: b for n, (_, b) in exp.items()}, np.uint64)
             for n in st:
                 np.testing.assert_array_equal(st[n], want[n].astype(st[n].dtype), err_msg=f"{n} step {i}")
         for n, ent in man["tensors"].items():
@@ -430,7 +421,7 @@ def test_rollout_fetches_only_the_parts_it_needs():
         apply_version(man, {2: blobs[2]}, st, rl[1])
     assert not st["model.layers.0.mlp.up_proj.weight"].any()
     apply_version(man, {2: blobs[2], 3: blobs[3]}, st, rl[1])
-    want = project(rl[1], {n: to_bf16_bits(a) for n, a in full.items()}, np.uint16)
+    want = local_from_full(rl[1], {n: to_bf16_bits(a) for n, a in full.items()}, np.uint16)
     np.testing.assert_array_equal(st["model.layers.0.mlp.up_proj.weight"], want["model.layers.0.mlp.up_proj.weight"])
 
 

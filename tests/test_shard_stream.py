@@ -15,7 +15,14 @@ from deltarefit.errors import BaseMismatchError
 from deltarefit.shard import digest as D
 from deltarefit.shard import stream as S
 from deltarefit.shard.convert import to_bf16_bits
-from deltarefit.shard.names import cuts_from_layouts, identity_layout, llama_shapes, tp_layout, trainer_layout
+from deltarefit.shard.names import (
+    cuts_from_layouts,
+    identity_layout,
+    llama_shapes,
+    local_from_full,
+    tp_layout,
+    trainer_layout,
+)
 from deltarefit.shard.rollout import group_check, slice_digests
 from deltarefit.shard.stream import (
     ShardStreamPublisher,
@@ -39,16 +46,6 @@ RLAYS = [tp_layout(SHAPES, 2, r) for r in range(2)]
 CUTS = cuts_from_layouts([*RLAYS, identity_layout(SHAPES)])
 
 
-def project(layout, full, dtype):
-    out = {}
-    for ln, lt in layout.items():
-        a = np.zeros(lt.shape, dtype)
-        for p in lt.pieces:
-            box = p.box()
-            f = box.flat(np.arange(box.count))
-            a.reshape(-1)[p.to_local(f)] = full[p.name].reshape(-1)[f]
-        out[ln] = a
-    return out
 
 
 def masters(seed=0):
@@ -71,7 +68,7 @@ def publish_all(tps, full, attempt=None, ranks=(0, 1)):
     """The steps every rank takes, in one process: upload, commit (rank 0), advance."""
     attempt = attempt or new_attempt()
     for r in ranks:
-        tps[r].upload(project(TLAYS[r], full, np.float32), attempt)
+        tps[r].upload(local_from_full(TLAYS[r], full, np.float32), attempt)
     v = tps[0].version + 1
     rec = tps[0].commit_version(v, attempt)
     for tp in tps:
@@ -88,7 +85,7 @@ def bits(t):
 
 
 def assert_exact(tensors, layout, full):
-    want = project(layout, {n: to_bf16_bits(a) for n, a in full.items()}, np.uint16)
+    want = local_from_full(layout, {n: to_bf16_bits(a) for n, a in full.items()}, np.uint16)
     assert set(want) == set(tensors)
     for n in want:
         assert np.array_equal(bits(tensors[n]), want[n]), n
@@ -146,7 +143,7 @@ def test_three_versions_tp_rollouts_bit_exact(store, tmp_path):
 
 def _publish_rank(tp, full, attempt, step_no, out, errs):
     try:
-        out[tp.rank] = tp.publish(project(TLAYS[tp.rank], full, np.float32), attempt=attempt, step=step_no)
+        out[tp.rank] = tp.publish(local_from_full(TLAYS[tp.rank], full, np.float32), attempt=attempt, step=step_no)
     except Exception as e:  # surfaced by the caller
         errs.append(e)
 
@@ -183,7 +180,7 @@ def test_kill_before_commit_then_rerun(store, tmp_path):
     step(full, rng)
     dead = new_attempt()
     for r in range(2):  # both parts uploaded, then the committer dies: no commit record
-        tps[r].upload(project(TLAYS[r], full, np.float32), dead)
+        tps[r].upload(local_from_full(TLAYS[r], full, np.float32), dead)
     assert head(store) == 1 and not store.exists(commit_key(2))
     assert [held(store, sd, r) for r in range(2)] == [1, 1]
     # restarted ranks (state from state_dir), the next step's masters, a fresh attempt
@@ -203,10 +200,10 @@ def test_kill_before_commit_then_rerun(store, tmp_path):
     assert all(store.exists(p.key) for p in (rec.manifest, *rec.parts))
     # reusing an attempt id with other bytes is refused
     step(full, rng)
-    tps[0].upload(project(TLAYS[0], full, np.float32), "fixed")
+    tps[0].upload(local_from_full(TLAYS[0], full, np.float32), "fixed")
     step(full, rng)
     with pytest.raises(StreamError, match="attempt id reused"):
-        trainers(store, sd)[0].upload(project(TLAYS[0], full, np.float32), "fixed")
+        trainers(store, sd)[0].upload(local_from_full(TLAYS[0], full, np.float32), "fixed")
 
 
 def held(store, sd, r):
@@ -225,7 +222,7 @@ def test_kill_after_commit_before_advance(store, tmp_path):
     step(full, rng)
     attempt = new_attempt()
     for r in range(2):
-        tps[r].upload(project(TLAYS[r], full, np.float32), attempt)
+        tps[r].upload(local_from_full(TLAYS[r], full, np.float32), attempt)
     rec = tps[0].commit_version(2, attempt)
     tps[0].advance(rec)  # rank 1 dies before advancing: its saved state is still version 1
     assert tps[1].version == 1
@@ -317,14 +314,14 @@ def test_late_rank_times_out_without_commit(tmp_path):
     publish_all(tps, full)
     step(full, np.random.default_rng(7))
     attempt = new_attempt()
-    tps[0].upload(project(TLAYS[0], full, np.float32), attempt)
+    tps[0].upload(local_from_full(TLAYS[0], full, np.float32), attempt)
     with pytest.raises(PublishError, match=r"no part from ranks \[1\] within 0.3 s; not committed"):
         tps[0].commit_version(2, attempt)
     with pytest.raises(PublishError, match="was not committed within"):
         tps[1].wait_commit(2)
     assert not store.exists(commit_key(2)) and head(store) == 1 and [tp.version for tp in tps] == [1, 1]
     # the late rank arrives: the same attempt can still be committed
-    tps[1].upload(project(TLAYS[1], full, np.float32), attempt)
+    tps[1].upload(local_from_full(TLAYS[1], full, np.float32), attempt)
     rec = tps[0].commit_version(2, attempt)
     for tp in tps:
         tp.advance(rec)
@@ -365,7 +362,7 @@ def test_keyframes_late_joiner_and_adoption(tmp_path):
     assert_exact(roll, RLAYS[0], full)
     # a rank whose engine loaded the full export of version 2 adopts it by its cell digests
     loaded = {n: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).clone()
-              for n, a in project(RLAYS[1], convs[1], np.uint16).items()}
+              for n, a in local_from_full(RLAYS[1], convs[1], np.uint16).items()}
     rep = sync_sharded(store, loaded, RLAYS[1], state_path=str(tmp_path / "adopt.json"))
     assert rep.route == "adopted" and rep.from_version == 0 and rep.versions_applied == [3]
     assert_exact(loaded, RLAYS[1], full)
@@ -391,7 +388,7 @@ out = []
 for i in range(3):
     if i:
         T.step(full, rng)
-    m = T.project(T.TLAYS[r], full, np.float32)
+    m = T.local_from_full(T.TLAYS[r], full, np.float32)
     if i == 1 and r == 1:  # this rank fails locally: every rank must hear it, nothing committed
         m.pop(next(iter(m)))
     try:
@@ -466,7 +463,7 @@ def test_the_committer_reads_descriptors_never_whole_parts(tmp_path):
     full = masters()
     attempt = new_attempt()
     for r in (0, 1):
-        tps[r].upload(project(TLAYS[r], full, np.float32), attempt)
+        tps[r].upload(local_from_full(TLAYS[r], full, np.float32), attempt)
     store.reads.clear()
     rec = tps[0].commit_version(1, attempt)
     assert rec.keyframe and store.reads

@@ -20,6 +20,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import UsageError
 from .projection import Axis, Piece, chunk_range, fused_pieces, placement_box, shard_pieces, whole_piece
 from .tables import TABLES
@@ -231,3 +233,18 @@ def cuts_from_layouts(layouts: Sequence[Layout]) -> dict[str, tuple[tuple[int, .
                         raise UsageError(f"{p.name}: strided pieces cannot define cell boundaries")
                     c[a.dst_dim].update((a.dst_off, a.dst_off + a.length))
     return {n: tuple(tuple(sorted(s)) for s in c) for n, c in cuts.items()}
+
+
+def local_from_full(layout: Layout, full: Mapping[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
+    """The local tensors of ``layout`` filled from checkpoint-named full arrays (``full`` may be mmaps of
+    an export): what a rank loads when it starts from a full checkpoint, and what tests compare with.
+    Memory: the local tensors; each full array is read only where the layout's pieces lie."""
+    out = {}
+    for ln, lt in layout.items():
+        a = np.zeros(lt.shape, dtype)
+        for p in lt.pieces:
+            box = p.box()
+            f = box.flat(np.arange(box.count, dtype=np.int64))
+            a.reshape(-1)[p.to_local(f)] = full[p.name].reshape(-1)[f]
+        out[ln] = a
+    return out

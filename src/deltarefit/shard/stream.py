@@ -72,7 +72,17 @@ from ..fsutil import write_atomic
 from ..integrity import SEGMENT_BYTES
 from ..storage.base import Store, open_store
 from ..stream.publisher import PublishError
-from ..stream.records import MAX_RECORD_BYTES, Part, StreamError, commit_key, head, list_versions, now, vkey
+from ..stream.records import (
+    MAX_RECORD_BYTES,
+    Part,
+    StreamError,
+    commit_key,
+    head,
+    list_versions,
+    load_record,
+    now,
+    vkey,
+)
 from ..transport.collectives import all_gather_bytes, broadcast_bytes
 from .names import Layout, identity_layout
 from .part import join, manifest_bytes, part_head, read_part
@@ -232,14 +242,7 @@ def parse_shard_commit(data: bytes, where: str) -> ShardCommit:
 
 
 def load_shard_commit(store: Store, version: int) -> ShardCommit:
-    try:
-        data = store.get(commit_key(version))
-    except KeyError:
-        raise StreamError(f"{store.url}: version {version} is not committed") from None
-    rec = parse_shard_commit(data, f"{store.url}/{commit_key(version)}")
-    if rec.version != version:
-        raise StreamError(f"{store.url}/{commit_key(version)}: record says version {rec.version}")
-    return rec
+    return load_record(store, version, parse_shard_commit)
 
 
 def _ref(key: str, data: bytes | memoryview) -> Part:

@@ -142,15 +142,21 @@ def parse_proposal(data: bytes, where: str) -> tuple[CommitRecord, float]:
     return parse_commit(json.dumps(record).encode(), where), deadline
 
 
-def load_commit(store: Store, version: int) -> CommitRecord:
+def load_record(store: Store, version: int, parse):
+    """The commit record of ``version``, parsed by ``parse(data, where)`` (plain or sharded records),
+    refused unless it says it is that version."""
     try:
         data = store.get(commit_key(version))
     except KeyError:
         raise StreamError(f"{store.url}: version {version} is not committed") from None
-    rec = parse_commit(data, f"{store.url}/{commit_key(version)}")
+    rec = parse(data, f"{store.url}/{commit_key(version)}")
     if rec.version != version:
         raise StreamError(f"{store.url}/{commit_key(version)}: record says version {rec.version}")
     return rec
+
+
+def load_commit(store: Store, version: int) -> CommitRecord:
+    return load_record(store, version, parse_commit)
 
 
 def list_versions(store: Store) -> list[int]:
