@@ -474,3 +474,42 @@ def test_the_committer_reads_descriptors_never_whole_parts(tmp_path):
     for r in range(2):
         S.sync_sharded(store, roll[r], RLAYS[r], state_path=str(tmp_path / f"r{r}.json"))
         assert_exact(roll[r], RLAYS[r], full)
+
+
+def test_signed_sharded_records_verified_by_rollouts(tmp_path):
+    """The committer signs each record (Ed25519); a rollout given the public key refuses unsigned
+    records, records signed by another key and records edited after signing, with nothing written."""
+    import json as _json
+
+    from deltarefit.signing import SignatureError, keygen
+
+    key, other = str(tmp_path / "trainer.key"), str(tmp_path / "other.key")
+    keygen(key)
+    keygen(other)
+    full = masters()
+    signed = MemoryStore("signed-shards")
+    tps = trainers(signed, signing_key=key)
+    publish_all(tps, full)
+    roll = rollout_tensors()
+    rep = S.sync_sharded(signed, roll[0], RLAYS[0], state_path=str(tmp_path / "a.json"), public_key=key + ".pub")
+    assert rep.version == 1
+    assert_exact(roll[0], RLAYS[0], full)
+    for store_kind, pub in (("wrong key", other + ".pub"), ("unsigned", key + ".pub")):
+        store = signed if store_kind == "wrong key" else MemoryStore(f"unsigned-{tmp_path.name}")
+        if store_kind == "unsigned":
+            publish_all(trainers(store), full)
+        fresh = rollout_tensors()[0]
+        before = snapshot(fresh)
+        with pytest.raises(SignatureError):
+            S.sync_sharded(store, fresh, RLAYS[0], state_path=str(tmp_path / f"{store_kind}.json"), public_key=pub,
+                           adopt=False)
+        after = snapshot(fresh)
+        assert all(np.array_equal(after[n], before[n]) for n in before)
+    # an edited record (its step changed after signing) is refused
+    d = _json.loads(signed.get(commit_key(1)))
+    d["step"] = 12345
+    signed.put(commit_key(1), _json.dumps(d).encode())
+    fresh = rollout_tensors()[0]
+    with pytest.raises(SignatureError, match="does not verify"):
+        S.sync_sharded(signed, fresh, RLAYS[0], state_path=str(tmp_path / "edited.json"), public_key=key + ".pub",
+                       adopt=False)

@@ -172,6 +172,7 @@ class ShardCommit:
     step: int | None = None
     created: float = 0.0
     publisher: str = ""
+    signature: dict[str, str] | None = None  # Ed25519 over signed_bytes(), as plain commit records
 
     @property
     def attempt(self) -> str:
@@ -181,11 +182,20 @@ class ShardCommit:
     def part_bytes(self) -> int:
         return sum(p.bytes for p in self.parts)
 
+    def body(self) -> dict:
+        return {"format": SHARD_COMMIT_FORMAT, "format_version": SHARD_COMMIT_VERSION, "version": self.version,
+                "parent": self.parent, "fingerprint": self.fingerprint, "keyframe": self.keyframe,
+                "world": self.world, "manifest": asdict(self.manifest), "parts": [asdict(p) for p in self.parts],
+                "step": self.step, "created": self.created, "publisher": self.publisher}
+
+    def signed_bytes(self) -> bytes:
+        """The canonical bytes a signature covers: sorted-key compact JSON of everything but it."""
+        return json.dumps(self.body(), sort_keys=True, separators=(",", ":")).encode("utf-8")
+
     def to_bytes(self) -> bytes:
-        d = {"format": SHARD_COMMIT_FORMAT, "format_version": SHARD_COMMIT_VERSION, "version": self.version,
-             "parent": self.parent, "fingerprint": self.fingerprint, "keyframe": self.keyframe, "world": self.world,
-             "manifest": asdict(self.manifest), "parts": [asdict(p) for p in self.parts], "step": self.step,
-             "created": self.created, "publisher": self.publisher}
+        d = self.body()
+        if self.signature is not None:
+            d["signature"] = self.signature
         return json.dumps(d, sort_keys=True, indent=1).encode("utf-8")
 
     def same_version(self, other: ShardCommit) -> bool:
@@ -227,8 +237,13 @@ def parse_shard_commit(data: bytes, where: str) -> ShardCommit:
               and isinstance(d["created"], (int, float)) and isinstance(d["publisher"], str))
         if not ok:
             raise StreamError(f"{where}: inconsistent sharded commit record")
+        sig = d.get("signature")
+        if sig is not None and (not isinstance(sig, dict) or set(sig) != {"alg", "key_id", "sig"}
+                                or not all(isinstance(x, str) for x in sig.values())):
+            raise StreamError(f"{where}: malformed signature")
         rec = ShardCommit(v, d["parent"], d["fingerprint"], d["keyframe"], world, _ref_of(d["manifest"], where),
-                          tuple(_ref_of(p, where) for p in d["parts"]), d["step"], float(d["created"]), d["publisher"])
+                          tuple(_ref_of(p, where) for p in d["parts"]), d["step"], float(d["created"]), d["publisher"],
+                          sig)
     except KeyError as e:
         raise StreamError(f"{where}: malformed sharded commit record (no {e})") from None
     if len(rec.parts) != rec.world or (rec.version == 1) != (rec.parent is None) or (
@@ -239,6 +254,19 @@ def parse_shard_commit(data: bytes, where: str) -> ShardCommit:
             p.key != part_key(rec.version, attempt, r) for r, p in enumerate(rec.parts)):
         raise StreamError(f"{where}: parts lie outside the version's attempt directory")
     return rec
+
+
+def check_signature(rec: ShardCommit, verifier, where: str) -> None:
+    """Refuse (SignatureError) an unsigned record, or one not signed by ``verifier``'s key."""
+    from ..signing import SignatureError
+
+    sig = rec.signature
+    if not sig:
+        raise SignatureError(f"{where}: commit record is not signed")
+    if sig.get("alg") != "ed25519" or sig.get("key_id") != verifier.key_id:
+        raise SignatureError(f"{where}: signed by key {sig.get('key_id')} ({sig.get('alg')}), expected "
+                             f"{verifier.key_id}")
+    verifier.verify(rec.signed_bytes(), sig["sig"], where)
 
 
 def load_shard_commit(store: Store, version: int) -> ShardCommit:
@@ -316,7 +344,7 @@ class ShardStreamPublisher:
                  cuts: Mapping[str, tuple[tuple[int, ...], ...]] | None = None, rank: int = 0, world: int = 1,
                  state_dir: str | None = None, group=None, committer: int = 0, timeout: float = 60.0,
                  poll: float = 0.05, keyframe_every: int = 0, publisher_id: str | None = None,
-                 chunk_bytes: int = SEGMENT_BYTES) -> None:
+                 chunk_bytes: int = SEGMENT_BYTES, signing_key: str | None = None) -> None:
         if not 0 <= rank < world or not 0 <= committer < world or timeout <= 0 or keyframe_every < 0:
             raise UsageError("0 <= rank, committer < world, timeout > 0 and keyframe_every >= 0 are required")
         self.store = open_store(store) if isinstance(store, str) else store
@@ -326,6 +354,11 @@ class ShardStreamPublisher:
         self.timeout, self.poll = timeout, poll
         self.keyframe_every = keyframe_every
         self.publisher_id = publisher_id or f"{os.uname().nodename}-{os.getpid()}"
+        self.signer = None  # the committer signs the records it creates (Ed25519, `deltarefit keygen`)
+        if signing_key is not None:
+            from ..signing import Signer
+
+            self.signer = Signer(signing_key)
         self.state_path = None if state_dir is None else os.path.join(os.path.abspath(state_dir), f"rank-{rank}.npz")
         self.version = 0  # the committed version the baseline slice is at
         self.fingerprint: str | None = None
@@ -493,6 +526,11 @@ class ShardStreamPublisher:
         _put_once(self.store, mkey, mdata)
         rec = ShardCommit(version, parent, fp, bool(man["keyframe"]), self.world, _ref(mkey, mdata),
                           tuple(ranks_refs), step, now(), self.publisher_id)
+        if self.signer is not None:
+            from dataclasses import replace
+
+            rec = replace(rec, signature={"alg": "ed25519", "key_id": self.signer.key_id,
+                                          "sig": self.signer.sign(rec.signed_bytes())})
         # The commit point: the record is created last, conditionally; exactly one attempt wins.
         if not self.store.create(commit_key(version), rec.to_bytes()):
             theirs = load_shard_commit(self.store, version)
@@ -681,7 +719,8 @@ def _at_version(man: dict, blobs: Mapping[int, bytes], tensors, layout: Layout) 
 
 
 def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, state_path: str,
-                 to_version: int | None = None, group=None, adopt: bool = True) -> ShardSyncReport:
+                 to_version: int | None = None, group=None, adopt: bool = True,
+                 public_key: str | None = None) -> ShardSyncReport:
     """Bring one rollout rank's tensors to the newest (or ``to_version``) sharded version, verified.
 
     ``tensors``: ``{local name: tensor}`` in ``layout`` (CPU torch tensors or numpy arrays, written in
@@ -694,10 +733,16 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
     Every record, manifest and needed part of the route is fetched and checked (size + BLAKE3 against
     the record, parent links, fingerprints) before anything is written; then each version is applied
     (``apply_version``: per-cell pre-image check, idempotent) and recorded. A rerun after a kill
-    anywhere resumes: cells already at their target are skipped.
+    anywhere resumes: cells already at their target are skipped. With ``public_key`` every record on
+    the route must carry a valid signature of that key (``SignatureError`` otherwise, nothing written).
     """
     t0 = time.perf_counter()
     store = open_store(store) if isinstance(store, str) else store
+    verifier = None
+    if public_key is not None:
+        from ..signing import Verifier
+
+        verifier = Verifier(public_key)
     tensors, _ = _module_tensors(tensors)
     g = _Group(group)
     h = head(store)
@@ -719,6 +764,8 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
         nonlocal fetched, layout
         if v not in cache:
             rec = load_shard_commit(store, v)
+            if verifier is not None:
+                check_signature(rec, verifier, f"{store.url}/{commit_key(v)}")
             man = load_manifest(store, rec)
             fetched += rec.manifest.bytes
             layout = _layout_for(layout, tensors, man)
