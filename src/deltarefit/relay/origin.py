@@ -7,13 +7,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import deque
 
 from ..errors import DeltaRefitError
-from ..stream.records import commit_key, fetch_part, head, load_commit
+from ..stream.records import StreamError, commit_key, fetch_part, head, load_commit
 from . import plan
 from .mirror import VersionState
 
 log = logging.getLogger("deltarefit.relay")
+
+ORIGIN_READ_BYTES = 4 << 20  # one ranged read from the origin
+ORIGIN_READS_IN_FLIGHT = 4  # reads ahead of the one being written (bounded memory: 16 MiB)
 
 
 class OriginMixin:
@@ -50,19 +54,53 @@ class OriginMixin:
         return self.mirror.add_version(v, raw, keys)
 
     async def _fetch_parts(self, versions: list[VersionState]) -> None:
-        """Fetch whole parts from the origin into the mirror (checked by ``fetch_part``); children's
-        feeders stream each part once it is here. One fetch at a time: two fetches of one part would
+        """Fetch parts from the origin into the mirror. With ranged reads (``get_range``) a part is
+        streamed into the mirror in order, a few reads in flight, so children's feeders forward its
+        bytes while the root is still downloading (cut-through from the store on); the mirror checks
+        the whole part's BLAKE3 at its end, as for bytes from a parent. Otherwise whole parts are
+        fetched (checked by ``fetch_part``). One fetch at a time: two fetches of one part would
         share its temp file."""
+        get_range = getattr(self.origin, "get_range", None)
         async with self._fetch_lock:
             for vs in versions:
                 for k in vs.keys:
                     ps = self.mirror.parts.get(k)
-                    if ps is not None and not ps.done:
+                    if ps is None or ps.done:
+                        continue
+                    if get_range is not None:
+                        await self._stream_part(k, ps.part.bytes, get_range)
+                    else:
                         await asyncio.to_thread(fetch_part, self.origin, ps.part, ps.partial)
                         os.replace(ps.partial, ps.final)
                         ps.have, ps.done = ps.part.bytes, True
                         self.mirror.changed()
                 self.mirror.commit_ready()
+
+    async def _stream_part(self, key: str, size: int, get_range) -> None:
+        """Ranged reads of ``key`` from what the mirror holds to its end, written in order."""
+        ps = self.mirror.parts[key]
+        nxt = ps.have
+        pending: deque = deque()
+        try:
+            while not ps.done:
+                while len(pending) < ORIGIN_READS_IN_FLIGHT and nxt < size:
+                    n = min(ORIGIN_READ_BYTES, size - nxt)
+                    pending.append((nxt, n, asyncio.ensure_future(asyncio.to_thread(get_range, key, nxt, n))))
+                    nxt += n
+                if not pending:
+                    raise StreamError(f"{self.origin.url}/{key}: ended at {ps.have} of {size} bytes")
+                off, n, fut = pending.popleft()
+                try:
+                    data = await fut
+                except KeyError:
+                    raise StreamError(f"{self.origin.url}/{key}: part is missing (pruned?)") from None
+                if len(data) != n:
+                    raise StreamError(f"{self.origin.url}/{key}: read {len(data)} bytes at {off}, expected {n} "
+                                      "(shorter than its commit record)")
+                await self.mirror.write(key, off, data)
+        finally:
+            for _, _, fut in pending:
+                fut.cancel()
 
     async def _backfill(self, lo: int, hi: int) -> None:
         """Root only: a child holding version ``lo - 1`` joined, and the mirror begins at ``hi``: add the

@@ -6,6 +6,8 @@ Contract every store keeps:
   did; of two racing creators exactly one wins. Commit records rely on it.
 * ``get``/``get_to`` return exactly what was put; missing keys raise ``KeyError``.
 * ``list(prefix)`` returns the keys under a prefix, sorted.
+* Optional: ``get_range(key, start, length)``, a slice of an object (all three stores have it); the
+  relay root streams parts from the origin with it, so its children get bytes while it downloads.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ class MemoryStore:
         with self._lock:
             return self._d[key]
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        return self.get(key)[start:start + length]
+
     def get_to(self, key: str, path: str) -> None:
         data = self.get(key)
         with open(path, "wb") as f:

@@ -237,6 +237,20 @@ class S3Store:
         except Exception as e:
             raise self._error(e, "get", key) from None
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """One ranged GET: ``length`` bytes from ``start`` (fewer at the end of the object)."""
+        if length <= 0:
+            return b""
+        r = self._call("get", key, self._client().get_object, Key=self._obj(key),
+                       Range=f"bytes={start}-{start + length - 1}")
+        try:
+            data = r["Body"].read()
+        except Exception as e:
+            raise self._error(e, "get", key) from None
+        if self._cb is not None:
+            self._cb(len(data))
+        return data
+
     def get_to(self, key: str, dest: str) -> None:
         obj = self._obj(key)
         c = self._client()
