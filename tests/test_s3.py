@@ -30,6 +30,7 @@ if missing_reason():
 import deltarefit  # noqa: E402
 from deltarefit.errors import UsageError  # noqa: E402
 from deltarefit.storage import StoreError, open_store  # noqa: E402
+from deltarefit.storage.local import LocalStore  # noqa: E402
 from deltarefit.storage.s3 import S3Store  # noqa: E402
 from deltarefit.stream.records import commit_key, head, vkey  # noqa: E402
 
@@ -230,6 +231,21 @@ def test_rate_paces_multipart_transfers_bytes_exact(s3_env, tmp_path):
     took = time.monotonic() - t0
     assert _sha(str(tmp_path / "back")) == _sha(str(src))
     assert took >= (12 * MiB - 2 * max(rate * 0.05, 64 << 10)) / rate * 0.95
+
+
+def test_get_range_slices_an_object_on_every_store(s3_env, tmp_path):
+    """The relay root streams parts with ranged reads: same slices from S3, a directory and memory."""
+    from deltarefit.storage.memory import MemoryStore
+
+    data = os.urandom(3 * MiB + 17)
+    stores = [S3Store(s3_env.url("range")), LocalStore(str(tmp_path / "d")), MemoryStore("range")]
+    for st in stores:
+        st.put("v/obj", data)
+        assert st.get_range("v/obj", 0, 10) == data[:10]
+        assert st.get_range("v/obj", MiB, 2 * MiB) == data[MiB:3 * MiB]
+        assert st.get_range("v/obj", 3 * MiB, MiB) == data[3 * MiB:]  # clipped at the end
+    with pytest.raises(KeyError):
+        stores[1].get_range("v/missing", 0, 1)
 
 
 def test_failed_multipart_upload_is_aborted_not_visible(s3_env, tmp_path):
