@@ -80,6 +80,26 @@ class Verifier:
             raise SignatureError(f"{where}: signature does not verify with key {self.key_id}") from None
 
 
+def record_signature(signer: Signer, message: bytes) -> dict[str, str]:
+    """The ``signature`` field of a commit record (plain or sharded) over its ``signed_bytes()``."""
+    return {"alg": "ed25519", "key_id": signer.key_id, "sig": signer.sign(message)}
+
+
+def check_record_signature(signature: dict[str, str] | None, message: bytes, verifier: Verifier,
+                           where: str) -> None:
+    """Refuse (SignatureError) a record without an Ed25519 signature, or one whose signature does not
+    verify with ``verifier``'s key over ``message`` (its ``signed_bytes()``)."""
+    if not signature or signature.get("alg") != "ed25519" or "sig" not in signature:
+        raise SignatureError(f"{where}: commit record is not signed")
+    try:
+        verifier.verify(message, signature["sig"], where)
+    except SignatureError as e:
+        other = signature.get("key_id")
+        if other and other != verifier.key_id:
+            raise SignatureError(f"{e} (the record names key {other})") from None
+        raise
+
+
 def key_id(public_key) -> str:
     """A short stable id of a public key: the first 16 hex digits of BLAKE3 of its raw bytes."""
     import blake3

@@ -70,6 +70,7 @@ from ..dtypes import dtype as lookup_dtype
 from ..errors import BaseMismatchError, DeltaRefitError, FormatError, UsageError, VerificationError
 from ..fsutil import write_atomic
 from ..integrity import SEGMENT_BYTES
+from ..signing import Signer, Verifier, check_record_signature, record_signature
 from ..storage.base import Store, open_store
 from ..stream.publisher import PublishError
 from ..stream.records import (
@@ -256,19 +257,6 @@ def parse_shard_commit(data: bytes, where: str) -> ShardCommit:
     return rec
 
 
-def check_signature(rec: ShardCommit, verifier, where: str) -> None:
-    """Refuse (SignatureError) an unsigned record, or one not signed by ``verifier``'s key."""
-    from ..signing import SignatureError
-
-    sig = rec.signature
-    if not sig:
-        raise SignatureError(f"{where}: commit record is not signed")
-    if sig.get("alg") != "ed25519" or sig.get("key_id") != verifier.key_id:
-        raise SignatureError(f"{where}: signed by key {sig.get('key_id')} ({sig.get('alg')}), expected "
-                             f"{verifier.key_id}")
-    verifier.verify(rec.signed_bytes(), sig["sig"], where)
-
-
 def load_shard_commit(store: Store, version: int) -> ShardCommit:
     return load_record(store, version, parse_shard_commit)
 
@@ -354,11 +342,8 @@ class ShardStreamPublisher:
         self.timeout, self.poll = timeout, poll
         self.keyframe_every = keyframe_every
         self.publisher_id = publisher_id or f"{os.uname().nodename}-{os.getpid()}"
-        self.signer = None  # the committer signs the records it creates (Ed25519, `deltarefit keygen`)
-        if signing_key is not None:
-            from ..signing import Signer
-
-            self.signer = Signer(signing_key)
+        # The committer signs the records it creates (Ed25519, `deltarefit keygen`).
+        self.signer = Signer(signing_key) if signing_key is not None else None
         self.state_path = None if state_dir is None else os.path.join(os.path.abspath(state_dir), f"rank-{rank}.npz")
         self.version = 0  # the committed version the baseline slice is at
         self.fingerprint: str | None = None
@@ -529,8 +514,7 @@ class ShardStreamPublisher:
         if self.signer is not None:
             from dataclasses import replace
 
-            rec = replace(rec, signature={"alg": "ed25519", "key_id": self.signer.key_id,
-                                          "sig": self.signer.sign(rec.signed_bytes())})
+            rec = replace(rec, signature=record_signature(self.signer, rec.signed_bytes()))
         # The commit point: the record is created last, conditionally; exactly one attempt wins.
         if not self.store.create(commit_key(version), rec.to_bytes()):
             theirs = load_shard_commit(self.store, version)
@@ -740,8 +724,6 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
     store = open_store(store) if isinstance(store, str) else store
     verifier = None
     if public_key is not None:
-        from ..signing import Verifier
-
         verifier = Verifier(public_key)
     tensors, _ = _module_tensors(tensors)
     g = _Group(group)
@@ -765,7 +747,7 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
         if v not in cache:
             rec = load_shard_commit(store, v)
             if verifier is not None:
-                check_signature(rec, verifier, f"{store.url}/{commit_key(v)}")
+                check_record_signature(rec.signature, rec.signed_bytes(), verifier, f"{store.url}/{commit_key(v)}")
             man = load_manifest(store, rec)
             fetched += rec.manifest.bytes
             layout = _layout_for(layout, tensors, man)

@@ -35,7 +35,7 @@ from ..checkpoint import open_checkpoint
 from ..encode import encode as encode_delta
 from ..errors import DeltaRefitError, UsageError
 from ..fsutil import write_atomic
-from ..signing import Signer
+from ..signing import Signer, record_signature
 from ..storage.base import Store, open_store
 from .records import (
     CommitRecord,
@@ -355,7 +355,7 @@ class Publisher:
 def _signed(rec: CommitRecord, signer: Signer) -> CommitRecord:
     from dataclasses import replace
 
-    return replace(rec, signature={"alg": "ed25519", "key_id": signer.key_id, "sig": signer.sign(rec.signed_bytes())})
+    return replace(rec, signature=record_signature(signer, rec.signed_bytes()))
 
 
 def _copy_checkpoint(src: str, dest: str) -> None:

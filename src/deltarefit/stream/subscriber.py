@@ -28,7 +28,7 @@ from ..apply import check as check_delta
 from ..errors import BaseMismatchError, UsageError
 from ..format import DeltaReader
 from ..fsutil import write_atomic
-from ..signing import SignatureError, Verifier
+from ..signing import Verifier, check_record_signature
 from ..storage.base import Store, open_store
 from .publisher import _copy_checkpoint
 from .records import (
@@ -123,12 +123,8 @@ class Subscriber:
         return rec
 
     def _check_signature(self, rec: CommitRecord, where: str) -> None:
-        if self.verifier is None:
-            return
-        sig = rec.signature
-        if not sig or sig.get("alg") != "ed25519" or "sig" not in sig:
-            raise SignatureError(f"{where}: commit record is not signed")
-        self.verifier.verify(rec.signed_bytes(), sig["sig"], where)
+        if self.verifier is not None:
+            check_record_signature(rec.signature, rec.signed_bytes(), self.verifier, where)
 
     # -- sync ------------------------------------------------------------------------------------
 
