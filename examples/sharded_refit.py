@@ -46,8 +46,6 @@ CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "
 TRAINERS, ROLLOUTS = 2, 2
 
 
-
-
 def engine_slices(full: dict[str, np.ndarray], tp: int, r: int) -> dict[str, np.ndarray]:
     """What a vLLM-style TP engine's own weight loader holds, written with plain torch.chunk/cat and
     independent of deltarefit's maps: the check that the maps are right, not only self-consistent."""

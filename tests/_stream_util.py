@@ -131,6 +131,29 @@ def state_of(ckpt: str) -> dict | None:
 # ------------------------------------------------------------------------------------------ processes
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def communicate_all(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[tuple[int, str, str]]:
+    """(returncode, stdout, stderr) of every process of a group, in order; on a timeout every process
+    of the group is killed (a rank stuck in a collective would hold the others) and it is raised."""
+    out = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append((p.returncode, so, se))
+    return out
+
+
 def cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "deltarefit", *args]
 

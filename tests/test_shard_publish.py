@@ -35,8 +35,6 @@ CFG = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_
 SHAPES = llama_shapes(CFG)
 
 
-
-
 class Sim:
     """Trainer ranks with their publishers; versions joined from all parts."""
 

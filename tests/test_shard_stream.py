@@ -46,8 +46,6 @@ RLAYS = [tp_layout(SHAPES, 2, r) for r in range(2)]
 CUTS = cuts_from_layouts([*RLAYS, identity_layout(SHAPES)])
 
 
-
-
 def masters(seed=0):
     rng = np.random.default_rng(seed)
     return {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s in SHAPES.items()}
@@ -404,13 +402,12 @@ dist.destroy_process_group()
 def test_gloo_group_publish_and_a_failing_rank(tmp_path):
     import json
     import os
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from _stream_util import communicate_all, free_port
+
+    port = free_port()
     here = os.path.dirname(os.path.abspath(__file__))
     args = {"port": port, "store": str(tmp_path / "store"), "state": str(tmp_path / "state"),
             "ref": str(tmp_path / "ref.npz")}
@@ -419,14 +416,8 @@ def test_gloo_group_publish_and_a_failing_rank(tmp_path):
                               env=dict(os.environ, DELTAREFIT_NO_PROGRESS="1", OMP_NUM_THREADS="1"))
              for r in range(2)]
     res = []
-    for p in procs:
-        try:
-            so, se = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        assert p.returncode == 0, se[-3000:]
+    for rc, so, se in communicate_all(procs, timeout=120):
+        assert rc == 0, se[-3000:]
         res.append(json.loads(so.strip().splitlines()[-1]))
     for r in res:
         assert r["out"][0] == 1 and r["out"][2] == 2 and r["version"] == 2, r

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
-from _stream_util import ENV, chain_fingerprints, session_chain, sha
+from _stream_util import ENV, chain_fingerprints, communicate_all, free_port, session_chain, sha
 
 import deltarefit
 from deltarefit.storage.local import LocalStore
@@ -23,28 +22,16 @@ WORKER = os.path.join(os.path.dirname(__file__), "_torchdist_worker.py")
 pytest.importorskip("torch.distributed")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_group(ranks: list[dict]) -> list[tuple[int, dict]]:
-    port = _port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, WORKER, json.dumps(dict(r, rank=i, world=len(ranks), port=port))],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
              for i, r in enumerate(ranks)]
     out = []
-    for p in procs:
-        try:
-            so, se = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
+    for rc, so, se in communicate_all(procs, timeout=120):
         lines = [ln for ln in so.splitlines() if ln.startswith("{")]
-        assert lines, f"rank printed nothing (rc {p.returncode}): {se[-2000:]}"
-        out.append((p.returncode, json.loads(lines[-1])))
+        assert lines, f"rank printed nothing (rc {rc}): {se[-2000:]}"
+        out.append((rc, json.loads(lines[-1])))
     return out
 
 
