@@ -157,3 +157,36 @@ def test_garbage_zstd_payloads_are_refused(enc):
     base = np.arange(500, dtype=np.uint16)
     with pytest.raises(FormatError):
         C.decode_chunk(dtype("BF16"), base, enc, b"\x28\xb5\x2f\xfd garbage", 3, 10, "fuzz")
+
+
+def _scan_reference(dt, base: np.ndarray, target: np.ndarray):
+    """The scan's contract written plainly: changed positions, their context, and their rank among
+    all the chunk's elements of the same context (numpy, no shared code with the kernel)."""
+    shift, mask, _ = C._ctx(dt)
+    ctx = ((base.astype(np.uint64) >> np.uint64(shift)) & np.uint64(mask)).astype(np.int64)
+    rank = np.empty(base.size, np.int64)
+    for c in np.unique(ctx):
+        where = np.flatnonzero(ctx == c)
+        rank[where] = np.arange(where.size)
+    pos = np.flatnonzero(base != target)
+    return pos, ctx[pos], rank[pos], base[pos], target[pos]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(["BF16", "F16", "F32", "F8_E4M3", "I64", "U8"]), n=st.integers(0, 70),
+       seed=st.integers(0, 2**32 - 1), rate=st.sampled_from([0.0, 0.05, 0.3, 1.0]))
+def test_scan_matches_a_plain_reference(name, n, seed, rate):
+    # The kernel counts contexts in four interleaved lanes with a fast path per group of four: odd
+    # lengths, changes in every lane and all-changed groups are the cases that path could get wrong.
+    dt = dtype(name)
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(dt.uint)
+    base = rng.integers(0, info.max, n, dtype=dt.uint, endpoint=True)
+    base[rng.random(n) < 0.5] = base[0] if n else 0  # many shared contexts
+    target = base.copy()
+    flip = rng.random(n) < rate
+    target[flip] ^= np.array(1, dt.uint)
+    got = C.scan_chunk(dt, base, target)
+    for g, w in zip((got.pos, got.ectx, got.rank, got.bvals, got.tvals), _scan_reference(dt, base, target),
+                    strict=True):
+        np.testing.assert_array_equal(g.astype(np.int64) if g.dtype.kind == "i" else g, w)

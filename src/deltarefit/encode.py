@@ -8,6 +8,7 @@ bytes, whether the checkpoints are single files or sharded directories.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -222,7 +223,7 @@ def encode_checkpoints(
                 entries.append(TensorEntry(job.name, op, bmeta, tmeta, job.changed, job.first, count))
                 changed_total += job.changed
                 job.works = []  # drop the views
-        total_elems = sum(int(np.prod(t.shape, dtype=np.int64)) for t in target.tensors.values())
+        total_elems = sum(math.prod(t.shape) for t in target.tensors.values())
         full_bytes = sum(t.nbytes for t in target.tensors.values())
         bfp, tfp = fingerprint_from_digests(base_digests), fingerprint_from_digests(target_digests)
         manifest = {

@@ -48,19 +48,12 @@ def segment_hashes(raw: np.ndarray) -> list[bytes]:
 
 
 def tensor_digest_from_segments(dtype: str, shape: Sequence[int], nbytes: int, seg_hashes: Iterable[bytes]) -> bytes:
-    h = blake3.blake3(_TENSOR_DOMAIN)
-    h.update(dtype.encode("ascii") + b"\0")
-    h.update(struct.pack("<I", len(shape)))
-    for d in shape:
-        h.update(struct.pack("<Q", int(d)))
-    h.update(struct.pack("<Q", int(nbytes)))
-    n = 0
-    for s in seg_hashes:
-        h.update(s)
-        n += 1
-    if n != n_segments(nbytes):
-        raise ValueError(f"expected {n_segments(nbytes)} segment hashes for {nbytes} bytes, got {n}")
-    return h.digest(DIGEST_BYTES)
+    segs = b"".join(seg_hashes)
+    if len(segs) != n_segments(nbytes) * SEG_HASH_BYTES:
+        raise ValueError(f"expected {n_segments(nbytes)} segment hashes for {nbytes} bytes, "
+                         f"got {len(segs) / SEG_HASH_BYTES:g}")
+    head = struct.pack(f"<I{len(shape)}QQ", len(shape), *(int(d) for d in shape), int(nbytes))
+    return blake3.blake3(_TENSOR_DOMAIN + dtype.encode("ascii") + b"\0" + head + segs).digest(DIGEST_BYTES)
 
 
 def tensor_digest(dtype: str, shape: Sequence[int], raw: np.ndarray) -> bytes:

@@ -250,24 +250,69 @@ def ulp_scan(base, target, ctx_shift, ctx_mask, n_ctx, pos, ectx, rank, bvals, t
     """Pass 1 of the encoder (what a GPU compare-and-compact produces instead): the changed positions
     in order, their context (the base's exponent field), their rank among the chunk's elements of the
     same context, and the base and target bits there. Fills the arrays' first m entries; returns m.
-    The arrays must hold ``base.size`` entries (np.empty: untouched pages cost nothing)."""
+    The arrays must hold ``base.size`` entries (np.empty: untouched pages cost nothing).
+
+    Speed hazard: the per-context counters are the loop's critical path (a store feeding the next
+    load whenever neighbours share an exponent, which they mostly do). Four counter arrays, one per
+    lane ``i % 4``, break that chain; a rank is the sum of the four. A group of four unchanged
+    elements (the common case) takes one branch. The loop's shape matters to numba: the same logic
+    written with ``range(0, n, 4)`` and an inlined helper per lane ran 7x slower."""
     n = base.size
     cs = U64(ctx_shift)
     cm = U64(ctx_mask)
-    seen = np.zeros(n_ctx, np.int64)
+    s0 = np.zeros(n_ctx, np.int32)
+    s1 = np.zeros(n_ctx, np.int32)
+    s2 = np.zeros(n_ctx, np.int32)
+    s3 = np.zeros(n_ctx, np.int32)
     m = 0
-    for i in range(n):
-        b = U64(base[i])
-        e = np.int64((b >> cs) & cm)
-        r = seen[e]
-        seen[e] = r + 1
-        if b != U64(target[i]):
-            pos[m] = i
-            ectx[m] = e
-            rank[m] = r
-            bvals[m] = base[i]
-            tvals[m] = target[i]
+    n4 = n - n % 4
+    i = 0
+    while i < n4:
+        b0 = U64(base[i])
+        b1 = U64(base[i + 1])
+        b2 = U64(base[i + 2])
+        b3 = U64(base[i + 3])
+        e0 = np.int64((b0 >> cs) & cm)
+        e1 = np.int64((b1 >> cs) & cm)
+        e2 = np.int64((b2 >> cs) & cm)
+        e3 = np.int64((b3 >> cs) & cm)
+        if ((b0 != U64(target[i])) | (b1 != U64(target[i + 1])) | (b2 != U64(target[i + 2]))
+                | (b3 != U64(target[i + 3]))):
+            for k in range(4):
+                bk = U64(base[i + k])
+                ek = np.int64((bk >> cs) & cm)
+                if bk != U64(target[i + k]):
+                    pos[m] = i + k
+                    ectx[m] = ek
+                    rank[m] = s0[ek] + s1[ek] + s2[ek] + s3[ek]
+                    bvals[m] = base[i + k]
+                    tvals[m] = target[i + k]
+                    m += 1
+                if k == 0:
+                    s0[ek] += 1
+                elif k == 1:
+                    s1[ek] += 1
+                elif k == 2:
+                    s2[ek] += 1
+                else:
+                    s3[ek] += 1
+        else:
+            s0[e0] += 1
+            s1[e1] += 1
+            s2[e2] += 1
+            s3[e3] += 1
+        i += 4
+    for j in range(n4, n):
+        bk = U64(base[j])
+        ek = np.int64((bk >> cs) & cm)
+        if bk != U64(target[j]):
+            pos[m] = j
+            ectx[m] = ek
+            rank[m] = s0[ek] + s1[ek] + s2[ek] + s3[ek]
+            bvals[m] = base[j]
+            tvals[m] = target[j]
             m += 1
+        s0[ek] += 1
     return m
 
 
