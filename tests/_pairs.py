@@ -252,7 +252,7 @@ class Delta:
             man = self.manifest_raw if self.manifest_raw is not None else json.dumps(
                 self.manifest, separators=(",", ":"), sort_keys=True).encode("utf-8")
             if _zstd_manifest():
-                man = zstandard.ZstdCompressor(level=9, write_content_size=True).compress(man)
+                man = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(man)
         table = b"".join(r.pack() for r in recs)
         h = self.header
         pay_off = fmt.HEADER_SIZE
