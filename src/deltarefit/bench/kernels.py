@@ -5,6 +5,9 @@ N(0, 0.02) weights with ``--rate`` of its elements moved by +-1 (80%) or +-2 (20
 best-of-5 time of each step on one thread: the encoder's scan (contexts and ranks), its coding of the
 changes, a BLAKE3 segment hash, and the decoder's parts (group section, positions, ulp distances,
 target bits). Encode is scan + code + 2 hashes; apply is decode + 3 hashes + the scatter.
+
+Read these as lower bounds: timing one segment over and over lets the branch predictors learn part of
+its data, which it cannot do over the many different segments of a real checkpoint.
 """
 
 from __future__ import annotations
