@@ -148,21 +148,48 @@ def _jobs(base: Checkpoint, target: Checkpoint, names: list[str], patch_works: P
         yield _Job(ti, name, op, bi, tinfo, works, n_base)
 
 
+# Works are batched up to this many checkpoint bytes per pool task: a task costs two thread wake-ups
+# and a few lock round trips, as much as hashing and coding a few KiB, and real checkpoints hold many
+# tiny tensors (biases, norms). Full segments still go one per task.
+BATCH_BYTES = 1 << 20
+
+
+def _work_sizes(job: _Job) -> list[int]:
+    """Checkpoint bytes behind each of ``job``'s works (segments of the base, then of the target)."""
+    def segs(nbytes: int) -> list[int]:
+        return [min(SEGMENT_BYTES, nbytes - o) for _, o in _segments(nbytes)]
+
+    if job.op == "patch":
+        return segs(job.target.nbytes)
+    return (segs(job.base.nbytes) if job.base is not None else []) + \
+        (segs(job.target.nbytes) if job.target is not None else [])
+
+
+def _run_batch(items: list[tuple[_Job, int, Work | None]]) -> list[tuple[_Job, int, object]]:
+    return [(job, k, w() if w is not None else None) for job, k, w in items]
+
+
 def _ordered(pool: ThreadPoolExecutor, jobs: Iterator[_Job], window: int) -> Iterator[tuple[_Job, int, object]]:
-    """Run every job's works on the pool, at most ``window`` in flight across tensors, yielding
-    ``(job, k, result)`` in order; a job with no works yields ``(job, -1, None)`` once."""
-    pending: deque[tuple[_Job, int, Future | None]] = deque()
+    """Run every job's works on the pool in batches (``BATCH_BYTES``), at most ``window`` batches in
+    flight, yielding ``(job, k, result)`` in order; a job with no works yields ``(job, -1, None)`` once.
+    A failing work raises from here, in order, and ends the iteration."""
+    batches: deque[Future] = deque()
+    cur: list[tuple[_Job, int, Work | None]] = []
+    cur_bytes = 0
     for job in jobs:
-        if not job.works:
-            pending.append((job, -1, None))
-        for k, w in enumerate(job.works):
-            pending.append((job, k, pool.submit(w)))
-            while len(pending) >= window:
-                j, i, f = pending.popleft()
-                yield j, i, f.result() if f is not None else None
-    while pending:
-        j, i, f = pending.popleft()
-        yield j, i, f.result() if f is not None else None
+        items = list(zip(range(len(job.works)), job.works, _work_sizes(job), strict=True)) or [(-1, None, 0)]
+        for k, w, size in items:
+            cur.append((job, k, w))
+            cur_bytes += size
+            if cur_bytes >= BATCH_BYTES:
+                batches.append(pool.submit(_run_batch, cur))
+                cur, cur_bytes = [], 0
+                while len(batches) >= window:
+                    yield from batches.popleft().result()
+    if cur:
+        batches.append(pool.submit(_run_batch, cur))
+    while batches:
+        yield from batches.popleft().result()
 
 
 def encode_checkpoints(

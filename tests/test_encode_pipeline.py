@@ -1,0 +1,51 @@
+"""The encoder's work pipeline: batched pool tasks must still yield every result in order."""
+
+from __future__ import annotations
+
+import importlib
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from deltarefit.checkpoint import TensorInfo
+from deltarefit.integrity import SEGMENT_BYTES
+
+E = importlib.import_module("deltarefit.encode")  # the package exports a function of the same name
+
+
+def _job(ti: int, nbytes: int, log: list, fail_at: int | None = None) -> E._Job:
+    info = TensorInfo(f"t{ti}", "BF16", (nbytes // 2,), nbytes, "unused.safetensors", 0)
+    n = (nbytes + SEGMENT_BYTES - 1) // SEGMENT_BYTES
+
+    def work(k: int):
+        def run():
+            if k == fail_at:
+                raise ValueError(f"work {ti}/{k} failed")
+            log.append((ti, k))
+            return (ti, k)
+        return run
+
+    return E._Job(ti, info.name, "patch", info, info, [work(k) for k in range(n)])
+
+
+@pytest.mark.parametrize("window", [1, 2, 8])
+def test_batched_results_come_back_in_order_with_empty_jobs_once(window):
+    # Tiny tensors share a task, full segments get their own, empty tensors have no work at all.
+    sizes = [4, 0, 2 * SEGMENT_BYTES + 6, 10, 0, 300, SEGMENT_BYTES, 2]
+    log: list = []
+    jobs = [_job(i, s, log) for i, s in enumerate(sizes)]
+    with ThreadPoolExecutor(3) as pool:
+        got = [(job.ti, k, res) for job, k, res in E._ordered(pool, iter(jobs), window)]
+    want = []
+    for i, s in enumerate(sizes):
+        n = (s + SEGMENT_BYTES - 1) // SEGMENT_BYTES
+        want += [(i, k, (i, k)) for k in range(n)] if n else [(i, -1, None)]
+    assert got == want
+    assert sorted(log) == sorted((i, k) for i, k, r in want if k >= 0)
+
+
+def test_a_failing_work_raises_from_the_pipeline():
+    jobs = [_job(0, 8, []), _job(1, 3 * SEGMENT_BYTES, [], fail_at=1), _job(2, 8, [])]
+    with ThreadPoolExecutor(2) as pool, pytest.raises(ValueError, match="work 1/1 failed"):
+        for _ in E._ordered(pool, iter(jobs), 2):
+            pass
