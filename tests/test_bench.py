@@ -232,6 +232,7 @@ def test_synthetic_pair_matches_rate_and_calibration(tmp_path: Path, rate: float
     pair = make_synthetic_pair(tmp_path / "syn", 1e6, change_rate=rate, calibration=cal, seed=1,
                                tensor_elements=300_000, cols=1000)  # fmt: skip
     assert pair.n_params == 1_000_000
+    assert pair.name == f"synthetic-1e06-{100 * rate:g}pct"  # pairs of one size at two rates coexist
     infos = tensor_index(pair.base)
     assert sum(i.numel for i in infos.values()) == 1_000_000
     assert max(i.numel for i in infos.values()) <= 300_000
@@ -298,3 +299,15 @@ def test_quick_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[st
     png = (tmp_path / "BENCHMARKS.png").read_bytes()  # the plot beside the report, linked from it
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") > 500
     assert "![size ratios and throughput](BENCHMARKS.png)" in text
+
+
+def test_change_rates_parse_cal_and_fractions_and_refuse_the_rest() -> None:
+    import argparse
+
+    from deltarefit.bench.report import _parse_rate
+
+    assert _parse_rate("cal") is None
+    assert _parse_rate("0.035") == 0.035
+    for bad in ("0", "1", "3.5", "-0.1", "many"):
+        with pytest.raises((ValueError, argparse.ArgumentTypeError), match=r"rate|could not convert"):
+            _parse_rate(bad)

@@ -350,9 +350,9 @@ def make_synthetic_pair(
     cols: int = 4096,
     block_elements: int = 1 << 20,
 ) -> Pair:
-    """Write ``synth_base_{n}.safetensors`` / ``synth_target_{n}.safetensors``; see the module docstring.
-
-    ``change_rate=None`` uses the calibration's own overall rate.
+    """Write ``synth_base_{tag}.safetensors`` / ``synth_target_{tag}.safetensors``; see the module
+    docstring. ``change_rate=None`` uses the calibration's own overall rate; an explicit rate shows in
+    the tag (``1e08-3.5pct``), so pairs of one size at several rates live side by side.
     """
     n_params = int(n_params)
     out = Path(out_dir)
@@ -362,6 +362,8 @@ def make_synthetic_pair(
     shapes = _shapes(n_params, tensor_elements, min(cols, max(1, n_params)))
     specs = [(f"layers.{i:04d}.weight", "BF16", s) for i, s in enumerate(shapes)]
     tag = f"{n_params:.0e}".replace("+", "")
+    if change_rate is not None:
+        tag += f"-{100 * change_rate:g}pct"
     bp, tp = out / f"synth_base_{tag}.safetensors", out / f"synth_target_{tag}.safetensors"
     changed = 0
     with StreamingWriter(bp, specs) as wb, StreamingWriter(tp, specs) as wt:
