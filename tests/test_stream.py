@@ -941,3 +941,58 @@ def test_memory_store_named_is_shared(tmp_path):
     assert isinstance(s3, S3Store) and (s3.bucket, s3.prefix) == ("bucket", "x")
     with pytest.raises(StoreError):
         LocalStore("/proc/definitely/not/writable")
+
+
+# ------------------------------------------------------------------------------------ baseline advance
+
+
+@pytest.mark.parametrize("advance", ["copy", "apply"])
+def test_baseline_follows_each_commit_by_either_route(tmp_path, chain, chain_fps, advance):
+    store = LocalStore(str(tmp_path / "store"))
+    pub = _publisher(store, str(tmp_path / "pub"), advance=advance)
+    for v in range(4):  # a keyframe, then deltas
+        rec = pub.publish(chain[v])
+        assert rec.fingerprint == chain_fps[v]
+        assert deltarefit.fingerprint(pub.baseline) == chain_fps[v]
+        assert pub.state().fingerprint == chain_fps[v]
+    assert [f for f in os.listdir(pub.state_dir) if ".tmp-" in f] == []
+
+
+def test_checkpoint_rewritten_after_encoding_is_not_copied(tmp_path, chain, chain_fps, monkeypatch):
+    """The trainer overwrites its export while the publish is still uploading: the baseline must
+    become the committed version (by applying its delta), not the new file."""
+    import deltarefit.stream.publisher as P
+
+    pub = _publisher(LocalStore(str(tmp_path / "store")), str(tmp_path / "pub"), advance="copy")
+    pub.publish(chain[0])
+    export = str(tmp_path / "export.safetensors")
+    shutil.copyfile(chain[1], export)
+    real_encode = P.encode_delta
+
+    def encode_then_rewrite(base, target, out, **kw):
+        rep = real_encode(base, target, out, **kw)
+        shutil.copyfile(chain[2], target)  # the next step's export lands on the same path
+        return rep
+
+    monkeypatch.setattr(P, "encode_delta", encode_then_rewrite)
+    rec = pub.publish(export)
+    assert rec.kind == "delta" and rec.fingerprint == chain_fps[1]
+    assert deltarefit.fingerprint(pub.baseline) == chain_fps[1]
+    assert [f for f in os.listdir(pub.state_dir) if ".tmp-" in f] == []
+
+
+def test_copies_left_by_a_killed_publish_are_removed(tmp_path, chain, chain_fps):
+    pub = _publisher(LocalStore(str(tmp_path / "store")), str(tmp_path / "pub"))
+    pub.publish(chain[0])
+    stale = [pub.baseline + ".tmp-999999", pub.keyframe_copy + ".tmp-999998"]
+    for s in stale:
+        with open(s, "wb") as f:
+            f.write(b"half a copy")
+    assert pub.publish(chain[1]).fingerprint == chain_fps[1]
+    assert not any(os.path.exists(s) for s in stale)
+    assert deltarefit.fingerprint(pub.baseline) == chain_fps[1]
+
+
+def test_unknown_advance_is_refused(tmp_path):
+    with pytest.raises(UsageError, match="advance"):
+        Publisher(LocalStore(str(tmp_path / "store")), str(tmp_path / "pub"), advance="move")

@@ -116,10 +116,12 @@ def test_publish_killed_then_rerun(big, tmp_path):
     sub_ck = str(tmp_path / "follower.safetensors")
     _clone_sub(big["tmpl"], sub_ck)
     Subscriber(store, sub_ck, subscriber_id="follower").sync()
-    modes = ["anytime", "work", "commit", "commit"]
+    modes = ["anytime", "work", "commit", "advance"]
     for i, mode in enumerate(modes):
         step = BASE_VERSIONS + 1 + i
         args = ["publish", store.url, steps[step], "--state", pub_dir, "--step", str(step), *PUB_OPTS]
+        if mode == "commit":
+            args += ["--advance", "apply"]  # killed around the commit or while applying the delta in place
         if mode == "anytime":
             t = rng.uniform(0, 1.1 * dur)
             rc, t_kill, err = kill_at(args, delay=t)
@@ -130,9 +132,13 @@ def test_publish_killed_then_rerun(big, tmp_path):
                 open(stale, "w").close()
             rc, t_kill, err = kill_at(args, when=lambda m=stale: os.path.isdir(staging) and not os.path.exists(m),
                                       after_delay=t)
-        else:  # around the commit point and the baseline's advance
+        elif mode == "commit":  # around the commit point and the baseline's advance
             t = rng.uniform(0, 0.3)
             rc, t_kill, err = kill_at(args, when=lambda: os.path.exists(pending), after_delay=t)
+        else:  # while the committed checkpoint is copied beside the baseline (the default advance)
+            t = rng.uniform(0, 0.02)
+            rc, t_kill, err = kill_at(args, when=lambda: bool(glob.glob(os.path.join(pub_dir, "baseline.*.tmp-*"))),
+                                      after_delay=t)
         print(f"publish step {step}: {mode} +{t:.3f} s, killed at {t_kill:.3f} s, exit {rc}")
         assert rc in (0, -9), err
         # Whatever the kill left: no half-visible version, and the follower is untouched.
@@ -147,6 +153,7 @@ def test_publish_killed_then_rerun(big, tmp_path):
         assert (st.version, st.fingerprint) == (head(store), fps[step])
         assert deltarefit.fingerprint(os.path.join(pub_dir, "baseline.safetensors")) == fps[step]
         assert not os.path.exists(pending)
+        assert [f for f in os.listdir(pub_dir) if ".tmp-" in f] == []  # no copy left behind
         rep = Subscriber(store, sub_ck, subscriber_id="follower").sync()
         assert (rep.route, rep.version) == ("chain", step) and sha(sub_ck) == sha(steps[step])
     # The next publish works (a real process, uninterrupted), and a new subscriber reaches the head.

@@ -237,10 +237,13 @@ def verify(checkpoint: str, expected: str, threads: int | None) -> None:
               help="Sign the commit record with this Ed25519 private key (see keygen).")
 @click.option("--catchup", is_flag=True,
               help="Also ship a delta straight from the newest keyframe (late joiners skip the chain).")
+@click.option("--advance", type=click.Choice(["copy", "apply"]), default="copy", show_default=True,
+              help="Move the baseline to the committed version by a verified copy of CHECKPOINT (fast; a second "
+                   "copy on disk for a moment) or by applying the delta in place.")
 @_threads
 @_json
 def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, quorum, ack_timeout, signing_key,
-            catchup, threads, as_json) -> None:
+            catchup, advance, threads, as_json) -> None:
     """Commit CHECKPOINT as the next version of the stream in STORE (a directory)."""
 
     def go() -> None:
@@ -255,7 +258,7 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
         sd = state_dir or default_state_dir(store)
         rec = Publisher(store, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=q,
                         ack_timeout=ack_timeout, signing_key=signing_key, threads=threads,
-                        catchup=catchup).publish(checkpoint, step=step)
+                        catchup=catchup, advance=advance).publish(checkpoint, step=step)
         if as_json:
             click.echo(rec.to_bytes().decode())
         else:

@@ -6,7 +6,10 @@
   delta to the same checkpoint (the difference is fetching, hashing parts, reading records and
   recording the version), best of 3;
 * catch-up: for a subscriber ``k`` versions behind a keyframe, the bytes of the chain, of the
-  publisher's catch-up delta, and of one delta.
+  publisher's catch-up delta, and of one delta;
+* publish: ``Publisher.publish`` of one delta version (encode, upload, commit, advance the baseline),
+  the baseline advanced by a verified copy (the default) and by applying the delta in place, the two
+  interleaved, best of 3 each.
 """
 
 from __future__ import annotations
@@ -43,6 +46,24 @@ def _chain(d: str, mib: int, versions: int, rate: float, seed: int) -> list[str]
             idx = np.flatnonzero(rng.random(v.size) < rate)
             v[idx] = (v[idx].astype(np.int64) + rng.choice([-1, 1], idx.size)).astype(np.uint16)
     return paths
+
+
+def _publish_times(work: str, steps: list[str]) -> None:
+    from deltarefit.stream import Publisher
+
+    pubs = {a: Publisher(os.path.join(work, f"store-{a}"), os.path.join(work, f"pub-{a}"), keyframe_every=10**6,
+                         keyframe_ratio=1e9, advance=a) for a in ("copy", "apply")}
+    times: dict[str, list[float]] = {a: [] for a in pubs}
+    for pub in pubs.values():
+        pub.publish(steps[0])  # the keyframe
+    for k in range(1, min(4, len(steps))):
+        for a, pub in pubs.items():
+            t = time.perf_counter()
+            pub.publish(steps[k])
+            times[a].append(time.perf_counter() - t)
+    tc, tp = min(times["copy"]), min(times["apply"])
+    print(f"publish of one delta version: {tc:.3f} s advancing the baseline by a verified copy, {tp:.3f} s by "
+          f"applying the delta in place ({tp / tc:.2f}x; best of {len(times['copy'])})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             cub = cu.bytes if cu else one
             print(f"{k:3d} versions behind the keyframe: chain {chain:,} B, catch-up {cub:,} B "
                   f"({cub / chain:.2f} of the chain, {cub / one:.1f}x one delta)")
+        _publish_times(work, steps)
     finally:
         if args.out is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -20,6 +20,7 @@ step 5 before anything else. Publishing the same checkpoint again returns the ex
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -90,12 +91,21 @@ class Publisher:
     fraction of a full checkpoint. ``quorum``: joint commit, wait for this many subscriber acks
     (``ALL``: every live subscriber, those that synced within ``live_ttl`` seconds; at least one)
     (``ack_timeout`` seconds) before committing. ``signing_key``: sign commit records (Ed25519 PEM).
+    ``advance``: how the baseline follows a committed delta. ``"copy"`` (default) copies the
+    committed checkpoint file beside it, verifies its fingerprint and renames it over the baseline:
+    several times faster than applying (one hash pass, no decode), at the cost of a second copy of
+    the checkpoint on disk for a moment (keyframes need it anyway). ``"apply"`` applies the delta in
+    place (no second copy). Directory checkpoints, and a checkpoint that changed after it was
+    encoded, always take the apply route.
     """
 
     def __init__(self, store: Store | str, state_dir: str, *, keyframe_every: int = 20,
                  keyframe_ratio: float = 0.5, quorum: int = 0, ack_timeout: float = 60.0, live_ttl: float = 3600.0,
                  signing_key: str | None = None, threads: int | None = None, publisher_id: str | None = None,
-                 catchup: bool = False) -> None:
+                 catchup: bool = False, advance: str = "copy") -> None:
+        if advance not in ("copy", "apply"):
+            raise UsageError(f"advance must be 'copy' or 'apply', not {advance!r}")
+        self.advance = advance
         if keyframe_every < 1 or keyframe_ratio <= 0 or (quorum < 0 and quorum != ALL) or ack_timeout <= 0:
             raise UsageError("keyframe_every >= 1, keyframe_ratio > 0, quorum >= 0 (or ALL) and ack_timeout > 0 "
                              "are required")
@@ -139,6 +149,10 @@ class Publisher:
         """Bring the baseline to the stream's head: finish our own publish that committed but died
         before its baseline advanced, and follow versions other publishers committed on our parent."""
         st = self.state()
+        for base in (self.baseline, self.keyframe_copy):  # copies a killed publish left behind
+            for stale in glob.glob(glob.escape(base) + ".tmp-*"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(stale)
         pending = os.path.join(self.state_dir, "pending.json")
         if os.path.exists(pending):
             with open(pending, "rb") as f:
@@ -279,9 +293,10 @@ class Publisher:
             raise
         # A proposal for this version (ours, or a joint publish that died waiting) is settled now.
         self.store.delete(prepared_key(version))
-        # Committed: advance the baseline (in place when a delta exists: no second full copy).
+        # Committed: advance the baseline.
         if delta_part:
-            apply_delta(os.path.join(self.staging, "delta"), self.baseline, threads=self.threads)
+            if not self._advance_by_copy(checkpoint, fp):
+                apply_delta(os.path.join(self.staging, "delta"), self.baseline, threads=self.threads)
         else:
             tmp = f"{self.baseline}.tmp-{os.getpid()}"
             _copy_checkpoint(checkpoint, tmp)
@@ -297,6 +312,31 @@ class Publisher:
         shutil.rmtree(self.staging, ignore_errors=True)
         log.info("published version %d (%s, %d bytes)", version, rec.kind, rec.part_bytes)
         return rec
+
+    def _advance_by_copy(self, checkpoint: str, fp: str) -> bool:
+        """Replace the baseline with a verified copy of the committed ``checkpoint`` (see ``advance``).
+        False, with the baseline untouched, where the apply route must be taken instead. A kill at any
+        point leaves the old baseline and at most a temp file, which ``recover`` removes before it
+        applies the committed delta."""
+        if self.advance != "copy" or not os.path.isfile(checkpoint):
+            return False
+        from ..api import fingerprint
+
+        tmp = f"{self.baseline}.tmp-{os.getpid()}"
+        try:
+            shutil.copyfile(checkpoint, tmp)
+            got = fingerprint(tmp, threads=self.threads)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        if got != fp:  # rewritten since it was encoded: the committed delta is the truth
+            os.unlink(tmp)
+            log.warning("%s changed after it was encoded; advancing the baseline by applying the delta",
+                        checkpoint)
+            return False
+        os.replace(tmp, self.baseline)
+        return True
 
     def _keyframe_state(self) -> tuple[int, str] | None:
         try:
