@@ -93,8 +93,9 @@ class Publisher:
     (``ack_timeout`` seconds) before committing. ``signing_key``: sign commit records (Ed25519 PEM).
     ``advance``: how the baseline follows a committed delta. ``"copy"`` (default) copies the
     committed checkpoint file beside it, verifies its fingerprint and renames it over the baseline:
-    several times faster than applying (one hash pass, no decode), at the cost of a second copy of
-    the checkpoint on disk for a moment (keyframes need it anyway). ``"apply"`` applies the delta in
+    one hash pass and a copy instead of a decode and three hash passes (a whole publish 1.41x faster
+    in ``python -m deltarefit.bench.stream``), at the cost of a second copy of the checkpoint on disk
+    for a moment (keyframes need it anyway). ``"apply"`` applies the delta in
     place (no second copy). Directory checkpoints, and a checkpoint that changed after it was
     encoded, always take the apply route.
     """
