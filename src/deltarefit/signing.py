@@ -7,9 +7,31 @@ or altered after signing.
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
 from .errors import DeltaRefitError, UsageError
+
+
+class SignableRecord:
+    """Canonical bytes for a commit record (plain or sharded): a subclass gives ``body()``, the record
+    without its signature, and has a ``signature`` field."""
+
+    signature: dict[str, str] | None
+
+    def body(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def signed_bytes(self) -> bytes:
+        """The canonical bytes a signature covers: sorted-key compact JSON of everything but it."""
+        return json.dumps(self.body(), sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+    def to_bytes(self) -> bytes:
+        d = self.body()
+        if self.signature is not None:
+            d["signature"] = self.signature
+        return json.dumps(d, sort_keys=True, indent=1).encode("utf-8")
 
 
 class SignatureError(DeltaRefitError):

@@ -70,7 +70,7 @@ from ..dtypes import dtype as lookup_dtype
 from ..errors import BaseMismatchError, DeltaRefitError, FormatError, UsageError, VerificationError
 from ..fsutil import write_atomic
 from ..integrity import SEGMENT_BYTES
-from ..signing import Signer, Verifier, check_record_signature, record_signature
+from ..signing import SignableRecord, Signer, Verifier, check_record_signature, record_signature
 from ..storage.base import Store, open_store
 from ..stream.publisher import PublishError
 from ..stream.records import (
@@ -160,7 +160,7 @@ def state_fingerprint(tensors: Mapping[str, Mapping], which: str = "target") -> 
 
 
 @dataclass(frozen=True)
-class ShardCommit:
+class ShardCommit(SignableRecord):
     """The commit record of a sharded version (``v/<version>/commit.json``)."""
 
     version: int
@@ -188,16 +188,6 @@ class ShardCommit:
                 "parent": self.parent, "fingerprint": self.fingerprint, "keyframe": self.keyframe,
                 "world": self.world, "manifest": asdict(self.manifest), "parts": [asdict(p) for p in self.parts],
                 "step": self.step, "created": self.created, "publisher": self.publisher}
-
-    def signed_bytes(self) -> bytes:
-        """The canonical bytes a signature covers: sorted-key compact JSON of everything but it."""
-        return json.dumps(self.body(), sort_keys=True, separators=(",", ":")).encode("utf-8")
-
-    def to_bytes(self) -> bytes:
-        d = self.body()
-        if self.signature is not None:
-            d["signature"] = self.signature
-        return json.dumps(d, sort_keys=True, indent=1).encode("utf-8")
 
     def same_version(self, other: ShardCommit) -> bool:
         """Same committed content (ignores who/when): a rerun recognises its own commit."""

@@ -25,6 +25,7 @@ from typing import Any
 import blake3
 
 from ..errors import DeltaRefitError
+from ..signing import SignableRecord
 from ..storage.base import Store
 
 COMMIT_FORMAT = "deltarefit.commit"
@@ -59,7 +60,7 @@ class Part:
 
 
 @dataclass(frozen=True)
-class CommitRecord:
+class CommitRecord(SignableRecord):
     version: int
     parent: str | None  # fingerprint of the version it applies to (None for the first)
     fingerprint: str
@@ -79,16 +80,6 @@ class CommitRecord:
         d.pop("signature")
         d["keyframe"] = [[name, asdict(p)] for name, p in self.keyframe]
         return {"format": COMMIT_FORMAT, "format_version": COMMIT_VERSION, **d}
-
-    def signed_bytes(self) -> bytes:
-        """The canonical bytes a signature covers: sorted-key compact JSON of everything but it."""
-        return json.dumps(self.body(), sort_keys=True, separators=(",", ":")).encode("utf-8")
-
-    def to_bytes(self) -> bytes:
-        d = self.body()
-        if self.signature is not None:
-            d["signature"] = self.signature
-        return json.dumps(d, sort_keys=True, indent=1).encode("utf-8")
 
     @property
     def part_bytes(self) -> int:
