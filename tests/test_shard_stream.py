@@ -252,15 +252,15 @@ def test_rollout_killed_between_apply_and_record(tmp_path, monkeypatch):
     sync_sharded(store, roll, RLAYS[0], state_path=sp)
     step(full, rng)
     publish_all(tps, full)
-    real = S._record
+    real = S.record_version
 
     def killed(path, v, fp, url):
         raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(S, "_record", killed)
+    monkeypatch.setattr(S, "record_version", killed)
     with pytest.raises(KeyboardInterrupt):
         sync_sharded(store, roll, RLAYS[0], state_path=sp)
-    monkeypatch.setattr(S, "_record", real)
+    monkeypatch.setattr(S, "record_version", real)
     assert held_version(sp)[0] == 1
     rep = sync_sharded(store, roll, RLAYS[0], state_path=sp)  # applied already: every cell skipped
     assert rep.versions_applied == [2] and rep.applied[0].written == 0

@@ -79,9 +79,11 @@ from ..stream.records import (
     StreamError,
     commit_key,
     head,
+    held_version,
     list_versions,
     load_record,
     now,
+    record_version,
     vkey,
 )
 from ..transport.collectives import all_gather_bytes, broadcast_bytes
@@ -599,24 +601,6 @@ class ShardSyncReport:
     seconds: float = 0.0
 
 
-def held_version(state_path: str) -> tuple[int, str] | None:
-    """(version, fingerprint) recorded at ``state_path``, or None."""
-    try:
-        with open(state_path) as f:
-            d = json.load(f)
-        return int(d["version"]), str(d["fingerprint"])
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError) as e:
-        raise StreamError(f"{state_path}: unreadable version state ({e})") from None
-
-
-def _record(state_path: str, version: int, fp: str, url: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(state_path)), exist_ok=True)
-    write_atomic(state_path, json.dumps({"version": version, "fingerprint": fp, "stream": url,
-                                         "updated": now()}).encode())
-
-
 def _module_tensors(obj) -> tuple[Mapping[str, object], bool]:
     if isinstance(obj, Mapping):
         return obj, False
@@ -768,7 +752,7 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
                                                               "stage the versions it needs")
             fv = found.version if found is not None else 0
             if g.same([fv]) and found is not None:  # the group adopts only a version every member holds
-                _record(state_path, found.version, found.fingerprint, store.url)
+                record_version(state_path, found.version, found.fingerprint, store.url)
                 cur, route = (found.version, found.fingerprint), "adopted"
                 first = found.version + 1
     else:
@@ -807,7 +791,7 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
         if bad:
             raise VerificationError(f"version {v}: the TP group's target digests differ for {len(bad)} tensors "
                                     f"(e.g. {bad[0]}); not recorded")
-        _record(state_path, v, rec.fingerprint, store.url)
+        record_version(state_path, v, rec.fingerprint, store.url)
         rep.version, rep.fingerprint = v, rec.fingerprint
         rep.versions_applied.append(v)
     rep.bytes_fetched = fetched

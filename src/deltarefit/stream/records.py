@@ -25,6 +25,7 @@ from typing import Any
 import blake3
 
 from ..errors import DeltaRefitError
+from ..fsutil import write_atomic
 from ..signing import SignableRecord
 from ..storage.base import Store
 
@@ -202,3 +203,22 @@ def fetch_part(store: Store, part: Part, dest: str) -> int:
 
 def now() -> float:
     return round(time.time(), 3)
+
+
+def held_version(state_path: str) -> tuple[int, str] | None:
+    """(version, fingerprint) a subscriber recorded at ``state_path`` after a verified apply, or None."""
+    try:
+        with open(state_path) as f:
+            d = json.load(f)
+        return int(d["version"]), str(d["fingerprint"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as e:
+        raise StreamError(f"{state_path}: unreadable version state ({e})") from None
+
+
+def record_version(state_path: str, version: int, fp: str, url: str) -> None:
+    """Record, atomically, that the copy beside ``state_path`` holds ``version`` of stream ``url``."""
+    os.makedirs(os.path.dirname(os.path.abspath(state_path)), exist_ok=True)
+    write_atomic(state_path, json.dumps({"version": version, "fingerprint": fp, "stream": url,
+                                         "updated": now()}).encode())

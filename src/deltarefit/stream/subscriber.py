@@ -27,7 +27,6 @@ from ..apply import apply as apply_delta
 from ..apply import check as check_delta
 from ..errors import BaseMismatchError, UsageError
 from ..format import DeltaReader
-from ..fsutil import write_atomic
 from ..signing import Verifier, check_record_signature
 from ..storage.base import Store, open_store
 from .publisher import _copy_checkpoint
@@ -37,10 +36,12 @@ from .records import (
     StreamError,
     fetch_part,
     head,
+    held_version,
     load_commit,
     now,
     parse_proposal,
     prepared_key,
+    record_version,
 )
 
 log = logging.getLogger(__name__)
@@ -100,18 +101,10 @@ class Subscriber:
 
     def current(self) -> tuple[int, str] | None:
         """(version, fingerprint) of the local checkpoint as last verified, or None."""
-        try:
-            with open(state_path(self.checkpoint)) as f:
-                d = json.load(f)
-            return int(d["version"]), str(d["fingerprint"])
-        except FileNotFoundError:
-            return None
-        except (ValueError, KeyError, TypeError) as e:
-            raise StreamError(f"{state_path(self.checkpoint)}: unreadable version state ({e})") from None
+        return held_version(state_path(self.checkpoint))
 
     def _record(self, version: int, fp: str) -> None:
-        write_atomic(state_path(self.checkpoint), json.dumps(
-            {"version": version, "fingerprint": fp, "stream": self.store.url, "updated": now()}).encode())
+        record_version(state_path(self.checkpoint), version, fp, self.store.url)
         try:  # a heartbeat for retention; losing it costs nothing but an earlier prune
             self.store.put(f"subs/{self.id}.json", json.dumps({"version": version, "updated": now()}).encode())
         except Exception as e:
