@@ -32,6 +32,7 @@ import json
 import math
 import mmap
 import os
+import shutil
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -493,3 +494,15 @@ def fingerprint_checkpoint(ck: Checkpoint, *, threads: int | None = None) -> tup
             segs = [h for fut in futures for h in fut.result()]
             digests[name] = tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, segs)
     return fingerprint_from_digests(digests), digests
+
+
+def carry_non_weights(src_dir: str, dst_dir: str) -> None:
+    """Copy into ``dst_dir`` what the Hugging Face directory ``src_dir`` holds beside its weights
+    (config, tokenizer, generation settings) and ``dst_dir`` lacks: a keyframe carries only weights.
+    Weight files, their index, deltarefit's own files and subdirectories are not copied."""
+    for name in os.listdir(src_dir):
+        src = os.path.join(src_dir, name)
+        if (name.endswith(".safetensors") or name == INDEX_NAME or name.startswith(".deltarefit")
+                or not os.path.isfile(src) or os.path.exists(os.path.join(dst_dir, name))):
+            continue
+        shutil.copy2(src, os.path.join(dst_dir, name))

@@ -27,6 +27,7 @@ import os
 import shutil
 import socket
 
+from ..checkpoint import carry_non_weights
 from ..errors import DeltaRefitError
 from ..storage.base import Store
 from . import plan
@@ -316,13 +317,7 @@ def _drop_old_copy(old: str, checkpoint: str) -> None:
     """Remove a checkpoint set aside for a keyframe reinstall. A Hugging Face directory's files that are
     not weights (config, tokenizer) are carried over first: the keyframe has only the weights."""
     if os.path.isdir(old) and os.path.isdir(checkpoint):
-        for name in os.listdir(old):
-            src = os.path.join(old, name)
-            if (name.endswith(".safetensors") or name == "model.safetensors.index.json"
-                    or name.startswith(".deltarefit") or not os.path.isfile(src)
-                    or os.path.exists(os.path.join(checkpoint, name))):
-                continue
-            shutil.copy2(src, os.path.join(checkpoint, name))
+        carry_non_weights(old, checkpoint)
     shutil.rmtree(old, ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(old)

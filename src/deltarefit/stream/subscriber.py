@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from ..api import fingerprint as fingerprint_of
 from ..apply import apply as apply_delta
 from ..apply import check as check_delta
+from ..checkpoint import carry_non_weights
 from ..errors import BaseMismatchError, UsageError
 from ..format import DeltaReader
 from ..signing import Verifier, check_record_signature
@@ -293,15 +294,8 @@ class Subscriber:
             os.replace(tmp, self.checkpoint)
             return
         if os.path.isdir(self.checkpoint):
-            # A Hugging Face directory also holds what is not weights (config, tokenizer, generation
-            # settings): they stay, only the weight files and their index come from the keyframe.
-            for name in os.listdir(self.checkpoint):
-                src = os.path.join(self.checkpoint, name)
-                if (name.endswith(".safetensors") or name == "model.safetensors.index.json"
-                        or name.startswith(".deltarefit") or not os.path.isfile(src)
-                        or os.path.exists(os.path.join(kdir, name))):
-                    continue
-                shutil.copy2(src, os.path.join(kdir, name))
+            # What is not weights (config, tokenizer) stays: only the weights come from the keyframe.
+            carry_non_weights(self.checkpoint, kdir)
         shutil.rmtree(tmp, ignore_errors=True)
         os.replace(kdir, tmp)
         if os.path.isdir(self.checkpoint):
