@@ -11,6 +11,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
+from _shard_util import CFG, SHAPES
 
 from deltarefit.errors import BaseMismatchError, FormatError, IntegrityError, UsageError
 from deltarefit.shard import digest as D
@@ -29,10 +30,6 @@ from deltarefit.shard.part import join, read_part, write_part
 from deltarefit.shard.projection import Piece
 from deltarefit.shard.publish import ShardPublisher
 from deltarefit.shard.rollout import apply_version, apply_version_to_module, group_check, slice_digests
-
-CFG = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-       "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 32, "tie_word_embeddings": False}
-SHAPES = llama_shapes(CFG)
 
 
 class Sim:

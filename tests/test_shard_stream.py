@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from _shard_util import SHAPES
 
 from deltarefit.errors import BaseMismatchError
 from deltarefit.shard import digest as D
@@ -18,7 +19,6 @@ from deltarefit.shard.convert import to_bf16_bits
 from deltarefit.shard.names import (
     cuts_from_layouts,
     identity_layout,
-    llama_shapes,
     local_from_full,
     tp_layout,
     trainer_layout,
@@ -38,9 +38,6 @@ from deltarefit.storage.memory import MemoryStore
 from deltarefit.stream.publisher import PublishError
 from deltarefit.stream.records import StreamError, commit_key, head, load_commit
 
-CFG = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-       "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 32, "tie_word_embeddings": False}
-SHAPES = llama_shapes(CFG)
 TLAYS = [trainer_layout(SHAPES, [2], [r], ["S0"]) for r in range(2)]
 RLAYS = [tp_layout(SHAPES, 2, r) for r in range(2)]
 CUTS = cuts_from_layouts([*RLAYS, identity_layout(SHAPES)])
@@ -241,16 +238,23 @@ def test_kill_after_commit_before_advance(store, tmp_path):
         assert_exact(roll[r], RLAYS[r], full)
 
 
-def test_rollout_killed_between_apply_and_record(tmp_path, monkeypatch):
-    store = MemoryStore()
+def _rollout_synced_at_v1(store, tmp_path, seed):
+    """Two trainer ranks publish version 1, rollout rank 0 syncs it (version state in ``tmp_path``),
+    then the masters take a step. Returns (trainers, masters, rng, rollout tensors, state path)."""
     tps = trainers(store)
     full = masters()
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(seed)
     publish_all(tps, full)
     roll = rollout_tensors()[0]
     sp = str(tmp_path / "r0.json")
     sync_sharded(store, roll, RLAYS[0], state_path=sp)
     step(full, rng)
+    return tps, full, rng, roll, sp
+
+
+def test_rollout_killed_between_apply_and_record(tmp_path, monkeypatch):
+    store = MemoryStore()
+    tps, full, _rng, roll, sp = _rollout_synced_at_v1(store, tmp_path, 5)
     publish_all(tps, full)
     real = S.record_version
 
@@ -269,14 +273,7 @@ def test_rollout_killed_between_apply_and_record(tmp_path, monkeypatch):
 
 
 def test_tampered_objects_refused_nothing_written(store, tmp_path):
-    tps = trainers(store)
-    full = masters()
-    rng = np.random.default_rng(6)
-    publish_all(tps, full)
-    roll = rollout_tensors()[0]
-    sp = str(tmp_path / "r0.json")
-    sync_sharded(store, roll, RLAYS[0], state_path=sp)
-    step(full, rng)
+    tps, full, rng, roll, sp = _rollout_synced_at_v1(store, tmp_path, 6)
     publish_all(tps, full)
     step(full, rng)
     rec = publish_all(tps, full)
