@@ -34,7 +34,7 @@ from typing import Protocol
 import numpy as np
 
 from .checkpoint import INDEX_NAME, Checkpoint, TensorSource, open_checkpoint, write_safetensors
-from .codec.chunk import Patch, _scratch, decode_chunk, decode_new
+from .codec.chunk import Patch, decode_chunk, decode_new, scratch_array
 from .dtypes import dtype
 from .encode import default_threads, uint_view
 from .errors import BaseMismatchError, UsageError, VerificationError
@@ -206,7 +206,7 @@ def _post_image(seg: np.ndarray, patch: Patch) -> np.ndarray:
 def _post_image_hash(seg: np.ndarray, patch: Patch) -> bytes:
     """Hash of ``seg`` with ``patch`` applied, built in this thread's scratch buffer (a fresh MiB per
     chunk costs page faults and an unmap)."""
-    img = _scratch("post-image", seg.size, seg.dtype)
+    img = scratch_array("post-image", seg.size, seg.dtype)
     img[:] = seg
     patch.apply_to(img)
     return seg_hash(img)

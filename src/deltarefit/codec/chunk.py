@@ -49,7 +49,7 @@ def _zc() -> zstandard.ZstdCompressor:
     return c
 
 
-def _scratch(name: str, n: int, dt: np.dtype) -> np.ndarray:
+def scratch_array(name: str, n: int, dt: np.dtype) -> np.ndarray:
     """A per-thread reusable array of at least ``n`` entries (its first ``n`` returned). Hazard: the
     next call with the same name on the same thread reuses the memory, so results in it must be used
     or copied first. Fresh multi-MiB arrays per chunk cost a page fault per touched page and an unmap
@@ -140,8 +140,8 @@ def scan_chunk(dt: DType, base: np.ndarray, target: np.ndarray, *, scratch: bool
     n = base.size
     shift, mask, nctx = _ctx(dt)
     if scratch:
-        pos, ectx, rank = _scratch("pos", n, np.int32), _scratch("ectx", n, np.int32), _scratch("rank", n, np.int32)
-        bvals, tvals = _scratch("bvals", n, base.dtype), _scratch("tvals", n, base.dtype)
+        pos, ectx, rank = (scratch_array(k, n, np.int32) for k in ("pos", "ectx", "rank"))
+        bvals, tvals = (scratch_array(k, n, base.dtype) for k in ("bvals", "tvals"))
     else:
         pos, ectx, rank = np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int32)
         bvals, tvals = np.empty(n, base.dtype), np.empty(n, base.dtype)
@@ -162,7 +162,7 @@ def encode_changes(dt: DType, ch: Changes, dense) -> EncodedChunk | None:
     if m == 0:
         return None
     _, _, nctx = _ctx(dt)
-    out = _scratch("payload", max_payload_len(dt, n) + 64, np.uint8)  # copied out by tobytes() below
+    out = scratch_array("payload", max_payload_len(dt, n) + 64, np.uint8)  # copied out by tobytes() below
     nbytes = K.ulp_encode_changes(ch.ectx, ch.rank, ch.bvals, ch.tvals, dt.bits, _kind(dt), nctx, out)
     cands: list[EncodedChunk] = []
     if nbytes >= 0:

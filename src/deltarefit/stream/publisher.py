@@ -151,7 +151,7 @@ class Publisher:
         before its baseline advanced, and follow versions other publishers committed on our parent."""
         st = self.state()
         for base in (self.baseline, self.keyframe_copy):  # copies a killed publish left behind
-            for stale in glob.glob(glob.escape(base) + ".tmp-*"):
+            for stale in glob.glob(glob.escape(base) + _TEMP_SUFFIX + "*"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(stale)
         pending = os.path.join(self.state_dir, "pending.json")
@@ -201,7 +201,7 @@ class Publisher:
             os.makedirs(kdir, exist_ok=True)
             for name, part in rec.keyframe:
                 self._fetch(part, os.path.join(kdir, name))
-            tmp = f"{self.baseline}.tmp-{os.getpid()}"
+            tmp = _temp_beside(self.baseline)
             _copy_checkpoint(kdir if len(rec.keyframe) > 1 else os.path.join(kdir, rec.keyframe[0][0]), tmp)
             os.replace(tmp, self.baseline)
             shutil.rmtree(kdir, ignore_errors=True)
@@ -299,12 +299,12 @@ class Publisher:
             if not self._advance_by_copy(checkpoint, fp):
                 apply_delta(os.path.join(self.staging, "delta"), self.baseline, threads=self.threads)
         else:
-            tmp = f"{self.baseline}.tmp-{os.getpid()}"
+            tmp = _temp_beside(self.baseline)
             _copy_checkpoint(checkpoint, tmp)
             os.replace(tmp, self.baseline)
         self._save_state(PublishState(version, fp))
         if keyframe and self.catchup:  # the base of the catch-up deltas to come
-            tmp = f"{self.keyframe_copy}.tmp-{os.getpid()}"
+            tmp = _temp_beside(self.keyframe_copy)
             shutil.copyfile(self.baseline, tmp)
             os.replace(tmp, self.keyframe_copy)
             write_atomic(self.keyframe_copy + ".json", json.dumps({"version": version, "fingerprint": fp}).encode())
@@ -323,7 +323,7 @@ class Publisher:
             return False
         from ..api import fingerprint
 
-        tmp = f"{self.baseline}.tmp-{os.getpid()}"
+        tmp = _temp_beside(self.baseline)
         try:
             shutil.copyfile(checkpoint, tmp)
             got = fingerprint(tmp, threads=self.threads)
@@ -391,6 +391,14 @@ class Publisher:
                 self.store.delete(part.key)
             except DeltaRefitError as e:  # best effort: retention removes orphans later
                 log.warning("could not remove part %s: %s", part.key, e)
+
+
+_TEMP_SUFFIX = ".tmp-"
+
+
+def _temp_beside(path: str) -> str:
+    """Where a new ``path`` is built before it is renamed into place; ``recover`` removes leftovers."""
+    return f"{path}{_TEMP_SUFFIX}{os.getpid()}"
 
 
 def _signed(rec: CommitRecord, signer: Signer) -> CommitRecord:
