@@ -74,7 +74,6 @@ from ..signing import SignableRecord, Signer, Verifier, check_record_signature, 
 from ..storage.base import Store, open_store
 from ..stream.publisher import PublishError
 from ..stream.records import (
-    MAX_RECORD_BYTES,
     Part,
     StreamError,
     commit_key,
@@ -83,6 +82,7 @@ from ..stream.records import (
     list_versions,
     load_record,
     now,
+    record_json,
     record_version,
     vkey,
 )
@@ -209,12 +209,7 @@ def _ref_of(d, where: str) -> Part:
 
 def parse_shard_commit(data: bytes, where: str) -> ShardCommit:
     """Parse and validate a sharded commit record (shape, keys inside its version and one attempt)."""
-    if len(data) > MAX_RECORD_BYTES:
-        raise StreamError(f"{where}: commit record of {len(data)} bytes exceeds the limit")
-    try:
-        d = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise StreamError(f"{where}: commit record is not valid JSON ({type(e).__name__})") from None
+    d = record_json(data, where)
     if not isinstance(d, dict):
         raise StreamError(f"{where}: commit record is not an object")
     if d.get("format") != SHARD_COMMIT_FORMAT or d.get("format_version") != SHARD_COMMIT_VERSION:

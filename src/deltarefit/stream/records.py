@@ -88,14 +88,19 @@ class CommitRecord(SignableRecord):
                 + (self.catchup.bytes if self.catchup else 0))
 
 
-def parse_commit(data: bytes, where: str) -> CommitRecord:
-    """Parse and validate a commit record's shape (not its signature: see ``Subscriber``)."""
+def record_json(data: bytes, where: str) -> Any:
+    """A commit record's JSON (plain or sharded), within ``MAX_RECORD_BYTES``; its shape is the caller's."""
     if len(data) > MAX_RECORD_BYTES:
         raise StreamError(f"{where}: commit record of {len(data)} bytes exceeds the limit")
     try:
-        d = json.loads(data.decode("utf-8"))
+        return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise StreamError(f"{where}: commit record is not valid JSON ({type(e).__name__})") from None
+
+
+def parse_commit(data: bytes, where: str) -> CommitRecord:
+    """Parse and validate a commit record's shape (not its signature: see ``Subscriber``)."""
+    d = record_json(data, where)
     try:
         if d.pop("format") != COMMIT_FORMAT or d.pop("format_version") != COMMIT_VERSION:
             raise StreamError(f"{where}: not a {COMMIT_FORMAT} v{COMMIT_VERSION} record")
