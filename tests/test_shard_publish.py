@@ -11,7 +11,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
-from _shard_util import CFG, SHAPES
+from _shard_util import CFG, SHAPES, masters, step
 
 from deltarefit.errors import BaseMismatchError, FormatError, IntegrityError, UsageError
 from deltarefit.shard import digest as D
@@ -48,16 +48,6 @@ class Sim:
             pub.commit(b)
         self.v += 1
         return man, blobs
-
-
-def masters(seed=0):
-    rng = np.random.default_rng(seed)
-    return {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s in SHAPES.items()}
-
-
-def step(full, rng, scale=2e-5):
-    for n in full:
-        full[n] += (rng.standard_normal(full[n].shape) * scale).astype(np.float32)
 
 
 def group_sum(states, layouts, man):

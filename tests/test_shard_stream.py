@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from _shard_util import SHAPES
+from _shard_util import SHAPES, masters, step
 
 from deltarefit.errors import BaseMismatchError
 from deltarefit.shard import digest as D
@@ -41,16 +41,6 @@ from deltarefit.stream.records import StreamError, commit_key, head, load_commit
 TLAYS = [trainer_layout(SHAPES, [2], [r], ["S0"]) for r in range(2)]
 RLAYS = [tp_layout(SHAPES, 2, r) for r in range(2)]
 CUTS = cuts_from_layouts([*RLAYS, identity_layout(SHAPES)])
-
-
-def masters(seed=0):
-    rng = np.random.default_rng(seed)
-    return {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s in SHAPES.items()}
-
-
-def step(full, rng, scale=2e-5):
-    for n in full:
-        full[n] += (rng.standard_normal(full[n].shape) * scale).astype(np.float32)
 
 
 def trainers(store, state_dir=None, **kw):
