@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 
 .PHONY: demo test test-slow bench bench-quick lint clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py src/deltarefit/codec/_native.c
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The pin matters: torch 2.13.0 is a CPU build on disk here; anything else downloads a CUDA build.

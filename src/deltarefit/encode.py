@@ -19,7 +19,7 @@ import numpy as np
 
 from . import __version__
 from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
-from .codec.chunk import ENCODING_NAMES, EncodedChunk, encode_chunk, encode_overwrite
+from .codec.chunk import ENCODING_NAMES, EncodedChunk, encode_overwrite, encode_raw
 from .dtypes import dtype
 from .format import VERSION, ZERO_HASH, DeltaWriter, TensorEntry, TensorMeta
 from .integrity import SEGMENT_BYTES, fingerprint_from_digests, seg_hash, tensor_digest_from_segments
@@ -71,11 +71,15 @@ Work = Callable[[], tuple[bytes, bytes, EncodedChunk | None]]
 
 
 def _patch_work(dt_name: str, b: np.ndarray, t: np.ndarray) -> Work:
+    dt = dtype(dt_name)
+
     def run() -> tuple[bytes, bytes, EncodedChunk | None]:
-        pre, post = seg_hash(b), seg_hash(t)
-        if pre == post:
-            return pre, post, None
-        return pre, post, encode_chunk(dtype(dt_name), uint_view(b, dt_name), uint_view(t, dt_name))
+        # The scan goes first: it is compute-bound, so it hides the reads of the two segments from main
+        # memory, and the hashes after it read them from cache (scan then hash took 31 ms on the real
+        # 3.5% pair where hash then scan took 36, one thread). A segment with no change is hashed once.
+        enc = encode_raw(dt, b, t)
+        pre = seg_hash(b)
+        return pre, pre if enc is None else seg_hash(t), enc
 
     return run
 

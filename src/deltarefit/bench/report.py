@@ -311,6 +311,12 @@ def machine_info(threads: int | None = None) -> dict[str, str]:
             info[dist] = "not installed"
     if threads is not None:
         info["threads"] = str(threads)
+    try:
+        from deltarefit.codec.chunk import kernels_in_use
+
+        info["deltarefit kernels"] = kernels_in_use()
+    except ImportError:
+        pass
     return info
 
 

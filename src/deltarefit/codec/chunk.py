@@ -14,6 +14,8 @@ gives the target bit for bit. Encodings (numbers are part of the format, see FOR
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from dataclasses import dataclass
 
@@ -23,6 +25,11 @@ import zstandard
 from ..dtypes import DType
 from ..errors import DecodeError, LimitError
 from . import kernels as K
+
+try:
+    from . import _native
+except ImportError:  # not compiled on this machine (setup.py makes it optional): numba writes the same bytes
+    _native = None
 
 ULP = 1
 SPARSE_XOR = 2
@@ -39,6 +46,20 @@ DENSE_TRY_BITS = 1.0
 ZSTD_LEVEL = 1
 
 _tls = threading.local()
+
+# The native kernels (``_native.c``) are used when they were built, unless DELTAREFIT_KERNELS=numba.
+# Both write the same bytes; tests compare them, and benchmarks can time one against the other. The
+# native scan needs AVX-512 to beat numba's (its portable path is for correctness, not speed); the
+# native coder is faster everywhere.
+USE_NATIVE = _native is not None and os.environ.get("DELTAREFIT_KERNELS", "") != "numba"
+_NATIVE_SCAN = _native is not None and _native.simd() == "avx512"
+
+
+def kernels_in_use() -> str:
+    """Which encoder kernels run here, for reports: scan and coder."""
+    if not (USE_NATIVE and _native is not None):
+        return "numba scan and coder"
+    return "native scan (AVX-512) and coder" if _NATIVE_SCAN else "numba scan, native coder"
 
 
 def _zc() -> zstandard.ZstdCompressor:
@@ -134,39 +155,116 @@ class Changes:
         return int(self.pos.size)
 
 
+def _scan_buffers(n: int, udt: np.dtype, scratch: bool) -> tuple[np.ndarray, ...]:
+    if scratch:
+        return (*(scratch_array(k, n, np.int32) for k in ("pos", "ectx", "rank")),
+                *(scratch_array(k, n, udt) for k in ("bvals", "tvals")))
+    return np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, udt), np.empty(n, udt)
+
+
+def _native16(dt: DType) -> bool:
+    return USE_NATIVE and _NATIVE_SCAN and dt.itemsize == 2
+
+
 def scan_chunk(dt: DType, base: np.ndarray, target: np.ndarray, *, scratch: bool = False) -> Changes:
     """The changes between two uint views of one chunk (equal length). With ``scratch``, the result
     lives in this thread's scratch arrays and is valid until its next ``scan_chunk(scratch=True)``."""
     n = base.size
     shift, mask, nctx = _ctx(dt)
-    if scratch:
-        pos, ectx, rank = (scratch_array(k, n, np.int32) for k in ("pos", "ectx", "rank"))
-        bvals, tvals = (scratch_array(k, n, base.dtype) for k in ("bvals", "tvals"))
-    else:
-        pos, ectx, rank = np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int32)
-        bvals, tvals = np.empty(n, base.dtype), np.empty(n, base.dtype)
-    m = K.ulp_scan(base, target, shift, mask, nctx, pos, ectx, rank, bvals, tvals)
+    bufs = _scan_buffers(n, base.dtype, scratch)
+    m = -1
+    if _native16(dt):
+        with contextlib.suppress(BufferError):  # an unaligned view: numba takes it
+            m = _native.scan16(base, target, shift, mask, nctx, *bufs)
+    if m < 0:
+        m = K.ulp_scan(base, target, shift, mask, nctx, *bufs)
+    pos, ectx, rank, bvals, tvals = bufs
     return Changes(n, pos[:m], ectx[:m], rank[:m], bvals[:m], tvals[:m])
 
 
 def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk | None:
     """Smallest bit-exact encoding of ``target`` given ``base`` (uint views, equal length), or None."""
+    if _native16(dt):
+        try:
+            return _encode_native16(dt, base, target)
+        except BufferError:  # an unaligned view: numba takes it
+            pass
     return encode_changes(dt, scan_chunk(dt, base, target, scratch=True), lambda: (base, target))
+
+
+def encode_raw(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk | None:
+    """``encode_chunk`` of two raw byte views (1-D uint8, equal length, whole elements), viewed as the
+    dtype's uint here: the encoder's per-segment entry, kept lean (it runs once per MiB on every thread)."""
+    if _native16(dt):
+        try:
+            return _encode_native16(dt, base, target)
+        except BufferError:  # an odd address: a tensor at an odd offset in its file (copied below)
+            pass
+    return encode_chunk(dt, _uint_view(base, dt), _uint_view(target, dt))
+
+
+def _uint_view(raw: np.ndarray, dt: DType) -> np.ndarray:
+    if raw.ctypes.data % dt.itemsize:
+        raw = raw.copy()
+    return raw.view(dt.uint)
+
+
+def _native_buffers(n: int, payload: int) -> tuple[np.ndarray, ...]:
+    """This thread's (pos, ectx, rank, bvals, tvals, payload) for a 16-bit chunk of up to ``n`` elements."""
+    bufs = getattr(_tls, "native16", None)
+    if bufs is None or bufs[0].size < n or bufs[5].size < payload:
+        n, payload = max(n, 1), max(payload, 1)
+        bufs = _tls.native16 = (np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int32),
+                                np.empty(n, np.uint16), np.empty(n, np.uint16), np.empty(payload, np.uint8))
+    return bufs
+
+
+def _encode_native16(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk | None:
+    # One native call scans and codes; the common case (a float chunk whose ulp coding wins outright)
+    # returns without building a Changes. Raises BufferError for a misaligned raw view.
+    n = base.nbytes // 2
+    shift, mask, nctx = _ctx(dt)
+    cap = max_payload_len(dt, n) + 64  # the numba coder's limit: both reject the same chunks
+    bufs = _native_buffers(n, cap)
+    out = bufs[5][:cap]
+    m, nbytes = _native.scan16(base, target, shift, mask, nctx, *bufs[:5], dt.bits, _kind(dt), out)
+    if m == 0:
+        return None
+    if nbytes >= 0 and dt.kind == "float" and nbytes <= 3 * m and (
+            m < DENSE_TRY_FRACTION * n or 8 * nbytes <= DENSE_TRY_BITS * n):
+        return EncodedChunk(ULP, out[:nbytes].tobytes(), m, 0)  # what _choose would pick
+    pos, ectx, rank, bvals, tvals = (b[:m] for b in bufs[:5])
+    ch = Changes(n, pos, ectx, rank, bvals, tvals)
+    views = base.view(np.uint16), target.view(np.uint16)
+    return _choose(dt, ch, lambda: views, _ulp_candidate(ch, out, nbytes))
+
+
+def _ulp_candidate(ch: Changes, out: np.ndarray, nbytes: int) -> EncodedChunk | None:
+    return EncodedChunk(ULP, out[:nbytes].tobytes(), ch.m, 0) if nbytes >= 0 else None
 
 
 def encode_changes(dt: DType, ch: Changes, dense) -> EncodedChunk | None:
     """Smallest bit-exact encoding of a chunk from its compact changes, or None when nothing changed.
     ``dense()`` returns the whole chunk's (base, target) uint views; it is called only for chunks
     changed so densely that a whole-chunk encoding may win (at least ``DENSE_TRY_FRACTION``)."""
+    if ch.m == 0:
+        return None
+    _, _, nctx = _ctx(dt)
+    out = scratch_array("payload", max_payload_len(dt, ch.n) + 64, np.uint8)  # copied out by tobytes()
+    if USE_NATIVE and _native is not None:
+        nbytes = _native.encode_changes(ch.ectx, ch.rank, ch.bvals, ch.tvals, dt.itemsize, dt.bits, _kind(dt),
+                                        nctx, out)
+    else:
+        nbytes = K.ulp_encode_changes(ch.ectx, ch.rank, ch.bvals, ch.tvals, dt.bits, _kind(dt), nctx, out)
+    return _choose(dt, ch, dense, _ulp_candidate(ch, out, nbytes))
+
+
+def _choose(dt: DType, ch: Changes, dense, ulp: EncodedChunk | None) -> EncodedChunk | None:
+    """The smallest of the ulp coding (None if it did not fit) and the candidates that may beat it."""
     n, m = ch.n, ch.m
     if m == 0:
         return None
-    _, _, nctx = _ctx(dt)
-    out = scratch_array("payload", max_payload_len(dt, n) + 64, np.uint8)  # copied out by tobytes() below
-    nbytes = K.ulp_encode_changes(ch.ectx, ch.rank, ch.bvals, ch.tvals, dt.bits, _kind(dt), nctx, out)
-    cands: list[EncodedChunk] = []
-    if nbytes >= 0:
-        cands.append(EncodedChunk(ULP, out[:nbytes].tobytes(), m, 0))
+    cands = [ulp] if ulp is not None else []
     if not cands or (m >= DENSE_TRY_FRACTION * n and 8 * len(cands[0].payload) > DENSE_TRY_BITS * n):
         base, target = dense()
         x = np.bitwise_xor(base, target)

@@ -1,0 +1,18 @@
+"""Build of the optional native kernels (everything else is in pyproject.toml).
+
+``deltarefit.codec._native`` is C with an AVX-512 path chosen at run time. It is optional: where it
+does not compile, the install goes on and the codec runs its numba kernels, which write the same bytes.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "deltarefit.codec._native",
+            ["src/deltarefit/codec/_native.c"],
+            extra_compile_args=["-O3", "-std=gnu11", "-fno-strict-overflow"],
+            optional=True,
+        )
+    ]
+)
