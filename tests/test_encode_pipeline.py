@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,7 +14,8 @@ from deltarefit.integrity import SEGMENT_BYTES
 E = importlib.import_module("deltarefit.encode")  # the package exports a function of the same name
 
 
-def _job(ti: int, nbytes: int, log: list, fail_at: int | None = None) -> E._Job:
+def _job(ti: int, nbytes: int, log: list, fail_at: int | None = None, slow: float = 0.0,
+         starts: list | None = None) -> E._Job:
     info = TensorInfo(f"t{ti}", "BF16", (nbytes // 2,), nbytes, "unused.safetensors", 0)
     n = (nbytes + SEGMENT_BYTES - 1) // SEGMENT_BYTES
 
@@ -21,6 +23,9 @@ def _job(ti: int, nbytes: int, log: list, fail_at: int | None = None) -> E._Job:
         def run():
             if k == fail_at:
                 raise ValueError(f"work {ti}/{k} failed")
+            if starts is not None:
+                starts.append((ti, k))
+            time.sleep(slow)
             log.append((ti, k))
             return (ti, k)
         return run
@@ -49,3 +54,20 @@ def test_a_failing_work_raises_from_the_pipeline():
     with ThreadPoolExecutor(2) as pool, pytest.raises(ValueError, match="work 1/1 failed"):
         for _ in E._ordered(pool, iter(jobs), 2):
             pass
+
+
+def test_a_failure_leaves_no_batch_running():
+    # The pool outlives the encode (it is shared), the checkpoints the works read may not: when a work
+    # fails, every work already started finishes before the error leaves the pipeline, and the ones not
+    # started never start.
+    log: list = []
+    starts: list = []
+    jobs = [_job(0, SEGMENT_BYTES, log, fail_at=0), _job(1, 4 * SEGMENT_BYTES, log, slow=0.05, starts=starts)]
+    with ThreadPoolExecutor(2) as pool:
+        with pytest.raises(ValueError, match="work 0/0 failed"):
+            for _ in E._ordered(pool, iter(jobs), 3):
+                pass
+        done, started = list(log), list(starts)
+        time.sleep(0.3)
+        assert log == done and starts == started  # nothing started or ran after the error came out
+    assert sorted(done) == sorted(started) and len(started) <= 2  # the window held at most two of job 1
