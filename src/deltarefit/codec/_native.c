@@ -349,11 +349,11 @@ static inline __attribute__((always_inline)) Py_ssize_t encode_changes_t(const i
     for (Py_ssize_t j = 0; j < m; j++) {
         uint64_t b = load_item(bvals, j, itemsize), t = load_item(tvals, j, itemsize);
         Py_ssize_t e = ectx[j];
-        uint64_t d = (key_of(t, kind, sign, mask) - key_of(b, kind, sign, mask)) & mask, neg = 0, mag = d;
-        if (d & sign) {
-            neg = 1;
-            mag = (~d + 1) & mask;
-        }
+        /* Sign and magnitude without a branch: the sign of a step is a coin flip (a branch on it cost a
+         * third of this loop). */
+        uint64_t d = (key_of(t, kind, sign, mask) - key_of(b, kind, sign, mask)) & mask;
+        uint64_t neg = (d >> (bits - 1)) & 1, flip = 0 - neg;
+        uint64_t mag = ((d ^ flip) - flip) & mask;
         unsigned ln = bitlen64(mag);
         uint16_t *pl = plen + e * MAX_UNARY;
         for (unsigned t2 = 0; t2 + 1 < ln; t2++)
