@@ -335,12 +335,18 @@ static inline __attribute__((always_inline)) Py_ssize_t encode_changes_t(const i
         int best_k = 0;
         int64_t best_cost = -1;
         int klo = k0 - 1 > 0 ? k0 - 1 : 0, khi = k0 + 2 < 25 ? k0 + 2 : 25;
+        /* The (up to) three candidates' costs in one pass over the gaps; ties go to the smallest k. */
+        int64_t q0 = 0, q1 = 0, q2 = 0, prev_r = -1;
+        for (int64_t j = 0; j < cnt; j++) {
+            int64_t gap = g[j] - prev_r - 1;
+            prev_r = g[j];
+            q0 += gap >> klo;
+            q1 += gap >> (klo + 1);
+            q2 += gap >> (klo + 2);
+        }
+        const int64_t qs[3] = {q0, q1, q2};
         for (int k = klo; k < khi; k++) {
-            int64_t cost = cnt * (k + 1), prev = -1;
-            for (int64_t j = 0; j < cnt; j++) {
-                cost += (g[j] - prev - 1) >> k;
-                prev = g[j];
-            }
+            int64_t cost = cnt * (k + 1) + qs[k - klo];
             if (best_cost < 0 || cost < best_cost) {
                 best_cost = cost;
                 best_k = k;
