@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -311,3 +312,21 @@ def test_change_rates_parse_cal_and_fractions_and_refuse_the_rest() -> None:
     for bad in ("0", "1", "3.5", "-0.1", "many"):
         with pytest.raises((ValueError, argparse.ArgumentTypeError), match=r"rate|could not convert"):
             _parse_rate(bad)
+
+
+def test_kernel_timings_print_every_step(capsys):
+    # The per-MiB figures the README quotes: every kernel row is there with a positive time, and the
+    # native rows appear exactly when the extension was built.
+    from deltarefit.bench import kernels
+    from deltarefit.codec import chunk
+
+    assert kernels.main(["--reps", "1", "--rate", "0.02"]) == 0
+    out = capsys.readouterr().out
+    rows = {m[1]: float(m[2]) for m in re.finditer(r"^  (.+?)\s+([0-9.]+) ms  \(", out, re.M)}
+    want = {"encode: scan, numba", "encode: code the changes, numba", "BLAKE3 segment hash (one)",
+            "decode: all (ulp_decode)", "scatter"}
+    if chunk._native is not None:
+        want |= {f"encode: scan, native ({chunk._native.simd()})", "encode: code the changes, native"}
+    assert want <= set(rows), rows
+    assert all(ms > 0 for ms in rows.values())
+    assert any("native" in r for r in rows) == (chunk._native is not None)

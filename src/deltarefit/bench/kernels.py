@@ -2,9 +2,10 @@
 
 ``python -m deltarefit.bench.kernels [--rate 0.035] [--reps 50]`` builds one 1 MiB bf16 segment of
 N(0, 0.02) weights with ``--rate`` of its elements moved by +-1 (80%) or +-2 (20%) ulps, and prints the
-best-of-5 time of each step on one thread: the encoder's scan (contexts and ranks), its coding of the
-changes, a BLAKE3 segment hash, and the decoder's parts (group section, positions, ulp distances,
-target bits). Encode is scan + code + 2 hashes; apply is decode + 3 hashes + the scatter.
+best-of-5 time of each step on one thread: the encoder's scan (contexts and ranks) and its coding of the
+changes, in numba and, where it was built, in the native extension (the encoder uses the native ones),
+a BLAKE3 segment hash, and the decoder's parts (group section, positions, ulp distances, target bits).
+Encode is scan + code + 2 hashes; apply is decode + 3 hashes + the scatter.
 
 Read these as lower bounds: timing one segment over and over lets the branch predictors learn part of
 its data, which it cannot do over the many different segments of a real checkpoint.
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=50, help="calls per timing (default 50)")
     a = ap.parse_args(argv)
     from deltarefit.codec import kernels as K
-    from deltarefit.codec.chunk import _ctx, _kind, encode_changes, max_payload_len, scan_chunk
+    from deltarefit.codec.chunk import _ctx, _kind, _native, encode_changes, max_payload_len, scan_chunk
     from deltarefit.dtypes import dtype
     from deltarefit.integrity import SEGMENT_BYTES, seg_hash
 
@@ -58,10 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     pos, ectx = np.empty(m, np.int64), np.empty(m, np.int32)
     neg, mag, val = np.empty(m, np.uint8), np.empty(m, np.uint64), np.empty(m, np.uint16)
     state = K.ulp_decode_groups(buf, m, n, nctx, gbeg, gend, gr, gc)[1]
+    bufs = [np.empty(n, np.int32) for _ in range(3)] + [np.empty(n, np.uint16) for _ in range(2)]
     rows = [
-        ("encode: scan (contexts, ranks)", lambda: scan_chunk(dt, b, t)),
-        ("encode: code the changes", lambda: K.ulp_encode_changes(ch.ectx, ch.rank, ch.bvals, ch.tvals, dt.bits,
-                                                                   _kind(dt), nctx, out)),
+        ("encode: scan, numba", lambda: K.ulp_scan(b, t, shift, mask, nctx, *bufs)),
+        ("encode: code the changes, numba", lambda: K.ulp_encode_changes(ch.ectx, ch.rank, ch.bvals, ch.tvals,
+                                                                          dt.bits, _kind(dt), nctx, out)),
+    ]
+    if _native is not None:
+        rows += [
+            (f"encode: scan, native ({_native.simd()})", lambda: _native.scan16(b, t, shift, mask, nctx, *bufs)),
+            ("encode: code the changes, native", lambda: _native.encode_changes(
+                ch.ectx, ch.rank, ch.bvals, ch.tvals, dt.itemsize, dt.bits, _kind(dt), nctx, out)),
+        ]
+    rows += [
         ("BLAKE3 segment hash (one)", lambda: seg_hash(b.view(np.uint8))),
         ("decode: group section", lambda: K.ulp_decode_groups(buf, m, n, nctx, gbeg, gend, gr, gc)),
         ("decode: positions", lambda: K.ulp_positions(b, shift, mask, nctx, gbeg, gend, gr, m, pos, ectx)),
@@ -75,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({8 * len(enc.payload) / m:.2f} bits per change); best of 5 x {a.reps} calls, one thread")
     for name, f in rows:
         ms = _best_ms(f, a.reps)
-        print(f"  {name:<34} {ms:7.3f} ms  ({1e6 * ms / m:6.1f} ns per change)")
+        print(f"  {name:<38} {ms:7.3f} ms  ({1e6 * ms / m:6.1f} ns per change)")
     return 0
 
 
