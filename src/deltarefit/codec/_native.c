@@ -222,11 +222,11 @@ static inline void rc_bit_if(rc_t *r, uint16_t *probs, Py_ssize_t idx, uint64_t 
 {
     uint64_t p = probs[idx], bound = (r->range >> PROB_BITS) * p;
     uint64_t up = p + (((1u << PROB_BITS) - p) >> MOVE_BITS), down = p - (p >> MOVE_BITS);
-    uint64_t one = 0 - bit, on = 0 - active;
-    uint64_t nrange = (bound & ~one) | ((r->range - bound) & one);
-    r->low += bound & one & on;
-    r->range = (nrange & on) | (r->range & ~on);
-    probs[idx] = (uint16_t)((((down & one) | (up & ~one)) & on) | (p & ~on));
+    uint64_t nrange = bit ? r->range - bound : bound, nlow = r->low + (bit ? bound : 0);
+    uint64_t np = bit ? down : up;
+    r->low = active ? nlow : r->low;
+    r->range = active ? nrange : r->range;
+    probs[idx] = (uint16_t)(active ? np : p);
     if (__builtin_expect(r->range < RC_TOP, 0)) {
         r->range = (r->range << 8) & 0xFFFFFFFFull;
         rc_shift_low(r);
@@ -391,6 +391,11 @@ static inline __attribute__((always_inline)) Py_ssize_t encode_changes_t(const i
         uint64_t mag = ((d ^ flip) - flip) & mask;
         unsigned ln = bitlen64(mag);
         uint16_t *pl = plen + e * MAX_UNARY;
+        if (__builtin_expect(ln == 1 && bits > 1, 1)) { /* a step of one ulp: most changes */
+            rc_bit(&rc, pl, 0, 0);
+            raw_put56(&w, neg, 1);
+            continue;
+        }
         for (unsigned t2 = 0; t2 + 1 < ln; t2++)
             rc_bit(&rc, pl, t2, 1);
         if ((int)ln < bits)
