@@ -77,13 +77,13 @@ def full(target_path: str) -> PeerResult:
 REPEATS = 5  # timed runs per measurement; the best counts (a shared machine only ever slows one down)
 
 
-def zstd_full(target_path: str, threads: int) -> PeerResult:
+def zstd_full(target_path: str, threads: int, repeats: int = REPEATS) -> PeerResult:
     """Whole checkpoint file(s) through streaming zstd -1 (``threads`` workers; <= 1: single-threaded);
-    the best of ``REPEATS`` runs."""
+    the best of ``repeats`` runs."""
     workers = threads if threads > 1 else 0
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=workers)
     dt = float("inf")
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         sink = _Counter()
         t0 = time.perf_counter()
         for f in checkpoint_files(target_path):
