@@ -213,11 +213,11 @@ static inline void rc_shift_low(rc_t *r)
     r->low = (r->low & 0x00FFFFFFull) << 8;
 }
 
-/* Code one bit, or nothing when active == 0: branch-free, because the bits are coin flips the branch
- * predictor cannot learn (a mispredicted branch costs as much as coding two bits). The conditional
- * second and third bits of a unary code are coded "masked" the same way. At most one renormalisation
- * step can follow (probabilities stay within [31, 2017] of 2048, so the range never falls below 2^18),
- * and it is rare enough to stay a branch. */
+/* Code one bit, or nothing when active == 0 (the gap code's conditional second bit), with selects the
+ * compiler turns into conditional moves: the bits are coin flips the branch predictor cannot learn, and
+ * the selects beat masks by 2 ticks per change. At most one renormalisation step can follow
+ * (probabilities stay within [31, 2017] of 2048, so the range never falls below 2^18), and it is rare
+ * enough to stay a branch. */
 static inline void rc_bit_if(rc_t *r, uint16_t *probs, Py_ssize_t idx, uint64_t bit, uint64_t active)
 {
     uint64_t p = probs[idx], bound = (r->range >> PROB_BITS) * p;
@@ -236,8 +236,9 @@ static inline void rc_bit_if(rc_t *r, uint16_t *probs, Py_ssize_t idx, uint64_t 
 static inline void rc_bit(rc_t *r, uint16_t *probs, Py_ssize_t idx, uint64_t bit) { rc_bit_if(r, probs, idx, bit, 1); }
 
 /* Raw bits, LSB first. Branch-free: each put stores all 8 bytes of the accumulator and advances by
- * the whole bytes in it; the next store overwrites the partial byte. The buffer needs 8 bytes of slack
- * past its last whole byte (raw_t.cap is the usable size; the allocation is larger). */
+ * the whole bytes in it; the next store overwrites the partial byte. raw_t.cap is the allocation, 8
+ * bytes past the usable size: a stream that ends past the usable size loses bytes here and is refused
+ * (-5) after coding, as the numba coder refuses it. */
 static inline void raw_put56(raw_t *w, uint64_t value, unsigned nbits) /* nbits <= 56 */
 {
     w->acc |= (value & ((1ull << nbits) - 1)) << w->nacc;
