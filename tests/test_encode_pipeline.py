@@ -71,3 +71,35 @@ def test_a_failure_leaves_no_batch_running():
         time.sleep(0.3)
         assert log == done and starts == started  # nothing started or ran after the error came out
     assert sorted(done) == sorted(started) and len(started) <= 2  # the window held at most two of job 1
+
+
+def test_a_forked_child_encodes_with_its_own_pool(tmp_path):
+    # The pool outlives encodes; a child forked after one has none of its threads. Without the at-fork
+    # reset, the child's encode would queue work for threads that do not exist and hang.
+    import os
+    import signal
+
+    from _pairs import write_pair
+
+    bp, tp = write_pair(tmp_path, change=0.03)
+    first = E.encode(bp, tp, str(tmp_path / "parent.delta"), threads=2)
+    pid = os.fork()
+    if pid == 0:  # the child: encode again, exit 0 on the same bytes
+        code = 1
+        try:
+            rep = E.encode(bp, tp, str(tmp_path / "child.delta"), threads=2)
+            same = (tmp_path / "child.delta").read_bytes() == (tmp_path / "parent.delta").read_bytes()
+            code = 0 if same and rep.target_fingerprint == first.target_fingerprint else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's encode hung")
+    assert os.waitstatus_to_exitcode(status) == 0
