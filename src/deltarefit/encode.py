@@ -23,6 +23,7 @@ import numpy as np
 from . import __version__
 from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from .codec.chunk import ENCODING_NAMES, EncodedChunk, encode_overwrite, encode_raw
+from .codec.chunk import uint_view as chunk_uint_view
 from .dtypes import dtype
 from .format import VERSION, ZERO_HASH, DeltaWriter, TensorEntry, TensorMeta
 from .integrity import SEGMENT_BYTES, fingerprint_from_digests, seg_hash, tensor_digest_from_segments
@@ -57,10 +58,7 @@ def default_threads() -> int:
 
 def uint_view(raw: np.ndarray, dt_name: str) -> np.ndarray:
     """View raw bytes as unsigned integers of the dtype's width (copying only if misaligned)."""
-    dt = dtype(dt_name)
-    if raw.ctypes.data % dt.itemsize:
-        raw = raw.copy()
-    return raw.view(dt.uint)
+    return chunk_uint_view(raw, dtype(dt_name))
 
 
 def _segments(nbytes: int) -> Iterator[tuple[int, int]]:

@@ -158,10 +158,20 @@ class Changes:
 
 
 def _scan_buffers(n: int, udt: np.dtype, scratch: bool) -> tuple[np.ndarray, ...]:
-    if scratch:
-        return (*(scratch_array(k, n, np.int32) for k in ("pos", "ectx", "rank")),
-                *(scratch_array(k, n, udt) for k in ("bvals", "tvals")))
-    return np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, udt), np.empty(n, udt)
+    """(pos, ectx, rank, bvals, tvals) for a chunk of ``n`` elements: fresh, or this thread's (at least
+    ``n`` long; the kernels fill the first m). One lookup per chunk: it runs once per MiB per thread."""
+    if not scratch:
+        return np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, udt), np.empty(n, udt)
+    cache = getattr(_tls, "scan", None)
+    if cache is None:
+        cache = _tls.scan = {}
+    key = np.dtype(udt).str
+    bufs = cache.get(key)
+    if bufs is None or bufs[0].size < n:
+        k = max(n, 1)
+        bufs = cache[key] = (np.empty(k, np.int32), np.empty(k, np.int32), np.empty(k, np.int32), np.empty(k, udt),
+                             np.empty(k, udt))
+    return bufs
 
 
 def _native16(dt: DType) -> bool:
@@ -202,23 +212,14 @@ def encode_raw(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk 
             return _encode_native16(dt, base, target)
         except BufferError:  # an odd address: a tensor at an odd offset in its file (copied below)
             pass
-    return encode_chunk(dt, _uint_view(base, dt), _uint_view(target, dt))
+    return encode_chunk(dt, uint_view(base, dt), uint_view(target, dt))
 
 
-def _uint_view(raw: np.ndarray, dt: DType) -> np.ndarray:
+def uint_view(raw: np.ndarray, dt: DType) -> np.ndarray:
+    """View raw bytes as unsigned integers of the dtype's width (copying only if misaligned)."""
     if raw.ctypes.data % dt.itemsize:
         raw = raw.copy()
     return raw.view(dt.uint)
-
-
-def _native_buffers(n: int, payload: int) -> tuple[np.ndarray, ...]:
-    """This thread's (pos, ectx, rank, bvals, tvals, payload) for a 16-bit chunk of up to ``n`` elements."""
-    bufs = getattr(_tls, "native16", None)
-    if bufs is None or bufs[0].size < n or bufs[5].size < payload:
-        n, payload = max(n, 1), max(payload, 1)
-        bufs = _tls.native16 = (np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int32),
-                                np.empty(n, np.uint16), np.empty(n, np.uint16), np.empty(payload, np.uint8))
-    return bufs
 
 
 def _encode_native16(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk | None:
@@ -226,16 +227,15 @@ def _encode_native16(dt: DType, base: np.ndarray, target: np.ndarray) -> Encoded
     # returns without building a Changes. Raises BufferError for a misaligned raw view.
     n = base.nbytes // 2
     shift, mask, nctx = _ctx(dt)
-    cap = max_payload_len(dt, n) + 64  # the numba coder's limit: both reject the same chunks
-    bufs = _native_buffers(n, cap)
-    out = bufs[5][:cap]
-    m, nbytes = _native.scan16(base, target, shift, mask, nctx, *bufs[:5], dt.bits, _kind(dt), out)
+    bufs = _scan_buffers(n, np.dtype(np.uint16), True)
+    # The numba coder's limit (encode_changes): both reject the same chunks.
+    out = scratch_array("payload", max_payload_len(dt, n) + 64, np.uint8)
+    m, nbytes = _native.scan16(base, target, shift, mask, nctx, *bufs, dt.bits, _kind(dt), out)
     if m == 0:
         return None
-    if nbytes >= 0 and dt.kind == "float" and nbytes <= 3 * m and (
-            m < DENSE_TRY_FRACTION * n or 8 * nbytes <= DENSE_TRY_BITS * n):
+    if nbytes >= 0 and not _try_dense(n, m, nbytes) and not _try_sparse(dt, m, nbytes):
         return EncodedChunk(ULP, out[:nbytes].tobytes(), m, 0)  # what _choose would pick
-    pos, ectx, rank, bvals, tvals = (b[:m] for b in bufs[:5])
+    pos, ectx, rank, bvals, tvals = (b[:m] for b in bufs)
     ch = Changes(n, pos, ectx, rank, bvals, tvals)
     views = base.view(np.uint16), target.view(np.uint16)
     return _choose(dt, ch, lambda: views, _ulp_candidate(ch, out, nbytes))
@@ -261,22 +261,31 @@ def encode_changes(dt: DType, ch: Changes, dense) -> EncodedChunk | None:
     return _choose(dt, ch, dense, _ulp_candidate(ch, out, nbytes))
 
 
+def _try_dense(n: int, m: int, ulp_bytes: int) -> bool:
+    """Whether whole-chunk encodings may beat an ulp coding of ``ulp_bytes`` (see DENSE_TRY_BITS)."""
+    return m >= DENSE_TRY_FRACTION * n and 8 * ulp_bytes > DENSE_TRY_BITS * n
+
+
+def _try_sparse(dt: DType, m: int, ulp_bytes: int) -> bool:
+    """Whether the sparse XOR layout may beat the ulp coding: only where the ulp model may lose,
+    integer tensors or float changes that are not small steps (over 24 bits per change)."""
+    return dt.kind != "float" or ulp_bytes > 3 * m
+
+
 def _choose(dt: DType, ch: Changes, dense, ulp: EncodedChunk | None) -> EncodedChunk | None:
     """The smallest of the ulp coding (None if it did not fit) and the candidates that may beat it."""
     n, m = ch.n, ch.m
     if m == 0:
         return None
     cands = [ulp] if ulp is not None else []
-    if not cands or (m >= DENSE_TRY_FRACTION * n and 8 * len(cands[0].payload) > DENSE_TRY_BITS * n):
+    if not cands or _try_dense(n, m, len(cands[0].payload)):
         base, target = dense()
         x = np.bitwise_xor(base, target)
         raw = x.tobytes()
         cands.append(EncodedChunk(DENSE_XOR, _zc().compress(raw), m, len(raw)))
         raw_t = target.tobytes()
         cands.append(EncodedChunk(OVERWRITE, _zc().compress(raw_t), m, len(raw_t)))
-    elif dt.kind != "float" or len(cands[0].payload) > 3 * m:
-        # Worth a second pass only where the ulp model may lose: integer tensors, or float changes
-        # that are not small steps (over 24 bits per change).
+    elif _try_sparse(dt, m, len(cands[0].payload)):
         pos = ch.pos.astype(np.int64)
         gaps = np.diff(pos, prepend=-1) - 1
         w = _width_code(int(gaps.max()))
