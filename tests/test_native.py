@@ -100,13 +100,16 @@ def test_encode_changes_matches_numba(name, n, seed, rate, steps):
 
 
 def test_a_far_gap_and_a_long_step_take_the_slow_paths():
-    # Two changes 400k elements apart in one context (a unary quotient past 56 raw bits) and a change of
-    # 2**15 ulps (a length past the three-bit fast path).
+    # One context: 2000 neighbouring changes, then two far ones. The Rice parameter follows the mean gap
+    # (about 250, so k = 7), and the far gaps' quotients (about 2300) are unary codes past the 56 raw
+    # bits of the one-put path. The change at 300,000 flips the sign: 2**15 ulps, a length past the
+    # three-bit fast path.
     dt = dtype("BF16")
     base = np.full(1 << 19, 0x3C00, np.uint16)
     target = base.copy()
-    target[[3, 400_003]] += np.array([1, 1], np.uint16)
-    target[200_000] = 0xBC00
+    target[:2000] += np.uint16(1)
+    target[502_000] += np.uint16(1)
+    target[300_000] = 0xBC00
     ch = C.scan_chunk(dt, base, target)
     out_n, out_k = np.zeros(1 << 20, np.uint8), np.zeros(1 << 20, np.uint8)
     nk = K.ulp_encode_changes(ch.ectx, ch.rank, ch.bvals, ch.tvals, 16, 0, 256, out_k)
