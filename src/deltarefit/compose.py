@@ -85,7 +85,7 @@ def _compose(ck, readers, entries_by, recs_by, writer):
                                     f"starts from {e0.base.dtype}{list(e0.base.shape)}")
         dt = dtype(info.dtype)
         raw = ck.raw(name)
-        first_rec = len(writer.records)
+        first_rec = writer.n_records
         pre_segs, post_segs, changed = [], [], 0
         for ci, off in enumerate(range(0, info.nbytes, SEGMENT_BYTES)):
             seg = raw[off:off + SEGMENT_BYTES]
@@ -115,7 +115,7 @@ def _compose(ck, readers, entries_by, recs_by, writer):
                 counts[ENCODING_NAMES[enc.encoding]] += 1
                 changed += enc.n_changed
         bmeta, tmeta = tensor_meta(info, pre_segs), tensor_meta(info, post_segs)
-        count = len(writer.records) - first_rec
+        count = writer.n_records - first_rec
         entries.append(TensorEntry(name, "patch" if count else "same", bmeta, tmeta, changed, first_rec, count))
         changed_total += changed
     return entries, counts, changed_total

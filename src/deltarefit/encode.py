@@ -157,15 +157,17 @@ def _jobs(base: Checkpoint, target: Checkpoint, names: list[str], patch_works: P
 BATCH_BYTES = 1 << 20
 
 
+def _seg_sizes(nbytes: int) -> list[int]:
+    n, last = divmod(nbytes, SEGMENT_BYTES)
+    return [SEGMENT_BYTES] * n + ([last] if last else [])
+
+
 def _work_sizes(job: _Job) -> list[int]:
     """Checkpoint bytes behind each of ``job``'s works (segments of the base, then of the target)."""
-    def segs(nbytes: int) -> list[int]:
-        return [min(SEGMENT_BYTES, nbytes - o) for _, o in _segments(nbytes)]
-
     if job.op == "patch":
-        return segs(job.target.nbytes)
-    return (segs(job.base.nbytes) if job.base is not None else []) + \
-        (segs(job.target.nbytes) if job.target is not None else [])
+        return _seg_sizes(job.target.nbytes)
+    return (_seg_sizes(job.base.nbytes) if job.base is not None else []) + \
+        (_seg_sizes(job.target.nbytes) if job.target is not None else [])
 
 
 def _run_batch(items: list[tuple[_Job, int, Work | None]]) -> list[tuple[_Job, int, object]]:
@@ -239,14 +241,17 @@ def encode_checkpoints(
     entries: list[TensorEntry] = []
     base_digests: dict[str, bytes] = {}
     target_digests: dict[str, bytes] = {}
-    counts = {n: 0 for n in ENCODING_NAMES.values()}
+    counts = dict.fromkeys(ENCODING_NAMES, 0)  # by encoding id; by name in the report
     changed_total = 0
     try:
         jobs = _jobs(base, target, names, patch_works or _host_patch_works(base, target))
+        add_chunk = writer.add_chunk
         with contextlib.closing(_ordered(_pools.get(threads), jobs, 4 * threads)) as results:
+            # The loop runs on the thread that also feeds the workers, once per MiB and once per tensor:
+            # it stays lean (a record is one struct.pack; see DeltaWriter.add_chunk).
             for job, k, res in results:
-                if k == 0 or k == -1:
-                    job.first = len(writer.records)
+                if k <= 0:
+                    job.first = writer.n_records
                 if k >= 0:
                     pre, post, enc = res
                     if job.op == "patch":
@@ -259,25 +264,25 @@ def encode_checkpoints(
                     else:
                         job.post.append(post)
                         ci = k - job.n_base
+                        pre = ZERO_HASH
                     if enc is not None:
-                        writer.add_chunk(job.ti, ci, enc.encoding, enc.n_changed, enc.payload, enc.decoded_len,
-                                         pre if job.op == "patch" else ZERO_HASH, post)
-                        counts[ENCODING_NAMES[enc.encoding]] += 1
+                        add_chunk(job.ti, ci, enc.encoding, enc.n_changed, enc.payload, enc.decoded_len, pre, post)
+                        counts[enc.encoding] += 1
                         job.changed += enc.n_changed
                     if progress:
                         progress(SEGMENT_BYTES)
-                if k != len(job.works) - 1 and k != -1:
-                    continue
+                    if k != len(job.works) - 1:
+                        continue
                 # The job's last result: its manifest entry.
                 bmeta = tensor_meta(job.base, job.pre) if job.base is not None else None
                 tmeta = tensor_meta(job.target, job.post) if job.target is not None else None
-                count = len(writer.records) - job.first
-                op = "same" if job.op == "patch" and count == 0 else job.op
+                count = writer.n_records - job.first
                 if bmeta:
                     base_digests[job.name] = bmeta.digest
                 if tmeta:
                     target_digests[job.name] = tmeta.digest
-                entries.append(TensorEntry(job.name, op, bmeta, tmeta, job.changed, job.first, count))
+                entries.append(TensorEntry(job.name, "same" if job.op == "patch" and count == 0 else job.op, bmeta,
+                                           tmeta, job.changed, job.first, count))
                 changed_total += job.changed
                 job.works = []  # drop the views
         total_elems = sum(math.prod(t.shape) for t in target.tensors.values())
@@ -297,7 +302,8 @@ def encode_checkpoints(
     dt = time.perf_counter() - t0
     log.info("encoded %s: %d bytes (%.1fx), %.2f%% changed, %.2f s", out, size, full_bytes / max(size, 1),
              100 * changed_total / max(total_elems, 1), dt)
-    return EncodeReport(out, bfp, tfp, size, full_bytes, changed_total, total_elems, dt, counts)
+    return EncodeReport(out, bfp, tfp, size, full_bytes, changed_total, total_elems, dt,
+                        {ENCODING_NAMES[e]: c for e, c in counts.items()})
 
 
 def encode(base: str, target: str, out: str, *, threads: int | None = None,
