@@ -294,7 +294,9 @@ def test_quick_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[st
         assert r["ratio"]["ours"] > 1 and r["ratio"]["nemo"] > 1 and r["ratio"]["bound"] > 1
         assert r["peers"]["nemo"]["verified"] and r["peers"]["trl"]["verified"]
         assert r["gbps"]["ours_encode"] > 0 and r["gbps"]["ours_apply"] > 0 and r["gbps"]["copy"] > 0
+        assert r["gbps"]["ours_encode_stream"] > 0  # run_ours raises unless it wrote the cold encode's bytes
     text = md.read_text()
+    assert "ours enc GB/s, stream" in text
     assert "python -m deltarefit.bench --quick" in text and "adamw-lr3e-06" in text and "## Machine" in text
     assert "adamw-lr3e-06" in capsys.readouterr().out
     png = (tmp_path / "BENCHMARKS.png").read_bytes()  # the plot beside the report, linked from it

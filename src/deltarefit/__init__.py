@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 from . import shard  # sharded trainers and tensor-parallel rollouts (docs/SHARDING.md)
 from .api import fingerprint, inspect, verify
 from .apply import ApplyReport, apply
-from .encode import EncodeReport, encode
+from .encode import EncodeReport, KnownHashes, encode, known_hashes
 from .errors import (
     BaseMismatchError,
     CheckpointError,
@@ -31,6 +31,7 @@ __all__ = [
     "EncodeReport",
     "FormatError",
     "IntegrityError",
+    "KnownHashes",
     "LimitError",
     "UnsupportedVersionError",
     "UsageError",
@@ -40,6 +41,7 @@ __all__ = [
     "encode",
     "fingerprint",
     "inspect",
+    "known_hashes",
     "shard",
     "verify",
 ]

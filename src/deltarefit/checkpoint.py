@@ -235,6 +235,19 @@ class Checkpoint:
         mm = self._files[info.file].mm
         return np.frombuffer(mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
+    def identity(self) -> tuple:
+        """Per file, from the open handles: (path, device, inode, size, mtime ns, ctime ns). Replacing a
+        file (a new inode) or writing to it (mtime and ctime) changes it; hashes taken of the bytes
+        stay valid while it does not. Hazard: timestamps are as coarse as the kernel's clock tick, so a
+        write within the tick in which the identity was taken can go unseen; take it after the last
+        write of one's own, as ``Publisher`` does."""
+        self._check_open()
+        out = []
+        for path, mf in self._files.items():
+            st = os.fstat(mf.fh.fileno())
+            out.append((path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        return tuple(out)
+
     def files(self) -> list[str]:
         """Absolute paths of the safetensors files, in shard order."""
         return list(self._files)

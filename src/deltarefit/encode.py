@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -25,8 +25,17 @@ from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from .codec.chunk import ENCODING_NAMES, EncodedChunk, encode_overwrite, encode_raw
 from .codec.chunk import uint_view as chunk_uint_view
 from .dtypes import dtype
+from .errors import UsageError
 from .format import VERSION, ZERO_HASH, DeltaWriter, TensorEntry, TensorMeta
-from .integrity import SEGMENT_BYTES, fingerprint_from_digests, seg_hash, tensor_digest_from_segments
+from .integrity import (
+    SEG_HASH_BYTES,
+    SEGMENT_BYTES,
+    fingerprint_from_digests,
+    n_segments,
+    seg_hash,
+    segment_hashes,
+    tensor_digest_from_segments,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +51,10 @@ class EncodeReport:
     total_elements: int  # elements of the target checkpoint
     seconds: float
     encodings: dict[str, int] = field(default_factory=dict)  # chunk count per encoding
+    # The target's segment hashes (per tensor, the 16-byte hashes concatenated): the next encode's
+    # KnownHashes once the target has become the base. O(bytes / 64 Ki).
+    target_hashes: dict[str, bytes] = field(default_factory=dict, repr=False)
+    base_hashes_known: bool = False  # the base's segment hashes came from KnownHashes, not a hash pass
 
     @property
     def ratio(self) -> float:
@@ -90,6 +103,23 @@ def _overwrite_work(dt_name: str, t: np.ndarray) -> Work:
     return run
 
 
+def _patch_work_known(dt_name: str, b: np.ndarray, t: np.ndarray, pre: bytes) -> Work:
+    dt = dtype(dt_name)
+
+    def run() -> tuple[bytes, bytes, EncodedChunk | None]:
+        enc = encode_raw(dt, b, t)
+        return pre, pre if enc is None else seg_hash(t), enc
+
+    return run
+
+
+def _known_work(h: bytes) -> Work:
+    def run() -> tuple[bytes, bytes, EncodedChunk | None]:
+        return h, h, None
+
+    return run
+
+
 def _hash_work(b: np.ndarray) -> Work:
     def run() -> tuple[bytes, bytes, EncodedChunk | None]:
         h = seg_hash(b)
@@ -124,16 +154,55 @@ class _Job:
 PatchWorks = Callable[[str, TensorInfo, TensorInfo], list[Work]]
 
 
-def _host_patch_works(base: Checkpoint, target: Checkpoint) -> PatchWorks:
+@dataclass(frozen=True)
+class KnownHashes:
+    """Segment hashes of a checkpoint's tensors (per tensor, the 16-byte hashes concatenated) and the
+    identity of its files when they were taken (``Checkpoint.identity``).
+
+    ``encode(..., known_base=)`` uses them instead of hashing the base, while the base's files still
+    have that identity. A publisher holds them for its baseline between publishes: the base of each
+    encode is the target of the one before, verified when the baseline advanced, so hashing it again
+    is a pass over the whole checkpoint that can only repeat a known answer."""
+
+    identity: tuple
+    hashes: Mapping[str, bytes]
+
+
+def known_hashes(path: str, *, threads: int | None = None) -> KnownHashes:
+    """Hash every segment of the checkpoint at ``path`` (a full read) into a ``KnownHashes``."""
+    with open_checkpoint(path) as ck:
+        identity = ck.identity()
+        names = list(ck.tensors)
+        hashes = _pools.get(threads or default_threads()).map(lambda n: b"".join(segment_hashes(ck.raw(n))), names)
+        return KnownHashes(identity, dict(zip(names, hashes, strict=True)))
+
+
+def _known_segments(known: Mapping[str, bytes] | None, name: str, info: TensorInfo) -> list[bytes] | None:
+    segs = known.get(name) if known is not None else None
+    if segs is None:
+        return None
+    n = n_segments(info.nbytes)
+    if len(segs) != n * SEG_HASH_BYTES:
+        raise UsageError(f"known base hashes of tensor {name!r}: {len(segs) / SEG_HASH_BYTES:g} segments, the base "
+                         f"holds {n}")
+    return [segs[i:i + SEG_HASH_BYTES] for i in range(0, len(segs), SEG_HASH_BYTES)]
+
+
+def _host_patch_works(base: Checkpoint, target: Checkpoint, known: Mapping[str, bytes] | None) -> PatchWorks:
     def works(name: str, bi: TensorInfo, tinfo: TensorInfo) -> list[Work]:
         braw, traw = base.raw(name), target.raw(name)
-        return [_patch_work(bi.dtype, braw[o:o + SEGMENT_BYTES], traw[o:o + SEGMENT_BYTES])
-                for _, o in _segments(bi.nbytes)]
+        pre = _known_segments(known, name, bi)
+        if pre is None:
+            return [_patch_work(bi.dtype, braw[o:o + SEGMENT_BYTES], traw[o:o + SEGMENT_BYTES])
+                    for _, o in _segments(bi.nbytes)]
+        return [_patch_work_known(bi.dtype, braw[o:o + SEGMENT_BYTES], traw[o:o + SEGMENT_BYTES], pre[ci])
+                for ci, o in _segments(bi.nbytes)]
 
     return works
 
 
-def _jobs(base: Checkpoint, target: Checkpoint, names: list[str], patch_works: PatchWorks) -> Iterator[_Job]:
+def _jobs(base: Checkpoint, target: Checkpoint, names: list[str], patch_works: PatchWorks,
+          known: Mapping[str, bytes] | None = None) -> Iterator[_Job]:
     for ti, name in enumerate(names):
         bi, tinfo = base.tensors.get(name), target.tensors.get(name)
         if bi is not None and tinfo is not None and (bi.dtype, bi.shape) == (tinfo.dtype, tinfo.shape):
@@ -142,8 +211,12 @@ def _jobs(base: Checkpoint, target: Checkpoint, names: list[str], patch_works: P
         op = "replace" if bi is not None and tinfo is not None else "add" if tinfo is not None else "remove"
         works = []
         if bi is not None:
-            braw = base.raw(name)
-            works += [_hash_work(braw[o:o + SEGMENT_BYTES]) for _, o in _segments(bi.nbytes)]
+            pre = _known_segments(known, name, bi)
+            if pre is not None:
+                works += [_known_work(h) for h in pre]
+            else:
+                braw = base.raw(name)
+                works += [_hash_work(braw[o:o + SEGMENT_BYTES]) for _, o in _segments(bi.nbytes)]
         n_base = len(works)
         if tinfo is not None:
             traw = target.raw(name)
@@ -227,8 +300,15 @@ os.register_at_fork(after_in_child=_pools.__init__)
 def encode_checkpoints(
     base: Checkpoint, target: Checkpoint, out: str, *, threads: int | None = None,
     progress: Callable[[int], None] | None = None, patch_works: PatchWorks | None = None,
+    base_hashes: Mapping[str, bytes] | None = None,
 ) -> EncodeReport:
     """Write the delta taking ``base`` to ``target`` to ``out``. ``progress`` gets bytes scanned.
+
+    ``base_hashes``: the base's segment hashes (``KnownHashes.hashes``), trusted: the caller vouches
+    that they are the hashes of the bytes ``base`` holds now (``encode`` checks the files' identity).
+    Tensors they cover are not hashed on the base side, and an unchanged segment not at all. Wrong
+    hashes cannot make a rollout accept wrong bytes (the delta's post hashes are the target's own,
+    and every apply verifies them), but they would bind the delta to a base it does not fit.
 
     ``base`` and ``target`` need only ``tensors`` (name -> info with dtype, shape, nbytes) and
     ``raw(name)``; ``patch_works`` replaces the host scan of tensors present in both (the GPU encoder
@@ -241,10 +321,12 @@ def encode_checkpoints(
     entries: list[TensorEntry] = []
     base_digests: dict[str, bytes] = {}
     target_digests: dict[str, bytes] = {}
+    target_hashes: dict[str, bytes] = {}
     counts = dict.fromkeys(ENCODING_NAMES, 0)  # by encoding id; by name in the report
     changed_total = 0
     try:
-        jobs = _jobs(base, target, names, patch_works or _host_patch_works(base, target))
+        jobs = _jobs(base, target, names, patch_works or _host_patch_works(base, target, base_hashes),
+                     base_hashes)
         add_chunk = writer.add_chunk
         with contextlib.closing(_ordered(_pools.get(threads), jobs, 4 * threads)) as results:
             # The loop runs on the thread that also feeds the workers, once per MiB and once per tensor:
@@ -281,6 +363,7 @@ def encode_checkpoints(
                     base_digests[job.name] = bmeta.digest
                 if tmeta:
                     target_digests[job.name] = tmeta.digest
+                    target_hashes[job.name] = b"".join(job.post)
                 entries.append(TensorEntry(job.name, "same" if job.op == "patch" and count == 0 else job.op, bmeta,
                                            tmeta, job.changed, job.first, count))
                 changed_total += job.changed
@@ -303,11 +386,17 @@ def encode_checkpoints(
     log.info("encoded %s: %d bytes (%.1fx), %.2f%% changed, %.2f s", out, size, full_bytes / max(size, 1),
              100 * changed_total / max(total_elems, 1), dt)
     return EncodeReport(out, bfp, tfp, size, full_bytes, changed_total, total_elems, dt,
-                        {ENCODING_NAMES[e]: c for e, c in counts.items()})
+                        {ENCODING_NAMES[e]: c for e, c in counts.items()}, target_hashes,
+                        base_hashes is not None and patch_works is None)
 
 
 def encode(base: str, target: str, out: str, *, threads: int | None = None,
-           progress: Callable[[int], None] | None = None) -> EncodeReport:
-    """Encode the delta from checkpoint ``base`` to checkpoint ``target`` into the file ``out``."""
+           progress: Callable[[int], None] | None = None, known_base: KnownHashes | None = None) -> EncodeReport:
+    """Encode the delta from checkpoint ``base`` to checkpoint ``target`` into the file ``out``.
+    ``known_base``: the base's segment hashes, used only while the opened base files still have the
+    identity they were taken with (otherwise the base is hashed as usual)."""
     with open_checkpoint(base) as b, open_checkpoint(target) as t:
-        return encode_checkpoints(b, t, out, threads=threads, progress=progress)
+        known = known_base.hashes if known_base is not None and known_base.identity == b.identity() else None
+        if known_base is not None and known is None:
+            log.info("%s: its files changed since its hashes were taken; hashing it again", base)
+        return encode_checkpoints(b, t, out, threads=threads, progress=progress, base_hashes=known)

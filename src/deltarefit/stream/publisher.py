@@ -33,6 +33,7 @@ import blake3
 
 from ..apply import apply as apply_delta
 from ..checkpoint import open_checkpoint
+from ..encode import KnownHashes
 from ..encode import encode as encode_delta
 from ..errors import DeltaRefitError, UsageError
 from ..fsutil import write_atomic
@@ -129,6 +130,9 @@ class Publisher:
         self.baseline = os.path.join(self.state_dir, "baseline.safetensors")
         self.state_path = os.path.join(self.state_dir, "publisher.json")
         self.staging = os.path.join(self.state_dir, "staging")
+        # The baseline's segment hashes, from the encode whose target it became (see _remember_baseline);
+        # used while the baseline file keeps its identity. In memory only: a new process hashes once.
+        self._known: KnownHashes | None = None
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -234,7 +238,7 @@ class Publisher:
         fp = None
         if st is not None:
             local = os.path.join(self.staging, "delta")
-            rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads)
+            rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, known_base=self._known)
             if rep.base_fingerprint != st.fingerprint:
                 raise StreamError(f"{self.baseline}: baseline fingerprint {rep.base_fingerprint[:16]}… is not the "
                                   f"committed {st.fingerprint[:16]}… (modified by hand?)")
@@ -303,6 +307,8 @@ class Publisher:
             _copy_checkpoint(checkpoint, tmp)
             os.replace(tmp, self.baseline)
         self._save_state(PublishState(version, fp))
+        if delta_part:
+            self._remember_baseline(rep)
         if keyframe and self.catchup:  # the base of the catch-up deltas to come
             tmp = _temp_beside(self.keyframe_copy)
             shutil.copyfile(self.baseline, tmp)
@@ -313,6 +319,14 @@ class Publisher:
         shutil.rmtree(self.staging, ignore_errors=True)
         log.info("published version %d (%s, %d bytes)", version, rec.kind, rec.part_bytes)
         return rec
+
+    def _remember_baseline(self, rep) -> None:
+        """Keep ``rep``'s target segment hashes for the next encode, bound to the baseline file as it is
+        now. The baseline has just been verified to hold ``rep``'s target fingerprint (both advance
+        routes check it), so its segments hash to exactly these, barring a BLAKE3 collision. The
+        identity is taken after our last write, so any later write to the file changes it."""
+        with open_checkpoint(self.baseline) as ck:
+            self._known = KnownHashes(ck.identity(), rep.target_hashes)
 
     def _advance_by_copy(self, checkpoint: str, fp: str) -> bool:
         """Replace the baseline with a verified copy of the committed ``checkpoint`` (see ``advance``).

@@ -1,0 +1,162 @@
+"""Known base hashes: an encode that takes the base's segment hashes instead of hashing it.
+
+The publisher keeps its baseline's hashes between publishes (the baseline is the previous target,
+verified when it advanced). These tests hold that such an encode writes the very bytes of a cold one,
+that hashes of a file that changed since are not used, and that wrong hashes cannot make a rollout
+accept wrong bytes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+
+import pytest
+import torch
+from _pairs import pair_tensors, sha, write_tensors
+from _stream_util import flip_tensor_byte
+
+import deltarefit
+from deltarefit.checkpoint import open_checkpoint
+from deltarefit.errors import BaseMismatchError, UsageError
+from deltarefit.storage import LocalStore
+from deltarefit.stream import Publisher, StreamError, Subscriber
+
+E = importlib.import_module("deltarefit.encode")  # the package exports a function of the same name
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """A pair with every op: patched tensors (one unchanged, one over three segments), one removed,
+    one added, one replaced by another dtype."""
+    base, target = pair_tensors(n_tensors=2, shape=(256, 1024), change=0.03)
+    base["gone.weight"] = torch.zeros(300, dtype=torch.bfloat16)
+    target["new.weight"] = torch.ones(700, dtype=torch.bfloat16)
+    target["norm.f32"] = target["norm.f32"].to(torch.bfloat16)  # replace: same name, another dtype
+    return (write_tensors(tmp_path / "base.safetensors", base), write_tensors(tmp_path / "target.safetensors", target))
+
+
+def test_known_hashes_write_the_same_delta(pair, tmp_path):
+    bp, tp = pair
+    known = E.known_hashes(bp)
+    cold = E.encode(bp, tp, str(tmp_path / "cold.delta"))
+    warm = E.encode(bp, tp, str(tmp_path / "warm.delta"), known_base=known)
+    assert (cold.base_hashes_known, warm.base_hashes_known) == (False, True)
+    assert sha(tmp_path / "cold.delta") == sha(tmp_path / "warm.delta")
+    assert warm.base_fingerprint == deltarefit.fingerprint(bp)
+    # The report's target hashes are the target's own: they serve as the next encode's known base.
+    assert warm.target_hashes == dict(E.known_hashes(tp).hashes)
+    ops = {e["name"]: e["op"] for e in deltarefit.inspect(str(tmp_path / "warm.delta"))["tensors"]}
+    assert {ops["gone.weight"], ops["new.weight"], ops["norm.f32"], ops["frozen.bias"]} == \
+        {"remove", "add", "replace", "same"}
+
+
+def test_hashes_of_a_file_written_since_are_not_used(pair, tmp_path):
+    bp, tp = pair
+    known = E.known_hashes(bp)
+    flip_tensor_byte(bp, "big.weight")  # same size, same inode: only the timestamps tell
+    rep = E.encode(bp, tp, str(tmp_path / "d.delta"), known_base=known)
+    assert not rep.base_hashes_known
+    assert rep.base_fingerprint == deltarefit.fingerprint(bp)  # the file as it is now
+    ck = tmp_path / "ck.safetensors"
+    shutil.copyfile(bp, ck)
+    deltarefit.apply(str(tmp_path / "d.delta"), str(ck))
+    assert deltarefit.fingerprint(str(ck)) == deltarefit.fingerprint(tp)
+
+
+def test_a_replaced_file_has_another_identity(pair, tmp_path):
+    bp, _ = pair
+    with open_checkpoint(bp) as ck:
+        before = ck.identity()
+    tmp = bp + ".new"
+    shutil.copyfile(bp, tmp)
+    os.replace(tmp, bp)  # same bytes, new inode
+    with open_checkpoint(bp) as ck:
+        assert ck.identity() != before
+
+
+def test_wrong_hashes_cannot_make_a_rollout_accept_wrong_bytes(pair, tmp_path):
+    # Hashes that do not belong to the base (here the target's, under the base's identity) bind the
+    # delta to a base it does not fit: a rollout holding the real base refuses it and writes nothing.
+    bp, tp = pair
+    theirs = {n: h for n, h in E.known_hashes(tp).hashes.items() if n != "new.weight"}  # not in the base
+    rep = E.encode(bp, tp, str(tmp_path / "d.delta"), known_base=E.KnownHashes(E.known_hashes(bp).identity, theirs))
+    assert rep.base_hashes_known and rep.base_fingerprint != deltarefit.fingerprint(bp)
+    ck = tmp_path / "ck.safetensors"
+    shutil.copyfile(bp, ck)
+    before = sha(ck)
+    with pytest.raises(BaseMismatchError):
+        deltarefit.apply(str(tmp_path / "d.delta"), str(ck))
+    assert sha(ck) == before
+
+
+def test_hashes_of_the_wrong_length_are_refused(pair, tmp_path):
+    bp, tp = pair
+    known = dict(E.known_hashes(bp).hashes)
+    known["big.weight"] = known["big.weight"][:16]
+    with open_checkpoint(bp) as b, open_checkpoint(tp) as t, \
+            pytest.raises(UsageError, match=r"tensor 'big.weight': 1 segments, the base holds 3"):
+        E.encode_checkpoints(b, t, str(tmp_path / "d.delta"), base_hashes=known)
+    assert not os.path.exists(tmp_path / "d.delta")
+
+
+# ---------------------------------------------------------------------------------------- publisher
+
+
+def _steps(tmp_path, n: int) -> list[str]:
+    """``n`` consecutive checkpoints, each moving 3% of the bf16 elements of the one before by one ulp."""
+    g = torch.Generator().manual_seed(7)
+    cur = pair_tensors(n_tensors=2, shape=(256, 1024), change=0.03)[0]
+    out = []
+    for i in range(n):
+        out.append(write_tensors(tmp_path / f"step{i}.safetensors", cur))
+        cur = {k: (v.view(torch.int16) + (torch.rand(v.shape, generator=g) < 0.03).to(torch.int16)).view(v.dtype)
+               if v.dtype == torch.bfloat16 else v for k, v in cur.items()}
+    return out
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """The publisher's encodes run for real; their reports are kept."""
+    import deltarefit.stream.publisher as P
+
+    reports = []
+    real = P.encode_delta
+
+    def encode_delta(*a, **kw):
+        reports.append(real(*a, **kw))
+        return reports[-1]
+
+    monkeypatch.setattr(P, "encode_delta", encode_delta)
+    return reports
+
+
+@pytest.mark.parametrize("advance", ["copy", "apply"])
+def test_publisher_reuses_its_baselines_hashes(tmp_path, spy, advance):
+    steps = _steps(tmp_path, 4)
+    store = LocalStore(str(tmp_path / "store"))
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=100, keyframe_ratio=1000.0, advance=advance)
+    recs = [pub.publish(s) for s in steps]
+    # Version 1 is a keyframe (no encode); version 2's encode hashes the baseline; 3 and 4 reuse it.
+    assert [r.base_hashes_known for r in spy] == [False, True, True]
+    for i, rec in enumerate(recs[1:]):  # each published delta is the very bytes of a cold encode
+        cold = str(tmp_path / f"cold{i}.delta")
+        E.encode(steps[i], steps[i + 1], cold)
+        with open(cold, "rb") as f:
+            assert store.get(rec.delta.key) == f.read()
+    sub = Subscriber(store, str(tmp_path / "rollout.safetensors"), subscriber_id="r")
+    sub.sync()
+    assert deltarefit.fingerprint(sub.checkpoint) == deltarefit.fingerprint(steps[-1])
+
+
+def test_a_baseline_changed_by_hand_is_still_caught(tmp_path, spy):
+    steps = _steps(tmp_path, 3)
+    store = LocalStore(str(tmp_path / "store"))
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=100, keyframe_ratio=1000.0)
+    pub.publish(steps[0])
+    pub.publish(steps[1])
+    flip_tensor_byte(pub.baseline, "big.weight")
+    with pytest.raises(StreamError, match="modified by hand"):
+        pub.publish(steps[2])
+    assert not spy[-1].base_hashes_known
