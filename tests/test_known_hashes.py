@@ -160,3 +160,16 @@ def test_a_baseline_changed_by_hand_is_still_caught(tmp_path, spy):
     with pytest.raises(StreamError, match="modified by hand"):
         pub.publish(steps[2])
     assert not spy[-1].base_hashes_known
+
+
+def test_a_delta_staged_without_fsync_is_the_same_file(pair, tmp_path, monkeypatch):
+    bp, tp = pair
+    E.encode(bp, tp, str(tmp_path / "durable.delta"))
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    E.encode(bp, tp, str(tmp_path / "staged.delta"), durable=False)
+    assert synced == []
+    assert sha(tmp_path / "staged.delta") == sha(tmp_path / "durable.delta")
+    E.encode(bp, tp, str(tmp_path / "again.delta"))
+    assert len(synced) == 2  # the file, then its directory

