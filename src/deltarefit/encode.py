@@ -306,7 +306,8 @@ def encode_checkpoints(
 
     ``base_hashes``: the base's segment hashes (``KnownHashes.hashes``), trusted: the caller vouches
     that they are the hashes of the bytes ``base`` holds now (``encode`` checks the files' identity).
-    Tensors they cover are not hashed on the base side, and an unchanged segment not at all. Wrong
+    Tensors they cover are not hashed on the base side (with ``patch_works``, those outside them), and
+    an unchanged segment not at all. Wrong
     hashes cannot make a rollout accept wrong bytes (the delta's post hashes are the target's own,
     and every apply verifies them), but they would bind the delta to a base it does not fit.
     ``durable=False``: no fsync of ``out`` (see ``DeltaWriter``), for a delta staged for upload.

@@ -33,7 +33,7 @@ import blake3
 
 from ..apply import apply as apply_delta
 from ..checkpoint import open_checkpoint
-from ..encode import KnownHashes
+from ..encode import EncodeReport, KnownHashes
 from ..encode import encode as encode_delta
 from ..errors import DeltaRefitError, UsageError
 from ..fsutil import write_atomic
@@ -257,8 +257,8 @@ class Publisher:
         kf_state = self._keyframe_state()
         if self.catchup and not keyframe and kf_state is not None and kf_state[0] < version - 1:
             local = os.path.join(self.staging, "catchup")
-            rep = encode_delta(self.keyframe_copy, checkpoint, local, threads=self.threads, durable=False)
-            if rep.base_fingerprint == kf_state[1]:
+            crep = encode_delta(self.keyframe_copy, checkpoint, local, threads=self.threads, durable=False)
+            if crep.base_fingerprint == kf_state[1]:
                 catchup_from = kf_state[0]
                 catchup_part = Part(f"{attempt}/catchup", os.path.getsize(local), file_hash(local))
         kf_parts: list[tuple[str, Part]] = []
@@ -323,7 +323,7 @@ class Publisher:
         log.info("published version %d (%s, %d bytes)", version, rec.kind, rec.part_bytes)
         return rec
 
-    def _remember_baseline(self, rep) -> None:
+    def _remember_baseline(self, rep: EncodeReport) -> None:
         """Keep ``rep``'s target segment hashes for the next encode, bound to the baseline file as it is
         now. The baseline has just been verified to hold ``rep``'s target fingerprint (both advance
         routes check it), so its segments hash to exactly these, barring a BLAKE3 collision. The
