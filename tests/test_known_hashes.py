@@ -9,6 +9,7 @@ accept wrong bytes.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import shutil
 
@@ -173,3 +174,24 @@ def test_a_delta_staged_without_fsync_is_the_same_file(pair, tmp_path, monkeypat
     assert sha(tmp_path / "staged.delta") == sha(tmp_path / "durable.delta")
     E.encode(bp, tp, str(tmp_path / "again.delta"))
     assert len(synced) == 2  # the file, then its directory
+
+
+def test_a_sharded_base_is_known_file_by_file(tmp_path):
+    base, target = pair_tensors(n_tensors=2, shape=(256, 1024), change=0.03)
+    d = tmp_path / "base"
+    d.mkdir()
+    names = sorted(base)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for fname, ns in shards.items():
+        write_tensors(d / fname, {n: base[n] for n in ns})
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}))
+    tp = write_tensors(tmp_path / "target.safetensors", target)
+    known = E.known_hashes(str(d))
+    assert len(known.identity) == 2  # one entry per shard file
+    E.encode(str(d), tp, str(tmp_path / "cold.delta"))
+    warm = E.encode(str(d), tp, str(tmp_path / "warm.delta"), known_base=known)
+    assert warm.base_hashes_known and sha(tmp_path / "cold.delta") == sha(tmp_path / "warm.delta")
+    flip_tensor_byte(str(d / "model-00002-of-00002.safetensors"))  # the other shard is untouched
+    assert not E.encode(str(d), tp, str(tmp_path / "again.delta"), known_base=known).base_hashes_known
