@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 
+import blake3
 import pytest
 import torch
 from _pairs import pair_tensors, sha, write_tensors
@@ -195,3 +196,59 @@ def test_a_sharded_base_is_known_file_by_file(tmp_path):
     assert warm.base_hashes_known and sha(tmp_path / "cold.delta") == sha(tmp_path / "warm.delta")
     flip_tensor_byte(str(d / "model-00002-of-00002.safetensors"))  # the other shard is untouched
     assert not E.encode(str(d), tp, str(tmp_path / "again.delta"), known_base=known).base_hashes_known
+
+
+def test_a_new_publisher_process_finds_the_kept_hashes(tmp_path, spy):
+    # `deltarefit publish` is a new process each time: the hashes live in the state directory too.
+    steps = _steps(tmp_path, 4)
+    store = LocalStore(str(tmp_path / "store"))
+
+    def pub() -> Publisher:  # a fresh object per publish: nothing carried in memory
+        return Publisher(store, str(tmp_path / "pub"), keyframe_every=100, keyframe_ratio=1000.0)
+
+    for s in steps:
+        pub().publish(s)
+    assert [r.base_hashes_known for r in spy] == [False, True, True]
+    p = pub()
+    assert p._known_base().hashes == E.known_hashes(p.baseline).hashes
+
+
+@pytest.mark.parametrize("damage", ["torn", "edited", "forged"])
+def test_a_damaged_hashes_file_never_breaks_a_publish(tmp_path, spy, damage, caplog):
+    steps = _steps(tmp_path, 3)
+    store = LocalStore(str(tmp_path / "store"))
+    p = Publisher(store, str(tmp_path / "pub"), keyframe_every=100, keyframe_ratio=1000.0)
+    p.publish(steps[0])
+    p.publish(steps[1])
+    path = p.known_path
+    data = open(path, "rb").read()
+    if damage == "torn":
+        data = data[: len(data) // 2]
+    elif damage == "edited":  # one hex digit of one hash changed, checksum left as it was
+        i = data.index(b'"hashes":{') + 40
+        data = data[:i] + (b"0" if data[i:i + 1] != b"0" else b"1") + data[i + 1:]
+    else:  # forged: the same identity, another checkpoint's hashes, a valid checksum
+        k = E.KnownHashes.from_bytes(data)
+        data = E.KnownHashes(k.identity, E.known_hashes(steps[0]).hashes).to_bytes()
+    with open(path, "wb") as f:
+        f.write(data)
+    rec = Publisher(store, str(tmp_path / "pub"), keyframe_every=100, keyframe_ratio=1000.0).publish(steps[2])
+    cold = str(tmp_path / "cold.delta")
+    E.encode(steps[1], steps[2], cold)
+    with open(cold, "rb") as f:
+        assert store.get(rec.delta.key) == f.read()  # the delta a cold encode writes
+    assert not spy[-1].base_hashes_known
+    assert "hashing the baseline" in caplog.text or "the baseline is hashed instead" in caplog.text
+
+
+def test_known_hashes_round_trip_and_refuse_what_is_not_theirs(pair):
+    bp, _ = pair
+    k = E.known_hashes(bp)
+    assert E.KnownHashes.from_bytes(k.to_bytes()) == k
+    data = k.to_bytes()
+    last = b"1" if data[-1:] == b"0" else b"0"
+    for bad, why in [(b"", "checksum"), (data[:-1] + last, "checksum"),
+                     (b'{"format":"other"}\n' + blake3.blake3(b'{"format":"other"}').hexdigest().encode(),
+                      "not a known-hashes file")]:
+        with pytest.raises(ValueError, match=why):
+            E.KnownHashes.from_bytes(bad)

@@ -8,6 +8,7 @@ bytes, whether the checkpoints are single files or sharded directories.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+import blake3
 import numpy as np
 
 from . import __version__
@@ -166,6 +168,36 @@ class KnownHashes:
 
     identity: tuple
     hashes: Mapping[str, bytes]
+
+    _FORMAT = "deltarefit.known-hashes"
+
+    def to_bytes(self) -> bytes:
+        """JSON (hashes in hex), then a newline and the hex BLAKE3 of the JSON: a torn or edited file
+        is refused by ``from_bytes``, never half read."""
+        body = json.dumps({"format": self._FORMAT, "version": 1, "identity": [list(x) for x in self.identity],
+                           "hashes": {n: h.hex() for n, h in self.hashes.items()}},
+                          sort_keys=True, separators=(",", ":")).encode()
+        return body + b"\n" + blake3.blake3(body).hexdigest().encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> KnownHashes:
+        """Parse ``to_bytes``' output; ValueError (naming what is wrong) for anything else."""
+        body, sep, digest = data.rpartition(b"\n")
+        if not sep or blake3.blake3(body).hexdigest().encode() != digest:
+            raise ValueError("checksum mismatch (torn or edited)")
+        d = json.loads(body)
+        if not isinstance(d, dict) or d.get("format") != cls._FORMAT or d.get("version") != 1:
+            raise ValueError("not a known-hashes file of version 1")
+        ident, hashes = d.get("identity"), d.get("hashes")
+        if not isinstance(ident, list) or not all(
+                isinstance(x, list) and len(x) == 6 and isinstance(x[0], str)
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in x[1:]) for x in ident):
+            raise ValueError("bad identity")
+        if not isinstance(hashes, dict) or not all(
+                isinstance(n, str) and isinstance(h, str) and len(h) % (2 * SEG_HASH_BYTES) == 0
+                for n, h in hashes.items()):
+            raise ValueError("bad hashes")
+        return cls(tuple(tuple(x) for x in ident), {n: bytes.fromhex(h) for n, h in hashes.items()})
 
 
 def known_hashes(path: str, *, threads: int | None = None) -> KnownHashes:

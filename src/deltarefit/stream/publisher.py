@@ -131,8 +131,10 @@ class Publisher:
         self.state_path = os.path.join(self.state_dir, "publisher.json")
         self.staging = os.path.join(self.state_dir, "staging")
         # The baseline's segment hashes, from the encode whose target it became (see _remember_baseline);
-        # used while the baseline file keeps its identity. In memory only: a new process hashes once.
+        # used while the baseline file keeps its identity. Kept in memory and in known_path, so that a
+        # publish in a new process (each `deltarefit publish`) finds them too.
         self._known: KnownHashes | None = None
+        self.known_path = os.path.join(self.state_dir, "baseline.hashes")
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -154,7 +156,7 @@ class Publisher:
         """Bring the baseline to the stream's head: finish our own publish that committed but died
         before its baseline advanced, and follow versions other publishers committed on our parent."""
         st = self.state()
-        for base in (self.baseline, self.keyframe_copy):  # copies a killed publish left behind
+        for base in (self.baseline, self.keyframe_copy, self.known_path):  # what a killed publish left behind
             for stale in glob.glob(glob.escape(base) + _TEMP_SUFFIX + "*"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(stale)
@@ -240,8 +242,16 @@ class Publisher:
             local = os.path.join(self.staging, "delta")
             # Staged, not durable: the store makes its copy durable, and nothing after a crash reads
             # the staged file (a rerun encodes again; recovery fetches the committed part).
-            rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, known_base=self._known,
+            rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, known_base=self._known_base(),
                                durable=False)
+            if rep.base_fingerprint != st.fingerprint and rep.base_hashes_known:
+                # The kept hashes do not describe the committed baseline (their file edited, or a write
+                # the identity missed): drop them and hash the baseline, so the check below is the
+                # same as without them.
+                log.warning("%s: kept baseline hashes do not match the committed version; hashing the baseline",
+                            self.known_path)
+                self._forget_known()
+                rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, durable=False)
             if rep.base_fingerprint != st.fingerprint:
                 raise StreamError(f"{self.baseline}: baseline fingerprint {rep.base_fingerprint[:16]}… is not the "
                                   f"committed {st.fingerprint[:16]}… (modified by hand?)")
@@ -330,6 +340,26 @@ class Publisher:
         identity is taken after our last write, so any later write to the file changes it."""
         with open_checkpoint(self.baseline) as ck:
             self._known = KnownHashes(ck.identity(), rep.target_hashes)
+        # A cache, so no fsync: a file torn by a power loss fails its checksum and is ignored.
+        tmp = _temp_beside(self.known_path)
+        with open(tmp, "wb") as f:
+            f.write(self._known.to_bytes())
+        os.replace(tmp, self.known_path)
+
+    def _known_base(self) -> KnownHashes | None:
+        """The kept baseline hashes, from memory or (a new process) from ``known_path``; None if none."""
+        if self._known is None and os.path.exists(self.known_path):
+            try:
+                with open(self.known_path, "rb") as f:
+                    self._known = KnownHashes.from_bytes(f.read())
+            except (OSError, ValueError) as e:
+                log.warning("%s: ignored (%s); the baseline is hashed instead", self.known_path, e)
+        return self._known
+
+    def _forget_known(self) -> None:
+        self._known = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.known_path)
 
     def _advance_by_copy(self, checkpoint: str, fp: str) -> bool:
         """Replace the baseline with a verified copy of the committed ``checkpoint`` (see ``advance``).
