@@ -59,10 +59,15 @@ class ChunkRecord:
     post_hash: bytes
 
     def pack(self) -> bytes:
-        return RECORD.pack(
-            self.tensor_index, self.chunk_index, self.encoding, 0, 0, self.n_changed, self.payload_offset,
-            self.payload_len, self.decoded_len, self.payload_hash, self.pre_hash, self.post_hash,
-        )
+        return _pack_record(self.tensor_index, self.chunk_index, self.encoding, self.n_changed, self.payload_offset,
+                            self.payload_len, self.decoded_len, self.payload_hash, self.pre_hash, self.post_hash)
+
+
+def _pack_record(tensor_index: int, chunk_index: int, encoding: int, n_changed: int, payload_offset: int,
+                 payload_len: int, decoded_len: int, payload_hash: bytes, pre_hash: bytes, post_hash: bytes) -> bytes:
+    """A chunk record's table bytes (the two reserved fields zero)."""
+    return RECORD.pack(tensor_index, chunk_index, encoding, 0, 0, n_changed, payload_offset, payload_len,
+                       decoded_len, payload_hash, pre_hash, post_hash)
 
 
 @dataclass(frozen=True)
@@ -125,8 +130,8 @@ class DeltaWriter:
     def add_chunk(self, tensor_index: int, chunk_index: int, encoding: int, n_changed: int, payload: bytes,
                   decoded_len: int, pre_hash: bytes, post_hash: bytes) -> None:
         self._f.write(payload)
-        self._table += RECORD.pack(tensor_index, chunk_index, encoding, 0, 0, n_changed, self._off, len(payload),
-                                   decoded_len, seg_hash(payload), pre_hash, post_hash)
+        self._table += _pack_record(tensor_index, chunk_index, encoding, n_changed, self._off, len(payload),
+                                    decoded_len, seg_hash(payload), pre_hash, post_hash)
         self.n_records += 1
         self._off += len(payload)
 

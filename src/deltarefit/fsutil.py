@@ -14,18 +14,21 @@ def fsync_dir(d: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, data: bytes) -> None:
+def write_atomic(path: str, data: bytes, *, durable: bool = True) -> None:
     """Write ``data`` to ``path`` whole or not at all: temp file, fsync, rename, fsync the directory.
-    Never truncates the old file (a reader may have it mapped)."""
+    Never truncates the old file (a reader may have it mapped). ``durable=False`` skips the fsyncs, for
+    a cache whose reader detects a file torn by a power loss."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if durable:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))

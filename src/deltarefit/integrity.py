@@ -49,7 +49,7 @@ def segment_hashes(raw: np.ndarray) -> list[bytes]:
 
 def tensor_digest_from_segments(dtype: str, shape: Sequence[int], nbytes: int, seg_hashes: Iterable[bytes]) -> bytes:
     segs = b"".join(seg_hashes)
-    if len(segs) != (nbytes + SEGMENT_BYTES - 1) // SEGMENT_BYTES * SEG_HASH_BYTES:
+    if len(segs) != n_segments(nbytes) * SEG_HASH_BYTES:
         raise ValueError(f"expected {n_segments(nbytes)} segment hashes for {nbytes} bytes, "
                          f"got {len(segs) / SEG_HASH_BYTES:g}")
     head = struct.pack(f"<I{len(shape)}QQ", len(shape), *map(int, shape), int(nbytes))

@@ -207,6 +207,10 @@ def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChun
 def encode_raw(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk | None:
     """``encode_chunk`` of two raw byte views (1-D uint8, equal length, whole elements), viewed as the
     dtype's uint here: the encoder's per-segment entry, kept lean (it runs once per MiB on every thread)."""
+    # The native path first, on the raw views as they are: going through uint_view (whose alignment
+    # check, ndarray.ctypes, costs microseconds) for every segment was 0.9-1.2 ms slower per encode of
+    # the real 3.5% pair in three of four alternating runs. encode_chunk tries the same path on the
+    # views it is given.
     if _native16(dt):
         try:
             return _encode_native16(dt, base, target)

@@ -341,10 +341,7 @@ class Publisher:
         with open_checkpoint(self.baseline) as ck:
             self._known = KnownHashes(ck.identity(), rep.target_hashes)
         # A cache, so no fsync: a file torn by a power loss fails its checksum and is ignored.
-        tmp = _temp_beside(self.known_path)
-        with open(tmp, "wb") as f:
-            f.write(self._known.to_bytes())
-        os.replace(tmp, self.known_path)
+        write_atomic(self.known_path, self._known.to_bytes(), durable=False)
 
     def _known_base(self) -> KnownHashes | None:
         """The kept baseline hashes, from memory or (a new process) from ``known_path``; None if none."""
