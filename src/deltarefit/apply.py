@@ -54,11 +54,56 @@ DEFAULT_CACHE_BYTES = 512 << 20
 
 
 class TensorTarget(Protocol):
-    """What apply needs of a place holding tensors (a checkpoint, a dict of torch tensors)."""
+    """What apply needs of a place holding tensors (a checkpoint, a dict of torch tensors).
+
+    ``raw`` gives a tensor's bytes in checkpoint (row-major safetensors) order as one writable uint8
+    array. A target whose tensors are not laid out that way (a live engine's parameters, where a
+    checkpoint tensor may be rows of a fused parameter) implements ``SegmentTarget`` instead.
+    """
 
     tensors: dict  # name -> object with .dtype (str), .shape (tuple), .nbytes (int)
 
     def raw(self, name: str) -> np.ndarray: ...
+
+
+class SegmentTarget(Protocol):
+    """A target read and written one segment at a time, in checkpoint coordinates.
+
+    ``read_segment`` returns the bytes of segment ``ci`` of tensor ``name`` as they are now (a view or a
+    gathered copy). ``write_segment`` writes ``patch`` (target bits in segment element coordinates) into
+    the tensor's storage; ``view`` is ``region`` seen as the dtype's unsigned integers, which the target
+    may patch in place. It returns the segment's bytes as they are after the write, read back from the
+    storage, which the applier hashes against the post-image. Only elements the patch names are written.
+    """
+
+    tensors: dict
+
+    def read_segment(self, name: str, ci: int) -> np.ndarray: ...
+
+    def write_segment(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray: ...
+
+
+class RawSegments:
+    """``SegmentTarget`` over a ``TensorTarget``: segments are slices of ``raw``, patched in place."""
+
+    def __init__(self, target: TensorTarget) -> None:
+        self.target = target
+        self.tensors = target.tensors
+
+    def read_segment(self, name: str, ci: int) -> np.ndarray:
+        off = ci * SEGMENT_BYTES
+        return self.target.raw(name)[off:off + SEGMENT_BYTES]
+
+    def write_segment(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray:
+        patch.apply_to(view)
+        if view.ctypes.data != region.ctypes.data:  # misaligned data was patched in a copy
+            region[:] = view.view(np.uint8)
+        return region
+
+
+def segments_of(target: TensorTarget | SegmentTarget) -> SegmentTarget:
+    """The segment access the applier uses for ``target``."""
+    return target if hasattr(target, "read_segment") else RawSegments(target)
 
 
 @dataclass
@@ -220,6 +265,7 @@ class Applier:
                  progress: Callable[[int], None] | None = None) -> None:
         self.d = delta
         self.t = target
+        self.segs = segments_of(target)
         self.journal = journal
         self.threads = threads or default_threads()
         self.cache_left = cache_bytes
@@ -281,8 +327,7 @@ class Applier:
 
     def _digest_of(self, pool, name: str) -> bytes:
         info = self.t.tensors[name]
-        raw = self.t.raw(name)
-        segs = list(pool.map(lambda o: seg_hash(raw[o:o + SEGMENT_BYTES]), range(0, info.nbytes, SEGMENT_BYTES)))
+        segs = list(pool.map(lambda ci: seg_hash(self.segs.read_segment(name, ci)), range(n_segments(info.nbytes))))
         return tensor_digest_from_segments(info.dtype, tuple(info.shape), info.nbytes, segs)
 
     def _check_digest(self, pool, e: TensorEntry, info, meta: TensorMeta, what: str) -> None:
@@ -300,12 +345,10 @@ class Applier:
         return _TensorPlan(e, state, chunks=list(pool.map(check, self.d.chunks(e))))
 
     def _plan_patch(self, pool, ti: int, e: TensorEntry) -> _TensorPlan:
-        raw = self.t.raw(e.name)
         recs = {r.chunk_index: r for r in self.d.chunks(e)}
 
         def seg(ci: int) -> tuple[bytes, _ChunkPlan | None]:
-            off = ci * SEGMENT_BYTES
-            region = raw[off:off + SEGMENT_BYTES]
+            region = self.segs.read_segment(e.name, ci)
             h = seg_hash(region)
             if self.progress:
                 self.progress(region.size)
@@ -372,16 +415,12 @@ class Applier:
 
         def do(tp: _TensorPlan, ti: int, c: _ChunkPlan) -> int:
             e, r = tp.entry, c.rec
-            raw = self.t.raw(e.name)
-            off = r.chunk_index * SEGMENT_BYTES
-            region = raw[off:off + SEGMENT_BYTES]
+            region = self.segs.read_segment(e.name, r.chunk_index)
             view = uint_view(region, e.base.dtype)
             patch = c.patch or _decode(self.d, e, r, view)
             if c.state == "todo" and self.journal:
                 self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch, view)
-            patch.apply_to(view)
-            if view.ctypes.data != region.ctypes.data:  # misaligned data was patched in a copy
-                region[:] = view.view(np.uint8)
+            region = self.segs.write_segment(e.name, r.chunk_index, region, view, patch)
             if seg_hash(region) != r.post_hash:
                 raise VerificationError(f"{_where(e, r)}: region does not hash to the post-image after writing")
             tp.segs[r.chunk_index] = r.post_hash

@@ -1,0 +1,237 @@
+"""A live engine's parameters as an apply target: checkpoint tensors placed in parameters by affine pieces.
+
+An inference engine does not hold checkpoint tensors as they are on disk. A ``q_proj`` is rows of a
+fused ``qkv_proj``, a weight may be stored transposed, an embedding padded to a multiple of 64 rows.
+``LiveTarget`` is the ``apply.SegmentTarget`` over such a layout: for every checkpoint tensor, a list of
+``Placement`` (a parameter and a ``shard.projection.Piece`` saying which elements of the checkpoint
+tensor live where in it). The applier then runs its one protocol over it unchanged:
+
+* a segment is read by gathering its elements from the parameters (a slice where the piece is a
+  contiguous run of both, which is every piece of a Llama layout at tensor parallel size 1), so base
+  and post-image checks hash exactly what the engine computes with;
+* a write scatters only the elements the patch names (O(changed elements)) into every placement of
+  them (an owner and its replicas), then reads the segment back for the applier's post-image check.
+
+Each checkpoint tensor must be covered whole by owner pieces that do not overlap: a worker that holds
+only a slice of a tensor cannot check a segment's BLAKE3 alone, and is refused here.
+
+Parameters may be on any torch device; CPU parameters are read and written through numpy views of
+their memory, others through torch indexing (one gathered segment crosses to the host per read).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..codec.chunk import Patch
+from ..dtypes import dtype as lookup_dtype
+from ..errors import UsageError
+from ..integrity import SEGMENT_BYTES
+from ..shard.projection import Piece, intersect_boxes
+
+__all__ = ["LiveTarget", "Placement", "TargetUnion", "contiguous_run"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a box of checkpoint tensor ``piece.name`` lives: in parameter ``param`` (``piece.local_shape``)."""
+
+    param: str
+    piece: Piece
+
+
+@dataclass(frozen=True)
+class _Info:
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def contiguous_run(p: Piece) -> tuple[int, int, int] | None:
+    """(checkpoint flat start, local flat start, count) when the piece maps a run of consecutive checkpoint
+    elements onto a run of consecutive local ones in the same order; None otherwise."""
+
+    def run(shape: Sequence[int], coords: Sequence[tuple[int, int]]) -> int | None:
+        # A box (per dim: start, length) is one run iff the dims after the first with length > 1 are full.
+        seen = False
+        for n, (off, ln) in zip(shape, coords, strict=True):
+            if seen and (off != 0 or ln != n):
+                return None
+            if ln > 1:
+                seen = True
+        return int(np.ravel_multi_index([off for off, _ in coords], shape)) if all(n for n in shape) else 0
+
+    axes = sorted(p.axes, key=lambda a: a.dst_dim)
+    if any(a.length > 1 and (a.dst_stride != 1 or a.src_stride != 1) for a in p.axes) or p.count == 0:
+        return None
+    # Same element order on both sides: the local dims, in order, must run along checkpoint dims in order.
+    moving = [a.dst_dim for a in p.axes if a.length > 1]
+    if moving != sorted(moving):
+        return None
+    c0 = run(p.shape, [(a.dst_off, a.length) for a in axes])
+    l0 = run(p.local_shape, [(a.src_off, a.length) for a in p.axes])
+    if c0 is None or l0 is None:
+        return None
+    return c0, l0, p.count
+
+
+class _Flat:
+    """A parameter's elements as one flat array of the dtype's unsigned integers."""
+
+    def __init__(self, name: str, t, uint: np.dtype) -> None:
+        import torch
+
+        if not t.is_contiguous():
+            raise UsageError(f"parameter {name!r} is not contiguous; live apply needs contiguous parameters")
+        self.t = t
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        flat = t.detach().reshape(-1).view(ints)
+        self.cpu = t.device.type == "cpu"
+        self.np = flat.numpy().view(uint) if self.cpu else None
+        self.torch = flat
+        self.uint = uint
+
+    def take(self, idx: np.ndarray) -> np.ndarray:
+        if self.cpu:
+            return self.np[idx]
+        import torch
+
+        return self.torch[torch.from_numpy(idx).to(self.torch.device)].cpu().numpy().view(self.uint)
+
+    def put(self, idx: np.ndarray, vals: np.ndarray) -> None:
+        if self.cpu:
+            self.np[idx] = vals
+            return
+        import torch
+
+        dev = self.torch.device
+        signed = np.ascontiguousarray(vals).view(_signed(np.dtype(vals.dtype)))
+        self.torch[torch.from_numpy(idx).to(dev)] = torch.from_numpy(signed).to(dev)
+
+    def read_run(self, l0: int, n: int) -> np.ndarray:
+        if self.cpu:
+            return self.np[l0:l0 + n]
+        return self.torch[l0:l0 + n].cpu().numpy().view(self.uint)
+
+
+def _signed(u: np.dtype) -> np.dtype:
+    return np.dtype(np.uint8) if u.itemsize == 1 else np.dtype(f"<i{u.itemsize}")
+
+
+class LiveTarget:
+    """``apply.SegmentTarget`` over engine parameters holding checkpoint tensors through ``Placement`` s.
+
+    ``specs``: checkpoint tensor name -> (safetensors dtype name, shape), for the tensors placed.
+    ``params``: parameter name -> torch tensor (the live storage). Refuses, with nothing written, a
+    layout that does not cover a tensor exactly once by owner pieces, or whose parameter dtype differs.
+    """
+
+    def __init__(self, params: Mapping[str, object], layout: Mapping[str, Sequence[Placement]],
+                 specs: Mapping[str, tuple[str, Sequence[int]]]) -> None:
+        self.tensors: dict[str, _Info] = {}
+        self._flat: dict[str, _Flat] = {}
+        self._place: dict[str, list[tuple[Placement, tuple[int, int, int] | None]]] = {}
+        for name, places in layout.items():
+            dt_name, shape = specs[name]
+            shape = tuple(int(d) for d in shape)
+            dt = lookup_dtype(dt_name)
+            numel = math.prod(shape)
+            self.tensors[name] = _Info(dt_name, shape, numel * dt.itemsize)
+            owners = [pl for pl in places if pl.piece.owner]
+            if sum(pl.piece.count for pl in owners) != numel:
+                raise UsageError(f"tensor {name!r}: its placements cover {sum(pl.piece.count for pl in owners)} of "
+                                 f"{numel} elements; a live target needs each tensor whole on this worker")
+            for i, a in enumerate(owners):
+                for b in owners[i + 1:]:
+                    if intersect_boxes(a.piece.box(), b.piece.box()) is not None:
+                        raise UsageError(f"tensor {name!r}: placements in {a.param!r} and {b.param!r} overlap")
+            for pl in places:
+                if pl.piece.name != name or pl.piece.shape != shape:
+                    raise UsageError(f"placement of {name!r} in {pl.param!r} is a piece of "
+                                     f"{pl.piece.name!r}{list(pl.piece.shape)}")
+                if pl.param not in params:
+                    raise UsageError(f"tensor {name!r}: no parameter {pl.param!r}")
+                if pl.param not in self._flat:
+                    t = params[pl.param]
+                    if t.element_size() != dt.itemsize or tuple(t.shape) != pl.piece.local_shape:
+                        raise UsageError(f"parameter {pl.param!r} is {t.dtype}{list(t.shape)}; tensor {name!r} "
+                                         f"({dt_name}) is placed in it as {list(pl.piece.local_shape)}")
+                    self._flat[pl.param] = _Flat(pl.param, t, np.dtype(dt.uint))
+            self._place[name] = [(pl, contiguous_run(pl.piece)) for pl in sorted(places, key=lambda p: not p.piece.owner)]
+
+    def _range(self, name: str, ci: int) -> tuple[int, int, np.dtype]:
+        info = self.tensors[name]
+        dt = lookup_dtype(info.dtype)
+        per = SEGMENT_BYTES // dt.itemsize
+        a = ci * per
+        return a, min(info.nbytes // dt.itemsize, a + per), np.dtype(dt.uint)
+
+    def read_segment(self, name: str, ci: int) -> np.ndarray:
+        a, b, uint = self._range(name, ci)
+        out = np.empty(b - a, uint)
+        for pl, run in self._place[name]:
+            if not pl.piece.owner:
+                continue
+            flat = self._flat[pl.param]
+            if run is not None:
+                c0, l0, n = run
+                lo, hi = max(a, c0), min(b, c0 + n)
+                if lo < hi:
+                    out[lo - a:hi - a] = flat.read_run(l0 + lo - c0, hi - lo)
+                continue
+            loc = pl.piece.to_local(np.arange(a, b, dtype=np.int64))
+            m = loc >= 0
+            if m.any():
+                out[m] = flat.take(loc[m])
+        return out.view(np.uint8)
+
+    def write_segment(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray:
+        a, b, _ = self._range(name, ci)
+        if patch.dense is not None:
+            pos, vals = np.arange(b - a, dtype=np.int64), patch.dense
+        elif patch.positions is not None and patch.positions.size:
+            pos, vals = patch.positions.astype(np.int64, copy=False), patch.values
+        else:
+            return self.read_segment(name, ci)
+        ck = pos + a
+        for pl, run in self._place[name]:
+            flat = self._flat[pl.param]
+            if run is not None:
+                c0, l0, n = run
+                sel = (ck >= c0) & (ck < c0 + n)
+                if sel.any():
+                    flat.put(ck[sel] - c0 + l0, vals[sel])
+                continue
+            loc = pl.piece.to_local(ck)
+            m = loc >= 0
+            if m.any():
+                flat.put(loc[m], vals[m])
+        return self.read_segment(name, ci)
+
+
+class TargetUnion:
+    """One ``SegmentTarget`` over several disjoint ones (live placements beside host copies of the
+    tensors an engine reloads), each tensor read and written through the target that holds it."""
+
+    def __init__(self, *targets: object) -> None:
+        from ..apply import segments_of
+
+        self.tensors: dict = {}
+        self._of: dict[str, object] = {}
+        for t in targets:
+            seg = segments_of(t)
+            for n, info in t.tensors.items():
+                if n in self.tensors:
+                    raise UsageError(f"tensor {n!r} is held by two targets")
+                self.tensors[n] = info
+                self._of[n] = seg
+
+    def read_segment(self, name: str, ci: int) -> np.ndarray:
+        return self._of[name].read_segment(name, ci)
+
+    def write_segment(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray:
+        return self._of[name].write_segment(name, ci, region, view, patch)
