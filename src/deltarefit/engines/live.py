@@ -33,7 +33,7 @@ from ..errors import UsageError
 from ..integrity import SEGMENT_BYTES
 from ..shard.projection import Piece, intersect_boxes
 
-__all__ = ["LiveTarget", "Placement", "TargetUnion", "contiguous_run"]
+__all__ = ["LiveTarget", "Placement", "TargetUnion", "apply_live", "contiguous_run"]
 
 
 @dataclass(frozen=True)
@@ -235,3 +235,15 @@ class TargetUnion:
 
     def write_segment(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray:
         return self._of[name].write_segment(name, ci, region, view, patch)
+
+
+def apply_live(delta_path: str, target: object, *, threads: int | None = None):
+    """Apply a delta into a live target (``LiveTarget``, ``TargetUnion``) through the one apply protocol:
+    base verified, every post-image checked, then only changed elements written, then verified. No
+    journal: the target is memory, and a rerun after any failure completes it (chunks already at their
+    post-image are skipped). Deltas that add, remove or re-type tensors are refused before any write."""
+    from ..apply import run_apply
+    from ..format import DeltaReader
+
+    with DeltaReader(delta_path) as d:
+        return run_apply(d, target, journal=None, threads=threads)
