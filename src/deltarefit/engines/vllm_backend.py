@@ -1,0 +1,257 @@
+"""deltarefit as a native vLLM weight-transfer backend (``vllm/distributed/weight_transfer``).
+
+Selected with one config line, as RL frameworks switch backends::
+
+    vllm serve CKPT --weight-transfer-config '{"backend": "deltarefit"}'
+    LLM(model=CKPT, weight_transfer_config={"backend": "deltarefit"})
+
+The backend is registered by the ``vllm.general_plugins`` entry point ``deltarefit``
+(``deltarefit_vllm_plugin:register``, which vLLM runs in every process; this module is imported only
+when vLLM creates the engine).
+
+Worker side (``DeltaRefitWeightTransferEngine``):
+
+* ``init_weight_transfer_engine({"stream": DIR_OR_S3_URL, "verify_key": ..., "version": ...})`` builds the
+  worker's ``LiveEngine`` (layout captured from the model's own loader, checked against the checkpoint the
+  engine was loaded from) and finds the version it holds (``version``, or the newest one whose
+  fingerprint it has).
+* ``update_weights({"version": N})`` (between ``start_weight_update`` and ``finish_weight_update``) makes
+  the worker sync from the stream itself: records read and checked (parent links, signatures with
+  ``verify_key``), the cheapest route staged and checked before any write, each delta applied in place
+  (O(changed elements) written), a keyframe through the reload path. The held version moves only after
+  each apply verified. A failure leaves the worker at a verified version or completable by sending
+  the same update again; nothing needs a restart.
+
+Trainer side (``DeltaRefitTrainerWeightTransferEngine``): a ``Publisher`` on the trainer's stream;
+``send_weights(checkpoint)`` publishes the checkpoint as the next version and drives the round trip
+(start, update with that version, finish with ``weight_version=str(version)``) through any
+``VLLMWeightSyncClient`` (vLLM's HTTP or Ray clients, or ``LLMClient`` below for an in-process ``LLM``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ..errors import UsageError
+from ..storage.base import open_store
+from ..stream.records import StreamError, head, load_commit
+from ..stream.subscriber import Subscriber
+
+log = logging.getLogger(__name__)
+
+BACKEND = "deltarefit"
+
+__all__ = ["BACKEND", "DeltaRefitInitInfo", "DeltaRefitTrainerInitInfo", "DeltaRefitTrainerWeightTransferEngine",
+           "DeltaRefitUpdateInfo", "DeltaRefitWeightTransferEngine", "LLMClient"]
+
+
+@dataclass
+class DeltaRefitInitInfo(WeightTransferInitInfo):
+    stream: str  # a directory or an s3:// URL
+    verify_key: str | None = None  # Ed25519 public key: records must be signed by it
+    version: int | None = None  # the version the engine was started from (default: found by fingerprint)
+    checkpoint: str | None = None  # what the engine was loaded from (default: the model path)
+    subscriber_id: str | None = None
+
+
+@dataclass
+class DeltaRefitUpdateInfo(WeightTransferUpdateInfo):
+    version: int | None = None  # default: the stream's head
+    stream: str | None = None  # must name the stream given at init, when given
+
+
+class _EngineSubscriber(Subscriber):
+    """The stream subscriber with the held version in the worker's memory (the engine's weights), not in a
+    file beside a checkpoint: a restarted engine holds what it loaded, whatever a file says."""
+
+    def __init__(self, store: Any, live: Any, held: tuple[int, str], **kw: Any) -> None:
+        scratch = tempfile.mkdtemp(prefix="deltarefit-engine-")
+        super().__init__(store, os.path.join(scratch, "keyframe"), apply_hook=self._apply,
+                         keyframe_hook=self._keyframe, **kw)
+        self.live = live
+        self.held = held
+        self.reports: list[Any] = []
+
+    def current(self) -> tuple[int, str] | None:
+        return self.held
+
+    def _record(self, version: int, fp: str) -> None:
+        self.held = (version, fp)
+        try:  # a heartbeat for retention; losing it costs nothing but an earlier prune
+            import json
+
+            from ..stream.records import now
+
+            self.store.put(f"subs/{self.id}.json", json.dumps({"version": version, "updated": now()}).encode())
+        except Exception as e:
+            log.warning("could not record subscriber position: %s", e)
+
+    def _adopt(self) -> tuple[int, str] | None:
+        return self.held
+
+    def _adopt_by_fingerprint(self, *, above: int) -> tuple[int | None, str]:
+        return None, self.held[1]  # the engine's version is known; nothing on disk to adopt
+
+    def _apply(self, delta_path: str) -> str:
+        rep = self.live.apply(delta_path)
+        self.reports.append(rep)
+        return rep.target_fingerprint
+
+    def _keyframe(self) -> None:
+        self.live.reload_all(self.checkpoint)
+        import shutil
+
+        shutil.rmtree(self.checkpoint, ignore_errors=True)
+
+
+def held_version(store: Any, fingerprint: str, version: int | None) -> tuple[int, str]:
+    """The version an engine holding ``fingerprint`` is at: ``version`` if its record says that
+    fingerprint, else the newest version that does; refuses an engine that holds no version."""
+    if version is not None:
+        rec = load_commit(store, version)
+        if rec.fingerprint != fingerprint:
+            raise StreamError(f"{store.url} version {version} is {rec.fingerprint[:16]}…; the engine holds "
+                              f"{fingerprint[:16]}…")
+        return version, fingerprint
+    for v in range(head(store), 0, -1):
+        if load_commit(store, v).fingerprint == fingerprint:
+            return v, fingerprint
+    raise StreamError(f"the engine's weights ({fingerprint[:16]}…) are no version of {store.url}; start it "
+                      "from a version's checkpoint")
+
+
+class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, DeltaRefitUpdateInfo]):
+    """vLLM worker side of the deltarefit backend (see the module docstring)."""
+
+    init_info_cls = DeltaRefitInitInfo
+    update_info_cls = DeltaRefitUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.live = None
+        self.sub: _EngineSubscriber | None = None
+        self.info: DeltaRefitInitInfo | None = None
+        self.last: dict[str, Any] = {}
+
+    def init_transfer_engine(self, init_info: DeltaRefitInitInfo) -> None:
+        from .vllm_live import LiveEngine
+
+        ckpt = init_info.checkpoint or self.model_config.model
+        if not os.path.isdir(ckpt):
+            raise UsageError(f"{ckpt}: the engine's checkpoint directory (what it was loaded from) is needed once, "
+                             "to capture and check its layout")
+        self.live = LiveEngine(self.model, self.vllm_config, ckpt)
+        store = open_store(init_info.stream)
+        held = held_version(store, self.live.fingerprint, init_info.version)
+        self.sub = _EngineSubscriber(store, self.live, held, public_key=init_info.verify_key,
+                                     subscriber_id=init_info.subscriber_id)
+        self.info = init_info
+        log.info("deltarefit: engine at version %d of %s; %s", held[0], store.url,
+                 {k: v for k, v in self.live.describe().items() if k in ("host_bytes", "seconds_init")})
+
+    def start_weight_update(self) -> None:
+        if self.sub is None:
+            raise UsageError("deltarefit: call init_weight_transfer_engine with the stream first")
+
+    def receive_weights(self, update_info: DeltaRefitUpdateInfo) -> None:
+        if self.sub is None or self.info is None:
+            raise UsageError("deltarefit: call init_weight_transfer_engine with the stream first")
+        if update_info.stream is not None and update_info.stream != self.info.stream:
+            raise UsageError(f"deltarefit: this engine follows {self.info.stream}, not {update_info.stream}")
+        self.sub.reports = []
+        rep = self.sub.sync(to_version=update_info.version)
+        self.last = {"version": rep.version, "fingerprint": rep.fingerprint, "route": rep.route,
+                     "bytes_fetched": rep.bytes_fetched, "versions_applied": rep.versions_applied,
+                     "refits": [vars(r) for r in self.sub.reports]}
+        log.info("deltarefit: version %d -> %d via %s, %d bytes", rep.from_version, rep.version, rep.route,
+                 rep.bytes_fetched)
+
+    def finish_weight_update(self) -> None:
+        pass  # applied in place and verified in receive_weights; nothing is deferred
+
+    def shutdown(self) -> None:
+        self.sub = None
+
+
+class LLMClient:
+    """``VLLMWeightSyncClient`` over an in-process ``vllm.LLM``; resets its prefix cache after a finish
+    (cached blocks were computed with the old weights)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+        self.llm.reset_prefix_cache()
+
+
+@dataclass
+class DeltaRefitTrainerInitInfo(TrainerInitInfo):
+    backend: ClassVar[str] = BACKEND
+
+    stream: str  # a directory or an s3:// URL the engines can read
+    state_dir: str  # the publisher's state (its baseline)
+    signing_key: str | None = None  # Ed25519 private key file: records are signed
+    verify_key: str | None = None  # the matching public key, handed to the engines
+    keyframe_every: int = 20
+    engine_version: int | None = None  # the version the engines were started from
+
+
+class DeltaRefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaRefitTrainerInitInfo]):
+    """vLLM trainer side of the deltarefit backend: a Publisher and the update round trip."""
+
+    init_info_cls = DeltaRefitTrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info: DeltaRefitTrainerInitInfo, *, client: Any, source: Any = None):
+        from ..stream.publisher import Publisher
+
+        self = cls(client=client, source=source, is_sender=init_info.is_sender)
+        self.init_info = init_info
+        self.publisher = Publisher(init_info.stream, init_info.state_dir, keyframe_every=init_info.keyframe_every,
+                                   signing_key=init_info.signing_key)
+        self.engines_ready = False
+        return self
+
+    def _init_engines(self) -> None:
+        info = {"stream": self.init_info.stream, "verify_key": self.init_info.verify_key,
+                "version": self.init_info.engine_version}
+        self.client.init_weight_transfer_engine({k: v for k, v in info.items() if v is not None})
+        self.engines_ready = True
+
+    def send_weights(self, checkpoint: str | None = None, *, step: int | None = None) -> int:
+        """Publish ``checkpoint`` (the trainer's new weights in the served dtype) as the next version and
+        bring the engines to it; returns the version. With no checkpoint, brings them to the head."""
+        version = head(self.publisher.store)
+        if checkpoint is not None and self.is_sender:
+            version = self.publisher.publish(checkpoint, step=step).version
+        if not self.is_sender:
+            return version
+        if not self.engines_ready:
+            self._init_engines()
+        self.client.start_weight_update()
+        self.client.update_weights({"version": version})
+        self.client.finish_weight_update(weight_version=str(version))
+        return version

