@@ -13,7 +13,10 @@ MODULE = "deltarefit.engines.vllm_backend"
 
 def register() -> None:
     """Register the worker and trainer engines (idempotent: vLLM may call it more than once)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, MODULE, "DeltaRefitWeightTransferEngine")
