@@ -283,6 +283,38 @@ class DeltaRefitWorkerExtension:
         return {"ok": True, "rank": rank, "target_fingerprint": fp, "tensors_reloaded": len(fed),
                 "bytes_reloaded": nbytes, "seconds": time.perf_counter() - t0}
 
+    # -- in place -------------------------------------------------------------------------------------
+
+    def _deltarefit_live(self, checkpoint_dir: str | None) -> Any:
+        """This worker's ``LiveEngine``: the weight-transfer backend's if it has one, else built once
+        from ``checkpoint_dir`` (what the engine was loaded from)."""
+        wte = getattr(self, "weight_transfer_engine", None)
+        live = getattr(wte, "live", None) or getattr(self, "_deltarefit_live_engine", None)
+        if live is None:
+            from .vllm_live import LiveEngine
+
+            if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
+                raise UsageError(f"{checkpoint_dir}: the checkpoint the engine was loaded from is needed once, to "
+                                 "capture and check its layout")
+            live = LiveEngine(self._deltarefit_model(), self.vllm_config, checkpoint_dir)
+            self._deltarefit_live_engine = live
+        return live
+
+    def deltarefit_live_apply(self, delta_path: str, checkpoint_dir: str | None = None) -> dict[str, Any]:
+        """Apply the delta in place into the engine's parameters (``LiveEngine.apply``); no file is written.
+        Errors come back as ``{"ok": False, ...}`` as for ``apply_delta``."""
+        rank = getattr(self, "rank", None)
+        try:
+            rep = self._deltarefit_live(checkpoint_dir).apply(delta_path)
+        except DeltaRefitError as e:
+            log.warning("deltarefit live refit refused on rank %s: %s", rank, e)
+            return {"ok": False, "rank": rank, "error_type": type(e).__name__, "error": str(e)}
+        return {"ok": True, "rank": rank, **vars(rep)}
+
+    def deltarefit_live_describe(self, checkpoint_dir: str | None = None) -> dict[str, Any]:
+        """What this worker writes in place and what it reloads (and why)."""
+        return self._deltarefit_live(checkpoint_dir).describe()
+
     # -- checks ---------------------------------------------------------------------------------------
 
     def deltarefit_verify(self, checkpoint_dir: str, names: list[str] | None = None) -> dict[str, Any]:
@@ -436,6 +468,28 @@ def refit_engine(llm: Any, delta_path: str, checkpoint_dir: str, *, verify: bool
         "bytes_reloaded": sum(r["bytes_reloaded"] for r in reports),
         "seconds": time.perf_counter() - t0, "workers": reports,
     }
+
+
+def refit_engine_in_place(llm: Any, delta_path: str, checkpoint_dir: str | None = None, *,
+                          timeout: float | None = None) -> dict[str, Any]:
+    """Refit a running ``vllm.LLM`` in place (``deltarefit.engines.vllm_live``): only changed elements are
+    written into its parameters, tensors whose kernel keeps its own copy are reloaded through vLLM's loader
+    from host copies, and nothing is written to disk. ``checkpoint_dir``: what the engine was loaded from,
+    read once per worker to capture and check the layout (not needed with the weight-transfer backend
+    initialized). A refused delta leaves the engine exactly at its version; after any failure, calling
+    again with the same delta completes it. The prefix cache is reset afterwards."""
+    reports = llm.collective_rpc("deltarefit_live_apply", timeout=timeout,
+                                 args=(os.path.abspath(delta_path),
+                                       os.path.abspath(checkpoint_dir) if checkpoint_dir else None))
+    failed = [r for r in reports if not r.get("ok")]
+    if failed:
+        _raise(failed[0])
+    fps = {r["target_fingerprint"] for r in reports}
+    if len(fps) != 1:
+        raise errors.VerificationError(f"workers disagree on the target fingerprint: {sorted(fps)}")
+    with contextlib.suppress(AttributeError):
+        llm.reset_prefix_cache()
+    return {"ok": True, "target_fingerprint": fps.pop(), "workers": reports}
 
 
 def reload_engine(llm: Any, checkpoint_dir: str, *, timeout: float | None = None) -> dict[str, Any]:

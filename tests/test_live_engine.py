@@ -1,0 +1,232 @@
+"""In-place refit of live parameters through layouts captured from a model's own loader (no vLLM needed).
+
+The model here is a real torch module with a loader in vLLM's style: q/k/v rows copied into one fused
+parameter through ``narrow(...).copy_``, a weight stored transposed, an embedding padded to a multiple of
+8 rows (the padding filled), a norm copied whole. Checkpoints are real safetensors files; deltas are real
+encodes of a base and a target that differ by one ulp at about 3% of the elements.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from deltarefit.encode import encode
+from deltarefit.engines.capture import capture_layout
+from deltarefit.engines.live import LiveTarget, Placement, apply_live
+from deltarefit.engines.vllm_live import LiveEngine
+from deltarefit.errors import BaseMismatchError, DeltaRefitError
+from deltarefit.shard.projection import Axis, Piece
+
+H, V, F = 64, 50, 96  # hidden, vocab (padded to 56), ffn
+
+SHAPES = {"embed.weight": (V, H), "layers.0.q_proj.weight": (H, H), "layers.0.k_proj.weight": (32, H),
+          "layers.0.v_proj.weight": (32, H), "layers.0.down_proj.weight": (H, F), "layers.0.norm.weight": (H,)}
+
+
+class Model(torch.nn.Module):
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+    def __init__(self) -> None:
+        super().__init__()
+        z = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=torch.bfloat16), requires_grad=False)  # noqa: E731
+        self.embed = torch.nn.Module()
+        self.embed.weight = z(56, H)
+        layer = torch.nn.Module()
+        layer.qkv_proj = torch.nn.Module()
+        layer.qkv_proj.weight = z(H + 64, H)
+        layer.down_proj = torch.nn.Module()
+        layer.down_proj.weight = z(F, H)  # stored transposed
+        layer.norm = torch.nn.Module()
+        layer.norm.weight = z(H)
+        self.layers = torch.nn.ModuleList([layer])
+
+    def load_weights(self, weights) -> set[str]:
+        params = dict(self.named_parameters())
+        for name, w in weights:
+            for part, off in (("q_proj", 0), ("k_proj", H), ("v_proj", H + 32)):
+                if f".{part}." in name:
+                    p = params[name.replace(part, "qkv_proj")]
+                    p.data.narrow(0, off, w.shape[0]).copy_(w)
+                    break
+            else:
+                if "down_proj" in name:
+                    params[name].data.copy_(w.t())
+                elif name == "embed.weight":
+                    params[name].data[: w.shape[0]].copy_(w)
+                    params[name].data[w.shape[0]:].fill_(0)
+                else:
+                    params[name].data.copy_(w)
+        return set()
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: (torch.randn(s, generator=g) * 0.05).to(torch.bfloat16) for n, s in SHAPES.items()}
+
+
+def _step(ts: dict[str, torch.Tensor], seed: int, frac: float = 0.03) -> dict[str, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for n, t in ts.items():
+        bits = t.clone().view(torch.int16).view(-1).numpy()
+        idx = rng.choice(bits.size, max(1, int(bits.size * frac)), replace=False)
+        bits[idx] += rng.choice(np.array([-1, 1], np.int16), idx.size)
+        out[n] = torch.from_numpy(bits).view(torch.bfloat16).view(t.shape)
+    return out
+
+
+def _save(ts: dict[str, torch.Tensor], d: str) -> str:
+    os.makedirs(d, exist_ok=True)
+    save_file(ts, os.path.join(d, "model.safetensors"))
+    return d
+
+
+def _bits(m: torch.nn.Module) -> dict[str, bytes]:
+    return {n: p.detach().contiguous().view(torch.uint8).numpy().tobytes() for n, p in m.named_parameters()}
+
+
+def _loaded(ts: dict[str, torch.Tensor]) -> Model:
+    m = Model()
+    with torch.no_grad():
+        m.load_weights(ts.items())
+    return m
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    root = tmp_path_factory.mktemp("live")
+    base = _tensors(0)
+    target = _step(base, 1)
+    other = _tensors(7)
+    dirs = {k: _save(v, str(root / k)) for k, v in (("base", base), ("target", target), ("other", other))}
+    deltas = {"step": str(root / "step.delta"), "wrong": str(root / "wrong.delta")}
+    encode(dirs["base"], dirs["target"], deltas["step"])
+    encode(dirs["other"], dirs["target"], deltas["wrong"])
+    return {"base": base, "target": target, "dirs": dirs, "deltas": deltas, "root": root}
+
+
+def test_capture_records_fused_transposed_and_padded_copies_and_writes_nothing(chain):
+    m = _loaded(chain["base"])
+    before = _bits(m)
+    params = dict(m.named_parameters())
+    lay = capture_layout(m.load_weights, params, {n: (torch.bfloat16, s) for n, s in SHAPES.items()})
+    assert lay.reload == {}
+    assert _bits(m) == before  # the probes' copies and fills were recorded, not executed
+    (k,) = lay.placements["layers.0.k_proj.weight"]
+    assert k.param == "layers.0.qkv_proj.weight" and k.piece.axes[0].src_off == H
+    (down,) = lay.placements["layers.0.down_proj.weight"]
+    assert [a.dst_dim for a in down.piece.axes] == [1, 0]  # transposed
+    live = LiveTarget(params, lay.placements, {n: ("BF16", s) for n, s in SHAPES.items()})
+    for n, t in chain["base"].items():
+        assert live.read_segment(n, 0).tobytes() == t.contiguous().view(torch.uint8).numpy().tobytes(), n
+
+
+def test_capture_marks_non_copy_loads_for_reload():
+    class Odd(Model):
+        def load_weights(self, weights):
+            params = dict(self.named_parameters())
+            for name, w in weights:
+                if name == "embed.weight":
+                    params[name].data[: w.shape[0]].copy_(w.float().to(torch.bfloat16) * 2)  # computed
+                elif name == "layers.0.norm.weight":
+                    params[name].data.add_(w)  # not a copy
+                else:
+                    raise ValueError("no such parameter")
+
+    m = Odd()
+    lay = capture_layout(m.load_weights, dict(m.named_parameters()),
+                         {n: (torch.bfloat16, s) for n, s in SHAPES.items()})
+    assert lay.placements == {}
+    assert "computed" in lay.reload["embed.weight"]
+    assert "add_" in lay.reload["layers.0.norm.weight"]
+    assert "ValueError" in lay.reload["layers.0.q_proj.weight"]
+
+
+def test_live_engine_refits_in_place_bit_exact_and_refuses_wrong_bases(chain):
+    m = _loaded(chain["base"])
+    eng = LiveEngine(m, None, chain["dirs"]["base"])
+    assert eng.reload_reasons == {} and len(eng.placements) == len(SHAPES)
+    before = _bits(m)
+    for bad, exc in ((chain["deltas"]["wrong"], BaseMismatchError),):
+        with pytest.raises(exc):
+            eng.apply(bad)
+        assert _bits(m) == before
+    # a truncated delta and one with a flipped payload byte: refused, nothing written
+    data = open(chain["deltas"]["step"], "rb").read()
+    for i, blob in enumerate((data[: len(data) // 2], data[:-200] + bytes([data[-200] ^ 0x10]) + data[-199:])):
+        p = str(chain["root"] / f"bad{i}.delta")
+        open(p, "wb").write(blob)
+        with pytest.raises(DeltaRefitError):
+            eng.apply(p)
+        assert _bits(m) == before
+    rep = eng.apply(chain["deltas"]["step"])
+    assert rep.chunks_applied > 0 and rep.tensors_in_place == len(SHAPES) and rep.tensors_reloaded == 0
+    assert _bits(m) == _bits(_loaded(chain["target"]))
+    assert eng.verify() == eng.fingerprint
+    again = eng.apply(chain["deltas"]["step"])  # a rerun is a no-op
+    assert again.chunks_applied == 0 and _bits(m) == _bits(_loaded(chain["target"]))
+
+
+def test_a_write_that_fails_midway_is_completed_by_the_next_apply(chain, monkeypatch):
+    m = _loaded(chain["base"])
+    eng = LiveEngine(m, None, chain["dirs"]["base"], threads=1)
+    real = LiveTarget.write_segment
+    calls = {"n": 0}
+
+    def flaky(self, name, ci, region, view, patch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            # tear the chunk: half its changes land, then the write fails
+            half = type(patch)(patch.positions[: patch.positions.size // 2], patch.values[: patch.values.size // 2],
+                               None) if patch.dense is None else patch
+            real(self, name, ci, region, view, half)
+            raise OSError("injected failure mid-write")
+        return real(self, name, ci, region, view, patch)
+
+    monkeypatch.setattr(LiveTarget, "write_segment", flaky)
+    with pytest.raises(OSError):
+        eng.apply(chain["deltas"]["step"])
+    assert _bits(m) != _bits(_loaded(chain["target"]))
+    monkeypatch.setattr(LiveTarget, "write_segment", real)
+    rep = eng.apply(chain["deltas"]["step"])
+    assert rep.chunks_recovered == 1
+    assert _bits(m) == _bits(_loaded(chain["target"]))
+
+
+def test_a_wrong_map_is_refused_before_any_write(chain):
+    m = _loaded(chain["base"])
+    params = dict(m.named_parameters())
+    lay = capture_layout(m.load_weights, params, {n: (torch.bfloat16, s) for n, s in SHAPES.items()})
+    # q_proj placed one row too low in the fused parameter: the rows it reads are not q_proj's
+    lay.placements["layers.0.q_proj.weight"] = [Placement("layers.0.qkv_proj.weight", Piece(
+        "layers.0.q_proj.weight", (H, H), (H + 64, H), (Axis(1, H, 0, 0), Axis(0, H, 1, 0))))]
+    live = LiveTarget(params, lay.placements, {n: ("BF16", s) for n, s in SHAPES.items()})
+    before = _bits(m)
+    with pytest.raises(BaseMismatchError, match="q_proj"):
+        apply_live(chain["deltas"]["step"], live)
+    assert _bits(m) == before
+
+
+def test_live_engine_refuses_a_captured_map_that_misses_the_checkpoints_digest(chain, monkeypatch):
+    import deltarefit.engines.vllm_live as vl
+
+    real = vl.capture_layout
+
+    def shifted(load, params, specs):
+        lay = real(load, params, specs)
+        lay.placements["layers.0.q_proj.weight"] = [Placement("layers.0.qkv_proj.weight", Piece(
+            "layers.0.q_proj.weight", (H, H), (H + 64, H), (Axis(1, H, 0, 0), Axis(0, H, 1, 0))))]
+        return lay
+
+    monkeypatch.setattr(vl, "capture_layout", shifted)
+    eng = LiveEngine(_loaded(chain["base"]), None, chain["dirs"]["base"])
+    assert "digest" in eng.reload_reasons["layers.0.q_proj.weight"]
+    # its fused siblings go with it: the layer is reloaded whole, never written in place
+    assert {"layers.0.k_proj.weight", "layers.0.v_proj.weight"} <= set(eng.reload_reasons)
+    assert "layers.0.q_proj.weight" not in eng.placements
