@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 BACKEND = "deltarefit"
 
 __all__ = ["BACKEND", "DeltaRefitInitInfo", "DeltaRefitTrainerInitInfo", "DeltaRefitTrainerWeightTransferEngine",
-           "DeltaRefitUpdateInfo", "DeltaRefitWeightTransferEngine", "LLMClient"]
+           "DeltaRefitUpdateInfo", "DeltaRefitWeightTransferEngine", "HTTPClient", "LLMClient"]
 
 
 @dataclass
@@ -205,6 +205,38 @@ class LLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
         self.llm.reset_prefix_cache()
+
+
+class HTTPClient:
+    """``VLLMWeightSyncClient`` for ``vllm serve`` over its RL routes, draining around the update: ``/pause``
+    (``mode=wait``: running requests finish, then the caches, whose blocks would be stale, are cleared)
+    before ``/start_weight_update`` and ``/resume`` after ``/finish_weight_update``."""
+
+    def __init__(self, base_url: str, timeout: float = 300.0) -> None:
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.rl = HTTPVLLMWeightSyncClient(base_url, timeout)
+
+    def _post(self, path: str) -> None:
+        import requests
+
+        requests.post(f"{self.base_url}/{path}", timeout=self.timeout).raise_for_status()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.rl.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self._post("pause?mode=wait&clear_cache=true")
+        self.rl.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.rl.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.rl.finish_weight_update(weight_version)
+        self._post("resume")
 
 
 @dataclass

