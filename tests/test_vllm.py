@@ -117,9 +117,16 @@ def stop_engine(llm) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _cpu_env(monkeypatch):
+def _cpu_env(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     monkeypatch.setenv("DELTAREFIT_NO_PROGRESS", "1")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return
+    from _vllm_env import vllm_processes_env
+
+    vllm_processes_env(monkeypatch, tmp_path)  # AMX off in every vLLM process (see tests/_vllm_env.py)
 
 
 def perturb(src: str, dst: str, names: list[str], every: int = 7) -> None:

