@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -172,8 +173,15 @@ class LiveEngine:
             cap = capture_layout(model.load_weights, params,
                                  {n: (_torch_dtype(d), s) for n, (d, s) in self.specs.items()})
             reload = dict(cap.reload)
+            for name, places in cap.placements.items():
+                held = sum(pl.piece.count for pl in places if pl.piece.owner)
+                if held != math.prod(self.specs[name][1]):
+                    # A segment's BLAKE3 needs all of its elements: a slice cannot be checked alone.
+                    reload[name] = f"this worker holds {held} of its elements (a tensor-parallel slice)"
             modules = dict(model.named_modules())
             for name, places in cap.placements.items():
+                if name in reload:
+                    continue
                 for pl in places:
                     mod_name, _, pname = pl.param.rpartition(".")
                     if not _kernel_reads(modules[mod_name], pname, params[pl.param]):
