@@ -23,9 +23,24 @@ import zlib
 
 import numpy as np
 import pytest
-import safetensors.torch
 import torch
 import zstandard
+from _hostile import (
+    BIG,
+    ELEMS,
+    L0,
+    TRUNCATIONS,
+    bf16_chunk,
+    make_pair,
+    sparse_xor,
+    write_bytes,
+    zc,
+)
+from _hostile import flip_offsets as _flip_offsets
+from _hostile import rec as _rec
+from _hostile import truncation_offset as _offset
+from _hostile import ulp_variants as _ulp_variants
+from _hostile import with_sparse as _with_sparse
 from _pairs import (
     Delta,
     fix_header_hash,
@@ -52,10 +67,6 @@ from deltarefit.errors import (
 )
 from deltarefit.integrity import SEGMENT_BYTES, seg_hash
 
-ELEMS = SEGMENT_BYTES // 2  # bf16 elements in a full chunk
-L0 = "layers.0.weight"  # 256x1024 bf16: one (short) chunk of 262144 elements
-BIG = "big.weight"  # 1536x1024 bf16: three full chunks
-
 
 @pytest.fixture(autouse=True)
 def _watchdog():
@@ -67,15 +78,7 @@ def _watchdog():
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pair")
-    base, target = write_pair(d)
-    delta = str(d / "good.delta")
-    deltarefit.encode(base, target, delta)
-    with open(delta, "rb") as f:
-        data = f.read()
-    tensors = safetensors.torch.load_file(base)
-    return {"dir": d, "base": base, "target": target, "delta": delta, "data": data, "tensors": tensors,
-            "target_tensors": safetensors.torch.load_file(target)}
+    return make_pair(tmp_path_factory.mktemp("pair"))
 
 
 @pytest.fixture
@@ -93,12 +96,6 @@ def ddir(tmp_path):
     d = tmp_path / "deltas"
     d.mkdir()
     return d
-
-
-def write_bytes(path, data: bytes) -> str:
-    with open(path, "wb") as f:
-        f.write(data)
-    return str(path)
 
 
 def refused(delta: str, ckpt: str, exc: type[BaseException] | tuple, *patterns: str) -> DeltaRefitError:
@@ -123,15 +120,6 @@ def refused(delta: str, ckpt: str, exc: type[BaseException] | tuple, *patterns: 
     return err
 
 
-def bf16_chunk(tensors: dict[str, torch.Tensor], name: str, ci: int) -> np.ndarray:
-    u = tensors[name].contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
-    return u[ci * ELEMS:(ci + 1) * ELEMS].copy()
-
-
-def zc(raw: bytes) -> bytes:
-    return zstandard.ZstdCompressor(level=1, write_content_size=True).compress(raw)
-
-
 # ------------------------------------------------------------------------------- sanity of the tools
 
 
@@ -146,21 +134,6 @@ def test_surgery_roundtrip_and_good_delta_applies(pair, ckpt, ddir):
     assert rep.chunks_applied == len(d.records)
     assert sha(ckpt) == sha(pair["target"])
     assert leftovers(ckpt) == []
-
-
-def sparse_xor(b: np.ndarray, t: np.ndarray, width: int = 4, last_pos: int | None = None,
-               zero_xor_at: int | None = None) -> tuple[bytes, int, int]:
-    """(payload, decoded_len, n_changed) of a SPARSE_XOR chunk built by hand from base/target bits;
-    ``last_pos`` moves the last change to that element index (the gap before it grows)."""
-    pos = np.flatnonzero(b != t)
-    gaps = np.diff(pos, prepend=-1) - 1
-    if last_pos is not None:
-        gaps[-1] = last_pos - pos[-2] - 1
-    xor = b[pos] ^ t[pos]
-    if zero_xor_at is not None:
-        xor[zero_xor_at] = 0
-    raw = bytes([width]) + gaps.astype(f"<u{width}").tobytes() + xor.astype("<u2").tobytes()
-    return zc(raw), len(raw), pos.size
 
 
 def test_handmade_sparse_and_dense_chunks_apply(pair, ckpt, ddir):
@@ -183,30 +156,7 @@ def test_handmade_sparse_and_dense_chunks_apply(pair, ckpt, ddir):
     assert sha(ckpt) == sha(pair["target"])
 
 
-def _rec(r: fmt.ChunkRecord, **kw) -> fmt.ChunkRecord:
-    from dataclasses import replace
-
-    return replace(r, **kw)
-
-
 # ----------------------------------------------------------------------------------------- truncation
-
-# (section, fraction of the way into it); a fraction of -1 means "one byte before its end".
-TRUNCATIONS = [
-    ("empty", 0), ("header", 1), ("header", 7), ("header", 8), ("header", 50), ("header", 95),
-    ("payload", 0), ("payload", 0.5), ("payload", -1), ("manifest", 0), ("manifest", 0.5),
-    ("table", 0), ("table", 0.5), ("table", -1),
-]
-
-
-def _offset(data: bytes, section: str, where: float) -> int:
-    if section == "empty":
-        return 0
-    if section == "header":
-        return int(where)
-    b, e = section_spans(data)[section]
-    return e - 1 if where == -1 else b + int(where * (e - b))
-
 
 @pytest.mark.parametrize(("section", "where"), TRUNCATIONS, ids=[f"{s}-{w}" for s, w in TRUNCATIONS])
 def test_truncated(pair, ckpt, ddir, section, where):
@@ -225,23 +175,6 @@ def test_truncated(pair, ckpt, ddir, section, where):
 
 
 # ----------------------------------------------------------------------------------------- bit flips
-
-
-def _flip_offsets(data: bytes) -> list[tuple[str, int]]:
-    s = section_spans(data)
-    r0 = s["table"][0]
-    rl = s["table"][1] - fmt.RECORD_SIZE  # last record
-    pb, pe = s["payload"]
-    mb, me = s["manifest"]
-    return [
-        ("magic", 0), ("magic", 7), ("version", 8), ("flags", 10), ("header_size", 12), ("payload_off", 16),
-        ("payload_len", 24), ("manifest_off", 32), ("manifest_len", 40), ("table_off", 48), ("table_len", 56),
-        ("index_hash", 64), ("header_hash", 80), ("header_hash", 95),
-        ("payload", pb), ("payload", (pb + pe) // 2), ("payload", pe - 1),
-        ("manifest", mb), ("manifest", (mb + me) // 2), ("manifest", me - 1),
-        ("record.tensor_index", r0), ("record.n_changed", r0 + 12), ("record.payload_hash", r0 + 32),
-        ("record.pre_hash", r0 + 48), ("record.post_hash", rl + 79),
-    ]
 
 
 def _record_at(d: Delta, payload_off: int) -> tuple[str, fmt.ChunkRecord]:
@@ -502,16 +435,6 @@ def test_crafted_ulp_payload_relabelled(pair, ckpt, ddir, enc):
 # -------------------------------------------------------------------- crafted: sparse / dense payloads
 
 
-def _with_sparse(pair, **kw) -> Delta:
-    d = Delta.parse(pair["data"])
-    k = d.record_of(L0)
-    b, t = bf16_chunk(pair["tensors"], L0, 0), bf16_chunk(pair["target_tensors"], L0, 0)
-    pay, dlen, n = sparse_xor(b, t, **kw)
-    d.records[k] = _rec(d.records[k], encoding=SPARSE_XOR, decoded_len=dlen, n_changed=n)
-    d.payloads[k] = pay
-    return d
-
-
 @pytest.mark.parametrize("last", [256 * 1024, 256 * 1024 + 1, 1 << 20, (1 << 32) - 2])
 def test_crafted_sparse_positions_past_chunk(pair, ckpt, ddir, last):
     """The last position lies at or past the chunk's 262144 elements (up to the u32 gap limit)."""
@@ -593,25 +516,6 @@ def test_crafted_zstd_frame_lies_about_size(pair, ckpt, ddir):
 
 
 # --------------------------------------------------------------------------- crafted: ULP payloads
-
-
-def _ulp_variants(p: bytes) -> dict[str, bytes]:
-    rc_len = struct.unpack_from("<I", p)[0]
-    raw_at = 4 + rc_len
-    mid = (raw_at + len(p)) // 2
-    v = {
-        "cut-1": p[:-1], "cut-half": p[: len(p) // 2], "cut-to-9": p[:9], "cut-to-4": p[:4], "empty": b"",
-        "rc_len-0": struct.pack("<I", 0) + p[4:], "rc_len-huge": struct.pack("<I", 0xFFFFFFFF) + p[4:],
-        "rc_len-short": struct.pack("<I", rc_len - 3) + p[4:], "rc_len-long": struct.pack("<I", rc_len + 3) + p[4:],
-        "rc-byte": p[:20] + bytes([p[20] ^ 0x5A]) + p[21:],
-        "rc-last": p[:raw_at - 1] + bytes([p[raw_at - 1] ^ 0x80]) + p[raw_at:],
-        "raw-first": p[:raw_at] + bytes([p[raw_at] ^ 0x01]) + p[raw_at + 1:],
-        "raw-mid": p[:mid] + bytes([p[mid] ^ 0x10]) + p[mid + 1:],
-        "trailing-0": p + b"\0", "trailing-ff": p + b"\xff" * 7,
-        "zeros": bytes(len(p)), "ones": b"\xff" * len(p),
-        "swap-halves": p[:4] + p[raw_at:] + p[4:raw_at],
-    }
-    return v
 
 
 ULP_VARIANTS = list(_ulp_variants(b"\x10\0\0\0" + bytes(range(40))))

@@ -70,10 +70,27 @@ class SegmentTarget(Protocol):
     """A target read and written one segment at a time, in checkpoint coordinates.
 
     ``read_segment`` returns the bytes of segment ``ci`` of tensor ``name`` as they are now (a view or a
-    gathered copy). ``write_segment`` writes ``patch`` (target bits in segment element coordinates) into
-    the tensor's storage; ``view`` is ``region`` seen as the dtype's unsigned integers, which the target
-    may patch in place. It returns the segment's bytes as they are after the write, read back from the
-    storage, which the applier hashes against the post-image. Only elements the patch names are written.
+    gathered copy): its *region*. ``write_segment`` writes ``patch`` (target bits in segment element
+    coordinates) into the tensor's storage; ``view`` is ``region`` seen as the dtype's unsigned integers
+    (or as ``region_view`` below gives it), which the target may patch in place. It returns the
+    segment's region as it is after the write, read back from the storage, which the applier hashes
+    against the post-image. Only elements the patch names are written.
+
+    Regions are host numpy bytes unless the target also has the region hooks (all optional; each one
+    missing is the host's ``HOST_REGIONS`` method), for a target whose bytes live elsewhere (device
+    memory) and are best hashed and decoded there:
+
+    * ``hash_region(region) -> bytes``: the segment hash (``integrity.seg_hash``) of a region;
+    * ``hash_segments(name) -> list[bytes]``: every segment hash of a tensor at once (then the plan
+      reads only the regions of chunks it must decode);
+    * ``region_view(region, dtype name)``: what ``decode_region``, ``post_image_hash`` and
+      ``write_segment`` get as ``view``;
+    * ``decode_region(delta, entry, record, view) -> patch``: a chunk decoded against its base view;
+      the patch is the target's own (``positions`` and ``dense`` as in ``codec.chunk.Patch``);
+    * ``post_image_hash(view, patch) -> bytes``: the hash ``view`` would have with ``patch`` applied,
+      without writing it.
+
+    The protocol (what is checked, and when) is the applier's alone. A journal needs host regions.
     """
 
     tensors: dict
@@ -257,8 +274,30 @@ def _post_image_hash(seg: np.ndarray, patch: Patch) -> bytes:
     return seg_hash(img)
 
 
+class HostRegions:
+    """The region hooks of a ``SegmentTarget`` whose regions are host numpy bytes (see its docstring)."""
+
+    hash_region = staticmethod(seg_hash)
+    region_view = staticmethod(uint_view)
+    decode_region = staticmethod(_decode)
+    post_image_hash = staticmethod(_post_image_hash)
+
+
+HOST_REGIONS = HostRegions()
+
+
+def _seg_len(nbytes: int, ci: int) -> int:
+    return min(SEGMENT_BYTES, nbytes - ci * SEGMENT_BYTES)
+
+
+def _patch_bytes(patch) -> int:
+    """Memory a decoded patch holds (about 10 bytes per position of a sparse one)."""
+    return patch.dense.nbytes if patch.dense is not None else len(patch.positions) * 10
+
+
 class Applier:
-    """One application of one delta to one ``TensorTarget``: ``plan``, then ``write``, then ``target_digests``."""
+    """One application of one delta to one ``TensorTarget`` or ``SegmentTarget``: ``plan``, then
+    ``write``, then ``target_digests``."""
 
     def __init__(self, delta: DeltaReader, target: TensorTarget, *, journal: Journal | None,
                  threads: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
@@ -266,6 +305,12 @@ class Applier:
         self.d = delta
         self.t = target
         self.segs = segments_of(target)
+        hooks = ("hash_region", "region_view", "decode_region", "post_image_hash")
+        self._hash, self._view, self._decode, self._post_hash = (
+            getattr(self.segs, h, getattr(HOST_REGIONS, h)) for h in hooks)
+        self._hash_all = getattr(self.segs, "hash_segments", None)
+        if journal is not None and any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")):
+            raise UsageError("a journal needs a target with host regions (journal records are host patches)")
         self.journal = journal
         self.threads = threads or default_threads()
         self.cache_left = cache_bytes
@@ -327,7 +372,11 @@ class Applier:
 
     def _digest_of(self, pool, name: str) -> bytes:
         info = self.t.tensors[name]
-        segs = list(pool.map(lambda ci: seg_hash(self.segs.read_segment(name, ci)), range(n_segments(info.nbytes))))
+        if self._hash_all is not None:
+            segs = self._hash_all(name)
+        else:
+            segs = list(pool.map(lambda ci: self._hash(self.segs.read_segment(name, ci)),
+                                 range(n_segments(info.nbytes))))
         return tensor_digest_from_segments(info.dtype, tuple(info.shape), info.nbytes, segs)
 
     def _check_digest(self, pool, e: TensorEntry, info, meta: TensorMeta, what: str) -> None:
@@ -346,25 +395,32 @@ class Applier:
 
     def _plan_patch(self, pool, ti: int, e: TensorEntry) -> _TensorPlan:
         recs = {r.chunk_index: r for r in self.d.chunks(e)}
+        known = self._hash_all(e.name) if self._hash_all is not None else None
 
         def seg(ci: int) -> tuple[bytes, _ChunkPlan | None]:
-            region = self.segs.read_segment(e.name, ci)
-            h = seg_hash(region)
+            region = None
+            if known is None:
+                region = self.segs.read_segment(e.name, ci)
+                h = self._hash(region)
+            else:
+                h = known[ci]
             if self.progress:
-                self.progress(region.size)
+                self.progress(_seg_len(e.base.nbytes, ci))
             r = recs.get(ci)
             if r is None:
                 return h, None
             if h == r.post_hash:
                 return h, _ChunkPlan(r, "done")
             if h == r.pre_hash:
-                patch = _decode(self.d, e, r, uint_view(region, e.base.dtype))
-                if _post_image_hash(uint_view(region, e.base.dtype), patch) != r.post_hash:
+                view = self._view(region if region is not None else self.segs.read_segment(e.name, ci),
+                                  e.base.dtype)
+                patch = self._decode(self.d, e, r, view)
+                if self._post_hash(view, patch) != r.post_hash:
                     raise VerificationError(f"{self.d.path}: {_where(e, r)}: decodes to bytes that miss the "
                                             "post-image hash (corrupt delta)")
                 return h, _ChunkPlan(r, "todo", patch)
             rec = self.recovered.get((ti, ci))
-            if rec is not None and rec[0] == r.post_hash:
+            if rec is not None and rec[0] == r.post_hash:  # a journal: host regions, read above
                 view = uint_view(region, e.base.dtype)
                 patch = _journal_patch(rec, e.base.dtype, view.size)
                 if patch is not None and _post_image_hash(view, patch) == r.post_hash:
@@ -389,7 +445,7 @@ class Applier:
                                     "(corrupt delta)")
         for c in chunks:  # keep decoded patches within the memory budget, re-decode the rest later
             if c.patch is not None and c.state == "todo":  # a torn chunk's patch can't be re-decoded
-                size = c.patch.dense.nbytes if c.patch.dense is not None else c.patch.positions.size * 10
+                size = _patch_bytes(c.patch)
                 with self._cache_lock:
                     keep = size <= self.cache_left
                     if keep:
@@ -416,16 +472,16 @@ class Applier:
         def do(tp: _TensorPlan, ti: int, c: _ChunkPlan) -> int:
             e, r = tp.entry, c.rec
             region = self.segs.read_segment(e.name, r.chunk_index)
-            view = uint_view(region, e.base.dtype)
-            patch = c.patch or _decode(self.d, e, r, view)
+            view = self._view(region, e.base.dtype)
+            patch = c.patch or self._decode(self.d, e, r, view)
             if c.state == "todo" and self.journal:
                 self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch, view)
             region = self.segs.write_segment(e.name, r.chunk_index, region, view, patch)
-            if seg_hash(region) != r.post_hash:
+            if self._hash(region) != r.post_hash:
                 raise VerificationError(f"{_where(e, r)}: region does not hash to the post-image after writing")
             tp.segs[r.chunk_index] = r.post_hash
             c.patch = None
-            return region.size
+            return _seg_len(e.base.nbytes, r.chunk_index)
 
         for state in ("torn", "todo"):
             # Torn chunks go first and alone: their only copy is a journal slot that the next new

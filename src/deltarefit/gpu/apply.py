@@ -1,54 +1,60 @@
 """Apply a delta in place to torch tensors where they live (CUDA, or CPU through the same code).
 
-``apply_to_device_tensors(delta, tensors)`` follows the core's apply protocol, with the device doing
-the work that touches whole segments and the host only what is compact:
+``apply_to_device_tensors(delta, tensors)`` runs the core's one apply protocol (``apply.run_apply``:
+plan read only, then write, then verify; see ``deltarefit.apply``) over ``DeviceTensors``, a
+``SegmentTarget`` whose regions are device tensors, with the region hooks doing the work that
+touches whole segments on the device and the host only what is compact:
 
-* **plan** (nothing written): every segment of every patched tensor is hashed on the device; a chunk
-  whose segment hashes to its post-image is done (a rerun), one at its pre-image is to do, anything
-  else is refused (``BaseMismatchError`` naming the tensor). The base digest is checked from those
-  hashes. Each chunk to do is decoded and its post-image hashed on the device, so a delta that
-  decodes to anything but its recorded target is refused before any write;
-* **write**: the decoded (positions, values) are scattered into the tensor, and the segment is hashed
-  again on the device and checked against its post-image;
-* **verify**: the tensor digests, then the fingerprint, must be the delta's target.
+* segment hashes: BLAKE3 on the device (``gpu.blake3_triton``: Triton on CUDA, else the torch
+  reference; on CPU tensors the host's BLAKE3 over a view of their memory), all segments of a tensor
+  in one call for the plan; 16 bytes per MiB cross to the host;
+* decode: the ulp encoding in compact form (below); chunks of the other encodings (rare: dense or
+  non-float changes) are decoded on the host from a copy of their segment and reduced to the
+  positions they change;
+* post-image hash: the decoded values scattered into a device copy of the segment, hashed there;
+* write: only the patched positions are scattered into the tensor, and the segment (the storage
+  itself) is hashed again on the device.
 
 Decoding the ulp encoding in compact form: the host decodes the group section (each change's context
 and rank; no base needed); the device maps (context, rank) to positions with one stable sort of the
 segment's contexts and sends back the positions (4 bytes per change) and the base bits there; the host
 decodes the signed ulp distances in position order and computes the target bits; those go up to the
-device (positions and values only). Chunks of the other encodings (rare: dense or non-float changes)
-are decoded on the host from a copy of their segment.
+device (positions and values only).
 
-Memory is O(one segment) beyond the tensors, plus the compact patches of the chunks to do (about
-10-16 bytes per changed element). In-memory tensors need no journal: a process killed mid-apply loses
-the tensors with it; a rerun on tensors half-applied by an exception completes them.
+Memory is O(one segment per apply thread) beyond the tensors, plus the compact patches of the chunks
+to do, kept up to the applier's cache budget (about 10-16 bytes per changed element). In-memory
+tensors need no journal: a process killed mid-apply loses the tensors with it; a rerun on tensors
+half-applied by an exception completes them.
 """
 
 from __future__ import annotations
 
-import time
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..apply import ApplyReport
+from ..apply import ApplyReport, run_apply
 from ..codec import kernels as K
 from ..codec.chunk import ULP, _ctx, _kind, decode_chunk
 from ..dtypes import dtype
-from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationError
+from ..errors import DecodeError, UsageError
 from ..format import ChunkRecord, DeltaReader, TensorEntry
-from ..integrity import SEGMENT_BYTES, fingerprint_from_digests, tensor_digest_from_segments
+from ..integrity import SEGMENT_BYTES
 from ..torch_api import safetensors_dtype
-from .encode import _ints, _seg_hashes
+from .encode import _Info, _ints, _seg_hashes
 
 
 @dataclass
-class _Todo:
-    rec: ChunkRecord
-    pos: torch.Tensor  # int64 element indices within the segment, on the tensor's device
-    val: torch.Tensor  # target bits there (signed integer view of the dtype's width)
+class DevicePatch:
+    """A decoded chunk on the device: int64 element ``positions`` within the segment and the target
+    bits there (``values``, the signed integer view of the dtype's width). Never dense."""
+
+    positions: torch.Tensor
+    values: torch.Tensor
+    dense: None = None
 
 
 def _to_device_ints(vals: np.ndarray, itemsize: int, dev: torch.device) -> torch.Tensor:
@@ -57,12 +63,8 @@ def _to_device_ints(vals: np.ndarray, itemsize: int, dev: torch.device) -> torch
     return torch.from_numpy(np.ascontiguousarray(vals).view(view).copy()).to(dev)
 
 
-def _where(e: TensorEntry, r: ChunkRecord | None = None) -> str:
-    return f"tensor {e.name!r}" + (f" chunk {r.chunk_index}" if r is not None else "")
-
-
-def _hash1(seg: torch.Tensor, impl: str) -> bytes:
-    return _seg_hashes(seg, impl)[0] if seg.numel() else b""
+def _where(e: TensorEntry, r: ChunkRecord) -> str:
+    return f"tensor {e.name!r} chunk {r.chunk_index}"
 
 
 def _decode_ulp(seg: torch.Tensor, dt, payload: bytes, m: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,12 +103,14 @@ def _decode_ulp(seg: torch.Tensor, dt, payload: bytes, m: int, where: str) -> tu
     return pos_d, _to_device_ints(val, dt.itemsize, dev)
 
 
-def _decode(d: DeltaReader, e: TensorEntry, r: ChunkRecord, seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode(d: DeltaReader, e: TensorEntry, r: ChunkRecord, seg: torch.Tensor) -> DevicePatch:
     dt = dtype(e.base.dtype)
     where = f"{d.path}: {_where(e, r)}"
     payload = d.read_payload(r, _where(e, r))
     if r.encoding == ULP:
-        return _decode_ulp(seg, dt, payload, r.n_changed, where)
+        if r.decoded_len != 0:  # decode_chunk's check, which the split ulp decode does not pass through
+            raise DecodeError(f"{where}: ulp chunk declares a decoded length")
+        return DevicePatch(*_decode_ulp(seg, dt, payload, r.n_changed, where))
     host = seg.cpu().numpy().view(dt.uint)  # rare encodings: decoded on the host from a copy
     patch = decode_chunk(dt, host, r.encoding, payload, r.n_changed, r.decoded_len, where)
     if patch.dense is not None:
@@ -114,27 +118,77 @@ def _decode(d: DeltaReader, e: TensorEntry, r: ChunkRecord, seg: torch.Tensor) -
         val = patch.dense[pos]
     else:
         pos, val = patch.positions, patch.values
-    return torch.from_numpy(pos.astype(np.int64)).to(seg.device), _to_device_ints(val, dt.itemsize, seg.device)
+    return DevicePatch(torch.from_numpy(pos.astype(np.int64)).to(seg.device),
+                       _to_device_ints(val, dt.itemsize, seg.device))
 
 
-def _check_targets(d: DeltaReader, tensors: Mapping[str, torch.Tensor]) -> None:
-    known = {e.name for e in d.tensors}
-    extra = sorted(n for n in tensors if n not in known)
-    if extra:
-        raise BaseMismatchError(f"tensor {extra[0]!r} is not in the delta's base (wrong base?)")
+class DeviceTensors:
+    """``apply.SegmentTarget`` over contiguous torch tensors on any device, with the region hooks.
+
+    A region is segment ``ci`` of a tensor as a view of its elements as same-width integers (``_ints``):
+    the storage itself, so ``write_segment`` scatters into the tensor and returns the same view, read
+    back by the next hash. ``impl`` picks the CUDA hash kernel ("auto", "triton", "torch").
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], impl: str = "auto") -> None:
+        self.impl = impl
+        # Device hashes are taken one at a time: a Triton kernel compiles on its first launch, which is
+        # not safe from several threads at once (the applier's pools), and one stream serializes them.
+        self._device_lock = threading.Lock()
+        self.tensors: dict[str, _Info] = {}
+        self._t: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided or not t.is_contiguous() \
+                    or t.is_conj() or t.is_neg():
+                raise UsageError(f"tensor {name!r}: expected a contiguous dense torch.Tensor")
+            try:
+                dt = safetensors_dtype(t.dtype)
+            except UsageError as err:
+                raise UsageError(f"tensor {name!r}: {err}") from None
+            self._t[name] = t.detach()
+            self.tensors[name] = _Info(dt, tuple(int(x) for x in t.shape), t.numel() * t.element_size())
+
+    def read_segment(self, name: str, ci: int) -> torch.Tensor:
+        t = self._t[name]
+        per = SEGMENT_BYTES // t.element_size()
+        return _ints(t)[ci * per:(ci + 1) * per]
+
+    def write_segment(self, name: str, ci: int, region: torch.Tensor, view: torch.Tensor,
+                      patch: DevicePatch) -> torch.Tensor:
+        view[patch.positions] = patch.values
+        return region
+
+    # region hooks (see apply.SegmentTarget)
+
+    def _hashes(self, t: torch.Tensor) -> list[bytes]:
+        if t.device.type == "cpu":
+            return _seg_hashes(t, self.impl)
+        with self._device_lock:
+            return _seg_hashes(t, self.impl)
+
+    def hash_region(self, region: torch.Tensor) -> bytes:
+        return self._hashes(region)[0] if region.numel() else b""
+
+    def hash_segments(self, name: str) -> list[bytes]:
+        return self._hashes(self._t[name])
+
+    def region_view(self, region: torch.Tensor, dt_name: str) -> torch.Tensor:
+        return region  # already the dtype's integers
+
+    def decode_region(self, d: DeltaReader, e: TensorEntry, r: ChunkRecord, view: torch.Tensor) -> DevicePatch:
+        return _decode(d, e, r, view)
+
+    def post_image_hash(self, view: torch.Tensor, patch: DevicePatch) -> bytes:
+        img = view.clone()
+        img[patch.positions] = patch.values
+        return self.hash_region(img)
+
+
+def _refuse_structural(d: DeltaReader) -> None:
     for e in d.tensors:
         if e.op not in ("same", "patch"):
             raise UsageError(f"{d.path}: tensor {e.name!r} is {e.op}d by this delta, which cannot be done in "
                              "place in device tensors; apply it to a checkpoint and reload")
-        t = tensors.get(e.name)
-        if t is None:
-            raise BaseMismatchError(f"{_where(e)}: missing (wrong base?)")
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or not t.is_contiguous():
-            raise UsageError(f"{_where(e)}: expected a contiguous dense torch.Tensor")
-        got = (safetensors_dtype(t.dtype), tuple(int(x) for x in t.shape))
-        if got != (e.base.dtype, tuple(e.base.shape)):
-            raise BaseMismatchError(f"{_where(e)}: expected {e.base.dtype}{list(e.base.shape)}, found "
-                                    f"{got[0]}{list(got[1])} (wrong base?)")
 
 
 def apply_to_device_tensors(delta_path: str, tensors: dict[str, torch.Tensor], *,
@@ -143,58 +197,6 @@ def apply_to_device_tensors(delta_path: str, tensors: dict[str, torch.Tensor], *
     applied by an interrupted call). Refuses, before any write, wrong bases and deltas that do not
     decode to their target; ends with the target fingerprint verified. ``impl`` picks the segment
     hash kernel on CUDA ("auto", "triton", "torch")."""
-    t0 = time.perf_counter()
     with DeltaReader(delta_path) as d, torch.no_grad():
-        _check_targets(d, tensors)
-        plans: list[tuple[TensorEntry, list[bytes], list[_Todo]]] = []
-        skipped = 0
-        for e in d.tensors:  # plan: read only
-            t = tensors[e.name]
-            flat = _ints(t)
-            per = SEGMENT_BYTES // t.element_size()
-            segs = _seg_hashes(t, impl)
-            pre, todo = list(segs), []
-            for r in d.chunks(e):
-                h = segs[r.chunk_index]
-                if h == r.post_hash:
-                    pre[r.chunk_index] = r.pre_hash
-                    skipped += 1
-                    continue
-                if h != r.pre_hash:
-                    raise BaseMismatchError(f"{_where(e, r)}: bytes match neither the delta's base nor its target "
-                                            "(wrong base, or modified since?)")
-                seg = flat[r.chunk_index * per:(r.chunk_index + 1) * per]
-                pos, val = _decode(d, e, r, seg)
-                img = seg.clone()
-                img[pos] = val
-                if _hash1(img, impl) != r.post_hash:
-                    raise VerificationError(f"{d.path}: {_where(e, r)}: decodes to bytes that miss the post-image "
-                                            "hash (corrupt delta)")
-                todo.append(_Todo(r, pos, val))
-            if tensor_digest_from_segments(e.base.dtype, tuple(e.base.shape), e.base.nbytes, pre) != e.base.digest:
-                raise BaseMismatchError(f"{_where(e)}: bytes differ from the delta's base (wrong base?)")
-            plans.append((e, segs, todo))
-        written = 0
-        for e, segs, todo in plans:  # write, re-hash each written segment
-            flat = _ints(tensors[e.name])
-            per = SEGMENT_BYTES // tensors[e.name].element_size()
-            for c in todo:
-                seg = flat[c.rec.chunk_index * per:(c.rec.chunk_index + 1) * per]
-                seg[c.pos] = c.val
-                if _hash1(seg, impl) != c.rec.post_hash:
-                    raise VerificationError(f"{_where(e, c.rec)}: segment does not hash to its post-image after "
-                                            "writing")
-                segs[c.rec.chunk_index] = c.rec.post_hash
-                written += seg.numel() * seg.element_size()
-        digests = {}
-        for e, segs, _ in plans:
-            got = tensor_digest_from_segments(e.target.dtype, tuple(e.target.shape), e.target.nbytes, segs)
-            if got != e.target.digest:
-                raise VerificationError(f"{_where(e)}: digest after apply does not match the delta's target")
-            digests[e.name] = got
-        fp = fingerprint_from_digests(digests)
-        if fp != d.target_fingerprint:
-            raise VerificationError(f"fingerprint after apply {fp[:16]}… is not the delta's target "
-                                    f"{d.target_fingerprint[:16]}…")
-        applied = sum(len(todo) for _, _, todo in plans)
-        return ApplyReport(fp, applied, skipped, 0, written, time.perf_counter() - t0)
+        _refuse_structural(d)
+        return run_apply(d, DeviceTensors(tensors, impl), journal=None)
