@@ -250,3 +250,54 @@ def test_vllm_serve_refit_through_http_routes_by_the_trainer_engine(tmp_path):
     assert before != after
     assert after == want
     shutil.rmtree(store, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_backend_refits_a_tensor_parallel_engine_in_place(tmp_path, monkeypatch):
+    """TP=2 on the CPU (one core per worker): linear layers are split across the two workers; each
+    segment of a split tensor is assembled over the group's gloo group, checked by both, and each worker
+    writes only its own elements. Compared with a fresh TP=2 engine on the target, worker by worker."""
+    from vllm import LLM
+
+    from deltarefit.engines.vllm import EXTENSION, engine_digests
+    from deltarefit.engines.vllm_backend import LLMClient
+    from deltarefit.stream.publisher import Publisher
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("tensor parallelism 2 needs two cores here")
+    monkeypatch.setenv("DELTAREFIT_TEST_NO_PREPACK", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker: vLLM cannot bind by NUMA here
+    base, target, _target2, _other = _models(tmp_path)
+    store = str(tmp_path / "store")
+    pub = Publisher(store, str(tmp_path / "pub"))
+    for ck in (base, target):
+        pub.publish(ck)
+
+    def start_tp(model_dir: str, backend: bool):
+        kw = {"weight_transfer_config": {"backend": "deltarefit"}} if backend else {}
+        return LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0,
+                   tensor_parallel_size=2, distributed_executor_backend="mp", worker_extension_cls=EXTENSION, **kw)
+
+    llm = start_tp(base, True)
+    try:
+        client = LLMClient(llm)
+        client.init_weight_transfer_engine({"stream": store})
+        descs = llm.collective_rpc("deltarefit_live_describe")
+        assert all(d["reload"] == {} for d in descs), [d["reload"] for d in descs]
+        assert all(any("proj" in n for n in d["in_place"]) for d in descs)
+        before = generate(llm)
+        client.start_weight_update()
+        client.update_weights({"version": 2})
+        client.finish_weight_update("2")
+        after, digests = generate(llm), engine_digests(llm)
+    finally:
+        stop_engine(llm)
+        gc.collect()
+    fresh_llm = start_tp(target, False)
+    try:
+        want, want_digests = generate(fresh_llm), engine_digests(fresh_llm)
+    finally:
+        stop_engine(fresh_llm)
+    assert before != after and after == want
+    for got_d, exp_d in zip(digests, want_digests, strict=True):
+        assert sorted(k for k in exp_d if got_d.get(k) != exp_d[k]) == []

@@ -295,9 +295,46 @@ def _patch_bytes(patch) -> int:
     return patch.dense.nbytes if patch.dense is not None else len(patch.positions) * 10
 
 
+class _Inline:
+    """A stand-in for a thread pool that runs each task at once, on the calling thread, in order."""
+
+    def __init__(self, *_a, **_k) -> None:
+        self.failed: BaseException | None = None
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def map(self, fn, it):
+        return [fn(x) for x in it]
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        f: Future = Future()
+        if self.failed is not None:  # after a failure the rest is not run (results are taken in order)
+            f.set_exception(self.failed)
+            return f
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:  # delivered by result(), as a pool would
+            self.failed = e
+            f.set_exception(e)
+        return f
+
+
 class Applier:
     """One application of one delta to one ``TensorTarget`` or ``SegmentTarget``: ``plan``, then
-    ``write``, then ``target_digests``."""
+    ``write``, then ``target_digests``.
+
+    A target with ``collective = True`` (segments assembled from the parts several processes hold) is
+    driven in one fixed order on the calling thread, so that every process reads and writes the same
+    segments in the same order; after each tensor's plan and each chunk's write the target's
+    ``agree(ok)`` tells whether every process succeeded, so that a refusal in one stops all of them at
+    the same point, before any write.
+    """
 
     def __init__(self, delta: DeltaReader, target: TensorTarget, *, journal: Journal | None,
                  threads: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
@@ -317,6 +354,22 @@ class Applier:
         self._cache_lock = threading.Lock()  # tensors are planned on several threads
         self.progress = progress
         self.recovered = journal.read() if journal else {}
+        self.collective = bool(getattr(self.segs, "collective", False))
+        self._pool = _Inline if self.collective else ThreadPoolExecutor
+
+    def _agreed(self, fn, *args):
+        """``fn(*args)``; for a collective target, also the group's agreement that nobody failed."""
+        if not self.collective:
+            return fn(*args)
+        try:
+            out = fn(*args)
+        except Exception:
+            self.segs.agree(False)
+            raise
+        if not self.segs.agree(True):
+            raise VerificationError("another process of the group refused or failed at the same step of this apply "
+                                    "(see its log)")
+        return out
 
     # -- plan ------------------------------------------------------------------------------------
 
@@ -329,9 +382,9 @@ class Applier:
         # Segments go to ``pool``; tensors are planned ``2 x threads`` at a time (``outer``), so that a
         # checkpoint of many one-segment tensors still keeps every core busy. Results are taken in
         # tensor order, so the error reported is the first bad tensor's, whatever the timing.
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="plan") as pool, \
-                ThreadPoolExecutor(2 * self.threads, thread_name_prefix="plan-tensor") as outer:
-            futs = [outer.submit(self._plan_tensor, pool, ti, e) for ti, e in enumerate(self.d.tensors)]
+        with self._pool(self.threads, thread_name_prefix="plan") as pool, \
+                self._pool(2 * self.threads, thread_name_prefix="plan-tensor") as outer:
+            futs = [outer.submit(self._agreed, self._plan_tensor, pool, ti, e) for ti, e in enumerate(self.d.tensors)]
             try:
                 return [f.result() for f in futs]
             finally:
@@ -486,8 +539,8 @@ class Applier:
         for state in ("torn", "todo"):
             # Torn chunks go first and alone: their only copy is a journal slot that the next new
             # chunk written by the same slot number would overwrite.
-            with ThreadPoolExecutor(self.threads if state == "todo" else 1, thread_name_prefix="apply") as pool:
-                futs = [pool.submit(do, tp, ti, c) for ti, tp in enumerate(plans) if tp.state == "patch"
+            with self._pool(self.threads if state == "todo" else 1, thread_name_prefix="apply") as pool:
+                futs = [pool.submit(self._agreed, do, tp, ti, c) for ti, tp in enumerate(plans) if tp.state == "patch"
                         for c in tp.chunks if c.state == state]
                 try:
                     for f in futs:

@@ -12,8 +12,12 @@ tensor live where in it). The applier then runs its one protocol over it unchang
 * a write scatters only the elements the patch names (O(changed elements)) into every placement of
   them (an owner and its replicas), then reads the segment back for the applier's post-image check.
 
-Each checkpoint tensor must be covered whole by owner pieces that do not overlap: a worker that holds
-only a slice of a tensor cannot check a segment's BLAKE3 alone, and is refused here.
+Each checkpoint tensor must be covered whole by owner pieces that do not overlap, unless it is
+``shared``: held in parts by the processes of a group (tensor-parallel workers), each element owned by
+exactly one of them. A shared tensor's segment is assembled by summing, over the group (``reduce``),
+each process's owned elements with zeros elsewhere, so every process hashes, decodes and checks the
+whole segment, and writes only its own elements. A target with shared tensors is ``collective``: the
+applier then drives it in one fixed order and asks the group to ``agree`` after every step.
 
 Parameters may be on any torch device; CPU parameters are read and written through numpy views of
 their memory, others through torch indexing (one gathered segment crosses to the host per read).
@@ -22,7 +26,7 @@ their memory, others through torch indexing (one gathered segment crosses to the
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,7 +135,14 @@ class LiveTarget:
     """
 
     def __init__(self, params: Mapping[str, object], layout: Mapping[str, Sequence[Placement]],
-                 specs: Mapping[str, tuple[str, Sequence[int]]]) -> None:
+                 specs: Mapping[str, tuple[str, Sequence[int]]], *, shared: Sequence[str] = (),
+                 reduce: Callable[[np.ndarray], None] | None = None,
+                 agree: Callable[[bool], bool] | None = None) -> None:
+        if shared and (reduce is None or agree is None):
+            raise UsageError("shared tensors need the group's reduce and agree")
+        self.shared = set(shared)
+        self.collective = bool(self.shared)
+        self._reduce, self._agree = reduce, agree
         self.tensors: dict[str, _Info] = {}
         self._flat: dict[str, _Flat] = {}
         self._place: dict[str, list[tuple[Placement, tuple[int, int, int] | None]]] = {}
@@ -142,7 +153,7 @@ class LiveTarget:
             numel = math.prod(shape)
             self.tensors[name] = _Info(dt_name, shape, numel * dt.itemsize)
             owners = [pl for pl in places if pl.piece.owner]
-            if sum(pl.piece.count for pl in owners) != numel:
+            if name not in self.shared and sum(pl.piece.count for pl in owners) != numel:
                 raise UsageError(f"tensor {name!r}: its placements cover {sum(pl.piece.count for pl in owners)} of "
                                  f"{numel} elements; a live target needs each tensor whole on this worker")
             for i, a in enumerate(owners):
@@ -170,9 +181,14 @@ class LiveTarget:
         a = ci * per
         return a, min(info.nbytes // dt.itemsize, a + per), np.dtype(dt.uint)
 
+    def agree(self, ok: bool) -> bool:
+        """Whether every process of the group reports ``ok`` (a collective call)."""
+        return self._agree(ok) if self._agree is not None else ok
+
     def read_segment(self, name: str, ci: int) -> np.ndarray:
         a, b, uint = self._range(name, ci)
-        out = np.empty(b - a, uint)
+        shared = name in self.shared
+        out = np.zeros(b - a, uint) if shared else np.empty(b - a, uint)
         for pl, run in self._place[name]:
             if not pl.piece.owner:
                 continue
@@ -187,6 +203,12 @@ class LiveTarget:
             m = loc >= 0
             if m.any():
                 out[m] = flat.take(loc[m])
+        if shared:
+            # Each element is owned by exactly one process, the others add zero: the sum is its bits
+            # (in wrapping integer arithmetic of at least the element's width).
+            acc = out.view(np.int64) if uint.itemsize == 8 else out.astype(np.int32)
+            self._reduce(acc)
+            out = acc.view(uint) if uint.itemsize == 8 else acc.astype(uint)
         return out.view(np.uint8)
 
     def write_segment(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray:

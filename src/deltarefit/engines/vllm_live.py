@@ -146,6 +146,59 @@ def _kernel_reads(module: Any, pname: str, param: Any) -> bool:
     return all(a != b for a, b in zip(after, before, strict=True))
 
 
+class _Group:
+    """The worker's tensor-parallel group as the live target needs it: sums, minima, agreement (gloo, on
+    the CPU group vLLM keeps beside the device one). One worker: every call is the identity."""
+
+    def __init__(self, cpu_group: Any | None) -> None:
+        self.pg = cpu_group
+
+    @classmethod
+    def of_tp(cls) -> _Group:
+        try:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            g = get_tp_group()
+        except (ImportError, AssertionError):  # not vLLM, or no group initialized: one worker
+            return cls(None)
+        return cls(g.cpu_group if g.world_size > 1 else None)
+
+    def _reduce(self, a: np.ndarray, op: str) -> np.ndarray:
+        if self.pg is None:
+            return a
+        import torch
+        import torch.distributed as dist
+
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=self.pg)
+        return t.numpy()
+
+    def sum(self, a: np.ndarray) -> np.ndarray:
+        return self._reduce(a.copy(), "SUM")
+
+    def min(self, a: np.ndarray) -> np.ndarray:
+        return self._reduce(a.copy(), "MIN")
+
+    def reduce_in_place(self, a: np.ndarray) -> None:
+        if self.pg is not None:
+            a[:] = self._reduce(a, "SUM")
+
+    def agree(self, ok: bool) -> bool:
+        return bool(self._reduce(np.array([0 if ok else 1], np.int64), "MAX")[0] == 0)
+
+    def union(self, reasons: dict[str, str], names: list[str]) -> dict[str, str]:
+        """``reasons`` extended by every name another worker of the group has reasons for."""
+        flags = self._reduce(np.array([n in reasons for n in names], np.int64), "MAX")
+        return {n: reasons.get(n, "another worker of its tensor-parallel group reloads it")
+                for n, f in zip(names, flags, strict=True) if f}
+
+    def target(self, params: Any, placed: dict, specs: dict, shared: set[str]) -> LiveTarget:
+        if not shared:
+            return LiveTarget(params, placed, specs)
+        return LiveTarget(params, placed, specs, shared=sorted(shared), reduce=self.reduce_in_place,
+                          agree=self.agree)
+
+
 class LiveEngine:
     """One vLLM worker's live refit state (see the module docstring). ``model``: the worker's model;
     ``vllm_config`` for reloads; ``checkpoint``: the directory the engine was loaded from."""
@@ -172,12 +225,21 @@ class LiveEngine:
             params = dict(model.named_parameters())
             cap = capture_layout(model.load_weights, params,
                                  {n: (_torch_dtype(d), s) for n, (d, s) in self.specs.items()})
+            group = _Group.of_tp()
+            names = sorted(self.specs)
+            held = np.array([sum(pl.piece.count for pl in cap.placements.get(n, ()) if pl.piece.owner)
+                             for n in names], np.int64)
+            numel = np.array([math.prod(self.specs[n][1]) for n in names], np.int64)
+            total, least = group.sum(held), group.min(held)
             reload = dict(cap.reload)
-            for name, places in cap.placements.items():
-                held = sum(pl.piece.count for pl in places if pl.piece.owner)
-                if held != math.prod(self.specs[name][1]):
-                    # A segment's BLAKE3 needs all of its elements: a slice cannot be checked alone.
-                    reload[name] = f"this worker holds {held} of its elements (a tensor-parallel slice)"
+            shared: set[str] = set()
+            for i, n in enumerate(names):
+                if least[i] == numel[i]:
+                    continue  # every worker holds it whole (replicated, or one worker)
+                if total[i] == numel[i]:
+                    shared.add(n)  # partitioned across the group: segments assembled by the group
+                elif n not in reload:
+                    reload[n] = f"the workers hold {total[i]} of its {numel[i]} elements, not a partition"
             modules = dict(model.named_modules())
             for name, places in cap.placements.items():
                 if name in reload:
@@ -186,20 +248,22 @@ class LiveEngine:
                     mod_name, _, pname = pl.param.rpartition(".")
                     if not _kernel_reads(modules[mod_name], pname, params[pl.param]):
                         reload[name] = f"the kernel of {mod_name} keeps its own copy of the weight"
+            reload = group.union(reload, names)
             # A layer is reloaded whole: its other tensors join the reload set.
             layers = {layer_key(n, packed) for n in reload}
             for n in self.specs:
                 if n not in reload and layer_key(n, packed) in layers:
                     reload[n] = "its layer is reloaded"
-            placed = {n: p for n, p in cap.placements.items() if n not in reload}
-            live = LiveTarget(params, placed, {n: self.specs[n] for n in placed})
-            for n in list(placed):
+            placed = {n: list(cap.placements.get(n, ())) for n in names if n not in reload}
+            live = group.target(params, placed, {n: self.specs[n] for n in placed}, shared & set(placed))
+            for n in sorted(placed):
                 info = live.tensors[n]
                 segs = [seg_hash(live.read_segment(n, ci)) for ci in range(n_segments(info.nbytes))]
                 if tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, segs) != digests[n]:
                     reload[n] = "its captured map does not reproduce the checkpoint's digest"
                     log.warning("deltarefit: refusing the captured map of %s: it does not reproduce the "
                                 "checkpoint's digest", n)
+            reload = group.union(reload, names)
             for n in list(placed):
                 if n in reload:
                     placed.pop(n)
@@ -209,6 +273,8 @@ class LiveEngine:
                     reload[n] = "its layer is reloaded"
                     placed.pop(n, None)
             self.placements: dict[str, list[Placement]] = placed
+            self.shared = shared & set(placed)
+            self.group = group
             self.reload_reasons = reload
             self.host: dict[str, Any] = {}
             for n in reload:
@@ -226,7 +292,8 @@ class LiveEngine:
     def _build_target(self) -> None:
         from ..torch_api import _TorchTarget
 
-        self.live = LiveTarget(self.params, self.placements, {n: self.specs[n] for n in self.placements})
+        self.live = self.group.target(self.params, self.placements, {n: self.specs[n] for n in self.placements},
+                                      self.shared)
         self.target = TargetUnion(self.live, _TorchTarget(self.host))
 
     def describe(self) -> dict[str, Any]:
