@@ -1,0 +1,76 @@
+"""One tensor-parallel worker of tests/test_live_tp.py: a model whose loader keeps this rank's rows of a
+column-parallel weight and columns of a row-parallel one (and a replicated norm), refitted in place
+through a collective LiveTarget over a real gloo group on loopback.
+
+argv[1] is a JSON object: rank, world, port, base (checkpoint dir), delta, out (where to save the
+parameters after), and optionally ``corrupt`` (this rank flips one bit of its norm first). Prints one JSON
+line: {"ok": true, ...} or {"error": class name, "message": ...}.
+"""
+
+import datetime
+import json
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from deltarefit.engines.capture import capture_layout
+from deltarefit.engines.live import apply_live
+from deltarefit.engines.vllm_live import _Group
+from deltarefit.errors import DeltaRefitError
+
+a = json.loads(sys.argv[1])
+rank, world = a["rank"], a["world"]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a['port']}", rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=60))
+ck = load_file(a["base"] + "/model.safetensors")
+
+
+class Shard(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        up, down = ck["up.weight"].shape, ck["down.weight"].shape
+        self.up = torch.nn.Parameter(torch.zeros(up[0] // world, up[1], dtype=torch.bfloat16), requires_grad=False)
+        self.down = torch.nn.Parameter(torch.zeros(down[0], down[1] // world, dtype=torch.bfloat16),
+                                       requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(ck["norm.weight"].shape, dtype=torch.bfloat16),
+                                       requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "up.weight":  # column parallel: this rank's rows
+                n = w.shape[0] // world
+                self.up.data.copy_(w.narrow(0, rank * n, n))
+            elif name == "down.weight":  # row parallel: this rank's columns
+                n = w.shape[1] // world
+                self.down.data.copy_(w.narrow(1, rank * n, n))
+            else:
+                self.norm.data.copy_(w)
+
+
+m = Shard()
+with torch.no_grad():
+    m.load_weights(ck.items())
+if a.get("corrupt"):
+    m.norm.data.view(torch.int16)[3] ^= 1
+params = dict(m.named_parameters())
+lay = capture_layout(m.load_weights, params, {n: (t.dtype, tuple(t.shape)) for n, t in ck.items()})
+group = _Group(dist.group.WORLD)
+names = sorted(ck)
+held = np.array([sum(p.piece.count for p in lay.placements.get(n, ())) for n in names], np.int64)
+least = group.min(held)
+shared = {n for i, n in enumerate(names) if least[i] != ck[n].numel()}
+live = group.target(params, {n: lay.placements.get(n, []) for n in names},
+                    {n: ("BF16", tuple(ck[n].shape)) for n in names}, shared)
+before = {n: p.detach().clone() for n, p in params.items()}
+try:
+    rep = apply_live(a["delta"], live, threads=2)
+    out = {"ok": True, "shared": sorted(shared), "written": rep.written_bytes}
+except DeltaRefitError as e:
+    out = {"error": type(e).__name__, "message": str(e),
+           "untouched": all(torch.equal(before[n].view(torch.int16), p.view(torch.int16)) for n, p in params.items())}
+save_file({n: p.detach().contiguous() for n, p in params.items()}, a["out"])
+print(json.dumps(out), flush=True)
+dist.destroy_process_group()
