@@ -200,17 +200,21 @@ class Journal:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         self.slots = slots
 
-    def write(self, slot: int, ti: int, ci: int, post: bytes, patch: Patch, pre: np.ndarray) -> None:
-        """Journal a chunk's patch; ``pre`` is the chunk's current (pre-image) elements."""
+    @staticmethod
+    def record(patch: Patch, pre: np.ndarray) -> tuple[int, int, bytes]:
+        """(kind, n, body) of a chunk's patch as the journal keeps it (``_journal_patch`` reads it back);
+        ``pre`` is the chunk's current (pre-image) elements."""
         if patch.dense is None and patch.positions.size * (4 + patch.values.itemsize) > pre.nbytes:
             # A dense-ish sparse patch would outgrow its slot (and spill into the next one): record
             # the whole post-image instead, which is never larger than a segment.
             patch = Patch(None, None, _post_image(pre, patch))
         if patch.dense is not None:
-            kind, n, body = 1, patch.dense.size, patch.dense.tobytes()
-        else:
-            kind, n = 0, patch.positions.size
-            body = patch.positions.astype("<u4").tobytes() + patch.values.tobytes()
+            return 1, patch.dense.size, patch.dense.tobytes()
+        return 0, patch.positions.size, patch.positions.astype("<u4").tobytes() + patch.values.tobytes()
+
+    def write(self, slot: int, ti: int, ci: int, post: bytes, patch: Patch, pre: np.ndarray) -> None:
+        """Journal a chunk's patch; ``pre`` is the chunk's current (pre-image) elements."""
+        kind, n, body = self.record(patch, pre)
         if len(body) > SEGMENT_BYTES:
             raise AssertionError(f"journal record of {len(body)} bytes exceeds its slot")  # a bug, not bad input
         head = _JHEAD.pack(JOURNAL_MAGIC, self.fp, ti, ci, kind, n, len(body), post, seg_hash(body))

@@ -73,12 +73,7 @@ class MemoryJournal(Journal):
         pass
 
     def write(self, slot: int, ti: int, ci: int, post: bytes, patch, pre: np.ndarray) -> None:
-        if patch.dense is not None:
-            kind, n, body = 1, patch.dense.size, patch.dense.tobytes()
-        else:
-            kind, n = 0, patch.positions.size
-            body = patch.positions.astype("<u4").tobytes() + patch.values.tobytes()
-        self._recs[(ti, ci)] = (post, kind, n, body)
+        self._recs[(ti, ci)] = (post, *self.record(patch, pre))
 
     def remove(self) -> None:
         self._recs = {}
