@@ -8,7 +8,9 @@ Contract
   directory without an index holding one or more ``*.safetensors`` files (all of them belong to it, and a
   tensor name may appear only once). Other files in a directory are ignored. With an index, every
   ``weight_map`` entry must be in its shard; shard tensors the index does not map there are ignored.
-* Headers are parsed here, strictly: header length <= 100 MiB and inside the file, a JSON object
+* Headers are parsed here, strictly: header length <= 100 MiB and inside the file, its JSON at most
+  4 levels deep with at most one array/object per 8 bytes (checked before parsing, so a hostile header
+  costs memory in proportion to its length only: see ``jsonlimits``), a JSON object
   (``__metadata__`` is metadata, not a tensor), known dtypes, shapes of non-negative ints,
   ``data_offsets`` ``[begin, end]`` with ``end - begin == prod(shape) * itemsize`` inside the data
   section, no two tensors overlapping. Every failure raises ``CheckpointError`` with one line that names
@@ -45,6 +47,7 @@ from .dtypes import DTYPES
 from .errors import CheckpointError, UsageError
 from .fsutil import fsync_dir
 from .integrity import SEGMENT_BYTES, fingerprint_from_digests, segment_hashes, tensor_digest_from_segments
+from .jsonlimits import json_shape_problem
 
 __all__ = [
     "INDEX_NAME",
@@ -59,6 +62,11 @@ __all__ = [
 ]
 
 MAX_HEADER_BYTES = 100 << 20
+# A header nests 3 levels (the object, a tensor's entry, its shape) and holds 3 arrays/objects per tensor
+# in at least 48 bytes; an index nests 2-3. Past these bounds a file is refused before json.loads.
+HEADER_MAX_DEPTH = 4
+INDEX_MAX_DEPTH = 8
+HEADER_BYTES_PER_CONTAINER = 8
 INDEX_NAME = "model.safetensors.index.json"
 SUFFIX = ".safetensors"
 # Segments hashed per thread-pool task: a big tensor is spread over threads, small ones stay cheap.
@@ -101,7 +109,10 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _load_json(raw: bytes, what: str) -> Any:
+def _load_json(raw: bytes, what: str, max_depth: int) -> Any:
+    problem = json_shape_problem(raw, max_depth=max_depth, bytes_per_container=HEADER_BYTES_PER_CONTAINER)
+    if problem:
+        raise CheckpointError(f"{what} {problem}")
     try:
         return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -122,7 +133,7 @@ def _read_header(f: BinaryIO, label: str, file: str) -> list[TensorInfo]:
     raw = f.read(hlen) if 8 + hlen <= size else b""
     if len(raw) != hlen:
         raise CheckpointError(f"{label}: header length {hlen} runs past the end of the file ({size} bytes)")
-    header = _load_json(raw, f"{label}: header")
+    header = _load_json(raw, f"{label}: header", HEADER_MAX_DEPTH)
     if not isinstance(header, dict):
         raise CheckpointError(f"{label}: header is not a JSON object")
     meta = header.pop("__metadata__", None)
@@ -305,7 +316,7 @@ def _index_plan(path: str) -> _Plan:
         raise CheckpointError(f"{label}: cannot read: {e.strerror or e}") from None
     if len(raw) > MAX_HEADER_BYTES:
         raise CheckpointError(f"{label}: larger than the {MAX_HEADER_BYTES >> 20} MiB limit")
-    index = _load_json(raw, label)
+    index = _load_json(raw, label, INDEX_MAX_DEPTH)
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise CheckpointError(f"{label}: 'weight_map' is missing or not an object of tensor -> shard file")
