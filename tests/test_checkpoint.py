@@ -310,7 +310,13 @@ HOSTILE = {
     ),
     # Shapes a header never has, refused before json.loads builds them: dense containers, deep nesting.
     "nested_lists": (st_bytes({"w": entry(shape=[[]] * 20000)}, bytes(12)), "header holds 20004 JSON arrays/objects"),
-    "deep": (st_bytes({"w": entry(shape=[[[[3]]], 2])}, bytes(12)), "header nests JSON 6 levels deep, limit 4"),
+    "deep": (st_bytes({"w": entry(shape=[[[[3]]], 2])}, bytes(12)), "header nests JSON 6 levels deep, limit 3"),
+    "strings_in_shape": (st_bytes({"w": entry(shape=["3", 2])}, bytes(12)), "header has a JSON array holding strings"),
+    "object_in_array": (st_bytes({"w": [{"dtype": "U8"}]}, bytes(12)), "header has a JSON array holding strings or"),
+    "too_many_dims": (st_bytes({"w": entry(shape=[1] * 65, offsets=(0, 1))}, bytes(12)),
+                      "tensor 'w': shape has 65 dimensions, limit 64"),
+    "long_shape_cut_short": (st_bytes({"w": entry(shape=[1.5] * 10000)}, bytes(12)),
+                             "tensor 'w': shape [1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, ...] is not a list"),
 }  # fmt: skip
 
 
@@ -322,6 +328,7 @@ def test_hostile_file_is_refused(tmp_path, case):
     with pytest.raises(CheckpointError) as e:
         open_checkpoint(path)
     assert message in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+    assert len(str(e.value)) < 400  # one short line, whatever the header holds
 
 
 def test_header_bomb_is_refused_in_bounded_memory(tmp_path):

@@ -30,7 +30,7 @@ from .integrity import (
     seg_hash,
     tensor_digest_from_segments,
 )
-from .jsonlimits import json_shape_problem
+from .jsonlimits import brief, json_shape_problem
 
 MAGIC = b"DRDELTA\x00"
 VERSION = 1
@@ -289,7 +289,7 @@ class DeltaReader:
         if not isinstance(man, dict) or man.get("format") != "deltarefit.delta" or man.get("version") != VERSION:
             raise FormatError(f"{p}: manifest is not a deltarefit.delta v{VERSION} manifest")
         if man.get("hash") != "blake3-128":
-            raise FormatError(f"{p}: unknown chunk hash {man.get('hash')!r} (expected 'blake3-128')")
+            raise FormatError(f"{p}: unknown chunk hash {brief(man.get('hash'))} (expected 'blake3-128')")
         if man.get("segment_bytes") != SEGMENT_BYTES:
             raise FormatError(f"{p}: segment size {man.get('segment_bytes')} is not {SEGMENT_BYTES}")
         self.base_fingerprint = _hex(man.get("base_fingerprint"), f"{p}: base_fingerprint")
@@ -434,11 +434,11 @@ def _meta(v: Any, where: str) -> TensorMeta | None:
         raise FormatError(f"{where}: expected an object")
     dt = v.get("dtype")
     if not isinstance(dt, str) or dt not in DTYPES:
-        raise FormatError(f"{where}: unsupported dtype {dt!r}")
+        raise FormatError(f"{where}: unsupported dtype {brief(dt)}")
     shape = v.get("shape")
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48 for d in shape)):
-        raise FormatError(f"{where}: bad shape {shape!r}")
+        raise FormatError(f"{where}: bad shape {brief(shape)}")
     m = TensorMeta(dt, tuple(shape), bytes.fromhex(_hex(v.get("digest"), f"{where} digest")))
     if m.nbytes >= 1 << 50:
         raise LimitError(f"{where}: tensor of {m.nbytes} bytes exceeds the limit")
@@ -451,7 +451,7 @@ def _tensor_entry(t: Any, where: str) -> TensorEntry:
     where = f"{where.rsplit(':', 1)[0]}: tensor {t['name']!r}"
     op = t.get("op")
     if op not in OPS:
-        raise FormatError(f"{where}: unknown op {op!r}")
+        raise FormatError(f"{where}: unknown op {brief(op)}")
     base, target = _meta(t.get("base"), f"{where} base"), _meta(t.get("target"), f"{where} target")
     need = {"same": (1, 1), "patch": (1, 1), "add": (0, 1), "remove": (1, 0), "replace": (1, 1)}[op]
     if (base is not None, target is not None) != (bool(need[0]), bool(need[1])):

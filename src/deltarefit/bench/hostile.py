@@ -9,6 +9,8 @@ directory, each of:
   allows for its compressed size (the bound is linear in that size, see FORMAT.md);
 * a *safetensors header bomb*: a file whose 100 MiB header is nested lists, read by
   ``deltarefit fingerprint``;
+* the costliest header that still parses: 100 MiB of integers in one shape (the bound on headers is
+  their length, 100 MiB as in safetensors itself; a header's cost is linear in it);
 
 runs each command in a child process and prints its exit code, peak RSS (the child's VmHWM) and
 wall time.
@@ -120,6 +122,22 @@ def write_header_bomb(path: str, header_bytes: int = 100 * MIB) -> int:
         f.write(struct.pack("<Q", hlen))
         f.write(head)
         for piece in _repeat(b"[],", n):
+            f.write(piece)
+        f.write(tail)
+    return 8 + hlen
+
+
+def write_header_of_ints(path: str, header_bytes: int = 100 * MIB) -> int:
+    """The costliest header that still parses: one shape holding ``header_bytes`` of ``1000,`` (an int
+    object per 5 bytes of text); refused after parsing (more than 64 dimensions)."""
+    head = b'{"w":{"dtype":"U8","data_offsets":[0,0],"shape":['
+    tail = b'1]}}'
+    n = (header_bytes - len(head) - len(tail)) // 5
+    hlen = len(head) + 5 * n + len(tail)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", hlen))
+        f.write(head)
+        for piece in _repeat(b"1000,", n):
             f.write(piece)
         f.write(tail)
     return 8 + hlen
@@ -302,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             ("manifest bomb, 256 MiB of [[],...]", "bomb.delta", write_manifest_bomb, "inspect"),
             ("manifest of short strings at the limit", "strings.delta", write_strings_at_limit, "inspect"),
             ("safetensors header, 100 MiB of [[],...]", "bomb.safetensors", write_header_bomb, "fingerprint"),
+            ("safetensors header, 100 MiB of ints in a shape", "ints.safetensors", write_header_of_ints,
+             "fingerprint"),
         ]
         for label, name, make, cmd in cases:
             path = os.path.join(tmp, name)
