@@ -3,12 +3,13 @@
 ``json.loads`` spends 5-45 bytes of memory per byte of text on hostile shapes (``[[],[],...]`` makes a
 list of 56 bytes from 3 bytes of text; deep nesting recurses) and only fails after the whole value is
 built. The file formats read here (a delta's manifest, a safetensors header) have flat, known shapes,
-so two bounds that their real contents never come near are checked first, at C speed and without
-building anything:
+so bounds that their real contents never come near are checked first, by ``bytes.count`` and numpy
+passes over slices of the text, without building anything:
 
 * containers: at most one ``[`` or ``{`` per ``bytes_per_container`` bytes of text (plus a little
   slack for tiny documents); brackets inside strings are counted too, which only makes this stricter;
-* nesting depth: at most ``max_depth`` levels, measured over the brackets outside strings.
+* nesting depth: at most ``max_depth`` levels, measured over the brackets outside strings;
+* optionally (``arrays_of_numbers``), no string or object inside an array.
 
 What passes still costs memory in proportion to its length (up to about 16 bytes per byte of text for a
 list of short strings, which ``arrays_of_numbers`` rules out, and about 12 for an object of many short
