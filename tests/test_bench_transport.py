@@ -31,3 +31,14 @@ def test_transport_bench_tiny_pair(tmp_path, capsys):
     assert "## Refit through a store at an emulated link" in text and "## Where the delta's time goes" in text
     assert "![refit times](T.png)" in text and (tmp_path / "T.png").read_bytes()[:4] == b"\x89PNG"
     assert "faster" in capsys.readouterr().out
+
+
+def test_report_keeps_its_hand_written_part(tmp_path):
+    from deltarefit.bench.transport import KEEP_MARKER, _kept_part
+
+    md = tmp_path / "T.md"
+    assert _kept_part(str(md)) == ""  # no report yet
+    md.write_text("# generated\n\n| a |\n")
+    assert _kept_part(str(md)) == ""
+    md.write_text(f"# generated\n\n{KEEP_MARKER} ... -->\n\n## Notes\n\nkept\n")
+    assert _kept_part(str(md)) == f"\n{KEEP_MARKER} ... -->\n\n## Notes\n\nkept\n"

@@ -308,6 +308,15 @@ HOSTILE = {
                  bytes(12)),
         "tensors 'a' [0, 12] and 'b' [8, 12] overlap",
     ),
+    # Shapes a header never has, refused before json.loads builds them: dense containers, deep nesting.
+    "nested_lists": (st_bytes({"w": entry(shape=[[]] * 20000)}, bytes(12)), "header holds 20004 JSON arrays/objects"),
+    "deep": (st_bytes({"w": entry(shape=[[[[3]]], 2])}, bytes(12)), "header nests JSON 6 levels deep, limit 3"),
+    "strings_in_shape": (st_bytes({"w": entry(shape=["3", 2])}, bytes(12)), "header has a JSON array holding strings"),
+    "object_in_array": (st_bytes({"w": [{"dtype": "U8"}]}, bytes(12)), "header has a JSON array holding strings or"),
+    "too_many_dims": (st_bytes({"w": entry(shape=[1] * 65, offsets=(0, 1))}, bytes(12)),
+                      "tensor 'w': shape has 65 dimensions, limit 64"),
+    "long_shape_cut_short": (st_bytes({"w": entry(shape=[1.5] * 10000)}, bytes(12)),
+                             "tensor 'w': shape [1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, ...] is not a list"),
 }  # fmt: skip
 
 
@@ -319,6 +328,23 @@ def test_hostile_file_is_refused(tmp_path, case):
     with pytest.raises(CheckpointError) as e:
         open_checkpoint(path)
     assert message in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+    assert len(str(e.value)) < 400  # one short line, whatever the header holds
+
+
+def test_header_bomb_is_refused_in_bounded_memory(tmp_path):
+    """64 MiB of ``[[],[],...]`` as a header (within the 100 MiB limit): refused by counting brackets,
+    before json.loads (which spends ~20 bytes per byte of such text), in a process that stays small."""
+    from deltarefit.bench.hostile import measure, write_header_bomb
+
+    path = tmp_path / "bomb.safetensors"
+    write_header_bomb(str(path), 64 << 20)
+    with pytest.raises(CheckpointError, match=r"header holds \d+ JSON arrays/objects in \d+ bytes") as e:
+        open_checkpoint(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+    r = measure(["fingerprint", str(path)])
+    print(f"fingerprint of a 64 MiB header bomb: rc {r.rc}, peak RSS {r.peak_rss >> 20} MiB, {r.seconds:.2f} s")
+    assert r.rc == CheckpointError.exit_code and "JSON arrays/objects" in r.last_line
+    assert r.peak_rss < 512 << 20  # generous: the interpreter and its imports ~150 MiB, the header 64 MiB
 
 
 def test_truncated_real_file_is_refused(tmp_path):

@@ -884,3 +884,82 @@ def test_structural_wrong_target_is_refused_before_writing(spair, ckpt, ddir, ho
         d.refingerprint()
     p = d.write(ddir / "c.delta")
     refused(p, ckpt, (IntegrityError, VerificationError), re.escape(p), "(fingerprint|digest)")
+
+
+# ------------------------------------------------------------------- manifest bounds: memory before trust
+
+
+def _nested(depth: int):
+    v: list = []
+    for _ in range(depth - 1):
+        v = [v]
+    return v
+
+
+def test_manifest_bomb_is_refused_before_it_expands(pair, ckpt, ddir):
+    """A few KB of zstd that expand to 64 MiB of ``[[],[],...]``: refused from the frame's declared size
+    (its expansion is bounded by its compressed size), in a process that stays small."""
+    from deltarefit.bench.hostile import measure, write_manifest_bomb
+
+    p = str(ddir / "bomb.delta")
+    size = write_manifest_bomb(p, 64 << 20)
+    assert size < 16 << 10
+    err = refused(p, ckpt, LimitError, re.escape(p), "manifest expands to 67108", r"1024x its compressed size")
+    assert "\n" not in str(err)
+    r = measure(["inspect", p])
+    print(f"inspect of a {size}-byte manifest bomb: rc {r.rc}, peak RSS {r.peak_rss >> 20} MiB, {r.seconds:.2f} s")
+    assert r.rc == LimitError.exit_code and "manifest expands to" in r.last_line
+    assert r.peak_rss < 512 << 20  # generous: the interpreter and its imports are ~150 MiB
+
+
+def test_manifest_of_dense_containers_is_refused_before_parsing(pair, ckpt, ddir):
+    """Within the expansion bound, 1 MiB of ``[],`` as the tensor list (a list of 56 bytes per 3 bytes of
+    text): refused by counting brackets, before json.loads builds it."""
+    d = Delta.parse(pair["data"])
+    man = json.dumps(d.manifest).encode()
+    d.manifest_raw = man.replace(b'"tensors": [', b'"tensors": [' + b"[]," * (1 << 18) + b"[],", 1)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, LimitError, re.escape(p), r"manifest holds \d+ JSON arrays/objects in \d+ bytes")
+
+
+def test_manifest_nested_too_deep_is_refused(pair, ckpt, ddir):
+    """Readers must not rely on ``stats``, but it is parsed: 9 levels of nesting are refused (real
+    manifests nest 5), before parsing."""
+    d = Delta.parse(pair["data"])
+    d.manifest["stats"] = {"x": _nested(8)}
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, LimitError, re.escape(p), "manifest nests JSON 10 levels deep, limit 8")
+    d.manifest["stats"] = {"x": _nested(6)}  # 8 levels: within the limit, and applies
+    p = d.write(ddir / "ok.delta")
+    deltarefit.apply(p, ckpt)
+
+
+def test_writer_refuses_a_manifest_readers_would_refuse(tmp_path):
+    path = str(tmp_path / "w.delta")
+    w = fmt.DeltaWriter(path)
+    with pytest.raises(LimitError, match="manifest nests JSON"):
+        w.finish({"format": "deltarefit.delta", "stats": _nested(20)})
+    w.abort()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_very_compressible_real_manifest_is_within_the_bounds(tmp_path):
+    """20000 unchanged tensors sharing one digest (their manifest compresses ~200:1, the most real ones
+    do) are written and read back: the expansion bound leaves room."""
+    from deltarefit.integrity import fingerprint_from_digests
+
+    digest = bytes(range(32))
+    names = [f"model.layers.{i // 8}.block_sparse_moe.experts.{i % 8}.w3.lora_B.weight" for i in range(20000)]
+    fp = fingerprint_from_digests(dict.fromkeys(names, digest))
+    meta = fmt.TensorMeta("BF16", (4096, 16), digest)
+    tensors = [fmt.TensorEntry(n, "same", meta, meta, 0, 0, 0).to_json() for n in sorted(names)]
+    man = {"format": "deltarefit.delta", "version": fmt.VERSION, "segment_bytes": SEGMENT_BYTES,
+           "hash": "blake3-128", "base_fingerprint": fp, "target_fingerprint": fp, "tensors": tensors, "stats": {}}
+    path = str(tmp_path / "same.delta")
+    w = fmt.DeltaWriter(path)
+    w.finish(man)
+    with fmt.DeltaReader(path) as r:
+        head = fmt.HEADER.unpack(open(path, "rb").read(fmt.HEADER_SIZE))
+        ratio = len(json.dumps(man, separators=(",", ":"), sort_keys=True)) / head[7]
+        print(f"manifest of {len(names)} tensors: expansion {ratio:.0f}:1 (limit {fmt.MANIFEST_EXPANSION}:1)")
+        assert len(r.tensors) == 20000 and ratio > 100

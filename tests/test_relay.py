@@ -1,6 +1,7 @@
 """Relay tree: pure placement tables, the authenticated frame protocol over real loopback sockets, and
 real ``deltarefit relay`` processes (a root and nodes) carrying a published stream bit-exact, with a
-middle node SIGKILLed mid-transfer and a client holding the wrong key.
+middle node SIGKILLed mid-transfer, a node holding the wrong key (told, it stops), a parent serving
+rotten bytes (routed around), and unauthenticated connections (bounded in number and memory).
 """
 
 from __future__ import annotations
@@ -47,6 +48,17 @@ C = plan.Child
 ])
 def test_placement(joiner, path, children, fanout, new, want):
     got = plan.place(joiner, "me", path, children, fanout, new=new)
+    assert (got.kind, got.to) == want
+
+
+@pytest.mark.parametrize(("children", "fanout", "avoid", "want"), [
+    ([C("b", "h:1", 1)], 1, {"h:1"}, ("accept", "")),  # the only subtree is avoided: over the fan-out here
+    ([C("b", "h:1", 1), C("c", "h:2", 5)], 2, {"h:1"}, ("redirect", "h:2")),  # the other one, though larger
+    ([C("b", "h:1", 1), C("c", "h:2", 5)], 2, {"h:9"}, ("redirect", "h:1")),  # avoiding others changes nothing
+    ([C("b", "h:1", 1)], 2, {"h:1"}, ("accept", "")),  # capacity left: accepted as before
+])
+def test_placement_routes_around_avoided_relays(children, fanout, avoid, want):
+    got = plan.place("a", "me", [], children, fanout, new=True, avoid=avoid)
     assert (got.kind, got.to) == want
 
 
@@ -192,6 +204,89 @@ def test_a_peer_that_is_not_a_relay_is_refused():
 
     box = asyncio.run(main())
     assert isinstance(box[0], ProtocolError) and "not a deltarefit relay" in str(box[0])
+
+
+def test_an_unauthenticated_peer_cannot_make_a_relay_buffer_a_large_frame():
+    """Before its first frame verified, a peer may declare at most a small frame: one declaring the
+    largest frame is refused from its 16-byte prefix, before a byte of the body is read."""
+
+    async def main():
+        box = []
+
+        async def handler(r, w):
+            try:
+                ch = await protocol.accept(r, w, KEY)
+                box.append(await ch.recv(5))
+            except Exception as e:  # the test inspects it
+                box.append(e)
+            w.close()
+
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        r, w = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        w.write(protocol.MAGIC + os.urandom(32) + protocol._PREFIX.pack(0, protocol.MAX_HEADER, protocol.MAX_PAYLOAD))
+        await w.drain()
+        await r.readexactly(40)
+        for _ in range(100):  # the server answers without waiting for the body (which never comes)
+            if box:
+                break
+            await asyncio.sleep(0.05)
+        w.close()
+        server.close()
+        return box
+
+    box = asyncio.run(main())
+    assert isinstance(box[0], ProtocolError) and "before authenticating" in str(box[0]), box
+
+
+def test_unauthenticated_connections_are_capped_and_cost_little(tmp_path):
+    """40 connections to a root that never authenticate, all open at once, each declaring the largest
+    frame and flooding bytes: at most 32 are served a handshake (the rest are answered BUSY), none is
+    buffered, and the root's peak memory grows by little. A real node then joins as usual."""
+    from deltarefit.bench.hostile import relay_flood, start_root
+
+    f = relay_flood(str(tmp_path), connections=40, seconds=2.0)
+    grown = f["hwm_after"] - f["rss_before"]
+    print(f"root RSS {f['rss_before'] >> 20} MiB -> peak {f['hwm_after'] >> 20} MiB; {f['hello']} handshakes, "
+          f"{f['busy']} BUSY")
+    assert f["hello"] <= 32 and f["busy"] >= 8 and f["hello"] + f["busy"] == 40
+    assert grown < 128 << 20  # generous: 40 such peers cost ~700 MiB without the bounds
+    assert count_in(str(tmp_path / "root.log"), "refused as busy")
+    # The root still serves: a node joins it (the stream is empty: it attaches and waits).
+    os.makedirs(tmp_path / "again")
+    p, root = start_root(str(tmp_path / "again"))
+    node_log = str(tmp_path / "node.log")
+    node = start(["node", str(tmp_path / "ck.safetensors"), "--join", root, "--listen", "127.0.0.1:0",
+                  "--key", str(tmp_path / "again" / "relay.key"), "--id", "n"], node_log)
+    try:
+        _wait(lambda: count_in(node_log, "attached to"), "the node to attach")
+    finally:
+        stop([node, p])
+
+
+def test_a_node_with_the_wrong_key_is_told_and_stops(tmp_path):
+    """The root answers a frame that fails its MAC with AUTH_FAILED; the node logs that authentication
+    failed and, after a few tries, exits 10 with one line."""
+    from deltarefit.bench.hostile import start_root
+
+    p, root = start_root(str(tmp_path))
+    bad = str(tmp_path / "bad.key")
+    protocol.write_key(bad)
+    log = str(tmp_path / "node.log")
+    node = start(["node", str(tmp_path / "ck.safetensors"), "--join", root, "--listen", "127.0.0.1:0",
+                  "--key", bad, "--id", "n"], log)
+    try:
+        try:
+            rc = node.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            rc = None
+        text = open(log).read()
+        assert rc == 10, text[-2000:]
+        assert text.count("authentication failed, the relays' keys differ") == 3
+        last = text.strip().splitlines()[-1]
+        assert last.startswith("deltarefit: error: relay n: authentication failed 3 times in a row"), last
+        assert count_in(str(tmp_path / "root.log"), "failed authentication") == 3
+    finally:
+        stop([node, p])
 
 
 def test_short_key_is_a_usage_error(tmp_path):
@@ -403,7 +498,10 @@ def test_a_tree_carries_the_stream_bit_exact(tmp_path, chain):
         for i in range(4):  # the empty ones: from the newest keyframe
             assert count_in(logs[f"n{i}"], "from version 3") and count_in(logs[f"n{i}"], "0 -> 3 via keyframe")
         assert count_in(logs["n5"], "attached to") == 0 and not os.path.exists(cks["n5"])
-        assert procs["n5"].poll() is None and count_in(logs["n5"], "joining") >= 2  # still trying, refused
+        # The wrong key: told so by the root, it stops after a few tries with one line and exit code 10.
+        assert procs["n5"].wait(timeout=DEADLINE) == 10 and count_in(logs["n5"], "joining") >= 2
+        assert count_in(logs["n5"], "authentication failed, the relays' keys differ") == 3
+        assert "authentication failed 3 times in a row" in open(logs["n5"]).read().strip().splitlines()[-1]
         # Fan-out 2: two nodes below the root, the other three below them.
         assert sum(count_in(logs[f"n{i}"], f"attached to {root}") > 0 for i in range(5)) == 2
     finally:
@@ -546,5 +644,43 @@ def test_a_stalled_child_does_not_hold_back_its_sibling(tmp_path):
         _wait_exit({"stalled": procs["stalled"]}, logs)
         for n in names:
             _fingerprint_ok(cks[n], store, 1)
+    finally:
+        stop(list(procs.values()))
+
+
+def test_a_parent_serving_rotten_bytes_is_routed_around(tmp_path):
+    """A (the root's only slot at fan-out 1) holds version 1, then its mirror's copy rots on disk. B,
+    redirected below A, gets parts whose BLAKE3 is wrong: after 3 it avoids A, names it in its log, and
+    joins the root over its fan-out, from where it finishes bit-exact."""
+    names = ["a", "b"]
+    store_dir, store, pub, logs, cks = _tree(tmp_path, names)
+    v1 = str(tmp_path / "v1.safetensors")
+    write_checkpoint(v1, 1)
+    pub.publish(v1, step=1)
+    key = str(tmp_path / "relay.key")
+    protocol.write_key(key)
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        procs["root"] = start(["root", store_dir, "--listen", "127.0.0.1:0", "--key", key, "--fanout", "1",
+                               "--mirror", str(tmp_path / "root-mirror"), "--poll", "0.1"], logs["root"])
+        root = listening(logs["root"], procs["root"])
+        procs["a"] = start(["node", cks["a"], "--join", root, "--listen", "127.0.0.1:0", "--key", key,
+                            "--id", "a"], logs["a"])  # serves until stopped
+        _wait(lambda: count_in(logs["a"], "checkpoint 0 -> 1"), "a to install version 1")
+        a_addr = listening(logs["a"])
+        part = load_commit(store, 1).keyframe[0][1].key
+        with open(os.path.join(cks["a"] + ".relay-mirror", part), "r+b") as f:  # rot, after its check
+            f.seek(1 << 19)
+            byte = f.read(1)
+            f.seek(1 << 19)
+            f.write(bytes([byte[0] ^ 0x40]))
+        procs["b"] = start(["node", cks["b"], "--join", root, "--listen", "127.0.0.1:0", "--key", key,
+                            "--id", "b", "--until-version", "1"], logs["b"])
+        _wait_exit({"b": procs["b"]}, logs)
+        _fingerprint_ok(cks["b"], store, 1)
+        text = open(logs["b"]).read()
+        assert text.count("do not match the record's BLAKE3") == 3  # bounded: then it went elsewhere
+        assert f"parent {a_addr} sent 3 parts whose bytes do not match their records" in text
+        assert re.findall(r"attached to (\S+),", text) == [a_addr] * 3 + [root]  # below A thrice, then the root
     finally:
         stop(list(procs.values()))

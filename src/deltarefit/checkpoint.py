@@ -8,8 +8,11 @@ Contract
   directory without an index holding one or more ``*.safetensors`` files (all of them belong to it, and a
   tensor name may appear only once). Other files in a directory are ignored. With an index, every
   ``weight_map`` entry must be in its shard; shard tensors the index does not map there are ignored.
-* Headers are parsed here, strictly: header length <= 100 MiB and inside the file, a JSON object
-  (``__metadata__`` is metadata, not a tensor), known dtypes, shapes of non-negative ints,
+* Headers are parsed here, strictly: header length <= 100 MiB and inside the file, its JSON at most
+  3 levels deep, with at most one array/object per 8 bytes and arrays of numbers only (checked before
+  parsing, so a hostile header costs memory in proportion to its length only: see ``jsonlimits``), a
+  JSON object
+  (``__metadata__`` is metadata, not a tensor), known dtypes, shapes of at most 64 non-negative ints,
   ``data_offsets`` ``[begin, end]`` with ``end - begin == prod(shape) * itemsize`` inside the data
   section, no two tensors overlapping. Every failure raises ``CheckpointError`` with one line that names
   the file and, where there is one, the tensor.
@@ -45,6 +48,7 @@ from .dtypes import DTYPES
 from .errors import CheckpointError, UsageError
 from .fsutil import fsync_dir
 from .integrity import SEGMENT_BYTES, fingerprint_from_digests, segment_hashes, tensor_digest_from_segments
+from .jsonlimits import brief, json_shape_problem
 
 __all__ = [
     "INDEX_NAME",
@@ -59,6 +63,13 @@ __all__ = [
 ]
 
 MAX_HEADER_BYTES = 100 << 20
+# A header nests 3 levels (the object, a tensor's entry, its shape), holds 3 arrays/objects per tensor
+# in at least 48 bytes, and its arrays hold numbers only; an index nests 2-3. Past these bounds a file
+# is refused before json.loads.
+HEADER_MAX_DEPTH = 3
+MAX_NDIM = 64  # as in a delta's manifest
+INDEX_MAX_DEPTH = 8
+HEADER_BYTES_PER_CONTAINER = 8
 INDEX_NAME = "model.safetensors.index.json"
 SUFFIX = ".safetensors"
 # Segments hashed per thread-pool task: a big tensor is spread over threads, small ones stay cheap.
@@ -96,12 +107,16 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise ValueError(f"duplicate key {k!r}")
+            raise ValueError(f"duplicate key {brief(k)}")
         out[k] = v
     return out
 
 
-def _load_json(raw: bytes, what: str) -> Any:
+def _load_json(raw: bytes, what: str, max_depth: int, *, arrays_of_numbers: bool = False) -> Any:
+    problem = json_shape_problem(raw, max_depth=max_depth, bytes_per_container=HEADER_BYTES_PER_CONTAINER,
+                                 arrays_of_numbers=arrays_of_numbers)
+    if problem:
+        raise CheckpointError(f"{what} {problem}")
     try:
         return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -122,7 +137,7 @@ def _read_header(f: BinaryIO, label: str, file: str) -> list[TensorInfo]:
     raw = f.read(hlen) if 8 + hlen <= size else b""
     if len(raw) != hlen:
         raise CheckpointError(f"{label}: header length {hlen} runs past the end of the file ({size} bytes)")
-    header = _load_json(raw, f"{label}: header")
+    header = _load_json(raw, f"{label}: header", HEADER_MAX_DEPTH, arrays_of_numbers=True)
     if not isinstance(header, dict):
         raise CheckpointError(f"{label}: header is not a JSON object")
     meta = header.pop("__metadata__", None)
@@ -140,13 +155,15 @@ def _read_entry(label: str, file: str, name: str, entry: Any, start: int, data_s
         raise CheckpointError(f"{where}: header entry is not an object")
     dt = entry.get("dtype")
     if not isinstance(dt, str) or dt not in DTYPES:
-        raise CheckpointError(f"{where}: unknown dtype {dt!r}; supported: {', '.join(DTYPES)}")
+        raise CheckpointError(f"{where}: unknown dtype {brief(dt)}; supported: {', '.join(DTYPES)}")
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        raise CheckpointError(f"{where}: shape {brief(shape)} is not a list of non-negative integers")
+    if len(shape) > MAX_NDIM:  # before the product: millions of dimensions would take minutes
+        raise CheckpointError(f"{where}: shape has {len(shape)} dimensions, limit {MAX_NDIM}")
     offs = entry.get("data_offsets")
     if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)):
-        raise CheckpointError(f"{where}: data_offsets {offs!r} is not a pair of non-negative integers")
+        raise CheckpointError(f"{where}: data_offsets {brief(offs)} is not a pair of non-negative integers")
     begin, end = offs
     need = math.prod(shape) * DTYPES[dt].itemsize
     if begin > end:
@@ -305,7 +322,7 @@ def _index_plan(path: str) -> _Plan:
         raise CheckpointError(f"{label}: cannot read: {e.strerror or e}") from None
     if len(raw) > MAX_HEADER_BYTES:
         raise CheckpointError(f"{label}: larger than the {MAX_HEADER_BYTES >> 20} MiB limit")
-    index = _load_json(raw, label)
+    index = _load_json(raw, label, INDEX_MAX_DEPTH)
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise CheckpointError(f"{label}: 'weight_map' is missing or not an object of tensor -> shard file")

@@ -30,6 +30,7 @@ from .integrity import (
     seg_hash,
     tensor_digest_from_segments,
 )
+from .jsonlimits import brief, json_shape_problem
 
 MAGIC = b"DRDELTA\x00"
 VERSION = 1
@@ -38,6 +39,15 @@ HEADER_SIZE = HEADER.size  # 96
 RECORD = struct.Struct("<IIBBHIQII16s16s16s")
 RECORD_SIZE = RECORD.size  # 80
 MAX_MANIFEST_BYTES = 256 << 20
+# A manifest's expanded size is also bounded by its compressed size: at most 1 MiB + 1024 times it.
+# Real manifests expand 5-10x (each tensor has a digest of 32 random bytes), and about 220x at worst
+# (100k tensors sharing one digest); a small file can't make the reader build hundreds of MiB.
+MANIFEST_FLOOR = 1 << 20
+MANIFEST_EXPANSION = 1024
+# Shape bounds checked before the JSON is parsed (see jsonlimits): real manifests nest 5 levels and
+# hold one array/object per 50-70 bytes.
+MANIFEST_MAX_DEPTH = 8
+MANIFEST_BYTES_PER_CONTAINER = 16
 MAX_RECORDS = 1 << 26  # 64 Mi chunks = 64 TiB of tensor bytes in one delta
 MAX_NDIM = 64
 FLAG_MANIFEST_ZSTD = 1  # the manifest section is one zstd frame (the only layout v1 writes or reads)
@@ -144,8 +154,16 @@ class DeltaWriter:
         man = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode("utf-8")
         if len(man) > MAX_MANIFEST_BYTES:
             raise LimitError(f"{self.path}: manifest of {len(man)} bytes exceeds {MAX_MANIFEST_BYTES}")
+        problem = json_shape_problem(man, max_depth=MANIFEST_MAX_DEPTH,
+                                     bytes_per_container=MANIFEST_BYTES_PER_CONTAINER)
+        if problem:  # what readers would refuse is never written
+            raise LimitError(f"{self.path}: manifest {problem}")
+        raw_len = len(man)
         # Level 1: on real manifests it came out smaller than level 9, and 5x faster.
         man = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(man)
+        if raw_len > manifest_limit(len(man)):
+            raise LimitError(f"{self.path}: manifest of {raw_len} bytes compresses to {len(man)}, past the "
+                             f"expansion readers accept ({manifest_limit(len(man))} bytes)")
         table = bytes(self._table)
         self._f.write(man)
         self._f.write(table)
@@ -251,6 +269,10 @@ class DeltaReader:
         if len(index) != man_len + tab_len or seg_hash(index) != idx_hash:
             raise IntegrityError(f"{p}: manifest/table hash mismatch (corrupt or tampered index)")
         man_raw = _unzstd_manifest(index[:man_len], p)
+        problem = json_shape_problem(man_raw, max_depth=MANIFEST_MAX_DEPTH,
+                                     bytes_per_container=MANIFEST_BYTES_PER_CONTAINER)
+        if problem:
+            raise LimitError(f"{p}: manifest {problem}")
         try:
             man = json.loads(man_raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -267,7 +289,7 @@ class DeltaReader:
         if not isinstance(man, dict) or man.get("format") != "deltarefit.delta" or man.get("version") != VERSION:
             raise FormatError(f"{p}: manifest is not a deltarefit.delta v{VERSION} manifest")
         if man.get("hash") != "blake3-128":
-            raise FormatError(f"{p}: unknown chunk hash {man.get('hash')!r} (expected 'blake3-128')")
+            raise FormatError(f"{p}: unknown chunk hash {brief(man.get('hash'))} (expected 'blake3-128')")
         if man.get("segment_bytes") != SEGMENT_BYTES:
             raise FormatError(f"{p}: segment size {man.get('segment_bytes')} is not {SEGMENT_BYTES}")
         self.base_fingerprint = _hex(man.get("base_fingerprint"), f"{p}: base_fingerprint")
@@ -364,14 +386,26 @@ class DeltaReader:
         return self.records[e.first:e.first + e.count]
 
 
+def manifest_limit(compressed_len: int) -> int:
+    """The most bytes a manifest stored in ``compressed_len`` bytes may expand to (see FORMAT.md)."""
+    return min(MAX_MANIFEST_BYTES, MANIFEST_FLOOR + MANIFEST_EXPANSION * compressed_len)
+
+
 def _unzstd_manifest(data: bytes, p: str) -> bytes:
+    limit = manifest_limit(len(data))
     try:
         size = zstandard.get_frame_parameters(data).content_size
         if size == zstandard.CONTENTSIZE_UNKNOWN:
             raise FormatError(f"{p}: manifest zstd frame does not declare its content size")
-        if size > MAX_MANIFEST_BYTES:
-            raise LimitError(f"{p}: manifest expands to {size} bytes, limit {MAX_MANIFEST_BYTES}")
-        return zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_MANIFEST_BYTES)
+        if size > limit:
+            raise LimitError(f"{p}: manifest expands to {size} bytes from {len(data)}, limit {limit} "
+                             f"(1 MiB + {MANIFEST_EXPANSION}x its compressed size, at most {MAX_MANIFEST_BYTES})")
+        # The declared size is checked, and the output is capped too: a frame that lies about its
+        # size fails here instead of growing.
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=limit)
+        if len(out) != size:
+            raise FormatError(f"{p}: manifest expands to {len(out)} bytes, its frame declares {size}")
+        return out
     except zstandard.ZstdError as e:
         raise FormatError(f"{p}: manifest is not a valid zstd frame ({e})") from None
 
@@ -400,11 +434,11 @@ def _meta(v: Any, where: str) -> TensorMeta | None:
         raise FormatError(f"{where}: expected an object")
     dt = v.get("dtype")
     if not isinstance(dt, str) or dt not in DTYPES:
-        raise FormatError(f"{where}: unsupported dtype {dt!r}")
+        raise FormatError(f"{where}: unsupported dtype {brief(dt)}")
     shape = v.get("shape")
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48 for d in shape)):
-        raise FormatError(f"{where}: bad shape {shape!r}")
+        raise FormatError(f"{where}: bad shape {brief(shape)}")
     m = TensorMeta(dt, tuple(shape), bytes.fromhex(_hex(v.get("digest"), f"{where} digest")))
     if m.nbytes >= 1 << 50:
         raise LimitError(f"{where}: tensor of {m.nbytes} bytes exceeds the limit")
@@ -417,7 +451,7 @@ def _tensor_entry(t: Any, where: str) -> TensorEntry:
     where = f"{where.rsplit(':', 1)[0]}: tensor {t['name']!r}"
     op = t.get("op")
     if op not in OPS:
-        raise FormatError(f"{where}: unknown op {op!r}")
+        raise FormatError(f"{where}: unknown op {brief(op)}")
     base, target = _meta(t.get("base"), f"{where} base"), _meta(t.get("target"), f"{where} target")
     need = {"same": (1, 1), "patch": (1, 1), "add": (0, 1), "remove": (1, 0), "replace": (1, 1)}[op]
     if (base is not None, target is not None) != (bool(need[0]), bool(need[1])):

@@ -402,9 +402,25 @@ def main(argv: list[str] | None = None) -> int:
     if a.markdown:
         png = os.path.splitext(a.markdown)[0] + ".png"
         plotted = write_plot(res, png)
+        text = markdown(res, cmd.strip(), os.path.basename(png) if plotted else None)
         with open(a.markdown, "w") as f:
-            f.write(markdown(res, cmd.strip(), os.path.basename(png) if plotted else None))
+            f.write(text + _kept_part(a.markdown))
     return 0
+
+
+KEEP_MARKER = "<!-- Hand-written from here on"
+
+
+def _kept_part(path: str) -> str:
+    """The hand-written end of an existing report (from ``KEEP_MARKER`` on), to write back after the
+    generated part; empty if there is none."""
+    try:
+        with open(path) as f:
+            old = f.read()
+    except OSError:
+        return ""
+    at = old.find(KEEP_MARKER)
+    return "\n" + old[at:] if at >= 0 else ""
 
 
 if __name__ == "__main__":

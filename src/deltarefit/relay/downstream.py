@@ -9,14 +9,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 from . import plan
-from .protocol import NET_ERRORS, Channel, ProtocolError, accept, describe
+from .protocol import (
+    NET_ERRORS,
+    AuthError,
+    Channel,
+    ProtocolError,
+    accept,
+    describe,
+    refuse_auth,
+    refuse_busy,
+)
 
 log = logging.getLogger("deltarefit.relay")
 
 PING_EVERY = 1.0  # a feeder with nothing to send pings, so the child can tell a quiet parent from a dead one
+# Connections that have not authenticated yet (handshake and first frame, within AUTH_TIMEOUT): at most
+# this many at once, each a few KiB (see protocol); more are answered BUSY and closed at once.
+MAX_PENDING = 32
+AUTH_TIMEOUT = 10.0
+BUSY_LOG_EVERY = 10.0  # seconds between log lines about refused connections (a flood logs little)
 
 
 @dataclass
@@ -33,16 +48,32 @@ class DownstreamMixin:
     """Part of ``Relay`` (``node.py``): serving children."""
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._pending >= self.max_pending:
+            self._busy_refused += 1
+            now = time.monotonic()
+            if now - self._busy_logged >= BUSY_LOG_EVERY:
+                self._busy_logged = now
+                log.warning("relay %s: %d connection(s) refused as busy so far: %d are awaiting "
+                            "authentication (limit %d)", self.id, self._busy_refused, self._pending,
+                            self.max_pending)
+            await refuse_busy(reader, writer)
+            return
         ch: Channel | None = None
         child: Child | None = None
+        peer = writer.get_extra_info("peername")
+        peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?"
         try:
-            ch = await accept(reader, writer, self.key, rate=self.rate)
-            hdr, _ = await ch.recv(10.0)
+            self._pending += 1
+            try:
+                ch, hdr = await asyncio.wait_for(self._authenticate(reader, writer), AUTH_TIMEOUT)
+            finally:
+                self._pending -= 1
             if hdr["t"] != "HELLO":
                 raise ProtocolError(f"{ch.peer} sent {hdr['t']!r} before HELLO")
             jid, addr, held = str(hdr["id"]), str(hdr["listen"]), int(hdr["held"])
             offsets = {str(k): int(v) for k, v in dict(hdr["offsets"]).items()}
-            where = plan.place(jid, self.id, self.path, self._kids(), self.fanout, new=held == 0)
+            avoid = {str(a) for a in hdr.get("avoid", [])}
+            where = plan.place(jid, self.id, self.path, self._kids(), self.fanout, new=held == 0, avoid=avoid)
             m = self.mirror
             if (self.origin is not None and where.kind == "accept" and held > 0 and m.versions
                     and held + 1 < min(m.versions)):
@@ -73,7 +104,7 @@ class DownstreamMixin:
                     t.cancel()
         except NET_ERRORS as e:
             if not (child and child.settled):
-                log.warning("relay %s: connection %s closed: %s", self.id, ch.peer if ch else "?", describe(e))
+                log.warning("relay %s: connection %s closed: %s", self.id, peer, describe(e))
         finally:
             if child is not None and self.children.get(child.id) is child:
                 del self.children[child.id]
@@ -82,6 +113,22 @@ class DownstreamMixin:
                 await ch.close()
             else:
                 writer.close()
+
+    async def _authenticate(self, reader: asyncio.StreamReader,
+                            writer: asyncio.StreamWriter) -> tuple[Channel, dict]:
+        """The handshake and the peer's first frame (whose MAC proves it holds the key). A peer whose
+        frame fails its MAC is told so before the connection closes."""
+        ch = await accept(reader, writer, self.key, rate=self.rate)
+        try:
+            hdr, _ = await ch.recv()
+        except AuthError:
+            await refuse_auth(ch)
+            await ch.close()
+            raise
+        except BaseException:
+            ch.writer.close()  # no await: this may be the timeout's cancellation
+            raise
+        return ch, hdr
 
     async def _listen(self, child: Child) -> None:
         while True:

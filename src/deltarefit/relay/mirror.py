@@ -23,7 +23,7 @@ import blake3
 
 from ..storage.local import LocalStore
 from ..stream.records import CommitRecord, Part, commit_key, list_versions, load_commit, parse_commit
-from .protocol import ProtocolError
+from .protocol import BadPartError, ProtocolError
 
 
 @dataclass
@@ -191,7 +191,7 @@ class Mirror:
                 ps.have = 0
                 ps.epoch += 1
                 self.changed()
-                raise ProtocolError(f"{key}: received bytes do not match the record's BLAKE3; discarded")
+                raise BadPartError(f"{key}: received bytes do not match the record's BLAKE3; discarded")
             os.replace(ps.partial, ps.final)
             ps.done = True
         self.changed()

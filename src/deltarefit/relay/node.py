@@ -13,6 +13,10 @@
   (capacity left), redirects into its smallest child subtree, or refuses (see ``plan.py``). A node
   whose parent dies (EOF, or no frame for ``timeout`` seconds) joins again from its join list and
   resumes every part at the bytes it holds: nothing is applied twice, nothing is skipped.
+* A parent that sends ``BAD_PARTS_LIMIT`` parts whose bytes do not match their records is avoided
+  for ``AVOID_SECONDS``: the node joins again elsewhere (its HELLO lists the parents it avoids, and
+  relays place it outside those subtrees, over their fan-out if they must). A node whose frames fail
+  authentication ``MAX_AUTH_FAILURES`` times in a row (its key is not the tree's) stops with an error.
 
 ``Relay`` is split by concern: this module (lifecycle, the parent connection, the local checkpoint),
 ``origin.py`` (the root's store), ``downstream.py`` (children).
@@ -26,17 +30,20 @@ import logging
 import os
 import shutil
 import socket
+import time
 
 from ..checkpoint import carry_non_weights
 from ..errors import DeltaRefitError
 from ..storage.base import Store
 from . import plan
-from .downstream import Child, DownstreamMixin
+from .downstream import BUSY_LOG_EVERY, MAX_PENDING, Child, DownstreamMixin
 from .mirror import Mirror, wait_event
 from .origin import OriginMixin
 from .protocol import (
     NET_ERRORS,
-    STREAM_LIMIT,
+    PREAUTH_STREAM_LIMIT,
+    AuthError,
+    BadPartError,
     Channel,
     ProtocolError,
     connect,
@@ -48,6 +55,9 @@ from .protocol import (
 log = logging.getLogger("deltarefit.relay")
 
 STATUS_EVERY = 2.0  # a child reports its subtree this often (and on every change); it is its heartbeat too
+BAD_PARTS_LIMIT = 3  # parts from one parent that fail their BLAKE3 before it is avoided
+AVOID_SECONDS = 300.0  # how long an avoided parent stays avoided
+MAX_AUTH_FAILURES = 3  # joins in a row whose authentication failed before the node gives up
 
 
 def default_id(listen: str) -> str:
@@ -63,7 +73,7 @@ class Relay(OriginMixin, DownstreamMixin):
     def __init__(self, *, key: bytes, listen: str, mirror: str, node_id: str | None = None, fanout: int = 2,
                  rate: float | None = None, origin: Store | None = None, join: list[str] | None = None,
                  checkpoint: str | None = None, until: int | None = None, poll: float = 1.0,
-                 frame: int = 1 << 20, timeout: float = 15.0) -> None:
+                 frame: int = 1 << 20, timeout: float = 15.0, max_pending: int = MAX_PENDING) -> None:
         self.key, self.listen, self.fanout, self.rate = key, listen, fanout, rate
         self.id = node_id or ("root" if origin is not None else "")  # default: host-port, once bound
         self.mirror = Mirror(mirror)
@@ -81,13 +91,21 @@ class Relay(OriginMixin, DownstreamMixin):
         self._fetch_lock = asyncio.Lock()
         self._cleanup_old = ""
         self._fresh = False  # joined holding nothing: it will hold a keyframe version
+        self.max_pending = max_pending
+        self._pending = 0  # connections accepted that have not authenticated yet
+        self._busy_refused, self._busy_logged = 0, -BUSY_LOG_EVERY
+        self._auth_failures = 0  # joins in a row whose authentication failed
+        self._bad_parts: dict[str, int] = {}  # parent address -> parts from it that failed their BLAKE3
+        self._avoid: dict[str, float] = {}  # parent address -> monotonic time until which it is avoided
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def run(self) -> int:
         host, port = split_addr(self.listen)
         try:
-            server = await asyncio.start_server(self._on_connect, host, port, limit=STREAM_LIMIT)
+            # Small until a connection authenticates (Channel raises it to STREAM_LIMIT then): bytes
+            # that arrive before the handler runs are buffered under this limit too.
+            server = await asyncio.start_server(self._on_connect, host, port, limit=PREAUTH_STREAM_LIMIT)
         except OSError as e:
             raise ProtocolError(f"cannot listen on {self.listen}: {e.strerror or e}") from None
         port = server.sockets[0].getsockname()[1]
@@ -155,12 +173,29 @@ class Relay(OriginMixin, DownstreamMixin):
             sender = asyncio.create_task(self._status_sender(ch))
             try:
                 await self._session(ch)
+            except BadPartError as e:
+                log.warning("relay %s: lost parent %s: %s", self.id, ch.peer, describe(e))
+                self._bad_part_from(ch.peer)
             except NET_ERRORS as e:
                 log.warning("relay %s: lost parent %s: %s", self.id, ch.peer, describe(e))
             finally:
                 self._parent = None
                 sender.cancel()
                 await ch.close()
+
+    def _bad_part_from(self, parent: str) -> None:
+        n = self._bad_parts[parent] = self._bad_parts.get(parent, 0) + 1
+        if n >= BAD_PARTS_LIMIT:
+            del self._bad_parts[parent]
+            self._avoid[parent] = time.monotonic() + AVOID_SECONDS
+            log.warning("relay %s: parent %s sent %d parts whose bytes do not match their records; rejoining "
+                        "elsewhere, avoiding %s for %.0f s", self.id, parent, n, parent, AVOID_SECONDS)
+
+    def _avoided(self) -> list[str]:
+        now = time.monotonic()
+        for a in [a for a, until in self._avoid.items() if until <= now]:
+            del self._avoid[a]
+        return sorted(self._avoid)
 
     def _held(self) -> int:
         top = self.mirror.committed_top()
@@ -172,23 +207,32 @@ class Relay(OriginMixin, DownstreamMixin):
         return cur[0] if cur else 0
 
     async def _attach(self) -> Channel | None:
-        """Join the tree: try each join address, following redirects. The channel on WELCOME, or None."""
+        """Join the tree: try each join address, following redirects, skipping avoided parents. The
+        channel on WELCOME, or None. Raises ``AuthError`` once authentication failed
+        ``MAX_AUTH_FAILURES`` times in a row."""
+        avoid = self._avoided()
         for first in self.join:
             addr, hops = first, 0
             while addr and hops < 32 and addr != self.listen:
+                if addr in avoid:
+                    log.info("relay %s: not joining %s: avoided (it sent bad parts)", self.id, addr)
+                    break
                 hops += 1
                 host, port = split_addr(addr)
                 try:
                     ch = await connect(host, port, self.key, rate=self.rate, timeout=5)
-                except (TimeoutError, OSError) as e:
-                    log.info("relay %s: cannot reach %s (%s)", self.id, addr, describe(e))
+                except (TimeoutError, OSError, ProtocolError) as e:
+                    log.info("relay %s: cannot join %s (%s)", self.id, addr, describe(e))
                     break
                 try:
                     held, offsets = self._held(), self.mirror.offsets()
                     self._fresh = held == 0
                     await ch.send({"t": "HELLO", "id": self.id, "listen": self.listen, "held": held,
-                                   "offsets": offsets})
+                                   "offsets": offsets, "avoid": avoid})
                     hdr, _ = await ch.recv(self.timeout)
+                    if hdr["t"] == "AUTH_FAILED":  # our key verified its frame: our frame was tampered with
+                        raise AuthError(f"{addr} says our frame failed authentication")
+                    self._auth_failures = 0
                     if hdr["t"] == "WELCOME":
                         self._welcome(int(hdr["start"]), [str(p) for p in hdr["path"]])
                         log.info("relay %s: attached to %s, from version %d, holding %d bytes of unfinished "
@@ -199,6 +243,18 @@ class Relay(OriginMixin, DownstreamMixin):
                     else:
                         log.warning("relay %s: %s refused: %s", self.id, addr, hdr.get("why", hdr["t"]))
                         addr = ""
+                except AuthError:
+                    self._auth_failures += 1
+                    log.warning("relay %s: joining %s failed: authentication failed, the relays' keys differ "
+                                "(or a frame was tampered with); try %d of %d", self.id, addr, self._auth_failures,
+                                MAX_AUTH_FAILURES)
+                    await ch.close()
+                    if self._auth_failures >= MAX_AUTH_FAILURES:
+                        raise AuthError(f"relay {self.id}: authentication failed {self._auth_failures} times in "
+                                        f"a row (last at {addr}): this relay's key is not the tree's; check "
+                                        "--key") from None
+                    addr = ""
+                    continue
                 except NET_ERRORS as e:
                     log.warning("relay %s: joining %s failed: %s", self.id, addr, describe(e))
                     addr = ""

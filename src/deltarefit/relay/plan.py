@@ -6,7 +6,7 @@ knows) and calls these functions, so the policies are testable with plain tables
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 WAIT = -1  # start_version: nothing to serve yet; ask again when a version arrives
@@ -28,7 +28,7 @@ class Placement:
 
 
 def place(joiner: str, me: str, path: Sequence[str], children: Sequence[Child], fanout: int, *,
-          new: bool = False) -> Placement:
+          new: bool = False, avoid: Collection[str] = ()) -> Placement:
     """Where ``joiner`` attaches when it says HELLO to node ``me`` (whose ancestors are ``path``, root
     first) holding ``children``.
 
@@ -39,6 +39,9 @@ def place(joiner: str, me: str, path: Sequence[str], children: Sequence[Child], 
     * Otherwise redirect into the child subtree with the fewest nodes (the first of equals), which
       keeps the tree balanced and its depth near log_fanout(nodes). A ``new`` joiner (holding nothing)
       only goes to subtrees that can start it from a keyframe; with none, it is refused.
+    * Children whose address the joiner ``avoid``s (they sent it bad parts) are no redirect target; a
+      joiner that would have gone to one and has no other subtree to go to is accepted here, over the
+      fan-out (it routes around a bad relay; the tree rebalances as nodes rejoin).
     """
     if joiner == me or joiner in path:
         return Placement("refuse", why=f"{joiner} is this relay or one of its ancestors (a cycle)")
@@ -49,6 +52,9 @@ def place(joiner: str, me: str, path: Sequence[str], children: Sequence[Child], 
     fit = [c for c in children if c.hosts_new or not new]
     if not fit:
         return Placement("refuse", why="no capacity here and no subtree can start a new node")
+    fit = [c for c in fit if c.addr not in avoid]
+    if not fit:
+        return Placement("accept", why="routing around an avoided relay")
     best = min(fit, key=lambda c: c.size)
     return Placement("redirect", to=best.addr)
 

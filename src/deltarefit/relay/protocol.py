@@ -19,6 +19,15 @@ twice (receiving and forwarding) and keyed BLAKE3 runs ~7x faster here (6 GB/s a
 ``seq`` counts frames per direction from 0; a frame with a bad MAC, an unexpected ``seq``, lengths over
 the limits or a header that is not a JSON object raises ``ProtocolError``, and the caller closes the
 connection. Headers are JSON, never pickle: nothing a peer sends is executed.
+
+Before authentication (until the first frame from the peer has verified) a connection costs a few
+KiB: frames are at most ``PREAUTH_MAX_FRAME`` bytes, the socket is read in small pieces and its buffer
+is paused at a few KiB (``PREAUTH_STREAM_LIMIT``); the full limits apply once the MAC checked out.
+A server whose first frame from a client fails its MAC answers with one ``AUTH_FAILED`` frame (MAC'd
+with its own key: a client with another key fails to verify it, which is the same news) and closes;
+the client raises ``AuthError``. A server with too many connections awaiting authentication answers
+the handshake with ``BUSY`` (8 bytes, then 32 zero bytes) and closes; the client raises
+``ProtocolError`` saying so.
 """
 
 from __future__ import annotations
@@ -48,6 +57,12 @@ _PREFIX = struct.Struct(">QII")
 # resumes it for each read: with 1 MiB frames that is a pause and a resume per socket read. Relays use
 # a limit of a few frames instead (pass it to ``asyncio.start_server`` too).
 STREAM_LIMIT = 4 << 20
+# Until the peer's first frame verified: frames of at most 16 KiB (a HELLO with the resume offsets of
+# ~200 unfinished parts), a StreamReader that pauses the socket past 8 KiB buffered, reads of 4 KiB.
+PREAUTH_MAX_FRAME = 16 << 10
+PREAUTH_STREAM_LIMIT = 4 << 10
+PREAUTH_READ_BYTES = 4 << 10
+BUSY = b"DRRBUSY\x00"  # in place of MAGIC: the server refuses the connection for now
 
 
 class ProtocolError(DeltaRefitError):
@@ -55,6 +70,16 @@ class ProtocolError(DeltaRefitError):
     unexpected message, or a relay that cannot be reached or joined."""
 
     exit_code = 10
+
+
+class AuthError(ProtocolError):
+    """The peer's frame did not verify under our key (the relays' keys differ, or a frame was
+    tampered with), or the peer said ours did not."""
+
+
+class BadPartError(ProtocolError):
+    """A part's received bytes do not hash to its commit record's BLAKE3 (its sender serves rotten
+    bytes, or they were damaged on the way)."""
 
 
 def load_key(path: str) -> bytes:
@@ -96,6 +121,8 @@ class Channel:
         self.bucket = TokenBucket(rate)
         self.peer = peer or _peername(writer)
         self._lock = asyncio.Lock()  # frames from several tasks must not interleave on the socket
+        self.authenticated = False  # a frame from the peer has verified: the full limits apply
+        _read_bounds(reader, writer, small=True)
 
     async def send(self, header: dict[str, Any], payload: bytes = b"", *, drain_timeout: float = 60.0) -> None:
         hb = json.dumps(header, separators=(",", ":")).encode()
@@ -122,6 +149,10 @@ class Channel:
         seq, hlen, plen = _PREFIX.unpack(prefix)
         if hlen > MAX_HEADER or plen > MAX_PAYLOAD:
             raise ProtocolError(f"frame from {self.peer} declares {hlen}+{plen} bytes, over the limits")
+        if not self.authenticated and hlen + plen > PREAUTH_MAX_FRAME:
+            # Nothing is read, let alone buffered, for a peer that has proven nothing yet.
+            raise ProtocolError(f"frame from {self.peer} declares {hlen}+{plen} bytes before authenticating, "
+                                f"limit {PREAUTH_MAX_FRAME}")
         body = await self.reader.readexactly(hlen + plen + MAC_BYTES)
         hb, payload, mac = body[:hlen], body[hlen:hlen + plen], body[hlen + plen:]
         want = blake3.blake3(prefix, key=self._recv_key)
@@ -129,12 +160,15 @@ class Channel:
         want.update(payload)
         # The MAC first: nothing of an unauthenticated frame (not even its seq) is believed.
         if not hmac.compare_digest(want.digest(), mac):
-            raise ProtocolError(f"frame {self._recv_seq} from {self.peer} failed authentication "
-                                f"(wrong key or tampered)")
+            raise AuthError(f"frame {self._recv_seq} from {self.peer} failed authentication "
+                            f"(wrong key or tampered)")
         if seq != self._recv_seq:
             raise ProtocolError(f"frame from {self.peer} has sequence {seq}, expected {self._recv_seq} "
                                 f"(replayed, dropped or reordered)")
         self._recv_seq += 1
+        if not self.authenticated:
+            self.authenticated = True
+            _read_bounds(self.reader, self.writer, small=False)
         try:
             header = json.loads(hb.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError):
@@ -149,6 +183,20 @@ class Channel:
             await asyncio.wait_for(self.writer.wait_closed(), 2.0)
 
 
+def _read_bounds(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, small: bool) -> None:
+    """Bound what the event loop buffers for this connection: small before authentication, the
+    relay's stream limit after. Hazard: these are CPython asyncio internals (``StreamReader._limit``,
+    the socket transport's ``max_size`` read size), set only where they exist; elsewhere the frame
+    limits above still hold, with the stream's own buffering."""
+    if hasattr(reader, "_limit"):
+        reader._limit = PREAUTH_STREAM_LIMIT if small else STREAM_LIMIT
+    transport = writer.transport
+    if small and hasattr(transport, "max_size"):
+        transport.max_size = PREAUTH_READ_BYTES  # an instance attribute over the class's 256 KiB
+    elif not small and "max_size" in getattr(transport, "__dict__", {}):
+        del transport.max_size
+
+
 def _peername(writer: asyncio.StreamWriter) -> str:
     p = writer.get_extra_info("peername")
     return f"{p[0]}:{p[1]}" if isinstance(p, tuple) and len(p) >= 2 else "peer"
@@ -156,6 +204,9 @@ def _peername(writer: asyncio.StreamWriter) -> str:
 
 async def _read_hello(reader: asyncio.StreamReader, peer: str) -> bytes:
     data = await reader.readexactly(len(MAGIC) + NONCE_BYTES)
+    if data[:len(BUSY)] == BUSY:
+        raise ProtocolError(f"{peer} is busy: too many connections are waiting to authenticate there; "
+                            "try again later")
     if data[:len(MAGIC)] != MAGIC:
         raise ProtocolError(f"{peer} is not a deltarefit relay (bad handshake)")
     return data[len(MAGIC):]
@@ -180,14 +231,35 @@ async def connect(host: str, port: int, key: bytes, *, rate: float | None = None
 async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, *,
                  rate: float | None = None, timeout: float = 10.0) -> Channel:
     """Run the server side of the handshake on an accepted connection. The peer has proven nothing
-    yet: its first frame's MAC is the proof that it holds the key."""
+    yet: its first frame's MAC is the proof that it holds the key (``Channel.recv`` keeps the
+    pre-authentication limits until then)."""
     peer = _peername(writer)
+    _read_bounds(reader, writer, small=True)
     nc = await asyncio.wait_for(_read_hello(reader, peer), timeout)
     ns = os.urandom(NONCE_BYTES)
     writer.write(MAGIC + ns)
     await writer.drain()
     c2s, s2c = _session_keys(key, nc, ns)
     return Channel(reader, writer, s2c, c2s, rate=rate, peer=peer)
+
+
+async def refuse_busy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answer a connection's handshake with ``BUSY`` and close it. The client's hello is read first
+    (briefly, at most 64 bytes): closing over unread bytes would reset the connection, and the client
+    might lose the answer."""
+    _read_bounds(reader, writer, small=True)
+    with contextlib.suppress(OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+        writer.write(BUSY + bytes(len(MAGIC) + NONCE_BYTES - len(BUSY)))
+        await asyncio.wait_for(writer.drain(), 1.0)
+        await asyncio.wait_for(reader.read(64), 1.0)
+    writer.close()
+
+
+async def refuse_auth(ch: Channel) -> None:
+    """Tell a peer whose first frame failed its MAC that it did (one frame, MAC'd with our key)."""
+    with contextlib.suppress(*NET_ERRORS):
+        await ch.send({"t": "AUTH_FAILED", "why": "your frame failed authentication: the relays' keys differ"},
+                      drain_timeout=2.0)
 
 
 # What a broken, closed or misbehaving connection raises (malformed messages included: a missing field,

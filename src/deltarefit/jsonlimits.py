@@ -1,0 +1,94 @@
+"""Cheap checks of untrusted JSON text before ``json.loads`` builds it.
+
+``json.loads`` spends 5-45 bytes of memory per byte of text on hostile shapes (``[[],[],...]`` makes a
+list of 56 bytes from 3 bytes of text; deep nesting recurses) and only fails after the whole value is
+built. The file formats read here (a delta's manifest, a safetensors header) have flat, known shapes,
+so bounds that their real contents never come near are checked first, by ``bytes.count`` and numpy
+passes over slices of the text, without building anything:
+
+* containers: at most one ``[`` or ``{`` per ``bytes_per_container`` bytes of text (plus a little
+  slack for tiny documents); brackets inside strings are counted too, which only makes this stricter;
+* nesting depth: at most ``max_depth`` levels, measured over the brackets outside strings;
+* optionally (``arrays_of_numbers``), no string or object inside an array.
+
+What passes still costs memory in proportion to its length (up to about 16 bytes per byte of text for a
+list of short strings, which ``arrays_of_numbers`` rules out, and about 12 for an object of many short
+keys); the callers bound the length itself.
+"""
+
+from __future__ import annotations
+
+import reprlib
+
+import numpy as np
+
+__all__ = ["brief", "json_shape_problem"]
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlist = _BRIEF.maxdict = 8
+_BRIEF.maxstring = _BRIEF.maxother = 80
+_BRIEF.maxlevel = 3
+
+_STEP = np.zeros(256, np.int64)  # nesting: +1 for [ and {, -1 for ] and }
+_STEP[list(b"[{")] = 1
+_STEP[list(b"]}")] = -1
+_ARRAY_STEP = np.zeros(256, np.int64)  # arrays only
+_ARRAY_STEP[ord("[")] = 1
+_ARRAY_STEP[ord("]")] = -1
+_QUOTE, _BRACE = ord('"'), ord("{")
+_SLICE = 1 << 18  # bytes per numpy pass: a few MiB of temporaries, whatever the text's length
+
+
+def brief(value: object) -> str:
+    """``repr`` of a value parsed from untrusted JSON, cut short (a hostile list may hold millions of
+    elements, and an error message is one short line)."""
+    return _BRIEF.repr(value)
+
+
+def json_shape_problem(raw: bytes, *, max_depth: int, bytes_per_container: int, slack: int = 64,
+                       arrays_of_numbers: bool = False) -> str | None:
+    """What is wrong with the shape of JSON text ``raw`` (one line, no location), or None.
+    ``arrays_of_numbers``: arrays may not hold strings or objects (a safetensors header's shapes and
+    offsets), which rules out lists of short strings, the costliest text per byte.
+
+    Not a validator: ``None`` means only that parsing it cannot amplify memory beyond the bounds in
+    the module docstring; the caller still parses and checks types."""
+    containers = raw.count(b"[") + raw.count(b"{")
+    allowed = len(raw) // bytes_per_container + slack
+    if containers > allowed:
+        return (f"holds {containers} JSON arrays/objects in {len(raw)} bytes, more than one per "
+                f"{bytes_per_container} bytes (limit {allowed})")
+    depth, in_array = _scan(raw, arrays_of_numbers)
+    if depth > max_depth:
+        return f"nests JSON {depth} levels deep, limit {max_depth}"
+    if in_array:
+        return "has a JSON array holding strings or objects (arrays here hold numbers only)"
+    return None
+
+
+def _scan(raw: bytes, arrays_of_numbers: bool) -> tuple[int, bool]:
+    """The deepest nesting of ``[``/``{`` outside strings, and (with ``arrays_of_numbers``) whether a
+    string or an object starts inside an array (text that is not JSON gives some answer; the parser
+    refuses it afterwards). Escapes go first: ``\\\\`` pairs, then ``\\"``, whole copies made by
+    ``bytes.replace`` (never an object per match); then every quote left opens or closes a string, so
+    a byte is inside one when an odd number of quotes precede it (the opening quote included)."""
+    text = raw.replace(b"\\\\", b"").replace(b'\\"', b"") if b"\\" in raw else raw
+    data = np.frombuffer(text, np.uint8)
+    deepest = level = array_level = quotes = 0
+    in_array = False
+    for i in range(0, data.size, _SLICE):
+        a = data[i:i + _SLICE]
+        quote = a == _QUOTE
+        inside = (np.cumsum(quote) + quotes) & 1
+        quotes = int(inside[-1])
+        outside = inside == 0
+        steps = _STEP[a] * outside
+        levels = np.cumsum(steps) + level
+        deepest = max(deepest, int(levels.max()))
+        level = int(levels[-1])
+        if arrays_of_numbers:
+            arrays = np.cumsum(_ARRAY_STEP[a] * outside) + array_level
+            array_level = int(arrays[-1])
+            opens = (quote & (inside == 1)) | ((a == _BRACE) & outside)  # a string or an object begins
+            in_array = in_array or bool((opens & (arrays > 0)).any())
+    return deepest, in_array
