@@ -464,3 +464,43 @@ def test_signed_publisher_does_not_follow_a_record_it_cannot_verify(tmp_path, ch
     with pytest.raises(SignatureError, match="quarantine-head"):
         _publisher(store, state, signing_key=key).publish(chain[3])
     assert sha(os.path.join(state, "baseline.safetensors")) == baseline
+
+
+# ------------------------------------------------------------------------- sharded records
+
+
+def test_sharded_version_copied_from_another_stream_is_refused(tmp_path, key):
+    """Sharded records carry the stream's identity too: two sharded runs from the same masters, one key;
+    run B's version 2 copied into run A's store (its parent is A's version 1, its signature valid) is
+    refused by A's rollouts, with nothing written."""
+    import numpy as np
+    from _shard_util import masters, step
+    from test_shard_stream import RLAYS, publish_all, rollout_tensors, snapshot, trainers
+
+    from deltarefit.shard import stream as S
+    from deltarefit.storage.memory import MemoryStore
+
+    full = masters()
+    a, b = MemoryStore(f"trust-a-{tmp_path.name}"), MemoryStore(f"trust-b-{tmp_path.name}")
+    publish_all(trainers(a, signing_key=key), full)
+    tb = trainers(b, signing_key=key)
+    publish_all(tb, full)
+    step(full, np.random.default_rng(3))
+    publish_all(tb, full)
+    ra, rb = S.load_shard_commit(a, 1), S.load_shard_commit(b, 2)
+    assert ra.stream and rb.stream and ra.stream != rb.stream and rb.parent == ra.fingerprint
+    roll = rollout_tensors()[0]
+    sp = str(tmp_path / "a.json")
+    assert S.sync_sharded(a, roll, RLAYS[0], state_path=sp, public_key=key + ".pub").version == 1
+    assert json.loads(read_bytes(sp))["stream_id"] == ra.stream
+    for k in b.list("v/000000000002/"):
+        a.put(k, b.get(k))
+    before = snapshot(roll)
+    with pytest.raises(StreamIdentityError, match="belongs to stream"):
+        S.sync_sharded(a, roll, RLAYS[0], state_path=sp, public_key=key + ".pub")
+    after = snapshot(roll)
+    assert all(np.array_equal(after[n], before[n]) for n in before)
+    # A new rollout of A takes A's identity from version 1 and refuses the copy too.
+    with pytest.raises(StreamIdentityError):
+        S.sync_sharded(a, rollout_tensors()[0], RLAYS[0], state_path=str(tmp_path / "new.json"),
+                       public_key=key + ".pub", adopt=False)

@@ -19,6 +19,7 @@ class SignableRecord:
     without its signature, and has a ``signature`` field."""
 
     signature: dict[str, str] | None
+    stream: str | None  # the identity of the stream the record belongs to (signed with the rest)
 
     def body(self) -> dict[str, Any]:
         raise NotImplementedError

@@ -53,7 +53,7 @@ class StreamIdentityError(StreamError):
     from another run's store, a store wiped and republished, a record stripped of its identity)."""
 
 
-_STREAM_ID = re.compile(r"^(legacy-)?[0-9a-f]{32}$")
+STREAM_ID_PATTERN = re.compile(r"^(legacy-)?[0-9a-f]{32}$")
 LEGACY_PREFIX = "legacy-"
 
 
@@ -139,7 +139,7 @@ def parse_commit(data: bytes, where: str) -> CommitRecord:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise MalformedRecordError(f"{where}: malformed commit record ({type(e).__name__}: {e})") from None
-    if rec.stream is not None and not (isinstance(rec.stream, str) and _STREAM_ID.match(rec.stream)):
+    if rec.stream is not None and not (isinstance(rec.stream, str) and STREAM_ID_PATTERN.match(rec.stream)):
         raise MalformedRecordError(f"{where}: malformed stream identity {str(rec.stream)[:40]!r}")
     if (not isinstance(rec.version, int) or rec.version < 1 or rec.kind not in ("delta", "keyframe")
             or (rec.kind == "keyframe") != bool(rec.keyframe) or (rec.delta is None and rec.parent is not None)
@@ -184,7 +184,7 @@ def load_commit(store: Store, version: int) -> CommitRecord:
     return load_record(store, version, parse_commit)
 
 
-def legacy_identity(first: CommitRecord) -> str:
+def legacy_identity(first: SignableRecord) -> str:
     """The identity of a stream whose first record carries none (written before identities existed):
     derived from that record's canonical bytes, so a store wiped and republished gets another one.
     Publishers write it into every record they add to such a stream."""
@@ -201,8 +201,8 @@ def stream_identity(store: Store) -> str | None:
     return first.stream or legacy_identity(first)
 
 
-def check_identity(rec: CommitRecord, identity: str | None, where: str, fix: str = "") -> None:
-    """Refuse (``StreamIdentityError``) a record that is not of stream ``identity``. Records without an
+def check_identity(rec: SignableRecord, identity: str | None, where: str, fix: str = "") -> None:
+    """Refuse (``StreamIdentityError``) a record (plain or sharded) that is not of stream ``identity``. Records without an
     identity are accepted only in a legacy stream (``identity`` None or a legacy identity)."""
     if rec.stream is None:
         if identity is None or identity.startswith(LEGACY_PREFIX):
