@@ -504,3 +504,17 @@ def test_sharded_version_copied_from_another_stream_is_refused(tmp_path, key):
     with pytest.raises(StreamIdentityError):
         S.sync_sharded(a, rollout_tensors()[0], RLAYS[0], state_path=str(tmp_path / "new.json"),
                        public_key=key + ".pub", adopt=False)
+
+
+def test_quarantine_never_touches_the_publishers_own_history(tmp_path, chain, key, fps):
+    """A publisher given the wrong key, or none of its state, sets aside nothing that may be valid: only
+    versions after its committed one, and without a state only malformed records."""
+    store, state = _stream(tmp_path, chain, "s", [1, 2, 3], signing_key=key)
+    other = str(tmp_path / "other.pem")
+    run_ok("keygen", other)
+    assert _publisher(store, state, signing_key=other).quarantine_head() == []
+    assert _publisher(store, str(tmp_path / "none-pub"), signing_key=other).quarantine_head() == []
+    assert list_versions(LocalStore(store)) == [1, 2, 3]
+    LocalStore(store).put(commit_key(4), b"garbage")
+    assert _publisher(store, str(tmp_path / "none-pub")).quarantine_head() == [4]
+    assert list_versions(LocalStore(store)) == [1, 2, 3]

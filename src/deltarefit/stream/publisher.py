@@ -255,15 +255,17 @@ class Publisher:
 
     # -- the ways out of stuck states ------------------------------------------------------------
 
-    def _unusable(self, version: int) -> str | None:
+    def _unusable(self, version: int, *, strict: bool) -> str | None:
         """Why the committed record of ``version`` can be no version of this stream, or None if it can:
-        malformed, of another stream, unsigned in a signed stream, not verifying with this publisher's
-        key, or not following the version before it."""
+        malformed; and, ``strict``, of another stream, unsigned in a signed stream, not verifying with
+        this publisher's key, or not following the version before it."""
         where = f"{self.store.url}/{commit_key(version)}"
         try:
             rec = load_commit(self.store, version)
         except MalformedRecordError as e:
             return str(e)
+        if not strict:
+            return None
         prev, sid = None, None
         if version > 1:
             with contextlib.suppress(StreamError):
@@ -283,10 +285,14 @@ class Publisher:
         garbage, another stream's, unsigned in a signed stream...), newest first, so that the next
         publish takes their version number. Each is moved to ``quarantine/<version>-<id>.json`` (kept
         for inspection; ``list_versions`` and retention ignore it) and its parts become orphans that
-        retention removes. A usable head stops it: valid versions are never set aside. Returns the
-        versions set aside."""
+        retention removes. A usable head stops it: valid versions are never set aside. Only versions
+        after this publisher's committed one are considered, and without a state only malformed
+        records (a wrong ``signing_key`` must not make the stream's own history look foreign).
+        Returns the versions set aside."""
+        st = self.state()
+        floor = st.version if st is not None else 0
         out = []
-        while (h := head(self.store)) >= 1 and (why := self._unusable(h)) is not None:
+        while (h := head(self.store)) > floor and (why := self._unusable(h, strict=st is not None)) is not None:
             data = self.store.get(commit_key(h))
             qkey = f"quarantine/{h:012d}-{uuid.uuid4().hex[:8]}.json"
             self.store.put(qkey, data)
