@@ -161,8 +161,9 @@ class Subscriber:
             self._check_signature(rec, where)
         except SignatureError as e:
             raise SignatureError(f"{e}{QUARANTINE_FIX}") from None
-        check_identity(rec, self._ident, where, "; a version copied from another stream" + QUARANTINE_FIX
-                       + ", a new stream in this store: 'deltarefit sync --repair' follows it")
+        check_identity(rec, self._ident, where, "; a version copied in from another stream is set aside by this "
+                       "stream's publisher with 'deltarefit publish --quarantine-head'; to follow a new stream "
+                       "in this store instead, 'deltarefit sync --repair'")
         if self._ident is None and rec.stream is not None:  # a legacy holder meets the stream's identity
             self._ident = rec.stream
         return rec
