@@ -248,7 +248,7 @@ def test_rollout_killed_between_apply_and_record(tmp_path, monkeypatch):
     publish_all(tps, full)
     real = S.record_version
 
-    def killed(path, v, fp, url):
+    def killed(path, v, fp, url, **kw):
         raise KeyboardInterrupt("killed")
 
     monkeypatch.setattr(S, "record_version", killed)

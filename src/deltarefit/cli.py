@@ -240,10 +240,16 @@ def verify(checkpoint: str, expected: str, threads: int | None) -> None:
 @click.option("--advance", type=click.Choice(["copy", "apply"]), default="copy", show_default=True,
               help="Move the baseline to the committed version by a verified copy of CHECKPOINT (fast; a second "
                    "copy on disk for a moment) or by applying the delta in place.")
+@click.option("--reset-baseline", is_flag=True,
+              help="First rebuild the publisher's baseline and state from the stream (newest keyframe, then the "
+                   "deltas to the head): after the baseline was edited, or the store wiped or replaced.")
+@click.option("--quarantine-head", is_flag=True,
+              help="First set aside head records that can be no version of this stream (malformed, another "
+                   "stream's, unsigned in a signed stream, not verifying with --sign's key) to quarantine/.")
 @_threads
 @_json
 def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, quorum, ack_timeout, signing_key,
-            catchup, advance, threads, as_json) -> None:
+            catchup, advance, reset_baseline, quarantine_head, threads, as_json) -> None:
     """Commit CHECKPOINT as the next version of the stream in STORE (a directory)."""
 
     def go() -> None:
@@ -258,7 +264,8 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
         sd = state_dir or default_state_dir(store)
         rec = Publisher(store, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=q,
                         ack_timeout=ack_timeout, signing_key=signing_key, threads=threads,
-                        catchup=catchup, advance=advance).publish(checkpoint, step=step)
+                        catchup=catchup, advance=advance).publish(checkpoint, step=step, reset_baseline=reset_baseline,
+                                                                  quarantine_head=quarantine_head)
         if as_json:
             click.echo(rec.to_bytes().decode())
         else:
@@ -276,44 +283,75 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
 @click.option("--verify-key", "public_key", type=click.Path(exists=True), default=None,
               help="Refuse commit records not signed by this Ed25519 public key.")
 @click.option("--prepare", is_flag=True, help="Joint commit: acknowledge a proposed version instead of syncing.")
+@click.option("--verify", "full_verify", is_flag=True,
+              help="At the head, hash the checkpoint even if its files are unchanged since they were verified.")
+@click.option("--repair", is_flag=True,
+              help="Ignore the recorded version: adopt the checkpoint by its fingerprint, or restore it from the "
+                   "stream's newest keyframe (after an edit, a store wiped and republished, another stream).")
+@click.option("--stream-id", default=None, help="Follow only the stream of this identity (see 'log').")
 @_threads
 @_json
-def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, threads, as_json) -> None:
+def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, full_verify, repair, stream_id, threads,
+         as_json) -> None:
     """Bring CHECKPOINT to the newest version of STORE (created from a keyframe if missing)."""
 
     def go() -> None:
         from .stream.subscriber import Subscriber
 
-        sub = Subscriber(store, checkpoint, subscriber_id=subscriber_id, public_key=public_key, threads=threads)
+        sub = Subscriber(store, checkpoint, subscriber_id=subscriber_id, public_key=public_key, threads=threads,
+                         stream_id=stream_id)
         if prepare:
             v = sub.prepare()
             click.echo(f"{checkpoint}: " + (f"acknowledged version {v}" if v else "nothing to acknowledge"))
             return
-        rep = sub.sync(to_version=to_version)
+        rep = sub.sync(to_version=to_version, verify=full_verify, repair=repair)
         if as_json:
             click.echo(json.dumps(rep.__dict__, indent=2))
-        else:
+        elif rep.verified:
             click.echo(f"{checkpoint}: version {rep.from_version} -> {rep.version} via {rep.route} "
                        f"({rep.bytes_fetched:,} bytes fetched) fingerprint {rep.fingerprint} verified")
+        else:  # only what was hashed is called verified
+            click.echo(f"{checkpoint}: version {rep.version} up to date (files unchanged since verified at version "
+                       f"{rep.version}; --verify hashes them) fingerprint {rep.fingerprint}")
 
     _run(go)
 
 
 @main.command("log")
 @click.argument("store")
+@click.option("--verify-key", "public_key", type=click.Path(exists=True), default=None,
+              help="Check each record's signature with this Ed25519 public key (else 'signed' is unchecked).")
 @_json
-def log_cmd(store, as_json) -> None:
-    """List the versions of STORE: parents, kinds, sizes and ratios."""
+def log_cmd(store, public_key, as_json) -> None:
+    """List the versions of STORE: parents, kinds, sizes and ratios.
+
+    Malformed records are listed as such (and the exit status is 9); the others are listed still.
+    """
 
     def go() -> None:
+        from .signing import SignatureError, Verifier, check_record_signature
         from .storage.base import open_store
-        from .stream.records import list_versions, load_commit
+        from .stream.records import MalformedRecordError, StreamError, list_versions, load_commit
 
         st = open_store(store)
-        rows = []
+        verifier = Verifier(public_key) if public_key else None
+        rows, bad = [], []
         for v in list_versions(st):
-            r = load_commit(st, v)
-            rows.append({"version": v, "kind": r.kind, "step": r.step, "parent": r.parent,
+            try:
+                r = load_commit(st, v)
+            except MalformedRecordError as e:
+                rows.append({"version": v, "malformed": str(e)})
+                bad.append(str(e))
+                continue
+            verified = None  # without a key a signature is only present, not checked
+            if verifier is not None:
+                try:
+                    check_record_signature(r.signature, r.signed_bytes(), verifier, f"version {v}")
+                    verified = True
+                except SignatureError:
+                    verified = False
+            rows.append({"version": v, "kind": r.kind, "step": r.step, "parent": r.parent, "stream": r.stream,
+                         "signature_verified": verified,
                          "fingerprint": r.fingerprint, "delta_bytes": r.delta.bytes if r.delta else None,
                          "keyframe_bytes": sum(p.bytes for _, p in r.keyframe) or None, "full_bytes": r.full_bytes,
                          "catchup_from": r.catchup_from, "catchup_bytes": r.catchup.bytes if r.catchup else None,
@@ -321,15 +359,25 @@ def log_cmd(store, as_json) -> None:
                          "signed": bool(r.signature), "created": r.created})
         if as_json:
             click.echo(json.dumps(rows, indent=2))
-            return
-        for r in rows:
+        for r in [] if as_json else rows:
+            if "malformed" in r:
+                click.echo(f"v{r['version']:<5} malformed record: {r['malformed']}")
+                continue
+            if r["signature_verified"] is None:
+                sig = "  signed (unchecked)" if r["signed"] else ""
+            elif r["signature_verified"]:
+                sig = "  signed"
+            else:
+                sig = "  SIGNATURE DOES NOT VERIFY" if r["signed"] else "  UNSIGNED"
             size = f"delta {r['delta_bytes']:,} B ({r['ratio']:.1f}x)" if r["delta_bytes"] else "no delta"
             kf = f", keyframe {r['keyframe_bytes']:,} B" if r["keyframe_bytes"] else ""
             if r["catchup_bytes"]:
                 kf += f", catch-up from v{r['catchup_from']} {r['catchup_bytes']:,} B"
             parent = (r["parent"] or "-")[:12]
             click.echo(f"v{r['version']:<5} {r['kind']:<8} step {r['step']!s:<6} parent {parent:<12} "
-                       f"fp {r['fingerprint'][:12]}  {size}{kf}{'  signed' if r['signed'] else ''}")
+                       f"fp {r['fingerprint'][:12]}  {size}{kf}{sig}")
+        if bad:  # listed above; still an error, named on stderr
+            raise StreamError(bad[-1] if len(bad) == 1 else f"{len(bad)} malformed records; the newest: {bad[-1]}")
 
     _run(go)
 
@@ -356,6 +404,8 @@ def retain(store, ttl, orphan_grace, dry_run, as_json) -> None:
             verb = "would delete" if dry_run else "deleted"
             click.echo(f"{store}: head {rep.head}, newest keyframe {rep.keyframe}, oldest live subscriber "
                        f"{rep.oldest_live}; {verb} {len(rep.deleted)} objects, kept {rep.kept_bytes:,} bytes of parts")
+            for v, why in sorted(rep.malformed.items()):
+                click.echo(f"version {v}: malformed record, its objects kept ({why})")
 
     _run(go)
 

@@ -19,6 +19,7 @@ class SignableRecord:
     without its signature, and has a ``signature`` field."""
 
     signature: dict[str, str] | None
+    stream: str | None  # the identity of the stream the record belongs to (signed with the rest)
 
     def body(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -77,6 +78,10 @@ class Signer:
     def sign(self, message: bytes) -> str:
         return self._key.sign(message).hex()
 
+    def verifier(self) -> Verifier:
+        """A verifier of this key's signatures (a publisher checks the records it follows with it)."""
+        return Verifier.of_key(self._key.public_key())
+
 
 class Verifier:
     def __init__(self, public_path: str) -> None:
@@ -92,6 +97,14 @@ class Verifier:
             raise UsageError(f"{public_path}: not an Ed25519 public key")
         self._key = key
         self.key_id = key_id(key)
+
+    @classmethod
+    def of_key(cls, public_key) -> Verifier:
+        """A verifier over an already loaded Ed25519 public key."""
+        v = cls.__new__(cls)
+        v._key = public_key
+        v.key_id = key_id(public_key)
+        return v
 
     def verify(self, message: bytes, signature_hex: str, where: str) -> None:
         from cryptography.exceptions import InvalidSignature

@@ -36,7 +36,10 @@ independent, computable by any group that holds a partition of the tensors. A re
 the previous version's fingerprint; for a delta version it must equal the fingerprint of the
 manifest's *base* digests, so parts computed from a diverged baseline are never committed. The
 additive digests catch accidental errors; what travels is bound by BLAKE3 (record -> manifest and
-parts). Records are not signed (``part.sign_manifest`` exists; wiring it in is left).
+parts). Records may be signed (Ed25519, as plain records). Every record carries the stream's identity
+(``stream``, fixed at version 1 by its committer, under the signature); ``sync_sharded`` records it
+with the version and refuses records of another stream (``StreamIdentityError``), as plain
+subscribers do (records without one are legacy, see ``stream/records.py``).
 
 **Rollout side** (``sync_sharded``): read the records after the held version, check the parent
 links, fetch the manifest and only the parts ``needed_ranks`` names for this rank's layout, check
@@ -74,13 +77,19 @@ from ..signing import SignableRecord, Signer, Verifier, check_record_signature, 
 from ..storage.base import Store, open_store
 from ..stream.publisher import PublishError
 from ..stream.records import (
+    STREAM_ID_PATTERN,
     Part,
     StreamError,
+    StreamIdentityError,
+    check_identity,
     commit_key,
     head,
+    held_state,
     held_version,
+    legacy_identity,
     list_versions,
     load_record,
+    new_stream_id,
     now,
     record_json,
     record_version,
@@ -176,6 +185,7 @@ class ShardCommit(SignableRecord):
     created: float = 0.0
     publisher: str = ""
     signature: dict[str, str] | None = None  # Ed25519 over signed_bytes(), as plain commit records
+    stream: str | None = None  # the stream's identity (None only in records from before identities)
 
     @property
     def attempt(self) -> str:
@@ -189,7 +199,8 @@ class ShardCommit(SignableRecord):
         return {"format": SHARD_COMMIT_FORMAT, "format_version": SHARD_COMMIT_VERSION, "version": self.version,
                 "parent": self.parent, "fingerprint": self.fingerprint, "keyframe": self.keyframe,
                 "world": self.world, "manifest": asdict(self.manifest), "parts": [asdict(p) for p in self.parts],
-                "step": self.step, "created": self.created, "publisher": self.publisher}
+                "step": self.step, "created": self.created, "publisher": self.publisher,
+                **({} if self.stream is None else {"stream": self.stream})}
 
     def same_version(self, other: ShardCommit) -> bool:
         """Same committed content (ignores who/when): a rerun recognises its own commit."""
@@ -229,9 +240,12 @@ def parse_shard_commit(data: bytes, where: str) -> ShardCommit:
         if sig is not None and (not isinstance(sig, dict) or set(sig) != {"alg", "key_id", "sig"}
                                 or not all(isinstance(x, str) for x in sig.values())):
             raise StreamError(f"{where}: malformed signature")
+        stream = d.get("stream")
+        if stream is not None and not (isinstance(stream, str) and STREAM_ID_PATTERN.match(stream)):
+            raise StreamError(f"{where}: malformed stream identity")
         rec = ShardCommit(v, d["parent"], d["fingerprint"], d["keyframe"], world, _ref_of(d["manifest"], where),
                           tuple(_ref_of(p, where) for p in d["parts"]), d["step"], float(d["created"]), d["publisher"],
-                          sig)
+                          sig, stream)
     except KeyError as e:
         raise StreamError(f"{where}: malformed sharded commit record (no {e})") from None
     if len(rec.parts) != rec.world or (rec.version == 1) != (rec.parent is None) or (
@@ -246,6 +260,15 @@ def parse_shard_commit(data: bytes, where: str) -> ShardCommit:
 
 def load_shard_commit(store: Store, version: int) -> ShardCommit:
     return load_record(store, version, parse_shard_commit)
+
+
+def shard_stream_identity(store: Store) -> str | None:
+    """The identity of the sharded stream in ``store`` (its version 1's, or the legacy identity derived
+    from that record); None without a version 1."""
+    if not store.exists(commit_key(1)):
+        return None
+    first = load_shard_commit(store, 1)
+    return first.stream or legacy_identity(first)
 
 
 def _ref(key: str, data: bytes | memoryview) -> Part:
@@ -496,8 +519,11 @@ class ShardStreamPublisher:
         mdata = manifest_bytes(man)
         mkey = manifest_key(version, attempt)
         _put_once(self.store, mkey, mdata)
+        # Not part of same_version: a rerun of version 1's attempt draws another identity, and the
+        # committed one is then the stream's.
+        stream = new_stream_id() if version == 1 else shard_stream_identity(self.store)
         rec = ShardCommit(version, parent, fp, bool(man["keyframe"]), self.world, _ref(mkey, mdata),
-                          tuple(ranks_refs), step, now(), self.publisher_id)
+                          tuple(ranks_refs), step, now(), self.publisher_id, stream=stream)
         if self.signer is not None:
             from dataclasses import replace
 
@@ -701,6 +727,12 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
     if target < 1 or target > h:
         raise StreamError(f"{store.url}: no committed version {target} (head is {h})")
     cur = held_version(state_path)
+    held = (held_state(state_path) or {}).get("stream_id")
+    store_ident = shard_stream_identity(store)
+    ident = held or store_ident
+    if held is not None and store_ident is not None and held != store_ident:
+        raise StreamIdentityError(f"{store.url}: holds stream {store_ident}, {state_path} records stream {held} "
+                                  "(store wiped and republished, or another run's store?)")
     start = cur[0] if cur else 0
     if not g.same([start, target]):
         raise UsageError("the ranks of the TP group hold different versions or sync to different ones")
@@ -717,6 +749,7 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
             rec = load_shard_commit(store, v)
             if verifier is not None:
                 check_record_signature(rec.signature, rec.signed_bytes(), verifier, f"{store.url}/{commit_key(v)}")
+            check_identity(rec, ident, f"{store.url}/{commit_key(v)}")
             man = load_manifest(store, rec)
             fetched += rec.manifest.bytes
             layout = _layout_for(layout, tensors, man)
@@ -747,7 +780,7 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
                                                               "stage the versions it needs")
             fv = found.version if found is not None else 0
             if g.same([fv]) and found is not None:  # the group adopts only a version every member holds
-                record_version(state_path, found.version, found.fingerprint, store.url)
+                record_version(state_path, found.version, found.fingerprint, store.url, stream_id=ident)
                 cur, route = (found.version, found.fingerprint), "adopted"
                 first = found.version + 1
     else:
@@ -786,7 +819,7 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
         if bad:
             raise VerificationError(f"version {v}: the TP group's target digests differ for {len(bad)} tensors "
                                     f"(e.g. {bad[0]}); not recorded")
-        record_version(state_path, v, rec.fingerprint, store.url)
+        record_version(state_path, v, rec.fingerprint, store.url, stream_id=ident)
         rep.version, rep.fingerprint = v, rec.fingerprint
         rep.versions_applied.append(v)
     rep.bytes_fetched = fetched

@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import blake3
 
@@ -37,22 +37,27 @@ from ..encode import EncodeReport, KnownHashes
 from ..encode import encode as encode_delta
 from ..errors import DeltaRefitError, UsageError
 from ..fsutil import write_atomic
-from ..signing import Signer, record_signature
+from ..signing import SignatureError, Signer, check_record_signature, record_signature
 from ..storage.base import Store, open_store
 from .records import (
     CommitRecord,
+    MalformedRecordError,
     Part,
     StreamError,
+    StreamIdentityError,
+    check_identity,
     commit_key,
     fetch_part,
     file_hash,
     head,
     load_commit,
+    new_stream_id,
     now,
     parse_commit,
     parse_proposal,
     prepared_key,
     proposal_bytes,
+    stream_identity,
     vkey,
 )
 
@@ -66,10 +71,18 @@ class PublishError(StreamError):
     """This publish did not commit (lost a race, or the joint commit was not acknowledged)."""
 
 
+# How each stuck state is left: named in the refusals, implemented below (``reset_baseline`` and
+# ``quarantine_head``, the CLI's ``publish --reset-baseline`` and ``publish --quarantine-head``).
+RESET_FIX = "; 'deltarefit publish --reset-baseline' (same arguments) rebuilds the baseline from the stream"
+QUARANTINE_FIX = ("; if no publisher of this stream wrote it, 'deltarefit publish --quarantine-head' (same "
+                  "arguments) sets it aside")
+
+
 @dataclass
 class PublishState:
     version: int
     fingerprint: str
+    stream_id: str | None = None  # the stream's identity (None only in states written before identities)
 
 
 def _checkpoint_files(path: str) -> list[tuple[str, str]]:
@@ -120,6 +133,10 @@ class Publisher:
         self.quorum = quorum
         self.ack_timeout = ack_timeout
         self.signer = Signer(signing_key) if signing_key else None
+        # The records this publisher follows (other publishers' versions, a reset) are checked with its
+        # own key: in a signed stream a record it cannot verify is not a version of the stream.
+        self.verifier = self.signer.verifier() if self.signer else None
+        self._head_rec: CommitRecord | None = None  # the record of the baseline's version, after recover
         self.threads = threads
         # Catch-up deltas: each version also ships one delta straight from the newest keyframe, so a
         # late joiner needs the keyframe and one delta instead of the whole chain. Costs a local copy
@@ -142,15 +159,18 @@ class Publisher:
         try:
             with open(self.state_path) as f:
                 d = json.load(f)
-            return PublishState(int(d["version"]), str(d["fingerprint"]))
+            sid = d.get("stream_id")
+            return PublishState(int(d["version"]), str(d["fingerprint"]), None if sid is None else str(sid))
         except FileNotFoundError:
             return None
         except (ValueError, KeyError, TypeError) as e:
-            raise StreamError(f"{self.state_path}: unreadable publisher state ({e})") from None
+            raise StreamError(f"{self.state_path}: unreadable publisher state ({e}){RESET_FIX}") from None
 
     def _save_state(self, st: PublishState) -> None:
-        write_atomic(self.state_path, json.dumps({"version": st.version, "fingerprint": st.fingerprint,
-                                                  "stream": self.store.url}).encode())
+        d = {"version": st.version, "fingerprint": st.fingerprint, "stream": self.store.url}
+        if st.stream_id is not None:
+            d["stream_id"] = st.stream_id
+        write_atomic(self.state_path, json.dumps(d).encode())
 
     def recover(self) -> PublishState | None:
         """Bring the baseline to the stream's head: finish our own publish that committed but died
@@ -178,19 +198,159 @@ class Publisher:
                         self.store.delete(prepared_key(rec.version))  # our dead joint proposal
             os.unlink(pending)
         h = head(self.store)
+        self._head_rec = None
         if st is None:
             if h:
                 raise StreamError(f"{self.store.url}: the stream already has {h} versions and this publisher "
-                                  f"({self.state_dir}) has no baseline; publish into a new stream or restore the state")
+                                  f"({self.state_dir}) has no baseline{RESET_FIX}, or publish into a new stream")
             return None
         if h < st.version:
-            raise StreamError(f"{self.store.url}: newest version {h} is older than this publisher's {st.version}")
+            raise StreamError(f"{self.store.url}: newest version {h} is older than this publisher's {st.version} "
+                              f"(store wiped or replaced?){RESET_FIX}")
+        where = f"{self.store.url}/{commit_key(st.version)}"
+        try:
+            sid = stream_identity(self.store)
+            mine = load_commit(self.store, st.version)
+        except MalformedRecordError as e:
+            raise MalformedRecordError(f"{e}{RESET_FIX}") from None
+        if st.stream_id is not None and sid != st.stream_id:
+            raise StreamIdentityError(f"{self.store.url}: the store holds stream {sid}, this publisher's baseline is "
+                                      f"of stream {st.stream_id} (store wiped and republished?){RESET_FIX}")
+        if mine.fingerprint != st.fingerprint:
+            raise StreamError(f"{where}: version {st.version} is {mine.fingerprint[:16]}…, this publisher committed "
+                              f"{st.fingerprint[:16]}… (store wiped and republished?){RESET_FIX}")
+        if st.stream_id is None and sid is not None:  # a state from before identities: bind it now
+            st = replace(st, stream_id=sid)
+            self._save_state(st)
+        signed = mine.signature is not None
         while st.version < h:
-            rec = load_commit(self.store, st.version + 1)
+            rec = self._trusted(st.version + 1, sid, signed)
             if rec.parent != st.fingerprint or rec.delta is None:
                 raise StreamError(f"{self.store.url}: version {rec.version} does not follow this publisher's "
-                                  f"baseline {st.fingerprint[:16]}… (another publisher moved the stream on)")
+                                  f"baseline {st.fingerprint[:16]}… (another publisher moved the stream on)"
+                                  f"{RESET_FIX}")
             st = self._advance(st, rec)
+            mine, signed = rec, signed or rec.signature is not None
+        self._head_rec = mine
+        return st
+
+    def _check_trust(self, rec: CommitRecord, sid: str | None, signed: bool, where: str) -> None:
+        """Refuse a record this publisher must not build on: of another stream, unsigned in a signed
+        stream, or (with a key) not verifying with this publisher's key."""
+        check_identity(rec, sid, where)
+        if signed and rec.signature is None:
+            raise SignatureError(f"{where}: commit record is not signed, in a signed stream")
+        if self.verifier is not None and (signed or rec.signature is not None):
+            check_record_signature(rec.signature, rec.signed_bytes(), self.verifier, where)
+
+    def _trusted(self, version: int, sid: str | None, signed: bool) -> CommitRecord:
+        """The record of ``version``, refused (with the way out) unless ``_check_trust`` accepts it."""
+        where = f"{self.store.url}/{commit_key(version)}"
+        try:
+            rec = load_commit(self.store, version)
+            self._check_trust(rec, sid, signed, where)
+        except (MalformedRecordError, StreamIdentityError, SignatureError) as e:
+            raise type(e)(f"{e}{QUARANTINE_FIX}") from None
+        return rec
+
+    # -- the ways out of stuck states ------------------------------------------------------------
+
+    def _unusable(self, version: int, *, strict: bool) -> str | None:
+        """Why the committed record of ``version`` can be no version of this stream, or None if it can:
+        malformed; and, ``strict``, of another stream, unsigned in a signed stream, not verifying with
+        this publisher's key, or not following the version before it."""
+        where = f"{self.store.url}/{commit_key(version)}"
+        try:
+            rec = load_commit(self.store, version)
+        except MalformedRecordError as e:
+            return str(e)
+        if not strict:
+            return None
+        prev, sid = None, None
+        if version > 1:
+            with contextlib.suppress(StreamError):
+                sid = stream_identity(self.store)
+            with contextlib.suppress(StreamError):
+                prev = load_commit(self.store, version - 1)
+        try:
+            self._check_trust(rec, sid, prev is not None and prev.signature is not None, where)
+        except (StreamIdentityError, SignatureError) as e:
+            return str(e)
+        if prev is not None and rec.parent != prev.fingerprint:
+            return f"{where}: applies to {str(rec.parent)[:16]}…, not to version {version - 1}"
+        return None
+
+    def quarantine_head(self) -> list[int]:
+        """Set aside the records at the head that can be no version of this stream (``_unusable``:
+        garbage, another stream's, unsigned in a signed stream...), newest first, so that the next
+        publish takes their version number. Each is moved to ``quarantine/<version>-<id>.json`` (kept
+        for inspection; ``list_versions`` and retention ignore it) and its parts become orphans that
+        retention removes. A usable head stops it: valid versions are never set aside. Only versions
+        after this publisher's committed one are considered, and without a state only malformed
+        records (a wrong ``signing_key`` must not make the stream's own history look foreign).
+        Returns the versions set aside."""
+        st = self.state()
+        floor = st.version if st is not None else 0
+        out = []
+        while (h := head(self.store)) > floor and (why := self._unusable(h, strict=st is not None)) is not None:
+            data = self.store.get(commit_key(h))
+            qkey = f"quarantine/{h:012d}-{uuid.uuid4().hex[:8]}.json"
+            self.store.put(qkey, data)
+            self.store.delete(commit_key(h))
+            log.warning("set aside the record of version %d as %s: %s", h, qkey, why)
+            out.append(h)
+        if out:
+            self.store.put("HEAD", f"{head(self.store)}\n".encode())
+        return out
+
+    def reset_baseline(self) -> PublishState | None:
+        """Forget this publisher's baseline and state and rebuild them from the stream: the newest
+        keyframe, then the deltas after it to the head, each record checked (identity; signature with
+        this publisher's key, if any) and the baseline verified after each. An empty stream leaves no
+        state (the next publish starts a new stream). The way out of a baseline edited by hand, a store
+        wiped or replaced under the state, or a stream moved on by another publisher."""
+        pending = os.path.join(self.state_dir, "pending.json")
+        if os.path.exists(pending):  # a killed publish: its parts are orphans unless it committed
+            with open(pending, "rb") as f:
+                mine = f.read()
+            with contextlib.suppress(StreamError):
+                rec = parse_commit(mine, pending)
+                try:
+                    theirs = self.store.get(commit_key(rec.version))
+                except KeyError:
+                    theirs = None
+                if theirs != mine:
+                    self._drop_attempt(rec)
+            os.unlink(pending)
+        for p in (self.state_path, self.known_path, self.keyframe_copy, self.keyframe_copy + ".json"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+        self._known = None
+        shutil.rmtree(self.staging, ignore_errors=True)
+        h = head(self.store)
+        if h == 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.baseline)
+            log.warning("%s: the stream is empty; the next publish starts a new stream", self.store.url)
+            return None
+        sid = stream_identity(self.store)
+        k = h
+        rec = self._trusted(k, sid, self.verifier is not None)
+        while not rec.keyframe and k > 1:
+            k -= 1
+            rec = self._trusted(k, sid, self.verifier is not None)
+        if not rec.keyframe:
+            raise StreamError(f"{self.store.url}: no keyframe to rebuild the baseline from")
+        st = self._advance(None, rec)
+        for v in range(k + 1, h + 1):
+            rec = self._trusted(v, sid, self.verifier is not None)
+            if rec.parent != st.fingerprint or rec.delta is None:
+                raise StreamError(f"{self.store.url}: version {v} does not follow version {v - 1}: broken chain")
+            st = self._advance(st, rec)
+        if st.stream_id is None and sid is not None:
+            st = replace(st, stream_id=sid)
+            self._save_state(st)
+        log.warning("baseline rebuilt from the stream at version %d", st.version)
         return st
 
     def _advance(self, st: PublishState | None, rec: CommitRecord) -> PublishState:
@@ -217,7 +377,7 @@ class Publisher:
         from ..api import verify
 
         verify(self.baseline, rec.fingerprint, threads=self.threads)
-        st = PublishState(rec.version, rec.fingerprint)
+        st = PublishState(rec.version, rec.fingerprint, rec.stream or (st.stream_id if st else None))
         self._save_state(st)
         log.info("baseline advanced to version %d", rec.version)
         return st
@@ -228,9 +388,19 @@ class Publisher:
 
     # -- publish ---------------------------------------------------------------------------------
 
-    def publish(self, checkpoint: str, *, step: int | None = None) -> CommitRecord:
-        """Commit ``checkpoint`` as the next version; returns its commit record."""
+    def publish(self, checkpoint: str, *, step: int | None = None, reset_baseline: bool = False,
+                quarantine_head: bool = False) -> CommitRecord:
+        """Commit ``checkpoint`` as the next version; returns its commit record. ``quarantine_head`` and
+        ``reset_baseline`` first run ``quarantine_head()`` and ``reset_baseline()`` (in that order)."""
+        if quarantine_head:
+            self.quarantine_head()
+        if reset_baseline:
+            self.reset_baseline()
         st = self.recover()
+        if st is not None and self.signer is None and self._head_rec is not None and self._head_rec.signature:
+            raise UsageError(f"{self.store.url}: version {st.version} is signed (key "
+                             f"{self._head_rec.signature.get('key_id', '?')}) and an unsigned version would stop "
+                             "every subscriber that verifies; publish with --sign KEY")
         version = 1 if st is None else st.version + 1
         attempt = f"{vkey(version)}/{uuid.uuid4().hex[:12]}"
         shutil.rmtree(self.staging, ignore_errors=True)
@@ -254,7 +424,7 @@ class Publisher:
                 rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, durable=False)
             if rep.base_fingerprint != st.fingerprint:
                 raise StreamError(f"{self.baseline}: baseline fingerprint {rep.base_fingerprint[:16]}… is not the "
-                                  f"committed {st.fingerprint[:16]}… (modified by hand?)")
+                                  f"committed {st.fingerprint[:16]}… (modified by hand?){RESET_FIX}")
             fp, full_bytes = rep.target_fingerprint, rep.full_bytes
             if fp == st.fingerprint:
                 shutil.rmtree(self.staging, ignore_errors=True)
@@ -284,7 +454,7 @@ class Publisher:
                 full_bytes = sum(t.nbytes for t in ck.tensors.values())
         rec = CommitRecord(version, st.fingerprint if st else None, fp, "keyframe" if keyframe else "delta",
                            delta_part, kf_parts, full_bytes, step, now(), self.publisher_id, catchup_from,
-                           catchup_part)
+                           catchup_part, stream=st.stream_id if st else new_stream_id())
         if self.signer:
             rec = _signed(rec, self.signer)
         # Upload, then (joint) commit.
@@ -319,7 +489,7 @@ class Publisher:
             tmp = _temp_beside(self.baseline)
             _copy_checkpoint(checkpoint, tmp)
             os.replace(tmp, self.baseline)
-        self._save_state(PublishState(version, fp))
+        self._save_state(PublishState(version, fp, rec.stream))
         if delta_part:
             self._remember_baseline(rep)
         if keyframe and self.catchup:  # the base of the catch-up deltas to come

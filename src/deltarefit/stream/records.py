@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,6 +41,25 @@ class StreamError(DeltaRefitError):
     a version that does not exist or was pruned, a lost publish race."""
 
     exit_code = 9
+
+
+class MalformedRecordError(StreamError):
+    """A commit record that is not a well-formed record of its version: not JSON, another format,
+    inconsistent fields, a part outside its version, a record that names another version."""
+
+
+class StreamIdentityError(StreamError):
+    """A commit record belongs to another stream than the one the caller follows (a version copied
+    from another run's store, a store wiped and republished, a record stripped of its identity)."""
+
+
+STREAM_ID_PATTERN = re.compile(r"^(legacy-)?[0-9a-f]{32}$")
+LEGACY_PREFIX = "legacy-"
+
+
+def new_stream_id() -> str:
+    """A fresh stream identity: 128 random bits, hex (the first version's record carries it)."""
+    return uuid.uuid4().hex
 
 
 def vkey(version: int) -> str:
@@ -75,10 +96,15 @@ class CommitRecord(SignableRecord):
     catchup_from: int | None = None  # a catch-up delta from this (keyframe) version straight to this one
     catchup: Part | None = None
     signature: dict[str, str] | None = None
+    # The stream's identity, fixed at its first version and carried (and signed) in every record. None
+    # only in records written before identities existed (see ``stream_identity``).
+    stream: str | None = None
 
     def body(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("signature")
+        if d["stream"] is None:  # records of older streams keep their canonical (signed) bytes
+            d.pop("stream")
         d["keyframe"] = [[name, asdict(p)] for name, p in self.keyframe]
         return {"format": COMMIT_FORMAT, "format_version": COMMIT_VERSION, **d}
 
@@ -91,11 +117,11 @@ class CommitRecord(SignableRecord):
 def record_json(data: bytes, where: str) -> Any:
     """A commit record's JSON (plain or sharded), within ``MAX_RECORD_BYTES``; its shape is the caller's."""
     if len(data) > MAX_RECORD_BYTES:
-        raise StreamError(f"{where}: commit record of {len(data)} bytes exceeds the limit")
+        raise MalformedRecordError(f"{where}: commit record of {len(data)} bytes exceeds the limit")
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise StreamError(f"{where}: commit record is not valid JSON ({type(e).__name__})") from None
+        raise MalformedRecordError(f"{where}: commit record is not valid JSON ({type(e).__name__})") from None
 
 
 def parse_commit(data: bytes, where: str) -> CommitRecord:
@@ -103,7 +129,7 @@ def parse_commit(data: bytes, where: str) -> CommitRecord:
     d = record_json(data, where)
     try:
         if d.pop("format") != COMMIT_FORMAT or d.pop("format_version") != COMMIT_VERSION:
-            raise StreamError(f"{where}: not a {COMMIT_FORMAT} v{COMMIT_VERSION} record")
+            raise MalformedRecordError(f"{where}: not a {COMMIT_FORMAT} v{COMMIT_VERSION} record")
         delta = Part(**d.pop("delta")) if d.get("delta") is not None else d.pop("delta")
         if d.get("catchup") is not None:
             d["catchup"] = Part(**d["catchup"])
@@ -112,16 +138,18 @@ def parse_commit(data: bytes, where: str) -> CommitRecord:
     except StreamError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise StreamError(f"{where}: malformed commit record ({type(e).__name__}: {e})") from None
+        raise MalformedRecordError(f"{where}: malformed commit record ({type(e).__name__}: {e})") from None
+    if rec.stream is not None and not (isinstance(rec.stream, str) and STREAM_ID_PATTERN.match(rec.stream)):
+        raise MalformedRecordError(f"{where}: malformed stream identity {str(rec.stream)[:40]!r}")
     if (not isinstance(rec.version, int) or rec.version < 1 or rec.kind not in ("delta", "keyframe")
             or (rec.kind == "keyframe") != bool(rec.keyframe) or (rec.delta is None and rec.parent is not None)
             or (rec.delta is None and not rec.keyframe)
             or (rec.catchup is None) != (rec.catchup_from is None)
             or (rec.catchup_from is not None and not (isinstance(rec.catchup_from, int) and 1 <= rec.catchup_from < rec.version))):
-        raise StreamError(f"{where}: inconsistent commit record (version, kind, parts)")
+        raise MalformedRecordError(f"{where}: inconsistent commit record (version, kind, parts)")
     for _, p in ([("delta", rec.delta)] if rec.delta else []) + rec.keyframe + ([("catchup", rec.catchup)] if rec.catchup else []):
         if not p.key.startswith(vkey(rec.version) + "/") or ".." in p.key:
-            raise StreamError(f"{where}: part {p.key!r} lies outside its version")
+            raise MalformedRecordError(f"{where}: part {p.key!r} lies outside its version")
     return rec
 
 
@@ -148,12 +176,42 @@ def load_record(store: Store, version: int, parse):
         raise StreamError(f"{store.url}: version {version} is not committed") from None
     rec = parse(data, f"{store.url}/{commit_key(version)}")
     if rec.version != version:
-        raise StreamError(f"{store.url}/{commit_key(version)}: record says version {rec.version}")
+        raise MalformedRecordError(f"{store.url}/{commit_key(version)}: record says version {rec.version}")
     return rec
 
 
 def load_commit(store: Store, version: int) -> CommitRecord:
     return load_record(store, version, parse_commit)
+
+
+def legacy_identity(first: SignableRecord) -> str:
+    """The identity of a stream whose first record carries none (written before identities existed):
+    derived from that record's canonical bytes, so a store wiped and republished gets another one.
+    Publishers write it into every record they add to such a stream."""
+    return LEGACY_PREFIX + blake3.blake3(first.signed_bytes()).hexdigest()[:32]
+
+
+def stream_identity(store: Store) -> str | None:
+    """The identity of the stream in ``store``: its first version's ``stream`` (or the legacy identity
+    derived from that record); None when the store holds no version 1 (an empty stream, or a relay
+    mirror that starts at a keyframe)."""
+    if not store.exists(commit_key(1)):
+        return None
+    first = load_commit(store, 1)
+    return first.stream or legacy_identity(first)
+
+
+def check_identity(rec: SignableRecord, identity: str | None, where: str, fix: str = "") -> None:
+    """Refuse (``StreamIdentityError``) a record (plain or sharded) that is not of stream ``identity``. Records without an
+    identity are accepted only in a legacy stream (``identity`` None or a legacy identity)."""
+    if rec.stream is None:
+        if identity is None or identity.startswith(LEGACY_PREFIX):
+            return
+        raise StreamIdentityError(f"{where}: record carries no stream identity, but stream {identity} is followed"
+                                  f"{fix}")
+    if identity is not None and rec.stream != identity:
+        raise StreamIdentityError(f"{where}: record belongs to stream {rec.stream}, not to the followed stream "
+                                  f"{identity}{fix}")
 
 
 def list_versions(store: Store) -> list[int]:
@@ -210,20 +268,52 @@ def now() -> float:
     return round(time.time(), 3)
 
 
-def held_version(state_path: str) -> tuple[int, str] | None:
-    """(version, fingerprint) a subscriber recorded at ``state_path`` after a verified apply, or None."""
+def held_state(state_path: str) -> dict | None:
+    """What a subscriber recorded at ``state_path`` after a verified apply (``record_version``), or None."""
     try:
         with open(state_path) as f:
             d = json.load(f)
-        return int(d["version"]), str(d["fingerprint"])
+        d["version"], d["fingerprint"] = int(d["version"]), str(d["fingerprint"])
+        return d
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError) as e:
-        raise StreamError(f"{state_path}: unreadable version state ({e})") from None
+        raise StreamError(f"{state_path}: unreadable version state ({e}); 'deltarefit sync --repair' rebuilds "
+                          "it") from None
 
 
-def record_version(state_path: str, version: int, fp: str, url: str) -> None:
-    """Record, atomically, that the copy beside ``state_path`` holds ``version`` of stream ``url``."""
+# Timestamps are as coarse as the kernel's clock tick (or the file system's: 1-2 s on some), so a
+# write in the tick of the recorded one leaves the identity as it was. Files whose recorded change
+# time lies within this margin of the moment the identity was recorded are "racy" (as in git's index)
+# and are hashed again at the next check, whatever their identity says.
+RACY_NS = 2_000_000_000
+
+
+def identity_unchanged(state: dict, identity: tuple) -> bool:
+    """Whether ``identity`` (``Checkpoint.identity``, taken now) is the one ``state`` recorded, taken
+    clear of the racy margin (then the files have not been written since, barring a clock set back)."""
+    rec, at = state.get("identity"), state.get("identity_at_ns")
+    if not isinstance(rec, list) or not isinstance(at, int) or rec != [list(x) for x in identity]:
+        return False
+    return all(max(x[4], x[5]) < at - RACY_NS for x in rec)
+
+
+def held_version(state_path: str) -> tuple[int, str] | None:
+    """(version, fingerprint) a subscriber recorded at ``state_path`` after a verified apply, or None."""
+    d = held_state(state_path)
+    return None if d is None else (d["version"], d["fingerprint"])
+
+
+def record_version(state_path: str, version: int, fp: str, url: str, *, stream_id: str | None = None,
+                   identity: tuple | None = None) -> None:
+    """Record, atomically, that the copy beside ``state_path`` holds ``version`` (fingerprint ``fp``) of
+    the stream in ``url``; with its stream identity and, where given, the identity of the copy's files
+    (``Checkpoint.identity``) when its fingerprint was verified."""
     os.makedirs(os.path.dirname(os.path.abspath(state_path)), exist_ok=True)
-    write_atomic(state_path, json.dumps({"version": version, "fingerprint": fp, "stream": url,
-                                         "updated": now()}).encode())
+    d = {"version": version, "fingerprint": fp, "stream": url, "updated": now()}
+    if stream_id is not None:
+        d["stream_id"] = stream_id
+    if identity is not None:
+        d["identity"] = [list(x) for x in identity]
+        d["identity_at_ns"] = time.time_ns()  # after the identity was taken: see ``identity_unchanged``
+    write_atomic(state_path, json.dumps(d).encode())

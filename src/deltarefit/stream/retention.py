@@ -7,7 +7,9 @@ for longer than ``ttl`` seconds is not live):
 * the keyframe parts of ``k`` (late joiners start there);
 * every delta part of versions after ``min(s, k)``, so each live subscriber can follow the chain;
 * catch-up deltas from ``k``;
-* all commit records (they are small and are the history ``log`` shows).
+* all commit records (they are small and are the history ``log`` shows);
+* every object under a version whose commit record is malformed (its parts cannot be told from
+  orphans; ``deltarefit publish --quarantine-head`` sets such a record aside, and its parts then go).
 
 Deleted: other keyframe parts, delta parts of versions up to ``min(s, k)``, acks of versions that
 are no longer proposed, and orphan parts (a publish that died before committing, or lost a race)
@@ -22,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..storage.base import Store
-from .records import StreamError, head, list_versions, load_commit, parse_proposal
+from .records import MalformedRecordError, StreamError, head, list_versions, load_commit, parse_proposal
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class RetentionReport:
     oldest_live: int | None
     deleted: list[str] = field(default_factory=list)
     kept_bytes: int = 0
+    malformed: dict[int, str] = field(default_factory=dict)  # version -> why its record was not read
 
 
 def live_subscribers(store: Store, ttl: float) -> dict[str, int]:
@@ -52,8 +55,15 @@ def live_subscribers(store: Store, ttl: float) -> dict[str, int]:
 def retain(store: Store, *, ttl: float = 24 * 3600, orphan_grace: float = 3600, dry_run: bool = False) -> RetentionReport:
     h = head(store)
     versions = list_versions(store)
-    recs = {v: load_commit(store, v) for v in versions}
-    keyframes = [v for v in versions if recs[v].keyframe]
+    recs = {}
+    malformed: dict[int, str] = {}
+    for v in versions:
+        try:
+            recs[v] = load_commit(store, v)
+        except MalformedRecordError as e:
+            log.warning("retention: %s; keeping every object of version %d", e, v)
+            malformed[v] = str(e)
+    keyframes = [v for v, r in recs.items() if r.keyframe]
     k = keyframes[-1] if keyframes else 0
     live = live_subscribers(store, ttl)
     s = min(live.values()) if live else h
@@ -68,7 +78,7 @@ def retain(store: Store, *, ttl: float = 24 * 3600, orphan_grace: float = 3600, 
             keep.add(r.catchup.key)
     referenced = {p.key for r in recs.values()
                   for p in ([r.delta] if r.delta else []) + [q for _, q in r.keyframe] + ([r.catchup] if r.catchup else [])}
-    rep = RetentionReport(h, k, min(live.values()) if live else None)
+    rep = RetentionReport(h, k, min(live.values()) if live else None, malformed=malformed)
     # Proposals (joint commit) still open: for a version after the head and younger than the grace.
     # Settled ones (at or below the head) and stale ones (a joint publish that died) are removed.
     proposals: set[int] = set()
@@ -89,7 +99,7 @@ def retain(store: Store, *, ttl: float = 24 * 3600, orphan_grace: float = 3600, 
         if len(parts) < 4:
             continue  # commit and prepared records
         v = int(parts[1])
-        if key in keep:
+        if key in keep or v in malformed:
             rep.kept_bytes += store.size(key)
             continue
         if key not in referenced and (v in proposals or not _older_than(store, key, orphan_grace)):

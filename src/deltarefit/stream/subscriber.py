@@ -8,6 +8,14 @@ then applies, version by version, verifying the fingerprint after each and recor
 the next run: applies are idempotent and crash-safe, and the recorded version only moves after a
 verified apply.
 
+Every record must be of the stream the checkpoint follows: its identity (``records.stream_identity``,
+fixed at the stream's first version) is recorded with the version and checked on every record read.
+At the head, a sync checks the store's record of the held version (same fingerprint, same stream)
+and the identity of the checkpoint's files as they were when last verified (``Checkpoint.identity``);
+files that changed since are hashed again, and ``verify=True`` always hashes. Only a hash is reported
+as "verified" (``SyncReport.verified``). A checkpoint that fails these checks is refused with the way
+out: ``repair=True`` (``deltarefit sync --repair``) restores it from the stream.
+
 Joint commit: ``prepare`` verifies a proposed (prepared, not yet committed) version against the
 local checkpoint without writing it, and acknowledges it in the store.
 """
@@ -25,27 +33,38 @@ from dataclasses import dataclass, field
 from ..api import fingerprint as fingerprint_of
 from ..apply import apply as apply_delta
 from ..apply import check as check_delta
-from ..checkpoint import carry_non_weights
-from ..errors import BaseMismatchError, UsageError
+from ..checkpoint import carry_non_weights, open_checkpoint
+from ..errors import BaseMismatchError, UsageError, VerificationError
 from ..format import DeltaReader
-from ..signing import Verifier, check_record_signature
+from ..signing import SignatureError, Verifier, check_record_signature
 from ..storage.base import Store, open_store
 from .publisher import _copy_checkpoint
 from .records import (
     CommitRecord,
+    MalformedRecordError,
     Part,
     StreamError,
+    StreamIdentityError,
+    check_identity,
     fetch_part,
     head,
+    held_state,
     held_version,
+    identity_unchanged,
     load_commit,
     now,
     parse_proposal,
     prepared_key,
     record_version,
+    stream_identity,
 )
 
 log = logging.getLogger(__name__)
+
+# The ways out, named in the refusals (see ``Subscriber.sync`` and ``Publisher``).
+REPAIR_FIX = "; 'deltarefit sync --repair' (same arguments) restores the checkpoint from the stream"
+QUARANTINE_FIX = ("; if the stream's publisher did not write it, 'deltarefit publish --quarantine-head' sets it "
+                  "aside")
 
 
 @dataclass
@@ -57,6 +76,10 @@ class SyncReport:
     bytes_fetched: int
     versions_applied: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    # True only when this sync hashed the checkpoint and it gave ``fingerprint`` (every apply does; at
+    # the head, files whose identity changed since the last verification, or ``verify=True``). False
+    # at the head when the checkpoint's files are unchanged since they were verified at ``version``.
+    verified: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,12 +102,14 @@ class Subscriber:
     def __init__(self, store: Store | str, checkpoint: str, *, subscriber_id: str | None = None,
                  public_key: str | None = None, threads: int | None = None,
                  apply_hook: Callable[[str], str] | None = None,
-                 keyframe_hook: Callable[[], None] | None = None) -> None:
+                 keyframe_hook: Callable[[], None] | None = None, stream_id: str | None = None) -> None:
         """``apply_hook(delta_path) -> target fingerprint`` replaces the plain in-place apply of each
         staged delta (an engine applies it to the checkpoint and reloads what changed, see
         ``deltarefit.engines.vllm.sync_engine``); it must end with the checkpoint at the delta's target.
         ``keyframe_hook()`` runs after a keyframe was installed into the checkpoint (an engine reloads
-        everything), before the version is recorded."""
+        everything), before the version is recorded. ``stream_id``: follow only the stream of this
+        identity (``deltarefit log`` shows it); without it a new subscriber takes the identity of the
+        stream's first version in the store."""
         self.store = open_store(store) if isinstance(store, str) else store
         self.checkpoint = os.path.abspath(checkpoint)
         import blake3
@@ -97,6 +122,9 @@ class Subscriber:
         self.staging = self.checkpoint + ".deltarefit-staging"
         self.apply_hook = apply_hook
         self.keyframe_hook = keyframe_hook
+        self.pinned_stream = stream_id
+        self._ident: str | None = None  # identity of the followed stream, set at the start of each sync
+        self._hashed_at: int | None = None  # the version a fingerprint of the checkpoint just matched
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -104,16 +132,40 @@ class Subscriber:
         """(version, fingerprint) of the local checkpoint as last verified, or None."""
         return held_version(state_path(self.checkpoint))
 
-    def _record(self, version: int, fp: str) -> None:
-        record_version(state_path(self.checkpoint), version, fp, self.store.url)
+    def _files_identity(self) -> tuple:
+        with open_checkpoint(self.checkpoint) as ck:
+            return ck.identity()
+
+    def _record(self, version: int, fp: str, identity: tuple | None = None) -> None:
+        """Record ``version``; ``identity``: the checkpoint's files' identity, taken after the last write
+        and before (or by) the hash that verified ``fp``."""
+        record_version(state_path(self.checkpoint), version, fp, self.store.url, stream_id=self._ident,
+                       identity=identity)
         try:  # a heartbeat for retention; losing it costs nothing but an earlier prune
             self.store.put(f"subs/{self.id}.json", json.dumps({"version": version, "updated": now()}).encode())
         except Exception as e:
             log.warning("could not record subscriber position: %s", e)
 
+    def _load(self, version: int) -> CommitRecord:
+        try:
+            return load_commit(self.store, version)
+        except MalformedRecordError as e:
+            raise MalformedRecordError(f"{e}{QUARANTINE_FIX}") from None
+
     def _commit(self, version: int) -> CommitRecord:
-        rec = load_commit(self.store, version)
-        self._check_signature(rec, f"{self.store.url} version {version}")
+        """The record of ``version``, refused unless it is of the followed stream and, with a key,
+        signed by it."""
+        rec = self._load(version)
+        where = f"{self.store.url} version {version}"
+        try:
+            self._check_signature(rec, where)
+        except SignatureError as e:
+            raise SignatureError(f"{e}{QUARANTINE_FIX}") from None
+        check_identity(rec, self._ident, where, "; a version copied in from another stream is set aside by this "
+                       "stream's publisher with 'deltarefit publish --quarantine-head'; to follow a new stream "
+                       "in this store instead, 'deltarefit sync --repair'")
+        if self._ident is None and rec.stream is not None:  # a legacy holder meets the stream's identity
+            self._ident = rec.stream
         return rec
 
     def _check_signature(self, rec: CommitRecord, where: str) -> None:
@@ -122,32 +174,57 @@ class Subscriber:
 
     # -- sync ------------------------------------------------------------------------------------
 
-    def sync(self, *, to_version: int | None = None) -> SyncReport:
+    def sync(self, *, to_version: int | None = None, verify: bool = False, repair: bool = False) -> SyncReport:
+        """Bring the checkpoint to ``to_version`` (default: the head). At the head, ``verify`` hashes the
+        checkpoint even when its files are unchanged since they were verified. ``repair`` ignores the
+        recorded version and stream: a checkpoint whose fingerprint is a version of the store's stream
+        is adopted at it, any other is replaced from the newest keyframe (the way out of an edited
+        checkpoint, a store wiped and republished, or a checkpoint of another stream)."""
         try:
-            return self._sync(to_version)
-        except BaseMismatchError:
+            return self._sync(to_version, verify, repair)
+        except BaseMismatchError as e:
             # Killed between installing a keyframe (or an apply) and recording it: the checkpoint is
             # ahead of its record. Find its version by fingerprint and go on from there, once.
             cur = self.current()
             if self._adopt_by_fingerprint(above=cur[0] if cur else 0)[0] is None:
-                raise
-            return self._sync(to_version)
+                raise BaseMismatchError(f"{e}{REPAIR_FIX}") from None
+            return self._sync(to_version, verify, False)
 
-    def _sync(self, to_version: int | None) -> SyncReport:
+    def _init_identity(self, state: dict | None) -> None:
+        """The identity of the followed stream: recorded with the held version, else pinned, else the
+        store's; refused when the store's stream is another one."""
+        held = state.get("stream_id") if state else None
+        if held is not None and self.pinned_stream is not None and held != self.pinned_stream:
+            raise StreamIdentityError(f"{self.checkpoint}: follows stream {held}, not the requested "
+                                      f"{self.pinned_stream}{REPAIR_FIX}")
+        try:
+            store_ident = stream_identity(self.store)
+        except MalformedRecordError as e:
+            raise MalformedRecordError(f"{e}{QUARANTINE_FIX}") from None
+        self._ident = held or self.pinned_stream or store_ident
+        if store_ident is not None and self._ident != store_ident:
+            raise StreamIdentityError(f"{self.store.url}: holds stream {store_ident}, {self.checkpoint} follows "
+                                      f"stream {self._ident} (store wiped and republished, or another run's "
+                                      f"store?){REPAIR_FIX}")
+
+    def _sync(self, to_version: int | None, verify: bool = False, repair: bool = False) -> SyncReport:
         t0 = time.perf_counter()
+        self._hashed_at = None
         h = head(self.store)
         target = h if to_version is None else to_version
         if target < 1 or target > h:
             raise StreamError(f"{self.store.url}: no committed version {target} (head is {h})")
-        cur = self._adopt()
+        state = None if repair else held_state(state_path(self.checkpoint))
+        self._init_identity(state)
+        cur = self._adopt(repair)
         start = cur[0] if cur else 0
         if cur and cur[0] > target:
             raise StreamError(f"{self.checkpoint} is at version {cur[0]}, ahead of {target}")
         if cur and cur[0] == target:
-            return SyncReport(start, target, cur[1], "none", 0, [], time.perf_counter() - t0)
+            return self._at_head(cur, start, verify, t0)
         if cur is None:  # a new subscriber starts from the newest keyframe: read records back to it
             first = target
-            while first > 1 and not load_commit(self.store, first).keyframe:
+            while first > 1 and not self._load(first).keyframe:
                 first -= 1
         else:
             first = cur[0] + 1
@@ -158,7 +235,8 @@ class Subscriber:
                 continue
             if rec.parent != parent:
                 raise StreamError(f"{self.store.url}: version {v} applies to {str(rec.parent)[:16]}…, not to "
-                                  f"{str(parent)[:16]}… held by {'version ' + str(v - 1)}: broken chain")
+                                  f"{str(parent)[:16]}… held by {'version ' + str(v - 1)}: broken chain"
+                                  + (REPAIR_FIX if v == first else ""))
         route, steps = self._route(cur, recs)
         os.makedirs(self.staging, exist_ok=True)
         fetched = 0
@@ -193,31 +271,60 @@ class Subscriber:
                 raise StreamError(f"{self.checkpoint}: fingerprint after version {st.version} is {got[:16]}…, "
                                   f"expected {st.fingerprint[:16]}…")
             version, fp = st.version, st.fingerprint
-            self._record(version, fp)
+            self._record(version, fp, self._files_identity())
             applied.append(version)
         shutil.rmtree(self.staging, ignore_errors=True)
-        return SyncReport(start, version, fp, route, fetched, applied, time.perf_counter() - t0)
+        return SyncReport(start, version, fp, route, fetched, applied, time.perf_counter() - t0, verified=True)
 
-    def _adopt(self) -> tuple[int, str] | None:
-        """The local state; for a checkpoint without one, find its version by fingerprint."""
-        cur = self.current()
+    def _at_head(self, cur: tuple[int, str], start: int, verify: bool, t0: float) -> SyncReport:
+        """The checkpoint holds the target version by its record: check that the store's record of it is
+        the one synced, and that the checkpoint still is it (its files' identity unchanged since they
+        were verified, else a hash; ``verify``: always a hash). Refuses, with the way out, otherwise."""
+        version, fp = cur
+        rec = self._commit(version)
+        if rec.fingerprint != fp:
+            raise StreamError(f"{self.store.url}: version {version} is {rec.fingerprint[:16]}…, but "
+                              f"{self.checkpoint} was synced to {fp[:16]}… at that version (store wiped and "
+                              f"republished?){REPAIR_FIX}")
+        if self._hashed_at == version:  # adopted by its fingerprint just now
+            return SyncReport(start, version, fp, "none", 0, [], time.perf_counter() - t0, verified=True)
+        ident = self._files_identity()
+        if not verify and identity_unchanged(held_state(state_path(self.checkpoint)) or {}, ident):
+            return SyncReport(start, version, fp, "none", 0, [], time.perf_counter() - t0, verified=False)
+        got = fingerprint_of(self.checkpoint, threads=self.threads)
+        if got != fp:
+            raise VerificationError(f"{self.checkpoint}: fingerprint {got[:16]}… is not version {version}'s "
+                                    f"{fp[:16]}… (changed since it was synced){REPAIR_FIX}")
+        self._record(version, fp, ident)
+        return SyncReport(start, version, fp, "none", 0, [], time.perf_counter() - t0, verified=True)
+
+    def _adopt(self, repair: bool = False) -> tuple[int, str] | None:
+        """The local state; for a checkpoint without one, find its version by fingerprint. ``repair``:
+        ignore the state, and hold nothing when no version has the checkpoint's fingerprint."""
+        cur = None if repair else self.current()
         if cur is not None or not os.path.exists(self.checkpoint):
             if cur is not None and not os.path.exists(self.checkpoint):
-                raise StreamError(f"{self.checkpoint}: missing, but its version record exists; remove "
-                                  f"{state_path(self.checkpoint)} to restore it from a keyframe")
+                raise StreamError(f"{self.checkpoint}: missing, but its version record exists{REPAIR_FIX}")
             return cur
         v, fp = self._adopt_by_fingerprint(above=0)
         if v is None:
-            raise StreamError(f"{self.checkpoint}: fingerprint {fp[:16]}… is no version of {self.store.url}")
+            if repair:
+                log.warning("%s: fingerprint %s… is no version of %s; restoring it from the newest keyframe",
+                            self.checkpoint, fp[:16], self.store.url)
+                return None
+            raise StreamError(f"{self.checkpoint}: fingerprint {fp[:16]}… is no version of {self.store.url}"
+                              f"{REPAIR_FIX.replace('restores the checkpoint', 'replaces it')}")
         return v, fp
 
     def _adopt_by_fingerprint(self, *, above: int) -> tuple[int | None, str]:
         """The newest version after ``above`` whose fingerprint the checkpoint has (recorded as held),
         or None; and the checkpoint's fingerprint."""
+        ident = self._files_identity()  # before the hash: a write during it changes the identity
         fp = fingerprint_of(self.checkpoint, threads=self.threads)
         for v in range(head(self.store), above, -1):
             if self._commit(v).fingerprint == fp:
-                self._record(v, fp)
+                self._record(v, fp, ident)
+                self._hashed_at = v
                 return v, fp
         return None, fp
 
@@ -319,6 +426,8 @@ class Subscriber:
             return None
         rec, _ = parse_proposal(data, f"{self.store.url}/{prepared_key(v)}")
         self._check_signature(rec, f"{self.store.url} proposed version {v}")
+        held = (held_state(state_path(self.checkpoint)) or {}).get("stream_id")
+        check_identity(rec, held or self.pinned_stream, f"{self.store.url} proposed version {v}")
         ok, why = True, ""
         if rec.parent != cur[1] or rec.delta is None:
             ok, why = False, "parent is not the local checkpoint"
@@ -337,5 +446,5 @@ class Subscriber:
 
 def sync(store: str, checkpoint: str, **kwargs) -> SyncReport:
     """Library form of ``deltarefit sync STORE CHECKPOINT``."""
-    opts = {k: kwargs.pop(k) for k in ("subscriber_id", "public_key", "threads") if k in kwargs}
+    opts = {k: kwargs.pop(k) for k in ("subscriber_id", "public_key", "threads", "stream_id") if k in kwargs}
     return Subscriber(store, checkpoint, **opts).sync(**kwargs)
