@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -47,7 +48,7 @@ from vllm.distributed.weight_transfer.base import (
 from ..errors import UsageError
 from ..storage.base import open_store
 from ..stream.records import StreamError, head, load_commit
-from ..stream.subscriber import Subscriber
+from ..stream.subscriber import Subscriber, SyncReport
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class DeltaRefitInitInfo(WeightTransferInitInfo):
 class DeltaRefitUpdateInfo(WeightTransferUpdateInfo):
     version: int | None = None  # default: the stream's head
     stream: str | None = None  # must name the stream given at init, when given
+    verify: bool = False  # re-hash every weight afterwards (O(model)); each apply verifies what it touched
 
 
 class _EngineSubscriber(Subscriber):
@@ -82,12 +84,16 @@ class _EngineSubscriber(Subscriber):
                          keyframe_hook=self._keyframe, **kw)
         self.live = live
         self.held = held
+        self.stream_ident: str | None = None
         self.reports: list[Any] = []
 
     def current(self) -> tuple[int, str] | None:
         return self.held
 
-    def _record(self, version: int, fp: str) -> None:
+    def _files_identity(self) -> tuple:
+        return ()  # the engine's weights are memory: no files whose identity could vouch for them
+
+    def _record(self, version: int, fp: str, identity: tuple | None = None) -> None:
         self.held = (version, fp)
         try:  # a heartbeat for retention; losing it costs nothing but an earlier prune
             import json
@@ -98,11 +104,28 @@ class _EngineSubscriber(Subscriber):
         except Exception as e:
             log.warning("could not record subscriber position: %s", e)
 
-    def _adopt(self) -> tuple[int, str] | None:
+    def _init_identity(self, state: dict | None) -> None:
+        # The stream followed is the one first synced from, for the life of the engine.
+        super()._init_identity({"stream_id": self.stream_ident} if self.stream_ident else state)
+        self.stream_ident = self._ident
+
+    def _adopt(self, repair: bool = False) -> tuple[int, str] | None:
         return self.held
 
     def _adopt_by_fingerprint(self, *, above: int) -> tuple[int | None, str]:
         return None, self.held[1]  # the engine's version is known; nothing on disk to adopt
+
+    def _at_head(self, cur: tuple[int, str], start: int, verify: bool, t0: float) -> SyncReport:
+        """At the held version: its record must still name the fingerprint held; ``verify`` re-hashes every
+        weight where the engine holds it (else the report says it was not verified)."""
+        version, fp = cur
+        rec = self._commit(version)
+        if rec.fingerprint != fp:
+            raise StreamError(f"{self.store.url}: version {version} is {rec.fingerprint[:16]}…, but this engine "
+                              f"holds {fp[:16]}… at that version (store wiped and republished?)")
+        if verify:
+            self.live.verify()
+        return SyncReport(start, version, fp, "none", 0, [], time.perf_counter() - t0, verified=verify)
 
     def _apply(self, delta_path: str) -> str:
         rep = self.live.apply(delta_path)
@@ -172,8 +195,11 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
         if update_info.stream is not None and update_info.stream != self.info.stream:
             raise UsageError(f"deltarefit: this engine follows {self.info.stream}, not {update_info.stream}")
         self.sub.reports = []
-        rep = self.sub.sync(to_version=update_info.version)
+        rep = self.sub.sync(to_version=update_info.version, verify=update_info.verify)
+        if update_info.verify and rep.route != "none":
+            self.live.verify()
         self.last = {"version": rep.version, "fingerprint": rep.fingerprint, "route": rep.route,
+                     "verified": bool(rep.verified or update_info.verify),
                      "bytes_fetched": rep.bytes_fetched, "versions_applied": rep.versions_applied,
                      "refits": [vars(r) for r in self.sub.reports]}
         log.info("deltarefit: version %d -> %d via %s, %d bytes", rep.from_version, rep.version, rep.route,
