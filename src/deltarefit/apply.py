@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -580,9 +581,46 @@ def _metadata_of(file: str) -> dict[str, str] | None:
     return meta if isinstance(meta, dict) else None
 
 
+def checkpoint_lock(checkpoint_path: str) -> contextlib.AbstractContextManager[None]:
+    """The exclusive lock of a checkpoint (file or directory) that apply, check and sync hold: a second
+    run on it is refused with ``LockedError`` instead of racing the first one's journal and temps."""
+    from .locks import exclusive, lock_path_beside
+
+    return exclusive(lock_path_beside(checkpoint_path), f"checkpoint {checkpoint_path}")
+
+
+# Temp files the structural rewrite leaves when killed (write_safetensors / write_atomic naming).
+_DIR_TEMPS = (r".+\.safetensors", re.escape(INDEX_NAME), re.escape(REPLACED_LIST))
+
+
+def remove_dead_temps_of(checkpoint_path: str) -> list[str]:
+    """Remove temp files a killed apply left in or beside the checkpoint (a shard-sized
+    ``NAME.tmp-PID`` of a structural rewrite), those whose writer is dead. Call under its lock."""
+    from .locks import remove_dead_temps, temp_pattern
+
+    p = os.path.abspath(checkpoint_path)
+    if os.path.isdir(p):
+        removed = remove_dead_temps(p, temp_pattern(*_DIR_TEMPS))
+    else:
+        removed = remove_dead_temps(os.path.dirname(p), temp_pattern(re.escape(os.path.basename(p))))
+    for r in removed:
+        log.info("removed %s, left by a killed run", r)
+    return removed
+
+
 def apply(delta_path: str, checkpoint_path: str, *, threads: int | None = None,
           cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None) -> ApplyReport:
-    """Apply the delta file to the checkpoint in place; idempotent, crash-safe, verified at the end."""
+    """Apply the delta file to the checkpoint in place; idempotent, crash-safe, verified at the end.
+    Holds the checkpoint's lock (``checkpoint_lock``) throughout."""
+    with checkpoint_lock(checkpoint_path):
+        return _apply_locked(delta_path, checkpoint_path, threads=threads, cache_bytes=cache_bytes,
+                             progress=progress)
+
+
+def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None, cache_bytes: int,
+                  progress: Callable[[int], None] | None) -> ApplyReport:
+    if os.path.exists(checkpoint_path):
+        remove_dead_temps_of(checkpoint_path)
     if os.path.isdir(checkpoint_path):
         remove_replaced_shards(checkpoint_path)  # finish a structural rewrite killed after its commit
     with DeltaReader(delta_path) as d:
@@ -600,12 +638,14 @@ def apply(delta_path: str, checkpoint_path: str, *, threads: int | None = None,
                             structural=structural, structural_check=lambda todo: _check_structural(ck, todo))
             ck.flush()
         journal.remove()
-    log.info("applied %s to %s: %d chunks (%d skipped, %d recovered) in %.2f s", delta_path, checkpoint_path,
-             rep.chunks_applied, rep.chunks_skipped, rep.chunks_recovered, rep.seconds)
+    log.info("applied %s to %s: %d chunks (%d skipped, %d recovered), %d tensors added/removed/replaced in %.2f s",
+             delta_path, checkpoint_path, rep.chunks_applied, rep.chunks_skipped, rep.chunks_recovered,
+             len(rep.structural), rep.seconds)
     return rep
 
 
 def check(delta_path: str, checkpoint_path: str, *, threads: int | None = None) -> None:
-    """Everything apply verifies before writing, and nothing else: raises if the delta would not apply."""
-    with DeltaReader(delta_path) as d, open_checkpoint(checkpoint_path) as ck:
+    """Everything apply verifies before writing, and nothing else: raises if the delta would not apply.
+    Holds the checkpoint's lock, so it never reads a checkpoint another run is writing."""
+    with checkpoint_lock(checkpoint_path), DeltaReader(delta_path) as d, open_checkpoint(checkpoint_path) as ck:
         Applier(d, ck, journal=None, threads=threads, cache_bytes=0).plan()

@@ -161,20 +161,24 @@ class LocalStore:
                 out.append(os.path.relpath(os.path.join(d, f), self.root).replace(os.sep, "/"))
         return sorted(k for k in out if k.startswith(prefix))
 
-    def sweep_temps(self, older_than: float) -> list[str]:
-        """Remove unfinished writes (``*.tmp-*``) older than ``older_than`` seconds: a writer killed
-        mid-upload leaves one, and ``list`` never shows them."""
+    def sweep_temps(self, older_than: float, *, prefix: str = "", dry_run: bool = False) -> list[str]:
+        """Remove unfinished writes (``*.tmp-*``) older than ``older_than`` seconds under ``prefix``
+        (a directory key ending in ``/``, or the whole store): a writer killed mid-upload leaves one,
+        and ``list`` never shows them. Returns their paths relative to the root; ``dry_run``: only
+        those, nothing removed."""
         removed = []
         cutoff = time.time() - older_than
-        for d, _, files in os.walk(self.root):
+        top = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        for d, _, files in os.walk(top):
             for f in files:
                 p = os.path.join(d, f)
                 if ".tmp-" in f:
                     with contextlib.suppress(FileNotFoundError):
-                        if os.path.getmtime(p) < cutoff:
-                            os.unlink(p)
-                            removed.append(os.path.relpath(p, self.root))
-        return removed
+                        if os.path.getmtime(p) <= cutoff:
+                            if not dry_run:
+                                os.unlink(p)
+                            removed.append(os.path.relpath(p, self.root).replace(os.sep, "/"))
+        return sorted(removed)
 
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):

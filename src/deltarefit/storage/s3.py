@@ -296,20 +296,22 @@ class S3Store:
 
     # ------------------------------------------------------------------------------------ upkeep
 
-    def sweep_temps(self, older_than: float) -> list[str]:
-        """Abort incomplete multipart uploads under this store's prefix started more than
-        ``older_than`` seconds ago (a writer killed mid-upload leaves one; they are never objects, but
-        their parts take space). Returns their keys."""
+    def sweep_temps(self, older_than: float, *, prefix: str = "", dry_run: bool = False) -> list[str]:
+        """Abort incomplete multipart uploads under this store's prefix (and ``prefix`` within it)
+        started more than ``older_than`` seconds ago (a writer killed mid-upload leaves one; they are
+        never objects, but their parts take space). Returns their keys; ``dry_run``: only those,
+        nothing aborted."""
         cutoff = time.time() - older_than
-        full = f"{self.prefix}/" if self.prefix else ""
+        full = (f"{self.prefix}/" if self.prefix else "") + prefix
         c = self._client()
         swept = []
         try:
             for page in c.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full):
                 for u in page.get("Uploads", ()):
                     if u["Initiated"].timestamp() <= cutoff:
-                        with contextlib.suppress(c.exceptions.NoSuchUpload):
-                            c.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
+                        if not dry_run:
+                            with contextlib.suppress(c.exceptions.NoSuchUpload):
+                                c.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
                         swept.append(self._rel(u["Key"]))
         except Exception as e:
             if isinstance(e, StoreError):

@@ -101,9 +101,9 @@ def retain(store: Store, *, ttl: float = 24 * 3600, orphan_grace: float = 3600, 
     if not dry_run:
         for key in rep.deleted:
             store.delete(key)
-        sweep = getattr(store, "sweep_temps", None)
-        if sweep is not None:  # unfinished uploads of killed writers, invisible to list()
-            rep.deleted += sweep(orphan_grace)
+    sweep = getattr(store, "sweep_temps", None)
+    if sweep is not None:  # unfinished uploads of killed writers, invisible to list(); a dry run lists them
+        rep.deleted += sweep(orphan_grace, dry_run=dry_run)
     log.info("retention: head %d, keyframe %d, oldest live %s: deleted %d objects", h, k, rep.oldest_live,
              len(rep.deleted))
     return rep

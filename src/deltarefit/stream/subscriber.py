@@ -28,6 +28,7 @@ from ..apply import check as check_delta
 from ..checkpoint import carry_non_weights
 from ..errors import BaseMismatchError, UsageError
 from ..format import DeltaReader
+from ..locks import lock_path_beside, locked_method
 from ..signing import Verifier, check_record_signature
 from ..storage.base import Store, open_store
 from .publisher import _copy_checkpoint
@@ -68,6 +69,11 @@ class _Step:
     parts: list[Part]
     parent: str | None  # fingerprint a delta applies to
     fingerprint: str  # fingerprint reached
+
+
+def _checkpoint_lock_of(checkpoint: str) -> tuple[str, str]:
+    # The same lock apply takes (apply.checkpoint_lock): sync and prepare hold it, and apply re-enters it.
+    return lock_path_beside(checkpoint), f"checkpoint {checkpoint}"
 
 
 def state_path(checkpoint: str) -> str:
@@ -122,6 +128,7 @@ class Subscriber:
 
     # -- sync ------------------------------------------------------------------------------------
 
+    @locked_method(lambda self: _checkpoint_lock_of(self.checkpoint))
     def sync(self, *, to_version: int | None = None) -> SyncReport:
         try:
             return self._sync(to_version)
@@ -306,6 +313,7 @@ class Subscriber:
 
     # -- joint commit ----------------------------------------------------------------------------
 
+    @locked_method(lambda self: _checkpoint_lock_of(self.checkpoint))
     def prepare(self) -> int | None:
         """Acknowledge the proposed next version if it applies to the local checkpoint (nothing is
         written to the checkpoint). Returns the version acknowledged, or None if none is proposed."""
