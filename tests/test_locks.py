@@ -160,9 +160,11 @@ def test_a_second_apply_on_a_checkpoint_is_refused_and_a_kill_releases_the_lock(
         assert not os.path.exists(work + ".deltarefit-journal")  # nor journaled: the holder is still planning
     finally:
         h.kill()
+    assert os.path.exists(lock_path_beside(work))  # left by the killed holder, unlocked
     r = run("apply", pair["target_delta"], work, "-q")  # kill -9 dropped the lock
     assert r.returncode == 0, r.stderr
     assert sha(work) == sha(pair["target"])
+    assert not os.path.exists(lock_path_beside(work))  # taken over, and removed on release
 
 
 def test_a_sync_is_refused_while_another_sync_holds_the_checkpoint(pair, tmp_path):
@@ -212,6 +214,8 @@ def test_lock_files_are_not_checkpoint_files(pair, tmp_path):
         assert deltarefit.fingerprint(str(d)) == deltarefit.fingerprint(pair["base"])
         rep = deltarefit.apply(pair["target_delta"], str(d))  # re-entrant for the thread holding it
         assert rep.target_fingerprint == deltarefit.fingerprint(pair["target"])
+        assert os.path.exists(lock_path_beside(str(d)))  # the inner release did not let go
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # released: no lock file left
 
 
 def test_the_lock_is_refused_to_another_thread_of_the_same_process(tmp_path):

@@ -3,8 +3,10 @@
 One writer at a time: ``exclusive(path, what)`` takes an ``fcntl.flock`` on the lock file ``path``
 without waiting; a second run is refused at once with ``LockedError`` (one line naming the holder's
 pid and host, read from the lock file). The kernel drops a flock when its holder's file is closed,
-so a run killed by any signal, ``kill -9`` included, never leaves a lock held; the lock file itself
-stays (removing it would let a third run lock a new file while the second still holds the old one).
+so a run killed by any signal, ``kill -9`` included, never leaves a lock held. The holder removes the
+lock file before it lets go; a killed holder leaves it (unlocked) for the next run, which takes it
+over. A run that locked a file the holder removed meanwhile sees that the path no longer names its
+file, and starts again on the new one: two runs never hold two different files of one path.
 
 Within one process the lock is re-entrant for the thread that holds it (a sync holds the checkpoint
 and calls apply on it); another thread of the same process is refused like another process.
@@ -72,20 +74,7 @@ def exclusive(path: str, what: str) -> Iterator[None]:
                 t, depth, fd = _held[key]
                 _held[key] = (t, depth - 1, fd)
         return
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise LockedError(f"{what}: cannot open its lock file {path} ({e.strerror})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        raise LockedError(f"{what} is in use by another deltarefit run ({holder}; lock {path}); wait for it "
-                          "to finish or stop it, then run again") from None
-    except OSError as e:
-        os.close(fd)
-        raise LockedError(f"{what}: cannot lock {path} ({e.strerror})") from None
+    fd = _acquire(path, what)
     try:
         stamp = json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "since": time.time()}).encode()
         os.ftruncate(fd, 0)
@@ -100,8 +89,35 @@ def exclusive(path: str, what: str) -> Iterator[None]:
         with _held_lock:
             del _held[key]  # re-entrant holders (same thread) have unwound before this
         with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)  # no stale label once released
+            os.unlink(path)  # while still locked: a run that opened it meanwhile sees it gone and retries
         os.close(fd)  # releases the flock
+
+
+def _acquire(path: str, what: str) -> int:
+    """Open and flock the lock file; an fd whose file ``path`` still names, or ``LockedError``."""
+    for _ in range(100):  # each retry means a holder let go meanwhile: a few at most
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise LockedError(f"{what}: cannot open its lock file {path} ({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise LockedError(f"{what} is in use by another deltarefit run ({holder}; lock {path}); wait for "
+                              "it to finish or stop it, then run again") from None
+        except OSError as e:
+            os.close(fd)
+            raise LockedError(f"{what}: cannot lock {path} ({e.strerror})") from None
+        try:
+            st, now = os.fstat(fd), os.stat(path)
+            if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the holder removed this file as it let go: lock the one the path names now
+    raise LockedError(f"{what}: could not take its lock {path} (it keeps changing)")
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -37,7 +37,7 @@ from ..encode import EncodeReport, KnownHashes
 from ..encode import encode as encode_delta
 from ..errors import DeltaRefitError, UsageError
 from ..fsutil import write_atomic
-from ..locks import locked_method
+from ..locks import lock_path_beside, locked_method
 from ..signing import Signer, record_signature
 from ..storage.base import Store, open_store
 from .records import (
@@ -61,7 +61,6 @@ log = logging.getLogger(__name__)
 
 
 ALL = -1  # quorum: every live subscriber
-LOCK_NAME = "publisher.lock"  # in the state directory: one publisher process per state (see locks.py)
 
 
 class PublishError(StreamError):
@@ -154,7 +153,7 @@ class Publisher:
         write_atomic(self.state_path, json.dumps({"version": st.version, "fingerprint": st.fingerprint,
                                                   "stream": self.store.url}).encode())
 
-    @locked_method(lambda self: (os.path.join(self.state_dir, LOCK_NAME), f"publisher state {self.state_dir}"))
+    @locked_method(lambda self: (lock_path_beside(self.state_dir), f"publisher state {self.state_dir}"))
     def recover(self) -> PublishState | None:
         """Bring the baseline to the stream's head: finish our own publish that committed but died
         before its baseline advanced, and follow versions other publishers committed on our parent."""
@@ -232,7 +231,7 @@ class Publisher:
 
     # -- publish ---------------------------------------------------------------------------------
 
-    @locked_method(lambda self: (os.path.join(self.state_dir, LOCK_NAME), f"publisher state {self.state_dir}"))
+    @locked_method(lambda self: (lock_path_beside(self.state_dir), f"publisher state {self.state_dir}"))
     def publish(self, checkpoint: str, *, step: int | None = None) -> CommitRecord:
         """Commit ``checkpoint`` as the next version; returns its commit record."""
         st = self.recover()
