@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -71,6 +72,7 @@ class ApplyReport:
     written_bytes: int
     seconds: float
     structural: list[str] = field(default_factory=list)  # tensors added, removed or replaced
+    structural_ops: dict[str, str] = field(default_factory=dict)  # of those: name -> "add", "remove", "replace"
 
 
 @dataclass
@@ -515,10 +517,12 @@ def _rewrite_indexed_dir(ck: Checkpoint, delta: DeltaReader, plans: list[_Tensor
     for dest, sources in groups.items():
         old = next((f for f, n in new_name.items() if n == dest), None)
         meta = _metadata_of(os.path.join(ck.path, old)) if old else None
-        write_safetensors(os.path.join(ck.path, dest), sources, metadata=meta)
+        # A rewritten shard keeps its old file's mode; a new one (added tensors) takes the index's.
+        write_safetensors(os.path.join(ck.path, dest), sources, metadata=meta,
+                          mode=_mode_of(os.path.join(ck.path, old) if old else idx_path))
     write_atomic(os.path.join(ck.path, REPLACED_LIST), json.dumps(touched).encode())
     write_atomic(idx_path, json.dumps({"metadata": index.get("metadata", {}), "weight_map": weight_map},
-                                      indent=2, sort_keys=True).encode())
+                                      indent=2, sort_keys=True).encode(), mode=_mode_of(idx_path))
     remove_replaced_shards(ck.path)
     return changed
 
@@ -558,8 +562,13 @@ def _rewrite_file(ck: Checkpoint, delta: DeltaReader, plans: list[_TensorPlan]) 
             sources.append(_source(e.name, e.target, lambda e=e: _new_tensor_chunks(delta, e)))
         else:
             sources.append(_source(e.name, e.target, _raw_chunks(ck.raw(e.name))))
-    write_safetensors(files[0], sources, metadata=_metadata_of(files[0]))
+    write_safetensors(files[0], sources, metadata=_metadata_of(files[0]), mode=_mode_of(files[0]))
     return changed
+
+
+def _mode_of(file: str) -> int:
+    """Permission bits a rewritten file keeps (a 0600 checkpoint must not become 0644)."""
+    return stat.S_IMODE(os.stat(file).st_mode)
 
 
 def _new_tensor_chunks(delta: DeltaReader, e: TensorEntry) -> Iterator[bytes]:
@@ -627,15 +636,18 @@ def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None,
         with open_checkpoint(checkpoint_path, writable=True) as ck:
             journal = Journal(journal_path(checkpoint_path), d.target_fingerprint)
             structural_done: list[str] = []
+            ops: dict[str, str] = {}
 
             def structural(delta: DeltaReader, plans: list[_TensorPlan]) -> list[str]:
                 ck.flush()  # in-place patches first become durable, then the files are rewritten
                 rewrite = _rewrite_indexed_dir if _indexed(ck) else _rewrite_file
+                ops.update((tp.entry.name, tp.state) for tp in plans if tp.state in ("add", "remove", "replace"))
                 structural_done.extend(rewrite(ck, delta, plans))
                 return structural_done
 
             rep = run_apply(d, ck, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
                             structural=structural, structural_check=lambda todo: _check_structural(ck, todo))
+            rep.structural_ops = {n: ops[n] for n in rep.structural if n in ops}
             ck.flush()
         journal.remove()
     log.info("applied %s to %s: %d chunks (%d skipped, %d recovered), %d tensors added/removed/replaced in %.2f s",

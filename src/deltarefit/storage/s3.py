@@ -54,10 +54,26 @@ class S3Store:
         # (they share the emulated link). boto3 calls the callback from its worker threads as bytes
         # move; sleeping there holds that connection back, as a slow link would.
         self._cb = None
+        self._pace = None
         if rate:
             from ..transport.ratelimit import TokenBucket
 
-            self._cb = TokenBucket(rate).take
+            self._cb = self._pace = TokenBucket(rate).take
+
+    def set_progress(self, progress) -> None:
+        """Call ``progress(n)`` as each ``n`` bytes of a part go in or out of the store (a progress bar;
+        called from the transfer threads)."""
+        pace = self._pace
+        if progress is None:
+            self._cb = pace
+        elif pace is None:
+            self._cb = progress
+        else:
+            def both(n: int) -> None:
+                pace(n)
+                progress(n)
+
+            self._cb = both
 
     # ------------------------------------------------------------------------------------ plumbing
 

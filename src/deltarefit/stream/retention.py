@@ -10,8 +10,9 @@ for longer than ``ttl`` seconds is not live):
 * all commit records (they are small and are the history ``log`` shows).
 
 Deleted: other keyframe parts, delta parts of versions up to ``min(s, k)``, acks of versions that
-are no longer proposed, and orphan parts (a publish that died before committing, or lost a race)
-older than ``orphan_grace`` seconds.
+are no longer proposed, and orphan parts (a publish that died before committing, or lost a race) and
+unfinished uploads (the store's ``sweep_temps``: temp files, multipart uploads of killed writers)
+older than ``orphan_grace`` seconds. A dry run reports exactly these and deletes nothing.
 """
 
 from __future__ import annotations
