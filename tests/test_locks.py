@@ -314,3 +314,48 @@ def test_the_next_publish_removes_what_its_killed_upload_left(pair, tmp_path):
     w = str(tmp_path / "rollout.safetensors")
     assert run("sync", store, w).returncode == 0
     assert sha(w) == sha(pair["target"])
+
+
+# An engine's worker (vLLM's worker extension, without vLLM: reloading into a model is stubbed), run
+# in its own process as vLLM runs it, applying to the checkpoint directory while its driver holds the lock.
+_WORKER = r"""
+import json, sys
+from deltarefit.engines.vllm import DeltaRefitWorkerExtension
+
+class Worker(DeltaRefitWorkerExtension):
+    rank = 0
+
+    def _deltarefit_reload(self, ckpt, changed):
+        return [], 0, []
+
+print(json.dumps(Worker().apply_delta(*sys.argv[1:3])))
+"""
+
+
+class _EngineInOtherProcesses:
+    """Just enough of ``vllm.LLM`` for ``refit_engine``: each collective_rpc runs one worker process."""
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        assert method == "apply_delta", method
+        r = subprocess.run([sys.executable, "-c", _WORKER, *args], capture_output=True, text=True,
+                           timeout=TIMEOUT, env=ENV, check=False)
+        assert r.returncode == 0, r.stderr
+        return [json.loads(r.stdout)]
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+
+def test_an_engine_sync_holds_the_lock_for_its_workers_in_other_processes(pair, tmp_path):
+    from deltarefit.engines.vllm import sync_engine
+    from deltarefit.stream import Subscriber
+
+    store, pub = str(tmp_path / "store"), str(tmp_path / "pub")
+    assert run("publish", store, pair["base"], "--state", pub).returncode == 0
+    engine_dir = str(tmp_path / "engine")
+    Subscriber(store, engine_dir).sync()  # the directory the engine loaded, at version 1
+    assert run("publish", store, pair["target"], "--state", pub).returncode == 0
+    rep = sync_engine(_EngineInOtherProcesses(), store, engine_dir)
+    assert (rep.version, rep.route) == (2, "chain")
+    assert deltarefit.fingerprint(engine_dir) == deltarefit.fingerprint(pair["target"])
+    assert not os.path.exists(lock_path_beside(engine_dir))

@@ -618,10 +618,13 @@ def remove_dead_temps_of(checkpoint_path: str) -> list[str]:
 
 
 def apply(delta_path: str, checkpoint_path: str, *, threads: int | None = None,
-          cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None) -> ApplyReport:
+          cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None,
+          lock: bool = True) -> ApplyReport:
     """Apply the delta file to the checkpoint in place; idempotent, crash-safe, verified at the end.
-    Holds the checkpoint's lock (``checkpoint_lock``) throughout."""
-    with checkpoint_lock(checkpoint_path):
+    Holds the checkpoint's lock (``checkpoint_lock``) throughout. ``lock=False``: another process holds
+    it on this one's behalf (an engine's workers apply while their driver holds it, see
+    ``engines.vllm.refit_engine``) and serializes the appliers itself."""
+    with checkpoint_lock(checkpoint_path) if lock else contextlib.nullcontext():
         return _apply_locked(delta_path, checkpoint_path, threads=threads, cache_bytes=cache_bytes,
                              progress=progress)
 
