@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from .errors import LockedError
+from .errors import CheckpointError, LockedError
 
 LOCK_SUFFIX = ".deltarefit-lock"
 
@@ -99,7 +99,7 @@ def _acquire(path: str, what: str) -> int:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            raise LockedError(f"{what}: cannot open its lock file {path} ({e.strerror})") from None
+            raise CheckpointError(f"{what}: cannot create its lock file {path} ({e.strerror})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -109,7 +109,7 @@ def _acquire(path: str, what: str) -> int:
                               "it to finish or stop it, then run again") from None
         except OSError as e:
             os.close(fd)
-            raise LockedError(f"{what}: cannot lock {path} ({e.strerror})") from None
+            raise CheckpointError(f"{what}: cannot lock {path} ({e.strerror})") from None
         try:
             st, now = os.fstat(fd), os.stat(path)
             if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
