@@ -454,10 +454,13 @@ class Publisher:
             log.warning("%s: unreadable, ignored (retention removes orphan parts)", marker)
             os.unlink(marker)
             return
-        try:
-            rec = load_commit(self.store, version)
-            committed = any(p.key.startswith(attempt + "/") for p in _parts_of(rec))
-        except StreamError:
+        if self.store.exists(commit_key(version)):
+            try:
+                rec = load_commit(self.store, version)
+                committed = any(p.key.startswith(attempt + "/") for p in _parts_of(rec))
+            except StreamError:  # unreadable: it might be ours, keep the parts (retention decides)
+                committed = True
+        else:
             committed = False
         if not committed:
             for key in self.store.list(attempt + "/"):
@@ -469,7 +472,7 @@ class Publisher:
         os.unlink(marker)
 
     def _drop_attempt(self, rec: CommitRecord) -> None:
-        for part in ([rec.delta] if rec.delta else []) + [p for _, p in rec.keyframe] + ([rec.catchup] if rec.catchup else []):
+        for part in _parts_of(rec):
             try:
                 self.store.delete(part.key)
             except DeltaRefitError as e:  # best effort: retention removes orphans later
