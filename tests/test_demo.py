@@ -118,3 +118,47 @@ def test_faults_inside_a_step_make_run_demo_return_false(tmp_path, capsys, kind,
     assert run_demo(str(tmp_path / "demo"), steps=1, rollouts=1, fault=f"{kind}:0:1", plot=False) is False
     err = capsys.readouterr().err
     assert "demo failed" in err and expect in err, err
+
+
+_KERNELS_AFTER_WARM_UP = r"""
+import json, shutil, sys
+from deltarefit.codec import kernels as K
+from deltarefit.demo import warm_kernels
+import deltarefit
+
+def signatures():
+    return {n: len(f.signatures) for n, f in vars(K).items() if hasattr(f, "signatures")}
+
+work, pairs = sys.argv[1], sys.argv[2:]
+seconds = warm_kernels(work)
+before = signatures()
+for i in range(0, len(pairs), 2):
+    base, target = pairs[i], pairs[i + 1]
+    ck = f"{work}/ck{i}.safetensors"
+    shutil.copyfile(base, ck)
+    deltarefit.encode(base, target, f"{work}/d{i}.delta", threads=1)
+    deltarefit.apply(f"{work}/d{i}.delta", ck, threads=1)
+print(json.dumps({"seconds": seconds, "before": before, "after": signatures()}))
+"""
+
+
+def test_the_rollouts_warm_up_compiles_every_kernel_a_sync_then_needs(tmp_path):
+    """The demo loads the codec's kernels in each rollout before its first sync (reported on their own
+    line), so that sync is not timed with numba's compilation. No kernel may gain a compiled signature
+    in a later apply of real bf16 AdamW deltas (small steps, mostly one-ulp changes, and large ones)."""
+    import json
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _stream_util import make_chain
+
+    pairs = []
+    for lr in (1e-5, 1e-3):
+        steps = make_chain(str(tmp_path / f"chain-{lr}"), steps=2, lr=lr, hidden=128)
+        pairs += steps
+    r = subprocess.run([sys.executable, "-c", _KERNELS_AFTER_WARM_UP, str(tmp_path), *pairs], capture_output=True,
+                       text=True, timeout=240, check=False)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    print(f"warm-up {got['seconds']:.2f} s; compiled kernels {sorted(k for k, n in got['before'].items() if n)}")
+    assert sum(got["before"].values()) > 0
+    assert got["after"] == got["before"], "an apply after the warm-up compiled a kernel the warm-up did not"

@@ -297,6 +297,9 @@ def test_sweep_temps_aborts_stale_multipart_uploads(s3_env):
     assert st.sweep_temps(older_than=3600) == []
     assert len(_uploads(s3_env, st)) == 1
     time.sleep(1.1)
+    assert st.sweep_temps(older_than=0, dry_run=True) == ["v/dead"]  # lists, aborts nothing
+    assert st.sweep_temps(older_than=0, prefix="v/other/") == []  # outside the prefix: left
+    assert len(_uploads(s3_env, st)) == 1
     assert st.sweep_temps(older_than=0) == ["v/dead"]
     assert _uploads(s3_env, st) == [] and st.list() == ["v/live"]
 

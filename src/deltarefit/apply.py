@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import stat
 import struct
 import threading
 import time
@@ -132,6 +134,7 @@ class ApplyReport:
     written_bytes: int
     seconds: float
     structural: list[str] = field(default_factory=list)  # tensors added, removed or replaced
+    structural_ops: dict[str, str] = field(default_factory=dict)  # of those: name -> "add", "remove", "replace"
 
 
 @dataclass
@@ -666,10 +669,12 @@ def _rewrite_indexed_dir(ck: Checkpoint, delta: DeltaReader, plans: list[_Tensor
     for dest, sources in groups.items():
         old = next((f for f, n in new_name.items() if n == dest), None)
         meta = _metadata_of(os.path.join(ck.path, old)) if old else None
-        write_safetensors(os.path.join(ck.path, dest), sources, metadata=meta)
+        # A rewritten shard keeps its old file's mode; a new one (added tensors) takes the index's.
+        write_safetensors(os.path.join(ck.path, dest), sources, metadata=meta,
+                          mode=_mode_of(os.path.join(ck.path, old) if old else idx_path))
     write_atomic(os.path.join(ck.path, REPLACED_LIST), json.dumps(touched).encode())
     write_atomic(idx_path, json.dumps({"metadata": index.get("metadata", {}), "weight_map": weight_map},
-                                      indent=2, sort_keys=True).encode())
+                                      indent=2, sort_keys=True).encode(), mode=_mode_of(idx_path))
     remove_replaced_shards(ck.path)
     return changed
 
@@ -709,8 +714,13 @@ def _rewrite_file(ck: Checkpoint, delta: DeltaReader, plans: list[_TensorPlan]) 
             sources.append(_source(e.name, e.target, lambda e=e: _new_tensor_chunks(delta, e)))
         else:
             sources.append(_source(e.name, e.target, _raw_chunks(ck.raw(e.name))))
-    write_safetensors(files[0], sources, metadata=_metadata_of(files[0]))
+    write_safetensors(files[0], sources, metadata=_metadata_of(files[0]), mode=_mode_of(files[0]))
     return changed
+
+
+def _mode_of(file: str) -> int:
+    """Permission bits a rewritten file keeps (a 0600 checkpoint must not become 0644)."""
+    return stat.S_IMODE(os.stat(file).st_mode)
 
 
 def _new_tensor_chunks(delta: DeltaReader, e: TensorEntry) -> Iterator[bytes]:
@@ -732,32 +742,77 @@ def _metadata_of(file: str) -> dict[str, str] | None:
     return meta if isinstance(meta, dict) else None
 
 
+def checkpoint_lock(checkpoint_path: str) -> contextlib.AbstractContextManager[None]:
+    """The exclusive lock of a checkpoint (file or directory) that apply, check and sync hold: a second
+    run on it is refused with ``LockedError`` instead of racing the first one's journal and temps."""
+    from .locks import exclusive, lock_path_beside
+
+    return exclusive(lock_path_beside(checkpoint_path), f"checkpoint {checkpoint_path}")
+
+
+# Temp files the structural rewrite leaves when killed (write_safetensors / write_atomic naming).
+_DIR_TEMPS = (r".+\.safetensors", re.escape(INDEX_NAME), re.escape(REPLACED_LIST))
+
+
+def remove_dead_temps_of(checkpoint_path: str) -> list[str]:
+    """Remove temp files a killed apply left in or beside the checkpoint (a shard-sized
+    ``NAME.tmp-PID`` of a structural rewrite), those whose writer is dead. Call under its lock."""
+    from .locks import remove_dead_temps, temp_pattern
+
+    p = os.path.abspath(checkpoint_path)
+    if os.path.isdir(p):
+        removed = remove_dead_temps(p, temp_pattern(*_DIR_TEMPS))
+    else:
+        removed = remove_dead_temps(os.path.dirname(p), temp_pattern(re.escape(os.path.basename(p))))
+    for r in removed:
+        log.info("removed %s, left by a killed run", r)
+    return removed
+
+
 def apply(delta_path: str, checkpoint_path: str, *, threads: int | None = None,
-          cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None) -> ApplyReport:
-    """Apply the delta file to the checkpoint in place; idempotent, crash-safe, verified at the end."""
+          cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None,
+          lock: bool = True) -> ApplyReport:
+    """Apply the delta file to the checkpoint in place; idempotent, crash-safe, verified at the end.
+    Holds the checkpoint's lock (``checkpoint_lock``) throughout. ``lock=False``: another process holds
+    it on this one's behalf (an engine's workers apply while their driver holds it, see
+    ``engines.vllm.refit_engine``) and serializes the appliers itself."""
+    with checkpoint_lock(checkpoint_path) if lock else contextlib.nullcontext():
+        return _apply_locked(delta_path, checkpoint_path, threads=threads, cache_bytes=cache_bytes,
+                             progress=progress)
+
+
+def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None, cache_bytes: int,
+                  progress: Callable[[int], None] | None) -> ApplyReport:
+    if os.path.exists(checkpoint_path):
+        remove_dead_temps_of(checkpoint_path)
     if os.path.isdir(checkpoint_path):
         remove_replaced_shards(checkpoint_path)  # finish a structural rewrite killed after its commit
     with DeltaReader(delta_path) as d:
         with open_checkpoint(checkpoint_path, writable=True) as ck:
             journal = Journal(journal_path(checkpoint_path), d.target_fingerprint)
             structural_done: list[str] = []
+            ops: dict[str, str] = {}
 
             def structural(delta: DeltaReader, plans: list[_TensorPlan]) -> list[str]:
                 ck.flush()  # in-place patches first become durable, then the files are rewritten
                 rewrite = _rewrite_indexed_dir if _indexed(ck) else _rewrite_file
+                ops.update((tp.entry.name, tp.state) for tp in plans if tp.state in ("add", "remove", "replace"))
                 structural_done.extend(rewrite(ck, delta, plans))
                 return structural_done
 
             rep = run_apply(d, ck, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
                             structural=structural, structural_check=lambda todo: _check_structural(ck, todo))
+            rep.structural_ops = {n: ops[n] for n in rep.structural if n in ops}
             ck.flush()
         journal.remove()
-    log.info("applied %s to %s: %d chunks (%d skipped, %d recovered) in %.2f s", delta_path, checkpoint_path,
-             rep.chunks_applied, rep.chunks_skipped, rep.chunks_recovered, rep.seconds)
+    log.info("applied %s to %s: %d chunks (%d skipped, %d recovered), %d tensors added/removed/replaced in %.2f s",
+             delta_path, checkpoint_path, rep.chunks_applied, rep.chunks_skipped, rep.chunks_recovered,
+             len(rep.structural), rep.seconds)
     return rep
 
 
 def check(delta_path: str, checkpoint_path: str, *, threads: int | None = None) -> None:
-    """Everything apply verifies before writing, and nothing else: raises if the delta would not apply."""
-    with DeltaReader(delta_path) as d, open_checkpoint(checkpoint_path) as ck:
+    """Everything apply verifies before writing, and nothing else: raises if the delta would not apply.
+    Holds the checkpoint's lock, so it never reads a checkpoint another run is writing."""
+    with checkpoint_lock(checkpoint_path), DeltaReader(delta_path) as d, open_checkpoint(checkpoint_path) as ck:
         Applier(d, ck, journal=None, threads=threads, cache_bytes=0).plan()

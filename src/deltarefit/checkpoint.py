@@ -480,15 +480,19 @@ def _stream(f: BinaryIO, path: str, s: TensorSource) -> None:
 
 
 def write_safetensors(
-    path: str | os.PathLike[str], tensors: Iterable[TensorSource], *, metadata: dict[str, str] | None = None
+    path: str | os.PathLike[str], tensors: Iterable[TensorSource], *, metadata: dict[str, str] | None = None,
+    mode: int | None = None,
 ) -> None:
-    """Write a standard safetensors file atomically (temp file, fsync, rename, fsync the directory)."""
+    """Write a standard safetensors file atomically (temp file, fsync, rename, fsync the directory).
+    ``mode``: the file's permission bits (set before the rename; default: as the umask gives)."""
     p = os.fspath(path)
     sources = _sorted_sources(p, list(tensors))
     header = _header_bytes(p, sources, metadata)
     tmp = p + f".tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             f.write(header)
             for s in sources:
                 _stream(f, p, s)

@@ -1,6 +1,8 @@
 """Command line: parse, call one library function, render errors as one line with an exit code.
 
-Exit codes: 0 ok, 1 unexpected, 2 usage, 3 bad delta, 4 bad checkpoint, 5 wrong base, 6 verification.
+Exit codes: 0 ok, 1 unexpected, 2 usage, 3 bad delta, 4 bad checkpoint, 5 wrong base, 6 verification,
+7 storage, 8 signature, 9 version stream, 10 relay, 11 locked (another run holds the checkpoint or the
+publisher state; the message names its pid). Usage errors too are one line, exit 2.
 """
 
 from __future__ import annotations
@@ -51,6 +53,40 @@ def _progress(label: str, total: int, quiet: bool) -> Iterator[Callable[[int], N
         yield lambda n: p.update(task, advance=n)
 
 
+@contextmanager
+def _transfer_progress(store, label: str, quiet: bool) -> Iterator[None]:
+    """Bytes moved in or out of ``store`` (a Store) as a progress bar on stderr, for the duration;
+    nothing when stderr is not a terminal or --quiet. The total is not known ahead (the route and
+    the parts are chosen inside), so the bar shows bytes and speed."""
+    if not _progress_enabled(quiet) or not hasattr(store, "set_progress"):
+        yield
+        return
+    from rich.progress import DownloadColumn, Progress, SpinnerColumn, TransferSpeedColumn
+
+    with Progress(SpinnerColumn(), "[progress.description]{task.description}", DownloadColumn(),
+                  TransferSpeedColumn(), transient=True, console=_stderr_console()) as p:
+        task = p.add_task(label, total=None)
+        store.set_progress(lambda n: p.update(task, advance=n))
+        try:
+            yield
+        finally:
+            store.set_progress(None)
+
+
+def _output_dir(output: str) -> None:
+    """Refuse an output path whose directory does not exist, before any work."""
+    from .errors import UsageError
+
+    d = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(d):
+        raise UsageError(f"{output}: directory {d} does not exist")
+
+
+def _names(names: list[str], most: int = 4) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def _stderr_console():
     from rich.console import Console
 
@@ -75,7 +111,30 @@ def _run(fn: Callable[[], None]) -> None:
         sys.exit(130)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """click's group, with its usage errors (unknown option, missing argument) as one line and exit 2,
+    like every other error, instead of a usage block."""
+
+    def main(self, *args, **kwargs):
+        kwargs["standalone_mode"] = False
+        kwargs.setdefault("prog_name", "deltarefit")  # not "python -m deltarefit"
+        try:
+            rv = super().main(*args, **kwargs)
+        except click.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else "deltarefit"
+            msg = " ".join(e.format_message().split())
+            click.echo(f"deltarefit: error: {where}: {msg} (see '{where} --help')", err=True)
+            sys.exit(2)
+        except click.ClickException as e:
+            click.echo(f"deltarefit: error: {' '.join(e.format_message().split())}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("deltarefit: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="deltarefit")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr.")
 def main(verbose: bool) -> None:
@@ -103,6 +162,7 @@ def encode(base: str, target: str, output: str, threads: int | None, quiet: bool
     def go() -> None:
         from .encode import encode as enc
 
+        _output_dir(output)
         with _progress("encode", _ckpt_bytes(target) if _progress_enabled(quiet) else 0, quiet) as cb:
             rep = enc(base, target, output, threads=threads, progress=cb)
         summary = {
@@ -142,8 +202,13 @@ def apply(delta: str, checkpoint: str, threads: int | None, quiet: bool, as_json
         if as_json:
             click.echo(json.dumps(rep.__dict__, indent=2))
         else:
+            tensors = ""
+            for op, verb in (("add", "added"), ("remove", "removed"), ("replace", "replaced")):
+                names = [n for n in rep.structural if rep.structural_ops.get(n) == op]
+                if names:
+                    tensors += f"; {verb} {len(names)} tensor{'s' * (len(names) != 1)} ({_names(names)})"
             click.echo(f"{checkpoint}: applied {rep.chunks_applied} chunks ({rep.chunks_skipped} already done, "
-                       f"{rep.chunks_recovered} recovered) in {rep.seconds:.2f} s; "
+                       f"{rep.chunks_recovered} recovered){tensors} in {rep.seconds:.2f} s; "
                        f"fingerprint {rep.target_fingerprint} verified")
 
     _run(go)
@@ -247,10 +312,13 @@ def verify(checkpoint: str, expected: str, threads: int | None) -> None:
               help="First set aside head records that can be no version of this stream (malformed, another "
                    "stream's, unsigned in a signed stream, not verifying with --sign's key) to quarantine/.")
 @_threads
+@_quiet
 @_json
 def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, quorum, ack_timeout, signing_key,
-            catchup, advance, reset_baseline, quarantine_head, threads, as_json) -> None:
-    """Commit CHECKPOINT as the next version of the stream in STORE (a directory)."""
+            catchup, advance, reset_baseline, quarantine_head, threads, quiet, as_json) -> None:
+    """Commit CHECKPOINT as the next version of the stream in STORE (a directory, or s3://bucket/prefix).
+
+    One publisher per state directory at a time: a second one exits 11 naming the first."""
 
     def go() -> None:
         from .errors import UsageError
@@ -259,13 +327,16 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
         if quorum != "all" and not quorum.isdigit():
             raise UsageError(f"--quorum must be a number or 'all', not {quorum!r}")
         q = ALL if quorum == "all" else int(quorum)
+        from .storage.base import open_store
         from .stream.publisher import default_state_dir
 
         sd = state_dir or default_state_dir(store)
-        rec = Publisher(store, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=q,
+        st = open_store(store)
+        pub = Publisher(st, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=q,
                         ack_timeout=ack_timeout, signing_key=signing_key, threads=threads,
-                        catchup=catchup, advance=advance).publish(checkpoint, step=step, reset_baseline=reset_baseline,
-                                                                  quarantine_head=quarantine_head)
+                        catchup=catchup, advance=advance)
+        with _transfer_progress(st, "publish: upload", quiet):
+            rec = pub.publish(checkpoint, step=step, reset_baseline=reset_baseline, quarantine_head=quarantine_head)
         if as_json:
             click.echo(rec.to_bytes().decode())
         else:
@@ -290,21 +361,27 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
                    "stream's newest keyframe (after an edit, a store wiped and republished, another stream).")
 @click.option("--stream-id", default=None, help="Follow only the stream of this identity (see 'log').")
 @_threads
+@_quiet
 @_json
 def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, full_verify, repair, stream_id, threads,
-         as_json) -> None:
-    """Bring CHECKPOINT to the newest version of STORE (created from a keyframe if missing)."""
+         quiet, as_json) -> None:
+    """Bring CHECKPOINT to the newest version of STORE (a directory, or s3://bucket/prefix; it must
+    exist) (CHECKPOINT is created from a keyframe if missing). One run per checkpoint at a time: a
+    second one exits 11 naming the first."""
 
     def go() -> None:
+        from .storage.base import open_store
         from .stream.subscriber import Subscriber
 
-        sub = Subscriber(store, checkpoint, subscriber_id=subscriber_id, public_key=public_key, threads=threads,
+        st = open_store(store, create=False)
+        sub = Subscriber(st, checkpoint, subscriber_id=subscriber_id, public_key=public_key, threads=threads,
                          stream_id=stream_id)
         if prepare:
             v = sub.prepare()
             click.echo(f"{checkpoint}: " + (f"acknowledged version {v}" if v else "nothing to acknowledge"))
             return
-        rep = sub.sync(to_version=to_version, verify=full_verify, repair=repair)
+        with _transfer_progress(st, "sync: fetch", quiet):
+            rep = sub.sync(to_version=to_version, verify=full_verify, repair=repair)
         if as_json:
             click.echo(json.dumps(rep.__dict__, indent=2))
         elif rep.verified:
@@ -323,7 +400,7 @@ def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, full
               help="Check each record's signature with this Ed25519 public key (else 'signed' is unchecked).")
 @_json
 def log_cmd(store, public_key, as_json) -> None:
-    """List the versions of STORE: parents, kinds, sizes and ratios.
+    """List the versions of STORE (a directory, or s3://bucket/prefix): parents, kinds, sizes and ratios.
 
     Malformed records are listed as such (and the exit status is 9); the others are listed still.
     """
@@ -333,7 +410,7 @@ def log_cmd(store, public_key, as_json) -> None:
         from .storage.base import open_store
         from .stream.records import MalformedRecordError, StreamError, list_versions, load_commit
 
-        st = open_store(store)
+        st = open_store(store, create=False)
         verifier = Verifier(public_key) if public_key else None
         rows, bad = [], []
         for v in list_versions(st):
@@ -388,16 +465,17 @@ def log_cmd(store, public_key, as_json) -> None:
               help="Seconds since its last sync after which a subscriber no longer holds back retention.")
 @click.option("--orphan-grace", type=float, default=3600.0, show_default=True,
               help="Seconds before uncommitted parts (dead or losing publishes) may be deleted.")
-@click.option("--dry-run", is_flag=True, help="List what would be deleted, delete nothing.")
+@click.option("--dry-run", is_flag=True, help="List what would be deleted (unfinished uploads too), delete nothing.")
 @_json
 def retain(store, ttl, orphan_grace, dry_run, as_json) -> None:
-    """Delete parts of STORE that no live subscriber or late joiner can need."""
+    """Delete parts of STORE (a directory, or s3://bucket/prefix) that no live subscriber or late joiner
+    can need, and unfinished uploads of killed publishers."""
 
     def go() -> None:
         from .storage.base import open_store
         from .stream.retention import retain as ret
 
-        rep = ret(open_store(store), ttl=ttl, orphan_grace=orphan_grace, dry_run=dry_run)
+        rep = ret(open_store(store, create=False), ttl=ttl, orphan_grace=orphan_grace, dry_run=dry_run)
         if as_json:
             click.echo(json.dumps(rep.__dict__, indent=2))
         else:
@@ -428,13 +506,16 @@ def keygen(private_key) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(), help="Composed delta to write.")
 @click.option("--base", required=True, type=click.Path(exists=True),
               help="The checkpoint the first delta applies to (read only; chunk contexts come from it).")
-def compose(deltas, output, base) -> None:
+@_quiet
+def compose(deltas, output, base, quiet) -> None:
     """Compose DELTAS (applied in order) into one delta equal to them bit for bit."""
 
     def go() -> None:
         from .compose import compose as comp
 
-        rep = comp(list(deltas), output, base=base)
+        _output_dir(output)
+        with _progress("compose", _ckpt_bytes(base) if _progress_enabled(quiet) else 0, quiet) as cb:
+            rep = comp(list(deltas), output, base=base, progress=cb)
         click.echo(f"{output}: {rep.delta_bytes:,} bytes, {len(deltas)} deltas composed, target "
                    f"{rep.target_fingerprint}")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -24,8 +25,9 @@ from .format import VERSION, DeltaReader, DeltaWriter, TensorEntry
 from .integrity import SEGMENT_BYTES, fingerprint_from_digests, seg_hash
 
 
-def compose(deltas: list[str], out: str, *, base: str) -> EncodeReport:
-    """Write to ``out`` the delta equal to applying ``deltas`` in order to checkpoint ``base``."""
+def compose(deltas: list[str], out: str, *, base: str, progress: Callable[[int], None] | None = None) -> EncodeReport:
+    """Write to ``out`` the delta equal to applying ``deltas`` in order to checkpoint ``base``.
+    ``progress`` gets the bytes of ``base`` gone through (their sum is the checkpoint's size)."""
     if not deltas:
         raise UsageError("compose needs at least one delta")
     t0 = time.perf_counter()
@@ -47,7 +49,7 @@ def compose(deltas: list[str], out: str, *, base: str) -> EncodeReport:
             with open_checkpoint(base) as ck:
                 if set(ck.tensors) != set(entries_by[0]):
                     raise BaseMismatchError(f"{base}: its tensors are not the base of {first.path}")
-                entries, counts, changed_total = _compose(ck, readers, entries_by, recs_by, writer)
+                entries, counts, changed_total = _compose(ck, readers, entries_by, recs_by, writer, progress)
             base_d = {e.name: e.base.digest for e in entries}
             target_d = {e.name: e.target.digest for e in entries}
             if fingerprint_from_digests(base_d) != first.base_fingerprint:
@@ -73,7 +75,7 @@ def compose(deltas: list[str], out: str, *, base: str) -> EncodeReport:
                         time.perf_counter() - t0, counts)
 
 
-def _compose(ck, readers, entries_by, recs_by, writer):
+def _compose(ck, readers, entries_by, recs_by, writer, progress=None):
     entries: list[TensorEntry] = []
     counts = {n: 0 for n in ENCODING_NAMES.values()}
     changed_total = 0
@@ -114,6 +116,8 @@ def _compose(ck, readers, entries_by, recs_by, writer):
                 writer.add_chunk(ti, ci, enc.encoding, enc.n_changed, enc.payload, enc.decoded_len, pre, post)
                 counts[ENCODING_NAMES[enc.encoding]] += 1
                 changed += enc.n_changed
+            if progress is not None:
+                progress(seg.size)
         bmeta, tmeta = tensor_meta(info, pre_segs), tensor_meta(info, post_segs)
         count = writer.n_records - first_rec
         entries.append(TensorEntry(name, "patch" if count else "same", bmeta, tmeta, changed, first_rec, count))

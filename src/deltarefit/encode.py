@@ -324,7 +324,8 @@ def encode_checkpoints(
     progress: Callable[[int], None] | None = None, patch_works: PatchWorks | None = None,
     base_hashes: Mapping[str, bytes] | None = None, durable: bool = True,
 ) -> EncodeReport:
-    """Write the delta taking ``base`` to ``target`` to ``out``. ``progress`` gets bytes scanned.
+    """Write the delta taking ``base`` to ``target`` to ``out``. ``progress`` gets the target's bytes
+    scanned (their sum is the target's size).
 
     ``base_hashes``: the base's segment hashes (``KnownHashes.hashes``), trusted: the caller vouches
     that they are the hashes of the bytes ``base`` holds now (``encode`` checks the files' identity).
@@ -375,8 +376,10 @@ def encode_checkpoints(
                         add_chunk(job.ti, ci, enc.encoding, enc.n_changed, enc.payload, enc.decoded_len, pre, post)
                         counts[enc.encoding] += 1
                         job.changed += enc.n_changed
-                    if progress:
-                        progress(SEGMENT_BYTES)
+                    if progress:  # the target's bytes behind this result (their sum: the target's size)
+                        tk = k if job.op == "patch" else k - job.n_base
+                        if tk >= 0 and job.target is not None:
+                            progress(min(SEGMENT_BYTES, job.target.nbytes - tk * SEGMENT_BYTES))
                     if k != len(job.works) - 1:
                         continue
                 # The job's last result: its manifest entry.

@@ -59,3 +59,11 @@ class UsageError(DeltaRefitError):
     """The caller asked for something that cannot work (bad option combination, wrong argument)."""
 
     exit_code = 2
+
+
+class LockedError(DeltaRefitError):
+    """Another run holds what this one would write (a checkpoint, a publisher's state directory).
+
+    Raised before anything is read or written; the message names the holder (pid and host)."""
+
+    exit_code = 11

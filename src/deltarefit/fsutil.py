@@ -14,13 +14,16 @@ def fsync_dir(d: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, data: bytes, *, durable: bool = True) -> None:
+def write_atomic(path: str, data: bytes, *, durable: bool = True, mode: int | None = None) -> None:
     """Write ``data`` to ``path`` whole or not at all: temp file, fsync, rename, fsync the directory.
     Never truncates the old file (a reader may have it mapped). ``durable=False`` skips the fsyncs, for
-    a cache whose reader detects a file torn by a power loss."""
+    a cache whose reader detects a file torn by a power loss. ``mode``: permission bits of the new file
+    (default: as the umask gives)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             f.write(data)
             f.flush()
             if durable:

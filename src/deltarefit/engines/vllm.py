@@ -180,7 +180,9 @@ class DeltaRefitWorkerExtension:
                              "parameters, restart it from the target checkpoint instead")
         with open(os.path.join(ckpt, LOCK_NAME), "a+") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one writer per directory; later workers re-verify
-            rep = apply_delta_to_checkpoint(delta_path, ckpt)
+            # The driver holds the checkpoint's own lock for this refit (refit_engine); the workers
+            # take turns on the engine lock above.
+            rep = apply_delta_to_checkpoint(delta_path, ckpt, lock=False)
         t_apply = time.perf_counter()
         fed, nbytes, completed = self._deltarefit_reload(ckpt, changed)
         t_reload = time.perf_counter()
@@ -444,9 +446,14 @@ def refit_engine(llm: Any, delta_path: str, checkpoint_dir: str, *, verify: bool
     afterwards: its blocks were computed with the old weights.
     """
     t0 = time.perf_counter()
-    reports = llm.collective_rpc("apply_delta", timeout=timeout,
-                                 args=(os.path.abspath(delta_path), os.path.abspath(checkpoint_dir)),
-                                 kwargs={"verify": verify})
+    from ..apply import checkpoint_lock
+
+    # The checkpoint's lock, held here for the workers' applies (they run in other processes): another
+    # sync or apply of this checkpoint is refused meanwhile. Re-entered inside sync_engine's sync.
+    with checkpoint_lock(os.path.abspath(checkpoint_dir)):
+        reports = llm.collective_rpc("apply_delta", timeout=timeout,
+                                     args=(os.path.abspath(delta_path), os.path.abspath(checkpoint_dir)),
+                                     kwargs={"verify": verify})
     failed = [r for r in reports if not r.get("ok")]
     if failed:
         if len(failed) < len(reports):

@@ -54,11 +54,13 @@ def check_key(key: str) -> str:
     return key
 
 
-def open_store(url: str, *, rate: float | None = None) -> Store:
+def open_store(url: str, *, rate: float | None = None, create: bool = True) -> Store:
     """A store from a URL: a local directory path (or ``file://``), ``memory://name``, or
     ``s3://bucket/prefix`` (endpoint and credentials from the standard AWS environment).
 
-    ``rate`` (bytes/s) emulates a link: transfers of parts in and out of the store are paced to it."""
+    ``rate`` (bytes/s) emulates a link: transfers of parts in and out of the store are paced to it.
+    ``create=False``: a local directory must exist (``StoreError`` otherwise), for commands that only
+    read or follow a stream, where a mistyped path must not become a new empty store."""
     if url.startswith("memory://"):
         from .memory import MemoryStore
 
@@ -71,4 +73,4 @@ def open_store(url: str, *, rate: float | None = None) -> Store:
         return S3Store(url, rate=rate)
     from .local import LocalStore
 
-    return LocalStore(url[len("file://"):] if url.startswith("file://") else url, rate=rate)
+    return LocalStore(url[len("file://"):] if url.startswith("file://") else url, rate=rate, create=create)

@@ -7,6 +7,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 
 from ..fsutil import fsync_dir
 from ..transport.ratelimit import TokenBucket
@@ -18,16 +19,28 @@ class LocalStore:
     ``create`` links a complete temp file to the key (``link`` fails if the key exists), so a
     conditional create is atomic and a reader never sees a partial commit record."""
 
-    def __init__(self, root: str, *, rate: float | None = None) -> None:
+    def __init__(self, root: str, *, rate: float | None = None, create: bool = True) -> None:
+        """``create=False``: the directory must exist already (readers: a mistyped path is an error,
+        not a new empty store)."""
         self.root = os.path.abspath(root)
         # Link emulation: file copies in and out of the store are paced to ``rate`` bytes/s (one bucket
         # for the store: its transfers share the emulated link). None: as fast as the disk goes.
         self._bucket = TokenBucket(rate) if rate else None
+        self._progress: Callable[[int], None] | None = None
         self.url = self.root
+        if not create:
+            if not os.path.isdir(self.root):
+                why = "not a directory" if os.path.exists(self.root) else "no such directory"
+                raise StoreError(f"{self.root}: no store here ({why})")
+            return
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:
             raise StoreError(f"{self.root}: cannot create store directory ({e.strerror})") from None
+
+    def set_progress(self, progress: Callable[[int], None] | None) -> None:
+        """Call ``progress(n)`` as each ``n`` bytes of a part go in or out of the store (a progress bar)."""
+        self._progress = progress
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
@@ -53,13 +66,16 @@ class LocalStore:
         self._put(key, lambda tmp: self._copy(src, tmp))
 
     def _copy(self, src: str, dest: str) -> None:
-        if self._bucket is None:
+        if self._bucket is None and self._progress is None:
             shutil.copyfile(src, dest)
             return
         with open(src, "rb") as fi, open(dest, "wb") as fo:
             while b := fi.read(1 << 20):
-                self._bucket.take(len(b))
+                if self._bucket is not None:
+                    self._bucket.take(len(b))
                 fo.write(b)
+                if self._progress is not None:
+                    self._progress(len(b))
 
     def _put(self, key: str, fill) -> None:
         """Fill a temp file beside the key, fsync it, rename it over the key: whole or nothing."""
@@ -161,20 +177,24 @@ class LocalStore:
                 out.append(os.path.relpath(os.path.join(d, f), self.root).replace(os.sep, "/"))
         return sorted(k for k in out if k.startswith(prefix))
 
-    def sweep_temps(self, older_than: float) -> list[str]:
-        """Remove unfinished writes (``*.tmp-*``) older than ``older_than`` seconds: a writer killed
-        mid-upload leaves one, and ``list`` never shows them."""
+    def sweep_temps(self, older_than: float, *, prefix: str = "", dry_run: bool = False) -> list[str]:
+        """Remove unfinished writes (``*.tmp-*``) older than ``older_than`` seconds under ``prefix``
+        (a directory key ending in ``/``, or the whole store): a writer killed mid-upload leaves one,
+        and ``list`` never shows them. Returns their paths relative to the root; ``dry_run``: only
+        those, nothing removed."""
         removed = []
         cutoff = time.time() - older_than
-        for d, _, files in os.walk(self.root):
+        top = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        for d, _, files in os.walk(top):
             for f in files:
                 p = os.path.join(d, f)
                 if ".tmp-" in f:
                     with contextlib.suppress(FileNotFoundError):
-                        if os.path.getmtime(p) < cutoff:
-                            os.unlink(p)
-                            removed.append(os.path.relpath(p, self.root))
-        return removed
+                        if os.path.getmtime(p) <= cutoff:
+                            if not dry_run:
+                                os.unlink(p)
+                            removed.append(os.path.relpath(p, self.root).replace(os.sep, "/"))
+        return sorted(removed)
 
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):

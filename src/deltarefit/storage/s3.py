@@ -54,10 +54,26 @@ class S3Store:
         # (they share the emulated link). boto3 calls the callback from its worker threads as bytes
         # move; sleeping there holds that connection back, as a slow link would.
         self._cb = None
+        self._pace = None
         if rate:
             from ..transport.ratelimit import TokenBucket
 
-            self._cb = TokenBucket(rate).take
+            self._cb = self._pace = TokenBucket(rate).take
+
+    def set_progress(self, progress) -> None:
+        """Call ``progress(n)`` as each ``n`` bytes of a part go in or out of the store (a progress bar;
+        called from the transfer threads)."""
+        pace = self._pace
+        if progress is None:
+            self._cb = pace
+        elif pace is None:
+            self._cb = progress
+        else:
+            def both(n: int) -> None:
+                pace(n)
+                progress(n)
+
+            self._cb = both
 
     # ------------------------------------------------------------------------------------ plumbing
 
@@ -296,20 +312,22 @@ class S3Store:
 
     # ------------------------------------------------------------------------------------ upkeep
 
-    def sweep_temps(self, older_than: float) -> list[str]:
-        """Abort incomplete multipart uploads under this store's prefix started more than
-        ``older_than`` seconds ago (a writer killed mid-upload leaves one; they are never objects, but
-        their parts take space). Returns their keys."""
+    def sweep_temps(self, older_than: float, *, prefix: str = "", dry_run: bool = False) -> list[str]:
+        """Abort incomplete multipart uploads under this store's prefix (and ``prefix`` within it)
+        started more than ``older_than`` seconds ago (a writer killed mid-upload leaves one; they are
+        never objects, but their parts take space). Returns their keys; ``dry_run``: only those,
+        nothing aborted."""
         cutoff = time.time() - older_than
-        full = f"{self.prefix}/" if self.prefix else ""
+        full = (f"{self.prefix}/" if self.prefix else "") + prefix
         c = self._client()
         swept = []
         try:
             for page in c.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full):
                 for u in page.get("Uploads", ()):
                     if u["Initiated"].timestamp() <= cutoff:
-                        with contextlib.suppress(c.exceptions.NoSuchUpload):
-                            c.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
+                        if not dry_run:
+                            with contextlib.suppress(c.exceptions.NoSuchUpload):
+                                c.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
                         swept.append(self._rel(u["Key"]))
         except Exception as e:
             if isinstance(e, StoreError):

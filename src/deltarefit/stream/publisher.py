@@ -37,6 +37,7 @@ from ..encode import EncodeReport, KnownHashes
 from ..encode import encode as encode_delta
 from ..errors import DeltaRefitError, UsageError
 from ..fsutil import write_atomic
+from ..locks import lock_path_beside, locked_method
 from ..signing import SignatureError, Signer, check_record_signature, record_signature
 from ..storage.base import Store, open_store
 from .records import (
@@ -172,6 +173,7 @@ class Publisher:
             d["stream_id"] = st.stream_id
         write_atomic(self.state_path, json.dumps(d).encode())
 
+    @locked_method(lambda self: (lock_path_beside(self.state_dir), f"publisher state {self.state_dir}"))
     def recover(self) -> PublishState | None:
         """Bring the baseline to the stream's head: finish our own publish that committed but died
         before its baseline advanced, and follow versions other publishers committed on our parent."""
@@ -197,6 +199,7 @@ class Publisher:
                     if parse_proposal(self.store.get(prepared_key(rec.version)), pending)[0] == rec:
                         self.store.delete(prepared_key(rec.version))  # our dead joint proposal
             os.unlink(pending)
+        self._drop_dead_attempt()
         h = head(self.store)
         self._head_rec = None
         if st is None:
@@ -388,6 +391,7 @@ class Publisher:
 
     # -- publish ---------------------------------------------------------------------------------
 
+    @locked_method(lambda self: (lock_path_beside(self.state_dir), f"publisher state {self.state_dir}"))
     def publish(self, checkpoint: str, *, step: int | None = None, reset_baseline: bool = False,
                 quarantine_head: bool = False) -> CommitRecord:
         """Commit ``checkpoint`` as the next version; returns its commit record. ``quarantine_head`` and
@@ -457,7 +461,10 @@ class Publisher:
                            catchup_part, stream=st.stream_id if st else new_stream_id())
         if self.signer:
             rec = _signed(rec, self.signer)
-        # Upload, then (joint) commit.
+        # Upload, then (joint) commit. The attempt is named in the state first, so that the next run
+        # removes what a kill mid-upload left in the store (parts and unfinished uploads).
+        write_atomic(os.path.join(self.state_dir, ATTEMPT_NAME), json.dumps({"attempt": attempt}).encode(),
+                     durable=False)  # lost to a power cut: retention removes the orphans instead
         try:
             if delta_part:
                 self.store.put_file(delta_part.key, os.path.join(self.staging, "delta"))
@@ -498,6 +505,7 @@ class Publisher:
             os.replace(tmp, self.keyframe_copy)
             write_atomic(self.keyframe_copy + ".json", json.dumps({"version": version, "fingerprint": fp}).encode())
         os.unlink(pending)
+        os.unlink(os.path.join(self.state_dir, ATTEMPT_NAME))
         self.store.put("HEAD", f"{version}\n".encode())
         shutil.rmtree(self.staging, ignore_errors=True)
         log.info("published version %d (%s, %d bytes)", version, rec.kind, rec.part_bytes)
@@ -599,8 +607,42 @@ class Publisher:
                                    f"acknowledged within {self.ack_timeout:g} s; not committed, baseline unchanged")
             time.sleep(0.05)
 
+    def _drop_dead_attempt(self) -> None:
+        """Remove from the store what an upload of this state's that never committed left: its parts
+        and its unfinished uploads (temp files, multipart uploads). The attempt id is this state's
+        own, and the state is locked, so nothing else writes under it."""
+        marker = os.path.join(self.state_dir, ATTEMPT_NAME)
+        try:
+            with open(marker, "rb") as f:
+                attempt = json.loads(f.read())["attempt"]
+            version = int(attempt.split("/")[1])
+            if attempt != f"{vkey(version)}/{attempt.split('/')[2]}":
+                raise ValueError(attempt)
+        except FileNotFoundError:
+            return
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            log.warning("%s: unreadable, ignored (retention removes orphan parts)", marker)
+            os.unlink(marker)
+            return
+        if self.store.exists(commit_key(version)):
+            try:
+                rec = load_commit(self.store, version)
+                committed = any(p.key.startswith(attempt + "/") for p in _parts_of(rec))
+            except StreamError:  # unreadable: it might be ours, keep the parts (retention decides)
+                committed = True
+        else:
+            committed = False
+        if not committed:
+            for key in self.store.list(attempt + "/"):
+                self.store.delete(key)
+            sweep = getattr(self.store, "sweep_temps", None)
+            swept = sweep(0.0, prefix=attempt + "/") if sweep is not None else []
+            log.info("removed the parts and %d unfinished uploads of %s, left by a killed publish", len(swept),
+                     attempt)
+        os.unlink(marker)
+
     def _drop_attempt(self, rec: CommitRecord) -> None:
-        for part in ([rec.delta] if rec.delta else []) + [p for _, p in rec.keyframe] + ([rec.catchup] if rec.catchup else []):
+        for part in _parts_of(rec):
             try:
                 self.store.delete(part.key)
             except DeltaRefitError as e:  # best effort: retention removes orphans later
@@ -608,6 +650,11 @@ class Publisher:
 
 
 _TEMP_SUFFIX = ".tmp-"
+ATTEMPT_NAME = "attempt.json"  # the upload in progress: {"attempt": "v/<version>/<id>"}
+
+
+def _parts_of(rec: CommitRecord) -> list[Part]:
+    return ([rec.delta] if rec.delta else []) + [p for _, p in rec.keyframe] + ([rec.catchup] if rec.catchup else [])
 
 
 def _temp_beside(path: str) -> str:

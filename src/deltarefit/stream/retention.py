@@ -12,8 +12,9 @@ for longer than ``ttl`` seconds is not live):
   orphans; ``deltarefit publish --quarantine-head`` sets such a record aside, and its parts then go).
 
 Deleted: other keyframe parts, delta parts of versions up to ``min(s, k)``, acks of versions that
-are no longer proposed, and orphan parts (a publish that died before committing, or lost a race)
-older than ``orphan_grace`` seconds.
+are no longer proposed, and orphan parts (a publish that died before committing, or lost a race) and
+unfinished uploads (the store's ``sweep_temps``: temp files, multipart uploads of killed writers)
+older than ``orphan_grace`` seconds. A dry run reports exactly these and deletes nothing.
 """
 
 from __future__ import annotations
@@ -111,9 +112,9 @@ def retain(store: Store, *, ttl: float = 24 * 3600, orphan_grace: float = 3600, 
     if not dry_run:
         for key in rep.deleted:
             store.delete(key)
-        sweep = getattr(store, "sweep_temps", None)
-        if sweep is not None:  # unfinished uploads of killed writers, invisible to list()
-            rep.deleted += sweep(orphan_grace)
+    sweep = getattr(store, "sweep_temps", None)
+    if sweep is not None:  # unfinished uploads of killed writers, invisible to list(); a dry run lists them
+        rep.deleted += sweep(orphan_grace, dry_run=dry_run)
     log.info("retention: head %d, keyframe %d, oldest live %s: deleted %d objects", h, k, rep.oldest_live,
              len(rep.deleted))
     return rep

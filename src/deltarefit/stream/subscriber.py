@@ -36,6 +36,7 @@ from ..apply import check as check_delta
 from ..checkpoint import carry_non_weights, open_checkpoint
 from ..errors import BaseMismatchError, UsageError, VerificationError
 from ..format import DeltaReader
+from ..locks import lock_path_beside, locked_method
 from ..signing import SignatureError, Verifier, check_record_signature
 from ..storage.base import Store, open_store
 from .publisher import _copy_checkpoint
@@ -91,6 +92,11 @@ class _Step:
     parts: list[Part]
     parent: str | None  # fingerprint a delta applies to
     fingerprint: str  # fingerprint reached
+
+
+def _checkpoint_lock_of(checkpoint: str) -> tuple[str, str]:
+    # The same lock apply takes (apply.checkpoint_lock): sync and prepare hold it, and apply re-enters it.
+    return lock_path_beside(checkpoint), f"checkpoint {checkpoint}"
 
 
 def state_path(checkpoint: str) -> str:
@@ -174,6 +180,7 @@ class Subscriber:
 
     # -- sync ------------------------------------------------------------------------------------
 
+    @locked_method(lambda self: _checkpoint_lock_of(self.checkpoint))
     def sync(self, *, to_version: int | None = None, verify: bool = False, repair: bool = False) -> SyncReport:
         """Bring the checkpoint to ``to_version`` (default: the head). At the head, ``verify`` hashes the
         checkpoint even when its files are unchanged since they were verified. ``repair`` ignores the
@@ -413,6 +420,7 @@ class Subscriber:
 
     # -- joint commit ----------------------------------------------------------------------------
 
+    @locked_method(lambda self: _checkpoint_lock_of(self.checkpoint))
     def prepare(self) -> int | None:
         """Acknowledge the proposed next version if it applies to the local checkpoint (nothing is
         written to the checkpoint). Returns the version acknowledged, or None if none is proposed."""

@@ -1,0 +1,183 @@
+"""Exclusive access to what a run writes (a checkpoint, a publisher's state), and what dead runs leave.
+
+One writer at a time: ``exclusive(path, what)`` takes an ``fcntl.flock`` on the lock file ``path``
+without waiting; a second run is refused at once with ``LockedError`` (one line naming the holder's
+pid and host, read from the lock file). The kernel drops a flock when its holder's file is closed,
+so a run killed by any signal, ``kill -9`` included, never leaves a lock held. The holder removes the
+lock file before it lets go; a killed holder leaves it (unlocked) for the next run, which takes it
+over. A run that locked a file the holder removed meanwhile sees that the path no longer names its
+file, and starts again on the new one: two runs never hold two different files of one path.
+
+Within one process the lock is re-entrant for the thread that holds it (a sync holds the checkpoint
+and calls apply on it); another thread of the same process is refused like another process.
+
+Leftovers: a run killed mid-write leaves ``NAME.tmp-PID`` temp files (``fsutil.write_atomic``,
+``checkpoint.write_safetensors``). ``remove_dead_temps`` removes those of a naming pattern whose PID
+is not a live process; it is called by a run that holds the lock of the place they are in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from .errors import CheckpointError, LockedError
+
+LOCK_SUFFIX = ".deltarefit-lock"
+
+_held_lock = threading.Lock()
+_held: dict[str, tuple[int, int, int]] = {}  # realpath -> (owner thread id, depth, fd)
+
+
+def lock_path_beside(path: str) -> str:
+    """The lock file of a checkpoint (a file or a directory): beside it, so that replacing the
+    checkpoint (a keyframe renamed over a directory) never replaces its lock."""
+    return os.path.abspath(path).rstrip(os.sep) + LOCK_SUFFIX
+
+
+def _holder(fd: int) -> str:
+    try:
+        data = os.pread(fd, 4096, 0)
+        d = json.loads(data)
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(d["since"])))
+        return f"pid {int(d['pid'])} on {d['host']}, since {since}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"  # it has the lock but has not written its name yet
+
+
+@contextlib.contextmanager
+def exclusive(path: str, what: str) -> Iterator[None]:
+    """Hold the exclusive lock ``path`` (created if missing) for the block; ``what`` names the
+    locked thing in the refusal. Raises ``LockedError`` at once if another run holds it."""
+    key = os.path.realpath(path)
+    me = threading.get_ident()
+    with _held_lock:
+        held = _held.get(key)
+        if held is not None:
+            if held[0] != me:
+                raise LockedError(f"{what} is in use by another thread of this process (pid {os.getpid()}); "
+                                  f"wait for it to finish")
+            _held[key] = (me, held[1] + 1, held[2])
+    if held is not None:
+        try:
+            yield
+        finally:
+            with _held_lock:
+                t, depth, fd = _held[key]
+                _held[key] = (t, depth - 1, fd)
+        return
+    fd = _acquire(path, what)
+    try:
+        stamp = json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "since": time.time()}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, stamp, 0)
+    except OSError:
+        pass  # the lock holds without its label; a refused run then says "another process"
+    with _held_lock:
+        _held[key] = (me, 1, fd)
+    try:
+        yield
+    finally:
+        with _held_lock:
+            del _held[key]  # re-entrant holders (same thread) have unwound before this
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # while still locked: a run that opened it meanwhile sees it gone and retries
+        os.close(fd)  # releases the flock
+
+
+def _acquire(path: str, what: str) -> int:
+    """Open and flock the lock file; an fd whose file ``path`` still names, or ``LockedError``."""
+    for _ in range(100):  # each retry means a holder let go meanwhile: a few at most
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise CheckpointError(f"{what}: cannot create its lock file {path} ({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise LockedError(f"{what} is in use by another deltarefit run ({holder}; lock {path}); wait for "
+                              "it to finish or stop it, then run again") from None
+        except OSError as e:
+            os.close(fd)
+            raise CheckpointError(f"{what}: cannot lock {path} ({e.strerror})") from None
+        try:
+            st, now = os.fstat(fd), os.stat(path)
+            if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the holder removed this file as it let go: lock the one the path names now
+    raise LockedError(f"{what}: could not take its lock {path} (it keeps changing)")
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def locked_method(lock_of: Callable[[Any], tuple[str, str]]) -> Callable[[F], F]:
+    """Method decorator: run the method inside ``exclusive(*lock_of(self))``."""
+
+    def deco(method: F) -> F:
+        @functools.wraps(method)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with exclusive(*lock_of(self)):
+                return method(self, *args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return deco
+
+
+# ----------------------------------------------------------------------------------------- leftovers
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (a reused pid reads as alive: the safe direction)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def remove_dead_temps(directory: str, pattern: re.Pattern[str]) -> list[str]:
+    """Remove the files in ``directory`` whose name matches ``pattern`` (its group ``pid`` the writer's
+    pid) and whose writer is no live process other than this one; returns their paths. The caller
+    holds the lock of what they belong to, so no live deltarefit run is writing them."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None:
+            continue
+        pid = int(m.group("pid"))
+        if pid == os.getpid() or pid_alive(pid):
+            continue
+        p = os.path.join(directory, name)
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            if os.path.isfile(p) and not os.path.islink(p):
+                os.unlink(p)
+                removed.append(p)
+    return removed
+
+
+def temp_pattern(*names: str) -> re.Pattern[str]:
+    """Temp files ``NAME.tmp-PID`` (``write_atomic``/``write_safetensors`` naming) of the given names;
+    a name may be a regular expression (escape literal names with ``re.escape``)."""
+    return re.compile(rf"(?:{'|'.join(names)})\.tmp-(?P<pid>[0-9]+)")
