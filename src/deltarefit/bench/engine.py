@@ -1,10 +1,12 @@
 """Refit of a running vLLM engine: in place (the deltarefit backend) against disk + reload and full reload.
 
-``python -m deltarefit.bench.engine [--markdown docs/ENGINES.md] [--plot docs/ENGINES.png] [--quick]``
-(needs vLLM; ``make bench-engine`` runs it in the vLLM venv). It builds a random-init Llama checkpoint
+``python -m deltarefit.bench.engine [--markdown docs/ENGINES.md] [--plot docs/ENGINES.png] [--json OUT]
+[--repeat 3] [--quick]``, or ``--render OUT`` to write the report again from saved results (needs vLLM
+to run; ``make bench-engine`` runs it in the vLLM venv). It builds a random-init Llama checkpoint
 (bf16 safetensors, a WordLevel tokenizer), targets with a given fraction of the elements of every tensor
 moved by one ulp, and a version stream alternating base and targets (base, warm-up target, base,
-target 1, base, target 2, base, ...), so every refit starts from the same version: the base. Then, in
+target 1, base, target 1, base, ..., target 2, base, ...), so every refit starts from the base or
+returns to it. Then, in
 one vLLM CPU engine per layout (the engine as it is, whose linear layers are prepacked and therefore
 reload targets; and with the CPU prepack switched off, the layout a GPU engine has), each refit path
 takes the engine from the base to each target and back:
