@@ -49,3 +49,11 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q -m slow -p no:cacheprovider tests/test_vllm.py tests/test_vllm_live.py
+
+# Refit of a running vLLM CPU engine: in place vs disk + reload vs full reload (docs/ENGINES.md).
+# PYTHONPATH puts this checkout's sources first, whichever checkout the venv was installed from.
+.PHONY: bench-engine
+bench-engine: $(VLLM_VENV)/.installed
+	-$(VLLM_VENV)/bin/pip install -q matplotlib
+	PYTHONPATH=$(CURDIR)/src VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m deltarefit.bench.engine \
+		--markdown docs/ENGINES.md --plot docs/ENGINES.png

@@ -7,6 +7,8 @@ Run it with ``python -m deltarefit.bench [--quick] [--out DIR] [--synthetic-para
 * :mod:`.peers`: byte counts of the peers (raw, zstd -1, NeMo-style, TRL-style, ZipNN), with decoders.
 * :mod:`.entropy`: the empirical conditional entropy bound H(D | base exponent, tensor).
 * :mod:`.report`: the driver, the table, ``docs/BENCHMARKS.md``, and :func:`main`.
+* :mod:`.engine`: refit of a running vLLM engine, in place against disk + reload and full reload
+  (``python -m deltarefit.bench.engine``, needs vLLM; ``docs/ENGINES.md``).
 
 Our codec is imported lazily (``deltarefit.encode`` / ``deltarefit.apply``); without it the rest of
 the benchmark still runs and reports "ours" as unavailable. torch/transformers are only imported to

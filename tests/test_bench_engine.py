@@ -1,0 +1,172 @@
+"""Tests of the engine benchmark's pure parts (deltarefit.bench.engine); none needs vLLM."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deltarefit.bench import engine as eb
+from deltarefit.encode import encode
+
+
+def _mag_step(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (b & 0x7FFF).astype(np.int32) - (a & 0x7FFF).astype(np.int32)
+
+
+@pytest.mark.parametrize("fraction", [0.005, 0.035, 0.5])
+def test_perturb_bits_moves_exactly_that_many_elements_by_one_ulp(fraction: float) -> None:
+    rng = np.random.default_rng(0)
+    vals = rng.standard_normal(20_000).astype(np.float32) * 0.02
+    bits = (vals.view(np.uint32) >> 16).astype(np.uint16)
+    out = eb.perturb_bits(bits, fraction, np.random.default_rng(1))
+    moved = np.flatnonzero(out != bits)
+    assert moved.size == round(fraction * bits.size)
+    assert np.all(np.abs(_mag_step(bits[moved], out[moved])) == 1)
+    assert np.array_equal(out[moved] & 0x8000, bits[moved] & 0x8000)  # sign kept
+    steps = _mag_step(bits[moved], out[moved])
+    assert (steps > 0).any() and (steps < 0).any()  # both directions
+    assert np.array_equal(eb.perturb_bits(bits, fraction, np.random.default_rng(1)), out)  # seeded
+    assert bits.size == 20_000 and out.dtype == np.uint16
+
+
+def test_perturb_bits_edges_stay_finite_and_non_finite_are_never_chosen() -> None:
+    bits = np.array([0x0000, 0x8000, 0x7F7F, 0xFF7F] * 50 + [0x7F80, 0xFFC0] * 100, dtype=np.uint16)
+    out = eb.perturb_bits(bits, 200 / bits.size, np.random.default_rng(3))
+    assert np.array_equal(out[200:], bits[200:])  # inf and NaN untouched
+    assert np.count_nonzero(out[:200] != bits[:200]) == 200  # every finite one moved
+    assert np.all((out[:200] & 0x7FFF) < 0x7F80)  # none became inf or NaN
+    assert set(out[0:200:4].tolist()) == {0x0001} and set(out[1:200:4].tolist()) == {0x8001}
+    assert set(out[2:200:4].tolist()) == {0x7F7E} and set(out[3:200:4].tolist()) == {0xFF7E}
+    with pytest.raises(ValueError, match="only 200 are finite"):
+        eb.perturb_bits(bits, 0.9, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="uint16"):
+        eb.perturb_bits(bits.astype(np.int32), 0.1, np.random.default_rng(0))
+
+
+def test_perturb_checkpoint_changes_that_fraction_of_every_tensor(tmp_path: Path) -> None:
+    src = tmp_path / "base"
+    src.mkdir()
+    torch.manual_seed(0)
+    tensors = {"a.weight": torch.randn(64, 100).to(torch.bfloat16) * 0.02,
+               "b.weight": torch.ones(300).to(torch.bfloat16), "c.bias": torch.zeros(7, 9).to(torch.bfloat16)}
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    (src / "config.json").write_text("{}")
+    dst = tmp_path / "target"
+    eb.perturb_checkpoint(str(src), str(dst), 0.035, seed=5)
+    assert (dst / "config.json").read_text() == "{}"
+    got = load_file(str(dst / "model.safetensors"))
+    total = 0
+    for n, t in tensors.items():
+        a = t.view(torch.int16).numpy().view(np.uint16)
+        b = got[n].view(torch.int16).numpy().view(np.uint16)
+        assert np.count_nonzero(a != b) == round(0.035 * a.size), n
+        total += np.count_nonzero(a != b)
+        assert np.all(np.isfinite(got[n].float().numpy()))
+    rep = encode(str(src), str(dst), str(tmp_path / "d.delta"))
+    assert rep.changed_fraction == pytest.approx(total / sum(t.numel() for t in tensors.values()))
+
+
+def test_version_plan_returns_to_the_base_after_every_target() -> None:
+    p = eb.version_plan([0.01, 0.02])
+    assert p["checkpoints"] == ["base", "warm", "base", "r0", "base", "r1", "base"]
+    assert p["forward"] == {"warm": [2], "r0": [4], "r1": [6]}
+    assert p["back"] == {"warm": [3], "r0": [5], "r1": [7]}
+    p = eb.version_plan([0.01, 0.02], repeat=2)
+    assert p["checkpoints"] == ["base", "warm", "base"] + ["r0", "base"] * 2 + ["r1", "base"] * 2
+    assert p["forward"]["r1"] == [8, 10] and p["back"]["r1"] == [9, 11] and p["forward"]["warm"] == [2]
+    for n, vs in p["forward"].items():
+        for v, b in zip(vs, p["back"][n], strict=True):
+            assert p["checkpoints"][v - 1] == n and p["checkpoints"][v - 2] == "base"
+            assert b == v + 1 and p["checkpoints"][b - 1] == "base"
+    with pytest.raises(ValueError):
+        eb.version_plan([0.01], repeat=0)
+
+
+def test_median_fit_and_summary() -> None:
+    assert eb.median([3.0, 1.0, 2.0]) == 2.0 and eb.median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    a, b = eb.fit_line([1e6, 2e6, 3e6], [1.5, 2.5, 3.5])
+    assert a == pytest.approx(0.5) and b == pytest.approx(1e-6)
+    with pytest.raises(ValueError):
+        eb.fit_line([1.0, 1.0], [2.0, 3.0])
+    samples = [{"seconds": s, "io": {"read_bytes": r, "write_bytes": 0}, "rss_peak_growth": g, "anon_peak_growth": 1,
+                "split": {"plan": s / 2, "route": "chain"}} for s, r, g in ((1.0, 10, 5), (3.0, 30, 9), (2.0, 20, 7))]
+    s = eb.summarize(samples)
+    assert (s["n"], s["seconds"], s["seconds_min"], s["seconds_max"]) == (3, 2.0, 1.0, 3.0)
+    assert s["io"] == {"read_bytes": 20, "write_bytes": 0} and s["rss_peak_growth"] == 9
+    assert s["split"] == {"plan": 1.0}
+
+
+def _fake_module(tmp_path: Path, name: str, body: str) -> None:
+    parts = name.split(".")
+    d = tmp_path
+    for pkg in parts[:-1]:
+        d = d / pkg
+        d.mkdir(exist_ok=True)
+        (d / "__init__.py").touch()
+    (d / f"{parts[-1]}.py").write_text(body)
+
+
+@pytest.mark.parametrize("prepack", [True, False])
+def test_sitecustomize_patches_modules_when_they_are_imported(tmp_path: Path, prepack: bool) -> None:
+    """A real interpreter started with the generated sitecustomize first on its path, and stand-ins for
+    the two vLLM modules it patches: the patches land right after each module's own code ran."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(eb.sitecustomize_source(prepack))
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    _fake_module(mods, "vllm._custom_ops", "_supports_onednn = True\n")
+    _fake_module(mods, "vllm.model_executor.layers.utils", "def check_cpu_sgl_kernel(n, k, dtype):\n    return True\n")
+    code = ("import sys; assert 'vllm' not in sys.modules; import torch, vllm._custom_ops as ops; "
+            "from vllm.model_executor.layers.utils import check_cpu_sgl_kernel as c; "
+            "print(torch.cpu._is_amx_tile_supported(), ops._supports_onednn, c(1, 2, None))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(mods), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == (["False", "True", "True"] if prepack else ["False", "False", "False"])
+
+
+def test_io_delta_and_markdown_render_every_row() -> None:
+    assert eb.io_delta({"read_bytes": 5, "write_bytes": 1}, {"read_bytes": 9, "write_bytes": 1}) == \
+        {"read_bytes": 4, "write_bytes": 0}
+
+    def run(s: float, w: int) -> dict:
+        return {"seconds": s, "io": {"read_bytes": 2_000_000, "write_bytes": w}, "rss_peak_growth": 3_000_000,
+                "anon_peak_growth": 1_000_000,
+                "split": {k: 0.1 for k in ("total", "plan", "write", "digests", "reload", "stream", "decode",
+                                           "read_segment", "write_segment")}}
+
+    def disk(s: float) -> dict:
+        return {**run(s, 5_000_000), "apply_s": 1.0, "reload_s": 3.0}
+
+    rates = [{"rate": r, "changed": r, "delta_bytes": 1_000_000, "same_tokens": True,
+              "summary": {"inplace": eb.summarize([run(1.0 + r, 0), run(1.0 + r, 0)]),
+                          "disk": eb.summarize([disk(4.0), disk(4.0)]), "full": eb.summarize([run(6.0, 0)])}}
+             for r in (0.005, 0.035)]
+    lay = {"title": "T", "in_place": 10, "reload": 0, "host_bytes": 0, "seconds_init": 1.0, "seconds_start": 20.0,
+           "rates": rates}
+    res = {"command": "python -m deltarefit.bench.engine", "machine": "m", "vllm": "0", "torch": "0",
+           "model": {**eb.BENCH_CONFIG, "params": 1e8, "bytes": 2e8}, "layouts": [lay], "notes": [], "repeat": 1}
+    res["findings"] = eb.findings(res)
+    md = eb.markdown(res)
+    assert ("| 3.50% | disk + reload (refit_engine) | 4.00 (4.00-4.00) | 3.86 | 2.0 | 5.0 | 3.0 | 1.0 | yes |"
+            in md)
+    assert "| 0.50% | in place (deltarefit backend) | 1.00 (1.00-1.00) | 1.00 |" in md
+    assert "5.8x faster than the full reload" in md and "; it grows with the changed elements" in md
+
+
+def test_main_without_vllm_fails_with_one_line(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert eb.main(["--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "vLLM is not installed" in err
