@@ -113,8 +113,11 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _load_json(raw: bytes, what: str, max_depth: int, *, arrays_of_numbers: bool = False) -> Any:
+    # A header's arrays are shapes (at most MAX_NDIM numbers) and data offsets (two); twice that is
+    # refused before parsing, what lies between by the shape check, which names the tensor.
     problem = json_shape_problem(raw, max_depth=max_depth, bytes_per_container=HEADER_BYTES_PER_CONTAINER,
-                                 arrays_of_numbers=arrays_of_numbers)
+                                 arrays_of_numbers=arrays_of_numbers,
+                                 max_array_len=2 * MAX_NDIM if arrays_of_numbers else None)
     if problem:
         raise CheckpointError(f"{what} {problem}")
     try:

@@ -9,7 +9,8 @@ passes over slices of the text, without building anything:
 * containers: at most one ``[`` or ``{`` per ``bytes_per_container`` bytes of text (plus a little
   slack for tiny documents); brackets inside strings are counted too, which only makes this stricter;
 * nesting depth: at most ``max_depth`` levels, measured over the brackets outside strings;
-* optionally (``arrays_of_numbers``), no string or object inside an array.
+* optionally (``arrays_of_numbers``), no string or object inside an array, and (``max_array_len``)
+  no array longer than a bound.
 
 What passes still costs memory in proportion to its length (up to about 16 bytes per byte of text for a
 list of short strings, which ``arrays_of_numbers`` rules out, and about 12 for an object of many short
@@ -35,7 +36,7 @@ _STEP[list(b"]}")] = -1
 _ARRAY_STEP = np.zeros(256, np.int64)  # arrays only
 _ARRAY_STEP[ord("[")] = 1
 _ARRAY_STEP[ord("]")] = -1
-_QUOTE, _BRACE = ord('"'), ord("{")
+_QUOTE, _BRACE, _COMMA, _OPEN = ord('"'), ord("{"), ord(","), ord("[")
 _SLICE = 1 << 18  # bytes per numpy pass: a few MiB of temporaries, whatever the text's length
 
 
@@ -46,10 +47,12 @@ def brief(value: object) -> str:
 
 
 def json_shape_problem(raw: bytes, *, max_depth: int, bytes_per_container: int, slack: int = 64,
-                       arrays_of_numbers: bool = False) -> str | None:
+                       arrays_of_numbers: bool = False, max_array_len: int | None = None) -> str | None:
     """What is wrong with the shape of JSON text ``raw`` (one line, no location), or None.
     ``arrays_of_numbers``: arrays may not hold strings or objects (a safetensors header's shapes and
     offsets), which rules out lists of short strings, the costliest text per byte.
+    ``max_array_len`` (with ``arrays_of_numbers``, whose arrays do not nest in the formats read here):
+    no array holds more elements (a shape of millions of numbers is refused before it is built).
 
     Not a validator: ``None`` means only that parsing it cannot amplify memory beyond the bounds in
     the module docstring; the caller still parses and checks types."""
@@ -58,15 +61,17 @@ def json_shape_problem(raw: bytes, *, max_depth: int, bytes_per_container: int, 
     if containers > allowed:
         return (f"holds {containers} JSON arrays/objects in {len(raw)} bytes, more than one per "
                 f"{bytes_per_container} bytes (limit {allowed})")
-    depth, in_array = _scan(raw, arrays_of_numbers)
+    depth, in_array, longest = _scan(raw, arrays_of_numbers)
     if depth > max_depth:
         return f"nests JSON {depth} levels deep, limit {max_depth}"
     if in_array:
         return "has a JSON array holding strings or objects (arrays here hold numbers only)"
+    if max_array_len is not None and longest > max_array_len:
+        return f"has a JSON array of {longest} elements, limit {max_array_len}"
     return None
 
 
-def _scan(raw: bytes, arrays_of_numbers: bool) -> tuple[int, bool]:
+def _scan(raw: bytes, arrays_of_numbers: bool) -> tuple[int, bool, int]:
     """The deepest nesting of ``[``/``{`` outside strings, and (with ``arrays_of_numbers``) whether a
     string or an object starts inside an array (text that is not JSON gives some answer; the parser
     refuses it afterwards). Escapes go first: ``\\\\`` pairs, then ``\\"``, whole copies made by
@@ -74,7 +79,9 @@ def _scan(raw: bytes, arrays_of_numbers: bool) -> tuple[int, bool]:
     a byte is inside one when an odd number of quotes precede it (the opening quote included)."""
     text = raw.replace(b"\\\\", b"").replace(b'\\"', b"") if b"\\" in raw else raw
     data = np.frombuffer(text, np.uint8)
-    deepest = level = array_level = quotes = 0
+    deepest = level = array_level = quotes = commas = 0
+    open_at = -1  # the comma count where the array now open began (arrays of numbers do not nest)
+    longest = 0
     in_array = False
     for i in range(0, data.size, _SLICE):
         a = data[i:i + _SLICE]
@@ -91,4 +98,18 @@ def _scan(raw: bytes, arrays_of_numbers: bool) -> tuple[int, bool]:
             array_level = int(arrays[-1])
             opens = (quote & (inside == 1)) | ((a == _BRACE) & outside)  # a string or an object begins
             in_array = in_array or bool((opens & (arrays > 0)).any())
-    return deepest, in_array
+            # Elements of an array: the commas inside it, plus one (an empty array counts one: harmless).
+            cum = np.cumsum((a == _COMMA) & outside & (arrays > 0)) + commas
+            commas = int(cum[-1]) if cum.size else commas
+            br = np.flatnonzero(_ARRAY_STEP[a] * outside)
+            if br.size:
+                kinds, vals = a[br] == _OPEN, cum[br]
+                if open_at >= 0:  # an array opened in an earlier slice
+                    kinds, vals = np.concatenate([[True], kinds]), np.concatenate([[open_at], vals])
+                pair = kinds[:-1] & ~kinds[1:]  # an opening bracket followed by a closing one
+                if pair.any():
+                    longest = max(longest, int((vals[1:][pair] - vals[:-1][pair]).max()) + 1)
+                open_at = int(vals[-1]) if kinds[-1] else -1
+            if open_at >= 0:
+                longest = max(longest, commas - open_at + 1)  # an array still open at the slice's end
+    return deepest, in_array, longest

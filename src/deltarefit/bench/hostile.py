@@ -9,8 +9,8 @@ directory, each of:
   allows for its compressed size (the bound is linear in that size, see FORMAT.md);
 * a *safetensors header bomb*: a file whose 100 MiB header is nested lists, read by
   ``deltarefit fingerprint``;
-* the costliest header that still parses: 100 MiB of integers in one shape (the bound on headers is
-  their length, 100 MiB as in safetensors itself; a header's cost is linear in it);
+* a header of 100 MiB of integers in one shape (refused before parsing by the bound on array lengths;
+  parsed whole it would build an int object per number);
 
 runs each command in a child process and prints its exit code, peak RSS (the child's VmHWM) and
 wall time.
@@ -128,8 +128,8 @@ def write_header_bomb(path: str, header_bytes: int = 100 * MIB) -> int:
 
 
 def write_header_of_ints(path: str, header_bytes: int = 100 * MIB) -> int:
-    """The costliest header that still parses: one shape holding ``header_bytes`` of ``1000,`` (an int
-    object per 5 bytes of text); refused after parsing (more than 64 dimensions)."""
+    """One shape holding ``header_bytes`` of ``1000,`` (an int object per 5 bytes of text, were it parsed);
+    refused before parsing by the bound on array lengths."""
     head = b'{"w":{"dtype":"U8","data_offsets":[0,0],"shape":['
     tail = b'1]}}'
     n = (header_bytes - len(head) - len(tail)) // 5
