@@ -48,17 +48,9 @@ CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden
 
 
 def build_tokenizer(out: str) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from deltarefit.bench.engine import build_tokenizer as build
 
-    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[UNK]": 3}
-    for w in WORDS:
-        vocab.setdefault(w, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]",
-                                   eos_token="[EOS]", pad_token="[PAD]")
-    fast.save_pretrained(out)
+    build(out, WORDS)
 
 
 def build_models(root: str, *, seed: int = 0, steps: int = 3, lr: float = 1e-5) -> tuple[str, str, str]:

@@ -421,12 +421,13 @@ def plot(res: dict[str, Any], path: str) -> None:
 # ------------------------------------------------------------------------------------ model building
 
 
-def build_tokenizer(out: str) -> None:
+def build_tokenizer(out: str, words: list[str] | None = None) -> None:
+    """A whitespace WordLevel tokenizer over ``words`` (default ``WORDS``) and four special tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[UNK]": 3}
-    for w in WORDS:
+    for w in WORDS if words is None else words:
         vocab.setdefault(w, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
