@@ -79,8 +79,8 @@ class _EngineSubscriber(Subscriber):
     file beside a checkpoint: a restarted engine holds what it loaded, whatever a file says."""
 
     def __init__(self, store: Any, live: Any, held: tuple[int, str], **kw: Any) -> None:
-        scratch = tempfile.mkdtemp(prefix="deltarefit-engine-")
-        super().__init__(store, os.path.join(scratch, "keyframe"), apply_hook=self._apply,
+        self.scratch = tempfile.mkdtemp(prefix="deltarefit-engine-")  # staging and keyframes; removed at close
+        super().__init__(store, os.path.join(self.scratch, "keyframe"), apply_hook=self._apply,
                          keyframe_hook=self._keyframe, **kw)
         self.live = live
         self.held = held
@@ -209,6 +209,10 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
         pass  # applied in place and verified in receive_weights; nothing is deferred
 
     def shutdown(self) -> None:
+        if self.sub is not None:
+            import shutil
+
+            shutil.rmtree(self.sub.scratch, ignore_errors=True)
         self.sub = None
 
 
