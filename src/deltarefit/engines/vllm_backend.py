@@ -172,6 +172,7 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
     def init_transfer_engine(self, init_info: DeltaRefitInitInfo) -> None:
         from .vllm_live import LiveEngine
 
+        self.shutdown()  # a second init replaces the first
         ckpt = init_info.checkpoint or self.model_config.model
         if not os.path.isdir(ckpt):
             raise UsageError(f"{ckpt}: the engine's checkpoint directory (what it was loaded from) is needed once, "
