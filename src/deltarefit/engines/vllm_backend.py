@@ -14,7 +14,9 @@ Worker side (``DeltaRefitWeightTransferEngine``):
 * ``init_weight_transfer_engine({"stream": DIR_OR_S3_URL, "verify_key": ..., "version": ...})`` builds the
   worker's ``LiveEngine`` (layout captured from the model's own loader, checked against the checkpoint the
   engine was loaded from) and finds the version it holds (``version``, or the newest one whose
-  fingerprint it has).
+  fingerprint it has). Hazard: its kernel check changes one element of each linear weight for a moment
+  (restored at once), so it runs while no request does: before serving, between ``generate`` calls, or
+  drained (``HTTPClient`` pauses the server around it).
 * ``update_weights({"version": N})`` (between ``start_weight_update`` and ``finish_weight_update``) makes
   the worker sync from the stream itself: records read and checked (parent links, signatures with
   ``verify_key``), the cheapest route staged and checked before any write, each delta applied in place
@@ -256,7 +258,12 @@ class HTTPClient:
         requests.post(f"{self.base_url}/{path}", timeout=self.timeout).raise_for_status()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.rl.init_weight_transfer_engine(init_info)
+        # Drained too: the kernel check at init changes one element of each linear weight for a moment.
+        self._post("pause?mode=wait&clear_cache=true")
+        try:
+            self.rl.init_weight_transfer_engine(init_info)
+        finally:
+            self._post("resume")
 
     def start_weight_update(self) -> None:
         self._post("pause?mode=wait&clear_cache=true")
