@@ -37,7 +37,7 @@ from ..errors import UsageError
 from ..integrity import SEGMENT_BYTES
 from ..shard.projection import Piece, intersect_boxes
 
-__all__ = ["LiveTarget", "Placement", "TargetUnion", "apply_live", "contiguous_run"]
+__all__ = ["LiveTarget", "Placement", "TargetUnion", "apply_live", "contiguous_run", "digest_through"]
 
 
 @dataclass(frozen=True)
@@ -257,6 +257,15 @@ class TargetUnion:
 
     def write_segment(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray:
         return self._of[name].write_segment(name, ci, region, view, patch)
+
+
+def digest_through(target: object, name: str) -> bytes:
+    """Tensor digest of ``name`` as a ``SegmentTarget`` reads it (every segment hashed)."""
+    from ..integrity import n_segments, seg_hash, tensor_digest_from_segments
+
+    info = target.tensors[name]
+    segs = [seg_hash(target.read_segment(name, ci)) for ci in range(n_segments(info.nbytes))]
+    return tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, segs)
 
 
 def apply_live(delta_path: str, target: object, *, threads: int | None = None):

@@ -43,9 +43,9 @@ from ..apply import ApplyReport, Journal, run_apply
 from ..checkpoint import fingerprint_checkpoint, open_checkpoint
 from ..errors import BaseMismatchError, VerificationError
 from ..format import DeltaReader
-from ..integrity import fingerprint_from_digests, n_segments, seg_hash, tensor_digest_from_segments
+from ..integrity import fingerprint_from_digests
 from .capture import capture_layout
-from .live import LiveTarget, Placement, TargetUnion
+from .live import LiveTarget, Placement, TargetUnion, digest_through
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,14 @@ def _kernel_reads(module: Any, pname: str, param: Any) -> bool:
     return all(a != b for a, b in zip(after, before, strict=True))
 
 
+def _whole_layers(reload: dict[str, str], names: list[str], packed: dict[str, list[str]]) -> dict[str, str]:
+    """``reload`` with every other tensor of each layer it touches: a layer is reloaded whole."""
+    from .vllm import layer_key
+
+    layers = {layer_key(n, packed) for n in reload}
+    return {**{n: "its layer is reloaded" for n in names if layer_key(n, packed) in layers}, **reload}
+
+
 class _Group:
     """The worker's tensor-parallel group as the live target needs it: sums, minima, agreement (gloo, on
     the CPU group vLLM keeps beside the device one). One worker: every call is the identity."""
@@ -208,8 +216,6 @@ class LiveEngine:
     def _build(self, checkpoint: str) -> None:
         import torch
 
-        from .vllm import layer_key
-
         t0 = time.perf_counter()
         model, threads = self.model, self.threads
         packed = _packed(model)
@@ -243,30 +249,16 @@ class LiveEngine:
                     mod_name, _, pname = pl.param.rpartition(".")
                     if not _kernel_reads(modules[mod_name], pname, params[pl.param]):
                         reload[name] = f"the kernel of {mod_name} keeps its own copy of the weight"
-            reload = group.union(reload, names)
-            # A layer is reloaded whole: its other tensors join the reload set.
-            layers = {layer_key(n, packed) for n in reload}
-            for n in self.specs:
-                if n not in reload and layer_key(n, packed) in layers:
-                    reload[n] = "its layer is reloaded"
+            reload = _whole_layers(group.union(reload, names), names, packed)
             placed = {n: list(cap.placements.get(n, ())) for n in names if n not in reload}
             live = group.target(params, placed, {n: self.specs[n] for n in placed}, shared & set(placed))
             for n in sorted(placed):
-                info = live.tensors[n]
-                segs = [seg_hash(live.read_segment(n, ci)) for ci in range(n_segments(info.nbytes))]
-                if tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, segs) != digests[n]:
+                if digest_through(live, n) != digests[n]:
                     reload[n] = "its captured map does not reproduce the checkpoint's digest"
                     log.warning("deltarefit: refusing the captured map of %s: it does not reproduce the "
                                 "checkpoint's digest", n)
-            reload = group.union(reload, names)
-            for n in list(placed):
-                if n in reload:
-                    placed.pop(n)
-            layers = {layer_key(n, packed) for n in reload}
-            for n in self.specs:
-                if n not in reload and layer_key(n, packed) in layers:
-                    reload[n] = "its layer is reloaded"
-                    placed.pop(n, None)
+            reload = _whole_layers(group.union(reload, names), names, packed)
+            placed = {n: p for n, p in placed.items() if n not in reload}
             self.placements: dict[str, list[Placement]] = placed
             self.shared = shared & set(placed)
             self.group = group
@@ -371,12 +363,7 @@ class LiveEngine:
     def verify(self) -> str:
         """Re-hash every tensor where this worker holds it (live placements, and host copies for the
         reload set, whose kernels hold their own packed copies); the fingerprint, or raise."""
-        digests = {}
-        for n in self.target.tensors:
-            info = self.target.tensors[n]
-            segs = [seg_hash(self.target.read_segment(n, ci)) for ci in range(n_segments(info.nbytes))]
-            digests[n] = tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, segs)
-        fp = fingerprint_from_digests(digests)
+        fp = fingerprint_from_digests({n: digest_through(self.target, n) for n in self.target.tensors})
         if fp != self.fingerprint:
             raise VerificationError(f"engine weights hash to {fp[:16]}…, not the held version {self.fingerprint[:16]}…")
         return fp
