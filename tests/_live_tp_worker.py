@@ -73,4 +73,7 @@ except DeltaRefitError as e:
            "untouched": all(torch.equal(before[n].view(torch.int16), p.view(torch.int16)) for n, p in params.items())}
 save_file({n: p.detach().contiguous() for n, p in params.items()}, a["out"])
 print(json.dumps(out), flush=True)
+# Both peers leave together: a gloo group torn down while its peer's pair threads still run aborts the
+# process at exit ("terminate called without an active exception").
+dist.barrier()
 dist.destroy_process_group()
