@@ -29,7 +29,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -318,8 +318,6 @@ class _Inline:
         return [fn(x) for x in it]
 
     def submit(self, fn, *args):
-        from concurrent.futures import Future
-
         f: Future = Future()
         if self.failed is not None:  # after a failure the rest is not run (results are taken in order)
             f.set_exception(self.failed)

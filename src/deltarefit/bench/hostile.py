@@ -111,36 +111,31 @@ def write_strings_at_limit(path: str, compressed: int = 24 << 10) -> int:
     return write_delta_with_manifest(path, frame)
 
 
-def write_header_bomb(path: str, header_bytes: int = 100 * MIB) -> int:
-    """A safetensors file whose header (``header_bytes`` long, within the 100 MiB limit) is one
-    tensor entry with a shape of nested lists ``[[],[],...]``. Returns the file size."""
+def _write_shape_header(path: str, header_bytes: int, unit: bytes, tail: bytes) -> int:
+    """A safetensors file of one tensor entry whose shape is ``unit`` repeated to fill ``header_bytes``
+    of header, closed by ``tail``. Returns the file size."""
     head = b'{"w":{"dtype":"U8","data_offsets":[0,0],"shape":['
-    tail = b'[]]}}'
-    n = (header_bytes - len(head) - len(tail)) // 3
-    hlen = len(head) + 3 * n + len(tail)
+    n = (header_bytes - len(head) - len(tail)) // len(unit)
+    hlen = len(head) + len(unit) * n + len(tail)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", hlen))
         f.write(head)
-        for piece in _repeat(b"[],", n):
+        for piece in _repeat(unit, n):
             f.write(piece)
         f.write(tail)
     return 8 + hlen
+
+
+def write_header_bomb(path: str, header_bytes: int = 100 * MIB) -> int:
+    """A safetensors file whose header (``header_bytes`` long, within the 100 MiB limit) is one
+    tensor entry with a shape of nested lists ``[[],[],...]``. Returns the file size."""
+    return _write_shape_header(path, header_bytes, b"[],", b"[]]}}")
 
 
 def write_header_of_ints(path: str, header_bytes: int = 100 * MIB) -> int:
     """One shape holding ``header_bytes`` of ``1000,`` (an int object per 5 bytes of text, were it parsed);
     refused before parsing by the bound on array lengths."""
-    head = b'{"w":{"dtype":"U8","data_offsets":[0,0],"shape":['
-    tail = b'1]}}'
-    n = (header_bytes - len(head) - len(tail)) // 5
-    hlen = len(head) + 5 * n + len(tail)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", hlen))
-        f.write(head)
-        for piece in _repeat(b"1000,", n):
-            f.write(piece)
-        f.write(tail)
-    return 8 + hlen
+    return _write_shape_header(path, header_bytes, b"1000,", b"1]}}")
 
 
 @dataclass
