@@ -49,7 +49,7 @@ def make_pair(d: Path) -> dict:
     """The base/target pair of ``_pairs.write_pair`` in ``d``, its delta, and both as tensors."""
     base, target = write_pair(d)
     delta = str(d / "good.delta")
-    deltarefit.encode(base, target, delta)
+    deltarefit.encode(base, target, delta, sums=True)  # additive digests too: every target reads them or not
     with open(delta, "rb") as f:
         data = f.read()
     return {"dir": d, "base": base, "target": target, "delta": delta, "data": data,
@@ -63,7 +63,7 @@ def other_pair(pair: dict, seed: int) -> tuple[str, str, str]:
         d = pair["dir"] / key
         d.mkdir()
         b, t = write_pair(d, seed=seed)
-        deltarefit.encode(b, t, str(d / "d.delta"))
+        deltarefit.encode(b, t, str(d / "d.delta"), sums=True)
         pair[key] = (b, t, str(d / "d.delta"))
     return pair[key]
 

@@ -34,8 +34,9 @@ from _pairs import Delta, sha, write_tensors
 import deltarefit
 from deltarefit.errors import DeltaRefitError
 
-TARGETS = ["file", "dir", "tensors", "module", "device", pytest.param("device-cuda", marks=pytest.mark.gpu), "live"]
-IN_MEMORY = ["tensors", "module", "device", pytest.param("device-cuda", marks=pytest.mark.gpu), "live"]
+TARGETS = ["file", "dir", "tensors", "module", "device", pytest.param("device-cuda", marks=pytest.mark.gpu), "live",
+           "live-held"]
+IN_MEMORY = ["tensors", "module", "device", pytest.param("device-cuda", marks=pytest.mark.gpu), "live", "live-held"]
 _WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -233,6 +234,32 @@ class _Live:
         return out
 
 
+class _LiveHeld(_Live):
+    """``_Live`` applied with held digests (``run_apply(held=)``), as ``LiveEngine`` does: taken from the
+    parameters when built, moved by each apply; after a failed apply the next one checks by segments."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        from deltarefit.engines.live import state_through
+
+        super().__init__(tensors)
+        self.held: dict[str, bytes] | None = {n: state_through(self.target, n)[1] for n in self.target.tensors}
+
+    def apply(self, delta: str):
+        from deltarefit.apply import run_apply
+        from deltarefit.format import DeltaReader
+
+        with DeltaReader(delta) as d:
+            try:
+                rep = run_apply(d, self.target, journal=None, held=self.held)
+            except BaseException:
+                self.held = None
+                raise
+        if self.held is not None:
+            assert rep.held == len(self.target.tensors), "every tensor checked through its held digest"
+            self.held.update(rep.sums)
+        return rep
+
+
 def make_target(how: str, tensors: dict[str, torch.Tensor], tmp_path):
     if how == "device-cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
@@ -242,7 +269,7 @@ def make_target(how: str, tensors: dict[str, torch.Tensor], tmp_path):
         return _Dict(tensors, how)
     if how == "module":
         return _Module(tensors)
-    return _Live(tensors)
+    return _LiveHeld(tensors) if how == "live-held" else _Live(tensors)
 
 
 def assert_same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -279,16 +306,24 @@ def test_good_delta_applies_bit_exact_then_is_a_no_op(pair, tmp_path, how):
     again = t.apply(pair["delta"])
     assert (again.chunks_applied, again.chunks_skipped, again.written_bytes) == (0, rep.chunks_applied, 0)
     assert t.snapshot() == snap
-    if how == "live":  # the parameters are exactly what the engine's loader makes of the target
+    if how.startswith("live"):  # the parameters are exactly what the engine's loader makes of the target
         want = ToyEngine(t.specs)
         with torch.no_grad():
             want.load_weights(pair["target_tensors"].items())
         assert t.snapshot() == {k: _bytes_of(v) for k, v in want.named_parameters()}
 
 
+# Lies about BLAKE3 digests only, in a manifest that agrees with itself (its index hash recomputed): a
+# held-digest apply checks bits against the additive digests and does not hash segments, so it applies
+# these to the bits the additive digests name (FORMAT.md, "Held digests"); test_held_digests_* below.
+HELD_UNCHECKED = {"lying-target-digest", "record-post-is-pre", "manifest-base-digest"}
+
+
 @pytest.mark.parametrize("how", TARGETS)
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_refused_and_nothing_written(pair, tmp_path, ddir, how, case: Case):
+    if how == "live-held" and case.id in HELD_UNCHECKED:
+        pytest.skip("a lie about BLAKE3 digests only: see test_held_digests_apply_the_additive_digests_bits")
     base = {k: v.clone() for k, v in pair["tensors"].items()}
     if case.edit:
         case.edit(base, pair)
@@ -305,12 +340,34 @@ def test_refused_and_nothing_written(pair, tmp_path, ddir, how, case: Case):
     assert "\n" not in str(err)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in HELD_UNCHECKED], ids=lambda c: c.id)
+def test_held_digests_apply_the_additive_digests_bits(pair, tmp_path, ddir, case: Case):
+    """What a held-digest apply does with a BLAKE3-only lie: the bits written are the target's (the
+    additive digests and payloads are honest), the fingerprint reported is the delta's claim, and a
+    full re-hash (``LiveEngine.verify``) tells the two apart where the claim is a lie."""
+    from deltarefit.engines.live import digest_through
+    from deltarefit.format import DeltaReader
+    from deltarefit.integrity import fingerprint_from_digests
+
+    delta = case.delta(pair, ddir)
+    t = make_target("live-held", pair["tensors"], tmp_path)
+    rep = t.apply(delta)
+    assert_same_bits(t.tensors(), pair["target_tensors"])
+    with DeltaReader(delta) as d:
+        assert rep.target_fingerprint == d.target_fingerprint
+    rehashed = fingerprint_from_digests({n: digest_through(t.target, n) for n in t.target.tensors})
+    assert rehashed == deltarefit.fingerprint(pair["target"])
+    # only the tensor digest lie reaches the fingerprint (the others are a base digest and a record's hash)
+    assert (rehashed != rep.target_fingerprint) == (case.id == "lying-target-digest")
+
+
 _WRITERS = {
     "tensors": ("deltarefit.apply", "RawSegments"),
     "module": ("deltarefit.apply", "RawSegments"),
     "device": ("deltarefit.gpu.apply", "DeviceTensors"),
     "device-cuda": ("deltarefit.gpu.apply", "DeviceTensors"),
     "live": ("deltarefit.engines.live", "LiveTarget"),
+    "live-held": ("deltarefit.engines.live", "LiveTarget"),
 }
 
 

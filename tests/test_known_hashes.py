@@ -144,7 +144,7 @@ def test_publisher_reuses_its_baselines_hashes(tmp_path, spy, advance):
     assert [r.base_hashes_known for r in spy] == [False, True, True]
     for i, rec in enumerate(recs[1:]):  # each published delta is the very bytes of a cold encode
         cold = str(tmp_path / f"cold{i}.delta")
-        E.encode(steps[i], steps[i + 1], cold)
+        E.encode(steps[i], steps[i + 1], cold, sums=True)  # a Publisher writes additive digests
         with open(cold, "rb") as f:
             assert store.get(rec.delta.key) == f.read()
     sub = Subscriber(store, str(tmp_path / "rollout.safetensors"), subscriber_id="r")
@@ -234,7 +234,7 @@ def test_a_damaged_hashes_file_never_breaks_a_publish(tmp_path, spy, damage, cap
         f.write(data)
     rec = Publisher(store, str(tmp_path / "pub"), keyframe_every=100, keyframe_ratio=1000.0).publish(steps[2])
     cold = str(tmp_path / "cold.delta")
-    E.encode(steps[1], steps[2], cold)
+    E.encode(steps[1], steps[2], cold, sums=True)
     with open(cold, "rb") as f:
         assert store.get(rec.delta.key) == f.read()  # the delta a cold encode writes
     assert not spy[-1].base_hashes_known

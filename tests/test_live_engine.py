@@ -105,10 +105,15 @@ def chain(tmp_path_factory):
     target = _step(base, 1)
     other = _tensors(7)
     dirs = {k: _save(v, str(root / k)) for k, v in (("base", base), ("target", target), ("other", other))}
-    deltas = {"step": str(root / "step.delta"), "wrong": str(root / "wrong.delta")}
+    target2 = _step(target, 2)
+    dirs["target2"] = _save(target2, str(root / "target2"))
+    deltas = {"step": str(root / "step.delta"), "wrong": str(root / "wrong.delta"),
+              "step-sums": str(root / "step-sums.delta"), "step2-sums": str(root / "step2-sums.delta")}
     encode(dirs["base"], dirs["target"], deltas["step"])
     encode(dirs["other"], dirs["target"], deltas["wrong"])
-    return {"base": base, "target": target, "dirs": dirs, "deltas": deltas, "root": root}
+    encode(dirs["base"], dirs["target"], deltas["step-sums"], sums=True)
+    encode(dirs["target"], dirs["target2"], deltas["step2-sums"], sums=True)
+    return {"base": base, "target": target, "target2": target2, "dirs": dirs, "deltas": deltas, "root": root}
 
 
 def test_capture_records_fused_transposed_and_padded_copies_and_writes_nothing(chain):
@@ -230,3 +235,83 @@ def test_live_engine_refuses_a_captured_map_that_misses_the_checkpoints_digest(c
     # its fused siblings go with it: the layer is reloaded whole, never written in place
     assert {"layers.0.k_proj.weight", "layers.0.v_proj.weight"} <= set(eng.reload_reasons)
     assert "layers.0.q_proj.weight" not in eng.placements
+
+
+# -------------------------------------------------------------------------------------- held digests
+
+
+def _param_bits(m: torch.nn.Module, name: str) -> np.ndarray:
+    return dict(m.named_parameters())[name].data.view(-1).view(torch.int16).numpy()
+
+
+def test_deltas_with_additive_digests_are_checked_through_held_digests(chain):
+    m = _loaded(chain["base"])
+    eng = LiveEngine(m, None, chain["dirs"]["base"])
+    rep = eng.apply(chain["deltas"]["step-sums"])
+    assert rep.check == "held digests" and rep.chunks_applied > 0
+    assert _bits(m) == _bits(_loaded(chain["target"]))
+    assert eng.verify() == eng.fingerprint  # the held digests were moved right: verify compares them too
+    rep2 = eng.apply(chain["deltas"]["step2-sums"])
+    assert rep2.check == "held digests" and _bits(m) == _bits(_loaded(chain["target2"]))
+    assert eng.verify() == eng.fingerprint
+    # a delta without them is checked by segments, and the digests of what it wrote are taken again
+    eng2 = LiveEngine(_loaded(chain["base"]), None, chain["dirs"]["base"])
+    assert eng2.apply(chain["deltas"]["step"]).check == "segments"
+    assert eng2.apply(chain["deltas"]["step2-sums"]).check == "held digests"
+    assert eng2.verify() == eng2.fingerprint
+
+
+def test_held_digests_refuse_a_changed_element_that_was_modified_behind_the_engine(chain):
+    """An element the delta changes, modified in the engine's memory since the held digest was taken:
+    the moved digest misses the delta's target, so the apply is refused with nothing written."""
+    from deltarefit.errors import VerificationError
+
+    m = _loaded(chain["base"])
+    eng = LiveEngine(m, None, chain["dirs"]["base"])
+    base_bits = chain["base"]["layers.0.norm.weight"].view(torch.int16).numpy()
+    changed = np.flatnonzero(chain["target"]["layers.0.norm.weight"].view(torch.int16).numpy() != base_bits)
+    assert changed.size  # the step changes some elements of the norm
+    _param_bits(m, "layers.0.norm.weight")[changed[0]] ^= 1  # behind the engine's back
+    before = _bits(m)
+    with pytest.raises(VerificationError, match="layers.0.norm.weight"):
+        eng.apply(chain["deltas"]["step-sums"])
+    assert _bits(m) == before
+
+
+def test_held_digests_do_not_reread_unchanged_elements_and_verify_does(chain):
+    """The documented limit of a held-digest check: an element the delta does not change, modified
+    behind the engine (a mantissa bit, so no element changes context), is not re-read by the apply;
+    ``verify`` re-reads everything and refuses."""
+    from deltarefit.errors import VerificationError
+
+    m = _loaded(chain["base"])
+    eng = LiveEngine(m, None, chain["dirs"]["base"])
+    base_bits = chain["base"]["layers.0.norm.weight"].view(torch.int16).numpy()
+    same = np.flatnonzero(chain["target"]["layers.0.norm.weight"].view(torch.int16).numpy() == base_bits)
+    _param_bits(m, "layers.0.norm.weight")[same[0]] ^= 1
+    assert eng.apply(chain["deltas"]["step-sums"]).check == "held digests"
+    with pytest.raises(VerificationError):
+        eng.verify()
+
+
+def test_a_failed_held_apply_is_completed_by_segments_and_held_digests_resume(chain, monkeypatch):
+    m = _loaded(chain["base"])
+    eng = LiveEngine(m, None, chain["dirs"]["base"], threads=1)
+    real = LiveTarget.write_segment
+    calls = {"n": 0}
+
+    def flaky(self, name, ci, region, view, patch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("injected failure mid-write")
+        return real(self, name, ci, region, view, patch)
+
+    monkeypatch.setattr(LiveTarget, "write_segment", flaky)
+    with pytest.raises(OSError):
+        eng.apply(chain["deltas"]["step-sums"])
+    monkeypatch.setattr(LiveTarget, "write_segment", real)
+    rep = eng.apply(chain["deltas"]["step-sums"])
+    assert rep.check == "segments" and rep.chunks_skipped >= 1  # chunks written before the failure
+    assert _bits(m) == _bits(_loaded(chain["target"]))
+    assert eng.apply(chain["deltas"]["step2-sums"]).check == "held digests"
+    assert _bits(m) == _bits(_loaded(chain["target2"])) and eng.verify() == eng.fingerprint

@@ -16,6 +16,15 @@ Protocol (the crash-safety argument is in FORMAT.md, "Applying"):
 
 Structural changes (added, removed, re-typed tensors) rewrite the file holding them through a temp
 file and an atomic rename; in-place patching covers everything else.
+
+**Held digests** (``held=``, FORMAT.md "Held digests"): a target that keeps, for each tensor, the
+additive digest (``shard.digest``) of exactly what it holds (a live engine, which computed it when
+it last verified in full and moved it with every verified patch since) lets the plan skip the hashes.
+A tensor is then checked in O(changed elements): each chunk is decoded against the segment as it is,
+the digest moved by every change (old bits read from the target, new bits decoded) must give the
+delta's additive target digest, and after the write every changed element is read back. Unchanged
+elements are not re-read: their check is the held digest's own (``ApplyReport.held`` says how many
+tensors were checked this way), and a full verification re-reads them.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -135,6 +144,10 @@ class ApplyReport:
     seconds: float
     structural: list[str] = field(default_factory=list)  # tensors added, removed or replaced
     structural_ops: dict[str, str] = field(default_factory=dict)  # of those: name -> "add", "remove", "replace"
+    # Tensors checked through the target's held digests (``run_apply(held=)``), not re-hashed, and the
+    # additive digest each of them holds now (16 bytes).
+    held: int = 0
+    sums: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass
@@ -142,14 +155,16 @@ class _ChunkPlan:
     rec: ChunkRecord
     state: str  # "todo", "done", "torn"
     patch: Patch | None = None
+    moved: np.ndarray | None = None  # held-digest plan: how the chunk's changes move the tensor's digest
 
 
 @dataclass
 class _TensorPlan:
     entry: TensorEntry
-    state: str  # "patch", "done", "add", "remove", "replace"
+    state: str  # "patch", "held", "done", "add", "remove", "replace"
     segs: list[bytes] = field(default_factory=list)  # current segment hashes (patch tensors)
     chunks: list[_ChunkPlan] = field(default_factory=list)
+    sum: np.ndarray | None = None  # "held": the additive digest after the patch
 
 
 def _where(e: TensorEntry, r: ChunkRecord | None = None) -> str:
@@ -266,6 +281,15 @@ def _decode(delta: DeltaReader, e: TensorEntry, r: ChunkRecord, base_seg: np.nda
     return decode_chunk(dtype(e.base.dtype), base_seg, r.encoding, payload, r.n_changed, r.decoded_len, where)
 
 
+def _changes(patch: Patch, view: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, target bits) of the elements ``patch`` changes in ``view`` (a dense patch: where
+    it differs)."""
+    if patch.dense is not None:
+        pos = np.flatnonzero(patch.dense != view)
+        return pos, patch.dense[pos]
+    return patch.positions, patch.values
+
+
 def _post_image(seg: np.ndarray, patch: Patch) -> np.ndarray:
     img = seg.copy()
     patch.apply_to(img)
@@ -343,7 +367,8 @@ class Applier:
 
     def __init__(self, delta: DeltaReader, target: TensorTarget, *, journal: Journal | None,
                  threads: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 progress: Callable[[int], None] | None = None) -> None:
+                 progress: Callable[[int], None] | None = None,
+                 held: Mapping[str, bytes] | None = None) -> None:
         self.d = delta
         self.t = target
         self.segs = segments_of(target)
@@ -353,6 +378,9 @@ class Applier:
         self._hash_all = getattr(self.segs, "hash_segments", None)
         if journal is not None and any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")):
             raise UsageError("a journal needs a target with host regions (journal records are host patches)")
+        if held is not None and any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")):
+            raise UsageError("held digests need a target with host regions")
+        self.held = held
         self.journal = journal
         self.threads = threads or default_threads()
         self.cache_left = cache_bytes
@@ -404,6 +432,9 @@ class Applier:
                 found = "missing" if info is None else f"{info.dtype}{list(info.shape)}"
                 raise BaseMismatchError(f"{w}: expected {e.base.dtype}{list(e.base.shape)}, found {found} "
                                         "(wrong base checkpoint?)")
+            held = self.held.get(e.name) if self.held is not None else None
+            if held is not None and e.base.sum is not None and e.target.sum is not None:
+                return self._plan_held(pool, e, held)
             return self._plan_patch(pool, ti, e)
         if e.op == "add":
             if info is None:
@@ -512,6 +543,46 @@ class Applier:
                     c.patch = None
         return _TensorPlan(e, "patch", segs, chunks)
 
+    def _plan_held(self, pool, e: TensorEntry, held: bytes) -> _TensorPlan:
+        """The held-digest plan of a ``same``/``patch`` tensor (module docstring): decode every chunk
+        against the segment as it is, and require the digest moved by the changes to be the target's."""
+        from .shard import digest as additive
+
+        if held == e.target.sum and held != e.base.sum:  # already at the target (a rerun)
+            return _TensorPlan(e, "held", chunks=[_ChunkPlan(r, "done") for r in self.d.chunks(e)],
+                               sum=np.frombuffer(held, "<u8").astype(np.uint64))
+        if held != e.base.sum:
+            raise BaseMismatchError(f"{_where(e)}: the digest held of its bytes is not the delta's base (wrong base "
+                                    "checkpoint, or modified since?)")
+        seed = additive.seeds(e.name, e.base.dtype, e.base.shape)
+        per = SEGMENT_BYTES // dtype(e.base.dtype).itemsize
+
+        def chunk(r: ChunkRecord) -> _ChunkPlan:
+            view = self._view(self.segs.read_segment(e.name, r.chunk_index), e.base.dtype)
+            patch = self._decode(self.d, e, r, view)
+            pos, new = _changes(patch, view)
+            if self.progress:
+                self.progress(_seg_len(e.base.nbytes, r.chunk_index))
+            return _ChunkPlan(r, "todo", patch, additive.change(seed, pos + r.chunk_index * per, view[pos], new))
+
+        chunks = list(pool.map(chunk, self.d.chunks(e)))
+        total = np.frombuffer(held, "<u8").astype(np.uint64)
+        for c in chunks:
+            total = additive.add(total, c.moved)
+        if np.asarray(total, "<u8").tobytes() != e.target.sum:
+            raise VerificationError(f"{self.d.path}: {_where(e)}: its post-image, the held digest moved by the decoded "
+                                    "changes, misses the delta's target digest (corrupt delta, or the elements it "
+                                    "changes differ from its base)")
+        for c in chunks:  # within the memory budget; the rest is decoded again, and checked, when written
+            size = _patch_bytes(c.patch)
+            with self._cache_lock:
+                keep = size <= self.cache_left
+                if keep:
+                    self.cache_left -= size
+            if not keep:
+                c.patch = None
+        return _TensorPlan(e, "held", chunks=chunks, sum=total)
+
     # -- write -----------------------------------------------------------------------------------
 
     def write(self, plans: list[_TensorPlan]) -> tuple[int, int, int, int]:
@@ -532,12 +603,26 @@ class Applier:
             region = self.segs.read_segment(e.name, r.chunk_index)
             view = self._view(region, e.base.dtype)
             patch = c.patch or self._decode(self.d, e, r, view)
+            if tp.state == "held":
+                pos, new = _changes(patch, view)  # before the write: ``view`` may be the target's memory
+                if c.patch is None:  # decoded again: it must move the digest as the checked plan did
+                    from .shard import digest as additive
+
+                    seed = additive.seeds(e.name, e.base.dtype, e.base.shape)
+                    per = SEGMENT_BYTES // view.itemsize
+                    if not np.array_equal(additive.change(seed, pos + r.chunk_index * per, view[pos], new), c.moved):
+                        raise VerificationError(f"{_where(e, r)}: decodes differently from its checked plan")
             if c.state == "todo" and self.journal:
                 self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch, view)
             region = self.segs.write_segment(e.name, r.chunk_index, region, view, patch)
-            if self._hash(region) != r.post_hash:
+            if tp.state == "held":
+                if not np.array_equal(self._view(region, e.base.dtype)[pos], new):
+                    raise VerificationError(f"{_where(e, r)}: changed elements read back differ from the patch "
+                                            "after writing")
+            elif self._hash(region) != r.post_hash:
                 raise VerificationError(f"{_where(e, r)}: region does not hash to the post-image after writing")
-            tp.segs[r.chunk_index] = r.post_hash
+            else:
+                tp.segs[r.chunk_index] = r.post_hash
             c.patch = None
             return _seg_len(e.base.nbytes, r.chunk_index)
 
@@ -545,15 +630,15 @@ class Applier:
             # Torn chunks go first and alone: their only copy is a journal slot that the next new
             # chunk written by the same slot number would overwrite.
             with self._pool(self.threads if state == "todo" else 1, thread_name_prefix="apply") as pool:
-                futs = [pool.submit(self._agreed, do, tp, ti, c) for ti, tp in enumerate(plans) if tp.state == "patch"
-                        for c in tp.chunks if c.state == state]
+                futs = [pool.submit(self._agreed, do, tp, ti, c) for ti, tp in enumerate(plans)
+                        if tp.state in ("patch", "held") for c in tp.chunks if c.state == state]
                 try:
                     for f in futs:
                         written += f.result()
                 finally:
                     for f in futs:
                         f.cancel()
-        for tp in (tp for tp in plans if tp.state == "patch"):
+        for tp in (tp for tp in plans if tp.state in ("patch", "held")):
             applied += sum(1 for c in tp.chunks if c.state == "todo")
             skipped += sum(1 for c in tp.chunks if c.state == "done")
             recovered += sum(1 for c in tp.chunks if c.state == "torn")
@@ -571,6 +656,8 @@ class Applier:
                 got = _digest(e.target, tp.segs)
                 if got != e.target.digest:
                     raise VerificationError(f"{_where(e)}: digest after apply does not match the delta's target")
+            # "held": checked through its additive digest in the plan, and each changed element read
+            # back after the write (``_plan_held``, ``write``)
             out[e.name] = e.target.digest
         return out
 
@@ -578,11 +665,16 @@ class Applier:
 def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | None, threads: int | None = None,
               cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None,
               structural: Callable[[DeltaReader, list[_TensorPlan]], list[str]] | None = None,
-              structural_check: Callable[[list[_TensorPlan]], None] | None = None) -> ApplyReport:
+              structural_check: Callable[[list[_TensorPlan]], None] | None = None,
+              held: Mapping[str, bytes] | None = None) -> ApplyReport:
     """Plan, write, verify (see the module docstring). ``structural`` performs added/removed/re-typed
-    tensors after the in-place patches; ``structural_check`` may refuse them, before any write."""
+    tensors after the in-place patches; ``structural_check`` may refuse them, before any write.
+    ``held``: tensor name -> the additive digest of what the target holds now, which the caller
+    vouches for (module docstring, "Held digests"); tensors it names are checked through it when the
+    delta carries their additive target digest."""
     t0 = time.perf_counter()
-    ap = Applier(delta, target, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress)
+    ap = Applier(delta, target, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
+                 held=held)
     plans = ap.plan()
     struct_todo = [tp for tp in plans if tp.state in ("add", "remove", "replace")]
     if struct_todo and structural is None:
@@ -597,7 +689,9 @@ def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | No
     if fp != delta.target_fingerprint:
         raise VerificationError(f"fingerprint after apply {fp[:16]}… is not the delta's target "
                                 f"{delta.target_fingerprint[:16]}…")
-    return ApplyReport(fp, applied, skipped, recovered, written, time.perf_counter() - t0, names)
+    held_plans = [tp for tp in plans if tp.state == "held"]
+    return ApplyReport(fp, applied, skipped, recovered, written, time.perf_counter() - t0, names, held=len(held_plans),
+                       sums={tp.entry.name: np.asarray(tp.sum, "<u8").tobytes() for tp in held_plans})
 
 
 # ------------------------------------------------------------------------------- safetensors on disk

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import blake3
 import numpy as np
@@ -322,7 +322,7 @@ os.register_at_fork(after_in_child=_pools.__init__)
 def encode_checkpoints(
     base: Checkpoint, target: Checkpoint, out: str, *, threads: int | None = None,
     progress: Callable[[int], None] | None = None, patch_works: PatchWorks | None = None,
-    base_hashes: Mapping[str, bytes] | None = None, durable: bool = True,
+    base_hashes: Mapping[str, bytes] | None = None, durable: bool = True, sums: bool = False,
 ) -> EncodeReport:
     """Write the delta taking ``base`` to ``target`` to ``out``. ``progress`` gets the target's bytes
     scanned (their sum is the target's size).
@@ -334,6 +334,10 @@ def encode_checkpoints(
     hashes cannot make a rollout accept wrong bytes (the delta's post hashes are the target's own,
     and every apply verifies them), but they would bind the delta to a base it does not fit.
     ``durable=False``: no fsync of ``out`` (see ``DeltaWriter``), for a delta staged for upload.
+    ``sums=True``: the entries of tensors in both checkpoints also carry their additive digests
+    (``additive_digests``, base and target), so a target that tracks the digest of what it holds (a
+    live engine) checks a patch in O(changed elements); it costs a pass over those tensors of ``base``
+    and over the changed ones of ``target``.
 
     ``base`` and ``target`` need only ``tensors`` (name -> info with dtype, shape, nbytes) and
     ``raw(name)``; ``patch_works`` replaces the host scan of tensors present in both (the GPU encoder
@@ -395,6 +399,8 @@ def encode_checkpoints(
                                            tmeta, job.changed, job.first, count))
                 changed_total += job.changed
                 job.works = []  # drop the views
+        if sums:
+            entries = _with_sums(entries, base, target, threads)
         total_elems = sum(math.prod(t.shape) for t in target.tensors.values())
         full_bytes = sum(t.nbytes for t in target.tensors.values())
         bfp, tfp = fingerprint_from_digests(base_digests), fingerprint_from_digests(target_digests)
@@ -417,9 +423,39 @@ def encode_checkpoints(
                         base_hashes is not None and patch_works is None)
 
 
+def _with_sums(entries: list[TensorEntry], base: Checkpoint, target: Checkpoint, threads: int) -> list[TensorEntry]:
+    kept = [e for e in entries if e.op in ("same", "patch")]
+    both = additive_digests([(base, e.name) for e in kept] + [(target, e.name) for e in kept if e.op == "patch"],
+                            threads=threads)
+    bsum = dict(zip([e.name for e in kept], both, strict=False))
+    tsum = dict(zip([e.name for e in kept if e.op == "patch"], both[len(kept):], strict=True))
+    return [replace(e, base=replace(e.base, sum=bsum[e.name]),
+                    target=replace(e.target, sum=tsum.get(e.name, bsum[e.name]))) if e.name in bsum else e
+            for e in entries]
+
+
+def additive_digests(tensors: list[tuple[Checkpoint, str]], *, threads: int | None = None) -> list[bytes]:
+    """The additive digest (``shard.digest``, 16 bytes) of each (checkpoint, tensor name), one
+    segment per pool task."""
+    from .shard import digest as additive
+
+    items = []
+    for k, (ck, name) in enumerate(tensors):
+        info = ck.tensors[name]
+        seed = additive.seeds(name, info.dtype, info.shape)
+        u = uint_view(ck.raw(name), info.dtype)
+        per = SEGMENT_BYTES // u.itemsize
+        items += [(k, seed, a, u[a:a + per]) for a in range(0, u.size, per)]
+    parts = _pools.get(threads or default_threads()).map(lambda it: additive.partial_run(it[1], it[2], it[3]), items)
+    acc = [additive.ZERO.copy() for _ in tensors]
+    for (k, *_), p in zip(items, parts, strict=True):
+        acc[k] = additive.add(acc[k], p)
+    return [np.asarray(a, "<u8").tobytes() for a in acc]
+
+
 def encode(base: str, target: str, out: str, *, threads: int | None = None,
            progress: Callable[[int], None] | None = None, known_base: KnownHashes | None = None,
-           durable: bool = True) -> EncodeReport:
+           durable: bool = True, sums: bool = False) -> EncodeReport:
     """Encode the delta from checkpoint ``base`` to checkpoint ``target`` into the file ``out``.
     ``known_base``: the base's segment hashes, used only while the opened base files still have the
     identity they were taken with (otherwise the base is hashed as usual). ``durable=False``: no fsync
@@ -429,4 +465,4 @@ def encode(base: str, target: str, out: str, *, threads: int | None = None,
         if known_base is not None and known is None:
             log.info("%s: its files changed since its hashes were taken; hashing it again", base)
         return encode_checkpoints(b, t, out, threads=threads, progress=progress, base_hashes=known,
-                                  durable=durable)
+                                  durable=durable, sums=sums)

@@ -38,6 +38,7 @@ HEADER = struct.Struct("<8sHHIQQQQQQ16s16s")
 HEADER_SIZE = HEADER.size  # 96
 RECORD = struct.Struct("<IIBBHIQII16s16s16s")
 RECORD_SIZE = RECORD.size  # 80
+SUM_BYTES = 16  # an additive digest (shard.digest): two 64-bit lanes
 MAX_MANIFEST_BYTES = 256 << 20
 # A manifest's expanded size is also bounded by its compressed size: at most 1 MiB + 1024 times it.
 # Real manifests expand 5-10x (each tensor has a digest of 32 random bytes), and about 220x at worst
@@ -85,6 +86,9 @@ class TensorMeta:
     dtype: str
     shape: tuple[int, ...]
     digest: bytes
+    # Optional additive digest (``shard.digest``, 16 bytes) of the same bits: lets a target that tracks
+    # the digest of what it holds check a patch in O(changed elements) (FORMAT.md, "Held digests").
+    sum: bytes | None = None
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +98,10 @@ class TensorMeta:
         return n
 
     def to_json(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": list(self.shape), "digest": self.digest.hex()}
+        out = {"dtype": self.dtype, "shape": list(self.shape), "digest": self.digest.hex()}
+        if self.sum is not None:
+            out["sum"] = self.sum.hex()
+        return out
 
 
 @dataclass(frozen=True)
@@ -439,7 +446,12 @@ def _meta(v: Any, where: str) -> TensorMeta | None:
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48 for d in shape)):
         raise FormatError(f"{where}: bad shape {brief(shape)}")
-    m = TensorMeta(dt, tuple(shape), bytes.fromhex(_hex(v.get("digest"), f"{where} digest")))
+    add = v.get("sum")
+    if add is not None and (not isinstance(add, str) or len(add) != 2 * SUM_BYTES
+                            or any(c not in "0123456789abcdef" for c in add)):
+        raise FormatError(f"{where}: additive digest 'sum' must be {2 * SUM_BYTES} lowercase hex digits")
+    m = TensorMeta(dt, tuple(shape), bytes.fromhex(_hex(v.get("digest"), f"{where} digest")),
+                   bytes.fromhex(add) if add is not None else None)
     if m.nbytes >= 1 << 50:
         raise LimitError(f"{where}: tensor of {m.nbytes} bytes exceeds the limit")
     return m

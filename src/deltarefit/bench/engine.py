@@ -175,6 +175,7 @@ def summarize(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if "split" in samples[0]:
         out["split"] = {k: median(m["split"][k] for m in samples) for k, v in samples[0]["split"].items()
                         if isinstance(v, (int, float))}
+        out["split"]["check"] = sorted({c for m in samples for c in m["split"].get("check", [])})
     for k in ("apply_s", "reload_s"):
         if k in samples[0]:
             out[k] = median(m[k] for m in samples)
@@ -305,8 +306,8 @@ def markdown(res: dict[str, Any]) -> str:
                     f"{fmt_mb(f['anon_peak_growth'])} | {'yes' if r['same_tokens'] else 'NO'} |")
         lines += ["", "In-place time split (medians over the refits; seconds): the phases are wall time in the "
                   "worker, the last three are summed over the apply threads (thread-seconds).", "",
-                  "| changed | delta (MB) | total | plan: read, hash, decode, check | write: scatter, "
-                  "re-hash | reload | rest: RPC, fetch, records | decode (thread-s) | "
+                  "| changed | delta (MB) | total | plan: read, check, decode | write: scatter, "
+                  "read back | reload | rest: RPC, fetch, records | decode (thread-s) | "
                   "gather reads (thread-s) | scatter writes (thread-s) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in lay["rates"]:
@@ -368,13 +369,20 @@ def meaning(res: dict[str, Any]) -> list[str]:
         top = lay["rates"][-1]["summary"]
         s, full = top["inplace"]["split"], top["full"]
         rd = full["io"]["read_bytes"] / full["seconds"] / 1e9 if full["seconds"] else float("nan")
+        if s.get("check") == ["held digests"]:
+            how = (f"planning (each chunk decoded against the live segment: {s['decode']:.2f} thread-s, the changed "
+                   "elements' old bits read and the tensor's held additive digest moved by them and compared with "
+                   f"the delta's; no segment hashed), {s['write']:.2f} s writing (scatter of the changed elements "
+                   "and a read-back of each)")
+        else:
+            how = (f"planning (every 1 MiB segment holds changed elements at these rates, so the whole "
+                   f"{mb / 1e6:.0f} MB is read and hashed for the base check, and each patched segment hashed "
+                   f"again for its post-image, decoding on the way: {s['decode']:.2f} thread-s), {s['write']:.2f} s "
+                   "writing (scatter of the changed elements and a re-hash of each written segment)")
         out.append(
-            f"{lay['title']}: at {lay['rates'][-1]['changed']:.1%} the in-place refit spends {s['plan']:.2f} s planning "
-            f"(every 1 MiB segment holds changed elements at these rates, so the whole {mb / 1e6:.0f} MB is read "
-            f"and hashed for the base check, and each patched segment hashed again for its post-image, decoding on "
-            f"the way: {s['decode']:.2f} thread-s), {s['write']:.2f} s writing (scatter of the changed elements and "
-            f"a re-hash of each written segment) and {s['reload']:.2f} s reloading; the verification passes, not the "
-            f"changed elements, set most of it. The full reload verifies nothing: it reads the checkpoint "
+            f"{lay['title']}: at {lay['rates'][-1]['changed']:.1%} the in-place refit (checked by "
+            f"{', '.join(s.get('check') or ['segments'])}) spends {s['plan']:.2f} s {how} and {s['reload']:.2f} s "
+            f"reloading. The full reload verifies nothing: it reads the checkpoint "
             f"({rd:.2f} GB/s from this machine's disk) and copies it into the parameters"
             + (", repacking the linear weights." if lay["reload"] else "."))
     out.append("The full reload needs the target's whole checkpoint on the node's disk before it starts: "
@@ -690,7 +698,8 @@ def _run_paths(llm: Any, prep: dict[str, Any], layout: str, work: str, t_start: 
                       "reload": sum(r["seconds_reload"] for r in refits),
                       "stream": m["seconds"] - sum(r["seconds"] for r in refits),
                       "layers_reloaded": sum(len(r["layers_reloaded"]) for r in refits),
-                      "bytes_fetched": w["last"].get("bytes_fetched", 0), "route": w["last"].get("route")}
+                      "bytes_fetched": w["last"].get("bytes_fetched", 0), "route": w["last"].get("route"),
+                      "check": sorted({r.get("check", "segments") for r in refits})}
         m.pop("result")
         m["way"] = way
         res[n].setdefault("inplace", []).append(m)

@@ -37,7 +37,7 @@ from ..errors import UsageError
 from ..integrity import SEGMENT_BYTES
 from ..shard.projection import Piece, intersect_boxes
 
-__all__ = ["LiveTarget", "Placement", "TargetUnion", "apply_live", "contiguous_run", "digest_through"]
+__all__ = ["LiveTarget", "Placement", "TargetUnion", "apply_live", "contiguous_run", "digest_through", "state_through"]
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,14 @@ class LiveTarget:
     def read_segment(self, name: str, ci: int) -> np.ndarray:
         a, b, uint = self._range(name, ci)
         shared = name in self.shared
+        if not shared:
+            for pl, run in self._place[name]:
+                # One run of one CPU parameter holds the whole segment: its memory, not a copy (the
+                # applier reads it before writing and again after).
+                if pl.piece.owner and run is not None and run[0] <= a and b <= run[0] + run[2] \
+                        and self._flat[pl.param].cpu:
+                    l0 = run[1] + a - run[0]
+                    return self._flat[pl.param].np[l0:l0 + b - a].view(np.uint8)
         out = np.zeros(b - a, uint) if shared else np.empty(b - a, uint)
         for pl, run in self._place[name]:
             if not pl.piece.owner:
@@ -261,11 +269,26 @@ class TargetUnion:
 
 def digest_through(target: object, name: str) -> bytes:
     """Tensor digest of ``name`` as a ``SegmentTarget`` reads it (every segment hashed)."""
+    return state_through(target, name)[0]
+
+
+def state_through(target: object, name: str) -> tuple[bytes, bytes]:
+    """(tensor digest, additive digest) of ``name`` as a ``SegmentTarget`` reads it, in one pass over
+    its segments: what a held-digest apply (``apply.run_apply(held=)``) is given, taken together with
+    the full check it rests on."""
     from ..integrity import n_segments, seg_hash, tensor_digest_from_segments
+    from ..shard import digest as additive
 
     info = target.tensors[name]
-    segs = [seg_hash(target.read_segment(name, ci)) for ci in range(n_segments(info.nbytes))]
-    return tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, segs)
+    dt = lookup_dtype(info.dtype)
+    seed = additive.seeds(name, info.dtype, info.shape)
+    per = SEGMENT_BYTES // dt.itemsize
+    segs, acc = [], additive.ZERO.copy()
+    for ci in range(n_segments(info.nbytes)):
+        region = target.read_segment(name, ci)
+        segs.append(seg_hash(region))
+        acc = additive.add(acc, additive.partial_run(seed, ci * per, region.view(dt.uint)))
+    return tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, segs), np.asarray(acc, "<u8").tobytes()
 
 
 def apply_live(delta_path: str, target: object, *, threads: int | None = None):

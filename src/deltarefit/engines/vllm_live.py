@@ -19,8 +19,14 @@ was loaded from (read once, at init; never written):
    leaves), read from the checkpoint.
 
 ``apply(delta)`` then runs the one apply protocol (``apply.run_apply``) over live placements and host
-copies together: every segment's base and post-image checked before any write, only changed elements
-scattered into the live parameters, every segment read back and checked, the fingerprint verified.
+copies together: everything checked before any write, only changed elements scattered into the live
+parameters and read back, the fingerprint verified. The check costs O(changed elements) when the
+delta carries additive target digests (a ``Publisher``'s do): the engine holds the additive digest of
+every tensor, taken at init in the same pass as the full check above and moved by every verified
+patch since, and hands it to the applier as ``held`` (FORMAT.md, "Held digests"). A delta without
+them, or the first apply after one that failed mid-write, is checked segment by segment (every
+segment hashed), and the held digests of what it wrote are then taken again from the weights.
+``verify()`` re-reads everything.
 Layers of the reload set that the delta changed are then fed whole, from the host copies, through
 vLLM's own layerwise reload (``reload_weights``), so their post-load processing (prepacking) runs.
 An in-memory journal holds the patch of each chunk while it is written, so an exception anywhere leaves
@@ -45,7 +51,7 @@ from ..errors import BaseMismatchError, VerificationError
 from ..format import DeltaReader
 from ..integrity import fingerprint_from_digests
 from .capture import capture_layout
-from .live import LiveTarget, Placement, TargetUnion, digest_through
+from .live import LiveTarget, Placement, TargetUnion, digest_through, state_through
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +98,16 @@ class LiveRefitReport:
     seconds_apply: float = 0.0
     seconds_reload: float = 0.0
     seconds: float = 0.0
+    # How the apply was checked: "held digests" (each changed tensor through its additive digest,
+    # every changed element read back; unchanged elements not re-read) or "segments" (every segment
+    # of every tensor hashed).
+    check: str = "segments"
+
+
+def _check_name(held: int, n: int) -> str:
+    if held == n:
+        return "held digests"
+    return "segments" if held == 0 else f"held digests ({held} of {n} tensors), segments"
 
 
 def _torch_dtype(name: str):
@@ -272,6 +288,14 @@ class LiveEngine:
         self.packed = packed
         self._storages = {n: (p.untyped_storage().data_ptr(), p.storage_offset()) for n, p in params.items()}
         self._build_target()
+        # Held additive digests: placed tensors were read back above (digest_through); taking their
+        # sums is a second pass, so both are taken again here together, and the digests compared.
+        self.sums: dict[str, bytes] = {}
+        for n in sorted(self.target.tensors):
+            digest, self.sums[n] = state_through(self.target, n)
+            if digest != digests[n]:
+                raise VerificationError(f"tensor {n!r}: engine weights changed while the live engine was built")
+        self._sums_ok = True
         self.seconds_init = time.perf_counter() - t0
         log.info("deltarefit live engine: %d tensors in place, %d through reload (%.2f s to capture and check)",
                  len(self.placements), len(self.host), self.seconds_init)
@@ -305,9 +329,22 @@ class LiveEngine:
                 raise BaseMismatchError(f"{delta_path}: applies to {d.base_fingerprint[:16]}…; this engine holds "
                                         f"{self.fingerprint[:16]}…")
             changed = [e.name for e in d.tensors if e.op == "patch"]
-            rep: ApplyReport = run_apply(d, self.target, journal=self.journal.bind(d.target_fingerprint),
-                                         threads=self.threads)
+            held = self.sums if self._sums_ok and d.base_fingerprint == self.fingerprint else None
+            journal = self.journal.bind(d.target_fingerprint)
+            try:
+                rep: ApplyReport = run_apply(d, self.target, journal=journal, threads=self.threads, held=held)
+            except BaseException:
+                if journal.read():  # a write began: held digests no longer describe the weights
+                    self._sums_ok = False
+                raise
             target_fp = d.target_fingerprint
+            n_tensors = len(d.tensors)
+        # What the apply wrote without moving a held digest (checked by segments) is summed again.
+        stale = list(self.target.tensors) if not self._sums_ok else [n for n in changed if n not in rep.sums]
+        self.sums.update(rep.sums)
+        for n in stale:
+            self.sums[n] = state_through(self.target, n)[1]
+        self._sums_ok = True
         t_apply = time.perf_counter()
         self.journal.remove()
         to_reload = [n for n in changed if n in self.host]
@@ -317,7 +354,8 @@ class LiveEngine:
         return LiveRefitReport(rep.target_fingerprint, rep.chunks_applied, rep.chunks_skipped, rep.chunks_recovered,
                                rep.written_bytes, len([n for n in changed if n in self.placements]),
                                sum(1 for n in self.host if self._layer(n) in set(layers)), layers,
-                               t_apply - t0, t1 - t_apply, t1 - t0)
+                               t_apply - t0, t1 - t_apply, t1 - t0,
+                               _check_name(rep.held, n_tensors))
 
     def _layer(self, name: str) -> str:
         from .vllm import layer_key
@@ -362,9 +400,15 @@ class LiveEngine:
 
     def verify(self) -> str:
         """Re-hash every tensor where this worker holds it (live placements, and host copies for the
-        reload set, whose kernels hold their own packed copies); the fingerprint, or raise."""
-        fp = fingerprint_from_digests({n: digest_through(self.target, n) for n in self.target.tensors})
+        reload set, whose kernels hold their own packed copies); the fingerprint, or raise. The held
+        additive digests are checked against the weights in the same pass."""
+        states = {n: state_through(self.target, n) for n in self.target.tensors}
+        fp = fingerprint_from_digests({n: s[0] for n, s in states.items()})
         if fp != self.fingerprint:
             raise VerificationError(f"engine weights hash to {fp[:16]}…, not the held version {self.fingerprint[:16]}…")
+        wrong = [n for n, s in states.items() if self._sums_ok and s[1] != self.sums.get(n)]
+        if wrong:
+            raise VerificationError(f"tensor {wrong[0]!r}: held additive digest differs from the weights "
+                                    f"({len(wrong)} tensors)")
         return fp
 

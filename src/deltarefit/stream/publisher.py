@@ -112,16 +112,19 @@ class Publisher:
     in ``python -m deltarefit.bench.stream``), at the cost of a second copy of the checkpoint on disk
     for a moment (keyframes need it anyway). ``"apply"`` applies the delta in
     place (no second copy). Directory checkpoints, and a checkpoint that changed after it was
-    encoded, always take the apply route.
+    encoded, always take the apply route. ``sums`` (default on): deltas carry each changed tensor's
+    additive digest, so a live engine checks a refit in O(changed elements) (FORMAT.md, "Held
+    digests"); one more pass over the changed tensors per encode.
     """
 
     def __init__(self, store: Store | str, state_dir: str, *, keyframe_every: int = 20,
                  keyframe_ratio: float = 0.5, quorum: int = 0, ack_timeout: float = 60.0, live_ttl: float = 3600.0,
                  signing_key: str | None = None, threads: int | None = None, publisher_id: str | None = None,
-                 catchup: bool = False, advance: str = "copy") -> None:
+                 catchup: bool = False, advance: str = "copy", sums: bool = True) -> None:
         if advance not in ("copy", "apply"):
             raise UsageError(f"advance must be 'copy' or 'apply', not {advance!r}")
         self.advance = advance
+        self.sums = sums
         if keyframe_every < 1 or keyframe_ratio <= 0 or (quorum < 0 and quorum != ALL) or ack_timeout <= 0:
             raise UsageError("keyframe_every >= 1, keyframe_ratio > 0, quorum >= 0 (or ALL) and ack_timeout > 0 "
                              "are required")
@@ -417,7 +420,7 @@ class Publisher:
             # Staged, not durable: the store makes its copy durable, and nothing after a crash reads
             # the staged file (a rerun encodes again; recovery fetches the committed part).
             rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, known_base=self._known_base(),
-                               durable=False)
+                               durable=False, sums=self.sums)
             if rep.base_fingerprint != st.fingerprint and rep.base_hashes_known:
                 # The kept hashes do not describe the committed baseline (their file edited, or a write
                 # the identity missed): drop them and hash the baseline, so the check below is the
@@ -425,7 +428,8 @@ class Publisher:
                 log.warning("%s: kept baseline hashes do not match the committed version; hashing the baseline",
                             self.known_path)
                 self._forget_known()
-                rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, durable=False)
+                rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, durable=False,
+                                   sums=self.sums)
             if rep.base_fingerprint != st.fingerprint:
                 raise StreamError(f"{self.baseline}: baseline fingerprint {rep.base_fingerprint[:16]}… is not the "
                                   f"committed {st.fingerprint[:16]}… (modified by hand?){RESET_FIX}")
@@ -441,7 +445,8 @@ class Publisher:
         kf_state = self._keyframe_state()
         if self.catchup and not keyframe and kf_state is not None and kf_state[0] < version - 1:
             local = os.path.join(self.staging, "catchup")
-            crep = encode_delta(self.keyframe_copy, checkpoint, local, threads=self.threads, durable=False)
+            crep = encode_delta(self.keyframe_copy, checkpoint, local, threads=self.threads, durable=False,
+                                sums=self.sums)
             if crep.base_fingerprint == kf_state[1]:
                 catchup_from = kf_state[0]
                 catchup_part = Part(f"{attempt}/catchup", os.path.getsize(local), file_hash(local))
