@@ -283,15 +283,16 @@ def markdown(res: dict[str, Any]) -> str:
         "anonymous RSS (`RssAnon`), sampled every 20 ms.",
         "* Checks: after every forward refit the engine generates greedily "
         f"({GEN_TOKENS} tokens, {len(PROMPTS)} prompts); per layout and target, the three paths must give "
-        "the same tokens (column \"same tokens\"). The in-place path also verifies every written segment and "
-        "the target fingerprint itself.",
+        "the same tokens (column \"same tokens\"). The in-place path also checks every refit itself (by held "
+        "digests or by segments, as each layout's text says) and the target fingerprint.",
         "",
     ]
     for lay in res["layouts"]:
         lines += [f"## Layout: {lay['title']}", "",
                   f"{lay['in_place']} checkpoint tensors written in place, {lay['reload']} through the reload "
                   f"path (host copies: {fmt_mb(lay['host_bytes'])} MB; capture and check at init: "
-                  f"{lay['seconds_init']:.1f} s). Engine start: {lay['seconds_start']:.1f} s.", ""]
+                  f"{lay['seconds_init']:.1f} s). Engine start: {lay['seconds_start']:.1f} s. Apply threads in the "
+                  f"worker: {lay.get('threads')}.", ""]
         lines += ["| changed | path | time (s): median (min-max) | / in place | disk read (MB) | disk written (MB) | "
                   "peak RSS growth (MB) | peak anon growth (MB) | same tokens |",
                   "|---|---|---|---|---|---|---|---|---|"]
@@ -544,7 +545,7 @@ def worker_times(worker: Any) -> dict[str, Any]:
 def worker_describe(worker: Any) -> dict[str, Any]:
     d = worker.weight_transfer_engine.live.describe()
     return {"in_place": len(d["in_place"]), "reload": len(d["reload"]), "host_bytes": d["host_bytes"],
-            "seconds_init": d["seconds_init"], "pid": os.getpid()}
+            "seconds_init": d["seconds_init"], "pid": os.getpid(), "threads": d.get("threads")}
 
 
 # ------------------------------------------------------------------------------------ measuring
@@ -671,7 +672,7 @@ def _run_paths(llm: Any, prep: dict[str, Any], layout: str, work: str, t_start: 
     client.init_weight_transfer_engine({"stream": prep["store"], "version": 1})
     desc = llm.collective_rpc(worker_describe)[0]
     log(f"[{layout}] live engine: {desc['in_place']} tensors in place, {desc['reload']} reloaded "
-        f"({time.perf_counter() - t:.1f} s)")
+        f"({time.perf_counter() - t:.1f} s), {desc['threads']} apply threads in the worker")
     llm.collective_rpc(worker_instrument)
     pid = desc["pid"]
     all_files = [prep["store"], os.path.join(work, "models"), os.path.join(work, "deltas"), os.path.join(work, "engine")]

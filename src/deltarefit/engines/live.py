@@ -185,6 +185,18 @@ class LiveTarget:
         """Whether every process of the group reports ``ok`` (a collective call)."""
         return self._agree(ok) if self._agree is not None else ok
 
+    def _whole_run(self, name: str, a: int, b: int) -> np.ndarray | None:
+        """The elements ``[a, b)`` of tensor ``name`` as a view of the one CPU parameter run holding them,
+        when the tensor has a single placement (no replica to write too) and is not shared."""
+        places = self._place[name]
+        if name in self.shared or len(places) != 1:
+            return None
+        pl, run = places[0]
+        if run is None or not (run[0] <= a and b <= run[0] + run[2]) or not self._flat[pl.param].cpu:
+            return None
+        l0 = run[1] + a - run[0]
+        return self._flat[pl.param].np[l0:l0 + b - a]
+
     def read_segment(self, name: str, ci: int) -> np.ndarray:
         a, b, uint = self._range(name, ci)
         shared = name in self.shared
@@ -227,6 +239,10 @@ class LiveTarget:
             pos, vals = patch.positions.astype(np.int64, copy=False), patch.values
         else:
             return self.read_segment(name, ci)
+        whole = self._whole_run(name, a, b)
+        if whole is not None:  # one run of one CPU parameter holds the segment and nothing else does
+            whole[pos] = vals
+            return whole.view(np.uint8)
         ck = pos + a
         for pl, run in self._place[name]:
             flat = self._flat[pl.param]
@@ -279,6 +295,9 @@ def state_through(target: object, name: str) -> tuple[bytes, bytes]:
     from ..integrity import n_segments, seg_hash, tensor_digest_from_segments
     from ..shard import digest as additive
 
+    from ..apply import segments_of
+
+    target = segments_of(target)
     info = target.tensors[name]
     dt = lookup_dtype(info.dtype)
     seed = additive.seeds(name, info.dtype, info.shape)

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from ..apply import ApplyReport, Journal, run_apply
+from ..encode import default_threads
 from ..checkpoint import fingerprint_checkpoint, open_checkpoint
 from ..errors import BaseMismatchError, VerificationError
 from ..format import DeltaReader
@@ -310,7 +311,8 @@ class LiveEngine:
     def describe(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "in_place": sorted(self.placements),
                 "reload": dict(sorted(self.reload_reasons.items())), "host_bytes": sum(
-                    t.numel() * t.element_size() for t in self.host.values()), "seconds_init": self.seconds_init}
+                    t.numel() * t.element_size() for t in self.host.values()), "seconds_init": self.seconds_init,
+                "threads": self.threads or default_threads()}
 
     def _check_storages(self) -> None:
         moved = [n for n, p in self.model.named_parameters()
