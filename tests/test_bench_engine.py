@@ -96,11 +96,12 @@ def test_median_fit_and_summary() -> None:
     with pytest.raises(ValueError):
         eb.fit_line([1.0, 1.0], [2.0, 3.0])
     samples = [{"seconds": s, "io": {"read_bytes": r, "write_bytes": 0}, "rss_peak_growth": g, "anon_peak_growth": 1,
-                "split": {"plan": s / 2, "route": "chain"}} for s, r, g in ((1.0, 10, 5), (3.0, 30, 9), (2.0, 20, 7))]
+                "split": {"plan": s / 2, "route": "chain", "check": ["held digests"] if s < 3 else ["segments"]}}
+               for s, r, g in ((1.0, 10, 5), (3.0, 30, 9), (2.0, 20, 7))]
     s = eb.summarize(samples)
     assert (s["n"], s["seconds"], s["seconds_min"], s["seconds_max"]) == (3, 2.0, 1.0, 3.0)
     assert s["io"] == {"read_bytes": 20, "write_bytes": 0} and s["rss_peak_growth"] == 9
-    assert s["split"] == {"plan": 1.0}
+    assert s["split"] == {"plan": 1.0, "check": ["held digests", "segments"]}  # medians, and every check seen
 
 
 def _fake_module(tmp_path: Path, name: str, body: str) -> None:
