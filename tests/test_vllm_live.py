@@ -153,6 +153,8 @@ def _refit_and_compare(tmp_path, *, in_place_linear: bool):
         client.finish_weight_update("3")
         last = llm.collective_rpc(_last_update)[0]
         assert last["route"] == ("chain" if in_place_linear else "keyframe"), last
+        if in_place_linear:  # after the failed update, checked by segments, held digests resume
+            assert [r["check"] for r in last["refits"]] == ["held digests"], last
         after2, d2 = generate(llm), engine_digests(llm)[0]
     finally:
         stop_engine(llm)
