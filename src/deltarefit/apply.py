@@ -9,7 +9,7 @@ Protocol (the crash-safety argument is in FORMAT.md, "Applying"):
    Every chunk to do is decoded and its post-image hashed against the record, so a delta that decodes
    badly is refused here too.
 2. **Write.** Per chunk: write its decoded patch to a journal slot, then scatter it into the mapped
-   tensor, then re-hash the region against the post-image. Patches write target values (never XOR),
+   tensor, then compare the region with the post-image the plan hashed (built again in memory). Patches write target values (never XOR),
    so replaying a journal record over a torn chunk is idempotent.
 3. **Verify.** Every tensor's digest and the checkpoint fingerprint must equal the delta's target;
    then the maps are flushed and the journal removed.
@@ -290,6 +290,18 @@ def _changes(patch: Patch, view: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return patch.positions, patch.values
 
 
+def _patched_copy(view: np.ndarray, patch: Patch) -> np.ndarray:
+    """``view`` with ``patch`` applied, in this thread's scratch buffer (not a write to any target)."""
+    img = scratch_array("post-image", view.size, view.dtype)
+    if patch.dense is not None:
+        img[:] = patch.dense
+        return img
+    img[:] = view
+    if patch.positions is not None and patch.positions.size:
+        img[patch.positions] = patch.values
+    return img
+
+
 def _post_image(seg: np.ndarray, patch: Patch) -> np.ndarray:
     img = seg.copy()
     patch.apply_to(img)
@@ -381,6 +393,10 @@ class Applier:
         if held is not None and any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")):
             raise UsageError("held digests need a target with host regions")
         self.held = held
+        # Host regions are confirmed after a write by comparing them with the post-image the plan hashed,
+        # built again from the patch (FORMAT.md, "Applying", step 2); a target with its own region hooks
+        # (a device) re-hashes the region there.
+        self._read_back = not any(hasattr(self.segs, h) for h in (*hooks, "hash_segments"))
         self.journal = journal
         self.threads = threads or default_threads()
         self.cache_left = cache_bytes
@@ -612,16 +628,23 @@ class Applier:
                     per = SEGMENT_BYTES // view.itemsize
                     if not np.array_equal(additive.change(seed, pos + r.chunk_index * per, view[pos], new), c.moved):
                         raise VerificationError(f"{_where(e, r)}: decodes differently from its checked plan")
+            elif self._read_back:  # the post-image the plan checked, built again (a copy, not a hash)
+                img = _patched_copy(view, patch)
             if c.state == "todo" and self.journal:
                 self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch, view)
             region = self.segs.write_segment(e.name, r.chunk_index, region, view, patch)
-            if tp.state == "held":
+            if tp.state == "held":  # O(changed elements): what was written is read back
                 if not np.array_equal(self._view(region, e.base.dtype)[pos], new):
                     raise VerificationError(f"{_where(e, r)}: changed elements read back differ from the patch "
                                             "after writing")
+            elif self._read_back:
+                # What landed must be the post-image the plan hashed: compared with it, byte for byte.
+                if not np.array_equal(self._view(region, e.base.dtype), img):
+                    raise VerificationError(f"{_where(e, r)}: region differs from its checked post-image after "
+                                            "writing")
             elif self._hash(region) != r.post_hash:
                 raise VerificationError(f"{_where(e, r)}: region does not hash to the post-image after writing")
-            else:
+            if tp.state != "held":
                 tp.segs[r.chunk_index] = r.post_hash
             c.patch = None
             return _seg_len(e.base.nbytes, r.chunk_index)
