@@ -590,6 +590,683 @@ done:
     return ret;
 }
 
+/* ------------------------------------------------------------------------------------------------
+ * decode_ulp(base, payload, n_changed, itemsize, bits, kind, shift, mask, n_ctx, out_pos, out_val) -> status
+ *
+ * kernels.ulp_decode, output for output and status for status (kernels.STATUS): the group section
+ * (range decoder and raw bit reader), the rank-to-position pass over the base, the ulp distances and
+ * the target bits. The payload is hostile: the readers keep numba's state (a byte past either part
+ * reads as zero and sets a flag, checked where numba checks it), so a malformed payload takes the same
+ * path to the same status; no read or write leaves the buffers.
+ *
+ * Positions: the r-th element of context e is the next change of group e. For 16-bit floats the base
+ * is taken in blocks of 64 elements: the block's contexts (one byte each) are compared with each
+ * context that still has changes (with AVX-512, AVX2 or SSE2, chosen at run time), a popcount of each
+ * mask is subtracted from the context's countdown, and only the contexts whose next change falls in
+ * the block (a bit mask over the contexts, without a branch per context) are visited; the block's
+ * changes are then emitted in position order from a 64-bit mask. Contexts without changes cost
+ * nothing, and one whose group is exhausted leaves the list. While more than BLOCK_CTX contexts have
+ * changes left, elements are counted one by one (numba's countdown), which costs the same for any
+ * number of contexts. Other item sizes take that countdown throughout; one-context dtypes (integers)
+ * need no pass: a change's rank is its position.
+ * ------------------------------------------------------------------------------------------------ */
+
+#define BLOCK_CTX 32            /* contexts the block path compares against at most */
+#define DEC_HUGE (INT64_MAX / 4) /* countdown of a context with no change left: never reaches zero */
+
+typedef struct {
+    uint64_t code, range;
+    int64_t pos;
+    int bad;
+} rcd_t;
+
+typedef struct {
+    uint64_t acc;
+    int64_t nacc, pos;
+    int bad;
+} rawr_t;
+
+static inline int rcd_bit(rcd_t *s, const uint8_t *buf, int64_t lim, uint16_t *probs, Py_ssize_t idx)
+{
+    uint64_t p = probs[idx], bound = (s->range >> PROB_BITS) * p;
+    int bit;
+    if (s->code < bound) {
+        s->range = bound;
+        probs[idx] = (uint16_t)(p + (((1u << PROB_BITS) - p) >> MOVE_BITS));
+        bit = 0;
+    } else {
+        s->code -= bound;
+        s->range -= bound;
+        probs[idx] = (uint16_t)(p - (p >> MOVE_BITS));
+        bit = 1;
+    }
+    while (s->range < RC_TOP) {
+        s->range = (s->range << 8) & 0xFFFFFFFFull;
+        uint64_t v = 0;
+        if (s->pos < lim)
+            v = buf[s->pos];
+        else
+            s->bad = 1;
+        s->pos++;
+        s->code = ((s->code << 8) | v) & 0xFFFFFFFFull;
+    }
+    return bit;
+}
+
+static inline uint64_t rawr_get(rawr_t *r, const uint8_t *buf, int64_t lim, int nbits)
+{
+    uint64_t v = 0;
+    int shift = 0;
+    while (nbits > 0) {
+        int nb = nbits < 32 ? nbits : 32;
+        while (r->nacc < nb) {
+            if (r->pos < lim)
+                r->acc |= (uint64_t)buf[r->pos] << r->nacc;
+            else
+                r->bad = 1;
+            r->pos++;
+            r->nacc += 8;
+        }
+        v |= (r->acc & ((1ull << nb) - 1)) << shift;
+        r->acc >>= nb;
+        r->nacc -= nb;
+        shift += nb;
+        nbits -= nb;
+    }
+    return v;
+}
+
+/* Elias gamma; 0 for a malformed code (max_bits zeros, or the stream ran out). */
+static inline uint64_t rawr_gamma(rawr_t *r, const uint8_t *buf, int64_t lim, int max_bits)
+{
+    int nz = 0;
+    for (;;) {
+        if (rawr_get(r, buf, lim, 1) == 1)
+            break;
+        nz++;
+        if (nz >= max_bits || r->bad)
+            return 0;
+    }
+    uint64_t rest = rawr_get(r, buf, lim, nz);
+    return (1ull << nz) | rest;
+}
+
+/* kernels.ulp_decode_groups: fills granks (grouped by context, ascending within a group), gbeg and
+ * gend (zeroed by the caller); leaves the streams where the values start. */
+static __attribute__((noinline)) int dec_groups(const uint8_t *pl, int64_t plen, int64_t n_changed, int64_t n, int64_t n_ctx, int64_t *gbeg,
+                      int64_t *gend, int64_t *granks, rcd_t *s_out, rawr_t *r_out, int64_t *rc_end_out)
+{
+    if (n_changed <= 0 || n_changed > n)
+        return -4;
+    if (plen < 9)
+        return -1;
+    int64_t rc_len = (int64_t)pl[0] | (int64_t)pl[1] << 8 | (int64_t)pl[2] << 16 | (int64_t)pl[3] << 24;
+    int64_t rc_end = 4 + rc_len;
+    if (rc_len < 5 || rc_end > plen)
+        return -1;
+    uint64_t code = 0;
+    for (int k = 0; k < 5; k++)
+        code = ((code << 8) | pl[4 + k]) & 0xFFFFFFFFull;
+    rcd_t s = {code, 0xFFFFFFFFull, 9, 0};
+    rawr_t r = {0, 0, rc_end, 0};
+    const int64_t lim = plen;
+    int64_t ngroups = (int64_t)rawr_gamma(&r, pl, lim, 40);
+    if (ngroups <= 0 || ngroups > n_ctx)
+        return -2;
+    uint16_t pq[2] = {1u << (PROB_BITS - 1), 1u << (PROB_BITS - 1)};
+    int64_t c = -1, total = 0;
+    for (int64_t gi = 0; gi < ngroups; gi++) {
+        int64_t dc = (int64_t)rawr_gamma(&r, pl, lim, 40);
+        if (dc <= 0 || c + dc >= n_ctx)
+            return -2;
+        c += dc;
+        int64_t cnt = (int64_t)rawr_gamma(&r, pl, lim, 40);
+        if (cnt <= 0)
+            return -2;
+        if (total + cnt > n_changed)
+            return -4;
+        int k = (int)rawr_get(&r, pl, lim, 5);
+        if (k > 24)
+            return -2;
+        gbeg[c] = total;
+        int64_t prev = -1;
+        for (int64_t j = 0; j < cnt; j++) {
+            int64_t q = 0;
+            if (rcd_bit(&s, pl, rc_end, pq, 0)) {
+                q = 1;
+                if (rcd_bit(&s, pl, rc_end, pq, 1)) {
+                    q = 2;
+                    for (;;) {
+                        if (rawr_get(&r, pl, lim, 1) == 1 || r.bad)
+                            break;
+                        q++;
+                        if ((q << k) >= n)
+                            return -3;
+                    }
+                }
+            }
+            int64_t g = (int64_t)rawr_get(&r, pl, lim, k);
+            int64_t rk = prev + 1 + ((q << k) | g);
+            if (rk >= n)
+                return -3;
+            granks[total + j] = rk;
+            prev = rk;
+        }
+        total += cnt;
+        gend[c] = total;
+        if (s.bad || r.bad)
+            return -1;
+    }
+    if (total != n_changed)
+        return -4;
+    *s_out = s;
+    *r_out = r;
+    *rc_end_out = rc_end;
+    return 0;
+}
+
+static inline uint64_t unkey_of(uint64_t k, int kind, uint64_t sign, uint64_t mask)
+{
+    if (kind == KIND_FLOAT)
+        return (k & sign) ? k ^ sign : mask - k;
+    if (kind == KIND_INT)
+        return k ^ sign;
+    return k;
+}
+
+static inline uint64_t load_u(const uint8_t *p, int64_t j, int itemsize) /* any alignment */
+{
+    uint8_t b1;
+    uint16_t b2;
+    uint32_t b4;
+    uint64_t b8;
+    switch (itemsize) {
+    case 1: memcpy(&b1, p + j, 1); return b1;
+    case 2: memcpy(&b2, p + 2 * j, 2); return b2;
+    case 4: memcpy(&b4, p + 4 * j, 4); return b4;
+    default: memcpy(&b8, p + 8 * j, 8); return b8;
+    }
+}
+
+typedef struct {
+    const int64_t *gend, *granks;
+    int64_t *ptr, *nxt; /* per context: next change's index in granks, elements to skip before it */
+    int64_t *out_pos;
+    int32_t *out_ctx;
+    int64_t o, active; /* changes emitted, contexts with changes left */
+} posst_t;
+
+/* numba's countdown over elements [i, end) of any item size. */
+static inline __attribute__((always_inline)) void pos_scalar_t(posst_t *P, const uint8_t *base, int64_t i, int64_t end,
+                                                               int itemsize, unsigned shift, uint64_t cm)
+{
+    for (; i < end; i++) {
+        int64_t e = (int64_t)((load_u(base, i, itemsize) >> shift) & cm);
+        int64_t c = P->nxt[e];
+        if (__builtin_expect(c == 0, 0)) {
+            P->out_pos[P->o] = i;
+            P->out_ctx[P->o] = (int32_t)e;
+            P->o++;
+            int64_t p = ++P->ptr[e];
+            if (p < P->gend[e]) {
+                P->nxt[e] = P->granks[p] - P->granks[p - 1] - 1;
+            } else {
+                P->nxt[e] = DEC_HUGE;
+                if (--P->active == 0)
+                    return;
+            }
+        } else {
+            P->nxt[e] = c - 1;
+        }
+    }
+}
+
+static __attribute__((noinline)) void pos_scalar(posst_t *P, const uint8_t *base, int64_t i, int64_t end, int itemsize, unsigned shift,
+                       uint64_t cm)
+{
+    switch (itemsize) {
+    case 1: pos_scalar_t(P, base, i, end, 1, shift, cm); break;
+    case 2: pos_scalar_t(P, base, i, end, 2, shift, cm); break;
+    case 4: pos_scalar_t(P, base, i, end, 4, shift, cm); break;
+    default: pos_scalar_t(P, base, i, end, 8, shift, cm); break;
+    }
+}
+
+/* Block kernels: the 64 contexts of elements b[0..64) into ctxb, and for each of the na contexts in
+ * actx the mask of the block's lanes holding it and its popcount. */
+typedef void (*blockfn_t)(const uint8_t *b, unsigned shift, unsigned cm, const uint8_t *actx, int na,
+                          uint64_t *masks, int64_t *pcs, uint8_t *ctxb);
+
+#if HAVE_AVX512_PATH
+__attribute__((target("avx512f,avx512bw,popcnt"))) static void block_avx512(const uint8_t *b, unsigned shift,
+                                                                             unsigned cm, const uint8_t *actx,
+                                                                             int na, uint64_t *masks,
+                                                                             int64_t *pcs, uint8_t *ctxb)
+{
+    const __m128i vs = _mm_cvtsi32_si128((int)shift);
+    const __m512i vm = _mm512_set1_epi16((short)cm);
+    __m512i a = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512((const void *)b), vs), vm);
+    __m512i c = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512((const void *)(b + 64)), vs), vm);
+    __m512i e = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(a)), _mm512_cvtepi16_epi8(c), 1);
+    _mm512_storeu_si512((void *)ctxb, e);
+    for (int k = 0; k < na; k++) {
+        uint64_t m = _mm512_cmpeq_epi8_mask(e, _mm512_set1_epi8((char)actx[k]));
+        masks[k] = m;
+        pcs[k] = __builtin_popcountll(m);
+    }
+}
+
+__attribute__((target("avx2,popcnt"))) static void block_avx2(const uint8_t *b, unsigned shift, unsigned cm,
+                                                               const uint8_t *actx, int na, uint64_t *masks,
+                                                               int64_t *pcs, uint8_t *ctxb)
+{
+    const __m128i vs = _mm_cvtsi32_si128((int)shift);
+    const __m256i vm = _mm256_set1_epi16((short)cm);
+    __m256i x0 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)b), vs), vm);
+    __m256i x1 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(b + 32)), vs), vm);
+    __m256i x2 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(b + 64)), vs), vm);
+    __m256i x3 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(b + 96)), vs), vm);
+    __m256i e0 = _mm256_permute4x64_epi64(_mm256_packus_epi16(x0, x1), 0xD8);
+    __m256i e1 = _mm256_permute4x64_epi64(_mm256_packus_epi16(x2, x3), 0xD8);
+    _mm256_storeu_si256((__m256i *)ctxb, e0);
+    _mm256_storeu_si256((__m256i *)(ctxb + 32), e1);
+    for (int k = 0; k < na; k++) {
+        __m256i v = _mm256_set1_epi8((char)actx[k]);
+        uint64_t m = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e0, v)) |
+                     (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e1, v)) << 32;
+        masks[k] = m;
+        pcs[k] = __builtin_popcountll(m);
+    }
+}
+
+__attribute__((target("sse2,popcnt"))) static void block_sse2(const uint8_t *b, unsigned shift, unsigned cm,
+                                                               const uint8_t *actx, int na, uint64_t *masks,
+                                                               int64_t *pcs, uint8_t *ctxb)
+{
+    const __m128i vs = _mm_cvtsi32_si128((int)shift);
+    const __m128i vm = _mm_set1_epi16((short)cm);
+    __m128i e[4];
+    for (int q = 0; q < 4; q++) {
+        __m128i lo = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(b + 32 * q)), vs), vm);
+        __m128i hi = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(b + 32 * q + 16)), vs), vm);
+        e[q] = _mm_packus_epi16(lo, hi);
+        _mm_storeu_si128((__m128i *)(ctxb + 16 * q), e[q]);
+    }
+    for (int k = 0; k < na; k++) {
+        __m128i v = _mm_set1_epi8((char)actx[k]);
+        uint64_t m = (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(e[0], v)) |
+                     (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(e[1], v)) << 16 |
+                     (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(e[2], v)) << 32 |
+                     (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(e[3], v)) << 48;
+        masks[k] = m;
+        pcs[k] = __builtin_popcountll(m);
+    }
+}
+#endif
+
+/* Generic C for other machines: the compiler vectorises the compares where it can. */
+static void block_generic(const uint8_t *b, unsigned shift, unsigned cm, const uint8_t *actx, int na,
+                          uint64_t *masks, int64_t *pcs, uint8_t *ctxb)
+{
+    for (int l = 0; l < 64; l++) {
+        uint16_t u;
+        memcpy(&u, b + 2 * l, 2);
+        ctxb[l] = (uint8_t)((u >> shift) & cm);
+    }
+    for (int k = 0; k < na; k++) {
+        uint64_t m = 0;
+        for (int l = 0; l < 64; l++)
+            m |= (uint64_t)(ctxb[l] == actx[k]) << l;
+        masks[k] = m;
+        pcs[k] = __builtin_popcountll(m);
+    }
+}
+
+static uint8_t select_in_byte[256][8]; /* [byte][j]: the lane of its j-th set bit */
+
+static void init_select(void)
+{
+    for (int v = 0; v < 256; v++) {
+        int j = 0;
+        for (int l = 0; l < 8; l++)
+            if (v >> l & 1)
+                select_in_byte[v][j++] = (uint8_t)l;
+    }
+}
+
+/* The lane of the x-th (from 0) set bit of m; x < popcount(m). Branch-free broadword select. */
+static inline unsigned select64(uint64_t m, uint64_t x)
+{
+    const uint64_t L = 0x0101010101010101ull, H = 0x8080808080808080ull;
+    uint64_t s = m - ((m >> 1) & 0x5555555555555555ull);
+    s = (s & 0x3333333333333333ull) + ((s >> 2) & 0x3333333333333333ull);
+    s = ((s + (s >> 4)) & 0x0F0F0F0F0F0F0F0Full) * L; /* byte j: set bits in bytes 0..j */
+    uint64_t gt = ((s | H) - (x + 1) * L) & H;        /* bytes whose count exceeds x */
+    unsigned byte = (unsigned)__builtin_ctzll(gt) >> 3;
+    unsigned before = (unsigned)(((s << 8) >> (8 * byte)) & 0xFF);
+    return 8 * byte + select_in_byte[(m >> (8 * byte)) & 0xFF][x - before];
+}
+
+static blockfn_t block_kernel(void); /* below: the best one this machine runs */
+
+/* Positions of 16-bit float elements (contexts fit a byte). */
+static __attribute__((noinline)) void pos_block16(posst_t *P, const uint8_t *base, int64_t n, unsigned shift, unsigned cm, int64_t n_ctx,
+                        blockfn_t fn)
+{
+    uint8_t actx[BLOCK_CTX], ctxb[64];
+    uint64_t masks[BLOCK_CTX];
+    int64_t pcs[BLOCK_CTX], nx[BLOCK_CTX];
+    int64_t i = 0;
+    /* Element by element while many contexts have changes left. */
+    while (P->active > BLOCK_CTX && i + 64 <= n) {
+        pos_scalar_t(P, base, i, i + 64, 2, shift, cm);
+        i += 64;
+    }
+    if (P->active == 0 || P->active > BLOCK_CTX) {
+        if (P->active)
+            pos_scalar(P, base, i, n, 2, shift, cm);
+        return;
+    }
+    int na = 0;
+    for (int64_t e = 0; e < n_ctx; e++)
+        if (P->nxt[e] < DEC_HUGE / 2) {
+            actx[na] = (uint8_t)e;
+            nx[na++] = P->nxt[e];
+        }
+    for (; na > 0 && i + 64 <= n; i += 64) {
+        fn(base + 2 * i, shift, cm, actx, na, masks, pcs, ctxb);
+        uint64_t due = 0;
+        for (int k = 0; k < na; k++) {
+            int64_t x = nx[k];
+            due |= (uint64_t)(x < pcs[k]) << k;
+            nx[k] = x - pcs[k];
+        }
+        if (!due)
+            continue;
+        uint64_t chg = 0;
+        int gone = 0;
+        while (due) {
+            int k = __builtin_ctzll(due);
+            due &= due - 1;
+            int64_t e = actx[k], pc = pcs[k], x = nx[k] + pc;
+            const uint64_t m = masks[k];
+            for (;;) {
+                chg |= 1ull << select64(m, (uint64_t)x);
+                int64_t p = ++P->ptr[e];
+                if (p >= P->gend[e]) {
+                    x = DEC_HUGE;
+                    gone = 1;
+                    break;
+                }
+                x += P->granks[p] - P->granks[p - 1];
+                if (x >= pc)
+                    break;
+            }
+            nx[k] = x - pc;
+        }
+        while (chg) {
+            int l = __builtin_ctzll(chg);
+            chg &= chg - 1;
+            P->out_pos[P->o] = i + l;
+            P->out_ctx[P->o] = ctxb[l];
+            P->o++;
+        }
+        if (gone) { /* drop the exhausted contexts */
+            int w = 0;
+            for (int k = 0; k < na; k++)
+                if (nx[k] < DEC_HUGE / 2) {
+                    actx[w] = actx[k];
+                    nx[w++] = nx[k];
+                }
+            P->active -= na - w;
+            na = w;
+        }
+    }
+    if (na == 0)
+        return;
+    for (int64_t e = 0; e < n_ctx; e++)
+        P->nxt[e] = DEC_HUGE;
+    for (int k = 0; k < na; k++)
+        P->nxt[actx[k]] = nx[k];
+    pos_scalar(P, base, i, n, 2, shift, cm);
+}
+
+static int dec_use_block = 1; /* decode_path("scalar") turns the block path off (tests compare the two) */
+
+/* Returns 0, a negative status, or -7 (out of memory). */
+static int decode_ulp_c(const uint8_t *base, int64_t n, const uint8_t *pl, int64_t plen, int64_t n_changed,
+                        int itemsize, int bits, int kind, unsigned shift, uint64_t cm, int64_t n_ctx,
+                        int64_t *out_pos, uint8_t *out_val)
+{
+    int64_t *gbeg = calloc((size_t)n_ctx, sizeof(int64_t));
+    int64_t *gend = calloc((size_t)n_ctx, sizeof(int64_t));
+    int64_t *ptr = malloc((size_t)n_ctx * sizeof(int64_t));
+    int64_t *nxt = malloc((size_t)n_ctx * sizeof(int64_t));
+    int64_t *granks = malloc((size_t)n_changed * sizeof(int64_t));
+    int32_t *ectx = malloc((size_t)n_changed * sizeof(int32_t));
+    uint16_t *plens = malloc((size_t)n_ctx * MAX_UNARY * sizeof(uint16_t));
+    int st = -7;
+    if (!gbeg || !gend || !ptr || !nxt || !granks || !ectx || !plens)
+        goto done;
+    rcd_t s;
+    rawr_t r;
+    int64_t rc_end;
+    st = dec_groups(pl, plen, n_changed, n, n_ctx, gbeg, gend, granks, &s, &r, &rc_end);
+    if (st)
+        goto done;
+    /* Part 2: positions, in position order, and their contexts. */
+    if (n_ctx == 1) { /* every element is context 0: a rank is a position */
+        memcpy(out_pos, granks, (size_t)n_changed * sizeof(int64_t));
+        memset(ectx, 0, (size_t)n_changed * sizeof(int32_t));
+    } else {
+        posst_t P = {gend, granks, ptr, nxt, out_pos, ectx, 0, 0};
+        for (int64_t e = 0; e < n_ctx; e++) {
+            ptr[e] = gbeg[e];
+            if (gend[e] > gbeg[e]) {
+                nxt[e] = granks[gbeg[e]];
+                P.active++;
+            } else {
+                nxt[e] = DEC_HUGE;
+            }
+        }
+        if (itemsize == 2 && cm <= 0xFF && dec_use_block)
+            pos_block16(&P, base, n, shift, (unsigned)cm, n_ctx, block_kernel());
+        else
+            pos_scalar(&P, base, 0, n, itemsize, shift, cm);
+        if (P.o != n_changed) {
+            st = -3;
+            goto done;
+        }
+    }
+    /* Parts 3 and 4: each change's ulp distance, then its target bits. */
+    const uint64_t mask = bits >= 64 ? ~0ull : (1ull << bits) - 1, sign = 1ull << (bits - 1);
+    for (int64_t i = 0; i < n_ctx * MAX_UNARY; i++)
+        plens[i] = 1u << (PROB_BITS - 1);
+    for (int64_t j = 0; j < n_changed; j++) {
+        uint16_t *pe = plens + (int64_t)ectx[j] * MAX_UNARY;
+        int ln = 1;
+        while (ln < bits) {
+            if (!rcd_bit(&s, pl, rc_end, pe, ln - 1))
+                break;
+            ln++;
+        }
+        uint64_t v = rawr_get(&r, pl, plen, ln);
+        uint64_t mag = (1ull << (ln - 1)) | (v >> 1);
+        uint64_t kb = key_of(load_u(base, out_pos[j], itemsize), kind, sign, mask);
+        uint64_t t = unkey_of(((v & 1) ? kb - mag : kb + mag) & mask, kind, sign, mask);
+        switch (itemsize) {
+        case 1: out_val[j] = (uint8_t)t; break;
+        case 2: { uint16_t x = (uint16_t)t; memcpy(out_val + 2 * j, &x, 2); break; }
+        case 4: { uint32_t x = (uint32_t)t; memcpy(out_val + 4 * j, &x, 4); break; }
+        default: memcpy(out_val + 8 * j, &t, 8); break;
+        }
+    }
+    if (s.bad || r.bad)
+        st = -1;
+    else if (s.pos != rc_end || r.pos != plen || r.acc != 0)
+        st = -6;
+    else
+        st = 0;
+done:
+    free(gbeg);
+    free(gend);
+    free(ptr);
+    free(nxt);
+    free(granks);
+    free(ectx);
+    free(plens);
+    return st;
+}
+
+/* Block kernels by name, and the one in use: "auto" picks the best this machine runs. */
+static const char *const dec_names[] = {"scalar", "generic", "sse2", "avx2", "avx512"};
+static int dec_choice = -1; /* -1: auto */
+
+static int dec_supported(int k)
+{
+    if (k <= 1)
+        return 1;
+#if HAVE_AVX512_PATH
+    __builtin_cpu_init();
+    if (k == 2)
+        return __builtin_cpu_supports("sse2") && __builtin_cpu_supports("popcnt");
+    if (k == 3)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("popcnt");
+#else
+    return 0;
+#endif
+}
+
+static int dec_current(void)
+{
+    static int best = -1;
+    if (dec_choice >= 0)
+        return dec_choice;
+    if (best < 0)
+        for (best = 4; best > 1 && !dec_supported(best); best--)
+            ;
+    return best;
+}
+
+static blockfn_t block_kernel(void)
+{
+    switch (dec_current()) {
+#if HAVE_AVX512_PATH
+    case 4: return block_avx512;
+    case 3: return block_avx2;
+    case 2: return block_sse2;
+#endif
+    default: return block_generic;
+    }
+}
+
+static PyObject *py_decode_ulp(PyObject *self, PyObject *args)
+{
+    PyObject *ob, *op, *opos, *oval;
+    Py_ssize_t n_changed, n_ctx;
+    int itemsize, bits, kind;
+    unsigned shift;
+    unsigned long long cm;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOniiiIKnOO", &ob, &op, &n_changed, &itemsize, &bits, &kind, &shift, &cm, &n_ctx,
+                          &opos, &oval))
+        return NULL;
+    if ((itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) || bits < 1 || bits > 8 * itemsize ||
+        kind < 0 || kind > 2 || n_ctx < 1 || n_ctx > 65536 || shift >= (unsigned)(8 * itemsize) ||
+        cm >= (unsigned long long)n_ctx) {
+        PyErr_SetString(PyExc_ValueError, "decode_ulp: itemsize, bits, kind or context (shift, mask, n_ctx) out of range");
+        return NULL;
+    }
+    Py_buffer vb, vp, vpos, vval;
+    int got = 0;
+    long st = 0;
+    PyObject *ret = NULL;
+    if (PyObject_GetBuffer(ob, &vb, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    got = 1;
+    if (vb.len % itemsize) {
+        PyErr_SetString(PyExc_ValueError, "decode_ulp: base is not a whole number of elements");
+        goto done;
+    }
+    if (PyObject_GetBuffer(op, &vp, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    got = 2;
+    if (get_buf(opos, &vpos, 1, 0, 8, "out_pos") < 0)
+        goto done;
+    got = 3;
+    if (get_buf(oval, &vval, 1, 0, (unsigned)itemsize, "out_val") < 0)
+        goto done;
+    got = 4;
+    {
+        const int64_t n = vb.len / itemsize;
+        /* kernels.ulp_decode's first check, status for status */
+        if (n_changed <= 0 || n_changed > n || vpos.len / 8 < n_changed || vval.len / itemsize < n_changed) {
+            ret = PyLong_FromLong(-4);
+            goto done;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        st = decode_ulp_c(vb.buf, n, vp.buf, vp.len, n_changed, itemsize, bits, kind, shift, cm, n_ctx, vpos.buf,
+                          vval.buf);
+        Py_END_ALLOW_THREADS
+        if (st == -7)
+            PyErr_NoMemory();
+        else
+            ret = PyLong_FromLong(st);
+    }
+done:
+    if (got >= 4) PyBuffer_Release(&vval);
+    if (got >= 3) PyBuffer_Release(&vpos);
+    if (got >= 2) PyBuffer_Release(&vp);
+    PyBuffer_Release(&vb);
+    return ret;
+}
+
+static PyObject *py_decode_kernel(PyObject *self, PyObject *args)
+{
+    const char *name = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "|z", &name))
+        return NULL;
+    const char *was = dec_use_block ? dec_names[dec_current()] : "scalar";
+    if (name != NULL) {
+        if (strcmp(name, "auto") == 0) {
+            dec_choice = -1;
+            dec_use_block = 1;
+        } else {
+            int k = -1;
+            for (int j = 0; j < 5; j++)
+                if (strcmp(name, dec_names[j]) == 0)
+                    k = j;
+            if (k < 0 || !dec_supported(k)) {
+                PyErr_Format(PyExc_ValueError, "decode_kernel: %s is not a kernel this machine runs", name);
+                return NULL;
+            }
+            dec_use_block = k != 0;
+            dec_choice = k == 0 ? -1 : k;
+        }
+    }
+    return PyUnicode_FromString(was);
+}
+
+static PyObject *py_decode_kernels(PyObject *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    PyObject *l = PyList_New(0);
+    for (int k = 0; l && k < 5; k++)
+        if (dec_supported(k)) {
+            PyObject *s = PyUnicode_FromString(dec_names[k]);
+            if (!s || PyList_Append(l, s) < 0) {
+                Py_XDECREF(s);
+                Py_DECREF(l);
+                return NULL;
+            }
+            Py_DECREF(s);
+        }
+    return l;
+}
+
 static PyObject *py_use_simd(PyObject *self, PyObject *arg)
 {
     (void)self;
@@ -616,6 +1293,14 @@ static PyMethodDef methods[] = {
     {"encode_changes", py_encode_changes, METH_VARARGS,
      "encode_changes(ectx, rank, bvals, tvals, itemsize, bits, kind, n_ctx, out) -> nbytes: "
      "kernels.ulp_encode_changes, the same bytes."},
+    {"decode_ulp", py_decode_ulp, METH_VARARGS,
+     "decode_ulp(base, payload, n_changed, itemsize, bits, kind, shift, mask, n_ctx, out_pos, out_val) -> status: "
+     "kernels.ulp_decode, the same positions, values and status (0 or a kernels.STATUS code)."},
+    {"decode_kernel", py_decode_kernel, METH_VARARGS,
+     "decode_kernel([name]) -> the one in use before: the positions pass decode_ulp uses for 16-bit floats, one of "
+     "decode_kernels(); 'auto' (the default) picks the fastest."},
+    {"decode_kernels", py_decode_kernels, METH_NOARGS,
+     "The positions passes this machine runs: 'scalar' (numba's countdown), 'generic', 'sse2', 'avx2', 'avx512'."},
     {"use_simd", py_use_simd, METH_O, "use_simd(on) -> previous setting: allow the AVX-512 path (default True)."},
     {"simd", py_simd, METH_NOARGS, "The instruction set scan16 uses here: 'avx512' or 'portable'."},
     {NULL, NULL, 0, NULL},
@@ -623,4 +1308,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "Native kernels of the ULP codec.", -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void)
+{
+    init_select();
+    return PyModule_Create(&module);
+}

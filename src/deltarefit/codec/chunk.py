@@ -58,10 +58,11 @@ _NATIVE_SCAN = _native is not None and _native.simd() == "avx512"
 
 
 def kernels_in_use() -> str:
-    """Which encoder kernels run here, for reports: scan and coder."""
+    """Which codec kernels run here, for reports: the encoder's scan and coder, and the decoder."""
     if not (USE_NATIVE and _native is not None):
-        return "numba scan and coder"
-    return "native scan (AVX-512) and coder" if _NATIVE_SCAN else "numba scan, native coder"
+        return "numba scan, coder and decoder"
+    scan = "native scan (AVX-512)" if _NATIVE_SCAN else "numba scan"
+    return f"{scan}, native coder and decoder (positions: {_native.decode_kernel()})"
 
 
 def _zc() -> zstandard.ZstdCompressor:
@@ -339,9 +340,13 @@ def decode_chunk(
             raise DecodeError(f"{where}: ulp chunk declares a decoded length")
         pos = np.empty(n_changed, np.int64)
         val = np.empty(n_changed, dt.uint)
-        buf = np.frombuffer(payload, np.uint8)
         shift, mask, nctx = _ctx(dt)
-        st = K.ulp_decode(base, buf, n_changed, dt.bits, _kind(dt), shift, mask, nctx, pos, val)
+        if USE_NATIVE and _native is not None and base.flags.c_contiguous:  # (any alignment)
+            st = _native.decode_ulp(base, payload, n_changed, dt.itemsize, dt.bits, _kind(dt), shift, mask, nctx,
+                                    pos, val)
+        else:
+            buf = np.frombuffer(payload, np.uint8)
+            st = K.ulp_decode(base, buf, n_changed, dt.bits, _kind(dt), shift, mask, nctx, pos, val)
         if st != 0:
             raise DecodeError(f"{where}: {K.STATUS.get(st, f'status {st}')}")
         return Patch(pos, val, None)
