@@ -224,10 +224,10 @@ def test_bit_flips_and_garbage_get_the_same_status_and_output(kernel):
     # behind a plausible rc_len. Every status numba can return turns up.
     rng = np.random.default_rng(2026)
     seen = {}
-    for it in range(3000):
+    for it in range(4000):
         dt, base, payload, m = PAYLOADS[it % len(PAYLOADS)]
         b = bytearray(payload)
-        how = it % 5
+        how = it % 6
         if how <= 1:
             for _ in range(1 + how * int(rng.integers(1, 6))):
                 k = int(rng.integers(len(b) * 8))
@@ -239,9 +239,15 @@ def test_bit_flips_and_garbage_get_the_same_status_and_output(kernel):
             size = int(rng.integers(0, 300))
             rc_len = int(rng.integers(0, size + 2))
             b = bytearray(rc_len.to_bytes(4, "little") + rng.integers(0, 256, size, dtype=np.uint8).tobytes())
-        else:
+        elif how == 4:
             k = int(rng.integers(len(b)))
             b[k] = int(rng.integers(256))
+        else:  # the range-coded part kept, the raw part mostly zero bits: long unary runs and Elias gamma
+            # codes of 40 zeros or more, runs that reach past the end, streams that end mid-code
+            rc_end = 4 + int.from_bytes(b[:4], "little")
+            size = int(rng.integers(0, 2 * max(len(b) - rc_end, 1) + 8))
+            raw = np.where(rng.random(size) < 0.97, 0, rng.integers(0, 256, size)).astype(np.uint8)
+            b[rc_end:] = raw.tobytes()
         nc = m if it % 7 else int(rng.integers(-1, base.size + 2))
         st = _agree(dt, base, bytes(b), nc)
         seen[st] = seen.get(st, 0) + 1
@@ -353,3 +359,41 @@ def test_the_guard_page_faults():
             % os.path.dirname(__file__))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "inside ok" and out.returncode == -11, (out.returncode, out.stderr[-500:])
+
+
+def _bits(spec: list[tuple[int, int]]) -> bytes:
+    """A raw stream: (value, nbits) pairs, least significant bit first (FORMAT.md's put)."""
+    acc, n = 0, 0
+    for v, k in spec:
+        acc |= (v & ((1 << k) - 1)) << n
+        n += k
+    return acc.to_bytes((n + 7) // 8, "little")
+
+
+@pytest.mark.parametrize("name", ["I16", "BF16"])
+def test_crafted_unary_runs_and_gamma_codes_at_their_limits(kernel, name):
+    # Hand-made streams at the readers' edges: a range-coded part that decodes to ones (so every gap
+    # quotient is "q > 1" and its unary code is raw), unary runs ending just below, at and past the
+    # chunk size, runs cut off by the end of the stream, and Elias gamma codes of 38 to 42 zeros (the
+    # 40th zero refuses), complete or cut short, in each place a gamma code is read.
+    dt = dtype(name)
+    rc = (5).to_bytes(4, "little") + b"\x00\xff\xff\xff\xff"
+    base = np.full(100, 0x3F80, np.uint16)  # one context (127 for BF16)
+    ctx = [(1, 1)] if name == "I16" else [(1 << 7, 8), (0, 7)]  # gamma(1) or gamma(128): context 0 or 127
+    seen = set()
+    for k in (0, 3):
+        for z in range(0, 30 if k else 110):
+            head = [(1, 1)] + ctx + [(1, 1), (k, 5)]  # one group, its context, count 1, rice parameter
+            for tail in ([(1, 1), (0, k), (0, 64)], [(1, 1)], []):
+                raw = _bits(head + [(0, z)] + tail)
+                for cut in (len(raw), len(raw) - 1):
+                    seen.add(_agree(dt, base, rc + raw[:max(cut, 0)], 1))
+    for z in range(36, 44):
+        for where in range(3):  # the group count, the context step, the change count
+            codes = [[(1, 1)], ctx, [(1, 1)]]
+            codes[where] = [(1 << z, z + 1), (0, z)]
+            for extra in ([(0, 5), (0, 80)], []):
+                raw = _bits(codes[0] + codes[1] + codes[2] + extra)
+                for cut in (len(raw), len(raw) - 2):
+                    seen.add(_agree(dt, base, rc + raw[:max(cut, 0)], 1))
+    assert {-1, -2, -3} <= seen, seen
