@@ -353,10 +353,9 @@ def test_numba_is_forced_by_the_environment():
 
 def test_the_guard_page_faults():
     # The guard above is real: reading one byte past a guarded buffer kills the process (SIGSEGV).
-    code = ("import ctypes, sys; sys.path.insert(0, %r); import test_native_decode as T; "
+    code = (f"import ctypes, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_native_decode as T; "
             "mm, off = T._guarded(100); a = ctypes.addressof(ctypes.c_char.from_buffer(mm)); "
-            "ctypes.string_at(a + off + 99, 1); print('inside ok', flush=True); ctypes.string_at(a + off + 100, 1)"
-            % os.path.dirname(__file__))
+            "ctypes.string_at(a + off + 99, 1); print('inside ok', flush=True); ctypes.string_at(a + off + 100, 1)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "inside ok" and out.returncode == -11, (out.returncode, out.stderr[-500:])
 
@@ -383,9 +382,9 @@ def test_crafted_unary_runs_and_gamma_codes_at_their_limits(kernel, name):
     seen = set()
     for k in (0, 3):
         for z in range(0, 30 if k else 110):
-            head = [(1, 1)] + ctx + [(1, 1), (k, 5)]  # one group, its context, count 1, rice parameter
+            head = [(1, 1), *ctx, (1, 1), (k, 5)]  # one group, its context, count 1, rice parameter
             for tail in ([(1, 1), (0, k), (0, 64)], [(1, 1)], []):
-                raw = _bits(head + [(0, z)] + tail)
+                raw = _bits([*head, (0, z), *tail])
                 for cut in (len(raw), len(raw) - 1):
                     seen.add(_agree(dt, base, rc + raw[:max(cut, 0)], 1))
     for z in range(36, 44):

@@ -6,6 +6,9 @@
  *     coded too (encode_changes below), in the same call.
  * encode_changes(ectx, rank, bvals, tvals, itemsize, bits, kind, n_ctx, out)
  *     kernels.ulp_encode_changes, byte for byte, for any item size.
+ * decode_ulp(base, payload, n_changed, itemsize, bits, kind, shift, mask, n_ctx, out_pos, out_val)
+ *     kernels.ulp_decode: the same positions, values and status, for any item size (see the decoder's
+ *     section below). Unlike the encoder's kernels it trusts nothing in the payload.
  *
  * The scan is a histogram of every element's context (a change's rank is the count of earlier elements
  * of its context). With AVX-512 a block of 32 elements is compared in one step; each change's rank is
@@ -16,7 +19,8 @@
  * per lane i % 4, so that consecutive increments of one context do not wait on each other's store.
  *
  * Buffers are checked here (size, alignment, writability): a bad one raises ValueError, a misaligned one
- * BufferError (the caller copies and retries). Contents are trusted: this is the encoder's side.
+ * BufferError (the caller copies and retries). The encoder's inputs are trusted; the decoder's payload
+ * is not.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -599,16 +603,16 @@ done:
  * reads as zero and sets a flag, checked where numba checks it), so a malformed payload takes the same
  * path to the same status; no read or write leaves the buffers.
  *
- * Positions: the r-th element of context e is the next change of group e. For 16-bit floats the base
- * is taken in blocks of 64 elements: the block's contexts (one byte each) are compared with each
- * context that still has changes (with AVX-512, AVX2 or SSE2, chosen at run time), a popcount of each
- * mask is subtracted from the context's countdown, and only the contexts whose next change falls in
- * the block (a bit mask over the contexts, without a branch per context) are visited; the block's
- * changes are then emitted in position order from a 64-bit mask. Contexts without changes cost
- * nothing, and one whose group is exhausted leaves the list. While more than BLOCK_CTX contexts have
- * changes left, elements are counted one by one (numba's countdown), which costs the same for any
- * number of contexts. Other item sizes take that countdown throughout; one-context dtypes (integers)
- * need no pass: a change's rank is its position.
+ * Positions: the r-th element of context e is the next change of group e. For 16-bit and 8-bit floats
+ * the base is taken in blocks of 64 elements: the block's contexts (one byte each) are compared with
+ * each context that still has changes (with AVX-512, AVX2 or SSE2, chosen at run time), each mask's
+ * popcount is subtracted from its context's countdown (in vectors), and only the contexts whose next
+ * change falls in the block (a bit mask over the contexts, without a branch per context) are visited;
+ * the block's changes are then emitted in position order from a 64-bit mask. Contexts without changes
+ * cost nothing, and one whose group is exhausted leaves the list. While more than BLOCK_CTX contexts
+ * have changes left, elements are counted one by one (numba's countdown, "scalar"), which costs the
+ * same for any number of contexts; so do 32- and 64-bit floats (up to 2048 contexts) and machines
+ * without SSE2 and popcnt. One-context dtypes (integers) need no pass: a change's rank is its position.
  * ------------------------------------------------------------------------------------------------ */
 
 #define BLOCK_CTX 32            /* contexts the block path compares against at most */
