@@ -328,7 +328,8 @@ def test_kernel_timings_print_every_step(capsys):
     want = {"encode: scan, numba", "encode: code the changes, numba", "BLAKE3 segment hash (one)",
             "decode: all (ulp_decode)", "scatter"}
     if chunk._native is not None:
-        want |= {f"encode: scan, native ({chunk._native.simd()})", "encode: code the changes, native"}
+        want |= {f"encode: scan, native ({chunk._native.simd()})", "encode: code the changes, native",
+                 f"decode: all, native ({chunk._native.decode_kernel()}, in use)", "decode: all, native (scalar)"}
     assert want <= set(rows), rows
     assert all(ms > 0 for ms in rows.values())
     assert any("native" in r for r in rows) == (chunk._native is not None)

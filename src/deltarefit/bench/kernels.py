@@ -4,7 +4,9 @@
 N(0, 0.02) weights with ``--rate`` of its elements moved by +-1 (80%) or +-2 (20%) ulps, and prints the
 best-of-5 time of each step on one thread: the encoder's scan (contexts and ranks) and its coding of the
 changes, in numba and, where it was built, in the native extension (the encoder uses the native ones),
-a BLAKE3 segment hash, and the decoder's parts (group section, positions, ulp distances, target bits).
+a BLAKE3 segment hash, and the decoder: numba's parts (group section, positions, ulp distances,
+target bits) and their sum, and the native decoder (all four in one call) with each of its positions
+passes (the one decode_chunk uses marked "in use").
 Encode is scan + code + 2 hashes; apply is decode + 3 hashes + the scatter.
 
 Read these as lower bounds: timing one segment over and over lets the branch predictors learn part of
@@ -81,11 +83,29 @@ def main(argv: list[str] | None = None) -> int:
                                                           val)),
         ("scatter", lambda: K.scatter(b.copy(), pos, val)),
     ]
+    if _native is not None:
+        # The native decoder does all four parts in one call; one row per positions pass it has here
+        # (the one decode_chunk uses is marked), each switched on before its timing.
+        auto = _native.decode_kernel()
+
+        def native_decode() -> int:
+            return _native.decode_ulp(b, enc.payload, m, dt.itemsize, dt.bits, _kind(dt), shift, mask, nctx, pos, val)
+
+        for kern in reversed(_native.decode_kernels()):
+            mark = ", in use" if kern == auto else ""
+            rows.append((f"decode: all, native ({kern}{mark})", native_decode,
+                         lambda kern=kern: _native.decode_kernel(kern)))
     print(f"one 1 MiB bf16 segment, {m:,} of {n:,} elements changed ({m / n:.2%}), payload {len(enc.payload):,} B "
           f"({8 * len(enc.payload) / m:.2f} bits per change); best of 5 x {a.reps} calls, one thread")
-    for name, f in rows:
-        ms = _best_ms(f, a.reps)
-        print(f"  {name:<38} {ms:7.3f} ms  ({1e6 * ms / m:6.1f} ns per change)")
+    try:
+        for name, f, *setup in rows:
+            for s in setup:
+                s()
+            ms = _best_ms(f, a.reps)
+            print(f"  {name:<38} {ms:7.3f} ms  ({1e6 * ms / m:6.1f} ns per change)")
+    finally:
+        if _native is not None:
+            _native.decode_kernel("auto")
     return 0
 
 

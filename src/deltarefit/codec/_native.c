@@ -6,6 +6,9 @@
  *     coded too (encode_changes below), in the same call.
  * encode_changes(ectx, rank, bvals, tvals, itemsize, bits, kind, n_ctx, out)
  *     kernels.ulp_encode_changes, byte for byte, for any item size.
+ * decode_ulp(base, payload, n_changed, itemsize, bits, kind, shift, mask, n_ctx, out_pos, out_val)
+ *     kernels.ulp_decode: the same positions, values and status, for any item size (see the decoder's
+ *     section below). Unlike the encoder's kernels it trusts nothing in the payload.
  *
  * The scan is a histogram of every element's context (a change's rank is the count of earlier elements
  * of its context). With AVX-512 a block of 32 elements is compared in one step; each change's rank is
@@ -16,7 +19,8 @@
  * per lane i % 4, so that consecutive increments of one context do not wait on each other's store.
  *
  * Buffers are checked here (size, alignment, writability): a bad one raises ValueError, a misaligned one
- * BufferError (the caller copies and retries). Contents are trusted: this is the encoder's side.
+ * BufferError (the caller copies and retries). The encoder's inputs are trusted; the decoder's payload
+ * is not.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -590,6 +594,812 @@ done:
     return ret;
 }
 
+/* ------------------------------------------------------------------------------------------------
+ * decode_ulp(base, payload, n_changed, itemsize, bits, kind, shift, mask, n_ctx, out_pos, out_val) -> status
+ *
+ * kernels.ulp_decode, output for output and status for status (kernels.STATUS): the group section
+ * (range decoder and raw bit reader), the rank-to-position pass over the base, the ulp distances and
+ * the target bits. The payload is hostile: the readers keep numba's state (a byte past either part
+ * reads as zero and sets a flag, checked where numba checks it), so a malformed payload takes the same
+ * path to the same status; no read or write leaves the buffers.
+ *
+ * Positions: the r-th element of context e is the next change of group e. For 16-bit and 8-bit floats
+ * the base is taken in blocks of 64 elements: the block's contexts (one byte each) are compared with
+ * each context that still has changes (with AVX-512, AVX2 or SSE2, chosen at run time), each mask's
+ * popcount is subtracted from its context's countdown (in vectors), and only the contexts whose next
+ * change falls in the block (a bit mask over the contexts, without a branch per context) are visited;
+ * the block's changes are then emitted in position order from a 64-bit mask. Contexts without changes
+ * cost nothing, and one whose group is exhausted leaves the list. While more than BLOCK_CTX contexts
+ * have changes left, elements are counted one by one (numba's countdown, "scalar"), which costs the
+ * same for any number of contexts; so do 32- and 64-bit floats (up to 2048 contexts) and machines
+ * without SSE2 and popcnt. One-context dtypes (integers) need no pass: a change's rank is its position.
+ * ------------------------------------------------------------------------------------------------ */
+
+#define BLOCK_CTX 32            /* contexts the block path compares against at most */
+#define BLOCK_IDLE (1 << 30)    /* block path: countdown of a context with no change left */
+#define BLOCK_MAX_N (1 << 29)   /* ... which stays above any count in chunks up to this many elements */
+#define DEC_HUGE (INT64_MAX / 4) /* countdown of a context with no change left: never reaches zero */
+
+typedef struct {
+    uint64_t code, range;
+    int64_t pos;
+    int bad;
+} rcd_t;
+
+/* The raw bit stream: bp bits read from byte `start` on; `avail` = 8 * (lim - start). numba's reader
+ * loads a byte only when it needs one of its bits, so after bp bits it has loaded ceil(bp / 8) bytes and
+ * its overrun flag is set exactly when bp > avail; its leftover bits are the upper ones of the last byte
+ * loaded. Here the same state is a bit position, read 57 bits at a time. */
+typedef struct {
+    const uint8_t *buf;
+    int64_t start, lim, bp, avail;
+} rawr_t;
+
+/* Decode one bit, or nothing when active == 0 (the gap code's conditional second bit), with selects
+ * rather than branches (the bits are coin flips). At most one renormalisation step follows a bit (see
+ * rc_bit_if), but a loop costs nothing and states numba's rule. */
+static inline uint64_t rcd_bit_if(rcd_t *s, const uint8_t *buf, int64_t lim, uint16_t *probs, Py_ssize_t idx,
+                                  uint64_t active)
+{
+    uint64_t p = probs[idx], bound = (s->range >> PROB_BITS) * p;
+    uint64_t bit = s->code >= bound;
+    uint64_t up = p + (((1u << PROB_BITS) - p) >> MOVE_BITS), down = p - (p >> MOVE_BITS);
+    uint64_t ncode = bit ? s->code - bound : s->code, nrange = bit ? s->range - bound : bound;
+    s->code = active ? ncode : s->code;
+    s->range = active ? nrange : s->range;
+    probs[idx] = (uint16_t)(active ? (bit ? down : up) : p);
+    while (__builtin_expect(s->range < RC_TOP, 0)) {
+        s->range = (s->range << 8) & 0xFFFFFFFFull;
+        uint64_t v = 0;
+        if (s->pos < lim)
+            v = buf[s->pos];
+        else
+            s->bad = 1;
+        s->pos++;
+        s->code = ((s->code << 8) | v) & 0xFFFFFFFFull;
+    }
+    return bit & active;
+}
+
+static inline uint64_t rcd_bit(rcd_t *s, const uint8_t *buf, int64_t lim, uint16_t *probs, Py_ssize_t idx)
+{
+    return rcd_bit_if(s, buf, lim, probs, idx, 1);
+}
+
+/* The next 57 or more bits (zeros past lim). */
+static inline uint64_t rawr_peek(const rawr_t *r)
+{
+    int64_t byte = r->start + (r->bp >> 3);
+    uint64_t w = 0;
+    if (__builtin_expect(byte + 8 <= r->lim, 1)) {
+        memcpy(&w, r->buf + byte, 8);
+    } else {
+        for (int k = 0; k < 8 && byte + k < r->lim; k++)
+            w |= (uint64_t)r->buf[byte + k] << (8 * k);
+    }
+    return w >> (r->bp & 7);
+}
+
+static inline int rawr_bad(const rawr_t *r) { return r->bp > r->avail; }
+
+static inline uint64_t rawr_get(rawr_t *r, int nbits) /* nbits <= 64 */
+{
+    uint64_t v;
+    if (nbits > 56) {
+        v = rawr_peek(r) & 0xFFFFFFFFull;
+        r->bp += 32;
+        v |= (rawr_peek(r) & ((1ull << (nbits - 32)) - 1)) << 32;
+        r->bp += nbits - 32;
+        return v;
+    }
+    v = rawr_peek(r) & ((1ull << nbits) - 1);
+    r->bp += nbits;
+    return v;
+}
+
+/* Elias gamma; 0 for a malformed code. numba reads it bit by bit and gives up after a zero bit that
+ * is the 40th or leaves the stream overrun; the zeros come first, so that is: 40 or more zeros, or
+ * zeros reaching past the end. (Callers refuse a 0 at once: the position after it does not matter.) */
+static inline uint64_t rawr_gamma(rawr_t *r)
+{
+    unsigned z = (unsigned)__builtin_ctzll(rawr_peek(r) | (1ull << 56));
+    if (z > 0 && (z >= 40 || r->bp + z > r->avail))
+        return 0;
+    r->bp += z + 1;
+    return (1ull << z) | rawr_get(r, (int)z);
+}
+
+/* The rest of a gap quotient's unary code (q > 1): numba's loop adds one per zero bit and stops at a
+ * one or at the first bit read past the end (consumed either way), refusing (-3) once q << k reaches
+ * n. Returns q, or -3. */
+static inline int64_t rawr_unary(rawr_t *r, int k, int64_t n)
+{
+    const int64_t room = r->avail - r->bp > 0 ? r->avail - r->bp : 0; /* zeros it can add before overrun */
+    int64_t t = 0;
+    for (;;) {
+        r->bp += t; /* peek at bp + t */
+        uint64_t w = rawr_peek(r);
+        r->bp -= t;
+        unsigned z = (unsigned)__builtin_ctzll(w | (1ull << 56));
+        t += z;
+        if (z < 56 || t >= room || ((2 + t) << k) >= n)
+            break;
+    }
+    if (t > room)
+        t = room;
+    if (t >= 1 && ((2 + t) << k) >= n)
+        return -3;
+    r->bp += t + 1;
+    return 2 + t;
+}
+
+/* kernels.ulp_decode_groups: fills granks (grouped by context, ascending within a group), gbeg and
+ * gend (zeroed by the caller); leaves the streams where the values start. */
+static __attribute__((noinline)) int dec_groups(const uint8_t *pl, int64_t plen, int64_t n_changed, int64_t n, int64_t n_ctx, int64_t *gbeg,
+                      int64_t *gend, int64_t *granks, rcd_t *s_out, rawr_t *r_out, int64_t *rc_end_out)
+{
+    if (n_changed <= 0 || n_changed > n)
+        return -4;
+    if (plen < 9)
+        return -1;
+    int64_t rc_len = (int64_t)pl[0] | (int64_t)pl[1] << 8 | (int64_t)pl[2] << 16 | (int64_t)pl[3] << 24;
+    int64_t rc_end = 4 + rc_len;
+    if (rc_len < 5 || rc_end > plen)
+        return -1;
+    uint64_t code = 0;
+    for (int k = 0; k < 5; k++)
+        code = ((code << 8) | pl[4 + k]) & 0xFFFFFFFFull;
+    rcd_t s = {code, 0xFFFFFFFFull, 9, 0};
+    rawr_t r = {pl, rc_end, plen, 0, 8 * (plen - rc_end)};
+    int64_t ngroups = (int64_t)rawr_gamma(&r);
+    if (ngroups <= 0 || ngroups > n_ctx)
+        return -2;
+    uint16_t pq[2] = {1u << (PROB_BITS - 1), 1u << (PROB_BITS - 1)};
+    int64_t c = -1, total = 0;
+    for (int64_t gi = 0; gi < ngroups; gi++) {
+        int64_t dc = (int64_t)rawr_gamma(&r);
+        if (dc <= 0 || c + dc >= n_ctx)
+            return -2;
+        c += dc;
+        int64_t cnt = (int64_t)rawr_gamma(&r);
+        if (cnt <= 0)
+            return -2;
+        if (total + cnt > n_changed)
+            return -4;
+        int k = (int)rawr_get(&r, 5);
+        if (k > 24)
+            return -2;
+        gbeg[c] = total;
+        int64_t prev = -1;
+        for (int64_t j = 0; j < cnt; j++) {
+            uint64_t b0 = rcd_bit(&s, pl, rc_end, pq, 0);
+            int64_t q = (int64_t)(b0 + rcd_bit_if(&s, pl, rc_end, pq, 1, b0));
+            if (q == 2) {
+                q = rawr_unary(&r, k, n);
+                if (q < 0)
+                    return -3;
+            }
+            int64_t g = (int64_t)rawr_get(&r, k);
+            int64_t rk = prev + 1 + ((q << k) | g);
+            if (rk >= n)
+                return -3;
+            granks[total + j] = rk;
+            prev = rk;
+        }
+        total += cnt;
+        gend[c] = total;
+        if (s.bad || rawr_bad(&r))
+            return -1;
+    }
+    if (total != n_changed)
+        return -4;
+    *s_out = s;
+    *r_out = r;
+    *rc_end_out = rc_end;
+    return 0;
+}
+
+static inline uint64_t unkey_of(uint64_t k, int kind, uint64_t sign, uint64_t mask)
+{
+    if (kind == KIND_FLOAT) { /* sign set: k ^ sign; else mask - k = k ^ mask. Without a branch: signs are coin flips */
+        uint64_t pos = ((k & sign) != 0) - 1ull; /* all ones when the sign bit is clear */
+        return k ^ (sign ^ (pos & (mask ^ sign)));
+    }
+    if (kind == KIND_INT)
+        return k ^ sign;
+    return k;
+}
+
+static inline uint64_t load_u(const uint8_t *p, int64_t j, int itemsize) /* any alignment */
+{
+    uint8_t b1;
+    uint16_t b2;
+    uint32_t b4;
+    uint64_t b8;
+    switch (itemsize) {
+    case 1: memcpy(&b1, p + j, 1); return b1;
+    case 2: memcpy(&b2, p + 2 * j, 2); return b2;
+    case 4: memcpy(&b4, p + 4 * j, 4); return b4;
+    default: memcpy(&b8, p + 8 * j, 8); return b8;
+    }
+}
+
+typedef struct {
+    const int64_t *gend, *granks;
+    int64_t *ptr, *nxt; /* per context: next change's index in granks, elements to skip before it */
+    int64_t *out_pos;
+    int32_t *out_ctx;
+    int64_t o, active; /* changes emitted, contexts with changes left */
+    int64_t cap;       /* entries out_pos and out_ctx hold (n_changed) */
+} posst_t;
+
+/* numba's countdown over elements [i, end) of any item size. */
+static inline __attribute__((always_inline)) void pos_scalar_t(posst_t *P, const uint8_t *base, int64_t i, int64_t end,
+                                                               int itemsize, unsigned shift, uint64_t cm)
+{
+    /* The state in locals: stores through nxt could alias P's fields, and the compiler would reload them
+     * for every element. */
+    int64_t *const nxt = P->nxt, *const ptr = P->ptr, *const out_pos = P->out_pos;
+    const int64_t *const gend = P->gend, *const granks = P->granks;
+    int32_t *const out_ctx = P->out_ctx;
+    int64_t o = P->o, active = P->active;
+    for (; i < end; i++) {
+        int64_t e = (int64_t)((load_u(base, i, itemsize) >> shift) & cm);
+        int64_t c = nxt[e];
+        nxt[e] = c - 1; /* unconditional: the rare change rewrites it */
+        if (__builtin_expect(c == 0, 0)) {
+            out_pos[o] = i;
+            out_ctx[o] = (int32_t)e;
+            o++;
+            int64_t p = ++ptr[e];
+            if (p < gend[e]) {
+                nxt[e] = granks[p] - granks[p - 1] - 1;
+            } else {
+                nxt[e] = DEC_HUGE;
+                if (--active == 0)
+                    break;
+            }
+        }
+    }
+    P->o = o;
+    P->active = active;
+}
+
+static __attribute__((noinline)) void pos_scalar(posst_t *P, const uint8_t *base, int64_t i, int64_t end, int itemsize, unsigned shift,
+                       uint64_t cm)
+{
+    switch (itemsize) {
+    case 1: pos_scalar_t(P, base, i, end, 1, shift, cm); break;
+    case 2: pos_scalar_t(P, base, i, end, 2, shift, cm); break;
+    case 4: pos_scalar_t(P, base, i, end, 4, shift, cm); break;
+    default: pos_scalar_t(P, base, i, end, 8, shift, cm); break;
+    }
+}
+
+/* Block kernels: the 64 contexts of elements b[0..64) (of 2 or 1 bytes: for 1, shift + exponent bits
+ * <= 8, so a 16-bit shift moves no bit of the next byte into the field) into ctxb, and for each of the na contexts in
+ * actx the mask of the block's lanes holding it and its popcount; each countdown nx[k] goes down by the
+ * popcount. Returns the contexts whose next change lies in the block (bit k: nx[k] < popcount). The
+ * arrays hold BLOCK_CTX entries, those past na padded (pcs 0, nx BLOCK_IDLE): the countdowns are
+ * updated BLOCK_CTX at a time, in vectors. */
+typedef uint64_t (*blockfn_t)(const uint8_t *b, int itemsize, unsigned shift, unsigned cm, const uint8_t *actx,
+                              int na, uint64_t *masks, int32_t *pcs, int32_t *nx, uint8_t *ctxb);
+
+#if HAVE_AVX512_PATH
+__attribute__((target("avx512f,avx512bw,popcnt"))) static uint64_t block_avx512(const uint8_t *b, int itemsize, unsigned shift,
+                                                                             unsigned cm, const uint8_t *actx,
+                                                                             int na, uint64_t *masks,
+                                                                             int32_t *pcs, int32_t *nx, uint8_t *ctxb)
+{
+    const __m128i vs = _mm_cvtsi32_si128((int)shift);
+    __m512i e;
+    if (itemsize == 1) {
+        e = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512((const void *)b), vs), _mm512_set1_epi8((char)cm));
+    } else {
+        const __m512i vm = _mm512_set1_epi16((short)cm);
+        __m512i a = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512((const void *)b), vs), vm);
+        __m512i c = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512((const void *)(b + 64)), vs), vm);
+        e = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(a)), _mm512_cvtepi16_epi8(c), 1);
+    }
+    _mm512_storeu_si512((void *)ctxb, e);
+    uint64_t due = 0;
+    for (int k = 0; k < na; k++) {
+        uint64_t m = _mm512_cmpeq_epi8_mask(e, _mm512_set1_epi8((char)actx[k]));
+        masks[k] = m;
+        pcs[k] = __builtin_popcountll(m);
+    }
+    for (int k = 0; k < na; k += 16) {
+        __m512i vp = _mm512_loadu_si512((const void *)(pcs + k)), vx = _mm512_loadu_si512((const void *)(nx + k));
+        due |= (uint64_t)_mm512_cmplt_epi32_mask(vx, vp) << k;
+        _mm512_storeu_si512((void *)(nx + k), _mm512_sub_epi32(vx, vp));
+    }
+    return due;
+}
+
+__attribute__((target("avx2,popcnt"))) static uint64_t block_avx2(const uint8_t *b, int itemsize, unsigned shift, unsigned cm,
+                                                               const uint8_t *actx, int na, uint64_t *masks,
+                                                               int32_t *pcs, int32_t *nx, uint8_t *ctxb)
+{
+    const __m128i vs = _mm_cvtsi32_si128((int)shift);
+    __m256i e0, e1;
+    if (itemsize == 1) {
+        const __m256i vm = _mm256_set1_epi8((char)cm);
+        e0 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)b), vs), vm);
+        e1 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(b + 32)), vs), vm);
+    } else {
+        const __m256i vm = _mm256_set1_epi16((short)cm);
+        __m256i x0 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)b), vs), vm);
+        __m256i x1 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(b + 32)), vs), vm);
+        __m256i x2 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(b + 64)), vs), vm);
+        __m256i x3 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(b + 96)), vs), vm);
+        e0 = _mm256_permute4x64_epi64(_mm256_packus_epi16(x0, x1), 0xD8);
+        e1 = _mm256_permute4x64_epi64(_mm256_packus_epi16(x2, x3), 0xD8);
+    }
+    _mm256_storeu_si256((__m256i *)ctxb, e0);
+    _mm256_storeu_si256((__m256i *)(ctxb + 32), e1);
+    uint64_t due = 0;
+    for (int k = 0; k < na; k++) {
+        __m256i v = _mm256_set1_epi8((char)actx[k]);
+        uint64_t m = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e0, v)) |
+                     (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e1, v)) << 32;
+        masks[k] = m;
+        pcs[k] = __builtin_popcountll(m);
+    }
+    for (int k = 0; k < na; k += 8) {
+        __m256i vp = _mm256_loadu_si256((const __m256i *)(pcs + k)), vx = _mm256_loadu_si256((const __m256i *)(nx + k));
+        due |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(vp, vx))) << k;
+        _mm256_storeu_si256((__m256i *)(nx + k), _mm256_sub_epi32(vx, vp));
+    }
+    return due;
+}
+
+__attribute__((target("sse2,popcnt"))) static uint64_t block_sse2(const uint8_t *b, int itemsize, unsigned shift, unsigned cm,
+                                                               const uint8_t *actx, int na, uint64_t *masks,
+                                                               int32_t *pcs, int32_t *nx, uint8_t *ctxb)
+{
+    const __m128i vs = _mm_cvtsi32_si128((int)shift);
+    __m128i e[4];
+    for (int q = 0; q < 4; q++) {
+        if (itemsize == 1) {
+            e[q] = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(b + 16 * q)), vs),
+                                 _mm_set1_epi8((char)cm));
+        } else {
+            const __m128i vm = _mm_set1_epi16((short)cm);
+            __m128i lo = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(b + 32 * q)), vs), vm);
+            __m128i hi = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(b + 32 * q + 16)), vs), vm);
+            e[q] = _mm_packus_epi16(lo, hi);
+        }
+        _mm_storeu_si128((__m128i *)(ctxb + 16 * q), e[q]);
+    }
+    uint64_t due = 0;
+    for (int k = 0; k < na; k++) {
+        __m128i v = _mm_set1_epi8((char)actx[k]);
+        uint64_t m = (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(e[0], v)) |
+                     (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(e[1], v)) << 16 |
+                     (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(e[2], v)) << 32 |
+                     (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(e[3], v)) << 48;
+        masks[k] = m;
+        pcs[k] = __builtin_popcountll(m);
+    }
+    for (int k = 0; k < na; k += 4) {
+        __m128i vp = _mm_loadu_si128((const __m128i *)(pcs + k)), vx = _mm_loadu_si128((const __m128i *)(nx + k));
+        due |= (uint64_t)(unsigned)_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(vp, vx))) << k;
+        _mm_storeu_si128((__m128i *)(nx + k), _mm_sub_epi32(vx, vp));
+    }
+    return due;
+}
+#endif
+
+static uint8_t select_in_byte[256][8]; /* [byte][j]: the lane of its j-th set bit */
+
+static void init_select(void)
+{
+    for (int v = 0; v < 256; v++) {
+        int j = 0;
+        for (int l = 0; l < 8; l++)
+            if (v >> l & 1)
+                select_in_byte[v][j++] = (uint8_t)l;
+    }
+}
+
+/* The lane of the x-th (from 0) set bit of m; x < popcount(m). Branch-free broadword select. */
+static inline unsigned select64(uint64_t m, uint64_t x)
+{
+    const uint64_t L = 0x0101010101010101ull, H = 0x8080808080808080ull;
+    uint64_t s = m - ((m >> 1) & 0x5555555555555555ull);
+    s = (s & 0x3333333333333333ull) + ((s >> 2) & 0x3333333333333333ull);
+    s = ((s + (s >> 4)) & 0x0F0F0F0F0F0F0F0Full) * L; /* byte j: set bits in bytes 0..j */
+    uint64_t gt = ((s | H) - (x + 1) * L) & H;        /* bytes whose count exceeds x */
+    unsigned byte = (unsigned)__builtin_ctzll(gt) >> 3;
+    unsigned before = (unsigned)(((s << 8) >> (8 * byte)) & 0xFF);
+    return 8 * byte + select_in_byte[(m >> (8 * byte)) & 0xFF][x - before];
+}
+
+#if HAVE_AVX512_PATH
+/* The same with BMI2's pdep, written as asm so that a function without a target attribute can hold it:
+ * used only beside the AVX-512 kernel (every CPU with AVX-512 runs pdep in a few cycles; some with AVX2
+ * take hundreds). */
+static inline unsigned select64_pdep(uint64_t m, uint64_t x)
+{
+    uint64_t r;
+    __asm__("pdepq %2, %1, %0" : "=r"(r) : "r"(1ull << x), "rm"(m));
+    return (unsigned)__builtin_ctzll(r);
+}
+#else
+#define select64_pdep select64
+#endif
+
+/* Positions of 16-bit float elements (contexts fit a byte). */
+static inline __attribute__((always_inline)) void pos_block_t(posst_t *P, const uint8_t *base, int64_t n,
+                                                             int itemsize, unsigned shift, unsigned cm,
+                                                             int64_t n_ctx, blockfn_t fn, int pdep)
+{
+    uint8_t actx[BLOCK_CTX], ctxb[64];
+    uint64_t masks[BLOCK_CTX];
+    int32_t pcs[BLOCK_CTX], nx[BLOCK_CTX];
+    for (int k = 0; k < BLOCK_CTX; k++) {
+        pcs[k] = 0;
+        nx[k] = BLOCK_IDLE;
+    }
+    int64_t i = 0;
+    /* Element by element while many contexts have changes left. */
+    while (P->active > BLOCK_CTX && i + 64 <= n) {
+        pos_scalar_t(P, base, i, i + 64, itemsize, shift, cm);
+        i += 64;
+    }
+    if (P->active == 0 || P->active > BLOCK_CTX) {
+        if (P->active)
+            pos_scalar(P, base, i, n, itemsize, shift, cm);
+        return;
+    }
+    int na = 0;
+    for (int64_t e = 0; e < n_ctx; e++)
+        if (P->nxt[e] < DEC_HUGE / 2) {
+            actx[na] = (uint8_t)e;
+            nx[na++] = (int32_t)P->nxt[e]; /* < n <= BLOCK_MAX_N */
+        }
+    for (; na > 0 && i + 64 <= n; i += 64) {
+        uint64_t due = fn(base + itemsize * i, itemsize, shift, cm, actx, na, masks, pcs, nx, ctxb);
+        if (!due)
+            continue;
+        uint64_t chg = 0;
+        int gone = 0;
+        while (due) {
+            int k = __builtin_ctzll(due);
+            due &= due - 1;
+            int64_t e = actx[k], pc = pcs[k], x = nx[k] + pc;
+            const uint64_t m = masks[k];
+            for (;;) {
+                chg |= 1ull << (pdep ? select64_pdep(m, (uint64_t)x) : select64(m, (uint64_t)x));
+                int64_t p = ++P->ptr[e];
+                if (p >= P->gend[e]) {
+                    x = BLOCK_IDLE;
+                    gone = 1;
+                    break;
+                }
+                x += P->granks[p] - P->granks[p - 1];
+                if (x >= pc)
+                    break;
+            }
+            nx[k] = (int32_t)(x - pc);
+        }
+        /* Emit in position order. Up to four changes (nearly every block) without a loop whose exit
+         * would mispredict: four entries are written, the ones past the block's count to be
+         * overwritten by the next block's (or left past the end of the changes, inside the arrays). */
+        const int cnt = __builtin_popcountll(chg);
+        if (__builtin_expect(cnt <= 4 && P->o + 4 <= P->cap, 1)) {
+            for (int t = 0; t < 4; t++) {
+                int l = __builtin_ctzll(chg | (1ull << 63));
+                chg &= chg - 1;
+                P->out_pos[P->o + t] = i + l;
+                P->out_ctx[P->o + t] = ctxb[l];
+            }
+            P->o += cnt;
+        } else {
+            while (chg) {
+                int l = __builtin_ctzll(chg);
+                chg &= chg - 1;
+                P->out_pos[P->o] = i + l;
+                P->out_ctx[P->o] = ctxb[l];
+                P->o++;
+            }
+        }
+        if (gone) { /* drop the exhausted contexts */
+            int w = 0;
+            for (int k = 0; k < na; k++)
+                if (nx[k] < BLOCK_IDLE / 2) {
+                    actx[w] = actx[k];
+                    nx[w++] = nx[k];
+                }
+            P->active -= na - w;
+            for (int k = w; k < na; k++) { /* the padding again */
+                pcs[k] = 0;
+                nx[k] = BLOCK_IDLE;
+            }
+            na = w;
+        }
+    }
+    if (na == 0)
+        return;
+    for (int64_t e = 0; e < n_ctx; e++)
+        P->nxt[e] = DEC_HUGE;
+    for (int k = 0; k < na; k++)
+        P->nxt[actx[k]] = nx[k];
+    pos_scalar(P, base, i, n, itemsize, shift, cm);
+}
+
+static __attribute__((noinline)) void pos_block(posst_t *P, const uint8_t *base, int64_t n, int itemsize,
+                                                unsigned shift, unsigned cm, int64_t n_ctx, blockfn_t fn, int pdep)
+{
+    if (pdep)
+        pos_block_t(P, base, n, itemsize, shift, cm, n_ctx, fn, 1);
+    else
+        pos_block_t(P, base, n, itemsize, shift, cm, n_ctx, fn, 0);
+}
+
+static int dec_choice = -1; /* decode_kernel(): -1 auto, else an index of dec_names (tests compare them) */
+static int dec_current(void);
+static blockfn_t block_kernel(int k);
+
+/* Target bits: unkey(key(base) +- magnitude), the magnitude being the leading one of its length and
+ * the raw bits above the sign. One copy per item size. */
+static inline __attribute__((always_inline)) void apply_values_t(const uint8_t *base, const int64_t *pos,
+                                                                 const uint64_t *raw, const uint8_t *lens, int64_t m,
+                                                                 int itemsize, int bits, int kind, uint8_t *out)
+{
+    const uint64_t mask = bits >= 64 ? ~0ull : (1ull << bits) - 1, sign = 1ull << (bits - 1);
+    for (int64_t j = 0; j < m; j++) {
+        uint64_t v = raw[j], mag = (1ull << (lens[j] - 1)) | (v >> 1);
+        uint64_t kb = key_of(load_u(base, pos[j], itemsize), kind, sign, mask);
+        uint64_t flip = 0 - (v & 1); /* the sign of the step, as a select: another coin flip */
+        uint64_t t = unkey_of((kb + ((mag ^ flip) - flip)) & mask, kind, sign, mask);
+        switch (itemsize) {
+        case 1: out[j] = (uint8_t)t; break;
+        case 2: { uint16_t x = (uint16_t)t; memcpy(out + 2 * j, &x, 2); break; }
+        case 4: { uint32_t x = (uint32_t)t; memcpy(out + 4 * j, &x, 4); break; }
+        default: memcpy(out + 8 * j, &t, 8); break;
+        }
+    }
+}
+
+static __attribute__((noinline)) void apply_values(const uint8_t *base, const int64_t *pos, const uint64_t *raw,
+                                                   const uint8_t *lens, int64_t m, int itemsize, int bits, int kind,
+                                                   uint8_t *out)
+{
+    switch (itemsize) {
+    case 1: apply_values_t(base, pos, raw, lens, m, 1, bits, kind, out); break;
+    case 2: apply_values_t(base, pos, raw, lens, m, 2, bits, kind, out); break;
+    case 4: apply_values_t(base, pos, raw, lens, m, 4, bits, kind, out); break;
+    default: apply_values_t(base, pos, raw, lens, m, 8, bits, kind, out); break;
+    }
+}
+
+/* Returns 0, a negative status, or -7 (out of memory). */
+static int decode_ulp_c(const uint8_t *base, int64_t n, const uint8_t *pl, int64_t plen, int64_t n_changed,
+                        int itemsize, int bits, int kind, unsigned shift, uint64_t cm, int64_t n_ctx,
+                        int64_t *out_pos, uint8_t *out_val)
+{
+    int64_t *gbeg = calloc((size_t)n_ctx, sizeof(int64_t));
+    int64_t *gend = calloc((size_t)n_ctx, sizeof(int64_t));
+    int64_t *ptr = malloc((size_t)n_ctx * sizeof(int64_t));
+    int64_t *nxt = malloc((size_t)n_ctx * sizeof(int64_t));
+    int64_t *granks = malloc((size_t)n_changed * sizeof(int64_t));
+    int32_t *ectx = malloc((size_t)n_changed * sizeof(int32_t));
+    uint16_t *plens = malloc((size_t)n_ctx * MAX_UNARY * sizeof(uint16_t));
+    uint8_t *lens = malloc((size_t)n_changed);
+    int st = -7;
+    if (!gbeg || !gend || !ptr || !nxt || !granks || !ectx || !plens || !lens)
+        goto done;
+    rcd_t s;
+    rawr_t r;
+    int64_t rc_end;
+    st = dec_groups(pl, plen, n_changed, n, n_ctx, gbeg, gend, granks, &s, &r, &rc_end);
+    if (st)
+        goto done;
+    /* Part 2: positions, in position order, and their contexts. */
+    if (n_ctx == 1) { /* every element is context 0: a rank is a position */
+        memcpy(out_pos, granks, (size_t)n_changed * sizeof(int64_t));
+        memset(ectx, 0, (size_t)n_changed * sizeof(int32_t));
+    } else {
+        posst_t P = {gend, granks, ptr, nxt, out_pos, ectx, 0, 0, n_changed};
+        for (int64_t e = 0; e < n_ctx; e++) {
+            ptr[e] = gbeg[e];
+            if (gend[e] > gbeg[e]) {
+                nxt[e] = granks[gbeg[e]];
+                P.active++;
+            } else {
+                nxt[e] = DEC_HUGE;
+            }
+        }
+        const int kern = dec_current();
+        if (kern > 0 && n <= BLOCK_MAX_N &&
+            ((itemsize == 2 && cm <= 0xFF) || (itemsize == 1 && (cm << shift) <= 0xFF)))
+            pos_block(&P, base, n, itemsize, shift, (unsigned)cm, n_ctx, block_kernel(kern), kern == 3);
+        else
+            pos_scalar(&P, base, 0, n, itemsize, shift, cm);
+        if (P.o != n_changed) {
+            st = -3;
+            goto done;
+        }
+    }
+    /* Parts 3 and 4: each change's ulp distance, then its target bits. */
+    for (int64_t i = 0; i < n_ctx * MAX_UNARY; i++)
+        plens[i] = 1u << (PROB_BITS - 1);
+    /* Two loops, as numba's: the lengths and raw bits first (the coder's serial chain alone), then the
+     * target bits (loads from the base at scattered positions). Fused, the loop ran at half the speed.
+     * granks is free by now and holds the raw bits. */
+    uint64_t *raw = (uint64_t *)granks;
+    for (int64_t j = 0; j < n_changed; j++) {
+        uint16_t *pe = plens + (int64_t)ectx[j] * MAX_UNARY;
+        int ln = 1;
+        while (ln < bits) {
+            if (!rcd_bit(&s, pl, rc_end, pe, ln - 1))
+                break;
+            ln++;
+        }
+        lens[j] = (uint8_t)ln;
+        raw[j] = rawr_get(&r, ln);
+    }
+    apply_values(base, out_pos, raw, lens, n_changed, itemsize, bits, kind, out_val);
+    if (s.bad || rawr_bad(&r))
+        st = -1;
+    else if (s.pos != rc_end || rc_end + (r.bp + 7) / 8 != plen || ((r.bp & 7) && rawr_peek(&r) != 0))
+        st = -6; /* (the leftover bits: those of the last byte read, above bp) */
+    else
+        st = 0;
+done:
+    free(gbeg);
+    free(gend);
+    free(ptr);
+    free(nxt);
+    free(granks);
+    free(ectx);
+    free(plens);
+    free(lens);
+    return st;
+}
+
+/* Positions passes by name, and the one in use: "auto" picks the best this machine runs. */
+#define N_DEC 4
+static const char *const dec_names[N_DEC] = {"scalar", "sse2", "avx2", "avx512"};
+
+static int dec_supported(int k)
+{
+    if (k == 0)
+        return 1;
+#if HAVE_AVX512_PATH
+    __builtin_cpu_init();
+    if (k == 1)
+        return __builtin_cpu_supports("sse2") && __builtin_cpu_supports("popcnt");
+    if (k == 2)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("popcnt");
+#else
+    return 0;
+#endif
+}
+
+static int dec_current(void)
+{
+    static int best = -1;
+    if (dec_choice >= 0)
+        return dec_choice;
+    if (best < 0)
+        for (best = N_DEC - 1; best > 0 && !dec_supported(best); best--)
+            ;
+    return best;
+}
+
+static blockfn_t block_kernel(int k)
+{
+#if HAVE_AVX512_PATH
+    return k == 3 ? block_avx512 : k == 2 ? block_avx2 : block_sse2;
+#else
+    (void)k;
+    return NULL; /* not reached: only "scalar" is supported */
+#endif
+}
+
+static PyObject *py_decode_ulp(PyObject *self, PyObject *args)
+{
+    PyObject *ob, *op, *opos, *oval;
+    Py_ssize_t n_changed, n_ctx;
+    int itemsize, bits, kind;
+    unsigned shift;
+    unsigned long long cm;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOniiiIKnOO", &ob, &op, &n_changed, &itemsize, &bits, &kind, &shift, &cm, &n_ctx,
+                          &opos, &oval))
+        return NULL;
+    if ((itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) || bits < 1 || bits > 8 * itemsize ||
+        kind < 0 || kind > 2 || n_ctx < 1 || n_ctx > 65536 || shift >= (unsigned)(8 * itemsize) ||
+        cm >= (unsigned long long)n_ctx) {
+        PyErr_SetString(PyExc_ValueError, "decode_ulp: itemsize, bits, kind or context (shift, mask, n_ctx) out of range");
+        return NULL;
+    }
+    Py_buffer vb, vp, vpos, vval;
+    int got = 0;
+    long st = 0;
+    PyObject *ret = NULL;
+    if (PyObject_GetBuffer(ob, &vb, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    got = 1;
+    if (vb.len % itemsize) {
+        PyErr_SetString(PyExc_ValueError, "decode_ulp: base is not a whole number of elements");
+        goto done;
+    }
+    if (PyObject_GetBuffer(op, &vp, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    got = 2;
+    if (get_buf(opos, &vpos, 1, 0, 8, "out_pos") < 0)
+        goto done;
+    got = 3;
+    if (get_buf(oval, &vval, 1, 0, (unsigned)itemsize, "out_val") < 0)
+        goto done;
+    got = 4;
+    {
+        const int64_t n = vb.len / itemsize;
+        /* kernels.ulp_decode's first check, status for status */
+        if (n_changed <= 0 || n_changed > n || vpos.len / 8 < n_changed || vval.len / itemsize < n_changed) {
+            ret = PyLong_FromLong(-4);
+            goto done;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        st = decode_ulp_c(vb.buf, n, vp.buf, vp.len, n_changed, itemsize, bits, kind, shift, cm, n_ctx, vpos.buf,
+                          vval.buf);
+        Py_END_ALLOW_THREADS
+        if (st == -7)
+            PyErr_NoMemory();
+        else
+            ret = PyLong_FromLong(st);
+    }
+done:
+    if (got >= 4) PyBuffer_Release(&vval);
+    if (got >= 3) PyBuffer_Release(&vpos);
+    if (got >= 2) PyBuffer_Release(&vp);
+    PyBuffer_Release(&vb);
+    return ret;
+}
+
+static PyObject *py_decode_kernel(PyObject *self, PyObject *args)
+{
+    const char *name = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "|z", &name))
+        return NULL;
+    const char *was = dec_names[dec_current()];
+    if (name != NULL) {
+        int k = strcmp(name, "auto") == 0 ? -1 : -2;
+        for (int j = 0; j < N_DEC; j++)
+            if (strcmp(name, dec_names[j]) == 0)
+                k = j;
+        if (k == -2 || (k >= 0 && !dec_supported(k))) {
+            PyErr_Format(PyExc_ValueError, "decode_kernel: %s is not a kernel this machine runs", name);
+            return NULL;
+        }
+        dec_choice = k;
+    }
+    return PyUnicode_FromString(was);
+}
+
+static PyObject *py_decode_kernels(PyObject *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    PyObject *l = PyList_New(0);
+    for (int k = 0; l && k < N_DEC; k++)
+        if (dec_supported(k)) {
+            PyObject *s = PyUnicode_FromString(dec_names[k]);
+            if (!s || PyList_Append(l, s) < 0) {
+                Py_XDECREF(s);
+                Py_DECREF(l);
+                return NULL;
+            }
+            Py_DECREF(s);
+        }
+    return l;
+}
+
 static PyObject *py_use_simd(PyObject *self, PyObject *arg)
 {
     (void)self;
@@ -616,6 +1426,14 @@ static PyMethodDef methods[] = {
     {"encode_changes", py_encode_changes, METH_VARARGS,
      "encode_changes(ectx, rank, bvals, tvals, itemsize, bits, kind, n_ctx, out) -> nbytes: "
      "kernels.ulp_encode_changes, the same bytes."},
+    {"decode_ulp", py_decode_ulp, METH_VARARGS,
+     "decode_ulp(base, payload, n_changed, itemsize, bits, kind, shift, mask, n_ctx, out_pos, out_val) -> status: "
+     "kernels.ulp_decode, the same positions, values and status (0 or a kernels.STATUS code)."},
+    {"decode_kernel", py_decode_kernel, METH_VARARGS,
+     "decode_kernel([name]) -> the one in use before: the positions pass decode_ulp uses for 16-bit floats, one of "
+     "decode_kernels(); 'auto' (the default) picks the fastest."},
+    {"decode_kernels", py_decode_kernels, METH_NOARGS,
+     "The positions passes this machine runs: 'scalar' (numba's countdown), 'sse2', 'avx2', 'avx512' (blocks of 64)."},
     {"use_simd", py_use_simd, METH_O, "use_simd(on) -> previous setting: allow the AVX-512 path (default True)."},
     {"simd", py_simd, METH_NOARGS, "The instruction set scan16 uses here: 'avx512' or 'portable'."},
     {NULL, NULL, 0, NULL},
@@ -623,4 +1441,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "Native kernels of the ULP codec.", -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void)
+{
+    init_select();
+    return PyModule_Create(&module);
+}

@@ -10,6 +10,14 @@ gives the target bit for bit. Encodings (numbers are part of the format, see FOR
 * ``SPARSE_XOR``  zstd( u8 width | position gaps as uint{8,16,32} | XOR values ) (the NeMo-RL layout).
 * ``DENSE_XOR``   zstd( base XOR target ) over the whole chunk.
 * ``OVERWRITE``   zstd( target ) over the whole chunk; also used for added or re-typed tensors.
+
+Decoding an ``ULP`` chunk runs the native decoder (``_native.decode_ulp``) where the extension was
+built, and numba's ``kernels.ulp_decode`` otherwise or under ``DELTAREFIT_KERNELS=numba``. The two give
+the same positions and values and refuse the same payloads with the same status (so the same
+``DecodeError`` message); tests hold them equal on valid, truncated and fuzzed payloads. Native, because
+decoding is the rollout side's step: its rank-to-position pass over the base compares blocks of 64
+elements with the contexts that still hold changes (SSE2, AVX2 or AVX-512, chosen at run time) instead
+of counting elements one by one, which was over half of numba's decode of a bf16 chunk.
 """
 
 from __future__ import annotations
@@ -50,7 +58,8 @@ ZSTD_LEVEL = 1
 _tls = threading.local()
 
 # The native kernels (``_native.c``) are used when they were built, unless DELTAREFIT_KERNELS=numba.
-# Both write the same bytes; tests compare them, and benchmarks can time one against the other. The
+# Both write the same bytes (and decode the same patches); tests compare them, and benchmarks can time
+# one against the other. The
 # native scan needs AVX-512 to beat numba's (its portable path is for correctness, not speed); the
 # native coder is faster everywhere.
 USE_NATIVE = _native is not None and os.environ.get("DELTAREFIT_KERNELS", "") != "numba"
@@ -58,10 +67,11 @@ _NATIVE_SCAN = _native is not None and _native.simd() == "avx512"
 
 
 def kernels_in_use() -> str:
-    """Which encoder kernels run here, for reports: scan and coder."""
+    """Which codec kernels run here, for reports: the encoder's scan and coder, and the decoder."""
     if not (USE_NATIVE and _native is not None):
-        return "numba scan and coder"
-    return "native scan (AVX-512) and coder" if _NATIVE_SCAN else "numba scan, native coder"
+        return "numba scan, coder and decoder"
+    scan = "native scan (AVX-512)" if _NATIVE_SCAN else "numba scan"
+    return f"{scan}, native coder and decoder (positions: {_native.decode_kernel()})"
 
 
 def _zc() -> zstandard.ZstdCompressor:
@@ -339,9 +349,13 @@ def decode_chunk(
             raise DecodeError(f"{where}: ulp chunk declares a decoded length")
         pos = np.empty(n_changed, np.int64)
         val = np.empty(n_changed, dt.uint)
-        buf = np.frombuffer(payload, np.uint8)
         shift, mask, nctx = _ctx(dt)
-        st = K.ulp_decode(base, buf, n_changed, dt.bits, _kind(dt), shift, mask, nctx, pos, val)
+        if USE_NATIVE and _native is not None and base.flags.c_contiguous:  # (any alignment)
+            st = _native.decode_ulp(base, payload, n_changed, dt.itemsize, dt.bits, _kind(dt), shift, mask, nctx,
+                                    pos, val)
+        else:
+            buf = np.frombuffer(payload, np.uint8)
+            st = K.ulp_decode(base, buf, n_changed, dt.bits, _kind(dt), shift, mask, nctx, pos, val)
         if st != 0:
             raise DecodeError(f"{where}: {K.STATUS.get(st, f'status {st}')}")
         return Patch(pos, val, None)
