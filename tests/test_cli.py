@@ -286,3 +286,25 @@ def test_a_store_that_does_not_exist_is_an_error_not_a_new_directory(files, tmp_
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "no store here" in lines[0] and missing in lines[0], r.stderr
     assert not os.path.exists(missing)
+
+
+def test_apply_of_bf16_weights_starts_without_numba_or_the_sharded_layer(files, tmp_path):
+    """Start-up: ``deltarefit apply`` of bf16 weights runs on the native kernels alone, so it imports
+    neither numba (about 0.2 s, and its kernels' first calls) nor the sharded layer."""
+    from deltarefit.codec.chunk import USE_NATIVE
+
+    if not USE_NATIVE:
+        pytest.skip("the native kernels are not built here (numba is their fallback)")
+    delta = str(tmp_path / "d.delta")
+    assert run("encode", str(files / "base.safetensors"), str(files / "target.safetensors"), "-o", delta).returncode == 0
+    work = str(tmp_path / "w.safetensors")
+    shutil.copyfile(files / "base.safetensors", work)
+    code = ("import sys; from deltarefit.cli import main\n"
+            f"sys.argv = ['deltarefit', 'apply', {delta!r}, {work!r}, '-q']\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print(sorted(m for m in ('numba', 'deltarefit.shard') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+    want = run("fingerprint", str(files / "target.safetensors")).stdout.split()[0]
+    assert run("fingerprint", work).stdout.split()[0] == want

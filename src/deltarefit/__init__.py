@@ -5,7 +5,6 @@ Encode the change between two checkpoints, ship it, apply it in place, verify th
 
 __version__ = "0.1.0"
 
-from . import shard  # sharded trainers and tensor-parallel rollouts (docs/SHARDING.md)
 from .api import fingerprint, inspect, verify
 from .apply import ApplyReport, apply
 from .encode import EncodeReport, KnownHashes, encode, known_hashes
@@ -45,3 +44,13 @@ __all__ = [
     "shard",
     "verify",
 ]
+
+
+def __getattr__(name: str):
+    # ``shard`` (sharded trainers and tensor-parallel rollouts, docs/SHARDING.md) is imported on first
+    # use (PEP 562): a CLI call or ``import deltarefit`` does not pay for it, nor for numba.
+    if name == "shard":
+        import importlib
+
+        return importlib.import_module(".shard", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -32,7 +32,20 @@ import zstandard
 
 from ..dtypes import DType
 from ..errors import DecodeError, LimitError
-from . import kernels as K
+from .constants import KIND_FLOAT, KIND_INT, KIND_UINT, STATUS
+
+
+class _Numba:
+    """``codec.kernels`` (numba), imported on first use: a process whose chunks all run on the native
+    kernels (a CLI apply of bf16 weights) never pays numba's import and its kernels' first calls."""
+
+    def __getattr__(self, name: str):
+        from . import kernels
+
+        return getattr(kernels, name)
+
+
+K = _Numba()
 
 try:
     from . import _native
@@ -125,11 +138,11 @@ class Patch:
         if self.dense is not None:
             view[:] = self.dense
         elif self.positions is not None and self.positions.size:
-            K.scatter(view, self.positions, self.values)
+            view[self.positions] = self.values
 
 
 def _kind(dt: DType) -> int:
-    return {"float": K.KIND_FLOAT, "int": K.KIND_INT}.get(dt.kind, K.KIND_UINT)
+    return {"float": KIND_FLOAT, "int": KIND_INT}.get(dt.kind, KIND_UINT)
 
 
 def _ctx(dt: DType) -> tuple[int, int, int]:
@@ -357,7 +370,7 @@ def decode_chunk(
             buf = np.frombuffer(payload, np.uint8)
             st = K.ulp_decode(base, buf, n_changed, dt.bits, _kind(dt), shift, mask, nctx, pos, val)
         if st != 0:
-            raise DecodeError(f"{where}: {K.STATUS.get(st, f'status {st}')}")
+            raise DecodeError(f"{where}: {STATUS.get(st, f'status {st}')}")
         return Patch(pos, val, None)
     if encoding in (DENSE_XOR, OVERWRITE):
         raw = _unzstd(payload, n * dt.itemsize, where)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .constants import KIND_FLOAT, KIND_INT, KIND_UINT, STATUS  # noqa: F401 - STATUS is read as K.STATUS
+
 U64 = np.uint64
 PROB_BITS = 11
 PROB_INIT = 1 << (PROB_BITS - 1)
@@ -20,19 +22,6 @@ MOVE_BITS = 5
 TOP = 1 << 24
 MAX_UNARY = 64  # adaptive slots for unary codes (gap quotients, magnitude lengths)
 
-# Kinds of key mapping (must match codec.chunk).
-KIND_FLOAT = 0
-KIND_INT = 1  # two's complement: flip the sign bit
-KIND_UINT = 2  # identity
-
-STATUS = {
-    -1: "payload ends early (truncated or corrupt)",
-    -2: "bad group header (context id, count or rice parameter out of range)",
-    -3: "a position lies beyond the end of its chunk",
-    -4: "change counts do not add up to the chunk record's count",
-    -5: "output buffer too small",
-    -6: "payload has trailing bytes",
-}
 
 # ---------------------------------------------------------------------------------------------
 # Range coder (LZMA style: 11-bit adaptive probabilities, carry propagation through a cache byte).
