@@ -66,8 +66,17 @@ live = group.target(params, {n: lay.placements.get(n, []) for n in names},
                     {n: ("BF16", tuple(ck[n].shape)) for n in names}, shared)
 before = {n: p.detach().clone() for n, p in params.items()}
 try:
-    rep = apply_live(a["delta"], live, threads=2)
-    out = {"ok": True, "shared": sorted(shared), "written": rep.written_bytes}
+    if a.get("held"):  # held digests, taken as LiveEngine takes them (a collective pass for shared tensors)
+        from deltarefit.apply import run_apply
+        from deltarefit.engines.live import state_through
+        from deltarefit.format import DeltaReader
+
+        sums = {n: state_through(live, n)[1] for n in names}
+        with DeltaReader(a["delta"]) as d:
+            rep = run_apply(d, live, journal=None, threads=2, held=sums)
+    else:
+        rep = apply_live(a["delta"], live, threads=2)
+    out = {"ok": True, "shared": sorted(shared), "written": rep.written_bytes, "held": rep.held}
 except DeltaRefitError as e:
     out = {"error": type(e).__name__, "message": str(e),
            "untouched": all(torch.equal(before[n].view(torch.int16), p.view(torch.int16)) for n, p in params.items())}

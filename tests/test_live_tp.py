@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -30,12 +31,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(tmp_path, base: str, delta: str, corrupt_rank: int | None = None) -> list[dict]:
+def _run(tmp_path, base: str, delta: str, corrupt_rank: int | None = None, held: bool = False) -> list[dict]:
     port = _port()
     procs = []
     for r in range(2):
         arg = {"rank": r, "world": 2, "port": port, "base": base, "delta": delta,
-               "out": str(tmp_path / f"rank{r}.safetensors"), "corrupt": r == corrupt_rank}
+               "out": str(tmp_path / f"rank{r}.safetensors"), "corrupt": r == corrupt_rank,
+               "held": held}
         procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(arg)], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outs = []
@@ -61,14 +63,16 @@ def _pair(tmp_path):
         target[n] = torch.from_numpy(bits).view(torch.bfloat16).view(t.shape)
     b, t = _ckpt(str(tmp_path / "base"), base), _ckpt(str(tmp_path / "target"), target)
     delta = str(tmp_path / "step.delta")
-    encode(b, t, delta)
+    encode(b, t, delta, sums=True)  # additive digests: read by held-digest applies, ignored by the others
     return base, target, b, delta
 
 
-def test_two_workers_refit_their_slices_in_place_bit_exact(tmp_path):
+@pytest.mark.parametrize("held", [False, True], ids=["segments", "held-digests"])
+def test_two_workers_refit_their_slices_in_place_bit_exact(tmp_path, held):
     _base, target, b, delta = _pair(tmp_path)
-    outs = _run(tmp_path, b, delta)
+    outs = _run(tmp_path, b, delta, held=held)
     assert all(o.get("ok") for o in outs), outs
+    assert all(o["held"] == (3 if held else 0) for o in outs), outs
     assert outs[0]["shared"] == ["down.weight", "up.weight"]  # the norm is replicated: each checks its own
     r0, r1 = (load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2))
     assert torch.equal(torch.cat([r0["up"], r1["up"]]).view(torch.int16), target["up.weight"].view(torch.int16))
@@ -78,9 +82,10 @@ def test_two_workers_refit_their_slices_in_place_bit_exact(tmp_path):
         assert torch.equal(r["norm"].view(torch.int16), target["norm.weight"].view(torch.int16))
 
 
-def test_one_workers_refusal_stops_both_before_any_write(tmp_path):
+@pytest.mark.parametrize("held", [False, True], ids=["segments", "held-digests"])
+def test_one_workers_refusal_stops_both_before_any_write(tmp_path, held):
     _base, _target, b, delta = _pair(tmp_path)
-    outs = _run(tmp_path, b, delta, corrupt_rank=1)
+    outs = _run(tmp_path, b, delta, corrupt_rank=1, held=held)
     assert outs[1]["error"] == "BaseMismatchError" and "norm" in outs[1]["message"], outs
     assert outs[0]["error"] == "VerificationError" and "another process" in outs[0]["message"], outs
     assert outs[0]["untouched"] and outs[1]["untouched"]
