@@ -113,7 +113,7 @@ def test_the_set_of_commands_and_flags_is_deliberate():
         "demo": ["lr", "out", "rollouts", "s3_url", "steps", "transport"],
         "simulate": ["apply_cores", "apply_gbps_core", "calibrate", "change_pct", "chunk_mb", "codec", "encode_cores",
                      "encode_gbps_core", "fabric_gbps", "fanout", "link_gbps", "nodes", "params", "plot_path", "ratio",
-                     "references", "shards", "store_gbps"],
+                     "references", "rollout", "shards", "store_gbps"],
         "bench": [],
         "relay": [],
     }

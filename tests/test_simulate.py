@@ -157,3 +157,19 @@ def test_estimates_are_finite_over_the_whole_range():
         for c in (0.001, 0.03, 0.2):
             e = sim.estimate(sim.Setup(params=p, change=c))
             assert all(math.isfinite(v) and v > 0 for v in (e.delta_store_s, e.delta_relay_s, e.full_store_s))
+
+
+def test_the_engine_update_step_follows_the_engine_benchmark():
+    """``rollout="engine"`` models the update step as docs/ENGINES.md measured it: a cost per element (the
+    decoder's pass over the base) and one per changed element, so it grows with the change rate, and it
+    is not the file apply's rate."""
+    from dataclasses import replace
+
+    from deltarefit import simulate as sim
+
+    s = sim.Setup(params=1e12, change=0.03, shards=64, apply_cores=8)
+    e = sim.estimate(s).apply_s
+    want = 1e12 * (sim.ENGINE_ELEMENT_NS_CORE + 0.03 * sim.ENGINE_CHANGE_NS_CORE) * 1e-9 / (64 * 8)
+    assert e == pytest.approx(want)
+    assert sim.estimate(replace(s, change=0.01)).apply_s < e
+    assert sim.estimate(replace(s, rollout="file")).apply_s == pytest.approx(2e12 / (64 * 8 * sim.APPLY_GBPS_PER_CORE * 1e9))

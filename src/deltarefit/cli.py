@@ -644,12 +644,14 @@ def demo(out: str, steps: int, lr: float, rollouts: int, transport: str, s3_url:
               help="Apply GB/s per core (default: measured, docs/BENCHMARKS.md).")
 @click.option("--chunk-mb", default=512.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Transfer chunk in MiB (pipelining granularity).")
+@click.option("--rollout", default="engine", show_default=True, type=click.Choice(["engine", "file"]),
+              help="Apply into live engines (docs/ENGINES.md) or into checkpoint files (docs/BENCHMARKS.md).")
 @click.option("--calibrate", is_flag=True, help="Measure encode/apply GB/s per core now on a synthetic pair.")
 @click.option("--references", is_flag=True, help="Reproduce the published refit figures and exit.")
 @click.option("--plot", "plot_path", default="out/simulate.png", show_default=True, type=click.Path(),
               help="PNG to write (empty: none).")
 def simulate(params, change_pct, ratio, codec, link_gbps, store_gbps, fabric_gbps, nodes, fanout, shards,
-             encode_cores, apply_cores, encode_gbps_core, apply_gbps_core, chunk_mb, calibrate, references,
+             encode_cores, apply_cores, encode_gbps_core, apply_gbps_core, chunk_mb, rollout, calibrate, references,
              plot_path) -> None:
     """Model refit time at scale: full checkpoint vs delta, via object storage or a relay tree."""
 
@@ -665,7 +667,8 @@ def simulate(params, change_pct, ratio, codec, link_gbps, store_gbps, fabric_gbp
                          store_gbps=store_gbps, fabric_gbps=fabric_gbps, nodes=nodes, fanout=fanout, shards=shards,
                          encode_cores=encode_cores, apply_cores=apply_cores,
                          encode_gbps_core=encode_gbps_core or sim.ENCODE_GBPS_PER_CORE,
-                         apply_gbps_core=apply_gbps_core or sim.APPLY_GBPS_PER_CORE, chunk_bytes=chunk_mb * (1 << 20))
+                         apply_gbps_core=apply_gbps_core or sim.APPLY_GBPS_PER_CORE, chunk_bytes=chunk_mb * (1 << 20),
+                         rollout=rollout)
         sim.run(base, sizes, do_calibrate=calibrate, show_references=references, plot_path=plot_path or None)
 
     _run(go)

@@ -8,9 +8,11 @@ Model (all sizes in bytes, rates in bytes/s, ``GB`` = 1e9 B, link figures in Gbi
   (``BENCH_RATIOS``, from docs/BENCHMARKS.md), extrapolated past them along the end segments.
 * Encode: the trainer's ``shards`` each encode their slice on ``encode_cores`` cores:
   ``encode = S / (shards * encode_cores * encode_rate_per_core)``. Apply: every rollout replica is
-  sharded the same way and applies in place on ``apply_cores`` cores per shard (apply re-hashes and
-  rewrites its whole slice, so it scales with ``S``, not ``D``): ``apply = S / (shards * apply_cores *
-  apply_rate_per_core)``. A delta refit runs encode, transfer and apply one after the other (as
+  sharded the same way and applies in place on ``apply_cores`` cores per shard. Into a live engine
+  (``rollout="engine"``, the default: docs/ENGINES.md) each element costs ``e`` core-ns (the decoder's
+  pass over the base) and each changed element ``g`` more: ``apply = P * (e + c * g) / (shards *
+  apply_cores)``. Into a checkpoint file (``rollout="file"``: hashes and rewrites its whole slice)
+  ``apply = S / (shards * apply_cores * apply_rate_per_core)``. A delta refit runs encode, transfer and apply one after the other (as
   ``deltarefit`` does: publish, then a staged sync); a full-checkpoint transfer has neither.
 * Transfer of ``x`` bytes in chunks of ``C`` (streamed: a chunk moves on as soon as it has arrived):
   (a) object storage, upload once then every one of ``nodes`` downloads it, limited by the link ``L``
@@ -52,11 +54,14 @@ BENCH_RATIOS: dict[str, tuple[tuple[float, float], ...]] = {
 # 3.54% pair: encode 0.71, apply 0.56 (0.62-1.34 and 0.49-1.10 over all pairs). Per core: divided by 2.
 ENCODE_GBPS_PER_CORE = 0.71 / 2
 APPLY_GBPS_PER_CORE = 0.56 / 2
-# Cross-check for the engine update step (docs/ENGINES.md, `python -m deltarefit.bench.engine`, same
-# machine): refitting a live vLLM engine in place (prepack off, 2 apply threads) costs 0.31 s fixed over
-# its 249 MB checkpoint (0.40 GB/s per core: the verification passes) plus 44.8 ns per changed element
-# (about 90 core-ns); at 3% changed that is 0.26 GB/s per core, within 7% of APPLY_GBPS_PER_CORE, which
-# therefore stands for the engine update step too.
+# The engine update step (docs/ENGINES.md, `python -m deltarefit.bench.engine`, same machine): refitting
+# a live vLLM engine in place (prepack off, the GPU layout; checked by held digests) on ENGINE_THREADS
+# apply threads costs ENGINE_FIXED_S over its ENGINE_ELEMENTS checkpoint elements (the decoder's pass
+# over the base) plus ENGINE_CHANGE_NS per changed element (the line the benchmark fits through every
+# in-place apply). Per core:
+ENGINE_ELEMENTS, ENGINE_THREADS, ENGINE_FIXED_S, ENGINE_CHANGE_NS = 124.7e6, 2, 0.10, 26.9
+ENGINE_ELEMENT_NS_CORE = ENGINE_FIXED_S * ENGINE_THREADS / ENGINE_ELEMENTS * 1e9
+ENGINE_CHANGE_NS_CORE = ENGINE_CHANGE_NS * ENGINE_THREADS
 
 # -- published reference figures (../shared/REFERENCES.md) -------------------------------------------
 # NeMo-DCR (arXiv 2610.08430): 1T parameters at 3% changed, 150 s against 87.5 min for the full checkpoint.
@@ -124,7 +129,10 @@ class Setup:
     encode_cores: float = 8  # per shard
     apply_cores: float = 8  # per shard of a rollout replica
     encode_gbps_core: float = ENCODE_GBPS_PER_CORE
-    apply_gbps_core: float = APPLY_GBPS_PER_CORE
+    apply_gbps_core: float = APPLY_GBPS_PER_CORE  # rollout="file"
+    rollout: str = "engine"  # "engine": in place into a live engine; "file": into a checkpoint file
+    engine_element_ns_core: float = ENGINE_ELEMENT_NS_CORE
+    engine_change_ns_core: float = ENGINE_CHANGE_NS_CORE
     chunk_bytes: float = 512 * MiB
     bytes_per_param: float = 2.0
 
@@ -179,7 +187,11 @@ def estimate(s: Setup) -> Estimate:
     R = s.compression
     D = S / R
     enc = S / (s.shards * s.encode_cores * s.encode_gbps_core * GB)
-    app = S / (s.shards * s.apply_cores * s.apply_gbps_core * GB)
+    if s.rollout == "engine":
+        per_param = (s.engine_element_ns_core + s.change * s.engine_change_ns_core) * 1e-9
+        app = s.params * per_param / (s.shards * s.apply_cores)
+    else:
+        app = S / (s.shards * s.apply_cores * s.apply_gbps_core * GB)
     return Estimate(s, S, D, R, tree_depth(s.nodes, s.fanout), enc, app,
                     store_transfer_s(S, s), relay_transfer_s(S, s),
                     enc + store_transfer_s(D, s) + app, enc + relay_transfer_s(D, s) + app)
@@ -282,7 +294,7 @@ def derive() -> Derivation:
 def references() -> tuple[list[Reference], Derivation]:
     d = derive()
     nemo_params = NEMO_RL_BYTES / 2
-    common = dict(encode_gbps_core=ENCODE_GBPS_PER_CORE, apply_gbps_core=APPLY_GBPS_PER_CORE,
+    common = dict(encode_gbps_core=ENCODE_GBPS_PER_CORE, apply_gbps_core=APPLY_GBPS_PER_CORE, rollout="file",
                   encode_cores=d.cores_per_producer, apply_cores=d.cores_per_producer, chunk_bytes=NEMO_RL_CHUNK,
                   fabric_gbps=400.0, store_gbps=1e4)
     # NeMo-RL: 32 producers; 8 generation nodes assumed (not published; depth 3 of a binary tree, which
@@ -525,14 +537,19 @@ def run(base: Setup, sizes: list[float], *, do_calibrate: bool = False, show_ref
                   f"{enc:.3f} GB/s per core, apply {app:.3f} GB/s per core (defaults from docs/BENCHMARKS.md: "
                   f"{ENCODE_GBPS_PER_CORE:.3f} and {APPLY_GBPS_PER_CORE:.3f})")
         base = replace(base, encode_gbps_core=enc, apply_gbps_core=app)
+        if base.rollout == "engine":
+            out.print("(--calibrate measures the file apply; the engine apply keeps docs/ENGINES.md's figures)")
     src = (f"given ({base.ratio:g}x)" if base.ratio is not None else
            f"{base.codec} codec, interpolated over docs/BENCHMARKS.md at {100 * base.change:g}%")
     out.print(f"[bold]Refit-time model[/]: {100 * base.change:g}% of bf16 elements changed; ratio: {src}; link "
               f"{base.link_gbps:g} Gbit/s between clusters, {base.fabric_gbps:g} Gbit/s inside, object store "
               f"{base.store_gbps:g} Gbit/s aggregate; {base.nodes} rollout nodes, relay fan-out {base.fanout} (depth "
               f"{tree_depth(base.nodes, base.fanout)}); {base.shards} shards x {base.encode_cores:g} encode / "
-              f"{base.apply_cores:g} apply cores at {base.encode_gbps_core:.3f} / {base.apply_gbps_core:.3f} GB/s "
-              f"per core; {base.chunk_bytes / MiB:g} MiB chunks")
+              f"{base.apply_cores:g} apply cores; encode {base.encode_gbps_core:.3f} GB/s per core; " + (
+                  f"apply into live engines (docs/ENGINES.md): {base.engine_element_ns_core:.2f} core-ns per element "
+                  f"+ {base.engine_change_ns_core:.1f} per changed element" if base.rollout == "engine" else
+                  f"apply into checkpoint files {base.apply_gbps_core:.3f} GB/s per core")
+              + f"; {base.chunk_bytes / MiB:g} MiB chunks")
     cols, rows = render_table(base, sizes)
     out.print(_table("Refit time per step: full checkpoint (transfer only) vs delta (encode + transfer + apply)",
                      cols, rows))
