@@ -160,11 +160,20 @@ from deltarefit.storage.s3 import S3Store
 url, gate, me = sys.argv[1], sys.argv[2], sys.argv[3]
 st = S3Store(url)
 st.exists("warm-up")  # the client is made and connected before the gate opens
+open(f"{gate}.{os.getpid()}.ready", "w").close()
 t0 = time.monotonic()
 while not os.path.exists(gate) and time.monotonic() - t0 < 60:
     time.sleep(0.001)
 print(json.dumps([k for k in range(int(sys.argv[4])) if st.create(f"p/{k:03d}", f"{k} by {me}".encode())]))
 """
+
+
+def wait_ready(gate: str, procs) -> None:
+    """Until every process has written ``GATE.PID.ready`` (or one exited, or 60 s passed)."""
+    t0 = time.monotonic()
+    while not all(os.path.exists(f"{gate}.{p.pid}.ready") for p in procs):
+        assert time.monotonic() - t0 < 60 and all(p.poll() is None for p in procs), "a racer never got ready"
+        time.sleep(0.005)
 
 
 def test_create_race_processes(s3_env, tmp_path):
@@ -175,7 +184,7 @@ def test_create_race_processes(s3_env, tmp_path):
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for me in "AB"}
     res = {}
     try:
-        time.sleep(1.0)  # both have imported and connected
+        wait_ready(gate, procs.values())  # both have imported and connected
         open(gate, "w").close()
         for me, p in procs.items():
             out, err = p.communicate(timeout=TIMEOUT)

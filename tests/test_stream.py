@@ -349,11 +349,20 @@ GATED = """
 import os, sys, time
 import deltarefit.cli, deltarefit.stream.publisher, deltarefit.encode, deltarefit.apply  # warm imports
 gate = sys.argv[1]
+open(f"{gate}.{os.getpid()}.ready", "w").close()  # imported: the test opens the gate once all are
 t0 = time.monotonic()
 while not os.path.exists(gate) and time.monotonic() - t0 < 60:
     time.sleep(0.001)
 deltarefit.cli.main(sys.argv[2:], prog_name="deltarefit")
 """
+
+
+def wait_ready(gate: str, procs) -> None:
+    """Until every process has written ``GATE.PID.ready`` (or one exited, or 60 s passed)."""
+    t0 = time.monotonic()
+    while not all(os.path.exists(f"{gate}.{p.pid}.ready") for p in procs):
+        assert time.monotonic() - t0 < 60 and all(p.poll() is None for p in procs), "a racer never got ready"
+        time.sleep(0.005)
 
 
 def test_racing_publish_processes(stream, chain, chain_fps, tmp_path):
@@ -373,7 +382,7 @@ def test_racing_publish_processes(stream, chain, chain_fps, tmp_path):
                                       str(KF_RATIO), "--json"],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
                  for n in "AB"}
-        time.sleep(1.0)  # both have imported (they are waiting on the gate)
+        wait_ready(gate, procs.values())  # both have imported (they are waiting on the gate)
         open(gate, "w").close()
         res = {}
         for n, p in procs.items():
