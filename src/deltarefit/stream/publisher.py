@@ -108,8 +108,8 @@ class Publisher:
     (``ack_timeout`` seconds) before committing. ``signing_key``: sign commit records (Ed25519 PEM).
     ``advance``: how the baseline follows a committed delta. ``"copy"`` (default) copies the
     committed checkpoint file beside it, verifies its fingerprint and renames it over the baseline:
-    one hash pass and a copy instead of a decode and three hash passes (a whole publish 1.41x faster
-    in ``python -m deltarefit.bench.stream``), at the cost of a second copy of the checkpoint on disk
+    one hash pass and a copy instead of a decode and the apply's hash passes (a whole publish 1.32x
+    faster in docs/STREAMS.md, ``python -m deltarefit.bench.stream``), at the cost of a second copy of the checkpoint on disk
     for a moment (keyframes need it anyway). ``"apply"`` applies the delta in
     place (no second copy). Directory checkpoints, and a checkpoint that changed after it was
     encoded, always take the apply route. ``sums`` (default on): deltas carry each changed tensor's
