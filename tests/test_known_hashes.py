@@ -252,3 +252,38 @@ def test_known_hashes_round_trip_and_refuse_what_is_not_theirs(pair):
                       "not a known-hashes file")]:
         with pytest.raises(ValueError, match=why):
             E.KnownHashes.from_bytes(bad)
+
+
+def test_publisher_reuses_its_baselines_additive_digests(tmp_path, spy, monkeypatch):
+    """A publish after the first delta takes its base's additive digests from the encode before (the
+    baseline is that encode's target): only the target's changed tensors are summed, and the delta is
+    still byte for byte a cold encode's (so the digests it reused were right)."""
+    summed: list[int] = []
+    real = E.additive_digests
+
+    def counting(tensors, **kw):
+        summed.append(len(tensors))
+        return real(tensors, **kw)
+
+    monkeypatch.setattr(E, "additive_digests", counting)
+    steps = _steps(tmp_path, 4)
+    store = LocalStore(str(tmp_path / "store"))
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=100, keyframe_ratio=1000.0)
+    recs = [pub.publish(s) for s in steps]
+    n = len(spy[0].target_sums)
+    assert n > 0 and all(r.target_sums for r in spy)
+    patched = [sum(1 for e in _entries(store, r) if e.op == "patch") for r in recs[1:]]
+    # version 2: every tensor of the base and the changed ones of the target; 3 and 4: the latter only
+    assert summed == [n + patched[0], patched[1], patched[2]]
+    for i, rec in enumerate(recs[1:]):
+        cold = str(tmp_path / f"cold{i}.delta")
+        E.encode(steps[i], steps[i + 1], cold, sums=True)
+        with open(cold, "rb") as f:
+            assert store.get(rec.delta.key) == f.read()
+
+
+def _entries(store, rec):
+    from deltarefit.format import DeltaReader
+
+    with DeltaReader(os.path.join(store.root, rec.delta.key)) as d:
+        return list(d.tensors)

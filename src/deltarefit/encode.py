@@ -57,6 +57,9 @@ class EncodeReport:
     # KnownHashes once the target has become the base. O(bytes / 64 Ki).
     target_hashes: dict[str, bytes] = field(default_factory=dict, repr=False)
     base_hashes_known: bool = False  # the base's segment hashes came from KnownHashes, not a hash pass
+    # ``sums=True``: the additive digests of the target's tensors (those in both checkpoints), which the
+    # next encode takes as its base's (``KnownHashes.sums``) instead of a pass over it.
+    target_sums: dict[str, bytes] = field(default_factory=dict, repr=False)
 
     @property
     def ratio(self) -> float:
@@ -160,6 +163,7 @@ class KnownHashes:
 
     identity: tuple
     hashes: Mapping[str, bytes]
+    sums: Mapping[str, bytes] = field(default_factory=dict)  # additive digests of tensors, where known
 
     _FORMAT = "deltarefit.known-hashes"
 
@@ -167,7 +171,8 @@ class KnownHashes:
         """JSON (hashes in hex), then a newline and the hex BLAKE3 of the JSON: a torn or edited file
         is refused by ``from_bytes``, never half read."""
         body = json.dumps({"format": self._FORMAT, "version": 1, "identity": [list(x) for x in self.identity],
-                           "hashes": {n: h.hex() for n, h in self.hashes.items()}},
+                           "hashes": {n: h.hex() for n, h in self.hashes.items()},
+                           "sums": {n: h.hex() for n, h in self.sums.items()}},
                           sort_keys=True, separators=(",", ":")).encode()
         return body + b"\n" + blake3.blake3(body).hexdigest().encode()
 
@@ -189,7 +194,12 @@ class KnownHashes:
                 isinstance(n, str) and isinstance(h, str) and len(h) % (2 * SEG_HASH_BYTES) == 0
                 for n, h in hashes.items()):
             raise ValueError("bad hashes")
-        return cls(tuple(tuple(x) for x in ident), {n: bytes.fromhex(h) for n, h in hashes.items()})
+        sums = d.get("sums", {})
+        if not isinstance(sums, dict) or not all(
+                isinstance(n, str) and isinstance(h, str) and len(h) == 32 for n, h in sums.items()):
+            raise ValueError("bad sums")
+        return cls(tuple(tuple(x) for x in ident), {n: bytes.fromhex(h) for n, h in hashes.items()},
+                   {n: bytes.fromhex(h) for n, h in sums.items()})
 
 
 def known_hashes(path: str, *, threads: int | None = None) -> KnownHashes:
@@ -323,6 +333,7 @@ def encode_checkpoints(
     base: Checkpoint, target: Checkpoint, out: str, *, threads: int | None = None,
     progress: Callable[[int], None] | None = None, patch_works: PatchWorks | None = None,
     base_hashes: Mapping[str, bytes] | None = None, durable: bool = True, sums: bool = False,
+    base_sums: Mapping[str, bytes] | None = None,
 ) -> EncodeReport:
     """Write the delta taking ``base`` to ``target`` to ``out``. ``progress`` gets the target's bytes
     scanned (their sum is the target's size).
@@ -337,7 +348,9 @@ def encode_checkpoints(
     ``sums=True``: the entries of tensors in both checkpoints also carry their additive digests
     (``additive_digests``, base and target), so a target that tracks the digest of what it holds (a
     live engine) checks a patch in O(changed elements); it costs a pass over those tensors of ``base``
-    and over the changed ones of ``target``.
+    and over the changed ones of ``target``. ``base_sums``: the base's additive digests where known
+    (``KnownHashes.sums``), trusted as ``base_hashes`` are; wrong ones make held-digest applies refuse
+    the delta as one for another base, never accept wrong bytes.
 
     ``base`` and ``target`` need only ``tensors`` (name -> info with dtype, shape, nbytes) and
     ``raw(name)``; ``patch_works`` replaces the host scan of tensors present in both (the GPU encoder
@@ -399,8 +412,10 @@ def encode_checkpoints(
                                            tmeta, job.changed, job.first, count))
                 changed_total += job.changed
                 job.works = []  # drop the views
+        target_sums: dict[str, bytes] = {}
         if sums:
-            entries = _with_sums(entries, base, target, threads)
+            entries = _with_sums(entries, base, target, threads, base_sums or {})
+            target_sums = {e.name: e.target.sum for e in entries if e.target is not None and e.target.sum}
         total_elems = sum(math.prod(t.shape) for t in target.tensors.values())
         full_bytes = sum(t.nbytes for t in target.tensors.values())
         bfp, tfp = fingerprint_from_digests(base_digests), fingerprint_from_digests(target_digests)
@@ -420,15 +435,17 @@ def encode_checkpoints(
              100 * changed_total / max(total_elems, 1), dt)
     return EncodeReport(out, bfp, tfp, size, full_bytes, changed_total, total_elems, dt,
                         {ENCODING_NAMES[e]: c for e, c in counts.items()}, target_hashes,
-                        base_hashes is not None and patch_works is None)
+                        base_hashes is not None and patch_works is None, target_sums)
 
 
-def _with_sums(entries: list[TensorEntry], base: Checkpoint, target: Checkpoint, threads: int) -> list[TensorEntry]:
+def _with_sums(entries: list[TensorEntry], base: Checkpoint, target: Checkpoint, threads: int,
+               known: Mapping[str, bytes]) -> list[TensorEntry]:
     kept = [e for e in entries if e.op in ("same", "patch")]
-    both = additive_digests([(base, e.name) for e in kept] + [(target, e.name) for e in kept if e.op == "patch"],
-                            threads=threads)
-    bsum = dict(zip([e.name for e in kept], both, strict=False))
-    tsum = dict(zip([e.name for e in kept if e.op == "patch"], both[len(kept):], strict=True))
+    todo = [e.name for e in kept if e.name not in known]
+    patched = [e.name for e in kept if e.op == "patch"]
+    got = additive_digests([(base, n) for n in todo] + [(target, n) for n in patched], threads=threads)
+    bsum = {**{e.name: known[e.name] for e in kept if e.name in known}, **dict(zip(todo, got, strict=False))}
+    tsum = dict(zip(patched, got[len(todo):], strict=True))
     return [replace(e, base=replace(e.base, sum=bsum[e.name]),
                     target=replace(e.target, sum=tsum.get(e.name, bsum[e.name]))) if e.name in bsum else e
             for e in entries]
@@ -461,8 +478,9 @@ def encode(base: str, target: str, out: str, *, threads: int | None = None,
     identity they were taken with (otherwise the base is hashed as usual). ``durable=False``: no fsync
     of ``out``, for a delta staged for upload (the store makes its own copy durable)."""
     with open_checkpoint(base) as b, open_checkpoint(target) as t:
-        known = known_base.hashes if known_base is not None and known_base.identity == b.identity() else None
+        same = known_base is not None and known_base.identity == b.identity()
+        known = known_base.hashes if same else None
         if known_base is not None and known is None:
             log.info("%s: its files changed since its hashes were taken; hashing it again", base)
         return encode_checkpoints(b, t, out, threads=threads, progress=progress, base_hashes=known,
-                                  durable=durable, sums=sums)
+                                  durable=durable, sums=sums, base_sums=known_base.sums if same else None)

@@ -522,7 +522,7 @@ class Publisher:
         routes check it), so its segments hash to exactly these, barring a BLAKE3 collision. The
         identity is taken after our last write, so any later write to the file changes it."""
         with open_checkpoint(self.baseline) as ck:
-            self._known = KnownHashes(ck.identity(), rep.target_hashes)
+            self._known = KnownHashes(ck.identity(), rep.target_hashes, rep.target_sums)
         # A cache, so no fsync: a file torn by a power loss fails its checksum and is ignored.
         write_atomic(self.known_path, self._known.to_bytes(), durable=False)
 
