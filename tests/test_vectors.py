@@ -87,6 +87,11 @@ def check_delta_bytes(name: str, got: bytes, how: str) -> None:
     here = {"deltarefit": deltarefit.__version__, "zstandard": zstandard.__version__,
             "libzstd": ".".join(map(str, zstandard.ZSTD_VERSION))}
     versions = "" if made == here else f"; made with {made}, running {here}"
+    if (made.get("zstandard"), made.get("libzstd")) != (here["zstandard"], here["libzstd"]):
+        # Another compressor writes other zstd frames (the manifest, non-ulp payloads) for the same
+        # content: not a format change. The stored bytes still pin the format for every decoder
+        # (test_applying_the_stored_delta_gives_the_target), which no compressor update changes.
+        pytest.skip(f"vector {name}, {how}: differs at byte {diff}{versions}: a zstd frame of another compressor")
     raise AssertionError(f"vector {name}, {how}: delta of {len(got)} bytes differs from the stored {len(want)} "
                          f"first at byte {diff} ({_section(want, min(diff, len(want) - 1))}){versions}; "
                          f"{REGENERATE}")
