@@ -26,7 +26,7 @@ from typing import Any
 
 import blake3
 
-from ..errors import DeltaRefitError
+from ..errors import MalformedRecordError, StreamError, StreamIdentityError
 from ..fsutil import write_atomic
 from ..signing import SignableRecord
 from ..storage.base import Store
@@ -34,23 +34,6 @@ from ..storage.base import Store
 COMMIT_FORMAT = "deltarefit.commit"
 COMMIT_VERSION = 1
 MAX_RECORD_BYTES = 16 << 20
-
-
-class StreamError(DeltaRefitError):
-    """A version stream is inconsistent with what the caller holds: broken chain, wrong parent,
-    a version that does not exist or was pruned, a lost publish race."""
-
-    exit_code = 9
-
-
-class MalformedRecordError(StreamError):
-    """A commit record that is not a well-formed record of its version: not JSON, another format,
-    inconsistent fields, a part outside its version, a record that names another version."""
-
-
-class StreamIdentityError(StreamError):
-    """A commit record belongs to another stream than the one the caller follows (a version copied
-    from another run's store, a store wiped and republished, a record stripped of its identity)."""
 
 
 STREAM_ID_PATTERN = re.compile(r"^(legacy-)?[0-9a-f]{32}$")
