@@ -3,7 +3,8 @@
 Every error names *what* is wrong and *where* (file, tensor, chunk) and, where it helps, what to do.
 Every class deltarefit raises on purpose is defined here (the modules that raise them re-export
 them: ``deltarefit.stream.records.StreamError`` is this module's ``StreamError``), so the set is
-closed: :data:`ERRORS` names each.
+closed: :data:`ERRORS` names each, and :func:`error_from_name` rebuilds one from its name without
+unpickling anything (a worker's error that crossed a process boundary as ``(name, message)``).
 
 Each class's ``exit_code`` is what the CLI returns for it (a subclass shares its parent's); the CLI's
 module docstring and README.md list them.
@@ -134,3 +135,9 @@ ERRORS: dict[str, type[DeltaRefitError]] = {
 }
 """Every error class of the hierarchy, by name (the base included)."""
 
+
+def error_from_name(name: object, message: str) -> DeltaRefitError:
+    """The error of class ``name`` (one of :data:`ERRORS`) with ``message``; a ``DeltaRefitError``
+    when ``name`` is not one of them. Only a look-up: nothing is unpickled or imported."""
+    cls = ERRORS.get(name) if isinstance(name, str) else None
+    return (cls or DeltaRefitError)(message)
