@@ -1,19 +1,25 @@
-"""The error hierarchy: one closed set in ``deltarefit.errors``, re-exported where each is raised, and
-a worker's error rebuilt on the driver as its own class from its name alone."""
+"""The error hierarchy: one closed set in ``deltarefit.errors``, re-exported where each is raised, its
+exit codes listed (and checked here) in README.md and the CLI's docstring, and a worker's error
+rebuilt on the driver as its own class from its name alone."""
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
 import deltarefit
+import deltarefit.cli
 from deltarefit import errors
 from deltarefit.relay import protocol
 from deltarefit.signing import SignatureError
 from deltarefit.storage.base import StoreError
 from deltarefit.stream import publisher, records
 from deltarefit.transport import torchdist
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Each class as its raising module exports it (where they were defined before errors.py held them all).
 EXPORTED = {
@@ -56,6 +62,48 @@ def test_every_error_is_defined_in_errors_and_re_exported_as_the_same_object():
     assert {c.__module__ for c in _all_classes()} == {"deltarefit.errors"}
     assert {c.__name__: c for c in _all_classes()} == errors.ERRORS
     assert set(errors.ERRORS) <= set(deltarefit.__all__)
+
+
+def _table_rows(text: str, row: re.Pattern[str]) -> dict[int, set[str]]:
+    """exit code -> class names on its row (the row's class and the subclasses it names)."""
+    out: dict[int, set[str]] = {}
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = row.match(line)
+        if not m:
+            continue
+        names = set(re.findall(r"\b[A-Z]\w*Error\b", line))
+        j = i + 1  # continuation lines (the CLI docstring wraps long rows)
+        while j < len(lines) and lines[j].startswith(" " * 8) and not row.match(lines[j]):
+            names |= set(re.findall(r"\b[A-Z]\w*Error\b", lines[j]))
+            j += 1
+        code = int(m.group(1))
+        assert code not in out, f"exit code {code} listed twice"
+        out[code] = names
+    return out
+
+
+def _check_table(rows: dict[int, set[str]], where: str) -> None:
+    want: dict[int, set[str]] = {}
+    for name, cls in errors.ERRORS.items():
+        want.setdefault(cls.exit_code, set()).add(name)
+    got = {code: names for code, names in rows.items() if names}
+    assert got == want, f"{where}: exit-code table does not match the classes' exit_code"
+    assert set(rows) - set(got) <= {0, 130}, f"{where}: rows without a class: {sorted(set(rows) - set(got))}"
+
+
+def test_readme_exit_code_table_matches_the_classes():
+    rows = _table_rows((ROOT / "README.md").read_text(), re.compile(r"^\| (\d+) \| "))
+    assert len(rows) >= len({c.exit_code for c in errors.ERRORS.values()})
+    _check_table(rows, "README.md")
+
+
+def test_cli_docstring_exit_code_table_matches_the_classes():
+    doc = deltarefit.cli.__doc__
+    assert doc
+    rows = _table_rows(doc, re.compile(r"^ {4}(\d+) +\S"))
+    assert 0 in rows and 130 in rows
+    _check_table(rows, "deltarefit.cli docstring")
 
 
 @pytest.mark.parametrize("name", sorted(errors.ERRORS))
