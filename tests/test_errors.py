@@ -155,3 +155,85 @@ def test_a_workers_error_comes_back_across_collective_rpc_as_its_own_class(tmp_p
     with pytest.raises(cls, match=r"^rank 0: s3://b/v/1/commit.json: the cause$") as ei:
         refit_engine(llm, str(tmp_path / "x.delta"), str(tmp_path))
     assert type(ei.value) is cls
+
+
+# -- range errors name the value found --------------------------------------------------------------
+
+
+def test_publisher_options_out_of_range_name_the_values(tmp_path):
+    with pytest.raises(errors.UsageError, match=r"got keyframe_every=0, keyframe_ratio=0.5, quorum=-2, "
+                                                r"ack_timeout=60.0$"):
+        publisher.Publisher(str(tmp_path / "store"), str(tmp_path / "state"), keyframe_every=0, quorum=-2)
+    assert not (tmp_path / "store").exists() and not (tmp_path / "state").exists()
+
+
+def test_shard_publisher_options_out_of_range_name_the_values(tmp_path):
+    from deltarefit.shard.stream import ShardStreamPublisher
+
+    with pytest.raises(errors.UsageError, match=r"got rank=3, committer=0, world=2, timeout=60.0, keyframe_every=0$"):
+        ShardStreamPublisher(str(tmp_path / "store"), None, rank=3, world=2)  # refused before the layout is read
+    assert not (tmp_path / "store").exists()
+
+
+def _record(**change) -> bytes:
+    rec = records.CommitRecord(version=1, parent=None, fingerprint="f" * 64, kind="delta",
+                               delta=records.Part("v/000000000001/delta", 10, "0" * 64))
+    d = json.loads(rec.to_bytes())
+    d.update(change)
+    return json.dumps(d).encode()
+
+
+def test_commit_record_out_of_range_names_its_version_and_kind():
+    assert records.parse_commit(_record(), "s/commit.json").version == 1
+    with pytest.raises(records.MalformedRecordError, match=r"^s/commit.json: inconsistent commit record .*: "
+                                                           r"version -4, kind 'delta'$"):
+        records.parse_commit(_record(version=-4), "s/commit.json")
+
+
+def test_commit_record_over_the_limit_names_its_size_and_the_limit():
+    with pytest.raises(records.MalformedRecordError, match=rf"of {records.MAX_RECORD_BYTES + 1} bytes exceeds "
+                                                           r"the limit \(16 MiB\)$"):
+        records.parse_commit(b" " * (records.MAX_RECORD_BYTES + 1), "s/commit.json")
+
+
+def test_delta_manifest_counts_out_of_range_name_the_values():
+    from deltarefit.format import _tensor_entry
+
+    meta = {"dtype": "F32", "shape": [4], "digest": "0" * 64}
+    t = {"name": "w", "op": "add", "base": None, "target": meta, "changed": 4, "first": 0, "count": 4}
+    assert _tensor_entry(t, "x.delta: tensor #0").count == 4
+    with pytest.raises(errors.FormatError, match=r"^x.delta: tensor 'w': changed/first/count must be non-negative "
+                                                 r"integers below 2\*\*62, got \[4, -1, 4\]$"):
+        _tensor_entry({**t, "first": -1}, "x.delta: tensor #0")
+
+
+def test_checkpoint_index_over_the_limit_names_its_size(tmp_path):
+    from deltarefit.checkpoint import INDEX_NAME, MAX_HEADER_BYTES, open_checkpoint
+
+    size = MAX_HEADER_BYTES + (1 << 20)
+    with open(tmp_path / INDEX_NAME, "wb") as f:
+        f.truncate(size)  # sparse: no disk is written for the zeros
+    with pytest.raises(errors.CheckpointError, match=rf"{INDEX_NAME}: {size} bytes, larger than the 100 MiB limit$"):
+        open_checkpoint(str(tmp_path))
+
+
+def test_relay_frame_over_the_limits_names_its_size():
+    import asyncio
+
+    from deltarefit.relay.protocol import MAX_HEADER, MAX_PAYLOAD, Channel
+
+    async def go() -> None:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            ch = Channel(reader, writer, b"k" * 32, b"k" * 32, peer="127.0.0.1:1")
+            with pytest.raises(protocol.ProtocolError, match=rf"^frame to 127.0.0.1:1 of 2\+{MAX_PAYLOAD + 1} "
+                                                            rf"bytes, over the size limits \({MAX_HEADER}\+{MAX_PAYLOAD}\)$"):
+                await ch.send({}, bytes(MAX_PAYLOAD + 1))
+        finally:
+            writer.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(go(), 30))

@@ -111,7 +111,8 @@ class Channel:
     async def send(self, header: dict[str, Any], payload: bytes = b"", *, drain_timeout: float = 60.0) -> None:
         hb = json.dumps(header, separators=(",", ":")).encode()
         if len(hb) > MAX_HEADER or len(payload) > MAX_PAYLOAD:
-            raise ProtocolError(f"frame to {self.peer} over the size limits")
+            raise ProtocolError(f"frame to {self.peer} of {len(hb)}+{len(payload)} bytes, over the size limits "
+                                f"({MAX_HEADER}+{MAX_PAYLOAD})")
         async with self._lock:
             if self.writer.is_closing() or self.reader.at_eof():
                 raise ConnectionResetError(f"connection to {self.peer} is closed")

@@ -123,7 +123,8 @@ class Publisher:
         self.sums = sums
         if keyframe_every < 1 or keyframe_ratio <= 0 or (quorum < 0 and quorum != ALL) or ack_timeout <= 0:
             raise UsageError("keyframe_every >= 1, keyframe_ratio > 0, quorum >= 0 (or ALL) and ack_timeout > 0 "
-                             "are required")
+                             f"are required, got keyframe_every={keyframe_every}, keyframe_ratio={keyframe_ratio}, "
+                             f"quorum={quorum}, ack_timeout={ack_timeout}")
         self.live_ttl = live_ttl
         self.store = open_store(store) if isinstance(store, str) else store
         self.state_dir = os.path.abspath(state_dir)
