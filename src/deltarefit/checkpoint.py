@@ -321,10 +321,11 @@ def _index_plan(path: str) -> _Plan:
     try:
         with open(label, "rb") as f:
             raw = f.read(MAX_HEADER_BYTES + 1)
+            size = os.fstat(f.fileno()).st_size if len(raw) > MAX_HEADER_BYTES else len(raw)
     except OSError as e:
         raise CheckpointError(f"{label}: cannot read: {e.strerror or e}") from None
     if len(raw) > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{label}: larger than the {MAX_HEADER_BYTES >> 20} MiB limit")
+        raise CheckpointError(f"{label}: {size} bytes, larger than the {MAX_HEADER_BYTES >> 20} MiB limit")
     index = _load_json(raw, label, INDEX_MAX_DEPTH)
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):

@@ -1,8 +1,25 @@
 """Command line: parse, call one library function, render errors as one line with an exit code.
 
-Exit codes: 0 ok, 1 unexpected, 2 usage, 3 bad delta, 4 bad checkpoint, 5 wrong base, 6 verification,
-7 storage, 8 signature, 9 version stream, 10 relay, 11 locked (another run holds the checkpoint or the
-publisher state; the message names its pid). Usage errors too are one line, exit 2.
+Exit codes: each error's ``exit_code`` (``deltarefit.errors``; a subclass exits as its parent, named in
+parentheses). Usage errors too are one line, exit 2, click's own included.
+
+    0    ok
+    1    DeltaRefitError     unexpected
+    2    UsageError          usage: an option combination or argument that cannot work
+    3    FormatError         bad delta: malformed or corrupt (UnsupportedVersionError, IntegrityError,
+                             LimitError, DecodeError)
+    4    CheckpointError     bad checkpoint: unreadable, or cannot be written
+    5    BaseMismatchError   wrong base: the checkpoint is not the delta's base (nothing written)
+    6    VerificationError   verification: a result does not match its fingerprint or digest
+    7    StoreError          storage: I/O, permissions, a lost connection
+    8    SignatureError      signature: a commit record unsigned, or its signature does not verify
+    9    StreamError         version stream: broken chain, lost publish race, no route, another stream
+                             (MalformedRecordError, StreamIdentityError, PublishError, BroadcastError)
+    10   ProtocolError       relay: failed authentication, a bad frame or part, a relay not reached
+                             (AuthError, BadPartError)
+    11   LockedError         locked: another run holds the checkpoint or the publisher state (the
+                             message names its pid)
+    130  interrupted
 """
 
 from __future__ import annotations

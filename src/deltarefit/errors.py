@@ -1,6 +1,13 @@
 """One closed exception hierarchy. Callers catch by meaning; the CLI renders each as one line.
 
 Every error names *what* is wrong and *where* (file, tensor, chunk) and, where it helps, what to do.
+Every class deltarefit raises on purpose is defined here (the modules that raise them re-export
+them: ``deltarefit.stream.records.StreamError`` is this module's ``StreamError``), so the set is
+closed: :data:`ERRORS` names each, and :func:`error_from_name` rebuilds one from its name without
+unpickling anything (a worker's error that crossed a process boundary as ``(name, message)``).
+
+Each class's ``exit_code`` is what the CLI returns for it (a subclass shares its parent's); the CLI's
+module docstring and README.md list them.
 """
 
 from __future__ import annotations
@@ -67,3 +74,70 @@ class LockedError(DeltaRefitError):
     Raised before anything is read or written; the message names the holder (pid and host)."""
 
     exit_code = 11
+
+
+class StoreError(DeltaRefitError):
+    """A storage operation failed (I/O, permissions, a lost connection)."""
+
+    exit_code = 7
+
+
+class SignatureError(DeltaRefitError):
+    """A commit record is unsigned, or its signature does not verify with the configured key."""
+
+    exit_code = 8
+
+
+class StreamError(DeltaRefitError):
+    """A version stream is inconsistent with what the caller holds: broken chain, wrong parent,
+    a version that does not exist or was pruned, a lost publish race."""
+
+    exit_code = 9
+
+
+class MalformedRecordError(StreamError):
+    """A commit record that is not a well-formed record of its version: not JSON, another format,
+    inconsistent fields, a part outside its version, a record that names another version."""
+
+
+class StreamIdentityError(StreamError):
+    """A commit record belongs to another stream than the one the caller follows (a version copied
+    from another run's store, a store wiped and republished, a record stripped of its identity)."""
+
+
+class PublishError(StreamError):
+    """This publish did not commit (lost a race, or the joint commit was not acknowledged)."""
+
+
+class BroadcastError(StreamError):
+    """A broadcast refit failed on some rank (the message names the rank and the cause)."""
+
+
+class ProtocolError(DeltaRefitError):
+    """A peer broke the relay protocol: failed authentication, a tampered or malformed frame, an
+    unexpected message, or a relay that cannot be reached or joined."""
+
+    exit_code = 10
+
+
+class AuthError(ProtocolError):
+    """The peer's frame did not verify under our key (the relays' keys differ, or a frame was
+    tampered with), or the peer said ours did not."""
+
+
+class BadPartError(ProtocolError):
+    """A part's received bytes do not hash to its commit record's BLAKE3 (its sender serves rotten
+    bytes, or they were damaged on the way)."""
+
+
+ERRORS: dict[str, type[DeltaRefitError]] = {
+    n: c for n, c in sorted(globals().items()) if isinstance(c, type) and issubclass(c, DeltaRefitError)
+}
+"""Every error class of the hierarchy, by name (the base included)."""
+
+
+def error_from_name(name: object, message: str) -> DeltaRefitError:
+    """The error of class ``name`` (one of :data:`ERRORS`) with ``message``; a ``DeltaRefitError``
+    when ``name`` is not one of them. Only a look-up: nothing is unpickled or imported."""
+    cls = ERRORS.get(name) if isinstance(name, str) else None
+    return (cls or DeltaRefitError)(message)

@@ -453,7 +453,7 @@ def _meta(v: Any, where: str) -> TensorMeta | None:
     m = TensorMeta(dt, tuple(shape), bytes.fromhex(_hex(v.get("digest"), f"{where} digest")),
                    bytes.fromhex(add) if add is not None else None)
     if m.nbytes >= 1 << 50:
-        raise LimitError(f"{where}: tensor of {m.nbytes} bytes exceeds the limit")
+        raise LimitError(f"{where}: tensor of {m.nbytes} bytes exceeds the limit of {(1 << 50) - 1}")
     return m
 
 
@@ -474,5 +474,5 @@ def _tensor_entry(t: Any, where: str) -> TensorEntry:
         raise FormatError(f"{where}: op 'same' with different digests")
     ints = [t.get(k) for k in ("changed", "first", "count")]
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 for x in ints):
-        raise FormatError(f"{where}: changed/first/count must be non-negative integers")
+        raise FormatError(f"{where}: changed/first/count must be non-negative integers below 2**62, got {brief(ints)}")
     return TensorEntry(t["name"], op, base, target, *ints)

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from .errors import DeltaRefitError, UsageError
+from .errors import SignatureError, UsageError
 
 
 class SignableRecord:
@@ -33,12 +33,6 @@ class SignableRecord:
         if self.signature is not None:
             d["signature"] = self.signature
         return json.dumps(d, sort_keys=True, indent=1).encode("utf-8")
-
-
-class SignatureError(DeltaRefitError):
-    """A commit record is unsigned, or its signature does not verify with the configured key."""
-
-    exit_code = 8
 
 
 def keygen(private_path: str) -> str:

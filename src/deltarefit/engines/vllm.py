@@ -431,10 +431,9 @@ class DeltaRefitWorkerExtension:
 
 
 def _raise(report: dict[str, Any]) -> None:
-    cls = getattr(errors, str(report.get("error_type")), None)
-    if not (isinstance(cls, type) and issubclass(cls, DeltaRefitError)):
-        cls = DeltaRefitError
-    raise cls(f"rank {report.get('rank')}: {report.get('error')}")
+    """Raise a worker's refusal (``error_type``, ``error``) on the driver as its own class: a name
+    looked up in the closed set of ``errors`` (never unpickled); an unknown name is a DeltaRefitError."""
+    raise errors.error_from_name(report.get("error_type"), f"rank {report.get('rank')}: {report.get('error')}")
 
 
 def refit_engine(llm: Any, delta_path: str, checkpoint_dir: str, *, verify: bool = False,

@@ -43,7 +43,8 @@ from typing import Any
 
 import blake3
 
-from ..errors import DeltaRefitError, UsageError
+from ..errors import AuthError, DeltaRefitError, ProtocolError, UsageError
+from ..errors import BadPartError as BadPartError  # defined there, re-exported
 from ..transport.ratelimit import TokenBucket
 
 MAGIC = b"DRRELAY1"
@@ -63,23 +64,6 @@ PREAUTH_MAX_FRAME = 16 << 10
 PREAUTH_STREAM_LIMIT = 4 << 10
 PREAUTH_READ_BYTES = 4 << 10
 BUSY = b"DRRBUSY\x00"  # in place of MAGIC: the server refuses the connection for now
-
-
-class ProtocolError(DeltaRefitError):
-    """A peer broke the relay protocol: failed authentication, a tampered or malformed frame, an
-    unexpected message, or a relay that cannot be reached or joined."""
-
-    exit_code = 10
-
-
-class AuthError(ProtocolError):
-    """The peer's frame did not verify under our key (the relays' keys differ, or a frame was
-    tampered with), or the peer said ours did not."""
-
-
-class BadPartError(ProtocolError):
-    """A part's received bytes do not hash to its commit record's BLAKE3 (its sender serves rotten
-    bytes, or they were damaged on the way)."""
 
 
 def load_key(path: str) -> bytes:
@@ -127,7 +111,8 @@ class Channel:
     async def send(self, header: dict[str, Any], payload: bytes = b"", *, drain_timeout: float = 60.0) -> None:
         hb = json.dumps(header, separators=(",", ":")).encode()
         if len(hb) > MAX_HEADER or len(payload) > MAX_PAYLOAD:
-            raise ProtocolError(f"frame to {self.peer} over the size limits")
+            raise ProtocolError(f"frame to {self.peer} of {len(hb)}+{len(payload)} bytes, over the size limits "
+                                f"({MAX_HEADER}+{MAX_PAYLOAD})")
         async with self._lock:
             if self.writer.is_closing() or self.reader.at_eof():
                 raise ConnectionResetError(f"connection to {self.peer} is closed")

@@ -223,7 +223,8 @@ def read_part(data: bytes | memoryview, where: str = "part", *, head_only: bool 
                 if ch.offset != pos or ch.length > max_payload_len(dt, ch.count):
                     raise FormatError(f"{wc}: chunk payload at {ch.offset}+{ch.length} is not contiguous/limited")
                 if ch.decoded_len > 2 * ch.count * dt.itemsize + 64:
-                    raise LimitError(f"{wc}: decoded length {ch.decoded_len} over the limit")
+                    raise LimitError(f"{wc}: decoded length {ch.decoded_len} over the limit "
+                                     f"{2 * ch.count * dt.itemsize + 64}")
                 pos += ch.length
                 end = ch.first + ch.count
                 total += ch.n_changed

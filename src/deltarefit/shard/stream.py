@@ -344,7 +344,9 @@ class ShardStreamPublisher:
                  poll: float = 0.05, keyframe_every: int = 0, publisher_id: str | None = None,
                  chunk_bytes: int = SEGMENT_BYTES, signing_key: str | None = None) -> None:
         if not 0 <= rank < world or not 0 <= committer < world or timeout <= 0 or keyframe_every < 0:
-            raise UsageError("0 <= rank, committer < world, timeout > 0 and keyframe_every >= 0 are required")
+            raise UsageError("0 <= rank, committer < world, timeout > 0 and keyframe_every >= 0 are required, got "
+                             f"rank={rank}, committer={committer}, world={world}, timeout={timeout}, "
+                             f"keyframe_every={keyframe_every}")
         self.store = open_store(store) if isinstance(store, str) else store
         self.pub = ShardPublisher(layout, served, cuts=cuts, rank=rank, world=world, chunk_bytes=chunk_bytes)
         self.rank, self.world, self.committer = rank, world, committer

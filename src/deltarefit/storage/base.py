@@ -14,13 +14,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from ..errors import DeltaRefitError, UsageError
-
-
-class StoreError(DeltaRefitError):
-    """A storage operation failed (I/O, permissions, a lost connection)."""
-
-    exit_code = 7
+from ..errors import StoreError as StoreError  # defined there, re-exported
+from ..errors import UsageError
 
 
 @runtime_checkable

@@ -35,7 +35,7 @@ from ..apply import apply as apply_delta
 from ..checkpoint import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
 from ..encode import encode as encode_delta
-from ..errors import DeltaRefitError, UsageError
+from ..errors import DeltaRefitError, PublishError, UsageError
 from ..fsutil import write_atomic
 from ..locks import lock_path_beside, locked_method
 from ..signing import SignatureError, Signer, check_record_signature, record_signature
@@ -66,10 +66,6 @@ log = logging.getLogger(__name__)
 
 
 ALL = -1  # quorum: every live subscriber
-
-
-class PublishError(StreamError):
-    """This publish did not commit (lost a race, or the joint commit was not acknowledged)."""
 
 
 # How each stuck state is left: named in the refusals, implemented below (``reset_baseline`` and
@@ -127,7 +123,8 @@ class Publisher:
         self.sums = sums
         if keyframe_every < 1 or keyframe_ratio <= 0 or (quorum < 0 and quorum != ALL) or ack_timeout <= 0:
             raise UsageError("keyframe_every >= 1, keyframe_ratio > 0, quorum >= 0 (or ALL) and ack_timeout > 0 "
-                             "are required")
+                             f"are required, got keyframe_every={keyframe_every}, keyframe_ratio={keyframe_ratio}, "
+                             f"quorum={quorum}, ack_timeout={ack_timeout}")
         self.live_ttl = live_ttl
         self.store = open_store(store) if isinstance(store, str) else store
         self.state_dir = os.path.abspath(state_dir)

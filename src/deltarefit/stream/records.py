@@ -26,31 +26,15 @@ from typing import Any
 
 import blake3
 
-from ..errors import DeltaRefitError
+from ..errors import MalformedRecordError, StreamError, StreamIdentityError
 from ..fsutil import write_atomic
+from ..jsonlimits import brief
 from ..signing import SignableRecord
 from ..storage.base import Store
 
 COMMIT_FORMAT = "deltarefit.commit"
 COMMIT_VERSION = 1
 MAX_RECORD_BYTES = 16 << 20
-
-
-class StreamError(DeltaRefitError):
-    """A version stream is inconsistent with what the caller holds: broken chain, wrong parent,
-    a version that does not exist or was pruned, a lost publish race."""
-
-    exit_code = 9
-
-
-class MalformedRecordError(StreamError):
-    """A commit record that is not a well-formed record of its version: not JSON, another format,
-    inconsistent fields, a part outside its version, a record that names another version."""
-
-
-class StreamIdentityError(StreamError):
-    """A commit record belongs to another stream than the one the caller follows (a version copied
-    from another run's store, a store wiped and republished, a record stripped of its identity)."""
 
 
 STREAM_ID_PATTERN = re.compile(r"^(legacy-)?[0-9a-f]{32}$")
@@ -117,7 +101,8 @@ class CommitRecord(SignableRecord):
 def record_json(data: bytes, where: str) -> Any:
     """A commit record's JSON (plain or sharded), within ``MAX_RECORD_BYTES``; its shape is the caller's."""
     if len(data) > MAX_RECORD_BYTES:
-        raise MalformedRecordError(f"{where}: commit record of {len(data)} bytes exceeds the limit")
+        raise MalformedRecordError(f"{where}: commit record of {len(data)} bytes exceeds the limit "
+                                   f"({MAX_RECORD_BYTES >> 20} MiB)")
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -146,7 +131,8 @@ def parse_commit(data: bytes, where: str) -> CommitRecord:
             or (rec.delta is None and not rec.keyframe)
             or (rec.catchup is None) != (rec.catchup_from is None)
             or (rec.catchup_from is not None and not (isinstance(rec.catchup_from, int) and 1 <= rec.catchup_from < rec.version))):
-        raise MalformedRecordError(f"{where}: inconsistent commit record (version, kind, parts)")
+        raise MalformedRecordError(f"{where}: inconsistent commit record (version, kind, parts): version "
+                                   f"{brief(rec.version)}, kind {brief(rec.kind)}")
     for _, p in ([("delta", rec.delta)] if rec.delta else []) + rec.keyframe + ([("catchup", rec.catchup)] if rec.catchup else []):
         if not p.key.startswith(vkey(rec.version) + "/") or ".." in p.key:
             raise MalformedRecordError(f"{where}: part {p.key!r} lies outside its version")

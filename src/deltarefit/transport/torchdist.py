@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import blake3
 import numpy as np
 
-from ..errors import DeltaRefitError, UsageError
+from ..errors import BroadcastError, DeltaRefitError, UsageError
 from ..fsutil import fsync_dir
 from ..storage.base import Store, open_store
 from ..storage.local import LocalStore
@@ -41,10 +41,6 @@ from .collectives import broadcast_bytes
 
 FP_BYTES = 96  # a fingerprint's hex (64 chars) fits, with room; padded with NUL
 DEFAULT_CHUNK = 16 << 20
-
-
-class BroadcastError(StreamError):
-    """A broadcast refit failed on some rank (the message names the rank and the cause)."""
 
 
 @dataclass
