@@ -27,7 +27,7 @@ from deltarefit.bench.stream import _chain
 from deltarefit.format import DeltaReader
 from deltarefit.storage import LocalStore, MemoryStore, StoreError
 from deltarefit.stream import Publisher, StreamError, Subscriber
-from deltarefit.stream.arriving import READ_BYTES
+from deltarefit.stream.arriving import read_bytes as range_read_bytes
 from deltarefit.stream.records import load_commit
 from deltarefit.stream.subscriber import state_path
 
@@ -58,7 +58,7 @@ def local_stream(tmp_path_factory, steps):
     _publish(LocalStore(str(d / "store")), str(d / "pub"), steps)
     rec = load_commit(LocalStore(str(d / "store")), 2)
     with DeltaReader(os.path.join(str(d / "store"), *rec.delta.key.split("/"))) as r:
-        assert r.payload_len > 2 * READ_BYTES, "deltas too small to arrive in several reads: raise the rate"
+        assert r.payload_len > 4 * range_read_bytes(os.path.getsize(r.path)), "deltas too small: raise the rate"
     # A subscriber at version 1 (the keyframe), the template every test copies.
     tmpl = str(d / "tmpl.safetensors")
     Subscriber(LocalStore(str(d / "store")), tmpl, subscriber_id="tmpl").sync(to_version=1)
@@ -214,6 +214,27 @@ def test_part_corrupted_in_the_store_is_refused_nothing_written(where, local_str
     assert glob.glob(os.path.join(ck + ".deltarefit-staging", "*")) == []  # the bad bytes are not kept
 
 
+@pytest.mark.parametrize("change", ["longer", "shorter"])
+def test_part_of_another_size_than_its_record_is_refused(change, local_stream, tmp_path):
+    import shutil
+
+    root = str(tmp_path / "store")
+    shutil.copytree(local_stream["store"], root)
+    store = LocalStore(root)
+    part = os.path.join(root, *load_commit(store, 2).delta.key.split("/"))
+    if change == "longer":  # the record's bytes, and one more: its hash alone would not tell
+        with open(part, "ab") as f:
+            f.write(b"\0")
+    else:
+        os.truncate(part, os.path.getsize(part) - 1)
+    ck = _at_v1(local_stream, str(tmp_path / "sub.safetensors"))
+    before, st = sha(ck), read_bytes(state_path(ck))
+    with pytest.raises(StreamError, match=f"part does not match its commit record \\(the object is {change}"):
+        Subscriber(store, ck, subscriber_id="size").sync(to_version=2)
+    assert sha(ck) == before and read_bytes(state_path(ck)) == st
+    assert glob.glob(os.path.join(ck + ".deltarefit-staging", "*")) == []
+
+
 def test_later_part_corrupted_refuses_the_whole_chain(local_stream, tmp_path):
     import shutil
 
@@ -251,7 +272,7 @@ class FailsMidway(LocalStore):
 def test_download_failing_midway_leaves_the_checkpoint_untouched(local_stream, steps, fps, tmp_path):
     ck = _at_v1(local_stream, str(tmp_path / "sub.safetensors"))
     before, st = sha(ck), read_bytes(state_path(ck))
-    store = FailsMidway(local_stream["store"], budget=2 * READ_BYTES)
+    store = FailsMidway(local_stream["store"], budget=1 << 20)
     with pytest.raises(StoreError, match="connection reset"):
         Subscriber(store, ck, subscriber_id="mid").sync(to_version=2)
     assert sha(ck) == before and read_bytes(state_path(ck)) == st

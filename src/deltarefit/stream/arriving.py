@@ -32,8 +32,16 @@ from ..format import HEADER, HEADER_SIZE, MAGIC, MAX_MANIFEST_BYTES, MAX_RECORDS
 from ..storage.base import Store
 from .records import Part, StreamError, file_hash
 
-READ_BYTES = 1 << 20  # one ranged read: the watermark moves in steps of this
-READS_IN_FLIGHT = 4  # ranged reads ahead of the one being written (bounded memory: 4 MiB)
+# One ranged read covers a sixteenth of the part, within these bounds: small parts still arrive in
+# steps the plan can follow, large ones in reads long enough for an object store's latency.
+MIN_READ_BYTES = 256 << 10
+MAX_READ_BYTES = 8 << 20
+READS_IN_FLIGHT = 8  # ranged reads ahead of the one being written (bounded memory: 64 MiB)
+
+
+def read_bytes(size: int) -> int:
+    """The length of one ranged read of a part of ``size`` bytes."""
+    return min(MAX_READ_BYTES, max(MIN_READ_BYTES, -(-size // 16)))
 
 
 class _Cancelled(StreamError):
@@ -115,8 +123,8 @@ class ArrivingPart:
                     self._cv.notify_all()
             self._fetch(pool, cancel, fd, len(head), size if tail is None else tail, h, advance=True)
             if tail is not None:
-                for off in range(tail, size, READ_BYTES):
-                    h.update(os.pread(fd, min(READ_BYTES, size - off), off))
+                for off in range(tail, size, MAX_READ_BYTES):
+                    h.update(os.pread(fd, min(MAX_READ_BYTES, size - off), off))
         finally:
             os.close(fd)
         if h.hexdigest() != self.part.blake3:
@@ -128,13 +136,14 @@ class ArrivingPart:
         ``advance``, moving the watermark. The read ending at the part's end asks for one byte more:
         an object longer than its record is refused too. Returns the bytes of the first read."""
         size = self.part.bytes
+        step = read_bytes(size)
         first = b""
         pending: deque = deque()
         nxt = start
         try:
             while nxt < end or pending:
                 while len(pending) < READS_IN_FLIGHT and nxt < end:
-                    n = min(READ_BYTES, end - nxt)
+                    n = min(step, end - nxt)
                     ask = n + 1 if nxt + n == size else n
                     pending.append((nxt, n, pool.submit(self.store.get_range, self.part.key, nxt, ask)))
                     nxt += n
