@@ -78,7 +78,7 @@ class ArrivingPart:
         self.path = dest + ".arriving"  # staging only: never the checkpoint
         self.where = f"{store.url}/{part.key}"
         self.fetched = 0
-        self.early_reads = 0  # payload reads served before the part had wholly arrived
+        self.early_reads = 0  # payload reads served before the part had wholly arrived (the overlap)
         self._cv = threading.Condition()
         self._mark = 0  # bytes [0, mark) have arrived (and the tail, once ``_index``)
         self._index = False
@@ -184,11 +184,11 @@ class ArrivingPart:
     def wait_bytes(self, end: int) -> None:
         """Until bytes [0, end) have arrived; raises the download's error if it failed before."""
         with self._cv:
-            if not self._done:
-                self.early_reads += 1
             self._cv.wait_for(lambda: self._mark >= end or self._done)
             if self._mark < end:
                 raise self._error if self._error is not None else StreamError(f"{self.where}: ended early")
+            if not self._done:  # served while the rest of the part is still on its way
+                self.early_reads += 1
 
     def verified(self) -> str:
         """Wait for the download; raise its error, or return the staged path of the checked part."""

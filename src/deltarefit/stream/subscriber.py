@@ -302,31 +302,36 @@ class Subscriber:
         plans on its part as it arrives; before its first write, every part must be whole and match
         its record, and every delta must say what its record says, as on the staged path."""
         downloads = self.arriving = PartDownloads(self.store, [(st.parts[0], local[st.parts[0].key]) for st in steps])
-        gate_failed = False
+        gate: list[bool] = []  # [True] once passed, [False] once refused
 
-        def gate() -> None:  # the first write waits here: (a) every part authenticated, (b) as staged
-            nonlocal gate_failed
+        def authenticated() -> None:
+            """The first write waits here, after the whole plan passed: every part of the route whole,
+            with its record's size and BLAKE3, and saying what its record says."""
             try:
                 downloads.wait_all()
                 self._check_staged(steps, local)
             except BaseException:
-                gate_failed = True
+                gate.append(False)
                 raise
+            gate.append(True)
 
         first = steps[0].parts[0].key
 
         def apply_first() -> str:
             try:
                 reader = ArrivingReader(downloads.parts[0])
-                return apply_delta(local[first], self.checkpoint, threads=self.threads, reader=reader,
-                                   before_write=gate).target_fingerprint
+                try:
+                    return apply_delta(local[first], self.checkpoint, threads=self.threads, reader=reader,
+                                       before_write=authenticated).target_fingerprint
+                finally:
+                    reader.close()
             except Exception:
-                # Refused before the gate, on bytes not yet authenticated: a part that does not match
-                # its record is the refusal to report (as the staged path reports it); otherwise the
-                # parts are what their records say, and the plan's refusal stands.
-                if not gate_failed:
+                if not gate:
+                    # Refused before the gate, on bytes not yet authenticated: a part that does not
+                    # match its record is the refusal to report (as the staged path reports it);
+                    # otherwise the parts are what their records say, and the plan's refusal stands.
                     try:
-                        gate()
+                        authenticated()
                     except Exception as e:
                         raise e from None
                 raise
