@@ -3,7 +3,7 @@
 ``sync`` is staged: it reads and checks every commit record on the way (parent links, signatures),
 picks the cheapest route in bytes (the chain of deltas, or the newest usable keyframe plus the deltas
 after it), downloads every part into a staging directory and checks it against its record, and only
-then applies, version by version, verifying the fingerprint after each and recording
+then writes (a route of deltas is planned while it downloads: see "Overlap"), version by version, verifying the fingerprint after each and recording
 ``{version, fingerprint}`` atomically beside the checkpoint. A sync interrupted anywhere resumes on
 the next run: applies are idempotent and crash-safe, and the recorded version only moves after a
 verified apply.
