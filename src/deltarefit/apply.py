@@ -689,12 +689,15 @@ def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | No
               cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None,
               structural: Callable[[DeltaReader, list[_TensorPlan]], list[str]] | None = None,
               structural_check: Callable[[list[_TensorPlan]], None] | None = None,
-              held: Mapping[str, bytes] | None = None) -> ApplyReport:
+              held: Mapping[str, bytes] | None = None,
+              before_write: Callable[[], None] | None = None) -> ApplyReport:
     """Plan, write, verify (see the module docstring). ``structural`` performs added/removed/re-typed
     tensors after the in-place patches; ``structural_check`` may refuse them, before any write.
     ``held``: tensor name -> the additive digest of what the target holds now, which the caller
     vouches for (module docstring, "Held digests"); tensors it names are checked through it when the
-    delta carries their additive target digest."""
+    delta carries their additive target digest. ``before_write()`` runs once the plan passed, before
+    the first write; it may refuse (raise), and then nothing is written (a subscriber that planned on
+    a part still downloading checks the whole part against its record there)."""
     t0 = time.perf_counter()
     ap = Applier(delta, target, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
                  held=held)
@@ -705,6 +708,8 @@ def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | No
                          "which this target cannot do in place")
     if struct_todo and structural_check is not None:
         structural_check(struct_todo)
+    if before_write is not None:
+        before_write()
     applied, skipped, recovered, written = ap.write(plans)
     names = structural(delta, plans) if struct_todo else []
     digests = ap.target_digests(plans)
@@ -886,23 +891,26 @@ def remove_dead_temps_of(checkpoint_path: str) -> list[str]:
 
 def apply(delta_path: str, checkpoint_path: str, *, threads: int | None = None,
           cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None,
-          lock: bool = True) -> ApplyReport:
+          lock: bool = True, reader: DeltaReader | None = None,
+          before_write: Callable[[], None] | None = None) -> ApplyReport:
     """Apply the delta file to the checkpoint in place; idempotent, crash-safe, verified at the end.
     Holds the checkpoint's lock (``checkpoint_lock``) throughout. ``lock=False``: another process holds
     it on this one's behalf (an engine's workers apply while their driver holds it, see
-    ``engines.vllm.refit_engine``) and serializes the appliers itself."""
+    ``engines.vllm.refit_engine``) and serializes the appliers itself. ``reader``: an open reader of
+    ``delta_path`` to apply through (closed at the end), and ``before_write``: as in ``run_apply``."""
     with checkpoint_lock(checkpoint_path) if lock else contextlib.nullcontext():
         return _apply_locked(delta_path, checkpoint_path, threads=threads, cache_bytes=cache_bytes,
-                             progress=progress)
+                             progress=progress, reader=reader, before_write=before_write)
 
 
 def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None, cache_bytes: int,
-                  progress: Callable[[int], None] | None) -> ApplyReport:
+                  progress: Callable[[int], None] | None, reader: DeltaReader | None = None,
+                  before_write: Callable[[], None] | None = None) -> ApplyReport:
     if os.path.exists(checkpoint_path):
         remove_dead_temps_of(checkpoint_path)
     if os.path.isdir(checkpoint_path):
         remove_replaced_shards(checkpoint_path)  # finish a structural rewrite killed after its commit
-    with DeltaReader(delta_path) as d:
+    with reader if reader is not None else DeltaReader(delta_path) as d:
         with open_checkpoint(checkpoint_path, writable=True) as ck:
             journal = Journal(journal_path(checkpoint_path), d.target_fingerprint)
             structural_done: list[str] = []
@@ -916,7 +924,8 @@ def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None,
                 return structural_done
 
             rep = run_apply(d, ck, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
-                            structural=structural, structural_check=lambda todo: _check_structural(ck, todo))
+                            structural=structural, structural_check=lambda todo: _check_structural(ck, todo),
+                            before_write=before_write)
             rep.structural_ops = {n: ops[n] for n in rep.structural if n in ops}
             ck.flush()
         journal.remove()

@@ -3,10 +3,25 @@
 ``sync`` is staged: it reads and checks every commit record on the way (parent links, signatures),
 picks the cheapest route in bytes (the chain of deltas, or the newest usable keyframe plus the deltas
 after it), downloads every part into a staging directory and checks it against its record, and only
-then applies, version by version, verifying the fingerprint after each and recording
+then writes (a route of deltas is planned while it downloads: see "Overlap"), version by version, verifying the fingerprint after each and recording
 ``{version, fingerprint}`` atomically beside the checkpoint. A sync interrupted anywhere resumes on
 the next run: applies are idempotent and crash-safe, and the recorded version only moves after a
 verified apply.
+
+Overlap: a route of deltas (no keyframe) from a store with ranged reads (``get_range``), applied by
+plain apply (no ``apply_hook``), is not staged whole first. Its parts stream into the staging
+directory in route order on a background thread (``stream.arriving``: each part's header, then its
+manifest and chunk table from the end of the file, then its payloads in order, hashed as they come),
+and the first delta's plan runs on its part as it arrives, each chunk decoded once its bytes are
+there; so a single-delta sync takes about max(download, plan) + write instead of download + plan +
+write. The guarantees are the staged path's: the first write waits (``apply(before_write=)``) until
+every part of the route has arrived whole with the size and BLAKE3 of its record (which is what
+authenticates a part's header, manifest and table) and says what its record says, and until the
+whole plan passed; a refusal before that point names a part that does not match its record if there
+is one, else the plan's reason. Later deltas of a chain are planned once the one before is applied
+(they apply to it), on parts already checked. A part that fails its check is removed from staging; a
+checked one stays there until the sync ends, for a rerun. Keyframe routes, engine hooks and stores
+without ranged reads stage every part whole first (``records.fetch_part``), as does ``prepare``.
 
 Every record must be of the stream the checkpoint follows: its identity (``records.stream_identity``,
 fixed at the stream's first version) is recorded with the version and checked on every record read.
@@ -39,6 +54,7 @@ from ..format import DeltaReader
 from ..locks import lock_path_beside, locked_method
 from ..signing import SignatureError, Verifier, check_record_signature
 from ..storage.base import Store, open_store
+from .arriving import ArrivingReader, PartDownloads
 from .publisher import _copy_checkpoint
 from .records import (
     CommitRecord,
@@ -81,6 +97,9 @@ class SyncReport:
     # the head, files whose identity changed since the last verification, or ``verify=True``). False
     # at the head when the checkpoint's files are unchanged since they were verified at ``version``.
     verified: bool = False
+    # Chunk payloads the plan read before their part had wholly arrived: the download and the first
+    # plan overlapped (0 on the staged path: keyframe routes, engine hooks, stores without ranged reads).
+    early_reads: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,6 +150,8 @@ class Subscriber:
         self.pinned_stream = stream_id
         self._ident: str | None = None  # identity of the followed stream, set at the start of each sync
         self._hashed_at: int | None = None  # the version a fingerprint of the checkpoint just matched
+        # The parts of the overlapped sync in progress (their watermarks, ``early_reads``), else None.
+        self.arriving: PartDownloads | None = None
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -246,27 +267,102 @@ class Subscriber:
                                   + (REPAIR_FIX if v == first else ""))
         route, steps = self._route(cur, recs)
         os.makedirs(self.staging, exist_ok=True)
+        local = {p.key: os.path.join(self.staging, p.key.replace("/", "_")) for st in steps for p in st.parts}
+        if self._overlaps(steps):
+            return self._sync_arriving(steps, local, recs, cur, start, route, t0)
         fetched = 0
-        local: dict[str, str] = {}
         for part in (p for st in steps for p in st.parts):  # stage everything first
-            dest = os.path.join(self.staging, part.key.replace("/", "_"))
-            fetched += fetch_part(self.store, part, dest)
-            local[part.key] = dest
-        for st in steps:  # each staged delta must say what its record says, before any write
+            fetched += fetch_part(self.store, part, local[part.key])
+        self._check_staged(steps, local)
+        applied, version, fp = self._apply_steps(steps, local, recs, cur)
+        shutil.rmtree(self.staging, ignore_errors=True)
+        return SyncReport(start, version, fp, route, fetched, applied, time.perf_counter() - t0, verified=True)
+
+    def _overlaps(self, steps: list[_Step]) -> bool:
+        """Whether this route is synced with its download and the first plan overlapped: deltas only
+        (keyframes are staged whole), applied by plain apply (not an engine's hook), from a store with
+        ranged reads."""
+        return (self.apply_hook is None and callable(getattr(self.store, "get_range", None))
+                and all(st.kind != "keyframe" for st in steps))
+
+    def _check_staged(self, steps: list[_Step], local: dict[str, str]) -> None:
+        """Each staged delta must say what its record says, before any write."""
+        for st in steps:
             if st.kind != "keyframe":
                 with DeltaReader(local[st.parts[0].key]) as d:
                     if (d.base_fingerprint, d.target_fingerprint) != (st.parent, st.fingerprint):
                         raise StreamError(f"{self.store.url} version {st.version}: its {st.kind} goes from "
                                           f"{d.base_fingerprint[:16]}… to {d.target_fingerprint[:16]}…, the record "
                                           f"says {str(st.parent)[:16]}… to {st.fingerprint[:16]}…")
+
+    def _sync_arriving(self, steps: list[_Step], local: dict[str, str], recs: dict[int, CommitRecord],
+                       cur: tuple[int, str] | None, start: int, route: str, t0: float) -> SyncReport:
+        """A route of deltas, its first delta planned while the parts download (module docstring,
+        "Overlap"): every part streams into staging in order on a background thread; the first apply
+        plans on its part as it arrives; before its first write, every part must be whole and match
+        its record, and every delta must say what its record says, as on the staged path."""
+        downloads = self.arriving = PartDownloads(self.store, [(st.parts[0], local[st.parts[0].key]) for st in steps])
+        gate: list[bool] = []  # [True] once passed, [False] once refused
+
+        def authenticated() -> None:
+            """The first write waits here, after the whole plan passed: every part of the route whole,
+            with its record's size and BLAKE3, and saying what its record says."""
+            try:
+                downloads.wait_all()
+                self._check_staged(steps, local)
+            except BaseException:
+                gate.append(False)
+                raise
+            gate.append(True)
+
+        first = steps[0].parts[0].key
+
+        def apply_first() -> str:
+            try:
+                reader = ArrivingReader(downloads.parts[0])
+                try:
+                    return apply_delta(local[first], self.checkpoint, threads=self.threads, reader=reader,
+                                       before_write=authenticated).target_fingerprint
+                finally:
+                    reader.close()
+            except Exception:
+                if not gate:
+                    # Refused before the gate, on bytes not yet authenticated: a part that does not
+                    # match its record is the refusal to report (as the staged path reports it);
+                    # otherwise the parts are what their records say, and the plan's refusal stands.
+                    try:
+                        authenticated()
+                    except Exception as e:
+                        raise e from None
+                raise
+
+        try:
+            applied, version, fp = self._apply_steps(steps, local, recs, cur, first_apply=apply_first)
+        except BaseException as e:
+            if not isinstance(e, Exception):  # interrupted: stop the download where it is
+                downloads.abandon()
+            raise
+        finally:
+            self.arriving = None
+        shutil.rmtree(self.staging, ignore_errors=True)
+        return SyncReport(start, version, fp, route, downloads.fetched, applied, time.perf_counter() - t0,
+                          verified=True, early_reads=downloads.early_reads)
+
+    def _apply_steps(self, steps: list[_Step], local: dict[str, str], recs: dict[int, CommitRecord],
+                     cur: tuple[int, str] | None,
+                     first_apply: Callable[[], str] | None = None) -> tuple[list[int], int, str]:
+        """Apply the staged route version by version, recording each verified one. ``first_apply``:
+        applies the first step instead (returns the fingerprint reached)."""
         applied: list[int] = []
         version, fp = cur if cur else (0, "")
-        for st in steps:
+        for i, st in enumerate(steps):
             if st.kind == "keyframe":
                 self._install_keyframe(recs[st.version], local)
                 got = fingerprint_of(self.checkpoint, threads=self.threads)
                 if self.keyframe_hook is not None and got == st.fingerprint:
                     self.keyframe_hook()
+            elif i == 0 and first_apply is not None:
+                got = first_apply()
             else:
                 # apply verifies that the checkpoint reached the delta's own target fingerprint; the
                 # record must name that same fingerprint (an edited record must not be believed).
@@ -280,8 +376,7 @@ class Subscriber:
             version, fp = st.version, st.fingerprint
             self._record(version, fp, self._files_identity())
             applied.append(version)
-        shutil.rmtree(self.staging, ignore_errors=True)
-        return SyncReport(start, version, fp, route, fetched, applied, time.perf_counter() - t0, verified=True)
+        return applied, version, fp
 
     def _at_head(self, cur: tuple[int, str], start: int, verify: bool, t0: float) -> SyncReport:
         """The checkpoint holds the target version by its record: check that the store's record of it is
