@@ -28,7 +28,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import blake3
 
-from ..format import HEADER, HEADER_SIZE, MAGIC, MAX_MANIFEST_BYTES, MAX_RECORDS, RECORD_SIZE, ChunkRecord, DeltaReader
+from ..format import (
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_MANIFEST_BYTES,
+    MAX_RECORDS,
+    RECORD_SIZE,
+    ChunkRecord,
+    DeltaReader,
+)
 from ..storage.base import Store
 from .records import Part, StreamError, file_hash
 
