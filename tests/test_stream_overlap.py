@@ -10,6 +10,7 @@ ranged reads.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import random
@@ -305,10 +306,8 @@ def _kill_when(args: list[str], when, after: float) -> tuple[int, bool]:
                 break
             time.sleep(0.0005)
         if seen and after > 0:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=after)
-            except subprocess.TimeoutExpired:
-                pass
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
         _, err = p.communicate(timeout=TIMEOUT)
