@@ -68,12 +68,14 @@ before = {n: p.detach().clone() for n, p in params.items()}
 try:
     if a.get("held"):  # held digests, taken as LiveEngine takes them (a collective pass for shared tensors)
         from deltarefit.apply import run_apply
-        from deltarefit.engines.live import state_through
+        from deltarefit.engines.live import TargetUnion, state_through
         from deltarefit.format import DeltaReader
+        from deltarefit.torch_api import _TorchTarget
 
-        sums = {n: state_through(live, n)[1] for n in names}
+        union = TargetUnion(live, _TorchTarget({}))  # as LiveEngine holds it: live placements beside host copies
+        sums = {n: state_through(union, n)[1] for n in names}
         with DeltaReader(a["delta"]) as d:
-            rep = run_apply(d, live, journal=None, threads=2, held=sums)
+            rep = run_apply(d, union, journal=None, threads=2, held=sums)
     else:
         rep = apply_live(a["delta"], live, threads=2)
     out = {"ok": True, "shared": sorted(shared), "written": rep.written_bytes, "held": rep.held}

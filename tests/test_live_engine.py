@@ -315,3 +315,28 @@ def test_a_failed_held_apply_is_completed_by_segments_and_held_digests_resume(ch
     assert _bits(m) == _bits(_loaded(chain["target"]))
     assert eng.apply(chain["deltas"]["step2-sums"]).check == "held digests"
     assert _bits(m) == _bits(_loaded(chain["target2"])) and eng.verify() == eng.fingerprint
+
+
+def test_a_union_with_a_collective_part_is_collective():
+    """The applier drives a collective target in one order on one thread; a union holding one (a live
+    engine's placements beside its host copies) must say so, or the group's collectives interleave."""
+    from deltarefit.engines.live import TargetUnion
+    from deltarefit.torch_api import _TorchTarget
+
+    class Group:
+        collective = True
+        tensors: ClassVar[dict] = {}
+
+        def agree(self, ok):
+            return False
+
+        def read_segment(self, name, ci):
+            raise AssertionError("not read")
+
+        def write_segment(self, name, ci, region, view, patch):
+            raise AssertionError("not written")
+
+    u = TargetUnion(Group(), _TorchTarget({}))
+    assert u.collective and u.agree(True) is False
+    plain = TargetUnion(_TorchTarget({}))
+    assert not plain.collective and plain.agree(True) is True

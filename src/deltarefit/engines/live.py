@@ -275,6 +275,16 @@ class TargetUnion:
                     raise UsageError(f"tensor {n!r} is held by two targets")
                 self.tensors[n] = info
                 self._of[n] = seg
+        # A union with a collective part is collective: the applier must drive it in one order on one
+        # thread, or the group's processes issue their collectives in different orders and hang.
+        self._group = [seg for seg in map(segments_of, targets) if getattr(seg, "collective", False)]
+        if len(self._group) > 1:
+            raise UsageError("a target union may hold one collective target at most")
+        self.collective = bool(self._group)
+
+    def agree(self, ok: bool) -> bool:
+        """The collective part's agreement (``LiveTarget.agree``); ``ok`` itself without one."""
+        return self._group[0].agree(ok) if self._group else ok
 
     def read_segment(self, name: str, ci: int) -> np.ndarray:
         return self._of[name].read_segment(name, ci)
