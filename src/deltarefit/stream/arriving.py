@@ -53,10 +53,6 @@ def read_bytes(size: int) -> int:
     return min(MAX_READ_BYTES, max(MIN_READ_BYTES, -(-size // 16)))
 
 
-class _Cancelled(StreamError):
-    """The sync that started the download gave up on it (it is unwinding)."""
-
-
 def index_offset(head: bytes, size: int) -> int | None:
     """Where the manifest + table tail of a delta of ``size`` bytes begins, from its (unauthenticated)
     header; None when the header does not describe a layout ``DeltaReader`` would accept (the part
@@ -158,7 +154,7 @@ class ArrivingPart:
                     nxt += n
                 off, n, fut = pending.popleft()
                 if cancel.is_set():
-                    raise _Cancelled(f"{self.where}: download abandoned")
+                    raise StreamError(f"{self.where}: download abandoned (the sync that started it gave up)")
                 try:
                     data = fut.result()
                 except KeyError:
