@@ -548,16 +548,22 @@ class Applier:
         if _digest(e.target, post) != e.target.digest:
             raise VerificationError(f"{self.d.path}: {_where(e)}: chunk post-images do not make the target digest "
                                     "(corrupt delta)")
-        for c in chunks:  # keep decoded patches within the memory budget, re-decode the rest later
-            if c.patch is not None and c.state == "todo":  # a torn chunk's patch can't be re-decoded
-                size = _patch_bytes(c.patch)
-                with self._cache_lock:
-                    keep = size <= self.cache_left
-                    if keep:
-                        self.cache_left -= size
-                if not keep:
-                    c.patch = None
+        # keep decoded patches within the memory budget, re-decode the rest later (a torn chunk's patch,
+        # from the journal, cannot be re-decoded: it is always kept)
+        self._keep_within_budget([c for c in chunks if c.patch is not None and c.state == "todo"])
         return _TensorPlan(e, "patch", segs, chunks)
+
+    def _keep_within_budget(self, chunks: list[_ChunkPlan]) -> None:
+        """Keep the decoded patches of ``chunks`` while the plan's memory budget lasts; drop the rest
+        (their chunks are decoded again when written)."""
+        for c in chunks:
+            size = _patch_bytes(c.patch)
+            with self._cache_lock:
+                keep = size <= self.cache_left
+                if keep:
+                    self.cache_left -= size
+            if not keep:
+                c.patch = None
 
     def _plan_held(self, pool, e: TensorEntry, held: bytes) -> _TensorPlan:
         """The held-digest plan of a ``same``/``patch`` tensor (module docstring): decode every chunk
@@ -589,14 +595,7 @@ class Applier:
             raise VerificationError(f"{self.d.path}: {_where(e)}: its post-image, the held digest moved by the decoded "
                                     "changes, misses the delta's target digest (corrupt delta, or the elements it "
                                     "changes differ from its base)")
-        for c in chunks:  # within the memory budget; the rest is decoded again, and checked, when written
-            size = _patch_bytes(c.patch)
-            with self._cache_lock:
-                keep = size <= self.cache_left
-                if keep:
-                    self.cache_left -= size
-            if not keep:
-                c.patch = None
+        self._keep_within_budget(chunks)  # the rest is decoded again, and checked, when written
         return _TensorPlan(e, "held", chunks=chunks, sum=total)
 
     # -- write -----------------------------------------------------------------------------------

@@ -62,65 +62,49 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _h(f, b, s):  # pragma: no cover - compiled
+    # h_l(i, b) of the module docstring for one lane: f = the index, b = bits * golden, s = the lane seed
+    x = f ^ s
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    x ^= b
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
 @njit(cache=True, nogil=True)
 def _partial_kernel(flat, bits, s0, s1):  # pragma: no cover - compiled
     # Same function as _partial_numpy (the reference), one pass, no temporaries; uint64 wraps.
-    m1 = np.uint64(0xBF58476D1CE4E5B9)
-    m2 = np.uint64(0x94D049BB133111EB)
     g = np.uint64(0x9E3779B97F4A7C15)
     a0 = np.uint64(0)
     a1 = np.uint64(0)
     for i in range(flat.size):
         f = np.uint64(flat[i])
         b = np.uint64(bits[i]) * g
-        for lane in range(2):
-            x = f ^ (s0 if lane == 0 else s1)
-            x ^= x >> np.uint64(30)
-            x *= m1
-            x ^= x >> np.uint64(27)
-            x *= m2
-            x ^= x >> np.uint64(31)
-            x ^= b
-            x ^= x >> np.uint64(30)
-            x *= m1
-            x ^= x >> np.uint64(27)
-            x *= m2
-            x ^= x >> np.uint64(31)
-            if lane == 0:
-                a0 += x
-            else:
-                a1 += x
+        a0 += _h(f, b, s0)
+        a1 += _h(f, b, s1)
     return a0, a1
 
 
 @njit(cache=True, nogil=True)
 def _run_kernel(start, bits, s0, s1):  # pragma: no cover - compiled
     # _partial_kernel over the indices start, start + 1, ... (no index array to build or read).
-    m1 = np.uint64(0xBF58476D1CE4E5B9)
-    m2 = np.uint64(0x94D049BB133111EB)
     g = np.uint64(0x9E3779B97F4A7C15)
     a0 = np.uint64(0)
     a1 = np.uint64(0)
     for i in range(bits.size):
         f = np.uint64(start + i)
         b = np.uint64(bits[i]) * g
-        for lane in range(2):
-            x = f ^ (s0 if lane == 0 else s1)
-            x ^= x >> np.uint64(30)
-            x *= m1
-            x ^= x >> np.uint64(27)
-            x *= m2
-            x ^= x >> np.uint64(31)
-            x ^= b
-            x ^= x >> np.uint64(30)
-            x *= m1
-            x ^= x >> np.uint64(27)
-            x *= m2
-            x ^= x >> np.uint64(31)
-            if lane == 0:
-                a0 += x
-            else:
-                a1 += x
+        a0 += _h(f, b, s0)
+        a1 += _h(f, b, s1)
     return a0, a1
 
 
