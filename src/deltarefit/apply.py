@@ -302,6 +302,15 @@ def _patched_copy(view: np.ndarray, patch: Patch) -> np.ndarray:
     return img
 
 
+def _moved(e: TensorEntry, r: ChunkRecord, view: np.ndarray, pos: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """How chunk ``r``'s changes (``pos`` in it, from ``view[pos]`` to ``new``) move tensor ``e``'s
+    additive digest."""
+    from .shard import digest as additive
+
+    seed = additive.seeds(e.name, e.base.dtype, e.base.shape)
+    return additive.change(seed, pos + r.chunk_index * (SEGMENT_BYTES // view.itemsize), view[pos], new)
+
+
 def _post_image(seg: np.ndarray, patch: Patch) -> np.ndarray:
     img = seg.copy()
     patch.apply_to(img)
@@ -576,16 +585,13 @@ class Applier:
         if held != e.base.sum:
             raise BaseMismatchError(f"{_where(e)}: the digest held of its bytes is not the delta's base (wrong base "
                                     "checkpoint, or modified since?)")
-        seed = additive.seeds(e.name, e.base.dtype, e.base.shape)
-        per = SEGMENT_BYTES // dtype(e.base.dtype).itemsize
 
         def chunk(r: ChunkRecord) -> _ChunkPlan:
             view = self._view(self.segs.read_segment(e.name, r.chunk_index), e.base.dtype)
             patch = self._decode(self.d, e, r, view)
-            pos, new = _changes(patch, view)
             if self.progress:
                 self.progress(_seg_len(e.base.nbytes, r.chunk_index))
-            return _ChunkPlan(r, "todo", patch, additive.change(seed, pos + r.chunk_index * per, view[pos], new))
+            return _ChunkPlan(r, "todo", patch, _moved(e, r, view, *_changes(patch, view)))
 
         chunks = list(pool.map(chunk, self.d.chunks(e)))
         total = np.frombuffer(held, "<u8").astype(np.uint64)
@@ -620,13 +626,9 @@ class Applier:
             patch = c.patch or self._decode(self.d, e, r, view)
             if tp.state == "held":
                 pos, new = _changes(patch, view)  # before the write: ``view`` may be the target's memory
-                if c.patch is None:  # decoded again: it must move the digest as the checked plan did
-                    from .shard import digest as additive
-
-                    seed = additive.seeds(e.name, e.base.dtype, e.base.shape)
-                    per = SEGMENT_BYTES // view.itemsize
-                    if not np.array_equal(additive.change(seed, pos + r.chunk_index * per, view[pos], new), c.moved):
-                        raise VerificationError(f"{_where(e, r)}: decodes differently from its checked plan")
+                # decoded again (outside the memory budget): it must move the digest as the checked plan did
+                if c.patch is None and not np.array_equal(_moved(e, r, view, pos, new), c.moved):
+                    raise VerificationError(f"{_where(e, r)}: decodes differently from its checked plan")
             elif self._read_back:  # the post-image the plan checked, built again (a copy, not a hash)
                 img = _patched_copy(view, patch)
             if c.state == "todo" and self.journal:

@@ -191,7 +191,10 @@ class LiveTarget:
         places = self._place[name]
         if name in self.shared or len(places) != 1:
             return None
-        pl, run = places[0]
+        return self._run_view(*places[0], a, b)
+
+    def _run_view(self, pl: Placement, run: tuple[int, int, int] | None, a: int, b: int) -> np.ndarray | None:
+        """Checkpoint elements ``[a, b)`` as a view of ``pl``'s CPU parameter, when its run holds them all."""
         if run is None or not (run[0] <= a and b <= run[0] + run[2]) or not self._flat[pl.param].cpu:
             return None
         l0 = run[1] + a - run[0]
@@ -204,10 +207,9 @@ class LiveTarget:
             for pl, run in self._place[name]:
                 # One run of one CPU parameter holds the whole segment: its memory, not a copy (the
                 # applier reads it before writing and again after).
-                if pl.piece.owner and run is not None and run[0] <= a and b <= run[0] + run[2] \
-                        and self._flat[pl.param].cpu:
-                    l0 = run[1] + a - run[0]
-                    return self._flat[pl.param].np[l0:l0 + b - a].view(np.uint8)
+                view = self._run_view(pl, run, a, b) if pl.piece.owner else None
+                if view is not None:
+                    return view.view(np.uint8)
         out = np.zeros(b - a, uint) if shared else np.empty(b - a, uint)
         for pl, run in self._place[name]:
             if not pl.piece.owner:
