@@ -78,7 +78,8 @@ try:
             rep = run_apply(d, union, journal=None, threads=2, held=sums)
     else:
         rep = apply_live(a["delta"], live, threads=2)
-    out = {"ok": True, "shared": sorted(shared), "written": rep.written_bytes, "held": rep.held}
+    out = {"ok": True, "shared": sorted(shared), "written": rep.written_bytes, "held": rep.held,
+           "elsewhere": rep.elsewhere, "roles": {n: live.chunk_roles(n) for n in sorted(shared)}}
 except DeltaRefitError as e:
     out = {"error": type(e).__name__, "message": str(e),
            "untouched": all(torch.equal(before[n].view(torch.int16), p.view(torch.int16)) for n, p in params.items())}

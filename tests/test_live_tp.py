@@ -8,10 +8,12 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
+from _pairs import Delta
 from safetensors.torch import load_file, save_file
 
 from deltarefit.encode import encode
@@ -89,3 +91,61 @@ def test_one_workers_refusal_stops_both_before_any_write(tmp_path, held):
     assert outs[1]["error"] == "BaseMismatchError" and "norm" in outs[1]["message"], outs
     assert outs[0]["error"] == "VerificationError" and "another process" in outs[0]["message"], outs
     assert outs[0]["untouched"] and outs[1]["untouched"]
+
+
+def _bits(t: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
+    bits = t.clone().view(torch.int16).view(-1).numpy()
+    bits[rng.choice(bits.size, bits.size // 30, replace=False)] += 1
+    return torch.from_numpy(bits).view(torch.bfloat16).view(t.shape)
+
+
+def _whole_pair(tmp_path):
+    """A pair whose column-parallel tensor has segments each worker holds whole: "up" is 4096 x 512, so
+    rows 0-2047 (segments 0 and 1) are rank 0's and rows 2048-4095 (segments 2 and 3) rank 1's; every
+    segment of the row-parallel "down" (512 x 2048, split by columns) is split between them."""
+    g = torch.Generator().manual_seed(2)
+    base = {"up.weight": (torch.randn(4096, 512, generator=g) * 0.05).to(torch.bfloat16),
+            "down.weight": (torch.randn(512, 2048, generator=g) * 0.05).to(torch.bfloat16),
+            "norm.weight": torch.ones(512, dtype=torch.bfloat16)}
+    target = {n: _bits(t, np.random.default_rng(3)) for n, t in base.items()}
+    other = {n: _bits(t, np.random.default_rng(4)) for n, t in base.items()}
+    b = _ckpt(str(tmp_path / "base"), base)
+    delta, other_delta = str(tmp_path / "step.delta"), str(tmp_path / "other.delta")
+    encode(b, _ckpt(str(tmp_path / "target"), target), delta, sums=True)
+    encode(b, _ckpt(str(tmp_path / "other"), other), other_delta, sums=True)
+    return target, b, delta, other_delta
+
+
+def test_segments_a_worker_holds_whole_are_decoded_there_once(tmp_path):
+    target, b, delta, _ = _whole_pair(tmp_path)
+    outs = _run(tmp_path, b, delta, held=True)
+    assert all(o.get("ok") for o in outs), outs
+    assert outs[0]["roles"]["up.weight"] == ["mine", "mine", "other", "other"]
+    assert outs[1]["roles"]["up.weight"] == ["other", "other", "mine", "mine"]
+    assert all(set(o["roles"]["down.weight"]) == {"group"} for o in outs)
+    # each of "up"'s 4 chunks decoded, checked and written by its holder alone
+    assert [o["elsewhere"] for o in outs] == [2, 2]
+    r0, r1 = (load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2))
+    assert torch.equal(torch.cat([r0["up"], r1["up"]]).view(torch.int16), target["up.weight"].view(torch.int16))
+    assert torch.equal(torch.cat([r0["down"], r1["down"]], 1).view(torch.int16),
+                       target["down.weight"].view(torch.int16))
+    for r in (r0, r1):
+        assert torch.equal(r["norm"].view(torch.int16), target["norm.weight"].view(torch.int16))
+
+
+def test_a_lie_in_a_segment_one_worker_holds_stops_both_before_any_write(tmp_path):
+    _target, b, delta, other_delta = _whole_pair(tmp_path)
+    # chunk 3 of "up" (rank 1's alone) replaced by the same chunk of another step's delta, every hash and
+    # count made consistent: only rank 1 decodes it, and only the group's digest sum can refuse it
+    with open(delta, "rb") as f:
+        d = Delta.parse(f.read())
+    d2 = Delta.load(other_delta)
+    k, k2 = d.record_of("up.weight", 3), d2.record_of("up.weight", 3)
+    d.payloads[k] = d2.payloads[k2]
+    d.tensor("up.weight")[1]["changed"] += d2.records[k2].n_changed - d.records[k].n_changed
+    d.records[k] = replace(d.records[k], n_changed=d2.records[k2].n_changed)
+    lie = d.write(tmp_path / "lie.delta")
+    outs = _run(tmp_path, b, lie, held=True)
+    for o in outs:
+        assert o["error"] == "VerificationError" and "up.weight" in o["message"], outs
+        assert o["untouched"], outs

@@ -148,14 +148,18 @@ class ApplyReport:
     # additive digest each of them holds now (16 bytes).
     held: int = 0
     sums: dict[str, bytes] = field(default_factory=dict)
+    # Chunks of a collective target's shared tensors that another process of the group holds whole:
+    # decoded, checked and written there, not here (held-digest plans; ``LiveTarget.chunk_roles``).
+    elsewhere: int = 0
 
 
 @dataclass
 class _ChunkPlan:
     rec: ChunkRecord
-    state: str  # "todo", "done", "torn"
+    state: str  # "todo", "done", "torn", "other" (held and written by another process of the group)
     patch: Patch | None = None
     moved: np.ndarray | None = None  # held-digest plan: how the chunk's changes move the tensor's digest
+    own: bool = False  # a segment of a shared tensor that this process holds whole (no collective call)
 
 
 @dataclass
@@ -414,6 +418,8 @@ class Applier:
         self.recovered = journal.read() if journal else {}
         self.collective = bool(getattr(self.segs, "collective", False))
         self._pool = _Inline if self.collective else ThreadPoolExecutor
+        self._roles = getattr(self.segs, "chunk_roles", None) if self.collective else None
+        self._own_pool: ThreadPoolExecutor | None = None
 
     def _agreed(self, fn, *args):
         """``fn(*args)``; for a collective target, also the group's agreement that nobody failed."""
@@ -440,6 +446,10 @@ class Applier:
         # Segments go to ``pool``; tensors are planned ``2 x threads`` at a time (``outer``), so that a
         # checkpoint of many one-segment tensors still keeps every core busy. Results are taken in
         # tensor order, so the error reported is the first bad tensor's, whatever the timing.
+        # A collective target is planned on this thread, in one order; the segments a process holds
+        # whole (held-digest plans) are decoded on its own threads meanwhile (``_plan_held_shared``).
+        own = ThreadPoolExecutor(self.threads, thread_name_prefix="plan-own") if self._roles is not None else None
+        self._own_pool = own
         with self._pool(self.threads, thread_name_prefix="plan") as pool, \
                 self._pool(2 * self.threads, thread_name_prefix="plan-tensor") as outer:
             futs = [outer.submit(self._agreed, self._plan_tensor, pool, ti, e) for ti, e in enumerate(self.d.tensors)]
@@ -448,6 +458,9 @@ class Applier:
             finally:
                 for f in futs:
                     f.cancel()
+                if own is not None:
+                    own.shutdown(wait=True, cancel_futures=True)
+                self._own_pool = None
 
     def _plan_tensor(self, pool: ThreadPoolExecutor, ti: int, e: TensorEntry) -> _TensorPlan:
         info = self.t.tensors.get(e.name)
@@ -566,6 +579,8 @@ class Applier:
         """Keep the decoded patches of ``chunks`` while the plan's memory budget lasts; drop the rest
         (their chunks are decoded again when written)."""
         for c in chunks:
+            if c.patch is None:  # held and written elsewhere
+                continue
             size = _patch_bytes(c.patch)
             with self._cache_lock:
                 keep = size <= self.cache_left
@@ -586,23 +601,70 @@ class Applier:
             raise BaseMismatchError(f"{_where(e)}: the digest held of its bytes is not the delta's base (wrong base "
                                     "checkpoint, or modified since?)")
 
-        def chunk(r: ChunkRecord) -> _ChunkPlan:
-            view = self._view(self.segs.read_segment(e.name, r.chunk_index), e.base.dtype)
+        def chunk(r: ChunkRecord, own: bool = False) -> _ChunkPlan:
+            read = self.segs.read_own if own else self.segs.read_segment
+            view = self._view(read(e.name, r.chunk_index), e.base.dtype)
             patch = self._decode(self.d, e, r, view)
             if self.progress:
                 self.progress(_seg_len(e.base.nbytes, r.chunk_index))
-            return _ChunkPlan(r, "todo", patch, _moved(e, r, view, *_changes(patch, view)))
+            return _ChunkPlan(r, "todo", patch, _moved(e, r, view, *_changes(patch, view)), own)
 
-        chunks = list(pool.map(chunk, self.d.chunks(e)))
         total = np.frombuffer(held, "<u8").astype(np.uint64)
+        roles = self._roles(e.name) if self._roles is not None else None
+        if roles is None:
+            chunks = list(pool.map(chunk, self.d.chunks(e)))
+        else:
+            chunks, moved = self._plan_held_shared(e, roles, chunk)
+            total = additive.add(total, moved)
         for c in chunks:
-            total = additive.add(total, c.moved)
+            if c.moved is not None and not c.own:
+                total = additive.add(total, c.moved)
         if np.asarray(total, "<u8").tobytes() != e.target.sum:
             raise VerificationError(f"{self.d.path}: {_where(e)}: its post-image, the held digest moved by the decoded "
                                     "changes, misses the delta's target digest (corrupt delta, or the elements it "
                                     "changes differ from its base)")
         self._keep_within_budget(chunks)  # the rest is decoded again, and checked, when written
         return _TensorPlan(e, "held", chunks=chunks, sum=total)
+
+    def _plan_held_shared(self, e: TensorEntry, roles: list[str],
+                          chunk: Callable[..., _ChunkPlan]) -> tuple[list[_ChunkPlan], np.ndarray]:
+        """The chunks of a shared tensor for a held-digest plan, and the group's sum of the digest moves
+        of the chunks its processes hold whole. Those are decoded once, by their holder, on its threads;
+        the chunks split between processes are decoded by each on this thread, in one order (their
+        segments are assembled over the group). Every process makes the same collective calls whatever
+        fails, then refuses if any did."""
+        from .shard import digest as additive
+
+        recs = self.d.chunks(e)
+        futs = {r.chunk_index: self._own_pool.submit(chunk, r, True) for r in recs if roles[r.chunk_index] == "mine"}
+        out: list[_ChunkPlan] = []
+        err: BaseException | None = None
+        try:
+            for r in recs:
+                if roles[r.chunk_index] == "group":
+                    out.append(chunk(r))
+                elif roles[r.chunk_index] == "other":
+                    out.append(_ChunkPlan(r, "other"))
+                else:
+                    try:
+                        out.append(futs[r.chunk_index].result())
+                    except Exception as ex:
+                        err = err or ex
+        finally:
+            for f in futs.values():
+                f.cancel()
+        local = additive.ZERO.copy()
+        if err is None:
+            for c in out:
+                if c.own:
+                    local = additive.add(local, c.moved)
+        moved, ok = self.segs.group_sum(local, err is None)
+        if err is not None:
+            raise err
+        if not ok:
+            raise VerificationError("another process of the group refused or failed at the same step of this apply "
+                                    "(see its log)")
+        return out, moved
 
     # -- write -----------------------------------------------------------------------------------
 
@@ -621,7 +683,9 @@ class Applier:
 
         def do(tp: _TensorPlan, ti: int, c: _ChunkPlan) -> int:
             e, r = tp.entry, c.rec
-            region = self.segs.read_segment(e.name, r.chunk_index)
+            if c.state == "other":  # held whole, and written, by another process of the group
+                return 0
+            region = (self.segs.read_own if c.own else self.segs.read_segment)(e.name, r.chunk_index)
             view = self._view(region, e.base.dtype)
             patch = c.patch or self._decode(self.d, e, r, view)
             if tp.state == "held":
@@ -633,7 +697,8 @@ class Applier:
                 img = _patched_copy(view, patch)
             if c.state == "todo" and self.journal:
                 self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch, view)
-            region = self.segs.write_segment(e.name, r.chunk_index, region, view, patch)
+            region = (self.segs.write_own if c.own else self.segs.write_segment)(e.name, r.chunk_index, region, view,
+                                                                                 patch)
             if tp.state == "held":  # O(changed elements): what was written is read back
                 if not np.array_equal(self._view(region, e.base.dtype)[pos], new):
                     raise VerificationError(f"{_where(e, r)}: changed elements read back differ from the patch "
@@ -654,8 +719,11 @@ class Applier:
             # Torn chunks go first and alone: their only copy is a journal slot that the next new
             # chunk written by the same slot number would overwrite.
             with self._pool(self.threads if state == "todo" else 1, thread_name_prefix="apply") as pool:
+                # Another process's chunks take their turn here too (doing nothing), so that every process
+                # of a group agrees after the same steps.
                 futs = [pool.submit(self._agreed, do, tp, ti, c) for ti, tp in enumerate(plans)
-                        if tp.state in ("patch", "held") for c in tp.chunks if c.state == state]
+                        if tp.state in ("patch", "held") for c in tp.chunks
+                        if c.state == state or (state == "todo" and c.state == "other")]
                 try:
                     for f in futs:
                         written += f.result()
@@ -720,7 +788,8 @@ def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | No
                                 f"{delta.target_fingerprint[:16]}…")
     held_plans = [tp for tp in plans if tp.state == "held"]
     return ApplyReport(fp, applied, skipped, recovered, written, time.perf_counter() - t0, names, held=len(held_plans),
-                       sums={tp.entry.name: np.asarray(tp.sum, "<u8").tobytes() for tp in held_plans})
+                       sums={tp.entry.name: np.asarray(tp.sum, "<u8").tobytes() for tp in held_plans},
+                       elsewhere=sum(c.state == "other" for tp in held_plans for c in tp.chunks))
 
 
 # ------------------------------------------------------------------------------- safetensors on disk

@@ -501,12 +501,16 @@ _TIMES_LOCK = threading.Lock()
 def _timed(key: str, fn):
     def wrapper(*a, **k):
         t = time.perf_counter()
+        c = time.thread_time()
         try:
             return fn(*a, **k)
         finally:
             dt = time.perf_counter() - t
+            dc = time.thread_time() - c
             with _TIMES_LOCK:
                 _TIMES[key] = _TIMES.get(key, 0.0) + dt
+                _TIMES[key + "_cpu"] = _TIMES.get(key + "_cpu", 0.0) + dc
+                _TIMES["aff:" + key + ":" + ",".join(map(str, sorted(os.sched_getaffinity(0))))] = 1.0
 
     wrapper.__wrapped__ = fn
     return wrapper
@@ -619,6 +623,7 @@ def measure(fn, worker_pid: int, evict: Iterable[str]) -> dict[str, Any]:
 
     th = threading.Thread(target=sample, daemon=True)
     io0 = _io(procs)
+    cpu0 = _cpu(procs)
     th.start()
     t = time.perf_counter()
     out = fn()
@@ -626,9 +631,23 @@ def measure(fn, worker_pid: int, evict: Iterable[str]) -> dict[str, Any]:
     stop.set()
     th.join()
     io1 = _io(procs)
+    cpu1 = _cpu(procs)
     hwm = _status_kb(worker_pid, "VmHWM")
     return {"seconds": dt, "io": io_delta(io0, io1), "rss_before": rss0, "rss_peak_growth": max(0, hwm - rss0),
-            "anon_peak_growth": max(0, peak["anon"] - anon0), "result": out}
+            "anon_peak_growth": max(0, peak["anon"] - anon0), "result": out,
+            "proc_cpu": {k: cpu1[k] - cpu0[k] for k in cpu0 if k in cpu1}}
+
+
+def _cpu(procs: Iterable[Any]) -> dict[str, float]:
+    """CPU seconds (user + system) of each engine process, by ``name:pid``."""
+    out = {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out[f"{p.name()}:{p.pid}"] = t.user + t.system
+        except Exception:
+            pass
+    return out
 
 
 # ------------------------------------------------------------------------------------ one layout (child)
@@ -692,6 +711,7 @@ def _run_paths(llm: Any, prep: dict[str, Any], layout: str, work: str, t_start: 
         w = llm.collective_rpc(worker_times)[0]
         refits = w["last"].get("refits", [])
         tm = w["times"]
+        m["cpu"] = {k: v for k, v in tm.items() if k.endswith("_cpu")}
         m["split"] = {"total": m["seconds"], "plan": tm.get("plan", 0.0), "write": tm.get("write", 0.0),
                       "digests": tm.get("target_digests", 0.0), "decode": tm.get("decode", 0.0),
                       "read_segment": tm.get("read_segment", 0.0), "write_segment": tm.get("write_segment", 0.0),
@@ -704,6 +724,8 @@ def _run_paths(llm: Any, prep: dict[str, Any], layout: str, work: str, t_start: 
         m.pop("result")
         m["way"] = way
         res[n].setdefault("inplace", []).append(m)
+        log(f"[{layout}] proc cpu {dict((k, round(v, 3)) for k, v in m['proc_cpu'].items())}")
+        log(f"[{layout}] times {dict((k, round(v, 3)) for k, v in tm.items())}")
         log(f"[{layout}] in place {n} {way}: {m['seconds']:.2f} s (apply {m['split']['apply']:.2f}, reload "
             f"{m['split']['reload']:.2f}), read {fmt_mb(m['io']['read_bytes'])} MB, written "
             f"{fmt_mb(m['io']['write_bytes'])} MB")

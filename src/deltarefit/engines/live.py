@@ -19,6 +19,11 @@ each process's owned elements with zeros elsewhere, so every process hashes, dec
 whole segment, and writes only its own elements. A target with shared tensors is ``collective``: the
 applier then drives it in one fixed order and asks the group to ``agree`` after every step.
 
+A held-digest plan does less: a segment of a shared tensor that one process holds whole
+(``chunk_roles``: "mine" there, "other" everywhere else) is read, decoded and written by that process
+alone (``read_own``, ``write_own``), and the group adds up those segments' digest moves
+(``group_sum``). Only segments split between processes ("group") are assembled and decoded by all.
+
 Parameters may be on any torch device; CPU parameters are read and written through numpy views of
 their memory, others through torch indexing (one gathered segment crosses to the host per read).
 """
@@ -173,6 +178,62 @@ class LiveTarget:
                                          f"({dt_name}) is placed in it as {list(pl.piece.local_shape)}")
                     self._flat[pl.param] = _Flat(pl.param, t, np.dtype(dt.uint))
             self._place[name] = [(pl, contiguous_run(pl.piece)) for pl in sorted(places, key=lambda p: not p.piece.owner)]
+        self._roles = self._whole_holders() if self.shared else {}
+
+    def _owned_in(self, name: str, a: int, b: int) -> int:
+        """How many of checkpoint elements ``[a, b)`` of ``name`` this process owns."""
+        n = 0
+        for pl, run in self._place[name]:
+            if not pl.piece.owner:
+                continue
+            if run is not None:
+                n += max(0, min(b, run[0] + run[2]) - max(a, run[0]))
+            else:
+                n += int(np.count_nonzero(pl.piece.to_local(np.arange(a, b, dtype=np.int64)) >= 0))
+        return n
+
+    def _whole_holders(self) -> dict[str, list[str]]:
+        """Per shared tensor, per segment: "mine" (this process owns every element), "other" (another
+        process does) or "group" (split between processes). One collective call, at construction."""
+        names = sorted(self.shared)
+        mine: list[bool] = []
+        for name in names:
+            mine.extend(self._owned_in(name, a, b) == b - a for a, b in self._ranges(name))
+        flags = np.array(mine, np.int64)
+        if flags.size:  # the same size in every process: the same shared tensors
+            self._reduce(flags)  # each element has exactly one owner: at most one process holds a segment whole
+        out, i = {}, 0
+        for name in names:
+            k = len(self._ranges(name))
+            out[name] = ["mine" if m else "other" if f else "group" for m, f in zip(mine[i:i + k], flags[i:i + k],
+                                                                                   strict=True)]
+            i += k
+        return out
+
+    def _ranges(self, name: str) -> list[tuple[int, int]]:
+        info = self.tensors[name]
+        per = SEGMENT_BYTES // lookup_dtype(info.dtype).itemsize
+        numel = info.nbytes // lookup_dtype(info.dtype).itemsize
+        return [(a, min(numel, a + per)) for a in range(0, numel, per)]
+
+    def chunk_roles(self, name: str) -> list[str] | None:
+        """Per segment of a shared tensor, who holds it (see ``_whole_holders``); None for a tensor this
+        process holds whole. A segment held whole by one process is read, decoded and written there alone
+        (``read_own``, ``write_own``), with no collective call: the applier's held-digest plan then adds
+        up the group's digest moves (``group_sum``)."""
+        return self._roles.get(name)
+
+    def group_sum(self, moved: np.ndarray, ok: bool) -> tuple[np.ndarray, bool]:
+        """(the sum over the group of ``moved``, two uint64 lanes added modulo 2**64; whether every
+        process reported ``ok``): a collective call."""
+        v = np.asarray(moved, np.uint64).reshape(-1)
+        # Summed as 32-bit halves in int64, which no group of fewer than 2**31 processes overflows.
+        acc = np.concatenate([(v & np.uint64(0xFFFFFFFF)).astype(np.int64), (v >> np.uint64(32)).astype(np.int64),
+                              np.array([0 if ok else 1], np.int64)])
+        self._reduce(acc)
+        n = v.size
+        lo, hi = acc[:n].astype(np.uint64), acc[n:2 * n].astype(np.uint64)
+        return (lo + (hi << np.uint64(32))).astype(np.uint64), bool(acc[-1] == 0)
 
     def _range(self, name: str, ci: int) -> tuple[int, int, np.dtype]:
         info = self.tensors[name]
@@ -185,11 +246,12 @@ class LiveTarget:
         """Whether every process of the group reports ``ok`` (a collective call)."""
         return self._agree(ok) if self._agree is not None else ok
 
-    def _whole_run(self, name: str, a: int, b: int) -> np.ndarray | None:
+    def _whole_run(self, name: str, a: int, b: int, own: bool = False) -> np.ndarray | None:
         """The elements ``[a, b)`` of tensor ``name`` as a view of the one CPU parameter run holding them,
-        when the tensor has a single placement (no replica to write too) and is not shared."""
+        when the tensor has a single placement (no replica to write too) and is not shared, or ``own``
+        (a segment of a shared tensor that this process holds whole)."""
         places = self._place[name]
-        if name in self.shared or len(places) != 1:
+        if (name in self.shared and not own) or len(places) != 1:
             return None
         return self._run_view(*places[0], a, b)
 
@@ -201,16 +263,40 @@ class LiveTarget:
         return self._flat[pl.param].np[l0:l0 + b - a]
 
     def read_segment(self, name: str, ci: int) -> np.ndarray:
+        """Segment ``ci`` of ``name``; of a shared tensor, assembled over the group (a collective call)."""
+        if name not in self.shared:
+            return self._gather(name, ci, False)
+        out = self._gather(name, ci, True)
+        # Each element is owned by exactly one process, the others add zero: the sum is its bits
+        # (in wrapping integer arithmetic of at least the element's width).
+        uint = out.dtype
+        acc = out.view(np.int64) if uint.itemsize == 8 else out.astype(np.int32)
+        self._reduce(acc)
+        out = acc.view(uint) if uint.itemsize == 8 else acc.astype(uint)
+        return out.view(np.uint8)
+
+    def read_own(self, name: str, ci: int) -> np.ndarray:
+        """Segment ``ci`` of ``name``, which this process holds whole (``chunk_roles``), read here alone."""
+        self._check_own(name, ci)
+        return self._gather(name, ci, False)
+
+    def _check_own(self, name: str, ci: int) -> None:
+        roles = self._roles.get(name)
+        if roles is not None and roles[ci] != "mine":
+            raise UsageError(f"tensor {name!r} segment {ci}: not held whole by this process ({roles[ci]})")
+
+    def _gather(self, name: str, ci: int, zeros: bool) -> np.ndarray:
+        """The elements of segment ``ci`` this process owns; the others zero (``zeros``, a shared
+        tensor's part) or absent (every element owned here). Uint elements, or bytes for a view."""
         a, b, uint = self._range(name, ci)
-        shared = name in self.shared
-        if not shared:
+        if not zeros:
             for pl, run in self._place[name]:
                 # One run of one CPU parameter holds the whole segment: its memory, not a copy (the
                 # applier reads it before writing and again after).
                 view = self._run_view(pl, run, a, b) if pl.piece.owner else None
                 if view is not None:
                     return view.view(np.uint8)
-        out = np.zeros(b - a, uint) if shared else np.empty(b - a, uint)
+        out = np.zeros(b - a, uint) if zeros else np.empty(b - a, uint)
         for pl, run in self._place[name]:
             if not pl.piece.owner:
                 continue
@@ -225,23 +311,30 @@ class LiveTarget:
             m = loc >= 0
             if m.any():
                 out[m] = flat.take(loc[m])
-        if shared:
-            # Each element is owned by exactly one process, the others add zero: the sum is its bits
-            # (in wrapping integer arithmetic of at least the element's width).
-            acc = out.view(np.int64) if uint.itemsize == 8 else out.astype(np.int32)
-            self._reduce(acc)
-            out = acc.view(uint) if uint.itemsize == 8 else acc.astype(uint)
-        return out.view(np.uint8)
+        return out if zeros else out.view(np.uint8)
 
     def write_segment(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray:
+        """Scatter ``patch`` into every placement of its elements; the segment read back (of a shared
+        tensor, over the group: a collective call)."""
+        whole = self._scatter(name, ci, patch)
+        return whole if whole is not None else self.read_segment(name, ci)
+
+    def write_own(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray:
+        """``write_segment`` of a segment this process holds whole (``read_own``), here alone."""
+        self._check_own(name, ci)
+        whole = self._scatter(name, ci, patch, own=True)
+        return whole if whole is not None else self._gather(name, ci, False)
+
+    def _scatter(self, name: str, ci: int, patch: Patch, own: bool = False) -> np.ndarray | None:
+        """Write ``patch``'s elements; the segment's memory when one CPU run holds it, else None."""
         a, b, _ = self._range(name, ci)
         if patch.dense is not None:
             pos, vals = np.arange(b - a, dtype=np.int64), patch.dense
         elif patch.positions is not None and patch.positions.size:
             pos, vals = patch.positions.astype(np.int64, copy=False), patch.values
         else:
-            return self.read_segment(name, ci)
-        whole = self._whole_run(name, a, b)
+            return None
+        whole = self._whole_run(name, a, b, own)
         if whole is not None:  # one run of one CPU parameter holds the segment and nothing else does
             whole[pos] = vals
             return whole.view(np.uint8)
@@ -258,7 +351,7 @@ class LiveTarget:
             m = loc >= 0
             if m.any():
                 flat.put(loc[m], vals[m])
-        return self.read_segment(name, ci)
+        return None
 
 
 class TargetUnion:
@@ -293,6 +386,23 @@ class TargetUnion:
 
     def write_segment(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray:
         return self._of[name].write_segment(name, ci, region, view, patch)
+
+    def chunk_roles(self, name: str) -> list[str] | None:
+        """The collective part's ``LiveTarget.chunk_roles`` for the tensors it holds; None for the others."""
+        roles = getattr(self._of[name], "chunk_roles", None)
+        return roles(name) if roles is not None else None
+
+    def read_own(self, name: str, ci: int) -> np.ndarray:
+        return self._of[name].read_own(name, ci)
+
+    def write_own(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray:
+        return self._of[name].write_own(name, ci, region, view, patch)
+
+    def group_sum(self, moved: np.ndarray, ok: bool) -> tuple[np.ndarray, bool]:
+        """The collective part's ``LiveTarget.group_sum``."""
+        if not self._group:
+            return np.asarray(moved, np.uint64), ok
+        return self._group[0].group_sum(moved, ok)
 
 
 def digest_through(target: object, name: str) -> bytes:
