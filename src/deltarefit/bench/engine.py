@@ -306,16 +306,20 @@ def markdown(res: dict[str, Any]) -> str:
                     f"{fmt_mb(f['io']['write_bytes'])} | {fmt_mb(f['rss_peak_growth'])} | "
                     f"{fmt_mb(f['anon_peak_growth'])} | {'yes' if r['same_tokens'] else 'NO'} |")
         lines += ["", "In-place time split (medians over the refits; seconds): the phases are wall time in the "
-                  "worker, the last three are summed over the apply threads (thread-seconds).", "",
+                  "worker; decode, gather reads and scatter writes are summed over the apply threads (thread-seconds: wall time "
+                  "in each thread, and the CPU time the threads spent decoding beside it); the last column is the CPU "
+                  "time of the worker process and of every engine process during the refit.", "",
                   "| changed | delta (MB) | total | plan: read, check, decode | write: scatter, "
-                  "read back | reload | rest: RPC, fetch, records | decode (thread-s) | "
-                  "gather reads (thread-s) | scatter writes (thread-s) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "read back | reload | rest: RPC, fetch, records | decode (thread-s) | decode, CPU (thread-s) | "
+                  "gather reads (thread-s) | scatter writes (thread-s) | CPU: worker, all engine processes (s) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in lay["rates"]:
             s = r["summary"]["inplace"]["split"]
             lines.append(f"| {r['changed']:.2%} | {fmt_mb(r['delta_bytes'])} | {s['total']:.2f} | {s['plan']:.2f} | "
                          f"{s['write']:.2f} | {s['reload']:.2f} | {s['stream']:.2f} | "
-                         f"{s['decode']:.2f} | {s['read_segment']:.2f} | {s['write_segment']:.2f} |")
+                         f"{s['decode']:.2f} | {s.get('decode_cpu', float('nan')):.2f} | {s['read_segment']:.2f} | "
+                         f"{s['write_segment']:.2f} | {s.get('worker_cpu', float('nan')):.2f}, "
+                         f"{s.get('engine_cpu', float('nan')):.2f} |")
         d = [r["summary"]["disk"] for r in lay["rates"]]
         lines += ["", "Disk + reload, split (medians; seconds): apply to the files "
                   + ", ".join(f"{x['apply_s']:.2f}" for x in d) + "; reload of the touched layers "
@@ -510,7 +514,6 @@ def _timed(key: str, fn):
             with _TIMES_LOCK:
                 _TIMES[key] = _TIMES.get(key, 0.0) + dt
                 _TIMES[key + "_cpu"] = _TIMES.get(key + "_cpu", 0.0) + dc
-                _TIMES["aff:" + key + ":" + ",".join(map(str, sorted(os.sched_getaffinity(0))))] = 1.0
 
     wrapper.__wrapped__ = fn
     return wrapper
@@ -711,9 +714,11 @@ def _run_paths(llm: Any, prep: dict[str, Any], layout: str, work: str, t_start: 
         w = llm.collective_rpc(worker_times)[0]
         refits = w["last"].get("refits", [])
         tm = w["times"]
-        m["cpu"] = {k: v for k, v in tm.items() if k.endswith("_cpu")}
         m["split"] = {"total": m["seconds"], "plan": tm.get("plan", 0.0), "write": tm.get("write", 0.0),
                       "digests": tm.get("target_digests", 0.0), "decode": tm.get("decode", 0.0),
+                      "decode_cpu": tm.get("decode_cpu", 0.0),
+                      "worker_cpu": sum(v for k, v in m["proc_cpu"].items() if k.endswith(f":{pid}")),
+                      "engine_cpu": sum(m["proc_cpu"].values()),
                       "read_segment": tm.get("read_segment", 0.0), "write_segment": tm.get("write_segment", 0.0),
                       "apply": sum(r["seconds_apply"] for r in refits),
                       "reload": sum(r["seconds_reload"] for r in refits),
@@ -724,8 +729,6 @@ def _run_paths(llm: Any, prep: dict[str, Any], layout: str, work: str, t_start: 
         m.pop("result")
         m["way"] = way
         res[n].setdefault("inplace", []).append(m)
-        log(f"[{layout}] proc cpu {dict((k, round(v, 3)) for k, v in m['proc_cpu'].items())}")
-        log(f"[{layout}] times {dict((k, round(v, 3)) for k, v in tm.items())}")
         log(f"[{layout}] in place {n} {way}: {m['seconds']:.2f} s (apply {m['split']['apply']:.2f}, reload "
             f"{m['split']['reload']:.2f}), read {fmt_mb(m['io']['read_bytes'])} MB, written "
             f"{fmt_mb(m['io']['write_bytes'])} MB")
