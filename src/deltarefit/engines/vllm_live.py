@@ -18,7 +18,7 @@ was loaded from (read once, at init; never written):
 4. **Host copies** of the reload set are kept in memory (the only bit-exact base a prepacked kernel
    leaves), read from the checkpoint.
 
-``apply(delta)`` then runs the one apply protocol (``apply.run_apply``) over live placements and host
+``apply(delta)`` then runs the one apply protocol (``applier.run_apply``) over live placements and host
 copies together: everything checked before any write, only changed elements scattered into the live
 parameters and read back, the fingerprint verified. The check costs O(changed elements) when the
 delta carries additive target digests (a ``Publisher``'s do): the engine holds the additive digest of
@@ -45,11 +45,12 @@ from typing import Any
 
 import numpy as np
 
-from ..apply import Journal, run_apply
+from ..applier import run_apply
 from ..checkpoint import fingerprint_checkpoint, open_checkpoint
 from ..errors import BaseMismatchError, UsageError, VerificationError
 from ..format import DeltaReader
 from ..integrity import fingerprint_from_digests
+from ..journal import Journal
 from .capture import capture_layout
 from .live import LiveTarget, Placement, TargetUnion, digest_through, state_through
 
@@ -59,7 +60,7 @@ __all__ = ["LiveEngine", "LiveRefitReport", "MemoryJournal"]
 
 
 class MemoryJournal(Journal):
-    """``apply.Journal`` kept in memory: the patch of each chunk being written, so an exception mid-write
+    """``journal.Journal`` kept in memory: the patch of each chunk being written, so an exception mid-write
     leaves a record from which the next apply of the same delta restores a torn chunk."""
 
     def __init__(self) -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..apply import ApplyReport, run_apply
+from ..applier import ApplyReport, run_apply
 from ..codec import kernels as K
 from ..codec.chunk import ULP, _ctx, _kind, decode_chunk
 from ..dtypes import dtype

@@ -1,0 +1,552 @@
+"""Apply a delta in place, safely: verify everything first, journal each chunk, verify the result.
+
+Protocol (the crash-safety argument is in FORMAT.md, "Applying"):
+
+1. **Plan (read only).** Hash every segment of every tensor the delta names. Each changed chunk must
+   match its pre-image (to do), its post-image (already done by an earlier run) or, if torn by a kill
+   mid-write, have a journal record from that run. Substituting pre-images for done chunks must give
+   each tensor's base digest: a delta for another base is refused here, before any byte is written.
+   Every chunk to do is decoded and its post-image hashed against the record, so a delta that decodes
+   badly is refused here too.
+2. **Write.** Per chunk: write its decoded patch to a journal slot, then scatter it into the mapped
+   tensor, then compare the region with the post-image the plan hashed (built again in memory). Patches write target values (never XOR),
+   so replaying a journal record over a torn chunk is idempotent.
+3. **Verify.** Every tensor's digest and the checkpoint fingerprint must equal the delta's target;
+   then the maps are flushed and the journal removed.
+
+Structural changes (added, removed, re-typed tensors) rewrite the file holding them through a temp
+file and an atomic rename; in-place patching covers everything else.
+
+**Held digests** (``held=``, FORMAT.md "Held digests"): a target that keeps, for each tensor, the
+additive digest (``shard.digest``) of exactly what it holds (a live engine, which computed it when
+it last verified in full and moved it with every verified patch since) lets the plan skip the hashes.
+A tensor is then checked in O(changed elements): each chunk is decoded against the segment as it is,
+the digest moved by every change (old bits read from the target, new bits decoded) must give the
+delta's additive target digest, and after the write every changed element is read back. Unchanged
+elements are not re-read: their check is the held digest's own (``ApplyReport.held`` says how many
+tensors were checked this way), and a full verification re-reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .codec.chunk import Patch
+from .encode import default_threads, uint_view
+from .errors import BaseMismatchError, UsageError, VerificationError
+from .format import ChunkRecord, DeltaReader, TensorEntry, TensorMeta
+from .integrity import fingerprint_from_digests, n_segments, seg_hash, tensor_digest_from_segments
+from .journal import Journal, _journal_patch
+from .regions import (
+    HOST_REGIONS,
+    TensorTarget,
+    _changes,
+    _decode,
+    _moved,
+    _patch_bytes,
+    _patched_copy,
+    _post_image_hash,
+    _seg_len,
+    _where,
+    segments_of,
+)
+
+log = logging.getLogger(__name__)
+
+
+
+# Decoded patches kept from the plan phase for the write phase, so most chunks decode once.
+DEFAULT_CACHE_BYTES = 512 << 20
+
+
+@dataclass
+class ApplyReport:
+    target_fingerprint: str
+    chunks_applied: int
+    chunks_skipped: int  # already at their post-image (a rerun)
+    chunks_recovered: int  # torn by an earlier kill, restored from the journal
+    written_bytes: int
+    seconds: float
+    structural: list[str] = field(default_factory=list)  # tensors added, removed or replaced
+    structural_ops: dict[str, str] = field(default_factory=dict)  # of those: name -> "add", "remove", "replace"
+    # Tensors checked through the target's held digests (``run_apply(held=)``), not re-hashed, and the
+    # additive digest each of them holds now (16 bytes).
+    held: int = 0
+    sums: dict[str, bytes] = field(default_factory=dict)
+    # Chunks of a collective target's shared tensors that another process of the group holds whole:
+    # decoded, checked and written there, not here (held-digest plans; ``LiveTarget.chunk_roles``).
+    elsewhere: int = 0
+
+
+@dataclass
+class _ChunkPlan:
+    rec: ChunkRecord
+    state: str  # "todo", "done", "torn", "other" (held and written by another process of the group)
+    patch: Patch | None = None
+    moved: np.ndarray | None = None  # held-digest plan: how the chunk's changes move the tensor's digest
+    own: bool = False  # a segment of a shared tensor that this process holds whole (no collective call)
+
+
+@dataclass
+class _TensorPlan:
+    entry: TensorEntry
+    state: str  # "patch", "held", "done", "add", "remove", "replace"
+    segs: list[bytes] = field(default_factory=list)  # current segment hashes (patch tensors)
+    chunks: list[_ChunkPlan] = field(default_factory=list)
+    sum: np.ndarray | None = None  # "held": the additive digest after the patch
+
+
+def _matches(info: object, meta: TensorMeta) -> bool:
+    return (info.dtype, tuple(info.shape)) == (meta.dtype, meta.shape)
+
+
+def _digest(meta: TensorMeta, segs: list[bytes]) -> bytes:
+    return tensor_digest_from_segments(meta.dtype, meta.shape, meta.nbytes, segs)
+
+
+class _Inline:
+    """A stand-in for a thread pool that runs each task at once, on the calling thread, in order."""
+
+    def __init__(self, *_a, **_k) -> None:
+        self.failed: BaseException | None = None
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def map(self, fn, it):
+        return [fn(x) for x in it]
+
+    def submit(self, fn, *args):
+        f: Future = Future()
+        if self.failed is not None:  # after a failure the rest is not run (results are taken in order)
+            f.set_exception(self.failed)
+            return f
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:  # delivered by result(), as a pool would
+            self.failed = e
+            f.set_exception(e)
+        return f
+
+
+class Applier:
+    """One application of one delta to one ``TensorTarget`` or ``SegmentTarget``: ``plan``, then
+    ``write``, then ``target_digests``.
+
+    A target with ``collective = True`` (segments assembled from the parts several processes hold) is
+    driven in one fixed order on the calling thread, so that every process reads and writes the same
+    segments in the same order; after each tensor's plan and each chunk's write the target's
+    ``agree(ok)`` tells whether every process succeeded, so that a refusal in one stops all of them at
+    the same point, before any write.
+    """
+
+    def __init__(self, delta: DeltaReader, target: TensorTarget, *, journal: Journal | None,
+                 threads: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 progress: Callable[[int], None] | None = None,
+                 held: Mapping[str, bytes] | None = None) -> None:
+        self.d = delta
+        self.t = target
+        self.segs = segments_of(target)
+        hooks = ("hash_region", "region_view", "decode_region", "post_image_hash")
+        self._hash, self._view, self._decode, self._post_hash = (
+            getattr(self.segs, h, getattr(HOST_REGIONS, h)) for h in hooks)
+        self._hash_all = getattr(self.segs, "hash_segments", None)
+        if journal is not None and any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")):
+            raise UsageError("a journal needs a target with host regions (journal records are host patches)")
+        if held is not None and any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")):
+            raise UsageError("held digests need a target with host regions")
+        self.held = held
+        # Host regions are confirmed after a write by comparing them with the post-image the plan hashed,
+        # built again from the patch (FORMAT.md, "Applying", step 2); a target with its own region hooks
+        # (a device) re-hashes the region there.
+        self._read_back = not any(hasattr(self.segs, h) for h in (*hooks, "hash_segments"))
+        self.journal = journal
+        self.threads = threads or default_threads()
+        self.cache_left = cache_bytes
+        self._cache_lock = threading.Lock()  # tensors are planned on several threads
+        self.progress = progress
+        self.recovered = journal.read() if journal else {}
+        self.collective = bool(getattr(self.segs, "collective", False))
+        self._pool = _Inline if self.collective else ThreadPoolExecutor
+        self._roles = getattr(self.segs, "chunk_roles", None) if self.collective else None
+        self._own_pool: ThreadPoolExecutor | None = None
+
+    def _agreed(self, fn, *args):
+        """``fn(*args)``; for a collective target, also the group's agreement that nobody failed."""
+        if not self.collective:
+            return fn(*args)
+        try:
+            out = fn(*args)
+        except Exception:
+            self.segs.agree(False)
+            raise
+        if not self.segs.agree(True):
+            raise VerificationError("another process of the group refused or failed at the same step of this apply "
+                                    "(see its log)")
+        return out
+
+    # -- plan ------------------------------------------------------------------------------------
+
+    def plan(self) -> list[_TensorPlan]:
+        known = {e.name for e in self.d.tensors}
+        extra = [n for n in self.t.tensors if n not in known]
+        if extra:
+            raise BaseMismatchError(f"checkpoint holds tensor {extra[0]!r}, which the delta's base does not have "
+                                    "(wrong base checkpoint?)")
+        # Segments go to ``pool``; tensors are planned ``2 x threads`` at a time (``outer``), so that a
+        # checkpoint of many one-segment tensors still keeps every core busy. Results are taken in
+        # tensor order, so the error reported is the first bad tensor's, whatever the timing.
+        # A collective target is planned on this thread, in one order; the segments a process holds
+        # whole (held-digest plans) are decoded on its own threads meanwhile (``_plan_held_shared``).
+        own = ThreadPoolExecutor(self.threads, thread_name_prefix="plan-own") if self._roles is not None else None
+        self._own_pool = own
+        with self._pool(self.threads, thread_name_prefix="plan") as pool, \
+                self._pool(2 * self.threads, thread_name_prefix="plan-tensor") as outer:
+            futs = [outer.submit(self._agreed, self._plan_tensor, pool, ti, e) for ti, e in enumerate(self.d.tensors)]
+            try:
+                return [f.result() for f in futs]
+            finally:
+                for f in futs:
+                    f.cancel()
+                if own is not None:
+                    own.shutdown(wait=True, cancel_futures=True)
+                self._own_pool = None
+
+    def _plan_tensor(self, pool: ThreadPoolExecutor, ti: int, e: TensorEntry) -> _TensorPlan:
+        info = self.t.tensors.get(e.name)
+        w = _where(e)
+        if e.op in ("same", "patch"):
+            if info is None or not _matches(info, e.base):
+                found = "missing" if info is None else f"{info.dtype}{list(info.shape)}"
+                raise BaseMismatchError(f"{w}: expected {e.base.dtype}{list(e.base.shape)}, found {found} "
+                                        "(wrong base checkpoint?)")
+            held = self.held.get(e.name) if self.held is not None else None
+            if held is not None and e.base.sum is not None and e.target.sum is not None:
+                return self._plan_held(pool, e, held)
+            return self._plan_patch(pool, ti, e)
+        if e.op == "add":
+            if info is None:
+                return self._plan_new(pool, ti, e, "add")
+            return self._plan_existing_target(pool, e, info)
+        if e.op == "remove":
+            if info is None:
+                return _TensorPlan(e, "done")
+            self._check_digest(pool, e, info, e.base, "base")
+            return _TensorPlan(e, "remove")
+        # replace
+        if info is not None and _matches(info, e.base) and self._digest_of(pool, e.name) == e.base.digest:
+            return self._plan_new(pool, ti, e, "replace")
+        if info is None:
+            raise BaseMismatchError(f"{w}: missing from the checkpoint (wrong base checkpoint?)")
+        return self._plan_existing_target(pool, e, info)
+
+    def _plan_existing_target(self, pool, e: TensorEntry, info) -> _TensorPlan:
+        if not _matches(info, e.target):
+            raise BaseMismatchError(f"{_where(e)}: found {info.dtype}{list(info.shape)}, which is neither the "
+                                    "delta's base nor its target")
+        self._check_digest(pool, e, info, e.target, "target")
+        return _TensorPlan(e, "done")
+
+    def _digest_of(self, pool, name: str) -> bytes:
+        info = self.t.tensors[name]
+        if self._hash_all is not None:
+            segs = self._hash_all(name)
+        else:
+            segs = list(pool.map(lambda ci: self._hash(self.segs.read_segment(name, ci)),
+                                 range(n_segments(info.nbytes))))
+        return tensor_digest_from_segments(info.dtype, tuple(info.shape), info.nbytes, segs)
+
+    def _check_digest(self, pool, e: TensorEntry, info, meta: TensorMeta, what: str) -> None:
+        if self._digest_of(pool, e.name) != meta.digest:
+            raise BaseMismatchError(f"{_where(e)}: bytes differ from the delta's {what} (wrong base checkpoint?)")
+
+    def _plan_new(self, pool, ti: int, e: TensorEntry, state: str) -> _TensorPlan:
+        def check(r: ChunkRecord) -> _ChunkPlan:
+            patch = _decode(self.d, e, r, None)
+            if seg_hash(patch.dense) != r.post_hash:
+                raise VerificationError(f"{self.d.path}: {_where(e, r)}: decodes to bytes that miss the post-image "
+                                        "hash (corrupt delta)")
+            return _ChunkPlan(r, "todo", None)
+
+        return _TensorPlan(e, state, chunks=list(pool.map(check, self.d.chunks(e))))
+
+    def _plan_patch(self, pool, ti: int, e: TensorEntry) -> _TensorPlan:
+        recs = {r.chunk_index: r for r in self.d.chunks(e)}
+        known = self._hash_all(e.name) if self._hash_all is not None else None
+
+        def seg(ci: int) -> tuple[bytes, _ChunkPlan | None]:
+            region = None
+            if known is None:
+                region = self.segs.read_segment(e.name, ci)
+                h = self._hash(region)
+            else:
+                h = known[ci]
+            if self.progress:
+                self.progress(_seg_len(e.base.nbytes, ci))
+            r = recs.get(ci)
+            if r is None:
+                return h, None
+            if h == r.post_hash:
+                return h, _ChunkPlan(r, "done")
+            if h == r.pre_hash:
+                view = self._view(region if region is not None else self.segs.read_segment(e.name, ci),
+                                  e.base.dtype)
+                patch = self._decode(self.d, e, r, view)
+                if self._post_hash(view, patch) != r.post_hash:
+                    raise VerificationError(f"{self.d.path}: {_where(e, r)}: decodes to bytes that miss the "
+                                            "post-image hash (corrupt delta)")
+                return h, _ChunkPlan(r, "todo", patch)
+            rec = self.recovered.get((ti, ci))
+            if rec is not None and rec[0] == r.post_hash:  # a journal: host regions, read above
+                view = uint_view(region, e.base.dtype)
+                patch = _journal_patch(rec, e.base.dtype, view.size)
+                if patch is not None and _post_image_hash(view, patch) == r.post_hash:
+                    return h, _ChunkPlan(r, "torn", patch)
+            raise BaseMismatchError(f"{_where(e, r)}: bytes match neither the delta's base nor its target "
+                                    "(wrong base checkpoint, or modified since?)")
+
+        results = list(pool.map(seg, range(n_segments(e.base.nbytes))))
+        segs = [h for h, _ in results]
+        chunks = [c for _, c in results if c is not None]
+        # Base check: with pre-images in place of chunks already done, the digest must be the base's.
+        pre = list(segs)
+        for c in chunks:
+            pre[c.rec.chunk_index] = c.rec.pre_hash
+        if _digest(e.base, pre) != e.base.digest:
+            raise BaseMismatchError(f"{_where(e)}: bytes differ from the delta's base (wrong base checkpoint?)")
+        post = list(pre)
+        for c in chunks:
+            post[c.rec.chunk_index] = c.rec.post_hash
+        if _digest(e.target, post) != e.target.digest:
+            raise VerificationError(f"{self.d.path}: {_where(e)}: chunk post-images do not make the target digest "
+                                    "(corrupt delta)")
+        # keep decoded patches within the memory budget, re-decode the rest later (a torn chunk's patch,
+        # from the journal, cannot be re-decoded: it is always kept)
+        self._keep_within_budget([c for c in chunks if c.patch is not None and c.state == "todo"])
+        return _TensorPlan(e, "patch", segs, chunks)
+
+    def _keep_within_budget(self, chunks: list[_ChunkPlan]) -> None:
+        """Keep the decoded patches of ``chunks`` while the plan's memory budget lasts; drop the rest
+        (their chunks are decoded again when written)."""
+        for c in chunks:
+            if c.patch is None:  # held and written elsewhere
+                continue
+            size = _patch_bytes(c.patch)
+            with self._cache_lock:
+                keep = size <= self.cache_left
+                if keep:
+                    self.cache_left -= size
+            if not keep:
+                c.patch = None
+
+    def _plan_held(self, pool, e: TensorEntry, held: bytes) -> _TensorPlan:
+        """The held-digest plan of a ``same``/``patch`` tensor (module docstring): decode every chunk
+        against the segment as it is, and require the digest moved by the changes to be the target's."""
+        from .shard import digest as additive
+
+        if held == e.target.sum and held != e.base.sum:  # already at the target (a rerun)
+            return _TensorPlan(e, "held", chunks=[_ChunkPlan(r, "done") for r in self.d.chunks(e)],
+                               sum=np.frombuffer(held, "<u8").astype(np.uint64))
+        if held != e.base.sum:
+            raise BaseMismatchError(f"{_where(e)}: the digest held of its bytes is not the delta's base (wrong base "
+                                    "checkpoint, or modified since?)")
+
+        def chunk(r: ChunkRecord, own: bool = False) -> _ChunkPlan:
+            read = self.segs.read_own if own else self.segs.read_segment
+            view = self._view(read(e.name, r.chunk_index), e.base.dtype)
+            patch = self._decode(self.d, e, r, view)
+            if self.progress:
+                self.progress(_seg_len(e.base.nbytes, r.chunk_index))
+            return _ChunkPlan(r, "todo", patch, _moved(e, r, view, *_changes(patch, view)), own)
+
+        total = np.frombuffer(held, "<u8").astype(np.uint64)
+        roles = self._roles(e.name) if self._roles is not None else None
+        if roles is None:
+            chunks = list(pool.map(chunk, self.d.chunks(e)))
+        else:
+            chunks, moved = self._plan_held_shared(e, roles, chunk)
+            total = additive.add(total, moved)
+        for c in chunks:
+            if c.moved is not None and not c.own:
+                total = additive.add(total, c.moved)
+        if np.asarray(total, "<u8").tobytes() != e.target.sum:
+            raise VerificationError(f"{self.d.path}: {_where(e)}: its post-image, the held digest moved by the decoded "
+                                    "changes, misses the delta's target digest (corrupt delta, or the elements it "
+                                    "changes differ from its base)")
+        self._keep_within_budget(chunks)  # the rest is decoded again, and checked, when written
+        return _TensorPlan(e, "held", chunks=chunks, sum=total)
+
+    def _plan_held_shared(self, e: TensorEntry, roles: list[str],
+                          chunk: Callable[..., _ChunkPlan]) -> tuple[list[_ChunkPlan], np.ndarray]:
+        """The chunks of a shared tensor for a held-digest plan, and the group's sum of the digest moves
+        of the chunks its processes hold whole. Those are decoded once, by their holder, on its threads;
+        the chunks split between processes are decoded by each on this thread, in one order (their
+        segments are assembled over the group). Every process makes the same collective calls whatever
+        fails, then refuses if any did."""
+        from .shard import digest as additive
+
+        recs = self.d.chunks(e)
+        futs = {r.chunk_index: self._own_pool.submit(chunk, r, True) for r in recs if roles[r.chunk_index] == "mine"}
+        out: list[_ChunkPlan] = []
+        err: BaseException | None = None
+        try:
+            for r in recs:
+                if roles[r.chunk_index] == "group":
+                    out.append(chunk(r))
+                elif roles[r.chunk_index] == "other":
+                    out.append(_ChunkPlan(r, "other"))
+                else:
+                    try:
+                        out.append(futs[r.chunk_index].result())
+                    except Exception as ex:
+                        err = err or ex
+        finally:
+            for f in futs.values():
+                f.cancel()
+        local = additive.ZERO.copy()
+        if err is None:
+            for c in out:
+                if c.own:
+                    local = additive.add(local, c.moved)
+        moved, ok = self.segs.group_sum(local, err is None)
+        if err is not None:
+            raise err
+        if not ok:
+            raise VerificationError("another process of the group refused or failed at the same step of this apply "
+                                    "(see its log)")
+        return out, moved
+
+    # -- write -----------------------------------------------------------------------------------
+
+    def write(self, plans: list[_TensorPlan]) -> tuple[int, int, int, int]:
+        applied = skipped = recovered = written = 0
+        slots: dict[int, int] = {}
+        lock = threading.Lock()
+
+        def slot() -> int:
+            tid = threading.get_ident()
+            with lock:
+                return slots.setdefault(tid, len(slots))
+
+        if self.journal:
+            self.journal.open_for_write(self.threads)
+
+        def do(tp: _TensorPlan, ti: int, c: _ChunkPlan) -> int:
+            e, r = tp.entry, c.rec
+            if c.state == "other":  # held whole, and written, by another process of the group
+                return 0
+            region = (self.segs.read_own if c.own else self.segs.read_segment)(e.name, r.chunk_index)
+            view = self._view(region, e.base.dtype)
+            patch = c.patch or self._decode(self.d, e, r, view)
+            if tp.state == "held":
+                pos, new = _changes(patch, view)  # before the write: ``view`` may be the target's memory
+                # decoded again (outside the memory budget): it must move the digest as the checked plan did
+                if c.patch is None and not np.array_equal(_moved(e, r, view, pos, new), c.moved):
+                    raise VerificationError(f"{_where(e, r)}: decodes differently from its checked plan")
+            elif self._read_back:  # the post-image the plan checked, built again (a copy, not a hash)
+                img = _patched_copy(view, patch)
+            if c.state == "todo" and self.journal:
+                self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch, view)
+            region = (self.segs.write_own if c.own else self.segs.write_segment)(e.name, r.chunk_index, region, view,
+                                                                                 patch)
+            if tp.state == "held":  # O(changed elements): what was written is read back
+                if not np.array_equal(self._view(region, e.base.dtype)[pos], new):
+                    raise VerificationError(f"{_where(e, r)}: changed elements read back differ from the patch "
+                                            "after writing")
+            elif self._read_back:
+                # What landed must be the post-image the plan hashed: compared with it, byte for byte.
+                if not np.array_equal(self._view(region, e.base.dtype), img):
+                    raise VerificationError(f"{_where(e, r)}: region differs from its checked post-image after "
+                                            "writing")
+            elif self._hash(region) != r.post_hash:
+                raise VerificationError(f"{_where(e, r)}: region does not hash to the post-image after writing")
+            if tp.state != "held":
+                tp.segs[r.chunk_index] = r.post_hash
+            c.patch = None
+            return _seg_len(e.base.nbytes, r.chunk_index)
+
+        for state in ("torn", "todo"):
+            # Torn chunks go first and alone: their only copy is a journal slot that the next new
+            # chunk written by the same slot number would overwrite.
+            with self._pool(self.threads if state == "todo" else 1, thread_name_prefix="apply") as pool:
+                # Another process's chunks take their turn here too (doing nothing), so that every process
+                # of a group agrees after the same steps.
+                futs = [pool.submit(self._agreed, do, tp, ti, c) for ti, tp in enumerate(plans)
+                        if tp.state in ("patch", "held") for c in tp.chunks
+                        if c.state == state or (state == "todo" and c.state == "other")]
+                try:
+                    for f in futs:
+                        written += f.result()
+                finally:
+                    for f in futs:
+                        f.cancel()
+        for tp in (tp for tp in plans if tp.state in ("patch", "held")):
+            applied += sum(1 for c in tp.chunks if c.state == "todo")
+            skipped += sum(1 for c in tp.chunks if c.state == "done")
+            recovered += sum(1 for c in tp.chunks if c.state == "torn")
+        return applied, skipped, recovered, written
+
+    # -- verify ----------------------------------------------------------------------------------
+
+    def target_digests(self, plans: list[_TensorPlan]) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        for tp in plans:
+            e = tp.entry
+            if e.target is None:
+                continue
+            if tp.state == "patch":
+                got = _digest(e.target, tp.segs)
+                if got != e.target.digest:
+                    raise VerificationError(f"{_where(e)}: digest after apply does not match the delta's target")
+            # "held": checked through its additive digest in the plan, and each changed element read
+            # back after the write (``_plan_held``, ``write``)
+            out[e.name] = e.target.digest
+        return out
+
+
+def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | None, threads: int | None = None,
+              cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None,
+              structural: Callable[[DeltaReader, list[_TensorPlan]], list[str]] | None = None,
+              structural_check: Callable[[list[_TensorPlan]], None] | None = None,
+              held: Mapping[str, bytes] | None = None,
+              before_write: Callable[[], None] | None = None) -> ApplyReport:
+    """Plan, write, verify (see the module docstring). ``structural`` performs added/removed/re-typed
+    tensors after the in-place patches; ``structural_check`` may refuse them, before any write.
+    ``held``: tensor name -> the additive digest of what the target holds now, which the caller
+    vouches for (module docstring, "Held digests"); tensors it names are checked through it when the
+    delta carries their additive target digest. ``before_write()`` runs once the plan passed, before
+    the first write; it may refuse (raise), and then nothing is written (a subscriber that planned on
+    a part still downloading checks the whole part against its record there)."""
+    t0 = time.perf_counter()
+    ap = Applier(delta, target, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
+                 held=held)
+    plans = ap.plan()
+    struct_todo = [tp for tp in plans if tp.state in ("add", "remove", "replace")]
+    if struct_todo and structural is None:
+        raise UsageError(f"tensor {struct_todo[0].entry.name!r} is {struct_todo[0].entry.op}d by this delta, "
+                         "which this target cannot do in place")
+    if struct_todo and structural_check is not None:
+        structural_check(struct_todo)
+    if before_write is not None:
+        before_write()
+    applied, skipped, recovered, written = ap.write(plans)
+    names = structural(delta, plans) if struct_todo else []
+    digests = ap.target_digests(plans)
+    fp = fingerprint_from_digests(digests)
+    if fp != delta.target_fingerprint:
+        raise VerificationError(f"fingerprint after apply {fp[:16]}… is not the delta's target "
+                                f"{delta.target_fingerprint[:16]}…")
+    held_plans = [tp for tp in plans if tp.state == "held"]
+    return ApplyReport(fp, applied, skipped, recovered, written, time.perf_counter() - t0, names, held=len(held_plans),
+                       sums={tp.entry.name: np.asarray(tp.sum, "<u8").tobytes() for tp in held_plans},
+                       elsewhere=sum(c.state == "other" for tp in held_plans for c in tp.chunks))
