@@ -25,7 +25,7 @@ test-slow: $(VENV)/.installed
 bench: $(VENV)/.installed
 	# ZipNN is a peer in the table when it installs here; the benchmark reports it as unavailable otherwise.
 	-$(PIP) install -q zipnn
-	$(VENV)/bin/python -m deltarefit.bench --out /tmp/benchout --synthetic-params 1e8 --synthetic-change-rate cal 0.035 \
+	$(VENV)/bin/python -m deltarefit.apps.bench --out /tmp/benchout --synthetic-params 1e8 --synthetic-change-rate cal 0.035 \
 		--threads 2 --markdown docs/BENCHMARKS.md
 
 bench-quick: $(VENV)/.installed
@@ -55,5 +55,5 @@ test-vllm: $(VLLM_VENV)/.installed
 .PHONY: bench-engine
 bench-engine: $(VLLM_VENV)/.installed
 	-$(VLLM_VENV)/bin/pip install -q matplotlib
-	PYTHONPATH=$(CURDIR)/src VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m deltarefit.bench.engine \
+	PYTHONPATH=$(CURDIR)/src VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m deltarefit.apps.bench.engine \
 		--markdown docs/ENGINES.md --plot docs/ENGINES.png

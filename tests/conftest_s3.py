@@ -1,4 +1,4 @@
-"""A real S3 server for the S3 store tests: SeaweedFS on loopback (see ``deltarefit.bench.seaweed``),
+"""A real S3 server for the S3 store tests: SeaweedFS on loopback (see ``deltarefit.apps.bench.seaweed``),
 one per test session, with a temporary data directory and generated credentials. Imported by
 ``test_s3.py`` (a plugin module, not a conftest: only the S3 tests start the server). The server is
 killed at session end (and if the start fails); an ``atexit`` hook kills it too should the session die
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from deltarefit.bench.seaweed import (  # noqa: F401 (re-exported for the tests)
+from deltarefit.apps.bench.seaweed import (  # noqa: F401 (re-exported for the tests)
     BUCKET,
     S3Server,
     _free_ports,

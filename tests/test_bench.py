@@ -1,4 +1,4 @@
-"""Tests of the benchmark (deltarefit.bench): entropy bound, peers' honesty, synthetic pairs, end to end."""
+"""Tests of the benchmark (deltarefit.apps.bench): entropy bound, peers' honesty, synthetic pairs, end to end."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deltarefit.bench import peers
-from deltarefit.bench._st import StreamingWriter, iter_pair, read_raw, tensor_index
-from deltarefit.bench.entropy import bf16_tensor_bits, entropy_bound, ulp_distance, ulp_key, ulp_unkey
-from deltarefit.bench.pairs import (
+from deltarefit.apps.bench import peers
+from deltarefit.apps.bench._st import StreamingWriter, iter_pair, read_raw, tensor_index
+from deltarefit.apps.bench.entropy import bf16_tensor_bits, entropy_bound, ulp_distance, ulp_key, ulp_unkey
+from deltarefit.apps.bench.pairs import (
     Calibration,
     Pair,
     calibrate,
@@ -24,7 +24,7 @@ from deltarefit.bench.pairs import (
     make_adamw_pairs,
     make_synthetic_pair,
 )
-from deltarefit.bench.report import bench_pair, load_codec, main, table_lines
+from deltarefit.apps.bench.report import bench_pair, load_codec, main, table_lines
 
 
 def _write(path: Path, tensors: dict[str, tuple[str, tuple[int, ...], np.ndarray]]) -> str:
@@ -297,7 +297,7 @@ def test_quick_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[st
         assert r["gbps"]["ours_encode_stream"] > 0  # run_ours raises unless it wrote the cold encode's bytes
     text = md.read_text()
     assert "ours enc GB/s, stream" in text
-    assert "python -m deltarefit.bench --quick" in text and "adamw-lr3e-06" in text and "## Machine" in text
+    assert "python -m deltarefit.apps.bench --quick" in text and "adamw-lr3e-06" in text and "## Machine" in text
     assert "adamw-lr3e-06" in capsys.readouterr().out
     png = (tmp_path / "BENCHMARKS.png").read_bytes()  # the plot beside the report, linked from it
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") > 500
@@ -307,7 +307,7 @@ def test_quick_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_change_rates_parse_cal_and_fractions_and_refuse_the_rest() -> None:
     import argparse
 
-    from deltarefit.bench.report import _parse_rate
+    from deltarefit.apps.bench.report import _parse_rate
 
     assert _parse_rate("cal") is None
     assert _parse_rate("0.035") == 0.035
@@ -319,7 +319,7 @@ def test_change_rates_parse_cal_and_fractions_and_refuse_the_rest() -> None:
 def test_kernel_timings_print_every_step(capsys):
     # The per-MiB figures the README quotes: every kernel row is there with a positive time, and the
     # native rows appear exactly when the extension was built.
-    from deltarefit.bench import kernels
+    from deltarefit.apps.bench import kernels
     from deltarefit.codec import chunk
 
     assert kernels.main(["--reps", "1", "--rate", "0.02"]) == 0

@@ -1,4 +1,4 @@
-"""Tests of the engine benchmark's pure parts (deltarefit.bench.engine); none needs vLLM."""
+"""Tests of the engine benchmark's pure parts (deltarefit.apps.bench.engine); none needs vLLM."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deltarefit.bench import engine as eb
+from deltarefit.apps.bench import engine as eb
 from deltarefit.encode import encode
 
 
@@ -153,7 +153,7 @@ def test_io_delta_and_markdown_render_every_row() -> None:
              for r in (0.005, 0.035)]
     lay = {"title": "T", "in_place": 10, "reload": 0, "host_bytes": 0, "seconds_init": 1.0, "seconds_start": 20.0,
            "rates": rates}
-    res = {"command": "python -m deltarefit.bench.engine", "machine": "m", "vllm": "0", "torch": "0",
+    res = {"command": "python -m deltarefit.apps.bench.engine", "machine": "m", "vllm": "0", "torch": "0",
            "model": {**eb.BENCH_CONFIG, "params": 1e8, "bytes": 2e8}, "layouts": [lay], "notes": [], "repeat": 1}
     res["findings"] = eb.findings(res)
     md = eb.markdown(res)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 
-from deltarefit.bench import seaweed
-from deltarefit.bench.transport import main
+from deltarefit.apps.bench import seaweed
+from deltarefit.apps.bench.transport import main
 
 
 def test_transport_bench_tiny_pair(tmp_path, capsys):
@@ -34,7 +34,7 @@ def test_transport_bench_tiny_pair(tmp_path, capsys):
 
 
 def test_report_keeps_its_hand_written_part(tmp_path):
-    from deltarefit.bench.transport import KEEP_MARKER, _kept_part
+    from deltarefit.apps.bench.transport import KEEP_MARKER, _kept_part
 
     md = tmp_path / "T.md"
     assert _kept_part(str(md)) == ""  # no report yet

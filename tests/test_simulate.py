@@ -9,7 +9,7 @@ from itertools import pairwise
 import pytest
 from click.testing import CliRunner
 
-from deltarefit import simulate as sim
+from deltarefit.apps import simulate as sim
 from deltarefit.cli import main
 
 NEMO_S3_3 = sim.NEMO_RL_S3_S[0]
@@ -165,7 +165,7 @@ def test_the_engine_update_step_follows_the_engine_benchmark():
     is not the file apply's rate."""
     from dataclasses import replace
 
-    from deltarefit import simulate as sim
+    from deltarefit.apps import simulate as sim
 
     s = sim.Setup(params=1e12, change=0.03, shards=64, apply_cores=8)
     e = sim.estimate(s).apply_s

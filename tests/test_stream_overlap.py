@@ -24,7 +24,7 @@ import pytest
 from _stream_util import read_bytes, sha
 
 import deltarefit
-from deltarefit.bench.stream import _chain
+from deltarefit.apps.bench.stream import _chain
 from deltarefit.format import DeltaReader
 from deltarefit.storage import LocalStore, MemoryStore, StoreError
 from deltarefit.stream import Publisher, StreamError, Subscriber

@@ -48,7 +48,7 @@ CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden
 
 
 def build_tokenizer(out: str) -> None:
-    from deltarefit.bench.engine import build_tokenizer as build
+    from deltarefit.apps.bench.engine import build_tokenizer as build
 
     build(out, WORDS)
 

@@ -105,7 +105,7 @@ class Publisher:
     ``advance``: how the baseline follows a committed delta. ``"copy"`` (default) copies the
     committed checkpoint file beside it, verifies its fingerprint and renames it over the baseline:
     one hash pass and a copy instead of a decode and the apply's hash passes (a whole publish 1.32x
-    faster in docs/STREAMS.md, ``python -m deltarefit.bench.stream``), at the cost of a second copy of the checkpoint on disk
+    faster in docs/STREAMS.md, ``python -m deltarefit.apps.bench.stream``), at the cost of a second copy of the checkpoint on disk
     for a moment (keyframes need it anyway). ``"apply"`` applies the delta in
     place (no second copy). Directory checkpoints, and a checkpoint that changed after it was
     encoded, always take the apply route. ``sums`` (default on): deltas carry each changed tensor's

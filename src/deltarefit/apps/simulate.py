@@ -41,7 +41,7 @@ GB = 1e9
 MiB = 1 << 20
 
 # -- calibration: measured here ---------------------------------------------------------------------
-# docs/BENCHMARKS.md, produced by `python -m deltarefit.bench --out /tmp/benchout --synthetic-params 1e8
+# docs/BENCHMARKS.md, produced by `python -m deltarefit.apps.bench --out /tmp/benchout --synthetic-params 1e8
 # --synthetic-change-rate cal 0.035 --threads 2 --markdown docs/BENCHMARKS.md` on this project's 2-core CI machine (AMD EPYC, 23.5 GiB):
 # real AdamW steps of the pretrained 22.7M-parameter MiniLM, bf16. Compression ratio (raw bytes / shipped
 # bytes) per change rate, for our codec and for our re-implementation of the NeMo-RL and TRL codecs.
@@ -54,7 +54,7 @@ BENCH_RATIOS: dict[str, tuple[tuple[float, float], ...]] = {
 # 3.54% pair: encode 0.71, apply 0.56 (0.62-1.34 and 0.49-1.10 over all pairs). Per core: divided by 2.
 ENCODE_GBPS_PER_CORE = 0.71 / 2
 APPLY_GBPS_PER_CORE = 0.56 / 2
-# The engine update step (docs/ENGINES.md, `python -m deltarefit.bench.engine`, same machine): refitting
+# The engine update step (docs/ENGINES.md, `python -m deltarefit.apps.bench.engine`, same machine): refitting
 # a live vLLM engine in place (prepack off, the GPU layout; checked by held digests) on ENGINE_THREADS
 # apply threads costs ENGINE_FIXED_S over its ENGINE_ELEMENTS checkpoint elements (the decoder's pass
 # over the base) plus ENGINE_CHANGE_NS per changed element (the line the benchmark fits through every
@@ -351,8 +351,8 @@ def calibrate(*, change: float = 0.03, elements: int = 32 << 20, seed: int = 0) 
     bf16 pair: N(0, 0.02) weights, ``change`` of them moved by +-1 ulp (90%) or +-2..4 ulp."""
     import numpy as np
 
-    from .apply import apply
-    from .encode import encode
+    from ..apply import apply
+    from ..encode import encode
 
     rng = np.random.default_rng(seed)
     n_t = 8
@@ -507,7 +507,7 @@ def run(base: Setup, sizes: list[float], *, do_calibrate: bool = False, show_ref
     out = Console(width=None if sys.stdout.isatty() else 160, highlight=False)
     if show_references:
         cols, rows, d, refs = reference_table()
-        out.print("[bold]What the published figures imply[/] (assumptions stated; see deltarefit/simulate.py)")
+        out.print("[bold]What the published figures imply[/] (assumptions stated; see deltarefit/apps/simulate.py)")
         for line in d.lines:
             out.print(f"  - {line}")
         out.print("  - Assumed, not published: NeMo-DCR's codec ratio = NeMo-RL's measured 3% ratio; 1T split over "

@@ -1,6 +1,6 @@
 """Where one core's time goes per MiB of bf16 checkpoint: the codec's kernels, one at a time.
 
-``python -m deltarefit.bench.kernels [--rate 0.035] [--reps 50]`` builds one 1 MiB bf16 segment of
+``python -m deltarefit.apps.bench.kernels [--rate 0.035] [--reps 50]`` builds one 1 MiB bf16 segment of
 N(0, 0.02) weights with ``--rate`` of its elements moved by +-1 (80%) or +-2 (20%) ulps, and prints the
 best-of-5 time of each step on one thread: the encoder's scan (contexts and ranks) and its coding of the
 changes, in numba and, where it was built, in the native extension (the encoder uses the native ones),
@@ -34,7 +34,7 @@ def _best_ms(f, reps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deltarefit.bench.kernels", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m deltarefit.apps.bench.kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--rate", type=float, default=0.035, help="fraction of elements changed (default 0.035)")
     ap.add_argument("--reps", type=int, default=50, help="calls per timing (default 50)")
     a = ap.parse_args(argv)

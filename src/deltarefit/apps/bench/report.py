@@ -16,7 +16,7 @@ Contract:
 * Every ratio is ``raw target tensor bytes / shipped bytes`` (higher is better).
 * One JSON-serializable dict per pair is returned and written to ``out_dir/results.json``.
 * :func:`write_markdown` writes the table, the machine and the exact command to a Markdown file.
-* :func:`main` is the ``python -m deltarefit.bench`` entry point.
+* :func:`main` is the ``python -m deltarefit.apps.bench`` entry point.
 """
 
 from __future__ import annotations
@@ -470,7 +470,7 @@ def _parse_rate(s: str) -> float | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python -m deltarefit.bench", description="deltarefit benchmark")
+    ap = argparse.ArgumentParser(prog="python -m deltarefit.apps.bench", description="deltarefit benchmark")
     ap.add_argument("--quick", action="store_true", help="one AdamW pair + one 1e6 synthetic pair (CI)")
     ap.add_argument("--out", default="out/bench", help="work directory (default: out/bench)")
     ap.add_argument(
@@ -507,7 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in sorted({n for r in results for n in r["notes"]}):
         print(f"note: {n}")
     if args.markdown:
-        cmd = shlex.join(["python", "-m", "deltarefit.bench", *argv])
+        cmd = shlex.join(["python", "-m", "deltarefit.apps.bench", *argv])
         png = str(Path(args.markdown).with_suffix(".png"))
         plotted = write_plot(results, png)
         write_markdown(results, args.markdown, cmd, machine_info(threads), plot=os.path.basename(png) if plotted else None)

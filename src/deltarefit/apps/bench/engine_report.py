@@ -24,7 +24,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"safetensors: hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, MLP {m['intermediate_size']}, "
         f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads, vocab {m['vocab_size']}, untied "
         "lm_head). Targets: in every tensor, that fraction of the elements, chosen at random, moved by one ulp "
-        "up or down (`deltarefit.bench.engine.perturb_bits`).",
+        "up or down (`deltarefit.apps.bench.engine.perturb_bits`).",
         "* Versions: a stream alternating base and targets (base, warm-up, base, then each target and the base "
         f"again, {res['repeat']} times per rate), so every refit starts from the base or returns to it. Each "
         "path takes the engine base -> target and target -> base (both are refits that change the same "

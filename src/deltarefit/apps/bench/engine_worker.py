@@ -39,7 +39,7 @@ def worker_instrument(worker: Any) -> bool:
     """Timers around the apply protocol's phases and per-segment calls (benchmark only, idempotent)."""
     import importlib
 
-    from ..engines import live
+    from ...engines import live
 
     ap = importlib.import_module("deltarefit.apply")  # the module; ``deltarefit.apply`` is also a function
 

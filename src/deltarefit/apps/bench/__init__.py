@@ -1,6 +1,6 @@
 """The deltarefit benchmark: real AdamW and calibrated synthetic bf16 pairs, our codec vs. peers.
 
-Run it with ``python -m deltarefit.bench [--quick] [--out DIR] [--synthetic-params 1e8 ...]
+Run it with ``python -m deltarefit.apps.bench [--quick] [--out DIR] [--synthetic-params 1e8 ...]
 [--threads N] [--markdown docs/BENCHMARKS.md]``. Modules:
 
 * :mod:`.pairs`: checkpoint pairs (real AdamW steps on a pretrained BERT; calibrated synthetic pairs).
@@ -8,7 +8,7 @@ Run it with ``python -m deltarefit.bench [--quick] [--out DIR] [--synthetic-para
 * :mod:`.entropy`: the empirical conditional entropy bound H(D | base exponent, tensor).
 * :mod:`.report`: the driver, the table, ``docs/BENCHMARKS.md``, and :func:`main`.
 * :mod:`.engine`: refit of a running vLLM engine, in place against disk + reload and full reload
-  (``python -m deltarefit.bench.engine``, needs vLLM; ``docs/ENGINES.md``).
+  (``python -m deltarefit.apps.bench.engine``, needs vLLM; ``docs/ENGINES.md``).
 
 Our codec is imported lazily (``deltarefit.encode`` / ``deltarefit.apply``); without it the rest of
 the benchmark still runs and reports "ours" as unavailable. torch/transformers are only imported to

