@@ -75,7 +75,9 @@ def _transfer_progress(store, label: str, quiet: bool) -> Iterator[None]:
     """Bytes moved in or out of ``store`` (a Store) as a progress bar on stderr, for the duration;
     nothing when stderr is not a terminal or --quiet. The total is not known ahead (the route and
     the parts are chosen inside), so the bar shows bytes and speed."""
-    if not _progress_enabled(quiet) or not hasattr(store, "set_progress"):
+    from .storage.base import SET_PROGRESS
+
+    if not _progress_enabled(quiet) or SET_PROGRESS not in store.capabilities:
         yield
         return
     from rich.progress import DownloadColumn, Progress, SpinnerColumn, TransferSpeedColumn

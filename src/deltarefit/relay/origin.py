@@ -10,6 +10,7 @@ import os
 from collections import deque
 
 from ..errors import DeltaRefitError
+from ..storage.base import GET_RANGE
 from ..stream.records import StreamError, commit_key, fetch_part, head, load_commit
 from . import plan
 from .mirror import VersionState
@@ -60,7 +61,7 @@ class OriginMixin:
         the whole part's BLAKE3 at its end, as for bytes from a parent. Otherwise whole parts are
         fetched (checked by ``fetch_part``). One fetch at a time: two fetches of one part would
         share its temp file."""
-        get_range = getattr(self.origin, "get_range", None)
+        get_range = self.origin.get_range if GET_RANGE in self.origin.capabilities else None
         async with self._fetch_lock:
             for vs in versions:
                 for k in vs.keys:

@@ -74,7 +74,7 @@ from ..errors import BaseMismatchError, DeltaRefitError, FormatError, UsageError
 from ..fsutil import write_atomic
 from ..integrity import SEGMENT_BYTES
 from ..signing import SignableRecord, Signer, Verifier, check_record_signature, record_signature
-from ..storage.base import Store, open_store
+from ..storage.base import MTIME, Store, open_store
 from ..stream.publisher import PublishError
 from ..stream.records import (
     STREAM_ID_PATTERN,
@@ -848,7 +848,7 @@ def retain_sharded(store: Store | str, *, keep_from: int | None = None, orphan_g
     keyframes = [v for v, r in recs.items() if r.keyframe]
     cut = min(h if keep_from is None else keep_from, keyframes[-1] if keyframes else 0)
     referenced = {p.key: v for v, r in recs.items() for p in (r.manifest, *r.parts)}
-    mtime = getattr(store, "mtime", None)
+    mtime = store.mtime if MTIME in store.capabilities else None
     deleted = []
     for key in store.list("v/"):
         parts = key.split("/")

@@ -1,26 +1,62 @@
 """The storage seam: a handful of operations on keys (``/``-separated strings, never ``Path``).
 
-Contract every store keeps:
-* ``put`` makes an object visible whole or not at all (never a partial object under its key).
+Contract every store keeps (``tests/test_store_contract.py`` runs the same assertions against each):
+
+* Keys are relative, ``/``-separated, without empty, ``.`` or ``..`` parts; any operation given
+  another key raises ``UsageError`` before any I/O.
+* ``put``/``put_file`` make an object visible whole or not at all: a reader sees the old object or the
+  new one, never a partial one, and a failed put (``StoreError``) leaves the old object (or none).
 * ``create`` is a conditional create: it writes only if the key does not exist and reports whether it
   did; of two racing creators exactly one wins. Commit records rely on it.
-* ``get``/``get_to`` return exactly what was put; missing keys raise ``KeyError``.
-* ``list(prefix)`` returns the keys under a prefix, sorted.
-* Optional: ``get_range(key, start, length)``, a slice of an object (all three stores have it); the
-  relay root streams parts from the origin with it, so its children get bytes while it downloads.
+* ``get``/``get_to`` return exactly what was put. ``get_to`` replaces its destination by a rename
+  (it never truncates a file a reader may hold); a failed ``get_to`` leaves no file behind.
+* A missing key raises ``KeyError`` (from ``get``, ``get_to``, ``size`` and, where the store has them,
+  ``get_range`` and ``mtime``); ``exists`` answers False and ``delete`` of a missing key does nothing.
+  Every other failure (I/O, permissions, a lost connection) raises ``StoreError`` in one line.
+* ``list(prefix)`` returns the keys that start with the string ``prefix``, sorted; unfinished writes
+  are never listed.
+
+Optional operations. A store names those it has in ``capabilities`` (a frozenset of the names
+below); callers ask ``NAME in store.capabilities`` and never probe for methods. Every store has every
+method (subclass :class:`StoreBase`): one it does not declare raises ``StoreError`` saying so.
+
+* ``get_range(key, start, length)`` (:data:`GET_RANGE`): ``length`` bytes of an object from
+  ``start``, fewer at its end, ``b""`` at or past its end; a negative ``start`` or ``length`` is a
+  ``UsageError``. The relay root and the overlapped sync stream parts with it.
+* ``mtime(key)`` (:data:`MTIME`): when the object was last written, in seconds since the epoch (the
+  store's clock, a second's resolution or better). Retention ages orphan parts by it; a store without
+  it has no age for an object (the stream and sharded retentions each say what they then do).
+* ``sweep_temps(older_than, *, prefix="", dry_run=False)`` (:data:`SWEEP_TEMPS`): removes unfinished
+  writes (temp files, incomplete multipart uploads) of killed writers older than ``older_than``
+  seconds under ``prefix``, and returns their names relative to the store (each starts with the key
+  being written); ``dry_run``: returns them and removes nothing.
+* ``path_of(key)`` (:data:`PATH_OF`): the local file that holds (or would hold) ``key``, for readers
+  on the same host that open it instead of copying it.
+* ``set_progress(progress)`` (:data:`SET_PROGRESS`): ``progress(n)`` is called as each ``n`` bytes of
+  a ``put_file`` or ``get_to`` move (summing to the object's size); ``None`` stops it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from ..errors import StoreError as StoreError  # defined there, re-exported
 from ..errors import UsageError
 
+GET_RANGE = "get_range"
+MTIME = "mtime"
+SWEEP_TEMPS = "sweep_temps"
+PATH_OF = "path_of"
+SET_PROGRESS = "set_progress"
+OPTIONAL = frozenset({GET_RANGE, MTIME, SWEEP_TEMPS, PATH_OF, SET_PROGRESS})
+"""Every optional operation a store may declare in its ``capabilities``."""
+
 
 @runtime_checkable
 class Store(Protocol):
     url: str
+    capabilities: frozenset[str]
 
     def put(self, key: str, data: bytes) -> None: ...
 
@@ -40,6 +76,45 @@ class Store(Protocol):
 
     def delete(self, key: str) -> None: ...
 
+    # Optional: each works only where its name is in ``capabilities`` (StoreError otherwise).
+
+    def get_range(self, key: str, start: int, length: int) -> bytes: ...
+
+    def mtime(self, key: str) -> float: ...
+
+    def sweep_temps(self, older_than: float, *, prefix: str = "", dry_run: bool = False) -> list[str]: ...
+
+    def path_of(self, key: str) -> str: ...
+
+    def set_progress(self, progress: Callable[[int], None] | None) -> None: ...
+
+
+class StoreBase:
+    """What every store inherits: the optional operations, each refusing with ``StoreError`` unless
+    the store declares it in ``capabilities`` (and overrides it)."""
+
+    url: str
+    capabilities: frozenset[str] = frozenset()
+
+    def _absent(self, name: str) -> StoreError:
+        have = ", ".join(sorted(self.capabilities)) or "none"
+        return StoreError(f"{self.url}: this store has no {name} (its optional operations: {have})")
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        raise self._absent(GET_RANGE)
+
+    def mtime(self, key: str) -> float:
+        raise self._absent(MTIME)
+
+    def sweep_temps(self, older_than: float, *, prefix: str = "", dry_run: bool = False) -> list[str]:
+        raise self._absent(SWEEP_TEMPS)
+
+    def path_of(self, key: str) -> str:
+        raise self._absent(PATH_OF)
+
+    def set_progress(self, progress: Callable[[int], None] | None) -> None:
+        raise self._absent(SET_PROGRESS)
+
 
 def check_key(key: str) -> str:
     """Keys are relative, ``/``-separated, without empty, ``.`` or ``..`` parts."""
@@ -47,6 +122,12 @@ def check_key(key: str) -> str:
     if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise UsageError(f"bad storage key {key!r}")
     return key
+
+
+def check_range(key: str, start: int, length: int) -> None:
+    """A ranged read starts at a byte offset ``>= 0`` and asks for ``>= 0`` bytes."""
+    if start < 0 or length < 0:
+        raise UsageError(f"{key}: bad byte range (start {start}, length {length}): both must be >= 0")
 
 
 def open_store(url: str, *, rate: float | None = None, create: bool = True) -> Store:

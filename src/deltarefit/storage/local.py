@@ -5,19 +5,34 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable
 
 from ..fsutil import fsync_dir
 from ..transport.ratelimit import TokenBucket
-from .base import StoreError, check_key
+from .base import (
+    GET_RANGE,
+    MTIME,
+    PATH_OF,
+    SET_PROGRESS,
+    SWEEP_TEMPS,
+    StoreBase,
+    StoreError,
+    check_key,
+    check_range,
+)
 
 
-class LocalStore:
+class LocalStore(StoreBase):
     """Objects are files under ``root``. ``put`` writes a temp file, fsyncs and renames it into place;
     ``create`` links a complete temp file to the key (``link`` fails if the key exists), so a
-    conditional create is atomic and a reader never sees a partial commit record."""
+    conditional create is atomic and a reader never sees a partial commit record.
+
+    Optional operations: all of them (``mtime`` is the file's; ``sweep_temps`` removes temp files)."""
+
+    capabilities = frozenset({GET_RANGE, MTIME, SWEEP_TEMPS, PATH_OF, SET_PROGRESS})
 
     def __init__(self, root: str, *, rate: float | None = None, create: bool = True) -> None:
         """``create=False``: the directory must exist already (readers: a mistyped path is an error,
@@ -115,7 +130,7 @@ class LocalStore:
         try:
             with open(path, "rb") as f:
                 return f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):  # a directory is a prefix of keys
             raise KeyError(key) from None
         except OSError as e:
             raise StoreError(f"{path}: read failed ({e.strerror})") from None
@@ -124,10 +139,11 @@ class LocalStore:
         """``length`` bytes of ``key`` from ``start`` (fewer at the end of the object), paced like the
         other transfers when the store emulates a link."""
         path = self._path(key)
+        check_range(key, start, length)
         try:
             with open(path, "rb") as f:
                 data = os.pread(f.fileno(), length, start)
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise KeyError(key) from None
         except OSError as e:
             raise StoreError(f"{path}: read failed ({e.strerror})") from None
@@ -137,7 +153,7 @@ class LocalStore:
 
     def get_to(self, key: str, dest: str) -> None:
         path = self._path(key)
-        if not os.path.exists(path):
+        if not os.path.isfile(path):
             raise KeyError(key)
         tmp = f"{dest}.tmp-{os.getpid()}"
         try:
@@ -149,19 +165,23 @@ class LocalStore:
             raise StoreError(f"{path}: copy to {dest} failed ({e.strerror})") from None
 
     def exists(self, key: str) -> bool:
-        return os.path.exists(self._path(key))
+        return os.path.isfile(self._path(key))
+
+    def _stat(self, key: str) -> os.stat_result:
+        """The file of ``key``; ``KeyError`` if there is none (a directory is a prefix, not an object)."""
+        try:
+            st = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            raise KeyError(key) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise KeyError(key)
+        return st
 
     def size(self, key: str) -> int:
-        try:
-            return os.path.getsize(self._path(key))
-        except FileNotFoundError:
-            raise KeyError(key) from None
+        return self._stat(key).st_size
 
     def mtime(self, key: str) -> float:
-        try:
-            return os.path.getmtime(self._path(key))
-        except FileNotFoundError:
-            raise KeyError(key) from None
+        return self._stat(key).st_mtime
 
     def list(self, prefix: str = "") -> list[str]:
         # Keys are matched as string prefixes (as object stores do): walk the deepest whole directory.

@@ -11,6 +11,8 @@ How the contract maps onto S3:
 * ``create``: ``PutObject`` with ``If-None-Match: *``: S3 answers 412 to every creator but the first.
 * ``get_to``: parallel ranged GETs into a temp file next to the destination, then ``os.replace``.
 * ``sweep_temps``: aborts incomplete multipart uploads under the prefix (writers killed mid-upload).
+* Optional operations: all but ``path_of`` (objects are no local files); ``mtime`` is the object's
+  ``LastModified`` (the server's clock, to the second).
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ import uuid
 from typing import Any
 
 from ..errors import UsageError
-from .base import StoreError, check_key
+from .base import GET_RANGE, MTIME, SET_PROGRESS, SWEEP_TEMPS, StoreBase, StoreError, check_key, check_range
 
 MiB = 1 << 20
 _TOKEN = "deltarefit-put"  # object metadata naming one put_file call, to find its multipart upload
 
 
-class S3Store:
+class S3Store(StoreBase):
+    capabilities = frozenset({GET_RANGE, MTIME, SWEEP_TEMPS, SET_PROGRESS})
+
     def __init__(self, url: str, *, multipart_threshold: int = 8 * MiB, multipart_chunksize: int = 8 * MiB,
                  max_concurrency: int = 10, rate: float | None = None) -> None:
         if not url.startswith("s3://"):
@@ -254,11 +258,25 @@ class S3Store:
             raise self._error(e, "get", key) from None
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        """One ranged GET: ``length`` bytes from ``start`` (fewer at the end of the object)."""
-        if length <= 0:
+        """One ranged GET: ``length`` bytes from ``start`` (fewer at the end of the object, none past
+        it: S3 answers 416 for a range that starts at or after the end of an existing object)."""
+        obj = self._obj(key)
+        check_range(key, start, length)
+        if length == 0:
+            self._head(key, "get")  # a missing key is a KeyError whatever the length
             return b""
-        r = self._call("get", key, self._client().get_object, Key=self._obj(key),
-                       Range=f"bytes={start}-{start + length - 1}")
+        c = self._client()  # (a StoreError naming boto3 where it is not installed)
+        import botocore.exceptions as bx
+
+        try:
+            r = c.get_object(Bucket=self.bucket, Key=obj, Range=f"bytes={start}-{start + length - 1}")
+        except bx.ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            if code == "InvalidRange" or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
+                return b""
+            raise self._error(e, "get", key) from None
+        except Exception as e:
+            raise self._error(e, "get", key) from None
         try:
             data = r["Body"].read()
         except Exception as e:

@@ -39,7 +39,7 @@ from ..errors import DeltaRefitError, PublishError, UsageError
 from ..fsutil import write_atomic
 from ..locks import lock_path_beside, locked_method
 from ..signing import SignatureError, Signer, check_record_signature, record_signature
-from ..storage.base import Store, open_store
+from ..storage.base import SWEEP_TEMPS, Store, open_store
 from .records import (
     CommitRecord,
     MalformedRecordError,
@@ -637,8 +637,8 @@ class Publisher:
         if not committed:
             for key in self.store.list(attempt + "/"):
                 self.store.delete(key)
-            sweep = getattr(self.store, "sweep_temps", None)
-            swept = sweep(0.0, prefix=attempt + "/") if sweep is not None else []
+            swept = (self.store.sweep_temps(0.0, prefix=attempt + "/")
+                     if SWEEP_TEMPS in self.store.capabilities else [])
             log.info("removed the parts and %d unfinished uploads of %s, left by a killed publish", len(swept),
                      attempt)
         os.unlink(marker)

@@ -24,7 +24,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ..storage.base import Store
+from ..storage.base import MTIME, SWEEP_TEMPS, Store
 from .records import MalformedRecordError, StreamError, head, list_versions, load_commit, parse_proposal
 
 log = logging.getLogger(__name__)
@@ -112,16 +112,15 @@ def retain(store: Store, *, ttl: float = 24 * 3600, orphan_grace: float = 3600, 
     if not dry_run:
         for key in rep.deleted:
             store.delete(key)
-    sweep = getattr(store, "sweep_temps", None)
-    if sweep is not None:  # unfinished uploads of killed writers, invisible to list(); a dry run lists them
-        rep.deleted += sweep(orphan_grace, dry_run=dry_run)
+    # Unfinished uploads of killed writers, invisible to list(); a dry run lists them.
+    if SWEEP_TEMPS in store.capabilities:
+        rep.deleted += store.sweep_temps(orphan_grace, dry_run=dry_run)
     log.info("retention: head %d, keyframe %d, oldest live %s: deleted %d objects", h, k, rep.oldest_live,
              len(rep.deleted))
     return rep
 
 
 def _older_than(store: Store, key: str, seconds: float) -> bool:
-    mtime = getattr(store, "mtime", None)
-    if mtime is None:
+    if MTIME not in store.capabilities:
         return True  # stores without timestamps (memory) treat every orphan as old
-    return time.time() - mtime(key) > seconds
+    return time.time() - store.mtime(key) > seconds

@@ -53,7 +53,7 @@ from ..errors import BaseMismatchError, UsageError, VerificationError
 from ..format import DeltaReader
 from ..locks import lock_path_beside, locked_method
 from ..signing import SignatureError, Verifier, check_record_signature
-from ..storage.base import Store, open_store
+from ..storage.base import GET_RANGE, Store, open_store
 from .arriving import ArrivingReader, PartDownloads
 from .publisher import _copy_checkpoint
 from .records import (
@@ -282,7 +282,7 @@ class Subscriber:
         """Whether this route is synced with its download and the first plan overlapped: deltas only
         (keyframes are staged whole), applied by plain apply (not an engine's hook), from a store with
         ranged reads."""
-        return (self.apply_hook is None and callable(getattr(self.store, "get_range", None))
+        return (self.apply_hook is None and GET_RANGE in self.store.capabilities
                 and all(st.kind != "keyframe" for st in steps))
 
     def _check_staged(self, steps: list[_Step], local: dict[str, str]) -> None:

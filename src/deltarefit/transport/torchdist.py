@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import BroadcastError, DeltaRefitError, UsageError
 from ..fsutil import fsync_dir
-from ..storage.base import Store, open_store
+from ..storage.base import PATH_OF, Store, open_store
 from ..storage.local import LocalStore
 from ..stream.records import CommitRecord, Part, StreamError, commit_key, head, load_commit, parse_commit
 from .collectives import broadcast_bytes
@@ -126,8 +126,8 @@ def _send_part(store: Store, part: Part, group, src: int, rank: int, mirror: str
     tmp = dest + ".partial"
     src_file = None
     if rank == src:
-        local = getattr(store, "path_of", None)  # a local store: read its file, no copy
-        path = local(part.key) if local else None
+        # a local store: read its file, no copy
+        path = store.path_of(part.key) if PATH_OF in store.capabilities else None
         if path is None or not os.path.exists(path):
             store.get_to(part.key, tmp)  # an object store: download once on src, then broadcast
             path = tmp
