@@ -190,6 +190,28 @@ def test_commit_record_out_of_range_names_its_version_and_kind():
         records.parse_commit(_record(version=-4), "s/commit.json")
 
 
+@pytest.mark.parametrize(("change", "field", "found", "want"), [
+    ({"delta": {"key": "v/000000000001/delta", "bytes": "10", "blake3": "0" * 64}}, "delta.bytes", "'10'",
+     "a non-negative integer"),
+    ({"delta": {"key": "v/000000000001/delta", "bytes": 10, "blake3": 7}}, "delta.blake3", "7",
+     "64 lowercase hex digits"),
+    ({"delta": {"key": ["v"], "bytes": 10, "blake3": "0" * 64}}, "delta.key", r"\['v'\]", "a string"),
+    ({"fingerprint": 5}, "fingerprint", "5", "a string"),
+    ({"step": "3"}, "step", "'3'", "an integer or null"),
+    ({"version": True}, "version", "True", "an integer"),
+    ({"publisher": None}, "publisher", "None", "a string"),
+    ({"kind": "keyframe", "keyframe": [[3, {"key": "v/000000000001/k", "bytes": 1, "blake3": "0" * 64}]]},
+     r"keyframe\[0\]", ".*", r"a \[file name, object\] pair"),
+    ({"signature": ["ed25519"]}, "signature", ".*", "an object of string alg, key_id and sig"),
+])
+def test_commit_record_field_of_the_wrong_type_is_named(change, field, found, want):
+    """Each field of a plain record is checked for its type, as the sharded parser checks its own: a
+    one-line refusal naming the field, what it holds and what it must be."""
+    with pytest.raises(records.MalformedRecordError, match=rf"^s/commit.json: malformed commit record: {field} is "
+                                                           rf"{found}, not {want}$"):
+        records.parse_commit(_record(**change), "s/commit.json")
+
+
 def test_commit_record_over_the_limit_names_its_size_and_the_limit():
     with pytest.raises(records.MalformedRecordError, match=rf"of {records.MAX_RECORD_BYTES + 1} bytes exceeds "
                                                            r"the limit \(16 MiB\)$"):

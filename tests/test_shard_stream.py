@@ -15,6 +15,7 @@ from _shard_util import SHAPES, masters, step
 from deltarefit.errors import BaseMismatchError
 from deltarefit.shard import digest as D
 from deltarefit.shard import stream as S
+from deltarefit.shard import sync as shard_sync
 from deltarefit.shard.convert import to_bf16_bits
 from deltarefit.shard.names import (
     cuts_from_layouts,
@@ -191,6 +192,24 @@ def test_kill_before_commit_then_rerun(store, tmp_path):
         trainers(store, sd)[0].upload(local_from_full(TLAYS[0], full, np.float32), "fixed")
 
 
+def test_retention_keeps_uploads_of_unknown_age():
+    """A store that keeps no timestamps (memory) keeps the parts of an attempt no record names yet,
+    whatever the grace (they may be an upload in progress), as plain retention does; the descriptors
+    of a committed version still go."""
+    store = MemoryStore()
+    tps = trainers(store)
+    full = masters()
+    publish_all(tps, full)
+    step(full, np.random.default_rng(4))
+    pending = new_attempt()
+    tps[0].upload(local_from_full(TLAYS[0], full, np.float32), pending)  # rank 1 not yet: no commit
+    uploads = [k for k in store.list("v/") if f"/{pending}/" in k]
+    assert uploads and head(store) == 1
+    deleted = retain_sharded(store, orphan_grace=0)
+    assert deleted and all(k.endswith(".head.json") for k in deleted)
+    assert all(store.exists(k) for k in uploads)
+
+
 def held(store, sd, r):
     """The version rank r's saved state holds (without following the stream)."""
     tp = trainers(store, sd)[r]
@@ -246,15 +265,15 @@ def test_rollout_killed_between_apply_and_record(tmp_path, monkeypatch):
     store = MemoryStore()
     tps, full, _rng, roll, sp = _rollout_synced_at_v1(store, tmp_path, 5)
     publish_all(tps, full)
-    real = S.record_version
+    real = shard_sync.record_version
 
     def killed(path, v, fp, url, **kw):
         raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(S, "record_version", killed)
+    monkeypatch.setattr(shard_sync, "record_version", killed)
     with pytest.raises(KeyboardInterrupt):
         sync_sharded(store, roll, RLAYS[0], state_path=sp)
-    monkeypatch.setattr(S, "record_version", real)
+    monkeypatch.setattr(shard_sync, "record_version", real)
     assert held_version(sp)[0] == 1
     rep = sync_sharded(store, roll, RLAYS[0], state_path=sp)  # applied already: every cell skipped
     assert rep.versions_applied == [2] and rep.applied[0].written == 0

@@ -1005,3 +1005,21 @@ def test_copies_left_by_a_killed_publish_are_removed(tmp_path, chain, chain_fps)
 def test_unknown_advance_is_refused(tmp_path):
     with pytest.raises(UsageError, match="advance"):
         Publisher(LocalStore(str(tmp_path / "store")), str(tmp_path / "pub"), advance="move")
+
+
+def test_retention_keeps_orphans_of_unknown_age(stream):
+    """A store that keeps no timestamps (memory) keeps every orphan, whatever the grace: its age is
+    unknown, and it may be an upload in progress (``chain.older_than``). The rest of the policy is the
+    same as on a store with timestamps."""
+    mem = MemoryStore(f"no-mtime-{os.path.basename(os.path.dirname(stream.root))}")
+    for k in [*stream.store.list("v/"), *stream.store.list("subs/"), "HEAD"]:
+        mem.put(k, stream.store.get(k))
+    expected = set(retain(stream.store, orphan_grace=0, dry_run=True).deleted)
+    assert expected, "the stream has parts the policy drops"
+    dead = f"{vkey(HEAD + 1)}/deadbeef0001/delta"  # a publish still uploading, or one that died
+    loser = f"{vkey(HEAD)}/deadbeef0002/delta"  # a losing attempt on a committed version
+    mem.put(dead, b"partial upload")
+    mem.put(loser, b"losing attempt")
+    rep = retain(mem, orphan_grace=0)
+    assert set(rep.deleted) == expected
+    assert mem.exists(dead) and mem.exists(loser)

@@ -11,6 +11,7 @@ from collections import deque
 
 from ..errors import DeltaRefitError
 from ..storage.base import GET_RANGE
+from ..stream.chain import newest_keyframe
 from ..stream.records import StreamError, commit_key, fetch_part, head, load_commit
 from . import plan
 from .mirror import VersionState
@@ -38,9 +39,7 @@ class OriginMixin:
         if h == 0:
             return nxt
         if nxt is None:  # a new root starts at the newest keyframe
-            nxt = h
-            while nxt > 1 and not (await asyncio.to_thread(load_commit, self.origin, nxt)).keyframe:
-                nxt -= 1
+            nxt = await asyncio.to_thread(newest_keyframe, lambda v: load_commit(self.origin, v), h)
         for v in range(nxt, h + 1):
             vs = await self._origin_version(v)
             await self._fetch_parts([vs])

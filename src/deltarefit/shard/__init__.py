@@ -7,8 +7,9 @@
 * ``part``        the part format (JSON header + codec payloads) and the version manifest (``join``)
 * ``publish``     ``ShardPublisher``: each trainer rank diffs its own shard into its part
 * ``rollout``     ``apply_version``: in place into a rank's slices, pre-image checked, O(chunk) memory
-* ``stream``      sharded versions in a version stream: ``ShardStreamPublisher`` (every trainer rank
-                  uploads its part, one commits), ``sync_sharded`` (a rollout rank follows the stream)
+* ``stream``      sharded versions in a version stream: ``ShardStreamPublisher`` (``trainer``: every
+                  trainer rank uploads its part, one commits), ``sync_sharded`` (``sync``: a rollout rank
+                  follows the stream), ``retain_sharded`` (``retention``); records in ``records``
 """
 
 from .convert import export_full, to_served_bits

@@ -32,6 +32,9 @@ from ..jsonlimits import brief
 from ..signing import SignableRecord
 from ..storage.base import Store
 
+# The chain layer owns the keys, the head and loading a record; re-exported here for their callers.
+from .chain import commit_key, head, list_versions, load_record, vkey  # noqa: F401
+
 COMMIT_FORMAT = "deltarefit.commit"
 COMMIT_VERSION = 1
 MAX_RECORD_BYTES = 16 << 20
@@ -44,14 +47,6 @@ LEGACY_PREFIX = "legacy-"
 def new_stream_id() -> str:
     """A fresh stream identity: 128 random bits, hex (the first version's record carries it)."""
     return uuid.uuid4().hex
-
-
-def vkey(version: int) -> str:
-    return f"v/{version:012d}"
-
-
-def commit_key(version: int) -> str:
-    return f"{vkey(version)}/commit.json"
 
 
 def prepared_key(version: int) -> str:
@@ -98,6 +93,11 @@ class CommitRecord(SignableRecord):
                 + (self.catchup.bytes if self.catchup else 0))
 
 
+def record_parts(rec: CommitRecord) -> list[Part]:
+    """Every object a plain record names: its delta, keyframe files and catch-up delta."""
+    return ([rec.delta] if rec.delta else []) + [p for _, p in rec.keyframe] + ([rec.catchup] if rec.catchup else [])
+
+
 def record_json(data: bytes, where: str) -> Any:
     """A commit record's JSON (plain or sharded), within ``MAX_RECORD_BYTES``; its shape is the caller's."""
     if len(data) > MAX_RECORD_BYTES:
@@ -109,16 +109,75 @@ def record_json(data: bytes, where: str) -> Any:
         raise MalformedRecordError(f"{where}: commit record is not valid JSON ({type(e).__name__})") from None
 
 
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# What each field of a record must be, as (check, what the one-line refusal says it must be).
+INT = (is_int, "an integer")
+INT_OR_NULL = (lambda x: x is None or is_int(x), "an integer or null")
+STR = (lambda x: isinstance(x, str), "a string")
+STR_OR_NULL = (lambda x: x is None or isinstance(x, str), "a string or null")
+NUMBER = (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool), "a number")
+LIST = (lambda x: isinstance(x, list), "a list")
+BOOL = (lambda x: isinstance(x, bool), "true or false")
+
+_COMMIT_FIELDS = {"version": INT, "parent": STR_OR_NULL, "fingerprint": STR, "kind": STR, "keyframe": LIST,
+                  "full_bytes": INT, "step": INT_OR_NULL, "created": NUMBER, "publisher": STR,
+                  "catchup_from": INT_OR_NULL, "stream": STR_OR_NULL}
+
+
+def malformed_field(where: str, name: str, value: Any, what: str) -> MalformedRecordError:
+    return MalformedRecordError(f"{where}: malformed commit record: {name} is {brief(value)}, not {what}")
+
+
+def check_fields(d: dict, where: str, spec: dict) -> None:
+    """Refuse (``MalformedRecordError`` naming the field) a record field present in ``d`` that is not
+    what ``spec`` says (a missing one is the caller's to refuse)."""
+    for name, (ok, what) in spec.items():
+        if name in d and not ok(d[name]):
+            raise malformed_field(where, name, d[name], what)
+    sig = d.get("signature")
+    if sig is not None and (not isinstance(sig, dict) or set(sig) != {"alg", "key_id", "sig"}
+                            or not all(isinstance(x, str) for x in sig.values())):
+        raise malformed_field(where, "signature", sig, "an object of string alg, key_id and sig")
+
+
+def parse_ref(d: Any, where: str, name: str) -> Part:
+    """An object reference of a commit record (plain or sharded): exactly ``key`` (a string), ``bytes``
+    (a non-negative integer) and ``blake3`` (64 lowercase hex digits); refused naming the field."""
+    if not isinstance(d, dict) or set(d) != {"key", "bytes", "blake3"}:
+        raise malformed_field(where, name, d, "an object of key, bytes and blake3")
+    if not isinstance(d["key"], str):
+        raise malformed_field(where, f"{name}.key", d["key"], "a string")
+    if not is_int(d["bytes"]) or d["bytes"] < 0:
+        raise malformed_field(where, f"{name}.bytes", d["bytes"], "a non-negative integer")
+    if not isinstance(d["blake3"], str) or not HEX64.match(d["blake3"]):
+        raise malformed_field(where, f"{name}.blake3", d["blake3"], "64 lowercase hex digits")
+    return Part(d["key"], d["bytes"], d["blake3"])
+
+
+def _keyframe_file(item: Any, where: str, i: int) -> tuple[str, Part]:
+    if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str):
+        raise malformed_field(where, f"keyframe[{i}]", item, "a [file name, object] pair")
+    return item[0], parse_ref(item[1], where, f"keyframe[{i}]")
+
+
 def parse_commit(data: bytes, where: str) -> CommitRecord:
-    """Parse and validate a commit record's shape (not its signature: see ``Subscriber``)."""
+    """Parse and validate a commit record's shape and field types (not its signature: see
+    ``Subscriber``); a field of the wrong type is refused naming it."""
     d = record_json(data, where)
     try:
         if d.pop("format") != COMMIT_FORMAT or d.pop("format_version") != COMMIT_VERSION:
             raise MalformedRecordError(f"{where}: not a {COMMIT_FORMAT} v{COMMIT_VERSION} record")
-        delta = Part(**d.pop("delta")) if d.get("delta") is not None else d.pop("delta")
+        check_fields(d, where, _COMMIT_FIELDS)
+        delta = parse_ref(d.pop("delta"), where, "delta") if d.get("delta") is not None else d.pop("delta")
         if d.get("catchup") is not None:
-            d["catchup"] = Part(**d["catchup"])
-        kf = [(str(n), Part(**p)) for n, p in d.pop("keyframe")]
+            d["catchup"] = parse_ref(d["catchup"], where, "catchup")
+        kf = [_keyframe_file(item, where, i) for i, item in enumerate(d.pop("keyframe"))]
         rec = CommitRecord(delta=delta, keyframe=kf, **d)
     except StreamError:
         raise
@@ -133,7 +192,7 @@ def parse_commit(data: bytes, where: str) -> CommitRecord:
             or (rec.catchup_from is not None and not (isinstance(rec.catchup_from, int) and 1 <= rec.catchup_from < rec.version))):
         raise MalformedRecordError(f"{where}: inconsistent commit record (version, kind, parts): version "
                                    f"{brief(rec.version)}, kind {brief(rec.kind)}")
-    for _, p in ([("delta", rec.delta)] if rec.delta else []) + rec.keyframe + ([("catchup", rec.catchup)] if rec.catchup else []):
+    for p in record_parts(rec):
         if not p.key.startswith(vkey(rec.version) + "/") or ".." in p.key:
             raise MalformedRecordError(f"{where}: part {p.key!r} lies outside its version")
     return rec
@@ -151,19 +210,6 @@ def parse_proposal(data: bytes, where: str) -> tuple[CommitRecord, float]:
     except (UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
         raise StreamError(f"{where}: malformed proposal ({type(e).__name__})") from None
     return parse_commit(json.dumps(record).encode(), where), deadline
-
-
-def load_record(store: Store, version: int, parse):
-    """The commit record of ``version``, parsed by ``parse(data, where)`` (plain or sharded records),
-    refused unless it says it is that version."""
-    try:
-        data = store.get(commit_key(version))
-    except KeyError:
-        raise StreamError(f"{store.url}: version {version} is not committed") from None
-    rec = parse(data, f"{store.url}/{commit_key(version)}")
-    if rec.version != version:
-        raise MalformedRecordError(f"{store.url}/{commit_key(version)}: record says version {rec.version}")
-    return rec
 
 
 def load_commit(store: Store, version: int) -> CommitRecord:
@@ -198,32 +244,6 @@ def check_identity(rec: SignableRecord, identity: str | None, where: str, fix: s
     if identity is not None and rec.stream != identity:
         raise StreamIdentityError(f"{where}: record belongs to stream {rec.stream}, not to the followed stream "
                                   f"{identity}{fix}")
-
-
-def list_versions(store: Store) -> list[int]:
-    """Committed version numbers, ascending."""
-    out = []
-    for k in store.list("v/"):
-        parts = k.split("/")
-        if len(parts) == 3 and parts[2] == "commit.json" and parts[1].isdigit():
-            out.append(int(parts[1]))
-    return sorted(out)
-
-
-def head(store: Store) -> int:
-    """The newest committed version (0 for an empty stream): the HEAD hint, probed forward, since a
-    publisher killed between its commit and the hint leaves the hint one behind."""
-    try:
-        h = int(store.get("HEAD").decode().strip())
-    except (KeyError, ValueError):
-        vs = list_versions(store)
-        return vs[-1] if vs else 0
-    if h > 0 and not store.exists(commit_key(h)):
-        vs = list_versions(store)  # a hint ahead of the commits (pruned or hand-edited): don't trust it
-        return vs[-1] if vs else 0
-    while store.exists(commit_key(h + 1)):
-        h += 1
-    return h
 
 
 def file_hash(path: str) -> str:

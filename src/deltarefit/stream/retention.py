@@ -14,7 +14,13 @@ for longer than ``ttl`` seconds is not live):
 Deleted: other keyframe parts, delta parts of versions up to ``min(s, k)``, acks of versions that
 are no longer proposed, and orphan parts (a publish that died before committing, or lost a race) and
 unfinished uploads (the store's ``sweep_temps``: temp files, multipart uploads of killed writers)
-older than ``orphan_grace`` seconds. A dry run reports exactly these and deletes nothing.
+older than ``orphan_grace`` seconds. A store that keeps no timestamps (memory) keeps every orphan:
+its age is unknown, and it may be an upload in progress (``chain.older_than``). A dry run reports
+exactly these and deletes nothing.
+
+The policy (the cut, what each record keeps, orphans) is the chain layer's (``chain.plan_retention``),
+shared with sharded streams; this module adds what only plain streams have: subscriber heartbeats,
+joint-commit proposals and acks, and the store's unfinished uploads.
 """
 
 from __future__ import annotations
@@ -24,8 +30,18 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ..storage.base import MTIME, SWEEP_TEMPS, Store
-from .records import MalformedRecordError, StreamError, head, list_versions, load_commit, parse_proposal
+from ..storage.base import SWEEP_TEMPS, Store
+from .chain import RecordKind, plan_retention
+from .records import (
+    CommitRecord,
+    MalformedRecordError,
+    StreamError,
+    head,
+    list_versions,
+    load_commit,
+    parse_proposal,
+    record_parts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,36 +69,52 @@ def live_subscribers(store: Store, ttl: float) -> dict[str, int]:
     return out
 
 
+def _needed(r: CommitRecord, cut: int, k: int) -> list:
+    """The objects of a plain record still needed: the newest keyframe's files (late joiners start
+    there), deltas after the cut (each live subscriber follows the chain), catch-ups from that keyframe
+    (catch-ups from older keyframes lead nowhere kept)."""
+    return (([p for _, p in r.keyframe] if r.version == k else []) + ([r.delta] if r.delta and r.version > cut else [])
+            + ([r.catchup] if r.catchup is not None and r.catchup_from == k else []))
+
+
+PLAIN = RecordKind(parts=record_parts, needed=_needed)
+
+
 def retain(store: Store, *, ttl: float = 24 * 3600, orphan_grace: float = 3600, dry_run: bool = False) -> RetentionReport:
     h = head(store)
-    versions = list_versions(store)
     recs = {}
     malformed: dict[int, str] = {}
-    for v in versions:
+    for v in list_versions(store):
         try:
             recs[v] = load_commit(store, v)
         except MalformedRecordError as e:
             log.warning("retention: %s; keeping every object of version %d", e, v)
             malformed[v] = str(e)
-    keyframes = [v for v, r in recs.items() if r.keyframe]
-    k = keyframes[-1] if keyframes else 0
     live = live_subscribers(store, ttl)
-    s = min(live.values()) if live else h
-    cut = min(s, k)
-    keep: set[str] = set()
-    for v, r in recs.items():
-        if v == k:
-            keep.update(p.key for _, p in r.keyframe)
-        if r.delta is not None and v > cut:
-            keep.add(r.delta.key)
-        if r.catchup is not None and r.catchup_from == k:  # catch-ups from older keyframes lead nowhere kept
-            keep.add(r.catchup.key)
-    referenced = {p.key for r in recs.values()
-                  for p in ([r.delta] if r.delta else []) + [q for _, q in r.keyframe] + ([r.catchup] if r.catchup else [])}
-    rep = RetentionReport(h, k, min(live.values()) if live else None, malformed=malformed)
-    # Proposals (joint commit) still open: for a version after the head and younger than the grace.
-    # Settled ones (at or below the head) and stale ones (a joint publish that died) are removed.
+    proposals, settled = _open_proposals(store, h, orphan_grace)
+    plan = plan_retention(store, h, recs, PLAIN, keep_from=min(live.values()) if live else h, orphan_grace=orphan_grace,
+                          unreadable=malformed, open_versions=proposals)
+    rep = RetentionReport(plan.head, plan.keyframe, min(live.values()) if live else None, malformed=malformed)
+    rep.deleted += settled + plan.delete
+    rep.kept_bytes = sum(store.size(key) for key in plan.keep)
+    for key in store.list("acks/"):
+        if int(key.split("/")[1]) not in proposals:
+            rep.deleted.append(key)
+    if not dry_run:
+        for key in rep.deleted:
+            store.delete(key)
+    if SWEEP_TEMPS in store.capabilities:  # unfinished uploads of killed writers, invisible to list(); a dry run lists them
+        rep.deleted += store.sweep_temps(orphan_grace, dry_run=dry_run)
+    log.info("retention: head %d, keyframe %d, oldest live %s: deleted %d objects", rep.head, rep.keyframe,
+             rep.oldest_live, len(rep.deleted))
+    return rep
+
+
+def _open_proposals(store: Store, h: int, orphan_grace: float) -> tuple[set[int], list[str]]:
+    """Proposals (joint commit) still open: for a version after the head and younger than the grace;
+    and the keys of the others, settled (at or below the head) or stale (a joint publish that died)."""
     proposals: set[int] = set()
+    settled: list[str] = []
     for key in store.list("v/"):
         parts = key.split("/")
         if len(parts) == 3 and parts[2] == "prepared.json":
@@ -94,33 +126,5 @@ def retain(store: Store, *, ttl: float = 24 * 3600, orphan_grace: float = 3600, 
             if v > h and time.time() < deadline + orphan_grace:
                 proposals.add(v)
             else:
-                rep.deleted.append(key)
-    for key in store.list("v/"):
-        parts = key.split("/")
-        if len(parts) < 4:
-            continue  # commit and prepared records
-        v = int(parts[1])
-        if key in keep or v in malformed:
-            rep.kept_bytes += store.size(key)
-            continue
-        if key not in referenced and (v in proposals or not _older_than(store, key, orphan_grace)):
-            continue  # an orphan still being uploaded or proposed
-        rep.deleted.append(key)
-    for key in store.list("acks/"):
-        if int(key.split("/")[1]) not in proposals:
-            rep.deleted.append(key)
-    if not dry_run:
-        for key in rep.deleted:
-            store.delete(key)
-    # Unfinished uploads of killed writers, invisible to list(); a dry run lists them.
-    if SWEEP_TEMPS in store.capabilities:
-        rep.deleted += store.sweep_temps(orphan_grace, dry_run=dry_run)
-    log.info("retention: head %d, keyframe %d, oldest live %s: deleted %d objects", h, k, rep.oldest_live,
-             len(rep.deleted))
-    return rep
-
-
-def _older_than(store: Store, key: str, seconds: float) -> bool:
-    if MTIME not in store.capabilities:
-        return True  # stores without timestamps (memory) treat every orphan as old
-    return time.time() - store.mtime(key) > seconds
+                settled.append(key)
+    return proposals, settled

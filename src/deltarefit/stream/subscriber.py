@@ -48,18 +48,17 @@ from dataclasses import dataclass, field
 from ..api import fingerprint as fingerprint_of
 from ..apply import apply as apply_delta
 from ..apply import check as check_delta
-from ..checkpoint import carry_non_weights, open_checkpoint
+from ..checkpoint import open_checkpoint
 from ..errors import BaseMismatchError, UsageError, VerificationError
 from ..format import DeltaReader
 from ..locks import lock_path_beside, locked_method
 from ..signing import SignatureError, Verifier, check_record_signature
 from ..storage.base import GET_RANGE, Store, open_store
 from .arriving import ArrivingReader, PartDownloads
-from .publisher import _copy_checkpoint
+from .chain import check_links, newest_keyframe, sync_target
 from .records import (
     CommitRecord,
     MalformedRecordError,
-    Part,
     StreamError,
     StreamIdentityError,
     check_identity,
@@ -75,6 +74,7 @@ from .records import (
     record_version,
     stream_identity,
 )
+from .route import Step, cheapest_route, install_keyframe
 
 log = logging.getLogger(__name__)
 
@@ -100,17 +100,6 @@ class SyncReport:
     # Chunk payloads the plan read before their part had wholly arrived: the download and the first
     # plan overlapped (0 on the staged path: keyframe routes, engine hooks, stores without ranged reads).
     early_reads: int = 0
-
-
-@dataclass(frozen=True)
-class _Step:
-    """One step of a sync route: install a keyframe, or apply a delta or a catch-up delta."""
-
-    kind: str  # "keyframe", "delta", "catchup"
-    version: int  # the version reached
-    parts: list[Part]
-    parent: str | None  # fingerprint a delta applies to
-    fingerprint: str  # fingerprint reached
 
 
 def _checkpoint_lock_of(checkpoint: str) -> tuple[str, str]:
@@ -238,10 +227,7 @@ class Subscriber:
     def _sync(self, to_version: int | None, verify: bool = False, repair: bool = False) -> SyncReport:
         t0 = time.perf_counter()
         self._hashed_at = None
-        h = head(self.store)
-        target = h if to_version is None else to_version
-        if target < 1 or target > h:
-            raise StreamError(f"{self.store.url}: no committed version {target} (head is {h})")
+        target = sync_target(self.store.url, head(self.store), to_version)
         state = None if repair else held_state(state_path(self.checkpoint))
         self._init_identity(state)
         cur = self._adopt(repair)
@@ -250,22 +236,11 @@ class Subscriber:
             raise StreamError(f"{self.checkpoint} is at version {cur[0]}, ahead of {target}")
         if cur and cur[0] == target:
             return self._at_head(cur, start, verify, t0)
-        if cur is None:  # a new subscriber starts from the newest keyframe: read records back to it
-            first = target
-            while first > 1 and not self._load(first).keyframe:
-                first -= 1
-        else:
-            first = cur[0] + 1
+        # A new subscriber starts from the newest keyframe: read records back to it.
+        first = newest_keyframe(self._load, target) if cur is None else cur[0] + 1
         recs = {v: self._commit(v) for v in range(first, target + 1)}
-        for v, rec in recs.items():  # the chain must link up, starting from what we hold
-            parent = recs[v - 1].fingerprint if v - 1 in recs else (cur[1] if cur else None)
-            if cur is None and v == min(recs):
-                continue
-            if rec.parent != parent:
-                raise StreamError(f"{self.store.url}: version {v} applies to {str(rec.parent)[:16]}…, not to "
-                                  f"{str(parent)[:16]}… held by {'version ' + str(v - 1)}: broken chain"
-                                  + (REPAIR_FIX if v == first else ""))
-        route, steps = self._route(cur, recs)
+        check_links(recs, cur, self.store.url, REPAIR_FIX)  # the chain links up, from what we hold
+        route, steps = cheapest_route(self.store, cur, recs)
         os.makedirs(self.staging, exist_ok=True)
         local = {p.key: os.path.join(self.staging, p.key.replace("/", "_")) for st in steps for p in st.parts}
         if self._overlaps(steps):
@@ -278,14 +253,14 @@ class Subscriber:
         shutil.rmtree(self.staging, ignore_errors=True)
         return SyncReport(start, version, fp, route, fetched, applied, time.perf_counter() - t0, verified=True)
 
-    def _overlaps(self, steps: list[_Step]) -> bool:
+    def _overlaps(self, steps: list[Step]) -> bool:
         """Whether this route is synced with its download and the first plan overlapped: deltas only
         (keyframes are staged whole), applied by plain apply (not an engine's hook), from a store with
         ranged reads."""
         return (self.apply_hook is None and GET_RANGE in self.store.capabilities
                 and all(st.kind != "keyframe" for st in steps))
 
-    def _check_staged(self, steps: list[_Step], local: dict[str, str]) -> None:
+    def _check_staged(self, steps: list[Step], local: dict[str, str]) -> None:
         """Each staged delta must say what its record says, before any write."""
         for st in steps:
             if st.kind != "keyframe":
@@ -295,7 +270,7 @@ class Subscriber:
                                           f"{d.base_fingerprint[:16]}… to {d.target_fingerprint[:16]}…, the record "
                                           f"says {str(st.parent)[:16]}… to {st.fingerprint[:16]}…")
 
-    def _sync_arriving(self, steps: list[_Step], local: dict[str, str], recs: dict[int, CommitRecord],
+    def _sync_arriving(self, steps: list[Step], local: dict[str, str], recs: dict[int, CommitRecord],
                        cur: tuple[int, str] | None, start: int, route: str, t0: float) -> SyncReport:
         """A route of deltas, its first delta planned while the parts download (module docstring,
         "Overlap"): every part streams into staging in order on a background thread; the first apply
@@ -348,7 +323,7 @@ class Subscriber:
         return SyncReport(start, version, fp, route, downloads.fetched, applied, time.perf_counter() - t0,
                           verified=True, early_reads=downloads.early_reads)
 
-    def _apply_steps(self, steps: list[_Step], local: dict[str, str], recs: dict[int, CommitRecord],
+    def _apply_steps(self, steps: list[Step], local: dict[str, str], recs: dict[int, CommitRecord],
                      cur: tuple[int, str] | None,
                      first_apply: Callable[[], str] | None = None) -> tuple[list[int], int, str]:
         """Apply the staged route version by version, recording each verified one. ``first_apply``:
@@ -357,7 +332,7 @@ class Subscriber:
         version, fp = cur if cur else (0, "")
         for i, st in enumerate(steps):
             if st.kind == "keyframe":
-                self._install_keyframe(recs[st.version], local)
+                install_keyframe(recs[st.version], local, self.staging, self.checkpoint)
                 got = fingerprint_of(self.checkpoint, threads=self.threads)
                 if self.keyframe_hook is not None and got == st.fingerprint:
                     self.keyframe_hook()
@@ -429,89 +404,6 @@ class Subscriber:
                 self._hashed_at = v
                 return v, fp
         return None, fp
-
-    def _route(self, cur: tuple[int, str] | None, recs: dict[int, CommitRecord]) -> tuple[str, list[_Step]]:
-        """Cheapest in bytes among: the chain of deltas; a keyframe and the deltas after it; a catch-up
-        delta (one delta from a keyframe's version, composed by the publisher) and the deltas after it,
-        from that keyframe's version or from a keyframe installed first. Parts retention pruned are skipped."""
-        versions = sorted(recs)
-        last = versions[-1]
-        have: dict[str, bool] = {}
-
-        def present(*ps: Part | None) -> bool:  # retention may have pruned parts the records name
-            for p in ps:
-                if p is None:
-                    return False
-                if p.key not in have:
-                    have[p.key] = self.store.exists(p.key)
-                if not have[p.key]:
-                    return False
-            return True
-
-        def chain(after: int) -> list[_Step] | None:
-            steps = [_Step("delta", v, [recs[v].delta], recs[v].parent, recs[v].fingerprint)
-                     for v in versions if v > after]
-            return steps if all(present(*s.parts) for s in steps) else None
-
-        def keyframe(k: int) -> _Step | None:
-            rec = recs[k]
-            parts = [p for _, p in rec.keyframe]
-            return _Step("keyframe", k, parts, None, rec.fingerprint) if parts and present(*parts) else None
-
-        routes: list[tuple[str, list[_Step]]] = []
-        if cur is not None and (c := chain(cur[0])) is not None:
-            routes.append(("chain", c))
-        for k in versions:
-            kf, rest = keyframe(k), chain(k)
-            if kf is not None and rest is not None:
-                routes.append(("keyframe", [kf, *rest]))
-        for m in versions:
-            rec = recs[m]
-            if rec.catchup is None or not present(rec.catchup) or (rest := chain(m)) is None:
-                continue
-            f = rec.catchup_from
-            up = _Step("catchup", m, [rec.catchup], None, rec.fingerprint)
-            if cur is not None and cur[0] == f:
-                routes.append(("catchup", [_Step(up.kind, m, up.parts, cur[1], up.fingerprint), *rest]))
-            elif f in recs and (kf := keyframe(f)) is not None:
-                routes.append(("keyframe+catchup", [kf, _Step(up.kind, m, up.parts, kf.fingerprint, up.fingerprint),
-                                                    *rest]))
-        if not routes:
-            raise StreamError(f"{self.store.url}: no route to version {last} from "
-                              f"{'version ' + str(cur[0]) if cur else 'nothing'} (no keyframe, or parts pruned)")
-        return min(routes, key=lambda r: sum(p.bytes for s in r[1] for p in s.parts))
-
-    def _install_keyframe(self, rec: CommitRecord, local: dict[str, str]) -> None:
-        """Replace the checkpoint by a keyframe's files, built aside and renamed into place.
-
-        A checkpoint that is (or, when missing, is named as) a ``.safetensors`` file becomes one file;
-        otherwise a Hugging Face directory holding the keyframe's files as published. Replacing an
-        existing directory takes two renames: a kill between them leaves the checkpoint missing, and
-        the next sync, holding nothing, installs the keyframe again and removes the old copy."""
-        kdir = os.path.join(self.staging, "keyframe")
-        os.makedirs(kdir, exist_ok=True)
-        for name, part in rec.keyframe:
-            os.replace(local[part.key], os.path.join(kdir, name))
-        # Fixed temp names: a sync killed here leaves them, and the next one replaces them.
-        tmp = f"{self.checkpoint}.deltarefit-keyframe.tmp"
-        old = f"{self.checkpoint}.deltarefit-old"
-        as_dir = os.path.isdir(self.checkpoint) or (
-            not os.path.exists(self.checkpoint) and not self.checkpoint.endswith(".safetensors"))
-        if not as_dir:
-            src = kdir if len(rec.keyframe) > 1 else os.path.join(kdir, rec.keyframe[0][0])
-            _copy_checkpoint(src, tmp)
-            os.replace(tmp, self.checkpoint)
-            return
-        if os.path.isdir(self.checkpoint):
-            # What is not weights (config, tokenizer) stays: only the weights come from the keyframe.
-            carry_non_weights(self.checkpoint, kdir)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.replace(kdir, tmp)
-        if os.path.isdir(self.checkpoint):
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(self.checkpoint, old)
-        os.replace(tmp, self.checkpoint)
-        shutil.rmtree(old, ignore_errors=True)
 
     # -- joint commit ----------------------------------------------------------------------------
 

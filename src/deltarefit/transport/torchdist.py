@@ -36,6 +36,7 @@ from ..errors import BroadcastError, DeltaRefitError, UsageError
 from ..fsutil import fsync_dir
 from ..storage.base import PATH_OF, Store, open_store
 from ..storage.local import LocalStore
+from ..stream.chain import newest_keyframe, sync_target
 from ..stream.records import CommitRecord, Part, StreamError, commit_key, head, load_commit, parse_commit
 from .collectives import broadcast_bytes
 
@@ -92,19 +93,14 @@ def _bcast_blob(data: bytes | None, status: int, group, src: int, device) -> tup
 
 def _plan(store: Store, held: list[int | None], to_version: int | None) -> tuple[list[CommitRecord], list[Part]]:
     """Records from the oldest version any rank needs to the target, and the parts to send."""
-    h = head(store)
-    target = h if to_version is None else to_version
-    if target < 1 or target > h:
-        raise StreamError(f"{store.url}: no committed version {target} (head is {h})")
+    target = sync_target(store.url, head(store), to_version)
     for v in held:
         if v is not None and v > target:
             raise StreamError(f"a rank holds version {v}, ahead of {target}")
     first = min((v + 1 for v in held if v is not None), default=target + 1)
     kf = None
     if any(v is None for v in held):  # a rank with nothing starts from the newest keyframe
-        kf = target
-        while kf > 1 and not load_commit(store, kf).keyframe:
-            kf -= 1
+        kf = newest_keyframe(lambda v: load_commit(store, v), target)
         first = min(first, kf)
     recs = [load_commit(store, v) for v in range(first, target + 1)]
     # Deltas after the oldest version a rank holds (or after the keyframe, for ranks holding nothing).

@@ -1,0 +1,172 @@
+"""The version chain of a stream, whatever kind of record it holds: the commit keys, the head, loading
+a record, the newest keyframe, the link check, and the retention policy. Pure functions over a
+``Store``; the record kind plugs in (plain ``records.CommitRecord``, sharded
+``shard.records.ShardCommit``).
+
+What the chain needs of a record: ``version``; ``parent`` (the fingerprint of the version it applies
+to, None for a start); ``fingerprint``; ``keyframe`` (truthy on a keyframe version: the plain
+record's keyframe files, the sharded record's flag). Retention also asks the kind which objects a
+record names (``RecordKind.parts``) and which of them are still needed (``RecordKind.needed``).
+
+Keys (every kind)::
+
+    v/000000000042/commit.json     the commit record of version 42: created last, conditionally
+    v/000000000042/<attempt>/...   the objects it names, under the attempt that won
+    HEAD                           a hint naming the newest version (the commit records are the truth)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import MalformedRecordError, StreamError
+from ..storage.base import MTIME, Store
+
+
+def vkey(version: int) -> str:
+    return f"v/{version:012d}"
+
+
+def commit_key(version: int) -> str:
+    return f"{vkey(version)}/commit.json"
+
+
+def list_versions(store: Store) -> list[int]:
+    """Committed version numbers, ascending."""
+    out = []
+    for k in store.list("v/"):
+        parts = k.split("/")
+        if len(parts) == 3 and parts[2] == "commit.json" and parts[1].isdigit():
+            out.append(int(parts[1]))
+    return sorted(out)
+
+
+def head(store: Store) -> int:
+    """The newest committed version (0 for an empty stream): the HEAD hint, probed forward, since a
+    publisher killed between its commit and the hint leaves the hint one behind."""
+    try:
+        h = int(store.get("HEAD").decode().strip())
+    except (KeyError, ValueError):
+        vs = list_versions(store)
+        return vs[-1] if vs else 0
+    if h > 0 and not store.exists(commit_key(h)):
+        vs = list_versions(store)  # a hint ahead of the commits (pruned or hand-edited): don't trust it
+        return vs[-1] if vs else 0
+    while store.exists(commit_key(h + 1)):
+        h += 1
+    return h
+
+
+def sync_target(url: str, h: int, to_version: int | None) -> int:
+    """The version a sync goes to: ``to_version``, or the head ``h``; refused unless committed."""
+    target = h if to_version is None else to_version
+    if target < 1 or target > h:
+        raise StreamError(f"{url}: no committed version {target} (head is {h})")
+    return target
+
+
+def load_record(store: Store, version: int, parse: Callable[[bytes, str], Any]):
+    """The commit record of ``version``, parsed by ``parse(data, where)`` (plain or sharded records),
+    refused unless it says it is that version."""
+    try:
+        data = store.get(commit_key(version))
+    except KeyError:
+        raise StreamError(f"{store.url}: version {version} is not committed") from None
+    rec = parse(data, f"{store.url}/{commit_key(version)}")
+    if rec.version != version:
+        raise MalformedRecordError(f"{store.url}/{commit_key(version)}: record says version {rec.version}")
+    return rec
+
+
+def newest_keyframe(load: Callable[[int], Any], at: int) -> int:
+    """The newest keyframe version at or below ``at`` (where a holder of nothing starts), walking the
+    records back with ``load(version)``; version 1 when none after it is one (publishers make a
+    stream's first version a keyframe)."""
+    v = at
+    while v > 1 and not load(v).keyframe:
+        v -= 1
+    return v
+
+
+def check_links(recs: Mapping[int, Any], held: tuple[int, str] | None, url: str, fix: str = "") -> None:
+    """Refuse (``StreamError``) a route whose records do not link up: ``recs`` holds consecutive
+    versions, each of which must apply to the fingerprint of the one before; the first to ``held``
+    (version, fingerprint), or, with ``held`` None, to nothing (it is where a holder of nothing starts:
+    a keyframe, or a version adopted). ``fix``: the way out, named when the first link breaks."""
+    first = min(recs, default=0)
+    for v, rec in sorted(recs.items()):
+        if held is None and v == first:
+            continue
+        parent = recs[v - 1].fingerprint if v - 1 in recs else held[1]
+        if rec.parent != parent:
+            raise StreamError(f"{url}: version {v} applies to {str(rec.parent)[:16]}…, not to "
+                              f"{str(parent)[:16]}… held at version {v - 1}: broken chain"
+                              + (fix if v == first else ""))
+
+
+# ------------------------------------------------------------------------------------- retention
+
+
+@dataclass(frozen=True)
+class RecordKind:
+    """A record kind, as retention sees it. ``parts(rec)``: every object the record names.
+    ``needed(rec, cut, keyframe)``: those still needed when holders are at ``cut`` or later and late
+    joiners start at the newest keyframe ``keyframe`` (both 0 when there is none).
+    ``committed_orphans_expire``: an object no record names, under a version that is committed, goes
+    at once (no publish can still commit it); otherwise, like orphans of later versions, only once
+    older than the grace."""
+
+    parts: Callable[[Any], Iterable[Any]]
+    needed: Callable[[Any, int, int], Iterable[Any]]
+    committed_orphans_expire: bool = False
+
+
+@dataclass
+class RetentionPlan:
+    head: int
+    keyframe: int  # the newest keyframe (0: none)
+    delete: list[str] = field(default_factory=list)
+    keep: list[str] = field(default_factory=list)  # objects kept because a reader needs them
+
+
+def older_than(store: Store, key: str, seconds: float) -> bool:
+    """Whether object ``key`` was written more than ``seconds`` ago. A store that keeps no timestamps
+    answers False: an object of unknown age may be an upload in progress, and retention keeps it (the
+    one choice that never deletes what a publish or a reader may still need)."""
+    if MTIME not in store.capabilities:
+        return False
+    return time.time() - store.mtime(key) > seconds
+
+
+def plan_retention(store: Store, h: int, recs: Mapping[int, Any], kind: RecordKind, *, keep_from: int | None,
+                   orphan_grace: float, unreadable: Iterable[int] = (), open_versions: Iterable[int] = ()
+                   ) -> RetentionPlan:
+    """Which objects under ``v/`` go (commit records always stay). ``h``: the head, read before the
+    records (so every version up to it is in ``recs`` or ``unreadable``: an object of a later commit is
+    never taken for an orphan of a committed version); ``recs``: the readable records by version;
+    ``keep_from``: the oldest version a holder still needs to follow from (default the head);
+    the cut is the older of it and the newest keyframe, and ``kind.needed`` says what each record keeps.
+    Every object of an ``unreadable`` version (its parts cannot be told from orphans) and every orphan
+    of an ``open_versions`` one (a proposal still waiting) stays; other orphans go once older than
+    ``orphan_grace`` seconds (``older_than``), or at once under a committed version when the kind says
+    so."""
+    k = max((v for v, r in recs.items() if r.keyframe), default=0)
+    cut = min(h if keep_from is None else keep_from, k)
+    keep = {p.key for r in recs.values() for p in kind.needed(r, cut, k)}
+    referenced = {p.key for r in recs.values() for p in kind.parts(r)}
+    unreadable, open_versions = set(unreadable), set(open_versions)
+    plan = RetentionPlan(h, k)
+    for key in store.list("v/"):
+        parts = key.split("/")
+        if len(parts) < 4 or not parts[1].isdigit():
+            continue  # commit and prepared records
+        v = int(parts[1])
+        if key in keep or v in unreadable:
+            plan.keep.append(key)
+        elif key in referenced or (v not in open_versions and (
+                (kind.committed_orphans_expire and v <= h) or older_than(store, key, orphan_grace))):
+            plan.delete.append(key)
+    return plan

@@ -1,0 +1,109 @@
+"""The route of a sync: its steps (install a keyframe, apply a delta or a catch-up delta), the
+cheapest of the routes the records allow, and installing a keyframe step into a checkpoint."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+from ..checkpoint import carry_non_weights
+from ..storage.base import Store
+from .publisher import _copy_checkpoint
+from .records import CommitRecord, Part, StreamError
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a sync route: install a keyframe, or apply a delta or a catch-up delta."""
+
+    kind: str  # "keyframe", "delta", "catchup"
+    version: int  # the version reached
+    parts: list[Part]
+    parent: str | None  # fingerprint a delta applies to
+    fingerprint: str  # fingerprint reached
+
+
+def cheapest_route(store: Store, cur: tuple[int, str] | None, recs: dict[int, CommitRecord]) -> tuple[str, list[Step]]:
+    """Cheapest in bytes among: the chain of deltas; a keyframe and the deltas after it; a catch-up
+    delta (one delta from a keyframe's version, composed by the publisher) and the deltas after it,
+    from that keyframe's version or from a keyframe installed first. Parts retention pruned are skipped."""
+    versions = sorted(recs)
+    last = versions[-1]
+    have: dict[str, bool] = {}
+
+    def present(*ps: Part | None) -> bool:  # retention may have pruned parts the records name
+        for p in ps:
+            if p is None:
+                return False
+            if p.key not in have:
+                have[p.key] = store.exists(p.key)
+            if not have[p.key]:
+                return False
+        return True
+
+    def chain(after: int) -> list[Step] | None:
+        steps = [Step("delta", v, [recs[v].delta], recs[v].parent, recs[v].fingerprint)
+                 for v in versions if v > after]
+        return steps if all(present(*s.parts) for s in steps) else None
+
+    def keyframe(k: int) -> Step | None:
+        rec = recs[k]
+        parts = [p for _, p in rec.keyframe]
+        return Step("keyframe", k, parts, None, rec.fingerprint) if parts and present(*parts) else None
+
+    routes: list[tuple[str, list[Step]]] = []
+    if cur is not None and (c := chain(cur[0])) is not None:
+        routes.append(("chain", c))
+    for k in versions:
+        kf, rest = keyframe(k), chain(k)
+        if kf is not None and rest is not None:
+            routes.append(("keyframe", [kf, *rest]))
+    for m in versions:
+        rec = recs[m]
+        if rec.catchup is None or not present(rec.catchup) or (rest := chain(m)) is None:
+            continue
+        f = rec.catchup_from
+        up = Step("catchup", m, [rec.catchup], None, rec.fingerprint)
+        if cur is not None and cur[0] == f:
+            routes.append(("catchup", [Step(up.kind, m, up.parts, cur[1], up.fingerprint), *rest]))
+        elif f in recs and (kf := keyframe(f)) is not None:
+            routes.append(("keyframe+catchup", [kf, Step(up.kind, m, up.parts, kf.fingerprint, up.fingerprint),
+                                                *rest]))
+    if not routes:
+        raise StreamError(f"{store.url}: no route to version {last} from "
+                          f"{'version ' + str(cur[0]) if cur else 'nothing'} (no keyframe, or parts pruned)")
+    return min(routes, key=lambda r: sum(p.bytes for s in r[1] for p in s.parts))
+
+
+def install_keyframe(rec: CommitRecord, local: dict[str, str], staging: str, checkpoint: str) -> None:
+    """Replace the checkpoint by a keyframe's files, built aside and renamed into place.
+
+    A checkpoint that is (or, when missing, is named as) a ``.safetensors`` file becomes one file;
+    otherwise a Hugging Face directory holding the keyframe's files as published. Replacing an
+    existing directory takes two renames: a kill between them leaves the checkpoint missing, and
+    the next sync, holding nothing, installs the keyframe again and removes the old copy."""
+    kdir = os.path.join(staging, "keyframe")
+    os.makedirs(kdir, exist_ok=True)
+    for name, part in rec.keyframe:
+        os.replace(local[part.key], os.path.join(kdir, name))
+    # Fixed temp names: a sync killed here leaves them, and the next one replaces them.
+    tmp = f"{checkpoint}.deltarefit-keyframe.tmp"
+    old = f"{checkpoint}.deltarefit-old"
+    as_dir = os.path.isdir(checkpoint) or (
+        not os.path.exists(checkpoint) and not checkpoint.endswith(".safetensors"))
+    if not as_dir:
+        src = kdir if len(rec.keyframe) > 1 else os.path.join(kdir, rec.keyframe[0][0])
+        _copy_checkpoint(src, tmp)
+        os.replace(tmp, checkpoint)
+        return
+    if os.path.isdir(checkpoint):
+        # What is not weights (config, tokenizer) stays: only the weights come from the keyframe.
+        carry_non_weights(checkpoint, kdir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.replace(kdir, tmp)
+    if os.path.isdir(checkpoint):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(checkpoint, old)
+    os.replace(tmp, checkpoint)
+    shutil.rmtree(old, ignore_errors=True)
