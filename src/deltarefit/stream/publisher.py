@@ -25,9 +25,8 @@ import json
 import logging
 import os
 import shutil
-import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import blake3
 
@@ -35,11 +34,14 @@ from ..apply import apply as apply_delta
 from ..checkpoint import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
 from ..encode import encode as encode_delta
-from ..errors import DeltaRefitError, PublishError, UsageError
+from ..errors import PublishError, UsageError
 from ..fsutil import write_atomic
 from ..locks import lock_path_beside, locked_method
 from ..signing import SignatureError, Signer, check_record_signature, record_signature
-from ..storage.base import SWEEP_TEMPS, Store, open_store
+from ..storage.base import Store, open_store
+from .attempts import AttemptsMixin
+from .baseline import BaselineMixin, _copy_checkpoint, _temp_beside
+from .publish_state import _TEMP_SUFFIX, ALL, ATTEMPT_NAME, QUARANTINE_FIX, RESET_FIX, PublishState
 from .records import (
     CommitRecord,
     MalformedRecordError,
@@ -48,7 +50,6 @@ from .records import (
     StreamIdentityError,
     check_identity,
     commit_key,
-    fetch_part,
     file_hash,
     head,
     load_commit,
@@ -57,29 +58,11 @@ from .records import (
     parse_commit,
     parse_proposal,
     prepared_key,
-    proposal_bytes,
     stream_identity,
     vkey,
 )
 
 log = logging.getLogger(__name__)
-
-
-ALL = -1  # quorum: every live subscriber
-
-
-# How each stuck state is left: named in the refusals, implemented below (``reset_baseline`` and
-# ``quarantine_head``, the CLI's ``publish --reset-baseline`` and ``publish --quarantine-head``).
-RESET_FIX = "; 'deltarefit publish --reset-baseline' (same arguments) rebuilds the baseline from the stream"
-QUARANTINE_FIX = ("; if no publisher of this stream wrote it, 'deltarefit publish --quarantine-head' (same "
-                  "arguments) sets it aside")
-
-
-@dataclass
-class PublishState:
-    version: int
-    fingerprint: str
-    stream_id: str | None = None  # the stream's identity (None only in states written before identities)
 
 
 def _checkpoint_files(path: str) -> list[tuple[str, str]]:
@@ -94,7 +77,7 @@ def _checkpoint_files(path: str) -> list[tuple[str, str]]:
     return files
 
 
-class Publisher:
+class Publisher(BaselineMixin, AttemptsMixin):
     """Publishes checkpoints to ``store``; keeps its committed baseline under ``state_dir``.
 
     ``keyframe_every``: a keyframe every K versions (the first version always is one).
@@ -258,137 +241,6 @@ class Publisher:
 
     # -- the ways out of stuck states ------------------------------------------------------------
 
-    def _unusable(self, version: int, *, strict: bool) -> str | None:
-        """Why the committed record of ``version`` can be no version of this stream, or None if it can:
-        malformed; and, ``strict``, of another stream, unsigned in a signed stream, not verifying with
-        this publisher's key, or not following the version before it."""
-        where = f"{self.store.url}/{commit_key(version)}"
-        try:
-            rec = load_commit(self.store, version)
-        except MalformedRecordError as e:
-            return str(e)
-        if not strict:
-            return None
-        prev, sid = None, None
-        if version > 1:
-            with contextlib.suppress(StreamError):
-                sid = stream_identity(self.store)
-            with contextlib.suppress(StreamError):
-                prev = load_commit(self.store, version - 1)
-        try:
-            self._check_trust(rec, sid, prev is not None and prev.signature is not None, where)
-        except (StreamIdentityError, SignatureError) as e:
-            return str(e)
-        if prev is not None and rec.parent != prev.fingerprint:
-            return f"{where}: applies to {str(rec.parent)[:16]}…, not to version {version - 1}"
-        return None
-
-    def quarantine_head(self) -> list[int]:
-        """Set aside the records at the head that can be no version of this stream (``_unusable``:
-        garbage, another stream's, unsigned in a signed stream...), newest first, so that the next
-        publish takes their version number. Each is moved to ``quarantine/<version>-<id>.json`` (kept
-        for inspection; ``list_versions`` and retention ignore it) and its parts become orphans that
-        retention removes. A usable head stops it: valid versions are never set aside. Only versions
-        after this publisher's committed one are considered, and without a state only malformed
-        records (a wrong ``signing_key`` must not make the stream's own history look foreign).
-        Returns the versions set aside."""
-        st = self.state()
-        floor = st.version if st is not None else 0
-        out = []
-        while (h := head(self.store)) > floor and (why := self._unusable(h, strict=st is not None)) is not None:
-            data = self.store.get(commit_key(h))
-            qkey = f"quarantine/{h:012d}-{uuid.uuid4().hex[:8]}.json"
-            self.store.put(qkey, data)
-            self.store.delete(commit_key(h))
-            log.warning("set aside the record of version %d as %s: %s", h, qkey, why)
-            out.append(h)
-        if out:
-            self.store.put("HEAD", f"{head(self.store)}\n".encode())
-        return out
-
-    def reset_baseline(self) -> PublishState | None:
-        """Forget this publisher's baseline and state and rebuild them from the stream: the newest
-        keyframe, then the deltas after it to the head, each record checked (identity; signature with
-        this publisher's key, if any) and the baseline verified after each. An empty stream leaves no
-        state (the next publish starts a new stream). The way out of a baseline edited by hand, a store
-        wiped or replaced under the state, or a stream moved on by another publisher."""
-        pending = os.path.join(self.state_dir, "pending.json")
-        if os.path.exists(pending):  # a killed publish: its parts are orphans unless it committed
-            with open(pending, "rb") as f:
-                mine = f.read()
-            with contextlib.suppress(StreamError):
-                rec = parse_commit(mine, pending)
-                try:
-                    theirs = self.store.get(commit_key(rec.version))
-                except KeyError:
-                    theirs = None
-                if theirs != mine:
-                    self._drop_attempt(rec)
-            os.unlink(pending)
-        for p in (self.state_path, self.known_path, self.keyframe_copy, self.keyframe_copy + ".json"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
-        self._known = None
-        shutil.rmtree(self.staging, ignore_errors=True)
-        h = head(self.store)
-        if h == 0:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.baseline)
-            log.warning("%s: the stream is empty; the next publish starts a new stream", self.store.url)
-            return None
-        sid = stream_identity(self.store)
-        k = h
-        rec = self._trusted(k, sid, self.verifier is not None)
-        while not rec.keyframe and k > 1:
-            k -= 1
-            rec = self._trusted(k, sid, self.verifier is not None)
-        if not rec.keyframe:
-            raise StreamError(f"{self.store.url}: no keyframe to rebuild the baseline from")
-        st = self._advance(None, rec)
-        for v in range(k + 1, h + 1):
-            rec = self._trusted(v, sid, self.verifier is not None)
-            if rec.parent != st.fingerprint or rec.delta is None:
-                raise StreamError(f"{self.store.url}: version {v} does not follow version {v - 1}: broken chain")
-            st = self._advance(st, rec)
-        if st.stream_id is None and sid is not None:
-            st = replace(st, stream_id=sid)
-            self._save_state(st)
-        log.warning("baseline rebuilt from the stream at version %d", st.version)
-        return st
-
-    def _advance(self, st: PublishState | None, rec: CommitRecord) -> PublishState:
-        """Make the baseline equal to committed version ``rec`` and record it."""
-        if st is not None and st.version == rec.version and st.fingerprint == rec.fingerprint:
-            return st
-        os.makedirs(self.staging, exist_ok=True)
-        if st is not None and rec.delta is not None and rec.parent == st.fingerprint:
-            local = self._fetch(rec.delta, os.path.join(self.staging, "advance.delta"))
-            apply_delta(local, self.baseline, threads=self.threads)  # idempotent: a rerun is a no-op
-            os.unlink(local)
-        elif rec.keyframe:
-            kdir = os.path.join(self.staging, "keyframe")
-            os.makedirs(kdir, exist_ok=True)
-            for name, part in rec.keyframe:
-                self._fetch(part, os.path.join(kdir, name))
-            tmp = _temp_beside(self.baseline)
-            _copy_checkpoint(kdir if len(rec.keyframe) > 1 else os.path.join(kdir, rec.keyframe[0][0]), tmp)
-            os.replace(tmp, self.baseline)
-            shutil.rmtree(kdir, ignore_errors=True)
-        else:
-            raise StreamError(f"{self.store.url}: version {rec.version} cannot be reached from this publisher's "
-                              "baseline")
-        from ..api import verify
-
-        verify(self.baseline, rec.fingerprint, threads=self.threads)
-        st = PublishState(rec.version, rec.fingerprint, rec.stream or (st.stream_id if st else None))
-        self._save_state(st)
-        log.info("baseline advanced to version %d", rec.version)
-        return st
-
-    def _fetch(self, part: Part, dest: str) -> str:
-        fetch_part(self.store, part, dest)
-        return dest
-
     # -- publish ---------------------------------------------------------------------------------
 
     @locked_method(lambda self: (lock_path_beside(self.state_dir), f"publisher state {self.state_dir}"))
@@ -409,44 +261,14 @@ class Publisher:
         attempt = f"{vkey(version)}/{uuid.uuid4().hex[:12]}"
         shutil.rmtree(self.staging, ignore_errors=True)
         os.makedirs(self.staging)
-        delta_part = None
-        full_bytes = 0
-        fp = None
-        if st is not None:
-            local = os.path.join(self.staging, "delta")
-            # Staged, not durable: the store makes its copy durable, and nothing after a crash reads
-            # the staged file (a rerun encodes again; recovery fetches the committed part).
-            rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, known_base=self._known_base(),
-                               durable=False, sums=self.sums)
-            if rep.base_fingerprint != st.fingerprint and rep.base_hashes_known:
-                # The kept hashes do not describe the committed baseline (their file edited, or a write
-                # the identity missed): drop them and hash the baseline, so the check below is the
-                # same as without them.
-                log.warning("%s: kept baseline hashes do not match the committed version; hashing the baseline",
-                            self.known_path)
-                self._forget_known()
-                rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, durable=False,
-                                   sums=self.sums)
-            if rep.base_fingerprint != st.fingerprint:
-                raise StreamError(f"{self.baseline}: baseline fingerprint {rep.base_fingerprint[:16]}… is not the "
-                                  f"committed {st.fingerprint[:16]}… (modified by hand?){RESET_FIX}")
-            fp, full_bytes = rep.target_fingerprint, rep.full_bytes
-            if fp == st.fingerprint:
-                shutil.rmtree(self.staging, ignore_errors=True)
-                log.info("checkpoint is already version %d; nothing to publish", st.version)
-                return load_commit(self.store, st.version)
-            delta_part = Part(f"{attempt}/delta", os.path.getsize(local), file_hash(local))
+        rep, delta_part, fp, full_bytes = self._delta(st, checkpoint, attempt)
+        if st is not None and fp == st.fingerprint:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            log.info("checkpoint is already version %d; nothing to publish", st.version)
+            return load_commit(self.store, st.version)
         keyframe = st is None or version % self.keyframe_every == 0 or self._chain_bytes(version) + (
             delta_part.bytes if delta_part else 0) >= self.keyframe_ratio * max(full_bytes, 1)
-        catchup_from, catchup_part = None, None
-        kf_state = self._keyframe_state()
-        if self.catchup and not keyframe and kf_state is not None and kf_state[0] < version - 1:
-            local = os.path.join(self.staging, "catchup")
-            crep = encode_delta(self.keyframe_copy, checkpoint, local, threads=self.threads, durable=False,
-                                sums=self.sums)
-            if crep.base_fingerprint == kf_state[1]:
-                catchup_from = kf_state[0]
-                catchup_part = Part(f"{attempt}/catchup", os.path.getsize(local), file_hash(local))
+        catchup_from, catchup_part = self._catchup(version, checkpoint, attempt) if not keyframe else (None, None)
         kf_parts: list[tuple[str, Part]] = []
         if keyframe:
             files = _checkpoint_files(checkpoint)
@@ -463,6 +285,57 @@ class Publisher:
                            catchup_part, stream=st.stream_id if st else new_stream_id())
         if self.signer:
             rec = _signed(rec, self.signer)
+        pending = self._upload_and_commit(rec, attempt, checkpoint)
+        self._after_commit(rec, checkpoint, rep, pending)
+        log.info("published version %d (%s, %d bytes)", version, rec.kind, rec.part_bytes)
+        return rec
+
+    def _delta(self, st: PublishState | None, checkpoint: str,
+               attempt: str) -> tuple[EncodeReport | None, Part | None, str | None, int]:
+        """(encode report, delta part, target fingerprint, full bytes) of ``checkpoint`` against the
+        committed baseline, staged; all None/0 for a first version. Refuses a baseline that is not the
+        committed version."""
+        if st is None:
+            return None, None, None, 0
+        local = os.path.join(self.staging, "delta")
+        # Staged, not durable: the store makes its copy durable, and nothing after a crash reads
+        # the staged file (a rerun encodes again; recovery fetches the committed part).
+        rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, known_base=self._known_base(),
+                           durable=False, sums=self.sums)
+        if rep.base_fingerprint != st.fingerprint and rep.base_hashes_known:
+            # The kept hashes do not describe the committed baseline (their file edited, or a write
+            # the identity missed): drop them and hash the baseline, so the check below is the
+            # same as without them.
+            log.warning("%s: kept baseline hashes do not match the committed version; hashing the baseline",
+                        self.known_path)
+            self._forget_known()
+            rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, durable=False,
+                               sums=self.sums)
+        if rep.base_fingerprint != st.fingerprint:
+            raise StreamError(f"{self.baseline}: baseline fingerprint {rep.base_fingerprint[:16]}… is not the "
+                              f"committed {st.fingerprint[:16]}… (modified by hand?){RESET_FIX}")
+        fp = rep.target_fingerprint
+        part = None if fp == st.fingerprint else Part(f"{attempt}/delta", os.path.getsize(local), file_hash(local))
+        return rep, part, fp, rep.full_bytes
+
+    def _catchup(self, version: int, checkpoint: str, attempt: str) -> tuple[int | None, Part | None]:
+        """(the keyframe it starts from, its part) of a staged catch-up delta from the newest keyframe
+        to ``checkpoint``, when this publisher ships them and the chain since that keyframe is long
+        enough to need one; (None, None) otherwise."""
+        kf_state = self._keyframe_state()
+        if not self.catchup or kf_state is None or kf_state[0] >= version - 1:
+            return None, None
+        local = os.path.join(self.staging, "catchup")
+        crep = encode_delta(self.keyframe_copy, checkpoint, local, threads=self.threads, durable=False,
+                            sums=self.sums)
+        if crep.base_fingerprint != kf_state[1]:
+            return None, None
+        return kf_state[0], Part(f"{attempt}/catchup", os.path.getsize(local), file_hash(local))
+
+    def _upload_and_commit(self, rec: CommitRecord, attempt: str, checkpoint: str) -> str:
+        """Upload ``rec``'s staged parts, then (joint) commit it; the path of the local copy of the record
+        kept until the baseline has advanced. A failure before the commit removes the attempt's parts."""
+        version, delta_part, catchup_part, kf_parts = rec.version, rec.delta, rec.catchup, rec.keyframe
         # Upload, then (joint) commit. The attempt is named in the state first, so that the next run
         # removes what a kill mid-upload left in the store (parts and unfinished uploads).
         write_atomic(os.path.join(self.state_dir, ATTEMPT_NAME), json.dumps({"attempt": attempt}).encode(),
@@ -490,7 +363,11 @@ class Publisher:
             raise
         # A proposal for this version (ours, or a joint publish that died waiting) is settled now.
         self.store.delete(prepared_key(version))
-        # Committed: advance the baseline.
+        return pending
+
+    def _after_commit(self, rec: CommitRecord, checkpoint: str, rep: EncodeReport | None, pending: str) -> None:
+        """Committed: advance the baseline (and the keyframe copy), save the state, move HEAD."""
+        version, fp, delta_part, keyframe = rec.version, rec.fingerprint, rec.delta, rec.kind == "keyframe"
         if delta_part:
             if not self._advance_by_copy(checkpoint, fp):
                 apply_delta(os.path.join(self.staging, "delta"), self.baseline, threads=self.threads)
@@ -510,58 +387,6 @@ class Publisher:
         os.unlink(os.path.join(self.state_dir, ATTEMPT_NAME))
         self.store.put("HEAD", f"{version}\n".encode())
         shutil.rmtree(self.staging, ignore_errors=True)
-        log.info("published version %d (%s, %d bytes)", version, rec.kind, rec.part_bytes)
-        return rec
-
-    def _remember_baseline(self, rep: EncodeReport) -> None:
-        """Keep ``rep``'s target segment hashes for the next encode, bound to the baseline file as it is
-        now. The baseline has just been verified to hold ``rep``'s target fingerprint (both advance
-        routes check it), so its segments hash to exactly these, barring a BLAKE3 collision. The
-        identity is taken after our last write, so any later write to the file changes it."""
-        with open_checkpoint(self.baseline) as ck:
-            self._known = KnownHashes(ck.identity(), rep.target_hashes, rep.target_sums)
-        # A cache, so no fsync: a file torn by a power loss fails its checksum and is ignored.
-        write_atomic(self.known_path, self._known.to_bytes(), durable=False)
-
-    def _known_base(self) -> KnownHashes | None:
-        """The kept baseline hashes, from memory or (a new process) from ``known_path``; None if none."""
-        if self._known is None and os.path.exists(self.known_path):
-            try:
-                with open(self.known_path, "rb") as f:
-                    self._known = KnownHashes.from_bytes(f.read())
-            except (OSError, ValueError) as e:
-                log.warning("%s: ignored (%s); the baseline is hashed instead", self.known_path, e)
-        return self._known
-
-    def _forget_known(self) -> None:
-        self._known = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.known_path)
-
-    def _advance_by_copy(self, checkpoint: str, fp: str) -> bool:
-        """Replace the baseline with a verified copy of the committed ``checkpoint`` (see ``advance``).
-        False, with the baseline untouched, where the apply route must be taken instead. A kill at any
-        point leaves the old baseline and at most a temp file, which ``recover`` removes before it
-        applies the committed delta."""
-        if self.advance != "copy" or not os.path.isfile(checkpoint):
-            return False
-        from ..api import fingerprint
-
-        tmp = _temp_beside(self.baseline)
-        try:
-            shutil.copyfile(checkpoint, tmp)
-            got = fingerprint(tmp, threads=self.threads)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        if got != fp:  # rewritten since it was encoded: the committed delta is the truth
-            os.unlink(tmp)
-            log.warning("%s changed after it was encoded; advancing the baseline by applying the delta",
-                        checkpoint)
-            return False
-        os.replace(tmp, self.baseline)
-        return True
 
     def _keyframe_state(self) -> tuple[int, str] | None:
         try:
@@ -583,85 +408,9 @@ class Publisher:
             v -= 1
         return total
 
-    def _joint(self, rec: CommitRecord) -> None:
-        # The wall-clock deadline lets retention tell a live proposal from a dead publisher's.
-        self.store.put(prepared_key(rec.version), proposal_bytes(rec, time.time() + self.ack_timeout))
-        deadline = time.monotonic() + self.ack_timeout
-        need = self.quorum
-        if need == ALL:
-            from .retention import live_subscribers
-
-            need = max(1, len(live_subscribers(self.store, self.live_ttl)))
-        while True:
-            acks = [k for k in self.store.list(f"acks/{rec.version:012d}/") if k.endswith(".json")]
-            ok = 0
-            for k in acks:
-                try:
-                    a = json.loads(self.store.get(k))
-                except (KeyError, ValueError):
-                    continue
-                ok += bool(a.get("ok")) and a.get("fingerprint") == rec.fingerprint
-            if ok >= need:
-                return
-            if time.monotonic() > deadline:
-                self.store.delete(prepared_key(rec.version))
-                raise PublishError(f"{self.store.url}: version {rec.version}: {ok} of {need} subscribers "
-                                   f"acknowledged within {self.ack_timeout:g} s; not committed, baseline unchanged")
-            time.sleep(0.05)
-
-    def _drop_dead_attempt(self) -> None:
-        """Remove from the store what an upload of this state's that never committed left: its parts
-        and its unfinished uploads (temp files, multipart uploads). The attempt id is this state's
-        own, and the state is locked, so nothing else writes under it."""
-        marker = os.path.join(self.state_dir, ATTEMPT_NAME)
-        try:
-            with open(marker, "rb") as f:
-                attempt = json.loads(f.read())["attempt"]
-            version = int(attempt.split("/")[1])
-            if attempt != f"{vkey(version)}/{attempt.split('/')[2]}":
-                raise ValueError(attempt)
-        except FileNotFoundError:
-            return
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            log.warning("%s: unreadable, ignored (retention removes orphan parts)", marker)
-            os.unlink(marker)
-            return
-        if self.store.exists(commit_key(version)):
-            try:
-                rec = load_commit(self.store, version)
-                committed = any(p.key.startswith(attempt + "/") for p in _parts_of(rec))
-            except StreamError:  # unreadable: it might be ours, keep the parts (retention decides)
-                committed = True
-        else:
-            committed = False
-        if not committed:
-            for key in self.store.list(attempt + "/"):
-                self.store.delete(key)
-            swept = (self.store.sweep_temps(0.0, prefix=attempt + "/")
-                     if SWEEP_TEMPS in self.store.capabilities else [])
-            log.info("removed the parts and %d unfinished uploads of %s, left by a killed publish", len(swept),
-                     attempt)
-        os.unlink(marker)
-
-    def _drop_attempt(self, rec: CommitRecord) -> None:
-        for part in _parts_of(rec):
-            try:
-                self.store.delete(part.key)
-            except DeltaRefitError as e:  # best effort: retention removes orphans later
-                log.warning("could not remove part %s: %s", part.key, e)
 
 
-_TEMP_SUFFIX = ".tmp-"
-ATTEMPT_NAME = "attempt.json"  # the upload in progress: {"attempt": "v/<version>/<id>"}
 
-
-def _parts_of(rec: CommitRecord) -> list[Part]:
-    return ([rec.delta] if rec.delta else []) + [p for _, p in rec.keyframe] + ([rec.catchup] if rec.catchup else [])
-
-
-def _temp_beside(path: str) -> str:
-    """Where a new ``path`` is built before it is renamed into place; ``recover`` removes leftovers."""
-    return f"{path}{_TEMP_SUFFIX}{os.getpid()}"
 
 
 def _signed(rec: CommitRecord, signer: Signer) -> CommitRecord:
@@ -669,20 +418,6 @@ def _signed(rec: CommitRecord, signer: Signer) -> CommitRecord:
 
     return replace(rec, signature=record_signature(signer, rec.signed_bytes()))
 
-
-def _copy_checkpoint(src: str, dest: str) -> None:
-    """The baseline is always one file: a directory checkpoint is rewritten as a single file."""
-    if os.path.isfile(src):
-        shutil.copyfile(src, dest)
-        return
-    from ..checkpoint import TensorSource, write_safetensors
-    from ..integrity import SEGMENT_BYTES
-
-    with open_checkpoint(src) as ck:
-        sources = [TensorSource(n, i.dtype, i.shape, i.nbytes,
-                                lambda n=n, i=i: (ck.raw(n)[o:o + SEGMENT_BYTES] for o in range(0, i.nbytes, SEGMENT_BYTES)))
-                   for n, i in ck.tensors.items()]
-        write_safetensors(dest, sources)
 
 
 def publish(store: str, checkpoint: str, *, state_dir: str | None = None, step: int | None = None,

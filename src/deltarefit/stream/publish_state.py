@@ -1,0 +1,26 @@
+"""What the publisher's modules share: the state it keeps of the committed version, the names of its
+state files, and the fixes its refusals name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALL = -1  # quorum: every live subscriber
+
+
+# How each stuck state is left: named in the refusals, implemented by the publisher (``reset_baseline`` and
+# ``quarantine_head``, the CLI's ``publish --reset-baseline`` and ``publish --quarantine-head``).
+RESET_FIX = "; 'deltarefit publish --reset-baseline' (same arguments) rebuilds the baseline from the stream"
+QUARANTINE_FIX = ("; if no publisher of this stream wrote it, 'deltarefit publish --quarantine-head' (same "
+                  "arguments) sets it aside")
+
+
+@dataclass
+class PublishState:
+    version: int
+    fingerprint: str
+    stream_id: str | None = None  # the stream's identity (None only in states written before identities)
+
+
+_TEMP_SUFFIX = ".tmp-"
+ATTEMPT_NAME = "attempt.json"  # the upload in progress: {"attempt": "v/<version>/<id>"}
