@@ -1,7 +1,7 @@
 """The native ulp decoder (``_native.decode_ulp``) against numba's (``kernels.ulp_decode``): the same
 positions, values and status for every payload, valid or hostile, on every positions pass this machine
-runs (numba's countdown, and the block pass with its generic, SSE2, AVX2 and AVX-512 kernels), and no
-read or write outside the buffers it is given."""
+runs (numba's countdown, the block pass with its SSE2 and AVX2 kernels, and the AVX-512 passes, one of
+them with GFNI), and no read or write outside the buffers it is given."""
 
 from __future__ import annotations
 
