@@ -1,7 +1,7 @@
 """The native ulp decoder (``_native.decode_ulp``) against numba's (``kernels.ulp_decode``): the same
 positions, values and status for every payload, valid or hostile, on every positions pass this machine
-runs (numba's countdown, and the block pass with its generic, SSE2, AVX2 and AVX-512 kernels), and no
-read or write outside the buffers it is given."""
+runs (numba's countdown, the block pass with its SSE2 and AVX2 kernels, and the AVX-512 passes, one of
+them with GFNI), and no read or write outside the buffers it is given."""
 
 from __future__ import annotations
 
@@ -152,6 +152,29 @@ def test_many_contexts_then_few_switches_to_blocks(kernel):
     _roundtrip(dt, base, target)
     base2 = _base(dt, 5000, rng, "uniform")
     _roundtrip(dt, base2, _target(dt, base2, rng, 1.0, "random"))
+
+
+@pytest.mark.parametrize("hot", [200, 240])
+def test_a_window_of_contexts_and_those_outside_it(kernel, hot):
+    # The GFNI pass counts 16 consecutive contexts at once and the others with changes one compare each:
+    # 16 hot contexts (at the top of bf16's exponents too, NaN and infinity's 255 among them), four rare
+    # ones far below them changing throughout, groups exhausted early and late, and runs of changes of
+    # one context inside one block (the slot's loop) and of more than 8 changes in a block.
+    dt = dtype("BF16")
+    rng = np.random.default_rng(hot)
+    n = 40_000
+    exps = np.where(rng.random(n) < 0.995, hot + rng.integers(0, 16, n), rng.integers(1, 5, n))
+    base = (exps.astype(np.uint16) << 7) | rng.integers(0, 128, n).astype(np.uint16)
+    base |= (rng.random(n) < 0.5).astype(np.uint16) << 15
+    target = base.copy()
+    idx = np.flatnonzero(rng.random(n) < 0.04)
+    idx = np.union1d(idx, np.flatnonzero(exps < 5))  # every rare element changes
+    idx = np.union1d(idx, np.arange(20_000, 20_000 + 64))  # one dense block
+    first = np.flatnonzero(exps == hot + 3)[:5]
+    target[idx] ^= np.uint16(1)
+    target[np.flatnonzero(exps == hot + 3)] = base[np.flatnonzero(exps == hot + 3)]  # a group that ends early:
+    target[first] ^= np.uint16(1)  # its first five elements only
+    _roundtrip(dt, base, target)
 
 
 def _edge_values(dt) -> np.ndarray:

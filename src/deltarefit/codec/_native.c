@@ -30,7 +30,7 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
-#define HAVE_AVX512_PATH 1
+#define HAVE_AVX512_PATH 1 /* (also: x86-64 inline asm, as for csel) */
 #else
 #define HAVE_AVX512_PATH 0
 #endif
@@ -609,7 +609,10 @@ done:
  * popcount is subtracted from its context's countdown (in vectors), and only the contexts whose next
  * change falls in the block (a bit mask over the contexts, without a branch per context) are visited;
  * the block's changes are then emitted in position order from a 64-bit mask. Contexts without changes
- * cost nothing, and one whose group is exhausted leaves the list. While more than BLOCK_CTX contexts
+ * cost nothing, and one whose group is exhausted leaves the list. The AVX-512 passes (pos_avx512 and,
+ * with GFNI, BITALG and VBMI2, pos_gfni, which counts a window of 16 contexts at once) keep each
+ * block's work in one function and select the due contexts' changes without a branch on the data in
+ * nearly every block. The passes write the same positions (tests hold each to numba's). While more than BLOCK_CTX contexts
  * have changes left, elements are counted one by one (numba's countdown, "scalar"), which costs the
  * same for any number of contexts; so do 32- and 64-bit floats (up to 2048 contexts) and machines
  * without SSE2 and popcnt. One-context dtypes (integers) need no pass: a change's rank is its position.
@@ -634,6 +637,17 @@ typedef struct {
     const uint8_t *buf;
     int64_t start, lim, bp, avail;
 } rawr_t;
+
+/* c ? a : b for c in {0, 1}, as a conditional move (GCC may otherwise branch on c). */
+static inline uint64_t csel(uint64_t c, uint64_t a, uint64_t b)
+{
+#if HAVE_AVX512_PATH
+    __asm__("test %1, %1\n\tcmovnz %2, %0" : "+r"(b) : "r"(c), "r"(a) : "cc");
+    return b;
+#else
+    return c ? a : b;
+#endif
+}
 
 /* Decode one bit, or nothing when active == 0 (the gap code's conditional second bit), with selects
  * rather than branches (the bits are coin flips). At most one renormalisation step follows a bit (see
@@ -774,10 +788,18 @@ static __attribute__((noinline)) int dec_groups(const uint8_t *pl, int64_t plen,
         for (int64_t j = 0; j < cnt; j++) {
             uint64_t b0 = rcd_bit(&s, pl, rc_end, pq, 0);
             int64_t q = (int64_t)(b0 + rcd_bit_if(&s, pl, rc_end, pq, 1, b0));
-            if (q == 2) {
+            /* q == 2 (a quarter of the gaps, at random): the unary rest without a branch while it is
+             * short, within the stream and legal (rawr_unary's result then); else rawr_unary. */
+            const int64_t z = __builtin_ctzll(rawr_peek(&r) | (1ull << 56));
+            const uint64_t is2 = q == 2;
+            const uint64_t fast = (uint64_t)(z < 56) & (uint64_t)(z < r.avail - r.bp) & (uint64_t)(((2 + z) << k) < n);
+            if (__builtin_expect(is2 & (fast ^ 1), 0)) {
                 q = rawr_unary(&r, k, n);
                 if (q < 0)
                     return -3;
+            } else {
+                q += z & (0 - (int64_t)is2);
+                r.bp += (z + 1) & (0 - (int64_t)is2);
             }
             int64_t g = (int64_t)rawr_get(&r, k);
             int64_t rk = prev + 1 + ((q << k) | g);
@@ -886,36 +908,6 @@ typedef uint64_t (*blockfn_t)(const uint8_t *b, int itemsize, unsigned shift, un
                               int na, uint64_t *masks, int32_t *pcs, int32_t *nx, uint8_t *ctxb);
 
 #if HAVE_AVX512_PATH
-__attribute__((target("avx512f,avx512bw,popcnt"))) static uint64_t block_avx512(const uint8_t *b, int itemsize, unsigned shift,
-                                                                             unsigned cm, const uint8_t *actx,
-                                                                             int na, uint64_t *masks,
-                                                                             int32_t *pcs, int32_t *nx, uint8_t *ctxb)
-{
-    const __m128i vs = _mm_cvtsi32_si128((int)shift);
-    __m512i e;
-    if (itemsize == 1) {
-        e = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512((const void *)b), vs), _mm512_set1_epi8((char)cm));
-    } else {
-        const __m512i vm = _mm512_set1_epi16((short)cm);
-        __m512i a = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512((const void *)b), vs), vm);
-        __m512i c = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512((const void *)(b + 64)), vs), vm);
-        e = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(a)), _mm512_cvtepi16_epi8(c), 1);
-    }
-    _mm512_storeu_si512((void *)ctxb, e);
-    uint64_t due = 0;
-    for (int k = 0; k < na; k++) {
-        uint64_t m = _mm512_cmpeq_epi8_mask(e, _mm512_set1_epi8((char)actx[k]));
-        masks[k] = m;
-        pcs[k] = __builtin_popcountll(m);
-    }
-    for (int k = 0; k < na; k += 16) {
-        __m512i vp = _mm512_loadu_si512((const void *)(pcs + k)), vx = _mm512_loadu_si512((const void *)(nx + k));
-        due |= (uint64_t)_mm512_cmplt_epi32_mask(vx, vp) << k;
-        _mm512_storeu_si512((void *)(nx + k), _mm512_sub_epi32(vx, vp));
-    }
-    return due;
-}
-
 __attribute__((target("avx2,popcnt"))) static uint64_t block_avx2(const uint8_t *b, int itemsize, unsigned shift, unsigned cm,
                                                                const uint8_t *actx, int na, uint64_t *masks,
                                                                int32_t *pcs, int32_t *nx, uint8_t *ctxb)
@@ -1015,24 +1007,11 @@ static inline unsigned select64(uint64_t m, uint64_t x)
     return 8 * byte + select_in_byte[(m >> (8 * byte)) & 0xFF][x - before];
 }
 
-#if HAVE_AVX512_PATH
-/* The same with BMI2's pdep, written as asm so that a function without a target attribute can hold it:
- * used only beside the AVX-512 kernel (every CPU with AVX-512 runs pdep in a few cycles; some with AVX2
- * take hundreds). */
-static inline unsigned select64_pdep(uint64_t m, uint64_t x)
-{
-    uint64_t r;
-    __asm__("pdepq %2, %1, %0" : "=r"(r) : "r"(1ull << x), "rm"(m));
-    return (unsigned)__builtin_ctzll(r);
-}
-#else
-#define select64_pdep select64
-#endif
 
 /* Positions of 16-bit float elements (contexts fit a byte). */
 static inline __attribute__((always_inline)) void pos_block_t(posst_t *P, const uint8_t *base, int64_t n,
                                                              int itemsize, unsigned shift, unsigned cm,
-                                                             int64_t n_ctx, blockfn_t fn, int pdep)
+                                                             int64_t n_ctx, blockfn_t fn)
 {
     uint8_t actx[BLOCK_CTX], ctxb[64];
     uint64_t masks[BLOCK_CTX];
@@ -1070,7 +1049,7 @@ static inline __attribute__((always_inline)) void pos_block_t(posst_t *P, const 
             int64_t e = actx[k], pc = pcs[k], x = nx[k] + pc;
             const uint64_t m = masks[k];
             for (;;) {
-                chg |= 1ull << (pdep ? select64_pdep(m, (uint64_t)x) : select64(m, (uint64_t)x));
+                chg |= 1ull << select64(m, (uint64_t)x);
                 int64_t p = ++P->ptr[e];
                 if (p >= P->gend[e]) {
                     x = BLOCK_IDLE;
@@ -1128,14 +1107,353 @@ static inline __attribute__((always_inline)) void pos_block_t(posst_t *P, const 
     pos_scalar(P, base, i, n, itemsize, shift, cm);
 }
 
+/* (popcnt: every kernel it runs with needs it, and without it GCC calls a function per popcount) */
+#if HAVE_AVX512_PATH
+__attribute__((target("popcnt")))
+#endif
 static __attribute__((noinline)) void pos_block(posst_t *P, const uint8_t *base, int64_t n, int itemsize,
-                                                unsigned shift, unsigned cm, int64_t n_ctx, blockfn_t fn, int pdep)
+                                                unsigned shift, unsigned cm, int64_t n_ctx, blockfn_t fn)
 {
-    if (pdep)
-        pos_block_t(P, base, n, itemsize, shift, cm, n_ctx, fn, 1);
-    else
-        pos_block_t(P, base, n, itemsize, shift, cm, n_ctx, fn, 0);
+    pos_block_t(P, base, n, itemsize, shift, cm, n_ctx, fn);
 }
+
+#if HAVE_AVX512_PATH
+/* The 64 contexts of a block (16-bit elements b[0..128) bytes, or 8-bit ones), one per byte. */
+__attribute__((target("avx512f,avx512bw"))) static inline __m512i block_ctx_avx512(const uint8_t *b, int itemsize,
+                                                                                   __m128i vs, unsigned cm)
+{
+    if (itemsize == 1)
+        return _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512((const void *)b), vs), _mm512_set1_epi8((char)cm));
+    const __m512i vm = _mm512_set1_epi16((short)cm);
+    __m512i a = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512((const void *)b), vs), vm);
+    __m512i c = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512((const void *)(b + 64)), vs), vm);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(a)), _mm512_cvtepi16_epi8(c), 1);
+}
+
+/* The AVX-512 positions pass: pos_block_t's blocks of 64, each block's work in one function, and no
+ * branch on the data in nearly every block. Per block and context with changes left: one compare into a
+ * mask, its popcount off the countdown (a scalar: storing popcounts to update countdowns in vectors
+ * costs a failed store-to-load forward per block), the sign bit into the block's due mask. The due
+ * contexts (up to DUE_SLOTS_AVX512 of them; more in a loop) then each take the slot code below, which
+ * selects the context's next two changes with pdep without a branch on whether the second one lies in
+ * the block (a loop takes a third and more, rarely): a mispredicted branch per block cost more than
+ * all the compares. A context follows its changes through dgap, the gaps between its ranks, ending in
+ * BLOCK_IDLE: an exhausted context's countdown jumps to about BLOCK_IDLE (>= 2^29, never due again in
+ * a chunk of at most BLOCK_MAX_N elements) and leaves the list after the block. Unused slots work on
+ * slot BLOCK_CTX, whose countdown (64) never comes due and whose gaps are zeros, reset every block. */
+#define DUE_SLOTS_AVX512 2 /* (fewer: the loop's exit mispredicts; more: slots cost more than it) */
+#define DUE_SLOTS_GFNI 1   /* (more ran slower here: its slots are on the chain from block to block) */
+static const int32_t zero_gaps[8]; /* >= 2 + the most slots */
+
+__attribute__((target("avx512f,avx512bw,popcnt,bmi,bmi2"))) static __attribute__((noinline)) void
+pos_avx512(posst_t *P, const uint8_t *base, int64_t n, int itemsize, unsigned shift, unsigned cm, int64_t n_ctx,
+           int32_t *dgap)
+{
+    int64_t i = 0;
+    while (P->active > BLOCK_CTX && i + 64 <= n) { /* element by element while many contexts have changes left */
+        pos_scalar_t(P, base, i, i + 64, itemsize, shift, cm);
+        i += 64;
+    }
+    if (P->active == 0 || P->active > BLOCK_CTX) {
+        if (P->active)
+            pos_scalar(P, base, i, n, itemsize, shift, cm);
+        return;
+    }
+    const int64_t *const gend = P->gend, *const granks = P->granks;
+    for (int64_t j = 0; j + 1 < P->cap; j++)
+        dgap[j] = (int32_t)(granks[j + 1] - granks[j]); /* < n <= BLOCK_MAX_N (across groups: overwritten) */
+    dgap[P->cap] = 0;                                 /* read, unused, after the last group's end */
+    for (int64_t e = 0; e < n_ctx; e++)
+        if (gend[e] > 0)
+            dgap[gend[e] - 1] = BLOCK_IDLE;
+    __m512i vk[BLOCK_CTX + 1];
+    const int32_t *gp[BLOCK_CTX + 1];
+    uint8_t actx[BLOCK_CTX], ctxb[64];
+    int32_t nx[BLOCK_CTX + 1];
+    int na = 0;
+    for (int64_t e = 0; e < n_ctx; e++)
+        if (P->nxt[e] < DEC_HUGE / 2) {
+            actx[na] = (uint8_t)e;
+            vk[na] = _mm512_set1_epi8((char)e);
+            gp[na] = dgap + P->ptr[e];
+            nx[na++] = (int32_t)P->nxt[e]; /* < n <= BLOCK_MAX_N */
+        }
+    vk[BLOCK_CTX] = _mm512_setzero_si512();
+    nx[BLOCK_CTX] = 64;
+    const __m128i vs = _mm_cvtsi32_si128((int)shift);
+    int64_t *const out_pos = P->out_pos;
+    int32_t *const out_ctx = P->out_ctx;
+    int64_t o = P->o;
+    const int64_t cap = P->cap;
+    for (; na > 0 && i + 64 <= n; i += 64) {
+        const __m512i e = block_ctx_avx512(base + itemsize * i, itemsize, vs, cm);
+        uint64_t due = 0;
+        for (int k = 0; k < na; k++) {
+            int32_t x = nx[k] - (int32_t)__builtin_popcountll(_mm512_cmpeq_epi8_mask(e, vk[k]));
+            nx[k] = x;
+            due |= (uint64_t)((uint32_t)x >> 31) << k;
+        }
+        if (!due)
+            continue;
+        _mm512_storeu_si512((void *)ctxb, e);
+        gp[BLOCK_CTX] = zero_gaps;
+        uint64_t chg = 0;
+        uint32_t gone = 0;
+        /* One due context: x, its next change's rank among the block's lanes of its context, is < pc. */
+#define DUE_SLOT()                                                                                  \
+    do {                                                                                            \
+        const int k = __builtin_ctzll(due | (1ull << BLOCK_CTX));                                   \
+        due &= due - 1;                                                                             \
+        const uint64_t m = _mm512_cmpeq_epi8_mask(e, vk[k]);                                        \
+        const int32_t pc = (int32_t)__builtin_popcountll(m);                                        \
+        const int32_t *q = gp[k];                                                                   \
+        int32_t x = nx[k] + pc, x1 = x + q[0];                                                      \
+        const uint32_t s1 = x1 < pc;                                                                \
+        chg |= _pdep_u64((uint64_t)(x < pc) << (x & 63), m) | _pdep_u64((uint64_t)s1 << (x1 & 63), m); \
+        x = (int32_t)csel(s1, (uint32_t)(x1 + q[1]), (uint32_t)x1);                                 \
+        q += 1 + s1;                                                                                \
+        while (__builtin_expect(x < pc, 0)) {                                                       \
+            chg |= _pdep_u64(1ull << x, m);                                                         \
+            x += *q++;                                                                              \
+        }                                                                                           \
+        gp[k] = q;                                                                                  \
+        nx[k] = x - pc;                                                                             \
+        gone |= (uint32_t)(x - pc) >> 29;                                                           \
+    } while (0)
+        for (int t = 0; t < DUE_SLOTS_AVX512; t++)
+            DUE_SLOT();
+        while (__builtin_expect(due != 0, 0))
+            DUE_SLOT();
+#undef DUE_SLOT
+        /* Emit in position order: four entries without a loop in nearly every block (written past the
+         * block's count, to be overwritten by the next block's or left inside the arrays). */
+        const int cnt = __builtin_popcountll(chg);
+        if (__builtin_expect(cnt <= 4 && o + 4 <= cap, 1)) {
+            for (int t = 0; t < 4; t++) {
+                int l = __builtin_ctzll(chg | (1ull << 63));
+                chg &= chg - 1;
+                out_pos[o + t] = i + l;
+                out_ctx[o + t] = ctxb[l];
+            }
+            o += cnt;
+        } else {
+            while (chg) {
+                int l = __builtin_ctzll(chg);
+                chg &= chg - 1;
+                out_pos[o] = i + l;
+                out_ctx[o] = ctxb[l];
+                o++;
+            }
+        }
+        if (__builtin_expect(gone != 0, 0)) { /* drop the exhausted contexts */
+            int w = 0;
+            for (int k = 0; k < na; k++)
+                if (nx[k] < BLOCK_IDLE / 2) {
+                    actx[w] = actx[k];
+                    vk[w] = vk[k];
+                    gp[w] = gp[k];
+                    nx[w++] = nx[k];
+                }
+            P->active -= na - w;
+            na = w;
+        }
+    }
+    P->o = o;
+    if (na == 0)
+        return;
+    for (int64_t e = 0; e < n_ctx; e++)
+        P->nxt[e] = DEC_HUGE;
+    for (int k = 0; k < na; k++) {
+        P->nxt[actx[k]] = nx[k];
+        P->ptr[actx[k]] = gp[k] - dgap;
+    }
+    pos_scalar(P, base, i, n, itemsize, shift, cm);
+}
+
+/* The same pass on CPUs with GFNI, BITALG and VBMI2 (AVX-512 from Ice Lake and Zen 4 on): the countdowns of a
+ * window of 16 consecutive contexts are counted all at once, in vectors. Each lane's context in the
+ * window becomes a one-hot bit (two bytes of them: contexts 0-7 and 8-15 of the window), an affine
+ * transform in GF(2) transposes each 8x8 bit matrix (one per 8 lanes), so that a byte popcount gives
+ * the lanes of each context among each 8, and three folds add the 8 groups: 16 counts in about 20
+ * instructions, where the compares took 13 per context. Contexts with changes outside the window (few,
+ * rare ones: the window is the 16 holding the most changes) are counted one compare each, as in
+ * pos_avx512. Slots 0-15 are the window's contexts (their countdowns in a vector; one without changes
+ * counts down from BLOCK_IDLE, never due), 16 on the others', and GSLOT_DUMMY the unused slot. A
+ * block's changes are emitted with two byte compresses (lanes, contexts) and two stores. */
+#define GSLOT_OUT 16
+#define GSLOT_DUMMY (GSLOT_OUT + BLOCK_CTX)
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,gfni,avx512bitalg,popcnt,bmi,bmi2"))) static __attribute__((noinline)) void
+pos_gfni(posst_t *P, const uint8_t *base, int64_t n, int itemsize, unsigned shift, unsigned cm, int64_t n_ctx,
+         int32_t *dgap)
+{
+    int64_t i = 0;
+    while (P->active > BLOCK_CTX && i + 64 <= n) { /* element by element while many contexts have changes left */
+        pos_scalar_t(P, base, i, i + 64, itemsize, shift, cm);
+        i += 64;
+    }
+    if (P->active == 0 || P->active > BLOCK_CTX) {
+        if (P->active)
+            pos_scalar(P, base, i, n, itemsize, shift, cm);
+        return;
+    }
+    const int64_t *const gend = P->gend, *const granks = P->granks;
+    for (int64_t j = 0; j + 1 < P->cap; j++)
+        dgap[j] = (int32_t)(granks[j + 1] - granks[j]); /* < n <= BLOCK_MAX_N (across groups: overwritten) */
+    dgap[P->cap] = 0;                                 /* read, unused, after the last group's end */
+    for (int64_t e = 0; e < n_ctx; e++)
+        if (gend[e] > 0)
+            dgap[gend[e] - 1] = BLOCK_IDLE;
+    /* The window: the 16 consecutive contexts holding the most changes left (the first such). */
+    int64_t e0 = 0, best = -1, sum = 0;
+    for (int64_t e = 0; e < n_ctx + 15; e++) { /* sum: changes left in contexts (e - 16, e] */
+        if (e < n_ctx && P->nxt[e] < DEC_HUGE / 2)
+            sum += gend[e] - P->ptr[e];
+        if (e >= 16 && e - 16 < n_ctx && P->nxt[e - 16] < DEC_HUGE / 2)
+            sum -= gend[e - 16] - P->ptr[e - 16];
+        if (e >= 15 && sum > best) {
+            best = sum;
+            e0 = e - 15;
+        }
+    }
+    __m512i vk[GSLOT_DUMMY + 1];
+    const int32_t *gp[GSLOT_DUMMY + 1];
+    uint8_t actx[GSLOT_DUMMY + 1], ctxb[64];
+    int32_t nx[GSLOT_DUMMY + 1];
+    int na = GSLOT_OUT; /* slots in use: the window's, then the others' */
+    for (int j = 0; j < GSLOT_OUT; j++) {
+        const int64_t e = e0 + j;
+        actx[j] = (uint8_t)e;
+        vk[j] = _mm512_set1_epi8((char)e);
+        gp[j] = zero_gaps;
+        nx[j] = BLOCK_IDLE;
+        if (e < n_ctx && P->nxt[e] < DEC_HUGE / 2) {
+            gp[j] = dgap + P->ptr[e];
+            nx[j] = (int32_t)P->nxt[e];
+        }
+    }
+    for (int64_t e = 0; e < n_ctx; e++)
+        if (P->nxt[e] < DEC_HUGE / 2 && (e < e0 || e >= e0 + 16)) {
+            actx[na] = (uint8_t)e;
+            vk[na] = _mm512_set1_epi8((char)e);
+            gp[na] = dgap + P->ptr[e];
+            nx[na++] = (int32_t)P->nxt[e];
+        }
+    vk[GSLOT_DUMMY] = _mm512_setzero_si512();
+    nx[GSLOT_DUMMY] = 64;
+    __m512i nxv = _mm512_loadu_si512((const void *)nx);
+    const __m128i vs = _mm_cvtsi32_si128((int)shift);
+    const __m512i ve0 = _mm512_set1_epi8((char)e0), v16 = _mm512_set1_epi8(16);
+    const __m512i lut_lo = _mm512_set4_epi32(0, 0, (int)0x80402010, 0x08040201);
+    const __m512i lut_hi = _mm512_set4_epi32((int)0x80402010, 0x08040201, 0, 0);
+    const __m512i transpose = _mm512_set1_epi64(0x8040201008040201ll);
+    const __m512i gather = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
+    uint8_t iota_b[64];
+    for (int l = 0; l < 64; l++)
+        iota_b[l] = (uint8_t)l;
+    const __m512i iota = _mm512_loadu_si512((const void *)iota_b);
+    int64_t *const out_pos = P->out_pos;
+    int32_t *const out_ctx = P->out_ctx;
+    int64_t o = P->o, active = P->active;
+    const int64_t cap = P->cap;
+    for (; active > 0 && i + 64 <= n; i += 64) {
+        const __m512i e = block_ctx_avx512(base + itemsize * i, itemsize, vs, cm);
+        const __m512i d = _mm512_sub_epi8(e, ve0);
+        const __mmask64 inw = _mm512_cmplt_epu8_mask(d, v16);
+        const __m512i tlo = _mm512_gf2p8affine_epi64_epi8(transpose, _mm512_maskz_shuffle_epi8(inw, lut_lo, d), 0);
+        const __m512i thi = _mm512_gf2p8affine_epi64_epi8(transpose, _mm512_maskz_shuffle_epi8(inw, lut_hi, d), 0);
+        const __m512i clo = _mm512_popcnt_epi8(tlo), chi = _mm512_popcnt_epi8(thi);
+        /* byte j of qword q: lanes 8q..8q+7 of context j (clo) or 8 + j (chi); add the qwords */
+        __m512i z = _mm512_add_epi8(_mm512_shuffle_i64x2(clo, chi, 0x44), _mm512_shuffle_i64x2(clo, chi, 0xEE));
+        z = _mm512_add_epi8(z, _mm512_shuffle_i64x2(z, z, 0xB1));
+        z = _mm512_permutexvar_epi64(gather, z); /* qwords: lo 0+2, hi 0+2, lo 1+3, hi 1+3, ... */
+        const __m128i cnt = _mm_add_epi8(_mm512_castsi512_si128(z), _mm512_extracti32x4_epi32(z, 1));
+        nxv = _mm512_sub_epi32(nxv, _mm512_cvtepu8_epi32(cnt));
+        uint64_t due = (uint64_t)_mm512_cmplt_epi32_mask(nxv, _mm512_setzero_si512());
+        for (int k = GSLOT_OUT; k < na; k++) {
+            int32_t x = nx[k] - (int32_t)__builtin_popcountll(_mm512_cmpeq_epi8_mask(e, vk[k]));
+            nx[k] = x;
+            due |= (uint64_t)((uint32_t)x >> 31) << k;
+        }
+        if (!due)
+            continue;
+        _mm512_storeu_si512((void *)nx, nxv); /* the window's countdowns, for the slots to read */
+        gp[GSLOT_DUMMY] = zero_gaps;
+        uint64_t chg = 0;
+        uint32_t gone = 0;
+#define DUE_SLOT()                                                                                  \
+    do {                                                                                            \
+        const int k = __builtin_ctzll(due | (1ull << GSLOT_DUMMY));                                 \
+        due &= due - 1;                                                                             \
+        const uint64_t m = _mm512_cmpeq_epi8_mask(e, vk[k]);                                        \
+        const int32_t pc = (int32_t)__builtin_popcountll(m);                                        \
+        const int32_t *q = gp[k];                                                                   \
+        int32_t x = nx[k] + pc, x1 = x + q[0];                                                      \
+        const uint32_t s1 = x1 < pc;                                                                \
+        chg |= _pdep_u64((uint64_t)(x < pc) << (x & 63), m) | _pdep_u64((uint64_t)s1 << (x1 & 63), m); \
+        x = (int32_t)csel(s1, (uint32_t)(x1 + q[1]), (uint32_t)x1);                                 \
+        q += 1 + s1;                                                                                \
+        while (__builtin_expect(x < pc, 0)) {                                                       \
+            chg |= _pdep_u64(1ull << x, m);                                                         \
+            x += *q++;                                                                              \
+        }                                                                                           \
+        gp[k] = q;                                                                                  \
+        nx[k] = x - pc;                                                                             \
+        nxv = _mm512_mask_set1_epi32(nxv, (__mmask16)(1u << (k & 31)) & (__mmask16)-(k < GSLOT_OUT), x - pc); \
+        gone += (uint32_t)(x - pc) >> 29;                                                           \
+    } while (0)
+        for (int t = 0; t < DUE_SLOTS_GFNI; t++)
+            DUE_SLOT();
+        while (__builtin_expect(due != 0, 0))
+            DUE_SLOT();
+#undef DUE_SLOT
+        /* Emit in position order: the lanes and their contexts compressed, eight entries written in
+         * nearly every block (those past the block's count to be overwritten, or left inside the arrays). */
+        const int cnt_chg = __builtin_popcountll(chg);
+        if (__builtin_expect(cnt_chg <= 8 && o + 8 <= cap, 1)) {
+            const __m128i lanes = _mm512_castsi512_si128(_mm512_maskz_compress_epi8(chg, iota));
+            const __m128i ctxs = _mm512_castsi512_si128(_mm512_maskz_compress_epi8(chg, e));
+            _mm512_storeu_si512((void *)(out_pos + o), _mm512_add_epi64(_mm512_cvtepu8_epi64(lanes), _mm512_set1_epi64(i)));
+            _mm256_storeu_si256((__m256i *)(out_ctx + o), _mm256_cvtepu8_epi32(ctxs));
+            o += cnt_chg;
+        } else {
+            _mm512_storeu_si512((void *)ctxb, e);
+            while (chg) {
+                int l = __builtin_ctzll(chg);
+                chg &= chg - 1;
+                out_pos[o] = i + l;
+                out_ctx[o] = ctxb[l];
+                o++;
+            }
+        }
+        if (__builtin_expect(gone != 0, 0)) { /* exhausted: the window's stay (idle), the others leave */
+            active -= gone;
+            int w = GSLOT_OUT;
+            for (int k = GSLOT_OUT; k < na; k++)
+                if (nx[k] < BLOCK_IDLE / 2) {
+                    actx[w] = actx[k];
+                    vk[w] = vk[k];
+                    gp[w] = gp[k];
+                    nx[w++] = nx[k];
+                }
+            na = w;
+        }
+    }
+    P->o = o;
+    P->active = active;
+    if (active == 0)
+        return;
+    _mm512_storeu_si512((void *)nx, nxv);
+    for (int64_t e = 0; e < n_ctx; e++)
+        P->nxt[e] = DEC_HUGE;
+    for (int k = 0; k < na; k++)
+        if (nx[k] < BLOCK_IDLE / 2) {
+            P->nxt[actx[k]] = nx[k];
+            P->ptr[actx[k]] = gp[k] - dgap;
+        }
+    pos_scalar(P, base, i, n, itemsize, shift, cm);
+}
+#endif
 
 static int dec_choice = -1; /* decode_kernel(): -1 auto, else an index of dec_names (tests compare them) */
 static int dec_current(void);
@@ -1184,11 +1502,12 @@ static int decode_ulp_c(const uint8_t *base, int64_t n, const uint8_t *pl, int64
     int64_t *ptr = malloc((size_t)n_ctx * sizeof(int64_t));
     int64_t *nxt = malloc((size_t)n_ctx * sizeof(int64_t));
     int64_t *granks = malloc((size_t)n_changed * sizeof(int64_t));
+    int32_t *dgap = malloc(((size_t)n_changed + 1) * sizeof(int32_t)); /* pos_avx512's and pos_gfni's */
     int32_t *ectx = malloc((size_t)n_changed * sizeof(int32_t));
     uint16_t *plens = malloc((size_t)n_ctx * MAX_UNARY * sizeof(uint16_t));
     uint8_t *lens = malloc((size_t)n_changed);
     int st = -7;
-    if (!gbeg || !gend || !ptr || !nxt || !granks || !ectx || !plens || !lens)
+    if (!gbeg || !gend || !ptr || !nxt || !granks || !dgap || !ectx || !plens || !lens)
         goto done;
     rcd_t s;
     rawr_t r;
@@ -1214,7 +1533,14 @@ static int decode_ulp_c(const uint8_t *base, int64_t n, const uint8_t *pl, int64
         const int kern = dec_current();
         if (kern > 0 && n <= BLOCK_MAX_N &&
             ((itemsize == 2 && cm <= 0xFF) || (itemsize == 1 && (cm << shift) <= 0xFF)))
-            pos_block(&P, base, n, itemsize, shift, (unsigned)cm, n_ctx, block_kernel(kern), kern == 3);
+#if HAVE_AVX512_PATH
+            if (kern == 4)
+                pos_gfni(&P, base, n, itemsize, shift, (unsigned)cm, n_ctx, dgap);
+            else if (kern == 3)
+                pos_avx512(&P, base, n, itemsize, shift, (unsigned)cm, n_ctx, dgap);
+            else
+#endif
+                pos_block(&P, base, n, itemsize, shift, (unsigned)cm, n_ctx, block_kernel(kern));
         else
             pos_scalar(&P, base, 0, n, itemsize, shift, cm);
         if (P.o != n_changed) {
@@ -1222,13 +1548,12 @@ static int decode_ulp_c(const uint8_t *base, int64_t n, const uint8_t *pl, int64
             goto done;
         }
     }
-    /* Parts 3 and 4: each change's ulp distance, then its target bits. */
     for (int64_t i = 0; i < n_ctx * MAX_UNARY; i++)
         plens[i] = 1u << (PROB_BITS - 1);
-    /* Two loops, as numba's: the lengths and raw bits first (the coder's serial chain alone), then the
-     * target bits (loads from the base at scattered positions). Fused, the loop ran at half the speed.
-     * granks is free by now and holds the raw bits. */
-    uint64_t *raw = (uint64_t *)granks;
+    /* Parts 3 and 4: each change's ulp distance, then its target bits: two loops, as numba's (the
+     * coder's serial chain alone, then loads from the base at scattered positions). Fused, the loop ran
+     * at half the speed; run between pos_gfni's blocks, it slowed that pass by more than its own time. */
+    uint64_t *raw = (uint64_t *)granks; /* free by now */
     for (int64_t j = 0; j < n_changed; j++) {
         uint16_t *pe = plens + (int64_t)ectx[j] * MAX_UNARY;
         int ln = 1;
@@ -1253,6 +1578,7 @@ done:
     free(ptr);
     free(nxt);
     free(granks);
+    free(dgap);
     free(ectx);
     free(plens);
     free(lens);
@@ -1260,8 +1586,8 @@ done:
 }
 
 /* Positions passes by name, and the one in use: "auto" picks the best this machine runs. */
-#define N_DEC 4
-static const char *const dec_names[N_DEC] = {"scalar", "sse2", "avx2", "avx512"};
+#define N_DEC 5
+static const char *const dec_names[N_DEC] = {"scalar", "sse2", "avx2", "avx512", "avx512gfni"};
 
 static int dec_supported(int k)
 {
@@ -1273,7 +1599,12 @@ static int dec_supported(int k)
         return __builtin_cpu_supports("sse2") && __builtin_cpu_supports("popcnt");
     if (k == 2)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("popcnt");
+    int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("popcnt") && __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
+    if (k == 3)
+        return avx512;
+    return avx512 && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2") &&
+           __builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512bitalg");
 #else
     return 0;
 #endif
@@ -1293,7 +1624,7 @@ static int dec_current(void)
 static blockfn_t block_kernel(int k)
 {
 #if HAVE_AVX512_PATH
-    return k == 3 ? block_avx512 : k == 2 ? block_avx2 : block_sse2;
+    return k == 2 ? block_avx2 : block_sse2;
 #else
     (void)k;
     return NULL; /* not reached: only "scalar" is supported */
@@ -1433,7 +1764,8 @@ static PyMethodDef methods[] = {
      "decode_kernel([name]) -> the one in use before: the positions pass decode_ulp uses for 16-bit floats, one of "
      "decode_kernels(); 'auto' (the default) picks the fastest."},
     {"decode_kernels", py_decode_kernels, METH_NOARGS,
-     "The positions passes this machine runs: 'scalar' (numba's countdown), 'sse2', 'avx2', 'avx512' (blocks of 64)."},
+     "The positions passes this machine runs: 'scalar' (numba's countdown), 'sse2', 'avx2', 'avx512', 'avx512gfni' "
+     "(blocks of 64)."},
     {"use_simd", py_use_simd, METH_O, "use_simd(on) -> previous setting: allow the AVX-512 path (default True)."},
     {"simd", py_simd, METH_NOARGS, "The instruction set scan16 uses here: 'avx512' or 'portable'."},
     {NULL, NULL, 0, NULL},
