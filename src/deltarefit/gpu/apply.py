@@ -106,6 +106,8 @@ def _decode_ulp(seg: torch.Tensor, dt, payload: bytes, m: int, where: str, scan:
     flags = torch.zeros(n, dtype=torch.bool, device=dev)
     flags[perm[start[ctx_d] + rank_d].long()] = True
     pos_d = torch.nonzero(flags).reshape(-1)
+    if pos_d.numel() != m:  # two changes at one position: the group decoder's ascending ranks exclude it
+        raise DecodeError(f"{where}: {K.STATUS[-3]}")
     base_at = seg[pos_d].cpu().numpy().view(dt.uint)
     ectx = ((base_at.astype(np.uint64) >> np.uint64(shift)) & np.uint64(mask)).astype(np.int32)
     neg, mag = np.empty(m, np.uint8), np.empty(m, np.uint64)
