@@ -16,10 +16,13 @@ touches whole segments on the device and the host only what is compact:
   itself) is hashed again on the device.
 
 Decoding the ulp encoding in compact form: the host decodes the group section (each change's context
-and rank; no base needed); the device maps (context, rank) to positions with one stable sort of the
-segment's contexts and sends back the positions (4 bytes per change) and the base bits there; the host
-decodes the signed ulp distances in position order and computes the target bits; those go up to the
-device (positions and values only).
+and rank; no base needed); the device maps (context, rank) to positions with the structure of the
+encoder's fused scan (``gpu.scan.context_perm``: per-tile context histograms of the base segment, an
+exclusive scan over the tiles, and a scatter of every element to its place in context order; where
+Triton cannot run, a stable torch sort gives the same table), puts the positions in order by
+flagging and compacting them (no sort), and sends back the base bits there; the host decodes the
+signed ulp distances in position order and computes the target bits; those go up to the device
+(positions and values only).
 
 Memory is O(one segment per apply thread) beyond the tensors, plus the compact patches of the chunks
 to do, kept up to the applier's cache budget (about 10-16 bytes per changed element). In-memory
@@ -44,7 +47,8 @@ from ..errors import DecodeError, UsageError
 from ..format import ChunkRecord, DeltaReader, TensorEntry
 from ..integrity import SEGMENT_BYTES
 from ..torch_api import safetensors_dtype
-from .encode import _Info, _ints, _seg_hashes
+from . import scan as device_scan
+from .encode import _SCANS, _Info, _ints, _scan_mode, _seg_hashes
 
 
 @dataclass
@@ -67,7 +71,21 @@ def _where(e: TensorEntry, r: ChunkRecord) -> str:
     return f"tensor {e.name!r} chunk {r.chunk_index}"
 
 
-def _decode_ulp(seg: torch.Tensor, dt, payload: bytes, m: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _context_perm(seg: torch.Tensor, dt, scan: str, lock: threading.Lock):
+    """(perm, start, count) of the segment's contexts: the Triton hist-scan-scatter (``gpu.scan``), or
+    where it cannot run the same table from a stable torch sort."""
+    if scan == "triton":
+        with lock:  # one launch at a time, as the hashes (the interpreter is not thread-safe either)
+            return device_scan.context_perm(seg, dt)
+    shift, mask, nctx = _ctx(dt)
+    e = ((seg.to(torch.int64) if dt.itemsize < 8 else seg) >> shift) & mask if nctx > 1 else \
+        torch.zeros(seg.numel(), dtype=torch.int64, device=seg.device)
+    counts = torch.bincount(e, minlength=nctx)
+    return torch.sort(e, stable=True).indices, torch.cumsum(counts, 0) - counts, counts
+
+
+def _decode_ulp(seg: torch.Tensor, dt, payload: bytes, m: int, where: str, scan: str,
+                lock: threading.Lock) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions, target bits) of one ulp chunk, decoded with the device holding the segment."""
     n = seg.numel()
     shift, mask, nctx = _ctx(dt)
@@ -78,39 +96,39 @@ def _decode_ulp(seg: torch.Tensor, dt, payload: bytes, m: int, where: str) -> tu
     if st:
         raise DecodeError(f"{where}: {K.STATUS.get(st, f'status {st}')}")
     dev = seg.device
-    # Device: the r-th element of context c is order[start[c] + r] (a stable sort keeps positions ascending).
-    e = ((seg.to(torch.int64) if dt.itemsize < 8 else seg) >> shift) & mask if nctx > 1 else \
-        torch.zeros(n, dtype=torch.int64, device=dev)
-    order = torch.sort(e, stable=True).indices
-    counts = torch.bincount(e, minlength=nctx)
-    starts = torch.cumsum(counts, 0) - counts
+    # Device: the r-th element of context c is perm[start[c] + r].
+    perm, start, counts = _context_perm(seg, dt, scan, lock)
     ctx_d = torch.from_numpy(gctx[:m].astype(np.int64)).to(dev)
     rank_d = torch.from_numpy(granks[:m]).to(dev)
     if bool((rank_d >= counts[ctx_d]).any()):
         raise DecodeError(f"{where}: {K.STATUS[-3]}")
-    pos_group = order[starts[ctx_d] + rank_d]
-    pos_h = pos_group.cpu().numpy()
-    perm = np.argsort(pos_h, kind="stable")
-    pos_sorted, ectx = pos_h[perm], gctx[:m][perm]
+    # Position order without a sort: flag the (distinct) positions, then compact the flags.
+    flags = torch.zeros(n, dtype=torch.bool, device=dev)
+    flags[perm[start[ctx_d] + rank_d].long()] = True
+    pos_d = torch.nonzero(flags).reshape(-1)
+    if pos_d.numel() != m:  # two changes at one position: the group decoder's ascending ranks exclude it
+        raise DecodeError(f"{where}: {K.STATUS[-3]}")
+    base_at = seg[pos_d].cpu().numpy().view(dt.uint)
+    ectx = ((base_at.astype(np.uint64) >> np.uint64(shift)) & np.uint64(mask)).astype(np.int32)
     neg, mag = np.empty(m, np.uint8), np.empty(m, np.uint64)
     st = K.ulp_decode_deltas(buf, state, ectx, dt.bits, nctx, neg, mag)
     if st:
         raise DecodeError(f"{where}: {K.STATUS.get(st, f'status {st}')}")
-    pos_d = torch.from_numpy(pos_sorted).to(dev)
-    base_at = seg[pos_d].cpu().numpy().view(dt.uint)
     val = np.empty(m, dt.uint)
     K.ulp_apply_deltas(base_at, np.arange(m, dtype=np.int64), neg, mag, dt.bits, _kind(dt), val)
     return pos_d, _to_device_ints(val, dt.itemsize, dev)
 
 
-def _decode(d: DeltaReader, e: TensorEntry, r: ChunkRecord, seg: torch.Tensor) -> DevicePatch:
+def _decode(d: DeltaReader, e: TensorEntry, r: ChunkRecord, seg: torch.Tensor, scan: str,
+            lock: threading.Lock) -> DevicePatch:
     dt = dtype(e.base.dtype)
     where = f"{d.path}: {_where(e, r)}"
     payload = d.read_payload(r, _where(e, r))
     if r.encoding == ULP:
         if r.decoded_len != 0:  # decode_chunk's check, which the split ulp decode does not pass through
             raise DecodeError(f"{where}: ulp chunk declares a decoded length")
-        return DevicePatch(*_decode_ulp(seg, dt, payload, r.n_changed, where))
+        return DevicePatch(*_decode_ulp(seg, dt, payload, r.n_changed, where, _scan_mode(scan, seg.device),
+                                       lock))
     host = seg.cpu().numpy().view(dt.uint)  # rare encodings: decoded on the host from a copy
     patch = decode_chunk(dt, host, r.encoding, payload, r.n_changed, r.decoded_len, where)
     if patch.dense is not None:
@@ -130,8 +148,10 @@ class DeviceTensors:
     back by the next hash. ``impl`` picks the CUDA hash kernel ("auto", "triton", "torch").
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], impl: str = "auto") -> None:
-        self.impl = impl
+    def __init__(self, tensors: Mapping[str, torch.Tensor], impl: str = "auto", scan: str = "auto") -> None:
+        if scan not in _SCANS:
+            raise UsageError(f"scan must be one of {', '.join(_SCANS)}, got {scan!r}")
+        self.impl, self.scan = impl, scan
         # Device hashes are taken one at a time: a Triton kernel compiles on its first launch, which is
         # not safe from several threads at once (the applier's pools), and one stream serializes them.
         self._device_lock = threading.Lock()
@@ -176,7 +196,7 @@ class DeviceTensors:
         return region  # already the dtype's integers
 
     def decode_region(self, d: DeltaReader, e: TensorEntry, r: ChunkRecord, view: torch.Tensor) -> DevicePatch:
-        return _decode(d, e, r, view)
+        return _decode(d, e, r, view, self.scan, self._device_lock)
 
     def post_image_hash(self, view: torch.Tensor, patch: DevicePatch) -> bytes:
         img = view.clone()
@@ -192,11 +212,12 @@ def _refuse_structural(d: DeltaReader) -> None:
 
 
 def apply_to_device_tensors(delta_path: str, tensors: dict[str, torch.Tensor], *,
-                            impl: str = "auto") -> ApplyReport:
+                            impl: str = "auto", scan: str = "auto") -> ApplyReport:
     """Apply the delta in place into ``tensors`` (CUDA or CPU, contiguous; the delta's base, or partly
     applied by an interrupted call). Refuses, before any write, wrong bases and deltas that do not
     decode to their target; ends with the target fingerprint verified. ``impl`` picks the segment
-    hash kernel on CUDA ("auto", "triton", "torch")."""
+    hash kernel on CUDA ("auto", "triton", "torch"); ``scan`` the rank-to-position map ("triton": the
+    kernels of ``gpu.scan``; "torch": a stable sort; "auto": Triton wherever it can run)."""
     with DeltaReader(delta_path) as d, torch.no_grad():
         _refuse_structural(d)
-        return run_apply(d, DeviceTensors(tensors, impl), journal=None)
+        return run_apply(d, DeviceTensors(tensors, impl, scan), journal=None)

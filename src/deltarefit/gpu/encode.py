@@ -4,8 +4,10 @@
 the two state dicts saved as safetensors files. Per tensor, in batches of segments, the device:
 
 1. compares the bit patterns of base and target (``!=`` on same-width integer views),
-2. computes every element's context (the base's exponent field) and, by one stable sort of
-   (segment, context) keys, each changed element's rank among its segment's elements of that context,
+2. computes every element's context (the base's exponent field) and each changed element's rank among
+   its segment's elements of that context: the fused Triton scan of ``gpu.scan`` (per-tile context
+   histograms, an exclusive scan over the tiles of each segment, a compaction), or, where Triton
+   cannot run (CPU tensors outside its interpreter), one stable sort of (segment, context) keys,
 3. gathers the changed positions, contexts, ranks, and base and target bits, and
 4. hashes every segment of both tensors (BLAKE3 segment hashes: Triton on CUDA, the host's BLAKE3 on CPU).
 
@@ -14,7 +16,9 @@ the host, where ``codec.chunk.encode_changes`` codes each segment on the encoder
 the device goes on to the next tensor. A segment changed so densely that a whole-segment encoding may
 win (8% of its elements) is copied to the host whole, as the CPU encoder would read it.
 
-The same code runs on CPU tensors (torch's CPU kernels), which is how CI checks it without a GPU.
+The same code runs on CPU tensors: through the sort fallback with torch's CPU kernels, or through the
+Triton kernels under Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI checks both
+without a GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ..encode import EncodeReport, Work, encode_checkpoints
 from ..errors import UsageError
 from ..integrity import SEGMENT_BYTES, seg_hash
 from ..torch_api import safetensors_dtype
+from . import scan as device_scan
 
 # Signed views of each width: torch compares and shifts these; numpy reinterprets them as unsigned.
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -85,13 +90,50 @@ def _seg_hashes(t: torch.Tensor, impl: str) -> list[bytes]:
     return [bytes(r) for r in segment_hashes(raw, impl=impl).cpu().numpy()]
 
 
-def scan_segments(base: torch.Tensor, target: torch.Tensor, dt_name: str, first: int, count: int) -> list[Changes]:
-    """Compact changes of segments ``first .. first+count-1`` of two same-shape tensors (any device)."""
+_SCANS = ("auto", "triton", "torch")
+
+
+def _scan_mode(mode: str, device: torch.device) -> str:
+    """"triton" (the fused kernels, ``gpu.scan``) or "torch" (a stable sort, where they cannot run)."""
+    if mode == "auto":
+        return "triton" if device_scan.available(device) else "torch"
+    if mode == "triton":
+        if not device_scan.available(device):
+            raise UsageError(f"scan='triton': {device_scan.unavailable_reason(device)}")
+        return mode
+    if mode == "torch":
+        return mode
+    raise UsageError(f"scan must be one of {', '.join(_SCANS)}, got {mode!r}")
+
+
+def scan_segments(base: torch.Tensor, target: torch.Tensor, dt_name: str, first: int, count: int, *,
+                  scan: str = "auto") -> list[Changes]:
+    """Compact changes of segments ``first .. first+count-1`` of two same-shape tensors (any device).
+    ``scan``: "triton" (the fused kernels), "torch" (the sort fallback), or "auto" (Triton where it runs)."""
     dt = dtype(dt_name)
     per = SEGMENT_BYTES // dt.itemsize
     b, t = _ints(base), _ints(target)
     lo, hi = first * per, min(b.numel(), (first + count) * per)
     bb, tt = b[lo:hi], t[lo:hi]
+    if _scan_mode(scan, bb.device) == "triton":
+        *dev, per_seg = device_scan.scan_batch(bb, tt, dt, count)
+        cuts = np.concatenate([[0], np.cumsum(per_seg)])
+    else:
+        dev, seg_h = _sort_scan(bb, tt, dt, per, count)
+        cuts = np.searchsorted(seg_h, np.arange(count + 1))
+    pos_h, ectx_h, rank_h, bv, tv = (x.cpu().numpy() for x in dev)
+    bv, tv = bv.view(dt.uint), tv.view(dt.uint)
+    out = []
+    for k in range(count):
+        a, z = cuts[k], cuts[k + 1]
+        n = min(per, b.numel() - (first + k) * per)
+        out.append(Changes(int(n), pos_h[a:z], ectx_h[a:z], rank_h[a:z], bv[a:z], tv[a:z]))
+    return out
+
+
+def _sort_scan(bb: torch.Tensor, tt: torch.Tensor, dt, per: int, count: int):
+    """The torch fallback of ``gpu.scan.scan_batch``: ranks from one stable sort of (segment, context)
+    keys (about 40 bytes of scratch per element). Returns the five arrays and each change's segment."""
     changed = torch.nonzero(bb != tt).reshape(-1)  # ascending flat positions in the batch
     shift, mask, nctx = _ctx(dt)
     seg = changed // per
@@ -100,7 +142,7 @@ def scan_segments(base: torch.Tensor, target: torch.Tensor, dt_name: str, first:
         rank = (changed - seg * per).to(torch.int32)
     else:
         wide = bb.to(torch.int64) if dt.itemsize < 8 else bb
-        key = (torch.arange(hi - lo, device=bb.device) // per) * nctx + ((wide >> shift) & mask)
+        key = (torch.arange(bb.numel(), device=bb.device) // per) * nctx + ((wide >> shift) & mask)
         order = torch.sort(key, stable=True).indices
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=bb.device)
@@ -110,17 +152,7 @@ def scan_segments(base: torch.Tensor, target: torch.Tensor, dt_name: str, first:
         rank = (inv[changed] - starts[kc]).to(torch.int32)
         ectx = (kc % nctx).to(torch.int32)
     pos = (changed - seg * per).to(torch.int32)
-    uint = dt.uint
-    host = [x.cpu().numpy() for x in (seg, pos, ectx, rank, bb[changed], tt[changed])]
-    seg_h, pos_h, ectx_h, rank_h = host[:4]
-    bv, tv = host[4].view(uint), host[5].view(uint)
-    cuts = np.searchsorted(seg_h, np.arange(count + 1))
-    out = []
-    for k in range(count):
-        a, z = cuts[k], cuts[k + 1]
-        n = min(per, b.numel() - (first + k) * per)
-        out.append(Changes(int(n), pos_h[a:z], ectx_h[a:z], rank_h[a:z], bv[a:z], tv[a:z]))
-    return out
+    return (pos, ectx, rank, bb[changed], tt[changed]), seg.cpu().numpy()
 
 
 def _dense(base: torch.Tensor, target: torch.Tensor, dt_name: str, k: int):
@@ -134,7 +166,7 @@ def _dense(base: torch.Tensor, target: torch.Tensor, dt_name: str, k: int):
     return load
 
 
-def _patch_works(bset: _TensorSet, tset: _TensorSet, batch_segments: int, impl: str):
+def _patch_works(bset: _TensorSet, tset: _TensorSet, batch_segments: int, impl: str, scan: str):
     def works(name: str, bi: _Info, ti: _Info) -> list[Work]:
         b, t = bset.torch[name], tset.torch[name]
         if b.device != t.device:
@@ -145,7 +177,7 @@ def _patch_works(bset: _TensorSet, tset: _TensorSet, batch_segments: int, impl: 
         pre, post = _seg_hashes(b, impl), _seg_hashes(t, impl)
         changes: list[Changes] = []
         for first in range(0, n_seg, batch_segments):
-            changes += scan_segments(b, t, bi.dtype, first, min(batch_segments, n_seg - first))
+            changes += scan_segments(b, t, bi.dtype, first, min(batch_segments, n_seg - first), scan=scan)
         dt = dtype(bi.dtype)
 
         def work(k: int) -> Work:
@@ -160,11 +192,17 @@ def _patch_works(bset: _TensorSet, tset: _TensorSet, batch_segments: int, impl: 
 
 
 def encode_tensors(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], out: str, *,
-                   threads: int | None = None, batch_segments: int = 64, impl: str = "auto") -> EncodeReport:
+                   threads: int | None = None, batch_segments: int = 64, impl: str = "auto",
+                   scan: str = "auto") -> EncodeReport:
     """Write the delta from state dict ``base`` to ``target`` (tensors on CPU or CUDA) to ``out``: the
     same bytes as ``deltarefit.encode`` of the two saved as safetensors. ``batch_segments`` bounds the
-    device's scratch memory (about 40 bytes per element of a batch for the sort)."""
+    device's scratch memory (``12 + 2 * itemsize`` bytes per element of a batch for the fused scan,
+    about 40 for the sort). ``scan`` picks the compare-and-compact step: "triton" (the fused kernels of
+    ``gpu.scan``), "torch" (a stable sort), or "auto" (Triton wherever it can run: CUDA, or CPU tensors
+    under ``TRITON_INTERPRET=1``); ``impl`` the CUDA segment hash ("auto", "triton", "torch")."""
+    if scan not in _SCANS:  # refused before anything is written
+        raise UsageError(f"scan must be one of {', '.join(_SCANS)}, got {scan!r}")
     bset, tset = _TensorSet(base), _TensorSet(target)
     with torch.no_grad():
         return encode_checkpoints(bset, tset, out, threads=threads,  # type: ignore[arg-type]
-                                  patch_works=_patch_works(bset, tset, batch_segments, impl))
+                                  patch_works=_patch_works(bset, tset, batch_segments, impl, scan))
