@@ -8,7 +8,6 @@ bytes, whether the checkpoints are single files or sharded directories.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -19,7 +18,6 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
-import blake3
 import numpy as np
 
 from . import __version__
@@ -38,6 +36,7 @@ from .integrity import (
     segment_hashes,
     tensor_digest_from_segments,
 )
+from .known import KnownHashes
 
 log = logging.getLogger(__name__)
 
@@ -149,57 +148,6 @@ class _Job:
 
 # Per tensor present in both checkpoints with the same dtype and shape: one work item per segment.
 PatchWorks = Callable[[str, TensorInfo, TensorInfo], list[Work]]
-
-
-@dataclass(frozen=True)
-class KnownHashes:
-    """Segment hashes of a checkpoint's tensors (per tensor, the 16-byte hashes concatenated) and the
-    identity of its files when they were taken (``Checkpoint.identity``).
-
-    ``encode(..., known_base=)`` uses them instead of hashing the base, while the base's files still
-    have that identity. A publisher holds them for its baseline between publishes: the base of each
-    encode is the target of the one before, verified when the baseline advanced, so hashing it again
-    is a pass over the whole checkpoint that can only repeat a known answer."""
-
-    identity: tuple
-    hashes: Mapping[str, bytes]
-    sums: Mapping[str, bytes] = field(default_factory=dict)  # additive digests of tensors, where known
-
-    _FORMAT = "deltarefit.known-hashes"
-
-    def to_bytes(self) -> bytes:
-        """JSON (hashes in hex), then a newline and the hex BLAKE3 of the JSON: a torn or edited file
-        is refused by ``from_bytes``, never half read."""
-        body = json.dumps({"format": self._FORMAT, "version": 1, "identity": [list(x) for x in self.identity],
-                           "hashes": {n: h.hex() for n, h in self.hashes.items()},
-                           "sums": {n: h.hex() for n, h in self.sums.items()}},
-                          sort_keys=True, separators=(",", ":")).encode()
-        return body + b"\n" + blake3.blake3(body).hexdigest().encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> KnownHashes:
-        """Parse ``to_bytes``' output; ValueError (naming what is wrong) for anything else."""
-        body, sep, digest = data.rpartition(b"\n")
-        if not sep or blake3.blake3(body).hexdigest().encode() != digest:
-            raise ValueError("checksum mismatch (torn or edited)")
-        d = json.loads(body)
-        if not isinstance(d, dict) or d.get("format") != cls._FORMAT or d.get("version") != 1:
-            raise ValueError("not a known-hashes file of version 1")
-        ident, hashes = d.get("identity"), d.get("hashes")
-        if not isinstance(ident, list) or not all(
-                isinstance(x, list) and len(x) == 6 and isinstance(x[0], str)
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in x[1:]) for x in ident):
-            raise ValueError("bad identity")
-        if not isinstance(hashes, dict) or not all(
-                isinstance(n, str) and isinstance(h, str) and len(h) % (2 * SEG_HASH_BYTES) == 0
-                for n, h in hashes.items()):
-            raise ValueError("bad hashes")
-        sums = d.get("sums", {})
-        if not isinstance(sums, dict) or not all(
-                isinstance(n, str) and isinstance(h, str) and len(h) == 32 for n, h in sums.items()):
-            raise ValueError("bad sums")
-        return cls(tuple(tuple(x) for x in ident), {n: bytes.fromhex(h) for n, h in hashes.items()},
-                   {n: bytes.fromhex(h) for n, h in sums.items()})
 
 
 def known_hashes(path: str, *, threads: int | None = None) -> KnownHashes:
@@ -360,70 +308,24 @@ def encode_checkpoints(
     threads = threads or default_threads()
     names = sorted(set(base.tensors) | set(target.tensors), key=lambda n: n.encode("utf-8"))
     writer = DeltaWriter(out, durable=durable)
-    entries: list[TensorEntry] = []
-    base_digests: dict[str, bytes] = {}
-    target_digests: dict[str, bytes] = {}
-    target_hashes: dict[str, bytes] = {}
-    counts = dict.fromkeys(ENCODING_NAMES, 0)  # by encoding id; by name in the report
-    changed_total = 0
     try:
         jobs = _jobs(base, target, names, patch_works or _host_patch_works(base, target, base_hashes),
                      base_hashes)
-        add_chunk = writer.add_chunk
         with contextlib.closing(_ordered(_pools.get(threads), jobs, 4 * threads)) as results:
-            # The loop runs on the thread that also feeds the workers, once per MiB and once per tensor:
-            # it stays lean (a record is one struct.pack; see DeltaWriter.add_chunk).
-            for job, k, res in results:
-                if k <= 0:
-                    job.first = writer.n_records
-                if k >= 0:
-                    pre, post, enc = res
-                    if job.op == "patch":
-                        job.pre.append(pre)
-                        job.post.append(post)
-                        ci = k
-                    elif k < job.n_base:
-                        job.pre.append(pre)
-                        enc = None
-                    else:
-                        job.post.append(post)
-                        ci = k - job.n_base
-                        pre = ZERO_HASH
-                    if enc is not None:
-                        add_chunk(job.ti, ci, enc.encoding, enc.n_changed, enc.payload, enc.decoded_len, pre, post)
-                        counts[enc.encoding] += 1
-                        job.changed += enc.n_changed
-                    if progress:  # the target's bytes behind this result (their sum: the target's size)
-                        tk = k if job.op == "patch" else k - job.n_base
-                        if tk >= 0 and job.target is not None:
-                            progress(min(SEGMENT_BYTES, job.target.nbytes - tk * SEGMENT_BYTES))
-                    if k != len(job.works) - 1:
-                        continue
-                # The job's last result: its manifest entry.
-                bmeta = tensor_meta(job.base, job.pre) if job.base is not None else None
-                tmeta = tensor_meta(job.target, job.post) if job.target is not None else None
-                count = writer.n_records - job.first
-                if bmeta:
-                    base_digests[job.name] = bmeta.digest
-                if tmeta:
-                    target_digests[job.name] = tmeta.digest
-                    target_hashes[job.name] = b"".join(job.post)
-                entries.append(TensorEntry(job.name, "same" if job.op == "patch" and count == 0 else job.op, bmeta,
-                                           tmeta, job.changed, job.first, count))
-                changed_total += job.changed
-                job.works = []  # drop the views
+            got = _collect(results, writer, progress)
+        entries = got.entries
         target_sums: dict[str, bytes] = {}
         if sums:
             entries = _with_sums(entries, base, target, threads, base_sums or {})
             target_sums = {e.name: e.target.sum for e in entries if e.target is not None and e.target.sum}
         total_elems = sum(math.prod(t.shape) for t in target.tensors.values())
         full_bytes = sum(t.nbytes for t in target.tensors.values())
-        bfp, tfp = fingerprint_from_digests(base_digests), fingerprint_from_digests(target_digests)
+        bfp, tfp = fingerprint_from_digests(got.base_digests), fingerprint_from_digests(got.target_digests)
         manifest = {
             "format": "deltarefit.delta", "version": VERSION, "segment_bytes": SEGMENT_BYTES, "hash": "blake3-128",
             "base_fingerprint": bfp, "target_fingerprint": tfp,
             "tensors": [e.to_json() for e in entries],
-            "stats": {"changed_elements": changed_total, "target_elements": total_elems,
+            "stats": {"changed_elements": got.changed, "target_elements": total_elems,
                       "target_bytes": full_bytes, "encoder": f"deltarefit {__version__}"},
         }
         size = writer.finish(manifest)
@@ -432,10 +334,75 @@ def encode_checkpoints(
         raise
     dt = time.perf_counter() - t0
     log.info("encoded %s: %d bytes (%.1fx), %.2f%% changed, %.2f s", out, size, full_bytes / max(size, 1),
-             100 * changed_total / max(total_elems, 1), dt)
-    return EncodeReport(out, bfp, tfp, size, full_bytes, changed_total, total_elems, dt,
-                        {ENCODING_NAMES[e]: c for e, c in counts.items()}, target_hashes,
+             100 * got.changed / max(total_elems, 1), dt)
+    return EncodeReport(out, bfp, tfp, size, full_bytes, got.changed, total_elems, dt,
+                        {ENCODING_NAMES[e]: c for e, c in got.counts.items()}, got.target_hashes,
                         base_hashes is not None and patch_works is None, target_sums)
+
+
+@dataclass
+class _Collected:
+    """What the encode loop gathers from the workers' results, in tensor order."""
+
+    entries: list[TensorEntry] = field(default_factory=list)
+    base_digests: dict[str, bytes] = field(default_factory=dict)
+    target_digests: dict[str, bytes] = field(default_factory=dict)
+    target_hashes: dict[str, bytes] = field(default_factory=dict)
+    counts: dict[int, int] = field(default_factory=lambda: dict.fromkeys(ENCODING_NAMES, 0))  # by encoding id
+    changed: int = 0
+
+
+def _collect(results: Iterator[tuple[_Job, int, object]], writer: DeltaWriter,
+             progress: Callable[[int], None] | None) -> _Collected:
+    """Write each chunk's record as its result arrives, and each tensor's manifest entry after its last."""
+    got = _Collected()
+    add_chunk = writer.add_chunk
+    # The loop runs on the thread that also feeds the workers, once per MiB and once per tensor:
+    # it stays lean (a record is one struct.pack; see DeltaWriter.add_chunk).
+    for job, k, res in results:
+        if k <= 0:
+            job.first = writer.n_records
+        if k >= 0:
+            pre, post, enc = res
+            if job.op == "patch":
+                job.pre.append(pre)
+                job.post.append(post)
+                ci = k
+            elif k < job.n_base:
+                job.pre.append(pre)
+                enc = None
+            else:
+                job.post.append(post)
+                ci = k - job.n_base
+                pre = ZERO_HASH
+            if enc is not None:
+                add_chunk(job.ti, ci, enc.encoding, enc.n_changed, enc.payload, enc.decoded_len, pre, post)
+                got.counts[enc.encoding] += 1
+                job.changed += enc.n_changed
+            if progress:  # the target's bytes behind this result (their sum: the target's size)
+                tk = k if job.op == "patch" else k - job.n_base
+                if tk >= 0 and job.target is not None:
+                    progress(min(SEGMENT_BYTES, job.target.nbytes - tk * SEGMENT_BYTES))
+            if k != len(job.works) - 1:
+                continue
+        _finish_entry(got, writer, job)
+    return got
+
+
+def _finish_entry(got: _Collected, writer: DeltaWriter, job: _Job) -> None:
+    """A job's last result is in: its manifest entry, and its digests."""
+    bmeta = tensor_meta(job.base, job.pre) if job.base is not None else None
+    tmeta = tensor_meta(job.target, job.post) if job.target is not None else None
+    count = writer.n_records - job.first
+    if bmeta:
+        got.base_digests[job.name] = bmeta.digest
+    if tmeta:
+        got.target_digests[job.name] = tmeta.digest
+        got.target_hashes[job.name] = b"".join(job.post)
+    got.entries.append(TensorEntry(job.name, "same" if job.op == "patch" and count == 0 else job.op, bmeta, tmeta,
+                                   job.changed, job.first, count))
+    got.changed += job.changed
+    job.works = []  # drop the views
 
 
 def _with_sums(entries: list[TensorEntry], base: Checkpoint, target: Checkpoint, threads: int,
