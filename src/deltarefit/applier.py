@@ -38,12 +38,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .codec.chunk import Patch
 from .encode import default_threads, uint_view
 from .errors import BaseMismatchError, UsageError, VerificationError
 from .format import ChunkRecord, DeltaReader, TensorEntry, TensorMeta
+from .held import HeldPlans
 from .integrity import fingerprint_from_digests, n_segments, seg_hash, tensor_digest_from_segments
 from .journal import Journal, _journal_patch
+from .plans import _ChunkPlan, _TensorPlan
 from .regions import (
     HOST_REGIONS,
     TensorTarget,
@@ -85,24 +86,6 @@ class ApplyReport:
     elsewhere: int = 0
 
 
-@dataclass
-class _ChunkPlan:
-    rec: ChunkRecord
-    state: str  # "todo", "done", "torn", "other" (held and written by another process of the group)
-    patch: Patch | None = None
-    moved: np.ndarray | None = None  # held-digest plan: how the chunk's changes move the tensor's digest
-    own: bool = False  # a segment of a shared tensor that this process holds whole (no collective call)
-
-
-@dataclass
-class _TensorPlan:
-    entry: TensorEntry
-    state: str  # "patch", "held", "done", "add", "remove", "replace"
-    segs: list[bytes] = field(default_factory=list)  # current segment hashes (patch tensors)
-    chunks: list[_ChunkPlan] = field(default_factory=list)
-    sum: np.ndarray | None = None  # "held": the additive digest after the patch
-
-
 def _matches(info: object, meta: TensorMeta) -> bool:
     return (info.dtype, tuple(info.shape)) == (meta.dtype, meta.shape)
 
@@ -139,7 +122,7 @@ class _Inline:
         return f
 
 
-class Applier:
+class Applier(HeldPlans):
     """One application of one delta to one ``TensorTarget`` or ``SegmentTarget``: ``plan``, then
     ``write``, then ``target_digests``.
 
@@ -348,83 +331,6 @@ class Applier:
                     self.cache_left -= size
             if not keep:
                 c.patch = None
-
-    def _plan_held(self, pool, e: TensorEntry, held: bytes) -> _TensorPlan:
-        """The held-digest plan of a ``same``/``patch`` tensor (module docstring): decode every chunk
-        against the segment as it is, and require the digest moved by the changes to be the target's."""
-        from .shard import digest as additive
-
-        if held == e.target.sum and held != e.base.sum:  # already at the target (a rerun)
-            return _TensorPlan(e, "held", chunks=[_ChunkPlan(r, "done") for r in self.d.chunks(e)],
-                               sum=np.frombuffer(held, "<u8").astype(np.uint64))
-        if held != e.base.sum:
-            raise BaseMismatchError(f"{_where(e)}: the digest held of its bytes is not the delta's base (wrong base "
-                                    "checkpoint, or modified since?)")
-
-        def chunk(r: ChunkRecord, own: bool = False) -> _ChunkPlan:
-            read = self.segs.read_own if own else self.segs.read_segment
-            view = self._view(read(e.name, r.chunk_index), e.base.dtype)
-            patch = self._decode(self.d, e, r, view)
-            if self.progress:
-                self.progress(_seg_len(e.base.nbytes, r.chunk_index))
-            return _ChunkPlan(r, "todo", patch, _moved(e, r, view, *_changes(patch, view)), own)
-
-        total = np.frombuffer(held, "<u8").astype(np.uint64)
-        roles = self._roles(e.name) if self._roles is not None else None
-        if roles is None:
-            chunks = list(pool.map(chunk, self.d.chunks(e)))
-        else:
-            chunks, moved = self._plan_held_shared(e, roles, chunk)
-            total = additive.add(total, moved)
-        for c in chunks:
-            if c.moved is not None and not c.own:
-                total = additive.add(total, c.moved)
-        if np.asarray(total, "<u8").tobytes() != e.target.sum:
-            raise VerificationError(f"{self.d.path}: {_where(e)}: its post-image, the held digest moved by the decoded "
-                                    "changes, misses the delta's target digest (corrupt delta, or the elements it "
-                                    "changes differ from its base)")
-        self._keep_within_budget(chunks)  # the rest is decoded again, and checked, when written
-        return _TensorPlan(e, "held", chunks=chunks, sum=total)
-
-    def _plan_held_shared(self, e: TensorEntry, roles: list[str],
-                          chunk: Callable[..., _ChunkPlan]) -> tuple[list[_ChunkPlan], np.ndarray]:
-        """The chunks of a shared tensor for a held-digest plan, and the group's sum of the digest moves
-        of the chunks its processes hold whole. Those are decoded once, by their holder, on its threads;
-        the chunks split between processes are decoded by each on this thread, in one order (their
-        segments are assembled over the group). Every process makes the same collective calls whatever
-        fails, then refuses if any did."""
-        from .shard import digest as additive
-
-        recs = self.d.chunks(e)
-        futs = {r.chunk_index: self._own_pool.submit(chunk, r, True) for r in recs if roles[r.chunk_index] == "mine"}
-        out: list[_ChunkPlan] = []
-        err: BaseException | None = None
-        try:
-            for r in recs:
-                if roles[r.chunk_index] == "group":
-                    out.append(chunk(r))
-                elif roles[r.chunk_index] == "other":
-                    out.append(_ChunkPlan(r, "other"))
-                else:
-                    try:
-                        out.append(futs[r.chunk_index].result())
-                    except Exception as ex:
-                        err = err or ex
-        finally:
-            for f in futs.values():
-                f.cancel()
-        local = additive.ZERO.copy()
-        if err is None:
-            for c in out:
-                if c.own:
-                    local = additive.add(local, c.moved)
-        moved, ok = self.segs.group_sum(local, err is None)
-        if err is not None:
-            raise err
-        if not ok:
-            raise VerificationError("another process of the group refused or failed at the same step of this apply "
-                                    "(see its log)")
-        return out, moved
 
     # -- write -----------------------------------------------------------------------------------
 
