@@ -145,18 +145,13 @@ def _written_args(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     return out
 
 
-def capture_layout(load: Callable[[Iterable[tuple[str, Any]]], Any], params: Mapping[str, Any],
-                   specs: Mapping[str, tuple[Any, Sequence[int]]]) -> CapturedLayout:
-    """Run ``load`` on a probe of every checkpoint tensor in ``specs`` (name -> (torch dtype, shape)) and
-    return where each lands in ``params`` (name -> parameter), or why it does not land affinely."""
+def _recorder(by_storage: Mapping[int, tuple[str, Any]]) -> type:
+    """A torch dispatch mode recording where a loader's copies of one probe land in the parameters
+    (``by_storage``: storage key -> (parameter name, parameter)); those copies are not executed."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     aten = torch.ops.aten
-    by_storage: dict[int, tuple[str, Any]] = {}
-    for pname, p in params.items():
-        if p.numel() and p.is_contiguous():
-            by_storage.setdefault(_storage_key(p), (pname, p))
     fills = {aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
 
     class Recorder(TorchDispatchMode):
@@ -191,11 +186,25 @@ def capture_layout(load: Callable[[Iterable[tuple[str, Any]]], Any], params: Map
             self.problem = self.problem or f"{pname} is written by {func.__name__}, not by a copy"
             return dst
 
+    return Recorder
+
+
+def capture_layout(load: Callable[[Iterable[tuple[str, Any]]], Any], params: Mapping[str, Any],
+                   specs: Mapping[str, tuple[Any, Sequence[int]]]) -> CapturedLayout:
+    """Run ``load`` on a probe of every checkpoint tensor in ``specs`` (name -> (torch dtype, shape)) and
+    return where each lands in ``params`` (name -> parameter), or why it does not land affinely."""
+    import torch
+
+    by_storage: dict[int, tuple[str, Any]] = {}
+    for pname, p in params.items():
+        if p.numel() and p.is_contiguous():
+            by_storage.setdefault(_storage_key(p), (pname, p))
+    recorder = _recorder(by_storage)
     out = CapturedLayout()
     before = {n: (p.untyped_storage().data_ptr(), p.storage_offset()) for n, p in params.items()}
     for name, (dt, shape) in specs.items():
         probe = torch.empty(tuple(shape), dtype=dt)
-        rec = Recorder(name, probe)
+        rec = recorder(name, probe)
         try:
             with torch.no_grad(), rec:
                 load([(name, probe)])
@@ -208,32 +217,37 @@ def capture_layout(load: Callable[[Iterable[tuple[str, Any]]], Any], params: Map
         if moved:
             raise UsageError(f"loading {name!r} replaced the storage of parameter {moved[0]!r}; this loader cannot "
                              "be captured without changing the engine")
-        if rec.problem:
-            out.reload[name] = rec.problem
-            continue
-        if not rec.copies:
-            out.reload[name] = "the loader did not copy it into any parameter"
-            continue
-        places = []
-        for pname, src, dst in rec.copies:
-            piece = piece_from_views(name, shape, src, tuple(params[pname].shape), dst)
-            if piece is None:
-                places = None
-                out.reload[name] = f"its copy into {pname} is not one affine box"
-                break
-            places.append(Placement(pname, piece))
+        places, why = _placements(name, shape, rec, params)
         if places is None:
-            continue
-        # The same checkpoint elements copied into several parameters: the first copy owns them.
-        seen: list[Piece] = []
-        final = []
-        for pl in places:
-            dup = any(_same_box(pl.piece, q) for q in seen)
-            final.append(Placement(pl.param, Piece(pl.piece.name, pl.piece.shape, pl.piece.local_shape,
-                                                   pl.piece.axes, owner=not dup)))
-            seen.append(pl.piece)
-        out.placements[name] = final
+            out.reload[name] = why
+        else:
+            out.placements[name] = places
     return out
+
+
+def _placements(name: str, shape: Sequence[int], rec: Any, params: Mapping[str, Any]
+                ) -> tuple[list[Placement] | None, str]:
+    """(the placements of checkpoint tensor ``name`` from a recorder's copies, or None and why it is a
+    reload target instead)."""
+    if rec.problem:
+        return None, rec.problem
+    if not rec.copies:
+        return None, "the loader did not copy it into any parameter"
+    places = []
+    for pname, src, dst in rec.copies:
+        piece = piece_from_views(name, shape, src, tuple(params[pname].shape), dst)
+        if piece is None:
+            return None, f"its copy into {pname} is not one affine box"
+        places.append(Placement(pname, piece))
+    # The same checkpoint elements copied into several parameters: the first copy owns them.
+    seen: list[Piece] = []
+    final = []
+    for pl in places:
+        dup = any(_same_box(pl.piece, q) for q in seen)
+        final.append(Placement(pl.param, Piece(pl.piece.name, pl.piece.shape, pl.piece.local_shape,
+                                               pl.piece.axes, owner=not dup)))
+        seen.append(pl.piece)
+    return final, ""
 
 
 def _same_box(a: Piece, b: Piece) -> bool:
