@@ -67,6 +67,22 @@ def test_apply_makes_the_base_file_equal_to_the_target_and_reports_it(pair, tmp_
     assert not os.path.exists(work + ".deltarefit-journal")
 
 
+def test_apply_and_encode_are_both_modules_and_functions(pair, tmp_path):
+    """``import deltarefit.apply`` gives the module its names live in, which is also the function."""
+    import deltarefit.apply
+    import deltarefit.encode
+    from deltarefit import apply, encode
+
+    assert deltarefit.apply.Journal.__name__ == "Journal" and deltarefit.apply.run_apply is not None
+    assert deltarefit.encode.KnownHashes.__name__ == "KnownHashes"
+    assert apply is deltarefit.apply and encode is deltarefit.encode
+    b, t = pair
+    d, work = str(tmp_path / "d.delta"), str(tmp_path / "work.safetensors")
+    shutil.copy(b, work)
+    rep = encode(b, t, d)
+    assert apply(d, work).target_fingerprint == rep.target_fingerprint == deltarefit.fingerprint(t)
+
+
 def test_applying_twice_is_a_no_op(pair, tmp_path):
     b, t = pair
     d = str(tmp_path / "d.delta")

@@ -5,9 +5,12 @@ Encode the change between two checkpoints, ship it, apply it in place, verify th
 
 __version__ = "0.1.0"
 
+# ``apply`` and ``encode`` are the modules, each callable as its function of that name (``_callable``): both
+# ``deltarefit.apply(delta, ckpt)`` and ``deltarefit.apply.Journal`` work.
+from . import apply, encode
 from .api import fingerprint, inspect, verify
-from .apply import ApplyReport, apply
-from .encode import EncodeReport, KnownHashes, encode, known_hashes
+from .apply import ApplyReport
+from .encode import EncodeReport, KnownHashes, known_hashes
 from .errors import (
     AuthError,
     BadPartError,

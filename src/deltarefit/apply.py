@@ -263,3 +263,9 @@ def check(delta_path: str, checkpoint_path: str, *, threads: int | None = None) 
     Holds the checkpoint's lock, so it never reads a checkpoint another run is writing."""
     with checkpoint_lock(checkpoint_path), DeltaReader(delta_path) as d, open_checkpoint(checkpoint_path) as ck:
         Applier(d, ck, journal=None, threads=threads, cache_bytes=0).plan()
+
+
+# ``deltarefit.apply`` is this module and, called, ``apply`` (``_callable``).
+from ._callable import make_callable  # noqa: E402
+
+make_callable(__name__, "apply")

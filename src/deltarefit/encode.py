@@ -451,3 +451,9 @@ def encode(base: str, target: str, out: str, *, threads: int | None = None,
             log.info("%s: its files changed since its hashes were taken; hashing it again", base)
         return encode_checkpoints(b, t, out, threads=threads, progress=progress, base_hashes=known,
                                   durable=durable, sums=sums, base_sums=known_base.sums if same else None)
+
+
+# ``deltarefit.encode`` is this module and, called, ``encode`` (``_callable``).
+from ._callable import make_callable  # noqa: E402
+
+make_callable(__name__, "encode")
