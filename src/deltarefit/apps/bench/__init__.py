@@ -6,7 +6,8 @@ Run it with ``python -m deltarefit.apps.bench [--quick] [--out DIR] [--synthetic
 * :mod:`.pairs`: checkpoint pairs (real AdamW steps on a pretrained BERT; calibrated synthetic pairs).
 * :mod:`.peers`: byte counts of the peers (raw, zstd -1, NeMo-style, TRL-style, ZipNN), with decoders.
 * :mod:`.entropy`: the empirical conditional entropy bound H(D | base exponent, tensor).
-* :mod:`.report`: the driver, the table, ``docs/BENCHMARKS.md``, and :func:`main`.
+* :mod:`.report`: the driver and :func:`main`; :mod:`.report_render`: the table, ``docs/BENCHMARKS.md``,
+  the plot.
 * :mod:`.engine`: refit of a running vLLM engine, in place against disk + reload and full reload
   (``python -m deltarefit.apps.bench.engine``, needs vLLM; ``docs/ENGINES.md``).
 

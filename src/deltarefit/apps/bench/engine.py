@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 # The set-up, the report and the measurements live beside this module; their names are used from here too.
@@ -98,10 +99,11 @@ def run_layout(prep: dict[str, Any], layout: str, work: str, log=print) -> dict[
 
 
 def _run_paths(llm: Any, prep: dict[str, Any], layout: str, work: str, t_start: float, log) -> dict[str, Any]:
-    from ...engines.vllm import refit_engine, reload_engine
+    """Every path in this engine, in order (in place, disk + reload, full reload), each over every step
+    of the version plan; then the per-rate summaries and the line through the in-place applies."""
     from ...engines.vllm_backend import LLMClient
 
-    ck, plan = prep["checkpoints"], prep["plan"]
+    plan = prep["plan"]
     names = ["warm"] + [f"r{i}" for i in range(len(prep["rates"]))]
     log(f"[{layout}] engine started in {t_start:.1f} s")
     client = LLMClient(llm)
@@ -111,69 +113,117 @@ def _run_paths(llm: Any, prep: dict[str, Any], layout: str, work: str, t_start: 
     log(f"[{layout}] live engine: {desc['in_place']} tensors in place, {desc['reload']} reloaded "
         f"({time.perf_counter() - t:.1f} s), {desc['threads']} apply threads in the worker")
     llm.collective_rpc(worker_instrument)
-    pid = desc["pid"]
     all_files = [prep["store"], os.path.join(work, "models"), os.path.join(work, "deltas"), os.path.join(work, "engine")]
     res: dict[str, Any] = {n: {} for n in names}
     gens: dict[str, dict[str, list[list[int]]]] = {n: {} for n in names}
+    steps = [(n, way, i) for n in names for i in range(len(plan["forward"][n])) for way in ("fwd", "back")]
+    run = _PathRun(llm, desc["pid"], all_files, layout, log, res, gens)
+    _inplace_path(run, client, plan, steps)
+    _disk_path(run, prep, work, steps)
+    _full_path(run, prep["checkpoints"], steps)
+    return _layout_result(prep, layout, t_start, desc, names, res, gens)
+
+
+@dataclass
+class _PathRun:
+    """What every path's refits share: the engine, its worker's pid, the files dropped from the page cache
+    before each refit, the log, and where the measurements and the generated tokens go."""
+
+    llm: Any
+    pid: int
+    files: list[str]
+    layout: str
+    log: Any
+    res: dict[str, Any]
+    gens: dict[str, dict[str, list[list[int]]]]
+
+    def record(self, n: str, way: str, path: str, m: dict[str, Any]) -> None:
+        """Keep measurement ``m`` of refit ``n``/``way`` on ``path``."""
+        m["way"] = way
+        self.res[n].setdefault(path, []).append(m)
+
+    def generate(self, n: str, way: str, path: str) -> None:
+        """After a forward refit, generate greedily: the paths must give the same tokens."""
+        if way == "fwd":
+            self.gens[n].setdefault(path, []).append(_generate(self.llm))
+
+
+def _inplace_split(m: dict[str, Any], w: dict[str, Any], pid: int) -> dict[str, Any]:
+    """The in-place refit's time split: the worker's phase timers ``w``, its refits, the processes' CPU."""
+    refits = w["last"].get("refits", [])
+    tm = w["times"]
+    return {"total": m["seconds"], "plan": tm.get("plan", 0.0), "write": tm.get("write", 0.0),
+            "digests": tm.get("target_digests", 0.0), "decode": tm.get("decode", 0.0),
+            "decode_cpu": tm.get("decode_cpu", 0.0),
+            "worker_cpu": sum(v for k, v in m["proc_cpu"].items() if k.endswith(f":{pid}")),
+            "engine_cpu": sum(m["proc_cpu"].values()),
+            "read_segment": tm.get("read_segment", 0.0), "write_segment": tm.get("write_segment", 0.0),
+            "apply": sum(r["seconds_apply"] for r in refits),
+            "reload": sum(r["seconds_reload"] for r in refits),
+            "stream": m["seconds"] - sum(r["seconds"] for r in refits),
+            "layers_reloaded": sum(len(r["layers_reloaded"]) for r in refits),
+            "bytes_fetched": w["last"].get("bytes_fetched", 0), "route": w["last"].get("route"),
+            "check": sorted({r.get("check", "segments") for r in refits})}
+
+
+def _inplace_path(run: _PathRun, client: Any, plan: dict[str, Any], steps: list[tuple[str, str, int]]) -> None:
+    """(a) in place: the deltarefit backend's ``update_weights({"version": N})``, timed in the worker too."""
 
     def update(version: int) -> None:
         client.start_weight_update()
         client.update_weights({"version": version})
         client.finish_weight_update(str(version))
 
-    steps = [(n, way, i) for n in names for i in range(len(plan["forward"][n])) for way in ("fwd", "back")]
     for n, way, i in steps:
         v = plan["forward" if way == "fwd" else "back"][n][i]
-        llm.collective_rpc(worker_reset_times)
-        m = measure(lambda v=v: update(v), pid, all_files)
-        w = llm.collective_rpc(worker_times)[0]
-        refits = w["last"].get("refits", [])
-        tm = w["times"]
-        m["split"] = {"total": m["seconds"], "plan": tm.get("plan", 0.0), "write": tm.get("write", 0.0),
-                      "digests": tm.get("target_digests", 0.0), "decode": tm.get("decode", 0.0),
-                      "decode_cpu": tm.get("decode_cpu", 0.0),
-                      "worker_cpu": sum(v for k, v in m["proc_cpu"].items() if k.endswith(f":{pid}")),
-                      "engine_cpu": sum(m["proc_cpu"].values()),
-                      "read_segment": tm.get("read_segment", 0.0), "write_segment": tm.get("write_segment", 0.0),
-                      "apply": sum(r["seconds_apply"] for r in refits),
-                      "reload": sum(r["seconds_reload"] for r in refits),
-                      "stream": m["seconds"] - sum(r["seconds"] for r in refits),
-                      "layers_reloaded": sum(len(r["layers_reloaded"]) for r in refits),
-                      "bytes_fetched": w["last"].get("bytes_fetched", 0), "route": w["last"].get("route"),
-                      "check": sorted({r.get("check", "segments") for r in refits})}
+        run.llm.collective_rpc(worker_reset_times)
+        m = measure(lambda v=v: update(v), run.pid, run.files)
+        w = run.llm.collective_rpc(worker_times)[0]
+        m["split"] = _inplace_split(m, w, run.pid)
         m.pop("result")
-        m["way"] = way
-        res[n].setdefault("inplace", []).append(m)
-        log(f"[{layout}] in place {n} {way}: {m['seconds']:.2f} s (apply {m['split']['apply']:.2f}, reload "
-            f"{m['split']['reload']:.2f}), read {fmt_mb(m['io']['read_bytes'])} MB, written "
-            f"{fmt_mb(m['io']['write_bytes'])} MB")
-        if way == "fwd":
-            gens[n].setdefault("inplace", []).append(_generate(llm))
+        run.record(n, way, "inplace", m)
+        run.log(f"[{run.layout}] in place {n} {way}: {m['seconds']:.2f} s (apply {m['split']['apply']:.2f}, reload "
+                f"{m['split']['reload']:.2f}), read {fmt_mb(m['io']['read_bytes'])} MB, written "
+                f"{fmt_mb(m['io']['write_bytes'])} MB")
+        run.generate(n, way, "inplace")
+
+
+def _disk_path(run: _PathRun, prep: dict[str, Any], work: str, steps: list[tuple[str, str, int]]) -> None:
+    """(b) disk + reload: each delta applied to a copy of the base checkpoint, the touched layers reloaded."""
+    from ...engines.vllm import refit_engine
 
     engine_ck = os.path.join(work, "engine", "ckpt")
     shutil.rmtree(engine_ck, ignore_errors=True)
-    shutil.copytree(ck["base"], engine_ck)
+    shutil.copytree(prep["checkpoints"]["base"], engine_ck)
     for n, way, _ in steps:
-        m = measure(lambda p=prep["deltas"][f"{n}-{way}"]: refit_engine(llm, p, engine_ck), pid, all_files)
+        m = measure(lambda p=prep["deltas"][f"{n}-{way}"]: refit_engine(run.llm, p, engine_ck), run.pid, run.files)
         rep = m.pop("result")
         m["tensors_reloaded"], m["bytes_reloaded"] = rep["tensors_reloaded"], rep["bytes_reloaded"]
         m["apply_s"] = rep["workers"][0]["seconds_apply"]
         m["reload_s"] = rep["workers"][0]["seconds_reload"]
-        m["way"] = way
-        res[n].setdefault("disk", []).append(m)
-        log(f"[{layout}] disk + reload {n} {way}: {m['seconds']:.2f} s, read {fmt_mb(m['io']['read_bytes'])} "
-            f"MB, written {fmt_mb(m['io']['write_bytes'])} MB")
-        if way == "fwd":
-            gens[n].setdefault("disk", []).append(_generate(llm))
+        run.record(n, way, "disk", m)
+        run.log(f"[{run.layout}] disk + reload {n} {way}: {m['seconds']:.2f} s, read "
+                f"{fmt_mb(m['io']['read_bytes'])} MB, written {fmt_mb(m['io']['write_bytes'])} MB")
+        run.generate(n, way, "disk")
+
+
+def _full_path(run: _PathRun, ck: dict[str, str], steps: list[tuple[str, str, int]]) -> None:
+    """(c) full reload of the target's (or the base's) whole checkpoint."""
+    from ...engines.vllm import reload_engine
+
     for n, way, _ in steps:
         src = ck[n] if way == "fwd" else ck["base"]
-        m = measure(lambda s=src: reload_engine(llm, s), pid, all_files)
+        m = measure(lambda s=src: reload_engine(run.llm, s), run.pid, run.files)
         m["tensors_reloaded"] = m.pop("result")["tensors_reloaded"]
-        m["way"] = way
-        res[n].setdefault("full", []).append(m)
-        log(f"[{layout}] full reload {n} {way}: {m['seconds']:.2f} s, read {fmt_mb(m['io']['read_bytes'])} MB")
-        if way == "fwd":
-            gens[n].setdefault("full", []).append(_generate(llm))
+        run.record(n, way, "full", m)
+        run.log(f"[{run.layout}] full reload {n} {way}: {m['seconds']:.2f} s, read {fmt_mb(m['io']['read_bytes'])} MB")
+        run.generate(n, way, "full")
+
+
+def _layout_result(prep: dict[str, Any], layout: str, t_start: float, desc: dict[str, Any], names: list[str],
+                   res: dict[str, Any], gens: dict[str, dict[str, list[list[int]]]]) -> dict[str, Any]:
+    """The layout's result: per rate its paths, summaries and token check; the line through the in-place
+    applies (seconds against changed elements) when there are two distinct rates."""
     rates = []
     xs, ys = [], []
     for i, n in enumerate(names[1:]):

@@ -10,8 +10,17 @@ from .engine_model import GEN_TOKENS, PATHS, PROMPTS, fmt_mb
 
 def markdown(res: dict[str, Any]) -> str:
     """docs/ENGINES.md from the benchmark's results (see :func:`main`)."""
+    lines = _method_lines(res)
+    for lay in res["layouts"]:
+        lines += _layout_lines(lay)
+    lines += ["## What the numbers mean", ""] + [f"* {s}" for s in res["findings"]] + [""]
+    return "\n".join(lines)
+
+
+def _method_lines(res: dict[str, Any]) -> list[str]:
+    """The title, the command and the method: machine, model, versions, paths and what each figure measures."""
     m = res["model"]
-    lines = [
+    return [
         "# Refit of a running vLLM engine: in place, disk + reload, full reload",
         "",
         "Produced by `" + res["command"] + "` (all figures below come from that one run).",
@@ -53,46 +62,48 @@ def markdown(res: dict[str, Any]) -> str:
         "digests or by segments, as each layout's text says) and the target fingerprint.",
         "",
     ]
-    for lay in res["layouts"]:
-        lines += [f"## Layout: {lay['title']}", "",
-                  f"{lay['in_place']} checkpoint tensors written in place, {lay['reload']} through the reload "
-                  f"path (host copies: {fmt_mb(lay['host_bytes'])} MB; capture and check at init: "
-                  f"{lay['seconds_init']:.1f} s). Engine start: {lay['seconds_start']:.1f} s. Apply threads in the "
-                  f"worker: {lay.get('threads')}.", ""]
-        lines += ["| changed | path | time (s): median (min-max) | / in place | disk read (MB) | disk written (MB) | "
-                  "peak RSS growth (MB) | peak anon growth (MB) | same tokens |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for r in lay["rates"]:
-            t_in = r["summary"]["inplace"]["seconds"]
-            for key, label in PATHS:
-                f = r["summary"][key]
-                lines.append(
-                    f"| {r['changed']:.2%} | {label} | {f['seconds']:.2f} ({f['seconds_min']:.2f}-{f['seconds_max']:.2f}) | "
-                    f"{f['seconds'] / t_in:.2f} | {fmt_mb(f['io']['read_bytes'])} | "
-                    f"{fmt_mb(f['io']['write_bytes'])} | {fmt_mb(f['rss_peak_growth'])} | "
-                    f"{fmt_mb(f['anon_peak_growth'])} | {'yes' if r['same_tokens'] else 'NO'} |")
-        lines += ["", "In-place time split (medians over the refits; seconds): the phases are wall time in the "
-                  "worker; decode, gather reads and scatter writes are summed over the apply threads (thread-seconds: wall time "
-                  "in each thread, and the CPU time the threads spent decoding beside it); the last column is the CPU "
-                  "time of the worker process and of every engine process during the refit.", "",
-                  "| changed | delta (MB) | total | plan: read, check, decode | write: scatter, "
-                  "read back | reload | rest: RPC, fetch, records | decode (thread-s) | decode, CPU (thread-s) | "
-                  "gather reads (thread-s) | scatter writes (thread-s) | CPU: worker, all engine processes (s) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in lay["rates"]:
-            s = r["summary"]["inplace"]["split"]
-            lines.append(f"| {r['changed']:.2%} | {fmt_mb(r['delta_bytes'])} | {s['total']:.2f} | {s['plan']:.2f} | "
-                         f"{s['write']:.2f} | {s['reload']:.2f} | {s['stream']:.2f} | "
-                         f"{s['decode']:.2f} | {s.get('decode_cpu', float('nan')):.2f} | {s['read_segment']:.2f} | "
-                         f"{s['write_segment']:.2f} | {s.get('worker_cpu', float('nan')):.2f}, "
-                         f"{s.get('engine_cpu', float('nan')):.2f} |")
-        d = [r["summary"]["disk"] for r in lay["rates"]]
-        lines += ["", "Disk + reload, split (medians; seconds): apply to the files "
-                  + ", ".join(f"{x['apply_s']:.2f}" for x in d) + "; reload of the touched layers "
-                  + ", ".join(f"{x['reload_s']:.2f}" for x in d) + " (at " + ", ".join(f"{r['changed']:.1%}" for r in
-                                                                                    lay["rates"]) + ").", ""]
-    lines += ["## What the numbers mean", ""] + [f"* {s}" for s in res["findings"]] + [""]
-    return "\n".join(lines)
+
+
+def _layout_lines(lay: dict[str, Any]) -> list[str]:
+    """One layout's section: the engine, the table of every path per rate, the in-place and disk splits."""
+    lines = [f"## Layout: {lay['title']}", "",
+             f"{lay['in_place']} checkpoint tensors written in place, {lay['reload']} through the reload "
+             f"path (host copies: {fmt_mb(lay['host_bytes'])} MB; capture and check at init: "
+             f"{lay['seconds_init']:.1f} s). Engine start: {lay['seconds_start']:.1f} s. Apply threads in the "
+             f"worker: {lay.get('threads')}.", ""]
+    lines += ["| changed | path | time (s): median (min-max) | / in place | disk read (MB) | disk written (MB) | "
+              "peak RSS growth (MB) | peak anon growth (MB) | same tokens |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in lay["rates"]:
+        t_in = r["summary"]["inplace"]["seconds"]
+        for key, label in PATHS:
+            f = r["summary"][key]
+            lines.append(
+                f"| {r['changed']:.2%} | {label} | {f['seconds']:.2f} ({f['seconds_min']:.2f}-{f['seconds_max']:.2f}) | "
+                f"{f['seconds'] / t_in:.2f} | {fmt_mb(f['io']['read_bytes'])} | "
+                f"{fmt_mb(f['io']['write_bytes'])} | {fmt_mb(f['rss_peak_growth'])} | "
+                f"{fmt_mb(f['anon_peak_growth'])} | {'yes' if r['same_tokens'] else 'NO'} |")
+    lines += ["", "In-place time split (medians over the refits; seconds): the phases are wall time in the "
+              "worker; decode, gather reads and scatter writes are summed over the apply threads (thread-seconds: wall time "
+              "in each thread, and the CPU time the threads spent decoding beside it); the last column is the CPU "
+              "time of the worker process and of every engine process during the refit.", "",
+              "| changed | delta (MB) | total | plan: read, check, decode | write: scatter, "
+              "read back | reload | rest: RPC, fetch, records | decode (thread-s) | decode, CPU (thread-s) | "
+              "gather reads (thread-s) | scatter writes (thread-s) | CPU: worker, all engine processes (s) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in lay["rates"]:
+        s = r["summary"]["inplace"]["split"]
+        lines.append(f"| {r['changed']:.2%} | {fmt_mb(r['delta_bytes'])} | {s['total']:.2f} | {s['plan']:.2f} | "
+                     f"{s['write']:.2f} | {s['reload']:.2f} | {s['stream']:.2f} | "
+                     f"{s['decode']:.2f} | {s.get('decode_cpu', float('nan')):.2f} | {s['read_segment']:.2f} | "
+                     f"{s['write_segment']:.2f} | {s.get('worker_cpu', float('nan')):.2f}, "
+                     f"{s.get('engine_cpu', float('nan')):.2f} |")
+    d = [r["summary"]["disk"] for r in lay["rates"]]
+    lines += ["", "Disk + reload, split (medians; seconds): apply to the files "
+              + ", ".join(f"{x['apply_s']:.2f}" for x in d) + "; reload of the touched layers "
+              + ", ".join(f"{x['reload_s']:.2f}" for x in d) + " (at " + ", ".join(f"{r['changed']:.1%}" for r in
+                                                                                lay["rates"]) + ").", ""]
+    return lines
 
 
 def findings(res: dict[str, Any]) -> list[str]:
