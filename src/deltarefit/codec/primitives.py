@@ -5,6 +5,11 @@ All are ``inline="always"`` helpers over scalars and numpy arrays, never called 
 arithmetic is on uint64 with explicit casts: numba promotes mixed int64/uint64 arithmetic to float64,
 which would silently lose bits. The bitstream they write and read is specified in FORMAT.md
 ("Encoding 1: ulp").
+
+Hazard: numba's on-disk cache of the kernels that inline these (``cache=True``) is invalidated only
+by changes to the kernel's own file, and it keeps this module's constants as compiled. After editing
+this file, touch ``encode_kernels.py`` and ``decode_kernels.py`` (or remove their ``__pycache__``
+entries), or the cached kernels keep the old code.
 """
 
 from __future__ import annotations
