@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import blake3
 
 from ..codec.chunk import ENCODING_NAMES, OVERWRITE, max_payload_len
+from ..dtypes import DType
 from ..dtypes import dtype as lookup_dtype
 from ..errors import FormatError, IntegrityError, LimitError
 from . import digest as D
@@ -143,7 +144,25 @@ def read_part(data: bytes | memoryview, where: str = "part", *, head_only: bool 
     """Parse and validate a part (every bound checked before any payload is decoded). With
     ``head_only``, ``data`` is ``part_head`` of it: everything but the payload is checked, and chunk
     offsets are checked against the header's payload size; the result has an empty payload."""
-    mv = memoryview(data)
+    h, payload = _read_header(memoryview(data), where)
+    payload_bytes = _check_payload(h, payload, where, head_only)
+    for k in ("version", "rank", "world"):
+        _int(h.get(k), f"{where}: {k}")
+    keyframe = h.get("keyframe")
+    if not isinstance(keyframe, bool) or not isinstance(h.get("tensors"), list):
+        raise FormatError(f"{where}: bad keyframe flag or tensor list")
+    pos = 0  # the next chunk's payload offset: chunks are contiguous, in header order
+    tensors = []
+    for ti, t in enumerate(h["tensors"]):
+        tensor, pos = _read_tensor(t, ti, where, keyframe, pos)
+        tensors.append(tensor)
+    if pos != payload_bytes:
+        raise FormatError(f"{where}: chunks cover {pos} of {payload_bytes} payload bytes")
+    return Part(h, tuple(tensors), payload)
+
+
+def _read_header(mv: memoryview, where: str) -> tuple[dict, memoryview]:
+    """The fixed prefix and JSON header of a part, checked; the header and the bytes after it."""
     if len(mv) < _PREFIX.size:
         raise FormatError(f"{where}: {len(mv)} bytes is too short for a part")
     magic, ver, zero, hlen = _PREFIX.unpack(mv[:_PREFIX.size])
@@ -159,7 +178,11 @@ def read_part(data: bytes | memoryview, where: str = "part", *, head_only: bool 
         raise FormatError(f"{where}: header is not JSON ({e})") from None
     if not isinstance(h, dict) or h.get("format") != "deltarefit.shard_part" or h.get("format_version") != 1:
         raise FormatError(f"{where}: not a version-1 shard part header")
-    payload = mv[_PREFIX.size + hlen:]
+    return h, mv[_PREFIX.size + hlen:]
+
+
+def _check_payload(h: dict, payload: memoryview, where: str, head_only: bool) -> int:
+    """The header's payload size, checked against the payload and its BLAKE3 (a head: no payload)."""
     payload_bytes = _int(h.get("payload_bytes"), f"{where}: payload_bytes")
     if head_only:
         if len(payload):
@@ -168,77 +191,86 @@ def read_part(data: bytes | memoryview, where: str = "part", *, head_only: bool 
         raise IntegrityError(f"{where}: payload is {len(payload)} bytes, header says {h.get('payload_bytes')}")
     elif blake3.blake3(payload).hexdigest() != h.get("payload_blake3"):
         raise IntegrityError(f"{where}: payload does not hash to the header's BLAKE3")
-    for k in ("version", "rank", "world"):
-        _int(h.get(k), f"{where}: {k}")
-    keyframe = h.get("keyframe")
-    if not isinstance(keyframe, bool) or not isinstance(h.get("tensors"), list):
-        raise FormatError(f"{where}: bad keyframe flag or tensor list")
-    pos = 0
-    tensors = []
-    for ti, t in enumerate(h["tensors"]):
-        w = f"{where}: tensor {ti}"
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not isinstance(t.get("shape"), list):
-            raise FormatError(f"{w}: malformed entry")
-        w = f"{where}: tensor {t['name']!r}"
-        try:
-            if not isinstance(t.get("dtype"), str):
-                raise FormatError(f"dtype {t.get('dtype')!r} is not a name")
-            dt = lookup_dtype(t["dtype"])
-        except FormatError as e:
-            raise FormatError(f"{w}: {e}") from None
-        shape = tuple(_int(d, f"{w}: shape") for d in t["shape"])
-        if not shape or len(shape) > 64 or not isinstance(t.get("cells"), list):
-            raise FormatError(f"{w}: bad shape or cell list")
-        chunk_elems = max(1, (1 << 20) // dt.itemsize)
-        cells = []
-        for ci, c in enumerate(t["cells"]):
-            wc = f"{w} cell {ci}"
-            if not isinstance(c, dict) or not isinstance(c.get("box"), list) or len(c["box"]) != len(shape):
-                raise FormatError(f"{wc}: malformed")
-            try:
-                aps = [tuple(_int(v, wc, lo) for v, lo in zip(ap, (0, 1, 1), strict=True)) for ap in c["box"]]
-            except (TypeError, ValueError):
-                raise FormatError(f"{wc}: malformed box") from None
-            if any(o + s * (n - 1) >= d for (o, s, n), d in zip(aps, shape, strict=True)):
-                raise FormatError(f"{wc}: box {c['box']} leaves shape {list(shape)}")
-            box = Box.from_json(shape, aps)
-            base = _hex(c.get("base"), f"{wc}: base", nullable=keyframe)
-            if keyframe and base is not None:
-                raise FormatError(f"{wc}: a keyframe cell has no base")
-            target = _hex(c.get("target"), f"{wc}: target", nullable=False)
-            changed = _int(c.get("changed"), f"{wc}: changed")
-            if not isinstance(c.get("chunks"), list):
-                raise FormatError(f"{wc}: no chunk list")
-            chunks, end, total = [], 0, 0
-            for k in c["chunks"]:
-                if not isinstance(k, list) or len(k) != 7:
-                    raise FormatError(f"{wc}: malformed chunk {k!r}")
-                ch = Chunk(*(_int(v, wc) for v in k))
-                if ch.first < end or ch.count < 1 or ch.count > chunk_elems or ch.first + ch.count > box.count:
-                    raise FormatError(f"{wc}: chunk {k} out of order or outside the cell of {box.count} elements")
-                if ch.encoding not in ENCODING_NAMES or (keyframe and ch.encoding != OVERWRITE):
-                    raise FormatError(f"{wc}: bad encoding {ch.encoding}")
-                if not (0 if keyframe else 1) <= ch.n_changed <= ch.count:
-                    raise FormatError(f"{wc}: chunk claims {ch.n_changed} changes in {ch.count} elements")
-                if ch.offset != pos or ch.length > max_payload_len(dt, ch.count):
-                    raise FormatError(f"{wc}: chunk payload at {ch.offset}+{ch.length} is not contiguous/limited")
-                if ch.decoded_len > 2 * ch.count * dt.itemsize + 64:
-                    raise LimitError(f"{wc}: decoded length {ch.decoded_len} over the limit "
-                                     f"{2 * ch.count * dt.itemsize + 64}")
-                pos += ch.length
-                end = ch.first + ch.count
-                total += ch.n_changed
-                chunks.append(ch)
-            if keyframe:
-                if sum(ch.count for ch in chunks) != box.count:
-                    raise FormatError(f"{wc}: a keyframe cell's chunks must cover it")
-            elif total != changed:
-                raise FormatError(f"{wc}: chunks hold {total} changes, cell says {changed}")
-            cells.append(Cell(box, base, target, changed, tuple(chunks)))
-        tensors.append(TensorPart(t["name"], dt.name, shape, tuple(cells)))
-    if pos != payload_bytes:
-        raise FormatError(f"{where}: chunks cover {pos} of {payload_bytes} payload bytes")
-    return Part(h, tuple(tensors), payload)
+    return payload_bytes
+
+
+def _read_tensor(t, ti: int, where: str, keyframe: bool, pos: int) -> tuple[TensorPart, int]:
+    """Header entry ``ti`` as a TensorPart, its chunks' payloads starting at ``pos``; and the offset
+    after them."""
+    w = f"{where}: tensor {ti}"
+    if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not isinstance(t.get("shape"), list):
+        raise FormatError(f"{w}: malformed entry")
+    w = f"{where}: tensor {t['name']!r}"
+    try:
+        if not isinstance(t.get("dtype"), str):
+            raise FormatError(f"dtype {t.get('dtype')!r} is not a name")
+        dt = lookup_dtype(t["dtype"])
+    except FormatError as e:
+        raise FormatError(f"{w}: {e}") from None
+    shape = tuple(_int(d, f"{w}: shape") for d in t["shape"])
+    if not shape or len(shape) > 64 or not isinstance(t.get("cells"), list):
+        raise FormatError(f"{w}: bad shape or cell list")
+    cells = []
+    for ci, c in enumerate(t["cells"]):
+        cell, pos = _read_cell(c, f"{w} cell {ci}", shape, dt, keyframe, pos)
+        cells.append(cell)
+    return TensorPart(t["name"], dt.name, shape, tuple(cells)), pos
+
+
+def _read_cell(c, wc: str, shape: tuple[int, ...], dt: DType, keyframe: bool, pos: int) -> tuple[Cell, int]:
+    """A tensor entry's cell: its box inside ``shape``, digests, and chunks (see ``_read_chunks``)."""
+    if not isinstance(c, dict) or not isinstance(c.get("box"), list) or len(c["box"]) != len(shape):
+        raise FormatError(f"{wc}: malformed")
+    try:
+        aps = [tuple(_int(v, wc, lo) for v, lo in zip(ap, (0, 1, 1), strict=True)) for ap in c["box"]]
+    except (TypeError, ValueError):
+        raise FormatError(f"{wc}: malformed box") from None
+    if any(o + s * (n - 1) >= d for (o, s, n), d in zip(aps, shape, strict=True)):
+        raise FormatError(f"{wc}: box {c['box']} leaves shape {list(shape)}")
+    box = Box.from_json(shape, aps)
+    base = _hex(c.get("base"), f"{wc}: base", nullable=keyframe)
+    if keyframe and base is not None:
+        raise FormatError(f"{wc}: a keyframe cell has no base")
+    target = _hex(c.get("target"), f"{wc}: target", nullable=False)
+    changed = _int(c.get("changed"), f"{wc}: changed")
+    if not isinstance(c.get("chunks"), list):
+        raise FormatError(f"{wc}: no chunk list")
+    chunks, total, pos = _read_chunks(c["chunks"], wc, box, dt, keyframe, pos)
+    if keyframe:
+        if sum(ch.count for ch in chunks) != box.count:
+            raise FormatError(f"{wc}: a keyframe cell's chunks must cover it")
+    elif total != changed:
+        raise FormatError(f"{wc}: chunks hold {total} changes, cell says {changed}")
+    return Cell(box, base, target, changed, tuple(chunks)), pos
+
+
+def _read_chunks(entries: list, wc: str, box: Box, dt: DType, keyframe: bool,
+                 pos: int) -> tuple[list[Chunk], int, int]:
+    """A cell's chunk list: in cell order inside the box, at most ``chunk_elems`` each, encodings and
+    sizes within the codec's bounds, payloads contiguous from ``pos``. Returns (chunks, their changes,
+    the payload offset after them)."""
+    chunk_elems = max(1, (1 << 20) // dt.itemsize)
+    chunks, end, total = [], 0, 0
+    for k in entries:
+        if not isinstance(k, list) or len(k) != 7:
+            raise FormatError(f"{wc}: malformed chunk {k!r}")
+        ch = Chunk(*(_int(v, wc) for v in k))
+        if ch.first < end or ch.count < 1 or ch.count > chunk_elems or ch.first + ch.count > box.count:
+            raise FormatError(f"{wc}: chunk {k} out of order or outside the cell of {box.count} elements")
+        if ch.encoding not in ENCODING_NAMES or (keyframe and ch.encoding != OVERWRITE):
+            raise FormatError(f"{wc}: bad encoding {ch.encoding}")
+        if not (0 if keyframe else 1) <= ch.n_changed <= ch.count:
+            raise FormatError(f"{wc}: chunk claims {ch.n_changed} changes in {ch.count} elements")
+        if ch.offset != pos or ch.length > max_payload_len(dt, ch.count):
+            raise FormatError(f"{wc}: chunk payload at {ch.offset}+{ch.length} is not contiguous/limited")
+        if ch.decoded_len > 2 * ch.count * dt.itemsize + 64:
+            raise LimitError(f"{wc}: decoded length {ch.decoded_len} over the limit "
+                             f"{2 * ch.count * dt.itemsize + 64}")
+        pos += ch.length
+        end = ch.first + ch.count
+        total += ch.n_changed
+        chunks.append(ch)
+    return chunks, total, pos
 
 
 # ---------------------------------------------------------------------------------------- manifest

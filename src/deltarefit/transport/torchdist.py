@@ -167,7 +167,7 @@ def broadcast_sync(group=None, *, src: int = 0, store: Store | str | None = None
     ``device`` is where broadcast buffers live: ``"cpu"`` for gloo, ``"cuda"`` for NCCL.
     Raises ``BroadcastError`` on every rank when any rank fails.
     """
-    torch, dist = _dist()
+    _, dist = _dist()
     t0 = time.perf_counter()
     rank = dist.get_rank(group)
     if (checkpoint is None) == (tensors is None):
@@ -176,19 +176,46 @@ def broadcast_sync(group=None, *, src: int = 0, store: Store | str | None = None
 
     os.makedirs(mirror, exist_ok=True)
     mstore = LocalStore(mirror)
+    sub = None
     if checkpoint is not None:
         sub = Subscriber(mstore, checkpoint, threads=threads)
         held = sub.current()
     mine = held
     gathered = [_decode_fp(t) for t in _all_gather_bytes(_encode_fp(*(mine or (None, None))), group, device)]
+    st, recs, keys, by_key = _share_plan(store, [v for v, _ in gathered], to_version, group, src, rank, device)
+    received, failure = _mirror_parts(st, keys, by_key, recs, mstore, mirror, group, src, rank, chunk_bytes,
+                                      device)
+    target = recs[-1] if recs else None
+    applied: list[int] = []
+    version, fp = mine if mine else (None, "")
+    if not failure and target is not None and (mine is None or mine[0] < target.version):
+        try:
+            if sub is not None:
+                rep = sub.sync(to_version=target.version)
+                applied, version, fp = rep.versions_applied, rep.version, rep.fingerprint
+            else:
+                version, fp, applied = _apply_tensors(mstore, recs, mine, tensors, threads)
+        except DeltaRefitError as e:
+            failure = f"rank {rank}: {e}"
+    _fail_together(failure, version, fp, target, group, device)
+    shutil.rmtree(os.path.join(mirror, "v"), ignore_errors=True)  # parts are applied: the mirror is scratch
+    return BroadcastReport(rank, mine[0] if mine else None, version if version is not None else 0, fp, received,
+                           applied, time.perf_counter() - t0)
 
+
+def _share_plan(store: Store | str | None, held: list[int | None], to_version: int | None, group, src: int,
+                rank: int, device) -> tuple[Store | None, list[CommitRecord], list[str], dict[str, Part]]:
+    """Step 2: ``src`` plans from its store and broadcasts the manifest, or its failure (raised on every
+    rank). Returns the store (on ``src``; None elsewhere), the records, the keys of the parts to send,
+    and every part the records name, by key."""
+    st = None
     status, manifest = 0, None
     if rank == src:
         try:
             if store is None:
                 raise UsageError("broadcast_sync: the src rank needs store=")
             st = open_store(store) if isinstance(store, str) else store
-            recs, parts = _plan(st, [v for v, _ in gathered], to_version)
+            recs, parts = _plan(st, held, to_version)
             manifest = json.dumps({"records": [json.loads(r.to_bytes()) for r in recs],
                                    "parts": [p.key for p in parts]}).encode()
         except DeltaRefitError as e:
@@ -199,30 +226,32 @@ def broadcast_sync(group=None, *, src: int = 0, store: Store | str | None = None
     m = json.loads(blob)
     recs = [parse_commit(json.dumps(r).encode(), f"broadcast record from rank {src}") for r in m["records"]]
     by_key = {p.key: p for r in recs for p in [r.delta, r.catchup, *(p for _, p in r.keyframe)] if p is not None}
+    return st, recs, m["parts"], by_key
+
+
+def _mirror_parts(st: Store | None, keys: list[str], by_key: dict[str, Part], recs: list[CommitRecord],
+                  mstore: LocalStore, mirror: str, group, src: int, rank: int, chunk_bytes: int,
+                  device) -> tuple[int, str]:
+    """Step 3: every part into this rank's mirror, then the records, so the mirror is a consistent
+    stream. Returns the bytes received and this rank's failure ("" when none): it is not raised here,
+    so that every rank still reaches the collectives that fail them together."""
     received = 0
-    failure = ""
     try:
-        for key in m["parts"]:
-            received += _send_part(st if rank == src else None, by_key[key], group, src, rank, mirror,
-                                   chunk_bytes, device)
+        for key in keys:
+            received += _send_part(st, by_key[key], group, src, rank, mirror, chunk_bytes, device)
         for r in recs:  # records after their parts, as in any store: the mirror is a consistent stream
             mstore.put(commit_key(r.version), r.to_bytes())
         fsync_dir(mirror)
     except (DeltaRefitError, OSError) as e:
-        failure = f"rank {rank}: {e}"
-    applied: list[int] = []
-    version, fp = mine if mine else (None, "")
-    target = recs[-1] if recs else None
-    if not failure and target is not None and (mine is None or mine[0] < target.version):
-        try:
-            if checkpoint is not None:
-                rep = sub.sync(to_version=target.version)
-                applied, version, fp = rep.versions_applied, rep.version, rep.fingerprint
-            else:
-                version, fp, applied = _apply_tensors(mstore, recs, mine, tensors, threads)
-        except DeltaRefitError as e:
-            failure = f"rank {rank}: {e}"
-    # Fail all ranks together: one flag, then everyone's end state.
+        return received, f"rank {rank}: {e}"
+    return received, ""
+
+
+def _fail_together(failure: str, version: int | None, fp: str, target: CommitRecord | None, group,
+                   device) -> None:
+    """Step 4's end: all ranks reduce a failure flag and gather their end states; raises
+    ``BroadcastError`` on every rank if any rank failed or ended anywhere but ``target``."""
+    torch, dist = _dist()
     flag = torch.tensor([1 if failure else 0], dtype=torch.int64, device=device)
     dist.all_reduce(flag, group=group)
     ends = [_decode_fp(t) for t in _all_gather_bytes(_encode_fp(version, fp if not failure else failure[:FP_BYTES]),
@@ -234,9 +263,6 @@ def broadcast_sync(group=None, *, src: int = 0, store: Store | str | None = None
     if target is not None and any(e != (target.version, target.fingerprint) for e in ends):
         bad = [i for i, e in enumerate(ends) if e != (target.version, target.fingerprint)]
         raise BroadcastError(f"ranks {bad} did not end at version {target.version} ({target.fingerprint[:16]}…)")
-    shutil.rmtree(os.path.join(mirror, "v"), ignore_errors=True)  # parts are applied: the mirror is scratch
-    return BroadcastReport(rank, mine[0] if mine else None, version if version is not None else 0, fp, received,
-                           applied, time.perf_counter() - t0)
 
 
 def _apply_tensors(mstore: Store, recs: list[CommitRecord], mine, tensors: dict, threads):

@@ -1,222 +1,53 @@
-"""The delta container: fixed header, payload, JSON manifest, binary chunk table. See FORMAT.md.
+"""The delta container's reader: ``DeltaReader`` opens a delta file and validates everything it can
+before returning. See FORMAT.md.
 
-``DeltaWriter`` streams payloads to a temp file and renames it into place only when complete.
-``DeltaReader`` validates everything it can before returning: header hash, limits, index hash,
-manifest schema, every chunk record (ranges, order, sizes); payload hashes are checked as chunks are
-read. Nothing here decodes chunks or touches checkpoints.
+Validated up front: header hash, limits, section layout, index hash, the manifest's compressed and
+expanded size and JSON shape, its schema (every tensor entry), every chunk record (ranges, order,
+sizes, encodings), and the digests the delta must agree with itself on. Payload hashes are checked
+as chunks are read (``read_payload``). Nothing here decodes chunks or touches checkpoints.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import struct
-from dataclasses import dataclass
 from typing import Any
 
 import zstandard
 
-from .codec.chunk import ENCODING_NAMES, OVERWRITE, max_payload_len
-from .dtypes import DTYPES, dtype
-from .errors import FormatError, IntegrityError, LimitError, UnsupportedVersionError
-from .fsutil import fsync_dir
-from .integrity import (
+from ..codec.chunk import ENCODING_NAMES, OVERWRITE, max_payload_len
+from ..dtypes import DTYPES, dtype
+from ..errors import FormatError, IntegrityError, LimitError, UnsupportedVersionError
+from ..integrity import (
     DIGEST_BYTES,
-    SEG_HASH_BYTES,
     SEGMENT_BYTES,
     fingerprint_from_digests,
     n_segments,
     seg_hash,
     tensor_digest_from_segments,
 )
-from .jsonlimits import brief, json_shape_problem
-
-MAGIC = b"DRDELTA\x00"
-VERSION = 1
-HEADER = struct.Struct("<8sHHIQQQQQQ16s16s")
-HEADER_SIZE = HEADER.size  # 96
-RECORD = struct.Struct("<IIBBHIQII16s16s16s")
-RECORD_SIZE = RECORD.size  # 80
-SUM_BYTES = 16  # an additive digest (shard.digest): two 64-bit lanes
-MAX_MANIFEST_BYTES = 256 << 20
-# A manifest's expanded size is also bounded by its compressed size: at most 1 MiB + 1024 times it.
-# Real manifests expand 5-10x (each tensor has a digest of 32 random bytes), and about 220x at worst
-# (100k tensors sharing one digest); a small file can't make the reader build hundreds of MiB.
-MANIFEST_FLOOR = 1 << 20
-MANIFEST_EXPANSION = 1024
-# Shape bounds checked before the JSON is parsed (see jsonlimits): real manifests nest 5 levels and
-# hold one array/object per 50-70 bytes.
-MANIFEST_MAX_DEPTH = 8
-MANIFEST_BYTES_PER_CONTAINER = 16
-MAX_RECORDS = 1 << 26  # 64 Mi chunks = 64 TiB of tensor bytes in one delta
-MAX_NDIM = 64
-FLAG_MANIFEST_ZSTD = 1  # the manifest section is one zstd frame (the only layout v1 writes or reads)
-OPS = ("same", "patch", "add", "remove", "replace")
-ZERO_HASH = bytes(SEG_HASH_BYTES)
-
-
-@dataclass(frozen=True)
-class ChunkRecord:
-    tensor_index: int
-    chunk_index: int
-    encoding: int
-    n_changed: int
-    payload_offset: int
-    payload_len: int
-    decoded_len: int
-    payload_hash: bytes
-    pre_hash: bytes
-    post_hash: bytes
-
-    def pack(self) -> bytes:
-        return _pack_record(self.tensor_index, self.chunk_index, self.encoding, self.n_changed, self.payload_offset,
-                            self.payload_len, self.decoded_len, self.payload_hash, self.pre_hash, self.post_hash)
-
-
-def _pack_record(tensor_index: int, chunk_index: int, encoding: int, n_changed: int, payload_offset: int,
-                 payload_len: int, decoded_len: int, payload_hash: bytes, pre_hash: bytes, post_hash: bytes) -> bytes:
-    """A chunk record's table bytes (the two reserved fields zero)."""
-    return RECORD.pack(tensor_index, chunk_index, encoding, 0, 0, n_changed, payload_offset, payload_len,
-                       decoded_len, payload_hash, pre_hash, post_hash)
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    dtype: str
-    shape: tuple[int, ...]
-    digest: bytes
-    # Optional additive digest (``shard.digest``, 16 bytes) of the same bits: lets a target that tracks
-    # the digest of what it holds check a patch in O(changed elements) (FORMAT.md, "Held digests").
-    sum: bytes | None = None
-
-    @property
-    def nbytes(self) -> int:
-        n = DTYPES[self.dtype].itemsize
-        for d in self.shape:
-            n *= d
-        return n
-
-    def to_json(self) -> dict[str, Any]:
-        out = {"dtype": self.dtype, "shape": list(self.shape), "digest": self.digest.hex()}
-        if self.sum is not None:
-            out["sum"] = self.sum.hex()
-        return out
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    name: str
-    op: str
-    base: TensorMeta | None
-    target: TensorMeta | None
-    changed: int  # changed elements (all target elements for add/replace)
-    first: int  # index of its first chunk record
-    count: int  # number of chunk records
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name, "op": self.op, "changed": self.changed, "first": self.first, "count": self.count,
-            "base": self.base.to_json() if self.base else None,
-            "target": self.target.to_json() if self.target else None,
-        }
-
-
-# --------------------------------------------------------------------------------------------- writer
-
-
-class DeltaWriter:
-    """Writes a delta file: ``add_chunk`` in table order, then ``finish``; the file appears atomically.
-    ``durable=False`` skips the fsyncs: for a file that is staged to be copied elsewhere (the copy is
-    made durable there) and read back by this process only; the rename stays atomic either way."""
-
-    def __init__(self, path: str, *, durable: bool = True) -> None:
-        self.path = path
-        self.durable = durable
-        self.tmp = f"{path}.tmp-{os.getpid()}"
-        _remove_stale_temps(path)
-        # Payloads average a few KiB: a 1 MiB buffer makes their writes a few large system calls.
-        self._f = open(self.tmp, "wb", buffering=1 << 20)
-        self._f.write(bytes(HEADER_SIZE))
-        self._off = 0
-        # Records go straight into the packed table: the encoder adds one per changed MiB, on the thread
-        # that also feeds its workers, so a record costs one struct.pack and no object.
-        self._table = bytearray()
-        self.n_records = 0
-
-    def add_chunk(self, tensor_index: int, chunk_index: int, encoding: int, n_changed: int, payload: bytes,
-                  decoded_len: int, pre_hash: bytes, post_hash: bytes) -> None:
-        self._f.write(payload)
-        self._table += _pack_record(tensor_index, chunk_index, encoding, n_changed, self._off, len(payload),
-                                    decoded_len, seg_hash(payload), pre_hash, post_hash)
-        self.n_records += 1
-        self._off += len(payload)
-
-    @property
-    def payload_bytes(self) -> int:
-        return self._off
-
-    def finish(self, manifest: dict[str, Any]) -> int:
-        """Write manifest, table and header, fsync and rename into place. Returns the file size."""
-        man = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode("utf-8")
-        if len(man) > MAX_MANIFEST_BYTES:
-            raise LimitError(f"{self.path}: manifest of {len(man)} bytes exceeds {MAX_MANIFEST_BYTES}")
-        problem = json_shape_problem(man, max_depth=MANIFEST_MAX_DEPTH,
-                                     bytes_per_container=MANIFEST_BYTES_PER_CONTAINER)
-        if problem:  # what readers would refuse is never written
-            raise LimitError(f"{self.path}: manifest {problem}")
-        raw_len = len(man)
-        # Level 1: on real manifests it came out smaller than level 9, and 5x faster.
-        man = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(man)
-        if raw_len > manifest_limit(len(man)):
-            raise LimitError(f"{self.path}: manifest of {raw_len} bytes compresses to {len(man)}, past the "
-                             f"expansion readers accept ({manifest_limit(len(man))} bytes)")
-        table = bytes(self._table)
-        self._f.write(man)
-        self._f.write(table)
-        payload_off = HEADER_SIZE
-        man_off = payload_off + self._off
-        head = HEADER.pack(MAGIC, VERSION, FLAG_MANIFEST_ZSTD, HEADER_SIZE, payload_off, self._off, man_off, len(man),
-                           man_off + len(man), len(table), seg_hash(man + table), ZERO_HASH)
-        head = head[:-16] + seg_hash(head[:-16])
-        self._f.seek(0)
-        self._f.write(head)
-        self._f.flush()
-        if self.durable:
-            os.fsync(self._f.fileno())
-        size = man_off + len(man) + len(table)
-        self._f.close()
-        os.replace(self.tmp, self.path)
-        if self.durable:
-            fsync_dir(os.path.dirname(os.path.abspath(self.path)))
-        return size
-
-    def abort(self) -> None:
-        try:
-            self._f.close()
-        finally:
-            if os.path.exists(self.tmp):
-                os.unlink(self.tmp)
-
-
-def _remove_stale_temps(path: str) -> None:
-    """Remove ``path.tmp-PID`` files left by writers that were killed (their PID no longer runs)."""
-    import glob
-
-    for tmp in glob.glob(glob.escape(path) + ".tmp-*"):
-        pid = tmp.rsplit("-", 1)[-1]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        except PermissionError:
-            pass  # another user's live process
-
-
-# --------------------------------------------------------------------------------------------- reader
+from ..jsonlimits import brief, json_shape_problem
+from .layout import (
+    FLAG_MANIFEST_ZSTD,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    MANIFEST_BYTES_PER_CONTAINER,
+    MANIFEST_EXPANSION,
+    MANIFEST_MAX_DEPTH,
+    MAX_MANIFEST_BYTES,
+    MAX_NDIM,
+    MAX_RECORDS,
+    OPS,
+    RECORD,
+    RECORD_SIZE,
+    SUM_BYTES,
+    VERSION,
+    ChunkRecord,
+    TensorEntry,
+    TensorMeta,
+    manifest_limit,
+)
 
 
 class DeltaReader:
@@ -391,11 +222,6 @@ class DeltaReader:
 
     def chunks(self, e: TensorEntry) -> list[ChunkRecord]:
         return self.records[e.first:e.first + e.count]
-
-
-def manifest_limit(compressed_len: int) -> int:
-    """The most bytes a manifest stored in ``compressed_len`` bytes may expand to (see FORMAT.md)."""
-    return min(MAX_MANIFEST_BYTES, MANIFEST_FLOOR + MANIFEST_EXPANSION * compressed_len)
 
 
 def _unzstd_manifest(data: bytes, p: str) -> bytes:

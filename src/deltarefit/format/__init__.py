@@ -1,0 +1,52 @@
+"""The delta container: fixed header, payload, JSON manifest, binary chunk table. See FORMAT.md.
+
+The import path of the container (``from deltarefit.format import DeltaReader, DeltaWriter, ...``);
+its parts live in modules by role: ``layout`` (the structs, limits and typed records every part
+shares, no I/O), ``writer`` (``DeltaWriter``: payloads to a temp file, renamed into place only when
+complete) and ``reader`` (``DeltaReader``: validates everything it can before returning, checks
+payload hashes as chunks are read). Nothing here decodes chunks or touches checkpoints.
+"""
+
+from __future__ import annotations
+
+from .layout import (
+    FLAG_MANIFEST_ZSTD,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    MANIFEST_BYTES_PER_CONTAINER,
+    MANIFEST_EXPANSION,
+    MANIFEST_FLOOR,
+    MANIFEST_MAX_DEPTH,
+    MAX_MANIFEST_BYTES,
+    MAX_NDIM,
+    MAX_RECORDS,
+    OPS,
+    RECORD,
+    RECORD_SIZE,
+    SUM_BYTES,
+    VERSION,
+    ZERO_HASH,
+    ChunkRecord,
+    TensorEntry,
+    TensorMeta,
+    manifest_limit,
+)
+
+# Private helpers too, for the tests and tools that reach them through this path.
+from .layout import _pack_record as _pack_record
+from .reader import DeltaReader
+from .reader import _hex as _hex
+from .reader import _meta as _meta
+from .reader import _tensor_entry as _tensor_entry
+from .reader import _unpack_record as _unpack_record
+from .reader import _unzstd_manifest as _unzstd_manifest
+from .writer import DeltaWriter
+from .writer import _remove_stale_temps as _remove_stale_temps
+
+__all__ = [
+    "FLAG_MANIFEST_ZSTD", "HEADER", "HEADER_SIZE", "MAGIC", "MANIFEST_BYTES_PER_CONTAINER", "MANIFEST_EXPANSION",
+    "MANIFEST_FLOOR", "MANIFEST_MAX_DEPTH", "MAX_MANIFEST_BYTES", "MAX_NDIM", "MAX_RECORDS", "OPS", "RECORD",
+    "RECORD_SIZE", "SUM_BYTES", "VERSION", "ZERO_HASH", "ChunkRecord", "DeltaReader", "DeltaWriter", "TensorEntry",
+    "TensorMeta", "manifest_limit",
+]
