@@ -6,7 +6,7 @@ smallest; ``decode_chunk`` turns a payload back into a ``Patch`` that, scattered
 gives the target bit for bit. Encodings (numbers are part of the format, see FORMAT.md):
 
 * ``ULP``         positions grouped by the base's exponent, rice-coded gaps per group, signed ulp
-                  distances, all through an adaptive binary range coder (kernels.py).
+                  distances, all through an adaptive binary range coder (primitives.py; the kernels in encode_kernels.py and decode_kernels.py).
 * ``SPARSE_XOR``  zstd( u8 width | position gaps as uint{8,16,32} | XOR values ) (the NeMo-RL layout).
 * ``DENSE_XOR``   zstd( base XOR target ) over the whole chunk.
 * ``OVERWRITE``   zstd( target ) over the whole chunk; also used for added or re-typed tensors.
