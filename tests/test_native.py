@@ -209,3 +209,27 @@ def test_the_encoder_writes_the_same_delta_with_either_kernels(tmp_path, monkeyp
             assert rep.changed_elements > 0
             outs[native] = out.read_bytes()
         assert outs[True] == outs[False], (bp, tp)
+
+
+def test_the_additive_digest_is_native_and_importing_it_loads_no_numba(simd):
+    """``shard.digest`` runs the native kernel where it was built (each SIMD path: the numba kernel's sums),
+    and importing it (as every live engine and publisher does) costs no numba import."""
+    import subprocess
+    import sys
+
+    from deltarefit.shard import digest
+
+    assert digest._native() is not None
+    rng = np.random.default_rng(5)
+    seed = digest.seeds("t", "BF16", (9,))
+    for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
+        bits = rng.integers(0, np.iinfo(dt).max, 5003, dtype=dt, endpoint=True)
+        flat = rng.integers(0, 2**50, bits.size).astype(np.int64)
+        for f, start in ((flat, 0), (None, 2**33 + 7)):
+            np.testing.assert_array_equal(digest._sums(f, start, bits, seed),
+                                          digest._sums(f, start, bits, seed, force_numba=True))
+    code = ("import sys; from deltarefit.shard import digest; import numpy as np; "
+            "digest.partial_run(digest.seeds('t', 'BF16', (3,)), 0, np.arange(3, dtype=np.uint16)); "
+            "print('numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -135,6 +135,12 @@ def test_additive_digest_kernel_and_partitions(dt, n, seed):
     flat = rng.permutation(n).astype(np.int64)
     whole = D.partial(s, flat, bits)
     np.testing.assert_array_equal(whole, D._partial_numpy(s, flat, bits))
+    # the native kernel (where built) and the numba one give the same sums, by indices and by a run
+    np.testing.assert_array_equal(D._sums(flat, 0, bits, s, force_numba=True), whole)
+    start = int(rng.integers(0, 2**40))
+    run = D.partial_run(s, start, bits)
+    np.testing.assert_array_equal(run, D._partial_numpy(s, np.arange(start, start + n, dtype=np.int64), bits))
+    np.testing.assert_array_equal(D._sums(None, start, bits, s, force_numba=True), run)
     cuts = np.sort(rng.integers(0, n + 1, 3))
     acc = D.ZERO.copy()
     for a, b in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [n]]), strict=True):

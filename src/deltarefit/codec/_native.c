@@ -1749,7 +1749,121 @@ static PyObject *py_simd(PyObject *self, PyObject *noargs)
     return PyUnicode_FromString(have_avx512() ? "avx512" : "portable");
 }
 
+/* ------------------------------------------------------------------------------------------------
+ * digest(flat, start, bits, itemsize, s0, s1) -> (a0, a1)
+ *
+ * shard.digest's additive digest of some elements of a tensor (its module docstring defines it):
+ * sum_i mix(mix(f_i ^ s) ^ (b_i * golden)) mod 2^64 per lane, f_i = flat[i] (an int64 array) or, with
+ * flat None, start + i. The same sums as its numba kernels and its numpy reference.
+ * ------------------------------------------------------------------------------------------------ */
+
+static inline uint64_t mix64(uint64_t x)
+{
+    x ^= x >> 30;
+    x *= 0xBF58476D1CE4E5B9ULL;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBULL;
+    x ^= x >> 31;
+    return x;
+}
+
+#define DIGEST_LOOP(T, F)                                                                              \
+    for (Py_ssize_t i = 0; i < n; i++) {                                                               \
+        uint64_t f = (F);                                                                              \
+        uint64_t b = (uint64_t)((const T *)bits)[i] * 0x9E3779B97F4A7C15ULL;                         \
+        a0 += mix64(mix64(f ^ s0) ^ b);                                                                \
+        a1 += mix64(mix64(f ^ s1) ^ b);                                                                \
+    }
+
+/* Four loops per index source (an array, or start + i), one per element width, each a plain reduction
+ * the compiler vectorizes (no branch inside). */
+#define DIGEST_BODY                                                                                     \
+    uint64_t a0 = 0, a1 = 0;                                                                           \
+    if (flat) {                                                                                        \
+        switch (itemsize) {                                                                            \
+        case 1: DIGEST_LOOP(uint8_t, (uint64_t)flat[i]) break;                                         \
+        case 2: DIGEST_LOOP(uint16_t, (uint64_t)flat[i]) break;                                        \
+        case 4: DIGEST_LOOP(uint32_t, (uint64_t)flat[i]) break;                                        \
+        default: DIGEST_LOOP(uint64_t, (uint64_t)flat[i]) break;                                       \
+        }                                                                                              \
+    } else {                                                                                           \
+        uint64_t s = (uint64_t)start;                                                                  \
+        switch (itemsize) {                                                                            \
+        case 1: DIGEST_LOOP(uint8_t, s + (uint64_t)i) break;                                           \
+        case 2: DIGEST_LOOP(uint16_t, s + (uint64_t)i) break;                                          \
+        case 4: DIGEST_LOOP(uint32_t, s + (uint64_t)i) break;                                          \
+        default: DIGEST_LOOP(uint64_t, s + (uint64_t)i) break;                                         \
+        }                                                                                              \
+    }                                                                                                  \
+    out[0] = a0;                                                                                       \
+    out[1] = a1;
+
+static void digest_sums(const int64_t *flat, long long start, const void *bits, Py_ssize_t n, int itemsize,
+                        uint64_t s0, uint64_t s1, uint64_t *out)
+{
+    DIGEST_BODY
+}
+
+#if HAVE_AVX512_PATH
+/* The same loops compiled for AVX-512 (64-bit multiplies in vectors). */
+__attribute__((target("avx512f,avx512dq,avx512vl,avx512bw")))
+static void digest_sums_avx512(const int64_t *flat, long long start, const void *bits, Py_ssize_t n, int itemsize,
+                               uint64_t s0, uint64_t s1, uint64_t *out)
+{
+    DIGEST_BODY
+}
+#endif
+
+static PyObject *py_digest(PyObject *self, PyObject *args)
+{
+    PyObject *oflat, *obits;
+    long long start;
+    int itemsize;
+    unsigned long long s0, s1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OLOiKK", &oflat, &start, &obits, &itemsize, &s0, &s1))
+        return NULL;
+    if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "digest: itemsize must be 1, 2, 4 or 8");
+        return NULL;
+    }
+    Py_buffer vb, vf;
+    if (get_buf(obits, &vb, 0, 0, (unsigned)itemsize, "bits") < 0)
+        return NULL;
+    if (vb.len % itemsize) {
+        PyBuffer_Release(&vb);
+        PyErr_SetString(PyExc_ValueError, "digest: bits is not a whole number of elements");
+        return NULL;
+    }
+    Py_ssize_t n = vb.len / itemsize;
+    const int64_t *flat = NULL;
+    int have_flat = oflat != Py_None;
+    if (have_flat) {
+        if (get_buf(oflat, &vf, 0, 8 * n, 8, "flat") < 0) {
+            PyBuffer_Release(&vb);
+            return NULL;
+        }
+        flat = vf.buf;
+    }
+    uint64_t out[2];
+    Py_BEGIN_ALLOW_THREADS
+#if HAVE_AVX512_PATH
+    if (have_avx512() && __builtin_cpu_supports("avx512dq"))
+        digest_sums_avx512(flat, start, vb.buf, n, itemsize, s0, s1, out);
+    else
+#endif
+        digest_sums(flat, start, vb.buf, n, itemsize, s0, s1, out);
+    Py_END_ALLOW_THREADS
+    if (have_flat)
+        PyBuffer_Release(&vf);
+    PyBuffer_Release(&vb);
+    return Py_BuildValue("(KK)", (unsigned long long)out[0], (unsigned long long)out[1]);
+}
+
 static PyMethodDef methods[] = {
+    {"digest", py_digest, METH_VARARGS,
+     "digest(flat, start, bits, itemsize, s0, s1) -> (a0, a1): shard.digest's additive sums of the elements "
+     "``bits`` at checkpoint flat indices ``flat`` (int64), or start, start + 1, ... when flat is None."},
     {"scan16", py_scan16, METH_VARARGS,
      "scan16(base, target, shift, mask, n_ctx, pos, ectx, rank, bvals, tvals[, bits, kind, out]) -> m: "
      "kernels.ulp_scan for 16-bit elements; with out, also codes the changes: -> (m, nbytes), nbytes as "

@@ -12,12 +12,28 @@
                   follows the stream), ``retain_sharded`` (``retention``); records in ``records``
 """
 
-from .convert import export_full, to_served_bits
-from .names import cuts_from_layouts, identity_layout, llama_shapes, tp_layout, trainer_layout
-from .part import join, read_part
-from .publish import PartStats, ShardPublisher
-from .rollout import apply_version, apply_version_to_module, group_check, needed_ranks, slice_digests
-from .stream import ShardStreamPublisher, retain_sharded, sync_sharded
+import importlib
+
+# Imported on first use (``deltarefit.shard.X``): ``from deltarefit.shard import digest`` then loads the
+# digest alone, not numba and the part format with it.
+_FROM = {"export_full": "convert", "to_served_bits": "convert", "cuts_from_layouts": "names",
+         "identity_layout": "names", "llama_shapes": "names", "tp_layout": "names", "trainer_layout": "names",
+         "join": "part", "read_part": "part", "PartStats": "publish", "ShardPublisher": "publish",
+         "apply_version": "rollout", "apply_version_to_module": "rollout", "group_check": "rollout",
+         "needed_ranks": "rollout", "slice_digests": "rollout", "ShardStreamPublisher": "stream",
+         "retain_sharded": "stream", "sync_sharded": "stream"}
+
+
+_SUBMODULES = {'_digest_numba', 'convert', 'digest', 'group', 'names', 'part', 'projection', 'publish', 'records', 'retention', 'rollout', 'stream', 'sync', 'tables', 'trainer'}
+
+
+def __getattr__(name: str):
+    if name in _FROM:
+        return getattr(importlib.import_module(f".{_FROM[name]}", __name__), name)
+    if name in _SUBMODULES:  # ``deltarefit.shard.stream`` without importing it first, as before
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["PartStats", "ShardPublisher", "ShardStreamPublisher", "apply_version", "apply_version_to_module",
            "cuts_from_layouts", "export_full", "group_check", "identity_layout", "join", "llama_shapes", "needed_ranks", "read_part",

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 
 import blake3
 import numpy as np
-from numba import njit
 
 _DOMAIN = b"deltarefit.additive.v1\0"
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -62,50 +61,33 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _h(f, b, s):  # pragma: no cover - compiled
-    # h_l(i, b) of the module docstring for one lane: f = the index, b = bits * golden, s = the lane seed
-    x = f ^ s
-    x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    x ^= b
-    x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    return x
+def _native():
+    """The native kernel (``codec._native.digest``) where it was built and is not switched off
+    (``DELTAREFIT_KERNELS=numba``); None otherwise."""
+    from ..codec import chunk
+
+    return getattr(chunk._native, "digest", None) if chunk.USE_NATIVE else None
 
 
-@njit(cache=True, nogil=True)
-def _partial_kernel(flat, bits, s0, s1):  # pragma: no cover - compiled
-    # Same function as _partial_numpy (the reference), one pass, no temporaries; uint64 wraps.
-    g = np.uint64(0x9E3779B97F4A7C15)
-    a0 = np.uint64(0)
-    a1 = np.uint64(0)
-    for i in range(flat.size):
-        f = np.uint64(flat[i])
-        b = np.uint64(bits[i]) * g
-        a0 += _h(f, b, s0)
-        a1 += _h(f, b, s1)
-    return a0, a1
+def _numba_kernels():
+    """(partial kernel, run kernel) in numba (``_digest_numba``): the fallback where no native kernel was
+    built, imported on first use so that importing this module never imports numba."""
+    from . import _digest_numba
+
+    return _digest_numba.partial_kernel, _digest_numba.run_kernel
 
 
-@njit(cache=True, nogil=True)
-def _run_kernel(start, bits, s0, s1):  # pragma: no cover - compiled
-    # _partial_kernel over the indices start, start + 1, ... (no index array to build or read).
-    g = np.uint64(0x9E3779B97F4A7C15)
-    a0 = np.uint64(0)
-    a1 = np.uint64(0)
-    for i in range(bits.size):
-        f = np.uint64(start + i)
-        b = np.uint64(bits[i]) * g
-        a0 += _h(f, b, s0)
-        a1 += _h(f, b, s1)
-    return a0, a1
+def _sums(flat: np.ndarray | None, start: int, bits: np.ndarray, seed: np.ndarray, force_numba: bool = False
+          ) -> np.ndarray:
+    """The two lanes' sums of ``bits`` (unsigned, contiguous) at ``flat`` (int64) or ``start, start + 1, ...``."""
+    nat = None if force_numba else _native()
+    if nat is not None:
+        a0, a1 = nat(flat, int(start), bits, bits.dtype.itemsize, int(seed[0]), int(seed[1]))
+    elif flat is None:
+        a0, a1 = _numba_kernels()[1](np.int64(start), bits, np.uint64(seed[0]), np.uint64(seed[1]))
+    else:
+        a0, a1 = _numba_kernels()[0](flat, bits, np.uint64(seed[0]), np.uint64(seed[1]))
+    return np.array([a0, a1], np.uint64)
 
 
 def partial_run(seed: np.ndarray, start: int, bits: np.ndarray) -> np.ndarray:
@@ -113,9 +95,7 @@ def partial_run(seed: np.ndarray, start: int, bits: np.ndarray) -> np.ndarray:
     bits = np.ascontiguousarray(np.asarray(bits).reshape(-1))
     if bits.dtype.kind not in "ui":
         bits = bits.view(f"<u{bits.dtype.itemsize}")
-    a0, a1 = _run_kernel(np.int64(start), bits.view(f"<u{bits.dtype.itemsize}"), np.uint64(seed[0]),
-                         np.uint64(seed[1]))
-    return np.array([a0, a1], np.uint64)
+    return _sums(None, start, bits.view(f"<u{bits.dtype.itemsize}"), seed)
 
 
 def change(seed: np.ndarray, flat: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
@@ -131,8 +111,7 @@ def partial(seed: np.ndarray, flat: np.ndarray, bits: np.ndarray) -> np.ndarray:
         bits = bits.view(f"<u{bits.dtype.itemsize}")
     if flat.size != bits.size:
         raise ValueError(f"{flat.size} indices for {bits.size} elements")
-    a0, a1 = _partial_kernel(flat, bits.view(f"<u{bits.dtype.itemsize}"), np.uint64(seed[0]), np.uint64(seed[1]))
-    return np.array([a0, a1], np.uint64)
+    return _sums(flat, 0, bits.view(f"<u{bits.dtype.itemsize}"), seed)
 
 
 _BLOCK = 1 << 16
