@@ -275,7 +275,7 @@ def _meta(v: Any, where: str) -> TensorMeta | None:
     add = v.get("sum")
     if add is not None and (not isinstance(add, str) or len(add) != 2 * SUM_BYTES
                             or any(c not in "0123456789abcdef" for c in add)):
-        raise FormatError(f"{where}: additive digest 'sum' must be {2 * SUM_BYTES} lowercase hex digits")
+        raise FormatError(f"{where}: additive digest 'sum' must be {2 * SUM_BYTES} lowercase hex digits, got {brief(add)}")
     m = TensorMeta(dt, tuple(shape), bytes.fromhex(_hex(v.get("digest"), f"{where} digest")),
                    bytes.fromhex(add) if add is not None else None)
     if m.nbytes >= 1 << 50:
