@@ -228,6 +228,15 @@ def test_the_additive_digest_is_native_and_importing_it_loads_no_numba(simd):
         for f, start in ((flat, 0), (None, 2**33 + 7)):
             np.testing.assert_array_equal(digest._sums(f, start, bits, seed),
                                           digest._sums(f, start, bits, seed, force_numba=True))
+        # a tensor in a mapped checkpoint may sit at any offset: elements and indices read unaligned
+        raw = np.zeros(bits.nbytes + 1, np.uint8)
+        raw[1:] = bits.view(np.uint8)
+        odd = raw[1:].view(dt)
+        rawf = np.zeros(flat.nbytes + 1, np.uint8)
+        rawf[1:] = flat.view(np.uint8)
+        oddf = rawf[1:].view(np.int64)
+        assert dt == np.uint8 or not odd.flags.aligned
+        np.testing.assert_array_equal(digest._sums(oddf, 0, odd, seed), digest._sums(flat, 0, bits, seed))
     code = ("import sys; from deltarefit.shard import digest; import numpy as np; "
             "digest.partial_run(digest.seeds('t', 'BF16', (3,)), 0, np.arange(3, dtype=np.uint16)); "
             "print('numba' in sys.modules)")

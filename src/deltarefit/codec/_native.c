@@ -1767,10 +1767,14 @@ static inline uint64_t mix64(uint64_t x)
     return x;
 }
 
+/* Elements and indices are read with memcpy: a tensor in a mapped checkpoint need not be aligned to its
+ * width (the compiler turns the copies into unaligned loads). */
 #define DIGEST_LOOP(T, F)                                                                              \
     for (Py_ssize_t i = 0; i < n; i++) {                                                               \
         uint64_t f = (F);                                                                              \
-        uint64_t b = (uint64_t)((const T *)bits)[i] * 0x9E3779B97F4A7C15ULL;                         \
+        T v_;                                                                                          \
+        memcpy(&v_, (const char *)bits + (size_t)i * sizeof(T), sizeof(T));                            \
+        uint64_t b = (uint64_t)v_ * 0x9E3779B97F4A7C15ULL;                                             \
         a0 += mix64(mix64(f ^ s0) ^ b);                                                                \
         a1 += mix64(mix64(f ^ s1) ^ b);                                                                \
     }
@@ -1781,10 +1785,10 @@ static inline uint64_t mix64(uint64_t x)
     uint64_t a0 = 0, a1 = 0;                                                                           \
     if (flat) {                                                                                        \
         switch (itemsize) {                                                                            \
-        case 1: DIGEST_LOOP(uint8_t, (uint64_t)flat[i]) break;                                         \
-        case 2: DIGEST_LOOP(uint16_t, (uint64_t)flat[i]) break;                                        \
-        case 4: DIGEST_LOOP(uint32_t, (uint64_t)flat[i]) break;                                        \
-        default: DIGEST_LOOP(uint64_t, (uint64_t)flat[i]) break;                                       \
+        case 1: DIGEST_LOOP(uint8_t, flat_at(flat, i)) break;                                          \
+        case 2: DIGEST_LOOP(uint16_t, flat_at(flat, i)) break;                                         \
+        case 4: DIGEST_LOOP(uint32_t, flat_at(flat, i)) break;                                         \
+        default: DIGEST_LOOP(uint64_t, flat_at(flat, i)) break;                                        \
         }                                                                                              \
     } else {                                                                                           \
         uint64_t s = (uint64_t)start;                                                                  \
@@ -1797,6 +1801,13 @@ static inline uint64_t mix64(uint64_t x)
     }                                                                                                  \
     out[0] = a0;                                                                                       \
     out[1] = a1;
+
+static inline uint64_t flat_at(const void *flat, Py_ssize_t i)
+{
+    uint64_t f;
+    memcpy(&f, (const char *)flat + (size_t)i * 8, 8);
+    return f;
+}
 
 static void digest_sums(const int64_t *flat, long long start, const void *bits, Py_ssize_t n, int itemsize,
                         uint64_t s0, uint64_t s1, uint64_t *out)
@@ -1828,7 +1839,7 @@ static PyObject *py_digest(PyObject *self, PyObject *args)
         return NULL;
     }
     Py_buffer vb, vf;
-    if (get_buf(obits, &vb, 0, 0, (unsigned)itemsize, "bits") < 0)
+    if (get_buf(obits, &vb, 0, 0, 1, "bits") < 0)
         return NULL;
     if (vb.len % itemsize) {
         PyBuffer_Release(&vb);
@@ -1839,7 +1850,7 @@ static PyObject *py_digest(PyObject *self, PyObject *args)
     const int64_t *flat = NULL;
     int have_flat = oflat != Py_None;
     if (have_flat) {
-        if (get_buf(oflat, &vf, 0, 8 * n, 8, "flat") < 0) {
+        if (get_buf(oflat, &vf, 0, 8 * n, 1, "flat") < 0) {
             PyBuffer_Release(&vb);
             return NULL;
         }
