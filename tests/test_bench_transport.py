@@ -29,7 +29,12 @@ def test_transport_bench_tiny_pair(tmp_path, capsys):
         assert res["s3"]["bytes"] == res["store"][0]["full_bytes"] and res["s3"]["up_ratio"] > 0
     text = md.read_text()
     assert "## Refit through a store at an emulated link" in text and "## Where the delta's time goes" in text
-    assert "![refit times](T.png)" in text and (tmp_path / "T.png").read_bytes()[:4] == b"\x89PNG"
+    try:
+        import matplotlib  # noqa: F401  (the plot needs the bench extra)
+    except ImportError:
+        assert "![refit times]" not in text and not (tmp_path / "T.png").exists()
+    else:
+        assert "![refit times](T.png)" in text and (tmp_path / "T.png").read_bytes()[:4] == b"\x89PNG"
     assert "faster" in capsys.readouterr().out
 
 
