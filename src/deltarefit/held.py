@@ -68,8 +68,8 @@ class HeldPlans:
         """The chunks of a shared tensor for a held-digest plan, and the group's sum of the digest moves
         of the chunks its processes hold whole. Those are decoded once, by their holder, on its threads;
         the chunks split between processes are decoded by each on this thread, in one order (their
-        segments are assembled over the group). Every process makes the same collective calls whatever
-        fails, then refuses if any did."""
+        segments are assembled over the group). A failure in a chunk held whole does not change which
+        collective calls a process makes: the group sum carries it, and every process refuses."""
         from .shard import digest as additive
 
         recs = self.d.chunks(e)
