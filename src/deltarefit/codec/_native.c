@@ -1143,6 +1143,31 @@ __attribute__((target("avx512f,avx512bw"))) static inline __m512i block_ctx_avx5
  * slot BLOCK_CTX, whose countdown (64) never comes due and whose gaps are zeros, reset every block. */
 #define DUE_SLOTS_AVX512 2 /* (fewer: the loop's exit mispredicts; more: slots cost more than it) */
 #define DUE_SLOTS_GFNI 1   /* (more ran slower here: its slots are on the chain from block to block) */
+
+/* One due context k (the lowest bit of ``due``; ``DUMMY`` when none is left): x, its next change's rank
+ * among the block's lanes of its context, is < pc. Both AVX-512 positions passes take this slot; ``...``
+ * is each pass's own bookkeeping after it, with x, k and pc in scope. */
+#define DUE_SLOT_STEP(DUMMY, ...)                                                                   \
+    do {                                                                                            \
+        const int k = __builtin_ctzll(due | (1ull << DUMMY));                                       \
+        due &= due - 1;                                                                             \
+        const uint64_t m = _mm512_cmpeq_epi8_mask(e, vk[k]);                                        \
+        const int32_t pc = (int32_t)__builtin_popcountll(m);                                        \
+        const int32_t *q = gp[k];                                                                   \
+        int32_t x = nx[k] + pc, x1 = x + q[0];                                                      \
+        const uint32_t s1 = x1 < pc;                                                                \
+        chg |= _pdep_u64((uint64_t)(x < pc) << (x & 63), m) | _pdep_u64((uint64_t)s1 << (x1 & 63), m); \
+        x = (int32_t)csel(s1, (uint32_t)(x1 + q[1]), (uint32_t)x1);                                 \
+        q += 1 + s1;                                                                                \
+        while (__builtin_expect(x < pc, 0)) {                                                       \
+            chg |= _pdep_u64(1ull << x, m);                                                         \
+            x += *q++;                                                                              \
+        }                                                                                           \
+        gp[k] = q;                                                                                  \
+        nx[k] = x - pc;                                                                             \
+        __VA_ARGS__;                                                                                \
+    } while (0)
+
 static const int32_t zero_gaps[8]; /* >= 2 + the most slots */
 
 __attribute__((target("avx512f,avx512bw,popcnt,bmi,bmi2"))) static __attribute__((noinline)) void
@@ -1199,27 +1224,7 @@ pos_avx512(posst_t *P, const uint8_t *base, int64_t n, int itemsize, unsigned sh
         gp[BLOCK_CTX] = zero_gaps;
         uint64_t chg = 0;
         uint32_t gone = 0;
-        /* One due context: x, its next change's rank among the block's lanes of its context, is < pc. */
-#define DUE_SLOT()                                                                                  \
-    do {                                                                                            \
-        const int k = __builtin_ctzll(due | (1ull << BLOCK_CTX));                                   \
-        due &= due - 1;                                                                             \
-        const uint64_t m = _mm512_cmpeq_epi8_mask(e, vk[k]);                                        \
-        const int32_t pc = (int32_t)__builtin_popcountll(m);                                        \
-        const int32_t *q = gp[k];                                                                   \
-        int32_t x = nx[k] + pc, x1 = x + q[0];                                                      \
-        const uint32_t s1 = x1 < pc;                                                                \
-        chg |= _pdep_u64((uint64_t)(x < pc) << (x & 63), m) | _pdep_u64((uint64_t)s1 << (x1 & 63), m); \
-        x = (int32_t)csel(s1, (uint32_t)(x1 + q[1]), (uint32_t)x1);                                 \
-        q += 1 + s1;                                                                                \
-        while (__builtin_expect(x < pc, 0)) {                                                       \
-            chg |= _pdep_u64(1ull << x, m);                                                         \
-            x += *q++;                                                                              \
-        }                                                                                           \
-        gp[k] = q;                                                                                  \
-        nx[k] = x - pc;                                                                             \
-        gone |= (uint32_t)(x - pc) >> 29;                                                           \
-    } while (0)
+#define DUE_SLOT() DUE_SLOT_STEP(BLOCK_CTX, gone |= (uint32_t)(x - pc) >> 29)
         for (int t = 0; t < DUE_SLOTS_AVX512; t++)
             DUE_SLOT();
         while (__builtin_expect(due != 0, 0))
@@ -1382,26 +1387,10 @@ pos_gfni(posst_t *P, const uint8_t *base, int64_t n, int itemsize, unsigned shif
         uint64_t chg = 0;
         uint32_t gone = 0;
 #define DUE_SLOT()                                                                                  \
-    do {                                                                                            \
-        const int k = __builtin_ctzll(due | (1ull << GSLOT_DUMMY));                                 \
-        due &= due - 1;                                                                             \
-        const uint64_t m = _mm512_cmpeq_epi8_mask(e, vk[k]);                                        \
-        const int32_t pc = (int32_t)__builtin_popcountll(m);                                        \
-        const int32_t *q = gp[k];                                                                   \
-        int32_t x = nx[k] + pc, x1 = x + q[0];                                                      \
-        const uint32_t s1 = x1 < pc;                                                                \
-        chg |= _pdep_u64((uint64_t)(x < pc) << (x & 63), m) | _pdep_u64((uint64_t)s1 << (x1 & 63), m); \
-        x = (int32_t)csel(s1, (uint32_t)(x1 + q[1]), (uint32_t)x1);                                 \
-        q += 1 + s1;                                                                                \
-        while (__builtin_expect(x < pc, 0)) {                                                       \
-            chg |= _pdep_u64(1ull << x, m);                                                         \
-            x += *q++;                                                                              \
-        }                                                                                           \
-        gp[k] = q;                                                                                  \
-        nx[k] = x - pc;                                                                             \
-        nxv = _mm512_mask_set1_epi32(nxv, (__mmask16)(1u << (k & 31)) & (__mmask16)-(k < GSLOT_OUT), x - pc); \
-        gone += (uint32_t)(x - pc) >> 29;                                                           \
-    } while (0)
+    DUE_SLOT_STEP(GSLOT_DUMMY,                                                                      \
+                  nxv = _mm512_mask_set1_epi32(nxv, (__mmask16)(1u << (k & 31)) & (__mmask16)-(k < GSLOT_OUT), \
+                                               x - pc);                                             \
+                  gone += (uint32_t)(x - pc) >> 29)
         for (int t = 0; t < DUE_SLOTS_GFNI; t++)
             DUE_SLOT();
         while (__builtin_expect(due != 0, 0))
