@@ -5,7 +5,6 @@ collective target, a segment one process holds whole is decoded there alone."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -19,8 +18,6 @@ from .regions import (
     _seg_len,
     _where,
 )
-
-log = logging.getLogger(__name__)
 
 
 class HeldPlans:

@@ -39,7 +39,7 @@ import numpy as np
 from ..codec.chunk import Patch
 from ..dtypes import dtype as lookup_dtype
 from ..errors import UsageError
-from ..integrity import SEGMENT_BYTES
+from ..integrity import SEGMENT_BYTES, n_segments
 from ..shard.projection import Piece, intersect_boxes
 
 __all__ = ["LiveTarget", "Placement", "TargetUnion", "apply_live", "contiguous_run", "digest_through", "state_through"]
@@ -196,25 +196,20 @@ class LiveTarget:
         """Per shared tensor, per segment: "mine" (this process owns every element), "other" (another
         process does) or "group" (split between processes). One collective call, at construction."""
         names = sorted(self.shared)
-        mine: list[bool] = []
-        for name in names:
-            mine.extend(self._owned_in(name, a, b) == b - a for a, b in self._ranges(name))
-        flags = np.array(mine, np.int64)
+        mine = [[self._owned_in(name, a, b) == b - a for a, b in self._ranges(name)] for name in names]
+        flags = np.array([m for per in mine for m in per], np.int64)
         if flags.size:  # the same size in every process: the same shared tensors
             self._reduce(flags)  # each element has exactly one owner: at most one process holds a segment whole
         out, i = {}, 0
-        for name in names:
-            k = len(self._ranges(name))
-            out[name] = ["mine" if m else "other" if f else "group" for m, f in zip(mine[i:i + k], flags[i:i + k],
+        for name, per in zip(names, mine, strict=True):
+            out[name] = ["mine" if m else "other" if f else "group" for m, f in zip(per, flags[i:i + len(per)],
                                                                                    strict=True)]
-            i += k
+            i += len(per)
         return out
 
     def _ranges(self, name: str) -> list[tuple[int, int]]:
-        info = self.tensors[name]
-        per = SEGMENT_BYTES // lookup_dtype(info.dtype).itemsize
-        numel = info.nbytes // lookup_dtype(info.dtype).itemsize
-        return [(a, min(numel, a + per)) for a in range(0, numel, per)]
+        """``_range`` of every segment of ``name``: (first, end) checkpoint elements."""
+        return [self._range(name, ci)[:2] for ci in range(n_segments(self.tensors[name].nbytes))]
 
     def chunk_roles(self, name: str) -> list[str] | None:
         """Per segment of a shared tensor, who holds it (see ``_whole_holders``); None for a tensor this
