@@ -37,11 +37,9 @@ def _timed(key: str, fn):
 
 def worker_instrument(worker: Any) -> bool:
     """Timers around the apply protocol's phases and per-segment calls (benchmark only, idempotent)."""
-    import importlib
-
+    from ... import applier as ap
+    from ... import regions
     from ...engines import live
-
-    ap = importlib.import_module("deltarefit.apply")  # the module; ``deltarefit.apply`` is also a function
 
     if getattr(ap.Applier.plan, "__wrapped__", None) is not None:
         return False
@@ -49,7 +47,7 @@ def worker_instrument(worker: Any) -> bool:
                        (live.LiveTarget, ("read_segment", "write_segment"))):
         for n in names:
             setattr(cls, n, _timed(n, getattr(cls, n)))
-    ap.HOST_REGIONS.decode_region = _timed("decode", ap._decode)  # what the applier calls for host regions
+    regions.HOST_REGIONS.decode_region = _timed("decode", regions._decode)  # what the applier calls for host regions
     return True
 
 
