@@ -33,6 +33,7 @@ import zstandard
 from ..dtypes import DType
 from ..errors import DecodeError, LimitError
 from .constants import KIND_FLOAT, KIND_INT, KIND_UINT, STATUS
+from .history import HIST_ID_BYTES, N_STATES, QDEPTH, History, context_map
 
 
 class _Numba:
@@ -56,7 +57,9 @@ ULP = 1
 SPARSE_XOR = 2
 DENSE_XOR = 3
 OVERWRITE = 4
-ENCODING_NAMES = {ULP: "ulp", SPARSE_XOR: "sparse_xor", DENSE_XOR: "dense_xor", OVERWRITE: "overwrite"}
+ULP_HIST = 5
+ENCODING_NAMES = {ULP: "ulp", SPARSE_XOR: "sparse_xor", DENSE_XOR: "dense_xor", OVERWRITE: "overwrite",
+                  ULP_HIST: "ulp_hist"}
 
 # Dense encodings are only worth trying once this fraction of a chunk changed and the ulp coding spends
 # more than DENSE_TRY_BITS bits per element of the chunk: below that, zstd of a whole chunk never came
@@ -217,14 +220,45 @@ def scan_chunk(dt: DType, base: np.ndarray, target: np.ndarray, *, scratch: bool
     return Changes(n, pos[:m], ectx[:m], rank[:m], bvals[:m], tvals[:m])
 
 
-def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk | None:
-    """Smallest bit-exact encoding of ``target`` given ``base`` (uint views, equal length), or None."""
+def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray, history: History | None = None) -> EncodedChunk | None:
+    """Smallest bit-exact encoding of ``target`` given ``base`` (uint views, equal length), or None.
+    With ``history`` (what the previous version changed in this chunk), the history-conditioned
+    coding (``ULP_HIST``) is a candidate too, and the smaller of it and the rest is kept."""
+    got = None
     if _native16(dt):
-        try:
-            return _encode_native16(dt, base, target)
-        except BufferError:  # an unaligned view: numba takes it
-            pass
-    return encode_changes(dt, scan_chunk(dt, base, target, scratch=True), lambda: (base, target))
+        with contextlib.suppress(BufferError):  # an unaligned view: numba takes it
+            got = _encode_native16(dt, base, target)
+            if history is None or got is None:
+                return got
+    if got is None:
+        got = encode_changes(dt, scan_chunk(dt, base, target, scratch=True), lambda: (base, target))
+    if history is None or got is None or history.m == 0:
+        return got
+    hist = encode_hist(dt, base, target, history)
+    return hist if hist is not None and len(hist.payload) < len(got.payload) else got
+
+
+def encode_hist(dt: DType, base: np.ndarray, target: np.ndarray, history: History) -> EncodedChunk | None:
+    """The ``ULP_HIST`` coding of a chunk against ``history`` (FORMAT.md, "Encoding 5: ulp_hist"), or
+    None when nothing changed or it does not fit. Payload: the history's id, then the ulp bitstream
+    with each context split by the element's previous change (none, up, down)."""
+    n = base.size
+    if history.n != n:
+        raise ValueError(f"history of a {history.n}-element chunk given for a chunk of {n}")
+    shift, mask, n_exp = _ctx(dt)
+    cmap, cstate = context_map(n_exp)
+    pos, ectx, rank, bvals, tvals = _scan_buffers(n, base.dtype, True)
+    flip = scratch_array("flip", n, np.uint8)
+    m = K.hist_scan(base, target, history.states(), cmap, shift, mask, n_exp, cstate.size, pos, ectx, rank, bvals,
+                    tvals, flip)
+    if m == 0:
+        return None
+    out = scratch_array("payload", max_payload_len(dt, n) + 64, np.uint8)
+    nbytes = K.ulp_encode_core(ectx[:m], rank[:m], bvals[:m], tvals[:m], dt.bits, _kind(dt), cstate.size, cstate,
+                               N_STATES, QDEPTH, flip[:m], out)
+    if nbytes < 0:
+        return None
+    return EncodedChunk(ULP_HIST, history.id + out[:nbytes].tobytes(), m, 0)
 
 
 def encode_raw(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk | None:
@@ -351,12 +385,16 @@ def decode_new(dt: DType, n: int, encoding: int, payload: bytes, where: str) -> 
 
 
 def decode_chunk(
-    dt: DType, base: np.ndarray, encoding: int, payload: bytes, n_changed: int, decoded_len: int, where: str
+    dt: DType, base: np.ndarray, encoding: int, payload: bytes, n_changed: int, decoded_len: int, where: str,
+    history: History | None = None,
 ) -> Patch:
-    """Decode a chunk payload against its base (uint view). Raises DecodeError/LimitError on bad input."""
+    """Decode a chunk payload against its base (uint view). Raises DecodeError/LimitError on bad input.
+    A ``ULP_HIST`` chunk needs ``history``, the one its payload names (refused otherwise)."""
     n = base.size
     if not 0 <= n_changed <= n:
         raise DecodeError(f"{where}: record claims {n_changed} changed elements in a chunk of {n}")
+    if encoding == ULP_HIST:
+        return _decode_hist(dt, base, payload, n_changed, decoded_len, where, history)
     if encoding == ULP:
         if decoded_len != 0:
             raise DecodeError(f"{where}: ulp chunk declares a decoded length")
@@ -401,3 +439,28 @@ def decode_chunk(
             raise DecodeError(f"{where}: sparse chunk lists an unchanged element")
         return Patch(pos, val, None)
     raise DecodeError(f"{where}: unknown encoding {encoding}")
+
+
+def _decode_hist(dt: DType, base: np.ndarray, payload: bytes, n_changed: int, decoded_len: int, where: str,
+                 history: History | None) -> Patch:
+    n = base.size
+    if decoded_len != 0:
+        raise DecodeError(f"{where}: ulp_hist chunk declares a decoded length")
+    if len(payload) < HIST_ID_BYTES:
+        raise DecodeError(f"{where}: ulp_hist chunk is too short to name its history")
+    want = payload[:HIST_ID_BYTES]
+    if history is None:
+        raise DecodeError(f"{where}: chunk is coded against history {want.hex()}, and none is held here")
+    if history.n != n or history.id != want:
+        raise DecodeError(f"{where}: chunk is coded against history {want.hex()}, this decoder holds "
+                          f"{history.id.hex()} (a {history.n}-element chunk)")
+    pos = np.empty(n_changed, np.int64)
+    val = np.empty(n_changed, dt.uint)
+    shift, mask, n_exp = _ctx(dt)
+    cmap, cstate = context_map(n_exp)
+    buf = np.frombuffer(payload, np.uint8, offset=HIST_ID_BYTES)
+    st = K.hist_decode(base, history.states(), buf, n_changed, dt.bits, _kind(dt), shift, mask, n_exp, cmap, cstate,
+                       N_STATES, QDEPTH, pos, val)
+    if st != 0:
+        raise DecodeError(f"{where}: {STATUS.get(st, f'status {st}')}")
+    return Patch(pos, val, None)

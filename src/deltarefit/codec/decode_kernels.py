@@ -21,6 +21,13 @@ def ulp_decode_groups(payload, n_changed, n, n_ctx, gbeg, gend, granks, gctx):
     """Decoder, part 1 (needs no base): the group section. Fills ``granks``/``gctx`` (each change's
     rank and context, grouped by context, ascending ranks within a group) and ``gbeg``/``gend`` (each
     context's slice of them). Returns (status, state): the state resumes the streams for part 3."""
+    return ulp_groups_core(payload, n_changed, n, n_ctx, np.zeros(n_ctx, np.int32), 1, 2, gbeg, gend, granks, gctx)
+
+
+@njit(nogil=True, cache=True)
+def ulp_groups_core(payload, n_changed, n, n_ctx, cstate, n_states, qdepth, gbeg, gend, granks, gctx):
+    """``ulp_decode_groups`` of encodings 1 and 5: context c's gap quotients use the slots of its
+    history state ``cstate[c]`` (``encode_kernels.ulp_encode_core``)."""
     bad_state = (U64(0), U64(0), 0, 0, U64(0), 0, 0, 0, 0)
     if n_changed <= 0 or n_changed > n:
         return -4, bad_state
@@ -42,7 +49,7 @@ def ulp_decode_groups(payload, n_changed, n, n_ctx, gbeg, gend, granks, gctx):
     ngroups = np.int64(g)
     if ngroups <= 0 or ngroups > n_ctx:
         return -2, bad_state
-    pq = np.full(2, PROB_INIT, np.uint16)  # slots for "q > 0" and "q > 1"
+    pq = np.full(qdepth * n_states, PROB_INIT, np.uint16)  # per state: "q > 0", "q > 1", ...
     c = -1
     total = 0
     for _ in range(ngroups):
@@ -62,22 +69,23 @@ def ulp_decode_groups(payload, n_changed, n, n_ctx, gbeg, gend, granks, gctx):
         if k > 24:
             return -2, bad_state
         gbeg[c] = total
+        q0 = qdepth * np.int64(cstate[c])
         prev = -1
         for j in range(cnt):
             q = 0
-            bit, s = _dec_bit(s, payload, rc_end, pq, 0)
-            if bit == 1:
-                bit, s = _dec_bit(s, payload, rc_end, pq, 1)
-                q = 1
-                if bit == 1:
-                    q = 2
-                    while True:
-                        b1, r = _get(r, payload, lim, 1)
-                        if b1 == U64(1) or r[3] != 0:
-                            break
-                        q += 1
-                        if (q << k) >= n:
-                            return -3, bad_state
+            while q < qdepth:
+                bit, s = _dec_bit(s, payload, rc_end, pq, q0 + q)
+                if bit == 0:
+                    break
+                q += 1
+            if q == qdepth:
+                while True:
+                    b1, r = _get(r, payload, lim, 1)
+                    if b1 == U64(1) or r[3] != 0:
+                        break
+                    q += 1
+                    if (q << k) >= n:
+                        return -3, bad_state
             g, r = _get(r, payload, lim, k)
             rk = prev + 1 + ((q << k) | np.int64(g))
             if rk >= n:
@@ -127,6 +135,14 @@ def ulp_positions(base, ctx_shift, ctx_mask, n_ctx, gbeg, gend, granks, n_change
 def ulp_decode_deltas(payload, state, ectx, bits, n_ctx, out_neg, out_mag):
     """Decoder, part 3 (needs no base): each change's signed ulp distance, in position order, given
     its context (``ectx``). Checks that both streams end exactly. Returns 0 or a negative status."""
+    return ulp_deltas_core(payload, state, ectx, bits, n_ctx, np.zeros(n_ctx, np.int32), 1, np.zeros(1, np.uint8), out_neg,
+                           out_mag)
+
+
+@njit(nogil=True, cache=True)
+def ulp_deltas_core(payload, state, ectx, bits, n_ctx, cstate, n_states, flip, out_neg, out_mag):
+    """``ulp_decode_deltas`` of encodings 1 and 5: in history states other than 0 the sign comes from
+    the range coder, XOR ``flip[j]`` (``encode_kernels.ulp_encode_core``)."""
     code, rng, spos, sbad, acc, nacc, rpos, rbad, rc_end = state
     # Explicit types: a state that went through Python comes back as plain ints (all below 2**40).
     s = (U64(code), U64(rng), np.int64(spos), np.int64(sbad))
@@ -134,6 +150,7 @@ def ulp_decode_deltas(payload, state, ectx, bits, n_ctx, out_neg, out_mag):
     rc_end = np.int64(rc_end)
     lim = payload.size
     plen = np.full(n_ctx * MAX_UNARY, PROB_INIT, np.uint16)
+    psign = np.full(n_states, PROB_INIT, np.uint16)
     for j in range(ectx.size):
         e = np.int64(ectx[j])
         ln = 1
@@ -142,9 +159,16 @@ def ulp_decode_deltas(payload, state, ectx, bits, n_ctx, out_neg, out_mag):
             if bit == 0:
                 break
             ln += 1
-        v, r = _get(r, payload, lim, ln)
-        out_neg[j] = np.uint8(v & U64(1))
-        out_mag[j] = (U64(1) << U64(ln - 1)) | (v >> U64(1))
+        h = np.int64(cstate[e])
+        if h == 0:
+            v, r = _get(r, payload, lim, ln)
+            out_neg[j] = np.uint8(v & U64(1))
+            out_mag[j] = (U64(1) << U64(ln - 1)) | (v >> U64(1))
+        else:
+            bit, s = _dec_bit(s, payload, rc_end, psign, h)
+            v, r = _get(r, payload, lim, ln - 1)
+            out_neg[j] = np.uint8(bit ^ np.int64(flip[j]))
+            out_mag[j] = (U64(1) << U64(ln - 1)) | v
     if s[3] != 0 or r[3] != 0:
         return -1
     # Both streams must be consumed exactly: the range decoder's reads end at its part's end, and
@@ -185,6 +209,69 @@ def ulp_decode(base, payload, n_changed, bits, kind, ctx_shift, ctx_mask, n_ctx,
     neg = np.empty(n_changed, np.uint8)
     mag = np.empty(n_changed, np.uint64)
     st = ulp_decode_deltas(payload, state, ectx, bits, n_ctx, neg, mag)
+    if st:
+        return st
+    ulp_apply_deltas(base, out_pos[:n_changed], neg, mag, bits, kind, out_val)
+    return 0
+
+
+@njit(nogil=True, cache=True)
+def hist_positions(base, hist, cmap, ctx_shift, ctx_mask, n_exp, n_ctx, gbeg, gend, granks, n_changed, out_pos,
+                   out_ctx, out_flip):
+    """``ulp_positions`` of encoding 5: element i's context is ``cmap[(hist[i] & 127) * n_exp +
+    exponent]``; each change's sign flag (``hist[i] >> 7``) goes to ``out_flip``."""
+    cs = U64(ctx_shift)
+    cm = U64(ctx_mask)
+    left = np.full(n_ctx, -1, np.int64)
+    ptr = gbeg.copy()
+    for e in range(n_ctx):
+        if gend[e] > gbeg[e]:
+            left[e] = granks[gbeg[e]] + 1
+    o = 0
+    for i in range(base.size):
+        hk = np.int64(hist[i])
+        e = np.int64(cmap[(hk & 127) * n_exp + np.int64((U64(base[i]) >> cs) & cm)])
+        c = left[e] - 1
+        left[e] = c
+        if c == 0:
+            out_flip[o] = hk >> 7
+            out_pos[o] = i
+            out_ctx[o] = e
+            o += 1
+            p = ptr[e] + 1
+            ptr[e] = p
+            if p < gend[e]:
+                left[e] = granks[p] - granks[p - 1]
+    return 0 if o == n_changed else -3
+
+
+@njit(nogil=True, cache=True)
+def hist_decode(base, hist, payload, n_changed, bits, kind, ctx_shift, ctx_mask, n_exp, cmap, cstate, n_states,
+                qdepth, out_pos, out_val):
+    """``ulp_decode`` of encoding 5, given the chunk's history states (``hist``, one per element, each
+    below ``n_states``; the caller checks they are the ones the chunk names) and the context map
+    (``cmap``: state and exponent to context; ``cstate``: each context's state). Returns 0 or a
+    negative status."""
+    n = base.size
+    n_ctx = cstate.size
+    if n_changed <= 0 or n_changed > n or out_pos.size < n_changed or out_val.size < n_changed or hist.size != n:
+        return -4
+    gbeg = np.zeros(n_ctx, np.int64)
+    gend = np.zeros(n_ctx, np.int64)
+    granks = np.empty(n_changed, np.int64)
+    gctx = np.empty(n_changed, np.int32)
+    st, state = ulp_groups_core(payload, n_changed, n, n_ctx, cstate, n_states, qdepth, gbeg, gend, granks, gctx)
+    if st:
+        return st
+    ectx = np.empty(n_changed, np.int32)
+    flip = np.empty(n_changed, np.uint8)
+    st = hist_positions(base, hist, cmap, ctx_shift, ctx_mask, n_exp, n_ctx, gbeg, gend, granks, n_changed, out_pos,
+                        ectx, flip)
+    if st:
+        return st
+    neg = np.empty(n_changed, np.uint8)
+    mag = np.empty(n_changed, np.uint64)
+    st = ulp_deltas_core(payload, state, ectx, bits, n_ctx, cstate, n_states, flip, neg, mag)
     if st:
         return st
     ulp_apply_deltas(base, out_pos[:n_changed], neg, mag, bits, kind, out_val)

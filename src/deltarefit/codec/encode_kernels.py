@@ -92,6 +92,42 @@ def ulp_encode_changes(ectx, rank, bvals, tvals, bits, kind, n_ctx, out):
     """Code a chunk's changes (``ulp_scan``'s output, m >= 1 entries in position order; positions are
     implied by context and rank) into ``out``. Returns the byte count, or -5 if ``out`` is too small.
     The same bytes whether the scan ran here or on a GPU."""
+    return ulp_encode_core(ectx, rank, bvals, tvals, bits, kind, n_ctx, np.zeros(n_ctx, np.int32), 1, 2, np.zeros(1, np.uint8), out)
+
+
+@njit(nogil=True, cache=True)
+def hist_scan(base, target, hist, cmap, ctx_shift, ctx_mask, n_exp, n_ctx, pos, ectx, rank, bvals, tvals, flip):
+    """``ulp_scan`` with the stream's history in the context (encoding 5, FORMAT.md "Encoding 5:
+    ulp_hist"): element i's context is ``cmap[(hist[i] & 127) * n_exp + exponent]``, ``hist[i] & 127``
+    its history state, and ``hist[i] >> 7`` whether its sign is coded flipped (``flip``). Fills the
+    arrays' first m entries; returns m."""
+    n = base.size
+    cs = U64(ctx_shift)
+    cm = U64(ctx_mask)
+    seen = np.zeros(n_ctx, np.int32)
+    m = 0
+    for i in range(n):
+        bk = U64(base[i])
+        hk = np.int64(hist[i])
+        ek = np.int64(cmap[(hk & 127) * n_exp + np.int64((bk >> cs) & cm)])
+        if bk != U64(target[i]):
+            flip[m] = hk >> 7
+            pos[m] = i
+            ectx[m] = ek
+            rank[m] = seen[ek]
+            bvals[m] = base[i]
+            tvals[m] = target[i]
+            m += 1
+        seen[ek] += 1
+    return m
+
+
+@njit(nogil=True, cache=True)
+def ulp_encode_core(ectx, rank, bvals, tvals, bits, kind, n_ctx, cstate, n_states, qdepth, flip, out):
+    """The coder of encodings 1 and 5. Context c belongs to history state ``cstate[c]`` (all 0 for
+    encoding 1): a state has its own slots for the gap quotients, and the sign of a change in a state
+    other than 0 goes through the range coder in its state's slot instead of raw, XOR ``flip[j]`` (the
+    direction the history predicts; ``flip`` is read only for such changes)."""
     m = ectx.size
     mask = (U64(1) << U64(bits - 1) << U64(1)) - U64(1)
     sign = U64(1) << U64(bits - 1)
@@ -116,7 +152,8 @@ def ulp_encode_changes(ectx, rank, bvals, tvals, bits, kind, n_ctx, out):
         if gcount[c] > 0:
             ngroups += 1
     w = _put_gamma(w, raw, U64(ngroups))
-    pq = np.full(2, PROB_INIT, np.uint16)  # slots for "q > 0" and "q > 1"
+    pq = np.full(qdepth * n_states, PROB_INIT, np.uint16)  # per state: "q > 0", "q > 1", ...
+    psign = np.full(n_states, PROB_INIT, np.uint16)  # per state (0 unused: raw)
     prev_c = -1
     for c in range(n_ctx):
         cnt = gcount[c]
@@ -140,6 +177,7 @@ def ulp_encode_changes(ectx, rank, bvals, tvals, bits, kind, n_ctx, out):
                 best_cost = cost
                 best_k = k
         w = _put(w, raw, U64(best_k), 5)
+        q0 = qdepth * np.int64(cstate[c])
         prev = -1
         for j in range(gstart[c], gstart[c + 1]):
             gap = granks[j] - prev - 1
@@ -147,15 +185,16 @@ def ulp_encode_changes(ectx, rank, bvals, tvals, bits, kind, n_ctx, out):
             q = gap >> best_k
             # Quotient: "q > 0" and "q > 1" through the range coder (they carry what the geometric
             # model misses), the rest of the unary code raw.
-            _enc_bit(st, out, pq, 0, 1 if q > 0 else 0)
-            if q > 0:
-                _enc_bit(st, out, pq, 1, 1 if q > 1 else 0)
-                if q > 1:
-                    q -= 2
-                    while q >= 32:
-                        w = _put(w, raw, U64(0), 32)
-                        q -= 32
-                    w = _put(w, raw, U64(1) << U64(q), q + 1)
+            for t in range(qdepth):
+                _enc_bit(st, out, pq, q0 + t, 1 if q > t else 0)
+                if q <= t:
+                    break
+            if q >= qdepth:
+                q -= qdepth
+                while q >= 32:
+                    w = _put(w, raw, U64(0), 32)
+                    q -= 32
+                w = _put(w, raw, U64(1) << U64(q), q + 1)
             w = _put(w, raw, U64(gap), best_k)
     # Values, in position order: sign (raw: it carries a full bit) and magnitude of D = key(t) - key(b);
     # the magnitude's length is unary-coded in the base's context, its lower bits go raw.
@@ -175,7 +214,12 @@ def ulp_encode_changes(ectx, rank, bvals, tvals, bits, kind, n_ctx, out):
             _enc_bit(st, out, plen, e * MAX_UNARY + t2, 1)
         if ln < bits:
             _enc_bit(st, out, plen, e * MAX_UNARY + ln - 1, 0)
-        w = _put(w, raw, neg | (mag << U64(1)), ln)  # sign, then the ln-1 bits below the leading one
+        h = np.int64(cstate[e])
+        if h == 0:
+            w = _put(w, raw, neg | (mag << U64(1)), ln)  # sign, then the ln-1 bits below the leading one
+        else:
+            _enc_bit(st, out, psign, h, np.int64(neg) ^ np.int64(flip[j]))
+            w = _put(w, raw, mag, ln - 1)
     end = _enc_flush((st[0], st[1], st[2], np.int64(st[3]), np.int64(st[4])), out)
     _acc, nacc, rpos = w
     if nacc > 0:

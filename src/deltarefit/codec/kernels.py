@@ -15,18 +15,22 @@ from __future__ import annotations
 
 from .constants import KIND_FLOAT, KIND_INT, KIND_UINT, STATUS
 from .decode_kernels import (
+    hist_decode,
+    hist_positions,
     scatter,
     ulp_apply_deltas,
     ulp_decode,
     ulp_decode_deltas,
     ulp_decode_groups,
+    ulp_deltas_core,
+    ulp_groups_core,
     ulp_positions,
 )
-from .encode_kernels import ulp_encode_changes, ulp_scan
+from .encode_kernels import hist_scan, ulp_encode_changes, ulp_encode_core, ulp_scan
 from .primitives import MAX_UNARY, MOVE_BITS, PROB_BITS, PROB_INIT, TOP, U64
 
 __all__ = [
     "KIND_FLOAT", "KIND_INT", "KIND_UINT", "MAX_UNARY", "MOVE_BITS", "PROB_BITS", "PROB_INIT", "STATUS", "TOP",
-    "U64", "scatter", "ulp_apply_deltas", "ulp_decode", "ulp_decode_deltas", "ulp_decode_groups",
-    "ulp_encode_changes", "ulp_positions", "ulp_scan",
+    "U64", "hist_decode", "hist_positions", "hist_scan", "scatter", "ulp_apply_deltas", "ulp_decode", "ulp_decode_deltas", "ulp_decode_groups",
+    "ulp_deltas_core", "ulp_encode_changes", "ulp_encode_core", "ulp_groups_core", "ulp_positions", "ulp_scan",
 ]

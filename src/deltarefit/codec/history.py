@@ -1,0 +1,192 @@
+"""A chunk's history: what the previous version of the stream changed in it, which encoding 5
+(``ULP_HIST``, FORMAT.md "Encoding 5: ulp_hist") takes as context.
+
+Contract:
+
+* A ``History`` is the previous delta's change set over one chunk: the changed element indices in
+  ascending order and, for each, whether it moved down (its key, ``primitives._key``, decreased).
+  Its per-element state is 0 (unchanged), 1 (moved up) or 2 (moved down).
+* Its ``id`` is a BLAKE3 digest of exactly that content (domain-separated, with the chunk's element
+  count), so an encoder and a decoder that derived their histories independently (one from the scan
+  of its pair, the other from the patch it applied) agree on the id exactly when they agree on every
+  state. A ``ULP_HIST`` payload starts with the id it was coded against; a decoder holding another
+  refuses the chunk.
+* Holding it costs the change set, not the chunk: positions and one bit each.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import blake3
+import numpy as np
+
+from ..dtypes import DType
+
+HIST_ID_BYTES = 16
+QDEPTH = 8  # gap-quotient decisions through the range coder, per state (encoding 1 takes 2)
+DEPTH = 3  # versions of change sets a history summarises
+_DOMAIN = b"deltarefit.history.v1\0"
+_tls = threading.local()
+
+
+def _state_table() -> np.ndarray:
+    """History byte of an element from its last three moves (s1 newest; each -1, 0, +1), indexed by
+    ``(s1 + 1) * 9 + (s2 + 1) * 3 + (s3 + 1)`` (FORMAT.md, "Encoding 5: ulp_hist").
+
+    The moves are taken up to their direction: negated when the first nonzero of (s1, s2, s3) is -1,
+    which sets bit 7 (the sign's coding undoes it). The state (low 7 bits) is the pattern (s1, s2 + s3)
+    so obtained, with the two rarest merged into neighbours: (1, -2) into (1, -1), and (0, 0) (moves
+    that cancelled) into state 0, "no net move in three versions". Chosen by measurement on real AdamW
+    chains: the pattern with s2 and s3 apart, or a fourth version, gained under 1% more and costs more
+    groups and more history to hold."""
+    t = np.zeros(27, np.uint8)
+    codes: dict[tuple[int, int], int] = {(0, 0): 0}
+    for s1 in (-1, 0, 1):
+        for s2 in (-1, 0, 1):
+            for s3 in (-1, 0, 1):
+                sig = (s1, s2, s3)
+                flip = next((x for x in sig if x), 0) < 0
+                c1, c2, c3 = (-x for x in sig) if flip else sig
+                c = {(1, -2): (1, -1)}.get((c1, c2 + c3), (c1, c2 + c3))
+                if c not in codes:
+                    codes[c] = len(codes)
+                t[(s1 + 1) * 9 + (s2 + 1) * 3 + (s3 + 1)] = codes[c] | (128 if flip and codes[c] else 0)
+    return t
+
+
+STATE_TABLE = _state_table()
+N_STATES = int((STATE_TABLE & 127).max()) + 1
+
+
+def context_map(n_exp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cmap, cstate) of encoding 5 for a dtype with ``n_exp`` exponent contexts: element context
+    ``cmap[state * n_exp + exponent]``, and each context's state (``cstate[c]``). Every state keeps
+    the exponent contexts; the context ids run state by state."""
+    got = _CMAPS.get(n_exp)
+    if got is None:
+        cmap = np.arange(N_STATES * n_exp, dtype=np.int32)
+        cstate = (np.arange(N_STATES * n_exp) // n_exp).astype(np.int32)
+        got = _CMAPS[n_exp] = (cmap, cstate)
+    return got
+
+
+_CMAPS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+@dataclass(frozen=True)
+class History:
+    n: int  # elements in the chunk
+    pos: np.ndarray  # ascending int64 element indices with a state other than 0
+    state: np.ndarray  # uint8 per position, 1 .. N_STATES - 1
+    id: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        pos = np.ascontiguousarray(self.pos, np.int64)
+        state = np.ascontiguousarray(self.state, np.uint8)
+        if pos.ndim != 1 or state.shape != pos.shape:
+            raise ValueError("history positions and states must be 1-D and of one length")
+        if pos.size and (pos[0] < 0 or pos[-1] >= self.n or np.any(np.diff(pos) <= 0)):
+            raise ValueError(f"history positions must ascend strictly within the chunk's {self.n} elements")
+        if state.size and ((state & 127).min() < 1 or (state & 127).max() >= N_STATES):
+            raise ValueError(f"history states must lie in 1..{N_STATES - 1}")
+        object.__setattr__(self, "pos", pos)
+        object.__setattr__(self, "state", state)
+        h = blake3.blake3(_DOMAIN + int(self.n).to_bytes(8, "little") + int(pos.size).to_bytes(8, "little"))
+        h.update(pos.astype("<u4").tobytes())
+        h.update(state.tobytes())
+        object.__setattr__(self, "id", h.digest(HIST_ID_BYTES))
+
+    @property
+    def m(self) -> int:
+        return int(self.pos.size)
+
+    def states(self) -> np.ndarray:
+        """The per-element states (uint8) in this thread's scratch array. Hazard: valid until the
+        thread's next ``states()`` call."""
+        a = getattr(_tls, "states", None)
+        if a is None or a.size < self.n:
+            a = _tls.states = np.empty(max(self.n, 1), np.uint8)
+        a = a[: self.n]
+        a.fill(0)
+        a[self.pos] = self.state
+        return a
+
+    @classmethod
+    def from_moves(cls, n: int, moves: list[Moves]) -> History:
+        """The history of a chunk of ``n`` elements from its last moves, newest first (at most
+        ``DEPTH`` are used; fewer count as no move)."""
+        moves = list(moves[:DEPTH])
+        allpos = np.unique(np.concatenate([mv.pos for mv in moves])) if moves else np.empty(0, np.int64)
+        sig = np.zeros((DEPTH, allpos.size), np.int64)
+        for d, mv in enumerate(moves):
+            if mv.n != n:
+                raise ValueError(f"moves of a {mv.n}-element chunk given for a chunk of {n}")
+            at = np.searchsorted(allpos, mv.pos)
+            sig[d, at] = np.where(mv.down, -1, 1)
+        idx = (sig[0] + 1) * 9 + (sig[1] + 1) * 3 + (sig[2] + 1)
+        st = STATE_TABLE[idx]
+        keep = (st & 127) != 0
+        return cls(n, allpos[keep], st[keep])
+
+
+@dataclass(frozen=True)
+class Moves:
+    """One version's change set over a chunk: the changed element indices (ascending) and whether
+    each moved down (its key, ``primitives._key``, decreased)."""
+
+    n: int
+    pos: np.ndarray
+    down: np.ndarray
+
+    def to_bytes(self) -> bytes:
+        """n, m, the positions as little-endian u32, the directions packed (for a history file)."""
+        return (int(self.n).to_bytes(8, "little") + int(self.pos.size).to_bytes(8, "little")
+                + np.asarray(self.pos, "<u4").tobytes() + np.packbits(self.down, bitorder="little").tobytes())
+
+    @classmethod
+    def from_bytes(cls, raw: bytes | memoryview, where: str = "history") -> Moves:
+        from ..errors import DecodeError
+
+        mv = memoryview(raw)
+        if len(mv) < 16:
+            raise DecodeError(f"{where}: truncated change set")
+        n = int.from_bytes(mv[:8], "little")
+        m = int.from_bytes(mv[8:16], "little")
+        if m > n or len(mv) != 16 + 4 * m + (m + 7) // 8:
+            raise DecodeError(f"{where}: change set of {len(mv)} bytes does not hold {m} of {n} changes")
+        pos = np.frombuffer(mv, "<u4", m, 16).astype(np.int64)
+        if m and (pos[-1] >= n or np.any(np.diff(pos) <= 0)):
+            raise DecodeError(f"{where}: change set positions do not ascend within {n} elements")
+        down = np.unpackbits(np.frombuffer(mv, np.uint8, (m + 7) // 8, 16 + 4 * m), count=m,
+                             bitorder="little").astype(np.bool_)
+        return cls(n, pos, down)
+
+
+def directions(dt: DType, bvals: np.ndarray, tvals: np.ndarray) -> np.ndarray:
+    """For each changed element, whether it moved down: its key (FORMAT.md, "Keys") decreased."""
+    return _key(dt, tvals) < _key(dt, bvals)
+
+
+def _key(dt: DType, v: np.ndarray) -> np.ndarray:
+    u = v.astype(np.uint64)
+    sign = np.uint64(1 << (dt.bits - 1))
+    mask = np.uint64((1 << dt.bits) - 1)
+    if dt.kind == "float":
+        return np.where(u & sign, u ^ mask, u ^ sign)
+    if dt.kind == "int":
+        return u ^ sign
+    return u
+
+
+def moves_of_changes(dt: DType, n: int, pos: np.ndarray, bvals: np.ndarray, tvals: np.ndarray) -> Moves:
+    """A version's moves in a chunk of ``n`` elements: its changed positions (ascending) and their base
+    and target bits."""
+    return Moves(n, np.asarray(pos, np.int64).copy(), directions(dt, bvals, tvals))
+
+
+def moves_of_images(dt: DType, base: np.ndarray, target: np.ndarray) -> Moves:
+    """A version's moves in a chunk from its two images (uint views of one length)."""
+    pos = np.flatnonzero(base != target)
+    return Moves(base.size, pos, directions(dt, base[pos], target[pos]))
