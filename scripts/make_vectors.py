@@ -367,6 +367,56 @@ def build(name: str, fn, sums: bool, recipe: dict | None, work: Path) -> None:
         f"{e}: {sum(1 for c in chunks if c[2] == e)}" for e in C.ENCODING_NAMES.values()))
 
 
+HIST_DIR = "chunk_ulp_hist"
+
+
+def _momentum_chain(rng: np.random.Generator, dt: str, n: int, steps: int) -> list[np.ndarray]:
+    """Versions of ``n`` weights where an element that just moved moves again with probability 0.3,
+    the same way 95% of the time; others move with probability 0.03 (as AdamW steps do)."""
+    d = DTYPES[dt]
+    v = weights(rng, dt, n)
+    out, last = [v], np.zeros(n, np.int64)
+    for _ in range(steps):
+        again = (last != 0) & (rng.random(n) < 0.3)
+        fresh = (last == 0) & (rng.random(n) < 0.03)
+        step = np.where(rng.random(n) < 0.85, 1, rng.integers(2, 6, n))
+        sgn = np.where(again, np.sign(last) * np.where(rng.random(n) < 0.95, 1, -1),
+                       np.where(rng.random(n) < 0.5, 1, -1))
+        delta = np.where(again | fresh, sgn * step, 0)
+        new = (out[-1].astype(np.int64) + np.where(out[-1].astype(np.int64) >> (d.bits - 1), -delta, delta))
+        new = new.astype(np.uint64).astype(_u(dt))
+        last = np.where(new != out[-1], delta, 0)
+        out.append(new)
+    return out
+
+
+def write_hist_chunks(out: Path) -> None:
+    """``chunk_ulp_hist``: encoding 5 at chunk level (a delta file alone cannot carry the history it
+    needs): for BF16 and F16, five versions of a 6,000-element chunk of a momentum chain, and the
+    ``ulp_hist`` payload of the last step coded against the moves of the three before it."""
+    from deltarefit.codec import history as H
+
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(20261201)
+    about: dict[str, Any] = {"about": write_hist_chunks.__doc__.split("\n\n")[0], "chunks": {}}
+    for dt in ("BF16", "F16"):
+        d = DTYPES[dt]
+        vs = _momentum_chain(rng, dt, 6_000, 4)
+        moves = [H.moves_of_images(d, a, b) for a, b in zip(vs, vs[1:4], strict=False)][::-1]
+        hist = H.History.from_moves(vs[3].size, moves)
+        C.USE_NATIVE = False
+        want = C.encode_hist(d, vs[3], vs[4], hist)
+        C.USE_NATIVE = C._native is not None
+        got = C.encode_hist(d, vs[3], vs[4], hist)
+        assert got == want, f"{dt}: the native and numba encoders disagree"
+        for i, v in enumerate(vs):
+            (out / f"{dt}_v{i}.bin").write_bytes(v.astype(v.dtype.newbyteorder("<")).tobytes())
+        (out / f"{dt}_payload.bin").write_bytes(want.payload)
+        about["chunks"][dt] = {"n": 6_000, "n_changed": want.n_changed, "history_id": hist.id.hex(),
+                               "payload_sha256": _sha(out / f"{dt}_payload.bin")}
+    (out / "chunk.json").write_text(json.dumps(about, indent=1, sort_keys=True) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "tests" / "vectors"))
@@ -378,8 +428,9 @@ def main() -> None:
         for name, fn, sums, recipe in VECTORS:
             build(name, fn, sums, recipe, work)
         final = work / "final"
+        write_hist_chunks(final / HIST_DIR)
         if a.check:
-            bad = [n for n, *_ in VECTORS if not (out / n).is_dir()
+            bad = [n for n in [*(n for n, *_ in VECTORS), HIST_DIR] if not (out / n).is_dir()
                    or filecmp.dircmp(final / n, out / n).diff_files or sorted(os.listdir(final / n))
                    != sorted(os.listdir(out / n))]
             print("vectors differ: " + ", ".join(bad) if bad else "vectors are up to date")
@@ -389,7 +440,10 @@ def main() -> None:
             if (out / name).exists():
                 shutil.rmtree(out / name)
             shutil.copytree(final / name, out / name)
-    print(f"wrote {len(VECTORS)} vectors to {out}")
+        if (out / HIST_DIR).exists():
+            shutil.rmtree(out / HIST_DIR)
+        shutil.copytree(final / HIST_DIR, out / HIST_DIR)
+    print(f"wrote {len(VECTORS)} vectors and {HIST_DIR} to {out}")
 
 
 if __name__ == "__main__":

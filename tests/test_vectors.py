@@ -318,7 +318,9 @@ def test_the_stored_delta_has_the_stored_chunk_encodings(name):
 def test_the_vectors_cover_the_format():
     vs = [load(n) for n in NAMES]
     chunks = [c for v in vs for c in v["chunks"]]
-    assert {c[2] for c in chunks} == set(C.ENCODING_NAMES.values())
+    # ulp_hist needs a history beside the delta: it has its chunk-level vector (test below)
+    assert {c[2] for c in chunks} | {"ulp_hist"} == set(C.ENCODING_NAMES.values())
+    assert (VECTORS_DIR / "chunk_ulp_hist" / "chunk.json").is_file()
     assert {m["op"] for v in vs for m in v["tensors"].values()} == set(OPS)
     dts = {s["dtype"] for v in vs for m in v["tensors"].values() for s in (m["base"], m["target"]) if s}
     assert dts == set(DTYPES)
@@ -438,3 +440,37 @@ def test_an_encoder_that_chooses_otherwise_fails(monkeypatch, pairs, tmp_path):
         check_delta_bytes("dense", out.read_bytes(), "encode that never tries dense encodings")
     with pytest.raises(AssertionError, match="chunk records"):
         check_chunk_table(load("dense"), out)
+
+
+# --------------------------------------------------------------------------- (f) encoding 5, chunk level
+
+
+def _hist_vector():
+    from deltarefit.codec import history as H
+
+    d = VECTORS_DIR / "chunk_ulp_hist"
+    meta = json.loads((d / "chunk.json").read_text())
+    for dt_name, m in meta["chunks"].items():
+        dt = DTYPES[dt_name]
+        vs = [np.frombuffer((d / f"{dt_name}_v{i}.bin").read_bytes(), dt.uint.newbyteorder("<")).astype(dt.uint)
+              for i in range(5)]
+        payload = (d / f"{dt_name}_payload.bin").read_bytes()
+        assert hashlib.sha256(payload).hexdigest() == m["payload_sha256"], f"{dt_name}: payload was edited"
+        moves = [H.moves_of_images(dt, a, b) for a, b in zip(vs, vs[1:4], strict=False)][::-1]
+        yield dt_name, dt, vs, payload, m, H.History.from_moves(vs[3].size, moves)
+
+
+@pytest.mark.parametrize("kernels", ["native", "numba"])
+def test_the_ulp_hist_vector_encodes_and_decodes_byte_for_byte(kernels, monkeypatch):
+    if kernels == "native" and N is None:
+        pytest.skip("native kernels not built here")
+    monkeypatch.setattr(C, "USE_NATIVE", kernels == "native")
+    for dt_name, dt, vs, payload, m, hist in _hist_vector():
+        assert hist.id.hex() == m["history_id"], (dt_name, REGENERATE)
+        enc = C.encode_hist(dt, vs[3], vs[4], hist)
+        assert (enc.encoding, enc.n_changed, enc.payload) == (C.ULP_HIST, m["n_changed"], payload), \
+            (dt_name, REGENERATE)
+        p = C.decode_chunk(dt, vs[3], C.ULP_HIST, payload, m["n_changed"], 0, dt_name, hist)
+        img = vs[3].copy()
+        p.apply_to(img)
+        assert np.array_equal(img, vs[4]), dt_name

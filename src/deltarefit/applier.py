@@ -29,6 +29,7 @@ tensors were checked this way), and a full verification re-reads them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -38,10 +39,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import regions
+from .codec.chunk import moves_of_patch
+from .dtypes import dtype
 from .encode import default_threads, uint_view
 from .errors import BaseMismatchError, UsageError, VerificationError
 from .format import ChunkRecord, DeltaReader, TensorEntry, TensorMeta
 from .held import HeldPlans
+from .history_book import HistoryBook, MovesRecorder
 from .integrity import fingerprint_from_digests, n_segments, seg_hash, tensor_digest_from_segments
 from .journal import Journal, _journal_patch
 from .plans import _ChunkPlan, _TensorPlan
@@ -136,7 +141,8 @@ class Applier(HeldPlans):
     def __init__(self, delta: DeltaReader, target: TensorTarget, *, journal: Journal | None,
                  threads: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
                  progress: Callable[[int], None] | None = None,
-                 held: Mapping[str, bytes] | None = None) -> None:
+                 held: Mapping[str, bytes] | None = None, history: HistoryBook | None = None,
+                 moves: MovesRecorder | None = None) -> None:
         self.d = delta
         self.t = target
         self.segs = segments_of(target)
@@ -149,6 +155,13 @@ class Applier(HeldPlans):
         if held is not None and any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")):
             raise UsageError("held digests need a target with host regions")
         self.held = held
+        # A history book: ulp_hist chunks decode against it, and every decoded chunk's moves go to
+        # ``moves`` (host regions only: the moves come from the host patch and base).
+        self.moves = moves
+        if history is not None or moves is not None:
+            if any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")) or held is not None:
+                raise UsageError("a history book needs a target with host regions and no held digests")
+            self._decode = functools.partial(regions._decode, history=history)
         # Host regions are confirmed after a write by comparing them with the post-image the plan hashed,
         # built again from the patch (FORMAT.md, "Applying", step 2); a target with its own region hooks
         # (a device) re-hashes the region there.
@@ -280,6 +293,8 @@ class Applier(HeldPlans):
             if r is None:
                 return h, None
             if h == r.post_hash:
+                if self.moves is not None:  # applied by an earlier run: its moves are not known here
+                    self.moves.incomplete = True
                 return h, _ChunkPlan(r, "done")
             if h == r.pre_hash:
                 view = self._view(region if region is not None else self.segs.read_segment(e.name, ci),
@@ -288,11 +303,15 @@ class Applier(HeldPlans):
                 if self._post_hash(view, patch) != r.post_hash:
                     raise VerificationError(f"{self.d.path}: {_where(e, r)}: decodes to bytes that miss the "
                                             "post-image hash (corrupt delta)")
+                if self.moves is not None:
+                    self.moves.add(e.name, ci, moves_of_patch(dtype(e.base.dtype), view, patch))
                 return h, _ChunkPlan(r, "todo", patch)
             rec = self.recovered.get((ti, ci))
             if rec is not None and rec[0] == r.post_hash:  # a journal: host regions, read above
                 view = uint_view(region, e.base.dtype)
                 patch = _journal_patch(rec, e.base.dtype, view.size)
+                if self.moves is not None:  # a torn chunk's base is gone
+                    self.moves.incomplete = True
                 if patch is not None and _post_image_hash(view, patch) == r.post_hash:
                     return h, _ChunkPlan(r, "torn", patch)
             raise BaseMismatchError(f"{_where(e, r)}: bytes match neither the delta's base nor its target "
@@ -425,17 +444,20 @@ def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | No
               structural: Callable[[DeltaReader, list[_TensorPlan]], list[str]] | None = None,
               structural_check: Callable[[list[_TensorPlan]], None] | None = None,
               held: Mapping[str, bytes] | None = None,
-              before_write: Callable[[], None] | None = None) -> ApplyReport:
+              before_write: Callable[[], None] | None = None, history: HistoryBook | None = None,
+              moves: MovesRecorder | None = None) -> ApplyReport:
     """Plan, write, verify (see the module docstring). ``structural`` performs added/removed/re-typed
     tensors after the in-place patches; ``structural_check`` may refuse them, before any write.
     ``held``: tensor name -> the additive digest of what the target holds now, which the caller
     vouches for (module docstring, "Held digests"); tensors it names are checked through it when the
     delta carries their additive target digest. ``before_write()`` runs once the plan passed, before
     the first write; it may refuse (raise), and then nothing is written (a subscriber that planned on
-    a part still downloading checks the whole part against its record there)."""
+    a part still downloading checks the whole part against its record there). ``history``: the
+    book ``ulp_hist`` chunks decode against; ``moves``: records each decoded chunk's moves (marked
+    incomplete where a chunk was found already applied)."""
     t0 = time.perf_counter()
     ap = Applier(delta, target, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
-                 held=held)
+                 held=held, history=history, moves=moves)
     plans = ap.plan()
     struct_todo = [tp for tp in plans if tp.state in ("add", "remove", "replace")]
     if struct_todo and structural is None:

@@ -23,6 +23,7 @@ from .applier import DEFAULT_CACHE_BYTES, Applier, ApplyReport, _ChunkPlan, _Ten
 from .checkpoint import INDEX_NAME, Checkpoint, TensorSource, open_checkpoint, write_safetensors
 from .errors import UsageError, VerificationError
 from .format import DeltaReader, TensorEntry, TensorMeta
+from .history_book import HistoryBook, MovesRecorder
 from .integrity import SEGMENT_BYTES, seg_hash
 from .journal import JOURNAL_MAGIC, SLOT_BYTES, Journal, _journal_patch, journal_path  # noqa: F401
 from .regions import (  # noqa: F401
@@ -215,20 +216,24 @@ def remove_dead_temps_of(checkpoint_path: str) -> list[str]:
 def apply(delta_path: str, checkpoint_path: str, *, threads: int | None = None,
           cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None,
           lock: bool = True, reader: DeltaReader | None = None,
-          before_write: Callable[[], None] | None = None) -> ApplyReport:
+          before_write: Callable[[], None] | None = None, history: HistoryBook | None = None) -> ApplyReport:
     """Apply the delta file to the checkpoint in place; idempotent, crash-safe, verified at the end.
+    ``history``: the checkpoint's history book: ``ulp_hist`` chunks decode against it, and once the
+    apply is verified and durable it advances to the target (started over where a rerun found chunks
+    already applied, whose moves are gone).
     Holds the checkpoint's lock (``checkpoint_lock``) throughout. ``lock=False``: another process holds
     it on this one's behalf (an engine's workers apply while their driver holds it, see
     ``engines.vllm.refit_engine``) and serializes the appliers itself. ``reader``: an open reader of
     ``delta_path`` to apply through (closed at the end), and ``before_write``: as in ``run_apply``."""
     with checkpoint_lock(checkpoint_path) if lock else contextlib.nullcontext():
         return _apply_locked(delta_path, checkpoint_path, threads=threads, cache_bytes=cache_bytes,
-                             progress=progress, reader=reader, before_write=before_write)
+                             progress=progress, reader=reader, before_write=before_write, history=history)
 
 
 def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None, cache_bytes: int,
                   progress: Callable[[int], None] | None, reader: DeltaReader | None = None,
-                  before_write: Callable[[], None] | None = None) -> ApplyReport:
+                  before_write: Callable[[], None] | None = None,
+                  history: HistoryBook | None = None) -> ApplyReport:
     if os.path.exists(checkpoint_path):
         remove_dead_temps_of(checkpoint_path)
     if os.path.isdir(checkpoint_path):
@@ -246,12 +251,18 @@ def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None,
                 structural_done.extend(rewrite(ck, delta, plans))
                 return structural_done
 
+            moves = MovesRecorder() if history is not None else None
             rep = run_apply(d, ck, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
                             structural=structural, structural_check=lambda todo: _check_structural(ck, todo),
-                            before_write=before_write)
+                            before_write=before_write, history=history, moves=moves)
             rep.structural_ops = {n: ops[n] for n in rep.structural if n in ops}
             ck.flush()
         journal.remove()
+        if history is not None and moves is not None:
+            for e in d.tensors:
+                if e.op in ("add", "remove", "replace"):
+                    moves.reset(e.name)
+            history.commit(d.target_fingerprint, moves, parent=d.base_fingerprint)
     log.info("applied %s to %s: %d chunks (%d skipped, %d recovered), %d tensors added/removed/replaced in %.2f s",
              delta_path, checkpoint_path, rep.chunks_applied, rep.chunks_skipped, rep.chunks_recovered,
              len(rep.structural), rep.seconds)

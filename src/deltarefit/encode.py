@@ -22,11 +22,19 @@ import numpy as np
 
 from . import __version__
 from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
-from .codec.chunk import ENCODING_NAMES, EncodedChunk, encode_overwrite, encode_raw
+from .codec.chunk import (
+    ENCODING_NAMES,
+    ULP_HIST,
+    EncodedChunk,
+    encode_overwrite,
+    encode_raw,
+    encode_with_moves,
+)
 from .codec.chunk import uint_view as chunk_uint_view
 from .dtypes import dtype
 from .errors import UsageError
 from .format import VERSION, ZERO_HASH, DeltaWriter, TensorEntry, TensorMeta
+from .history_book import HistoryBook, MovesRecorder
 from .integrity import (
     SEG_HASH_BYTES,
     SEGMENT_BYTES,
@@ -59,6 +67,8 @@ class EncodeReport:
     # ``sums=True``: the additive digests of the target's tensors (those in both checkpoints), which the
     # next encode takes as its base's (``KnownHashes.sums``) instead of a pass over it.
     target_sums: dict[str, bytes] = field(default_factory=dict, repr=False)
+    # With a history book or recorder: this version's moves, for ``HistoryBook.commit``.
+    moves: MovesRecorder | None = field(default=None, repr=False)
 
     @property
     def ratio(self) -> float:
@@ -86,8 +96,11 @@ def _segments(nbytes: int) -> Iterator[tuple[int, int]]:
 Work = Callable[[], tuple[bytes, bytes, EncodedChunk | None]]
 
 
-def _patch_work(dt_name: str, b: np.ndarray, t: np.ndarray, known_pre: bytes | None = None) -> Work:
-    """One segment of a tensor in both checkpoints; ``known_pre``: the base segment's hash, if known."""
+def _patch_work(dt_name: str, b: np.ndarray, t: np.ndarray, known_pre: bytes | None = None,
+                hist: tuple[HistoryBook, MovesRecorder, str, int] | None = None) -> Work:
+    """One segment of a tensor in both checkpoints; ``known_pre``: the base segment's hash, if known;
+    ``hist``: (book, recorder, tensor name, chunk index) to code against the book's history of the
+    segment and record its moves."""
     dt = dtype(dt_name)
 
     def run() -> tuple[bytes, bytes, EncodedChunk | None]:
@@ -95,7 +108,13 @@ def _patch_work(dt_name: str, b: np.ndarray, t: np.ndarray, known_pre: bytes | N
         # memory, and the hashes after it read them from cache (scan then hash took 31 ms on the real
         # 3.5% pair where hash then scan took 36, one thread). A segment with no change is hashed once,
         # or not at all when its base hash is known.
-        enc = encode_raw(dt, b, t)
+        if hist is None:
+            enc = encode_raw(dt, b, t)
+        else:
+            book, rec, name, ci = hist
+            bu, tu = uint_view(b, dt_name), uint_view(t, dt_name)
+            enc, moves = encode_with_moves(dt, bu, tu, book.history(name, ci, bu.size))
+            rec.add(name, ci, moves)
         pre = seg_hash(b) if known_pre is None else known_pre
         return pre, pre if enc is None else seg_hash(t), enc
 
@@ -170,12 +189,13 @@ def _known_segments(known: Mapping[str, bytes] | None, name: str, info: TensorIn
     return [segs[i:i + SEG_HASH_BYTES] for i in range(0, len(segs), SEG_HASH_BYTES)]
 
 
-def _host_patch_works(base: Checkpoint, target: Checkpoint, known: Mapping[str, bytes] | None) -> PatchWorks:
+def _host_patch_works(base: Checkpoint, target: Checkpoint, known: Mapping[str, bytes] | None,
+                      hist: tuple[HistoryBook, MovesRecorder] | None = None) -> PatchWorks:
     def works(name: str, bi: TensorInfo, tinfo: TensorInfo) -> list[Work]:
         braw, traw = base.raw(name), target.raw(name)
         pre = _known_segments(known, name, bi)
         return [_patch_work(bi.dtype, braw[o:o + SEGMENT_BYTES], traw[o:o + SEGMENT_BYTES],
-                            None if pre is None else pre[ci])
+                            None if pre is None else pre[ci], None if hist is None else (*hist, name, ci))
                 for ci, o in _segments(bi.nbytes)]
 
     return works
@@ -281,7 +301,8 @@ def encode_checkpoints(
     base: Checkpoint, target: Checkpoint, out: str, *, threads: int | None = None,
     progress: Callable[[int], None] | None = None, patch_works: PatchWorks | None = None,
     base_hashes: Mapping[str, bytes] | None = None, durable: bool = True, sums: bool = False,
-    base_sums: Mapping[str, bytes] | None = None,
+    base_sums: Mapping[str, bytes] | None = None, history: HistoryBook | None = None,
+    moves: MovesRecorder | None = None,
 ) -> EncodeReport:
     """Write the delta taking ``base`` to ``target`` to ``out``. ``progress`` gets the target's bytes
     scanned (their sum is the target's size).
@@ -303,14 +324,31 @@ def encode_checkpoints(
     ``base`` and ``target`` need only ``tensors`` (name -> info with dtype, shape, nbytes) and
     ``raw(name)``; ``patch_works`` replaces the host scan of tensors present in both (the GPU encoder
     scans on the device and hands over compact changes). Tensors are generated lazily, so the scan of
-    one tensor overlaps with the entropy coding of the previous ones on the pool."""
+    one tensor overlaps with the entropy coding of the previous ones on the pool.
+
+    ``history``: a ``HistoryBook`` whose tip is ``base``: chunks are also coded against it (encoding 5,
+    kept where smaller), and the delta is refused (``UsageError``, nothing kept) if the base turns out
+    to be another checkpoint. ``moves``: records this version's moves, for the caller to commit to
+    its book once the version is published (with ``history``, it defaults to a fresh recorder,
+    returned in the report)."""
     t0 = time.perf_counter()
     threads = threads or default_threads()
     names = sorted(set(base.tensors) | set(target.tensors), key=lambda n: n.encode("utf-8"))
+    if history is not None or moves is not None:
+        if patch_works is not None:
+            raise UsageError("a history book needs the host scan (no patch_works)")
+        moves = moves if moves is not None else MovesRecorder()
+        works = _host_patch_works(base, target, base_hashes, (history or _NoBook(), moves))
+    else:
+        works = patch_works or _host_patch_works(base, target, base_hashes)
+    if moves is not None:
+        for name in names:
+            bi, tinfo = base.tensors.get(name), target.tensors.get(name)
+            if bi is None or tinfo is None or (bi.dtype, bi.shape) != (tinfo.dtype, tinfo.shape):
+                moves.reset(name)
     writer = DeltaWriter(out, durable=durable)
     try:
-        jobs = _jobs(base, target, names, patch_works or _host_patch_works(base, target, base_hashes),
-                     base_hashes)
+        jobs = _jobs(base, target, names, works, base_hashes)
         with contextlib.closing(_ordered(_pools.get(threads), jobs, 4 * threads)) as results:
             got = _collect(results, writer, progress)
         entries = got.entries
@@ -321,6 +359,8 @@ def encode_checkpoints(
         total_elems = sum(math.prod(t.shape) for t in target.tensors.values())
         full_bytes = sum(t.nbytes for t in target.tensors.values())
         bfp, tfp = fingerprint_from_digests(got.base_digests), fingerprint_from_digests(got.target_digests)
+        if history is not None and history.tip not in (None, bfp) and got.counts.get(ULP_HIST):
+            raise UsageError(f"history book {history.path} describes checkpoint {history.tip}, the base is {bfp}")
         manifest = {
             "format": "deltarefit.delta", "version": VERSION, "segment_bytes": SEGMENT_BYTES, "hash": "blake3-128",
             "base_fingerprint": bfp, "target_fingerprint": tfp,
@@ -337,7 +377,14 @@ def encode_checkpoints(
              100 * got.changed / max(total_elems, 1), dt)
     return EncodeReport(out, bfp, tfp, size, full_bytes, got.changed, total_elems, dt,
                         {ENCODING_NAMES[e]: c for e, c in got.counts.items()}, got.target_hashes,
-                        base_hashes is not None and patch_works is None, target_sums)
+                        base_hashes is not None and patch_works is None, target_sums, moves)
+
+
+class _NoBook:
+    """The history of an empty book: none for every chunk."""
+
+    def history(self, name: str, ci: int, n: int) -> None:
+        return None
 
 
 @dataclass
@@ -439,8 +486,10 @@ def additive_digests(tensors: list[tuple[Checkpoint, str]], *, threads: int | No
 
 def encode(base: str, target: str, out: str, *, threads: int | None = None,
            progress: Callable[[int], None] | None = None, known_base: KnownHashes | None = None,
-           durable: bool = True, sums: bool = False) -> EncodeReport:
+           durable: bool = True, sums: bool = False, history: HistoryBook | None = None) -> EncodeReport:
     """Encode the delta from checkpoint ``base`` to checkpoint ``target`` into the file ``out``.
+    ``history``: code against this book's history of ``base`` too (``encode_checkpoints``); the
+    report's ``moves`` then go to ``history.commit`` once the delta is delivered.
     ``known_base``: the base's segment hashes, used only while the opened base files still have the
     identity they were taken with (otherwise the base is hashed as usual). ``durable=False``: no fsync
     of ``out``, for a delta staged for upload (the store makes its own copy durable)."""
@@ -450,7 +499,8 @@ def encode(base: str, target: str, out: str, *, threads: int | None = None,
         if known_base is not None and known is None:
             log.info("%s: its files changed since its hashes were taken; hashing it again", base)
         return encode_checkpoints(b, t, out, threads=threads, progress=progress, base_hashes=known,
-                                  durable=durable, sums=sums, base_sums=known_base.sums if same else None)
+                                  durable=durable, sums=sums, base_sums=known_base.sums if same else None,
+                                  history=history)
 
 
 # ``deltarefit.encode`` is this module and, called, ``encode`` (``_callable``).

@@ -9,10 +9,11 @@ from typing import Protocol
 
 import numpy as np
 
-from .codec.chunk import Patch, decode_chunk, decode_new, scratch_array
+from .codec.chunk import ULP_HIST, Patch, decode_chunk, decode_new, scratch_array
 from .dtypes import dtype
 from .encode import uint_view
 from .format import ChunkRecord, DeltaReader, TensorEntry
+from .history_book import HistoryBook
 from .integrity import SEGMENT_BYTES, seg_hash
 
 
@@ -90,15 +91,20 @@ def _where(e: TensorEntry, r: ChunkRecord | None = None) -> str:
     return f"tensor {e.name!r}" + (f" chunk {r.chunk_index}" if r is not None else "")
 
 
-def _decode(delta: DeltaReader, e: TensorEntry, r: ChunkRecord, base_seg: np.ndarray | None) -> Patch:
-    """Decode a chunk against its base segment, or (``base_seg`` None) a chunk of a new tensor."""
+def _decode(delta: DeltaReader, e: TensorEntry, r: ChunkRecord, base_seg: np.ndarray | None,
+            history: HistoryBook | None = None) -> Patch:
+    """Decode a chunk against its base segment, or (``base_seg`` None) a chunk of a new tensor. An
+    ``ulp_hist`` chunk takes its history from ``history`` (refused without one, or with another)."""
     where = f"{delta.path}: {_where(e, r)}"
     payload = delta.read_payload(r, _where(e, r))
     if base_seg is None:
         dt = dtype(e.target.dtype)
         n = min(SEGMENT_BYTES, e.target.nbytes - r.chunk_index * SEGMENT_BYTES) // dt.itemsize
         return Patch(None, None, decode_new(dt, n, r.encoding, payload, where))
-    return decode_chunk(dtype(e.base.dtype), base_seg, r.encoding, payload, r.n_changed, r.decoded_len, where)
+    hist = None
+    if r.encoding == ULP_HIST and history is not None:
+        hist = history.history(e.name, r.chunk_index, base_seg.size)
+    return decode_chunk(dtype(e.base.dtype), base_seg, r.encoding, payload, r.n_changed, r.decoded_len, where, hist)
 
 
 def _changes(patch: Patch, view: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -33,7 +33,7 @@ import zstandard
 from ..dtypes import DType
 from ..errors import DecodeError, LimitError
 from .constants import KIND_FLOAT, KIND_INT, KIND_UINT, STATUS
-from .history import HIST_ID_BYTES, N_STATES, QDEPTH, History, context_map
+from .history import HIST_ID_BYTES, N_STATES, QDEPTH, History, Moves, context_map, directions
 
 
 class _Numba:
@@ -224,18 +224,45 @@ def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray, history: Histo
     """Smallest bit-exact encoding of ``target`` given ``base`` (uint views, equal length), or None.
     With ``history`` (what the previous version changed in this chunk), the history-conditioned
     coding (``ULP_HIST``) is a candidate too, and the smaller of it and the rest is kept."""
+    if history is None and _native16(dt):
+        with contextlib.suppress(BufferError):  # an unaligned view: numba takes it
+            return _encode_native16(dt, base, target)
+    return encode_with_moves(dt, base, target, history)[0]
+
+
+def encode_with_moves(dt: DType, base: np.ndarray, target: np.ndarray,
+                      history: History | None) -> tuple[EncodedChunk | None, Moves]:
+    """``encode_chunk`` with ``history``, and the chunk's moves in this version (what the next
+    version's history is made of), taken from the scan the coding made anyway."""
     got = None
+    scanned = False
     if _native16(dt):
         with contextlib.suppress(BufferError):  # an unaligned view: numba takes it
             got = _encode_native16(dt, base, target)
-            if history is None or got is None:
-                return got
-    if got is None:
+            scanned = True
+    if not scanned:
         got = encode_changes(dt, scan_chunk(dt, base, target, scratch=True), lambda: (base, target))
-    if history is None or got is None or history.m == 0:
-        return got
+    n = base.size
+    if got is None:
+        return None, Moves(n, np.empty(0, np.int64), np.empty(0, np.bool_))
+    # Both scans fill this thread's scratch arrays with the changes in position order.
+    pos, _, _, bvals, tvals = _scan_buffers(n, base.dtype, True)
+    m = got.n_changed
+    moves = Moves(n, pos[:m].astype(np.int64), directions(dt, bvals[:m], tvals[:m]))
+    if history is None or history.m == 0:
+        return got, moves
     hist = encode_hist(dt, base, target, history)
-    return hist if hist is not None and len(hist.payload) < len(got.payload) else got
+    return (hist if hist is not None and len(hist.payload) < len(got.payload) else got), moves
+
+
+def moves_of_patch(dt: DType, base: np.ndarray, patch: Patch) -> Moves:
+    """A decoded chunk's moves (its changes and their directions) against its base (uint view)."""
+    if patch.dense is not None:
+        pos = np.flatnonzero(patch.dense != base)
+        return Moves(base.size, pos, directions(dt, base[pos], patch.dense[pos]))
+    if patch.positions is None or not patch.positions.size:
+        return Moves(base.size, np.empty(0, np.int64), np.empty(0, np.bool_))
+    return Moves(base.size, patch.positions, directions(dt, base[patch.positions], patch.values))
 
 
 def encode_hist(dt: DType, base: np.ndarray, target: np.ndarray, history: History) -> EncodedChunk | None:

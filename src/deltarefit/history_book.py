@@ -1,0 +1,183 @@
+"""A history book: the last versions' moves of a checkpoint, kept beside it, which encoding 5
+(``ulp_hist``) codes against (FORMAT.md, "Encoding 5: ulp_hist").
+
+Contract:
+
+* A book is a directory. Each version it knows has one *moves file*, ``<fingerprint>.moves``: the
+  chunks that version changed, each with its moves (``codec.history.Moves``, zstd-compressed), and
+  the tensors it reset (added, replaced or removed: older moves do not apply to them). ``HEAD.json``
+  names the newest ``DEPTH`` versions, newest first; the first is the book's *tip*, the fingerprint
+  of the checkpoint whose history it holds.
+* Holding a book costs each version's changes, not the checkpoint: about a byte per change.
+  Advancing it (``commit``) writes one moves file of the new version's changes and rewrites HEAD;
+  the oldest moves file goes. Nothing is rewritten per refit in proportion to the model.
+* Crash safety: the moves file is written to a temporary name and renamed, then HEAD the same way.
+  A process killed at any point leaves the old HEAD (and at worst an orphan moves file, removed by
+  the next commit) or the new one, never a mixture.
+* Trust: a book is local state, but it is read as untrusted input: a malformed file raises
+  ``DecodeError`` naming it. A wrong book cannot make a decoder accept wrong bytes: every
+  ``ulp_hist`` chunk names the id of the history it was coded against, and a decoder whose book
+  gives another refuses the chunk before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import numpy as np
+import zstandard
+
+from .codec.history import DEPTH, History, Moves
+from .errors import DecodeError
+from .fsutil import fsync_dir, write_atomic
+
+MAGIC = b"DRMOVES1"
+HEAD = "HEAD.json"
+MAX_INDEX_BYTES = 64 << 20
+
+
+class MovesRecorder:
+    """Collects one version's moves, chunk by chunk, from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.moves: dict[tuple[str, int], Moves] = {}
+        self.resets: set[str] = set()
+        # Set where a chunk's moves could not be taken (applied by an earlier, killed run): the
+        # version's history is then unknown, and ``HistoryBook.commit`` starts the book over.
+        self.incomplete = False
+
+    def add(self, name: str, ci: int, moves: Moves) -> None:
+        if moves.pos.size:
+            with self._lock:
+                self.moves[(name, ci)] = moves
+
+    def reset(self, name: str) -> None:
+        with self._lock:
+            self.resets.add(name)
+
+
+class _MovesFile:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            head = f.read(16)
+            if len(head) != 16 or head[:8] != MAGIC:
+                raise DecodeError(f"{path}: not a moves file")
+            n = int.from_bytes(head[8:], "little")
+            if n > MAX_INDEX_BYTES:
+                raise DecodeError(f"{path}: index of {n} bytes exceeds {MAX_INDEX_BYTES}")
+            raw = f.read(n)
+            if len(raw) != n:
+                raise DecodeError(f"{path}: truncated index")
+        try:
+            idx = json.loads(raw)
+            self.fingerprint = str(idx["fingerprint"])
+            self.resets = {str(x) for x in idx["reset"]}
+            self.entries = {(str(name), int(ci)): (int(n_el), int(off), int(ln))
+                            for name, ci, n_el, off, ln in idx["entries"]}
+        except (ValueError, KeyError, TypeError) as e:
+            raise DecodeError(f"{path}: malformed index ({e})") from None
+        self.base = 16 + n
+        self.size = os.path.getsize(path)
+
+    def moves(self, name: str, ci: int, n: int) -> Moves | None:
+        got = self.entries.get((name, ci))
+        if got is None:
+            return None
+        n_el, off, ln = got
+        if n_el != n or off < 0 or ln < 0 or self.base + off + ln > self.size:
+            raise DecodeError(f"{self.path}: entry {name!r} chunk {ci} does not fit ({n_el} elements, chunk of {n})")
+        with open(self.path, "rb") as f:
+            f.seek(self.base + off)
+            blob = f.read(ln)
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=16 + 5 * n + 8)
+        except zstandard.ZstdError as e:
+            raise DecodeError(f"{self.path}: entry {name!r} chunk {ci} does not decompress ({e})") from None
+        mv = Moves.from_bytes(raw, f"{self.path}: entry {name!r} chunk {ci}")
+        if mv.n != n:
+            raise DecodeError(f"{self.path}: entry {name!r} chunk {ci} is of {mv.n} elements, chunk of {n}")
+        return mv
+
+
+class HistoryBook:
+    """The book in directory ``path`` (created on first commit)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._files: list[_MovesFile] = []
+        head = os.path.join(self.path, HEAD)
+        if os.path.exists(head):
+            try:
+                with open(head, "rb") as f:
+                    fps = json.loads(f.read(1 << 16))["versions"]
+                if not isinstance(fps, list) or len(fps) > DEPTH or not all(isinstance(x, str) for x in fps):
+                    raise ValueError("versions must be a list of at most 3 fingerprints")
+            except (ValueError, KeyError, TypeError) as e:
+                raise DecodeError(f"{head}: malformed ({e})") from None
+            for fp in fps:
+                mf = _MovesFile(self._moves_path(fp))
+                if mf.fingerprint != fp:
+                    raise DecodeError(f"{mf.path}: holds the moves of {mf.fingerprint}, HEAD names {fp}")
+                self._files.append(mf)
+
+    def _moves_path(self, fp: str) -> str:
+        if not fp or any(c not in "0123456789abcdef" for c in fp):
+            raise DecodeError(f"{self.path}: bad fingerprint {fp!r} in the book")
+        return os.path.join(self.path, f"{fp}.moves")
+
+    @property
+    def tip(self) -> str | None:
+        """The fingerprint of the checkpoint whose history this is (None: an empty book)."""
+        return self._files[0].fingerprint if self._files else None
+
+    def versions(self) -> list[str]:
+        return [f.fingerprint for f in self._files]
+
+    def history(self, name: str, ci: int, n: int) -> History | None:
+        """The history of chunk ``ci`` (``n`` elements) of tensor ``name`` at the tip, or None when
+        the book has no move of it (the chunk is then coded and decoded without history)."""
+        moves: list[Moves] = []
+        for f in self._files:
+            got = f.moves(name, ci, n)
+            moves.append(got if got is not None else Moves(n, np.empty(0, np.int64), np.empty(0, np.bool_)))
+            if name in f.resets:
+                break
+        if not any(m.pos.size for m in moves):
+            return None
+        return History.from_moves(n, moves)
+
+    def commit(self, fingerprint: str, rec: MovesRecorder, *, parent: str | None, durable: bool = True) -> None:
+        """Advance the book to the version ``fingerprint`` with that version's moves. ``parent``: the
+        fingerprint the version was applied to; a book whose tip is another starts over from this
+        version (its older moves describe another checkpoint)."""
+        os.makedirs(self.path, exist_ok=True)
+        if rec.incomplete:
+            rec = MovesRecorder()
+            # An empty moves file and no older ones: no chunk has a history at this version, so its
+            # next delta's ulp_hist chunks are refused by name and the rollout catches up.
+            parent = None
+        keep = self._files[: DEPTH - 1] if parent is not None and self.tip == parent else []
+        keep = [f for f in keep if f.fingerprint != fingerprint]
+        blobs, entries, off = [], [], 0
+        zc = zstandard.ZstdCompressor(level=3)
+        for (name, ci), mv in sorted(rec.moves.items(), key=lambda kv: (kv[0][0].encode("utf-8"), kv[0][1])):
+            b = zc.compress(mv.to_bytes())
+            entries.append([name, ci, mv.n, off, len(b)])
+            blobs.append(b)
+            off += len(b)
+        idx = json.dumps({"fingerprint": fingerprint, "reset": sorted(rec.resets), "entries": entries},
+                         separators=(",", ":")).encode()
+        write_atomic(self._moves_path(fingerprint), MAGIC + len(idx).to_bytes(8, "little") + idx + b"".join(blobs),
+                     durable=durable)
+        fps = [fingerprint] + [f.fingerprint for f in keep]
+        write_atomic(os.path.join(self.path, HEAD), json.dumps({"versions": fps}).encode(), durable=durable)
+        for fn in os.listdir(self.path):  # older versions' files, and orphans of killed commits
+            if fn.endswith(".moves") and fn[:-6] not in fps:
+                os.unlink(os.path.join(self.path, fn))
+        if durable:
+            fsync_dir(self.path)
+        self.__init__(self.path)

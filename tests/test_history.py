@@ -1,0 +1,285 @@
+"""Encoding 5 (``ulp_hist``): chunks coded against the stream's history, and the history books a
+trainer and a rollout keep beside their checkpoints.
+
+Chains here are momentum-like: an element that moved in the last version moves again far more often
+than others, mostly the same way (as AdamW's steps do), so that the history coding has something to
+win; the codec must be exact on any chain, which the random-walk tests check.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from deltarefit import apply as apply_mod
+from deltarefit import encode as encode_mod
+from deltarefit.codec import chunk as C
+from deltarefit.codec import history as H
+from deltarefit.dtypes import dtype
+from deltarefit.errors import DecodeError
+from deltarefit.format import DeltaReader
+from deltarefit.history_book import HistoryBook
+
+from _pairs import sha
+
+
+def _key(u: np.ndarray, bits: int) -> np.ndarray:
+    u = u.astype(np.int64)
+    sign, mask = 1 << (bits - 1), (1 << bits) - 1
+    return np.where(u & sign, u ^ mask, u ^ sign)
+
+
+def _unkey(k: np.ndarray, bits: int) -> np.ndarray:
+    sign, mask = 1 << (bits - 1), (1 << bits) - 1
+    return np.where(k & sign, k ^ sign, mask - k)
+
+
+def momentum_chain(n: int, steps: int, *, bits: int = 16, rate: float = 0.03, seed: int = 0,
+                   udt=np.uint16) -> list[np.ndarray]:
+    """``steps + 1`` versions of ``n`` float bit patterns (bf16 / f16 by ``bits``): each version moves
+    a few percent of the elements by a few ulps, an element that just moved again with probability
+    0.3 and mostly the same way."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    if bits == 16 and udt == np.uint16:
+        v = (x.view(np.uint32) >> 16).astype(np.uint16)
+    else:
+        v = x.astype(np.float16).view(np.uint16)
+    out = [v]
+    last = np.zeros(n, np.int64)
+    for _ in range(steps):
+        again = (last != 0) & (rng.random(n) < 0.3)
+        fresh = (last == 0) & (rng.random(n) < rate)
+        d = np.where(rng.random(n) < 0.85, 1, rng.integers(2, 6, n))
+        d = np.where(again, np.sign(last) * np.where(rng.random(n) < 0.95, 1, -1) * d,
+                     np.where(fresh, np.where(rng.random(n) < 0.5, 1, -1) * d, 0))
+        k = _key(out[-1], bits)
+        nk = np.clip(k + d, 1, (1 << bits) - 2)
+        new = _unkey(nk, bits).astype(udt)
+        last = np.where(new != out[-1], d, 0)
+        out.append(new)
+    return out
+
+
+def _moves(dt, a: np.ndarray, b: np.ndarray) -> H.Moves:
+    return H.moves_of_images(dt, a, b)
+
+
+@pytest.mark.parametrize("name,bits", [("BF16", 16), ("F16", 16)])
+def test_chunks_round_trip_along_a_chain_and_never_cost_more_than_v1(name, bits):
+    dt = dtype(name)
+    vs = momentum_chain(40_000, 6, seed=1)
+    recent: list[H.Moves] = []
+    hist_used = 0
+    for a, b in zip(vs, vs[1:], strict=False):
+        h = H.History.from_moves(a.size, recent) if recent else None
+        v1 = C.encode_chunk(dt, a, b)
+        got = C.encode_chunk(dt, a, b, h)
+        assert got is not None and v1 is not None
+        assert len(got.payload) <= len(v1.payload)
+        if got.encoding == C.ULP_HIST:
+            hist_used += 1
+            assert got.payload[:H.HIST_ID_BYTES] == h.id
+        p = C.decode_chunk(dt, a, got.encoding, got.payload, got.n_changed, got.decoded_len, "t", h)
+        img = a.copy()
+        p.apply_to(img)
+        assert np.array_equal(img, b)
+        recent = [_moves(dt, a, b), *recent][:H.DEPTH]
+    assert hist_used >= 4  # from the second step on the history wins on a momentum chain
+
+
+def test_history_coding_is_smaller_on_a_momentum_chain():
+    dt = dtype("BF16")
+    vs = momentum_chain(200_000, 5, seed=2)
+    recent: list[H.Moves] = []
+    for a, b in zip(vs, vs[1:], strict=False):
+        h = H.History.from_moves(a.size, recent) if recent else None
+        if h is not None and len(recent) == H.DEPTH:
+            v1, got = C.encode_chunk(dt, a, b), C.encode_hist(dt, a, b, h)
+            assert len(got.payload) < 0.95 * len(v1.payload), (len(got.payload), len(v1.payload))
+        recent = [_moves(dt, a, b), *recent][:H.DEPTH]
+
+
+def test_random_walks_of_every_width_round_trip():
+    # No momentum, any dtype the ulp coding takes: exact whatever the history holds.
+    rng = np.random.default_rng(3)
+    for name in ("BF16", "F16", "F32", "F8_E4M3", "I16", "U8"):
+        dt = dtype(name)
+        n = 5000
+        a = rng.integers(0, 1 << dt.bits, n, dtype=np.uint64).astype(dt.uint)
+        recent = []
+        for _ in range(4):
+            b = a.copy()
+            idx = rng.choice(n, 300, replace=False)
+            b[idx] = (b[idx].astype(np.uint64) + rng.integers(1, 4, 300).astype(np.uint64)).astype(dt.uint) \
+                & np.asarray((1 << dt.bits) - 1).astype(dt.uint)
+            h = H.History.from_moves(n, recent) if recent else None
+            got = C.encode_chunk(dt, a, b, h)
+            if got is None:
+                continue
+            if h is not None:
+                e5 = C.encode_hist(dt, a, b, h)
+                p5 = C.decode_chunk(dt, a, e5.encoding, e5.payload, e5.n_changed, 0, "t", h)
+                img = a.copy()
+                p5.apply_to(img)
+                assert np.array_equal(img, b), name
+            recent = [_moves(dt, a, b), *recent][:H.DEPTH]
+            a = b
+
+
+def test_a_chunk_refuses_a_missing_or_different_history():
+    dt = dtype("BF16")
+    vs = momentum_chain(30_000, 3, seed=4)
+    m1, m2 = _moves(dt, vs[0], vs[1]), _moves(dt, vs[1], vs[2])
+    h = H.History.from_moves(vs[2].size, [m2, m1])
+    enc = C.encode_hist(dt, vs[2], vs[3], h)
+    with pytest.raises(DecodeError, match="none is held here"):
+        C.decode_chunk(dt, vs[2], enc.encoding, enc.payload, enc.n_changed, 0, "x")
+    other = H.History.from_moves(vs[2].size, [m2])  # one version short
+    with pytest.raises(DecodeError, match="this decoder holds"):
+        C.decode_chunk(dt, vs[2], enc.encoding, enc.payload, enc.n_changed, 0, "x", other)
+    # one direction bit flipped
+    flipped = H.Moves(m2.n, m2.pos, m2.down ^ (np.arange(m2.pos.size) == 7))
+    with pytest.raises(DecodeError, match="this decoder holds"):
+        C.decode_chunk(dt, vs[2], enc.encoding, enc.payload, enc.n_changed, 0, "x",
+                       H.History.from_moves(vs[2].size, [flipped, m1]))
+    # the id matches but the payload was cut: refused as any ulp payload is
+    with pytest.raises(DecodeError):
+        C.decode_chunk(dt, vs[2], enc.encoding, enc.payload[:-9], enc.n_changed, 0, "x", h)
+
+
+def test_history_ids_depend_on_every_state():
+    a = H.History(100, np.array([3, 50]), np.array([1, 129], np.uint8))
+    assert H.History(100, np.array([3, 50]), np.array([1, 129], np.uint8)).id == a.id
+    for b in (H.History(100, np.array([3, 51]), np.array([1, 129], np.uint8)),
+              H.History(100, np.array([3, 50]), np.array([1, 1], np.uint8)),
+              H.History(101, np.array([3, 50]), np.array([1, 129], np.uint8))):
+        assert b.id != a.id
+    with pytest.raises(ValueError):
+        H.History(10, np.array([3, 3]), np.array([1, 1], np.uint8))
+    with pytest.raises(ValueError):
+        H.History(10, np.array([3]), np.array([7], np.uint8))
+
+
+# ------------------------------------------------------------------------------ checkpoints and books
+
+
+def _chain_files(d, steps: int = 5, seed: int = 5) -> list[str]:
+    n = 3 * (1 << 19) + 1000  # three full segments and a short one
+    a = momentum_chain(n, steps, seed=seed)
+    b = momentum_chain(20_000, steps, seed=seed + 1)
+    paths = []
+    for i in range(steps + 1):
+        p = os.path.join(d, f"v{i}.safetensors")
+        safetensors.torch.save_file({
+            "w": torch.from_numpy(a[i].view(np.int16).copy()).view(torch.bfloat16),
+            "small": torch.from_numpy(b[i].view(np.int16).copy()).view(torch.bfloat16).reshape(100, 200),
+            "count": torch.tensor([i], dtype=torch.int64),
+        }, p)
+        paths.append(p)
+    return paths
+
+
+def _encodings(path: str) -> dict[int, int]:
+    with DeltaReader(path) as r:
+        out: dict[int, int] = {}
+        for e in r.tensors:
+            for c in r.chunks(e):
+                out[c.encoding] = out.get(c.encoding, 0) + 1
+        return out
+
+
+def test_a_chain_through_books_stays_bit_exact_and_takes_the_history_coding(tmp_path):
+    paths = _chain_files(tmp_path)
+    trainer, rollout = HistoryBook(tmp_path / "tbook"), HistoryBook(tmp_path / "rbook")
+    ckpt = str(tmp_path / "rollout.safetensors")
+    shutil.copy(paths[0], ckpt)
+    sizes = []
+    for i in range(1, len(paths)):
+        out = str(tmp_path / f"d{i}.delta")
+        rep = encode_mod.encode(paths[i - 1], paths[i], out, history=trainer)
+        trainer.commit(rep.target_fingerprint, rep.moves, parent=rep.base_fingerprint)
+        plain = encode_mod.encode(paths[i - 1], paths[i], str(tmp_path / f"p{i}.delta"))
+        sizes.append((rep.delta_bytes, plain.delta_bytes))
+        got = apply_mod.apply(out, ckpt, history=rollout)
+        assert sha(ckpt) == sha(paths[i])
+        assert got.target_fingerprint == rep.target_fingerprint == rollout.tip == trainer.tip
+        encs = _encodings(out)
+        if i >= 2:
+            assert encs.get(C.ULP_HIST, 0) > 0, encs
+        assert rep.delta_bytes <= plain.delta_bytes
+    assert len(rollout.versions()) == H.DEPTH
+    assert len([f for f in os.listdir(tmp_path / "rbook") if f.endswith(".moves")]) == H.DEPTH
+    assert sizes[-1][0] < 0.95 * sizes[-1][1]
+
+
+def test_a_rollout_without_the_history_refuses_and_writes_nothing(tmp_path):
+    paths = _chain_files(tmp_path, steps=3)
+    trainer = HistoryBook(tmp_path / "tbook")
+    deltas = []
+    for i in range(1, len(paths)):
+        out = str(tmp_path / f"d{i}.delta")
+        rep = encode_mod.encode(paths[i - 1], paths[i], out, history=trainer)
+        trainer.commit(rep.target_fingerprint, rep.moves, parent=rep.base_fingerprint)
+        deltas.append(out)
+    ckpt = str(tmp_path / "late.safetensors")
+    shutil.copy(paths[2], ckpt)  # a late joiner at version 2, with no book
+    before = sha(ckpt)
+    with pytest.raises(DecodeError, match="none is held here"):
+        apply_mod.apply(deltas[2], ckpt)
+    assert sha(ckpt) == before
+    # a book that followed only the last version (through a delta without history) holds another
+    # history: refused too
+    book = HistoryBook(tmp_path / "short")
+    plain = encode_mod.encode(paths[1], paths[2], str(tmp_path / "plain.delta"))
+    assert C.ULP_HIST not in _encodings(plain.path)
+    apply_mod.apply(plain.path, str(shutil.copy(paths[1], tmp_path / "x.safetensors")), history=book)
+    assert book.tip == plain.target_fingerprint
+    with pytest.raises(DecodeError, match="this decoder holds"):
+        apply_mod.apply(deltas[2], ckpt, history=book)
+    assert sha(ckpt) == before
+
+
+def test_a_rerun_of_a_finished_apply_starts_the_book_over(tmp_path):
+    paths = _chain_files(tmp_path, steps=3)
+    trainer, rollout = HistoryBook(tmp_path / "tbook"), HistoryBook(tmp_path / "rbook")
+    ckpt = str(shutil.copy(paths[0], tmp_path / "r.safetensors"))
+    deltas = []
+    for i in range(1, len(paths)):
+        out = str(tmp_path / f"d{i}.delta")
+        rep = encode_mod.encode(paths[i - 1], paths[i], out, history=trainer)
+        trainer.commit(rep.target_fingerprint, rep.moves, parent=rep.base_fingerprint)
+        deltas.append(out)
+    apply_mod.apply(deltas[0], ckpt, history=rollout)
+    apply_mod.apply(deltas[1], ckpt, history=rollout)
+    assert len(rollout.versions()) == 2
+    # as after a kill between the apply and the book's commit: the chunks are found applied
+    apply_mod.apply(deltas[1], ckpt, history=rollout)
+    assert rollout.versions() == [rollout.tip]
+    before = sha(ckpt)
+    with pytest.raises(DecodeError):
+        apply_mod.apply(deltas[2], ckpt, history=rollout)
+    assert sha(ckpt) == before
+
+
+def test_a_malformed_book_is_refused_by_name(tmp_path):
+    paths = _chain_files(tmp_path, steps=1)
+    book = HistoryBook(tmp_path / "b")
+    rep = encode_mod.encode(paths[0], paths[1], str(tmp_path / "d.delta"), history=book)
+    book.commit(rep.target_fingerprint, rep.moves, parent=rep.base_fingerprint)
+    f = next(p for p in (tmp_path / "b").iterdir() if p.suffix == ".moves")
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    book2 = HistoryBook(tmp_path / "b")  # the index is whole, an entry is cut
+    with pytest.raises(DecodeError, match=str(f.name)):
+        for name in ("w", "small"):
+            for ci in range(4):
+                book2.history(name, ci, 1 << 19)
+    f.write_bytes(b"garbage")
+    with pytest.raises(DecodeError, match="not a moves file"):
+        HistoryBook(tmp_path / "b")
