@@ -365,13 +365,23 @@ def test_crafted_record_names_other_tensor(pair, ckpt, ddir):
     refused(p, ckpt, FormatError, re.escape(p), "record names tensor")
 
 
-@pytest.mark.parametrize("enc", [0, 5, 255])
+@pytest.mark.parametrize("enc", [0, 6, 255])
 def test_crafted_unknown_encoding(pair, ckpt, ddir, enc):
     d = Delta.parse(pair["data"])
     k = d.record_of(L0)
     d.records[k] = _rec(d.records[k], encoding=enc)
     p = d.write(ddir / "c.delta")
     refused(p, ckpt, FormatError, re.escape(p), f"encoding {enc}")
+
+
+def test_crafted_ulp_hist_chunk_without_its_history(pair, ckpt, ddir):
+    """A chunk relabelled ``ulp_hist`` (encoding 5), every hash consistent: the rollout holds no
+    history, so the chunk names one it cannot have, and nothing is written."""
+    d = Delta.parse(pair["data"])
+    k = d.record_of(L0)
+    d.records[k] = _rec(d.records[k], encoding=5)
+    p = d.write(ddir / "c.delta")
+    refused(p, ckpt, DecodeError, re.escape(p), "none is held here")
 
 
 def test_crafted_reserved_bytes(pair, ckpt, ddir):
