@@ -5,6 +5,8 @@ Run it with ``python -m deltarefit.apps.bench [--quick] [--out DIR] [--synthetic
 
 * :mod:`.pairs`: checkpoint pairs (real AdamW steps on a pretrained BERT; calibrated synthetic pairs).
 * :mod:`.peers`: byte counts of the peers (raw, zstd -1, NeMo-style, TRL-style, ZipNN), with decoders.
+* :mod:`.chains`: version chains v0..v{n-1} (a real AdamW run; a real GRPO run on a small LLaMA),
+  ``python -m deltarefit.apps.bench.chains OUT_DIR [--kind adamw|rl]``.
 * :mod:`.entropy`: the empirical conditional entropy bound H(D | base exponent, tensor).
 * :mod:`.report`: the driver and :func:`main`; :mod:`.report_render`: the table, ``docs/BENCHMARKS.md``,
   the plot.
