@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -402,7 +403,7 @@ def write_hist_chunks(out: Path) -> None:
     for dt in ("BF16", "F16"):
         d = DTYPES[dt]
         vs = _momentum_chain(rng, dt, 6_000, 4)
-        moves = [H.moves_of_images(d, a, b) for a, b in zip(vs, vs[1:4], strict=False)][::-1]
+        moves = [H.moves_of_images(d, a, b) for a, b in itertools.pairwise(vs[:4])][::-1]
         hist = H.History.from_moves(vs[3].size, moves)
         C.USE_NATIVE = False
         want = C.encode_hist(d, vs[3], vs[4], hist)

@@ -8,6 +8,7 @@ win; the codec must be exact on any chain, which the random-walk tests check.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+from _pairs import sha
 
 from deltarefit import apply as apply_mod
 from deltarefit import encode as encode_mod
@@ -24,8 +26,6 @@ from deltarefit.dtypes import dtype
 from deltarefit.errors import DecodeError
 from deltarefit.format import DeltaReader
 from deltarefit.history_book import HistoryBook
-
-from _pairs import sha
 
 
 def _key(u: np.ndarray, bits: int) -> np.ndarray:
@@ -76,7 +76,7 @@ def test_chunks_round_trip_along_a_chain_and_never_cost_more_than_v1(name, bits)
     vs = momentum_chain(40_000, 6, seed=1)
     recent: list[H.Moves] = []
     hist_used = 0
-    for a, b in zip(vs, vs[1:], strict=False):
+    for a, b in itertools.pairwise(vs):
         h = H.History.from_moves(a.size, recent) if recent else None
         v1 = C.encode_chunk(dt, a, b)
         got = C.encode_chunk(dt, a, b, h)
@@ -97,7 +97,7 @@ def test_history_coding_is_smaller_on_a_momentum_chain():
     dt = dtype("BF16")
     vs = momentum_chain(200_000, 5, seed=2)
     recent: list[H.Moves] = []
-    for a, b in zip(vs, vs[1:], strict=False):
+    for a, b in itertools.pairwise(vs):
         h = H.History.from_moves(a.size, recent) if recent else None
         if h is not None and len(recent) == H.DEPTH:
             v1, got = C.encode_chunk(dt, a, b), C.encode_hist(dt, a, b, h)

@@ -29,6 +29,7 @@ the failure message names the versions the vectors were made with.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -456,7 +457,7 @@ def _hist_vector():
               for i in range(5)]
         payload = (d / f"{dt_name}_payload.bin").read_bytes()
         assert hashlib.sha256(payload).hexdigest() == m["payload_sha256"], f"{dt_name}: payload was edited"
-        moves = [H.moves_of_images(dt, a, b) for a, b in zip(vs, vs[1:4], strict=False)][::-1]
+        moves = [H.moves_of_images(dt, a, b) for a, b in itertools.pairwise(vs[:4])][::-1]
         yield dt_name, dt, vs, payload, m, H.History.from_moves(vs[3].size, moves)
 
 

@@ -23,6 +23,7 @@ Contract:
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import threading
 
@@ -82,6 +83,13 @@ class _MovesFile:
             raise DecodeError(f"{path}: malformed index ({e})") from None
         self.base = 16 + n
         self.size = os.path.getsize(path)
+        self._map: mmap.mmap | None = None  # opened on first lookup; the file is replaced, never truncated
+
+    def _blob(self, off: int, ln: int) -> bytes:
+        if self._map is None:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._map[self.base + off:self.base + off + ln]
 
     def moves(self, name: str, ci: int, n: int) -> Moves | None:
         got = self.entries.get((name, ci))
@@ -90,9 +98,7 @@ class _MovesFile:
         n_el, off, ln = got
         if n_el != n or off < 0 or ln < 0 or self.base + off + ln > self.size:
             raise DecodeError(f"{self.path}: entry {name!r} chunk {ci} does not fit ({n_el} elements, chunk of {n})")
-        with open(self.path, "rb") as f:
-            f.seek(self.base + off)
-            blob = f.read(ln)
+        blob = self._blob(off, ln)
         try:
             raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=16 + 5 * n + 8)
         except zstandard.ZstdError as e:
