@@ -283,3 +283,27 @@ def test_a_malformed_book_is_refused_by_name(tmp_path):
     f.write_bytes(b"garbage")
     with pytest.raises(DecodeError, match="not a moves file"):
         HistoryBook(tmp_path / "b")
+
+
+def test_the_cli_keeps_books_on_both_sides(tmp_path):
+    import subprocess
+    import sys
+
+    paths = _chain_files(tmp_path, steps=3)
+    ckpt = str(shutil.copy(paths[0], tmp_path / "r.safetensors"))
+    cli = [sys.executable, "-m", "deltarefit"]
+    for i in range(1, len(paths)):
+        out = str(tmp_path / f"d{i}.delta")
+        subprocess.run([*cli, "encode", paths[i - 1], paths[i], "-o", out, "-q", "--history", str(tmp_path / "tb")],
+                       check=True, capture_output=True)
+        r = subprocess.run([*cli, "apply", out, ckpt, "-q", "--history", str(tmp_path / "rb")],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert sha(ckpt) == sha(paths[i])
+    assert C.ULP_HIST in _encodings(out)
+    assert HistoryBook(tmp_path / "tb").versions() == HistoryBook(tmp_path / "rb").versions()
+    # the same delta applied to a copy without the book: exit 3 (a malformed delta for this rollout), one line
+    other = str(shutil.copy(paths[2], tmp_path / "o.safetensors"))
+    r = subprocess.run([*cli, "apply", out, other, "-q"], capture_output=True, text=True)
+    assert r.returncode == 3 and "none is held here" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert sha(other) == sha(paths[2])

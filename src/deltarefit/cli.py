@@ -43,12 +43,14 @@ ENCODE_EXAMPLES = """
 Examples:
   deltarefit encode base.safetensors new.safetensors -o step42.delta
   deltarefit encode ckpt/step41 ckpt/step42 -o step42.delta --threads 8
+  deltarefit encode ckpt/step42 ckpt/step43 -o step43.delta --history trainer.history
 """
 APPLY_EXAMPLES = """
 \b
 Examples:
   deltarefit apply step42.delta rollout/model.safetensors
   deltarefit apply step42.delta rollout/ --quiet
+  deltarefit apply step43.delta rollout/model.safetensors --history rollout/model.history
 """
 
 
@@ -172,18 +174,30 @@ _json = click.option("--json", "as_json", is_flag=True, help="Print JSON instead
 @click.argument("base", type=click.Path(exists=True))
 @click.argument("target", type=click.Path(exists=True))
 @click.option("-o", "--output", required=True, type=click.Path(), help="Delta file to write (atomically).")
+@click.option("--history", "history_dir", type=click.Path(file_okay=False), default=None,
+              help="History book of BASE (a directory, created if missing): code against its last three "
+                   "versions' moves too (encoding 5), then advance it to TARGET. For a chain whose every delta "
+                   "is delivered in order; the rollout applies with its own --history.")
 @_threads
 @_quiet
 @_json
-def encode(base: str, target: str, output: str, threads: int | None, quiet: bool, as_json: bool) -> None:
+def encode(base: str, target: str, output: str, history_dir: str | None, threads: int | None, quiet: bool,
+           as_json: bool) -> None:
     """Encode the delta taking checkpoint BASE to checkpoint TARGET (a .safetensors file or HF directory)."""
 
     def go() -> None:
         from .encode import encode as enc
 
         _output_dir(output)
+        book = None
+        if history_dir is not None:
+            from .history_book import HistoryBook
+
+            book = HistoryBook(history_dir)
         with _progress("encode", _ckpt_bytes(target) if _progress_enabled(quiet) else 0, quiet) as cb:
-            rep = enc(base, target, output, threads=threads, progress=cb)
+            rep = enc(base, target, output, threads=threads, progress=cb, history=book)
+        if book is not None and rep.moves is not None:
+            book.commit(rep.target_fingerprint, rep.moves, parent=rep.base_fingerprint)
         summary = {
             "delta": output, "delta_bytes": rep.delta_bytes, "full_bytes": rep.full_bytes, "ratio": rep.ratio,
             "changed_fraction": rep.changed_fraction, "seconds": rep.seconds,
@@ -203,10 +217,14 @@ def encode(base: str, target: str, output: str, threads: int | None, quiet: bool
 @main.command(epilog=APPLY_EXAMPLES)
 @click.argument("delta", type=click.Path())
 @click.argument("checkpoint", type=click.Path())
+@click.option("--history", "history_dir", type=click.Path(file_okay=False), default=None,
+              help="History book of CHECKPOINT (a directory, created if missing): decode encoding-5 chunks "
+                   "against it, and advance it once the apply is verified.")
 @_threads
 @_quiet
 @_json
-def apply(delta: str, checkpoint: str, threads: int | None, quiet: bool, as_json: bool) -> None:
+def apply(delta: str, checkpoint: str, history_dir: str | None, threads: int | None, quiet: bool,
+          as_json: bool) -> None:
     """Apply DELTA to CHECKPOINT in place. Verifies the base first and the target fingerprint last.
 
     Idempotent and crash-safe: running it again after an interruption finishes the job; running it on
@@ -216,8 +234,13 @@ def apply(delta: str, checkpoint: str, threads: int | None, quiet: bool, as_json
     def go() -> None:
         from .apply import apply as ap
 
+        book = None
+        if history_dir is not None:
+            from .history_book import HistoryBook
+
+            book = HistoryBook(history_dir)
         with _progress("apply", _ckpt_bytes(checkpoint) if _progress_enabled(quiet) else 0, quiet) as cb:
-            rep = ap(delta, checkpoint, threads=threads, progress=cb)
+            rep = ap(delta, checkpoint, threads=threads, progress=cb, history=book)
         if as_json:
             click.echo(json.dumps(rep.__dict__, indent=2))
         else:
