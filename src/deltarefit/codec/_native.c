@@ -9,6 +9,16 @@
  * decode_ulp(base, payload, n_changed, itemsize, bits, kind, shift, mask, n_ctx, out_pos, out_val)
  *     kernels.ulp_decode: the same positions, values and status, for any item size (see the decoder's
  *     section below). Unlike the encoder's kernels it trusts nothing in the payload.
+ * encode_hist16(base, target, hist, cmap, shift, mask, n_exp, n_ctx, pos, ectx, rank, bvals, tvals, flip,
+ *               bits, kind, cstate, n_states, qdepth, out) -> (m, nbytes)
+ *     encoding 5 (ulp_hist): kernels.hist_scan + kernels.ulp_encode_core for 16-bit elements, in one call.
+ * decode_hist(base, hist, payload, n_changed, itemsize, bits, kind, shift, mask, n_exp, cmap, cstate,
+ *             n_states, qdepth, out_pos, out_val) -> status
+ *     kernels.hist_decode: the same positions, values and status, for any item size; it trusts neither
+ *     the payload nor the history nor the tables. Its positions pass is numba's countdown (scalar).
+ * Encodings 1 and 5 share the coder, the group decoder and the value decoder: encoding 5 is encoding 1
+ * with history contexts, qdepth gap-quotient decisions per history state and range-coded signs
+ * (hmodel_t; NULL for encoding 1, whose code paths are kept as they were).
  *
  * The scan is a histogram of every element's context (a change's rank is the count of earlier elements
  * of its context). With AVX-512 a block of 32 elements is compared in one step; each change's rank is
