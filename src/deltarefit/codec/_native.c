@@ -9,6 +9,16 @@
  * decode_ulp(base, payload, n_changed, itemsize, bits, kind, shift, mask, n_ctx, out_pos, out_val)
  *     kernels.ulp_decode: the same positions, values and status, for any item size (see the decoder's
  *     section below). Unlike the encoder's kernels it trusts nothing in the payload.
+ * encode_hist16(base, target, hist, cmap, shift, mask, n_exp, n_ctx, pos, ectx, rank, bvals, tvals, flip,
+ *               bits, kind, cstate, n_states, qdepth, out) -> (m, nbytes)
+ *     encoding 5 (ulp_hist): kernels.hist_scan + kernels.ulp_encode_core for 16-bit elements, in one call.
+ * decode_hist(base, hist, payload, n_changed, itemsize, bits, kind, shift, mask, n_exp, cmap, cstate,
+ *             n_states, qdepth, out_pos, out_val) -> status
+ *     kernels.hist_decode: the same positions, values and status, for any item size; it trusts neither
+ *     the payload nor the history nor the tables. Its positions pass is numba's countdown (scalar).
+ * Encodings 1 and 5 share the coder, the group decoder and the value decoder: encoding 5 is encoding 1
+ * with history contexts, qdepth gap-quotient decisions per history state and range-coded signs
+ * (hmodel_t; NULL for encoding 1, whose code paths are kept as they were).
  *
  * The scan is a histogram of every element's context (a change's rank is the count of earlier elements
  * of its context). With AVX-512 a block of 32 elements is compared in one step; each change's rank is
@@ -294,11 +304,25 @@ static inline uint64_t key_of(uint64_t u, int kind, uint64_t sign, uint64_t mask
     return u;
 }
 
+/* The history model of encoding 5 (FORMAT.md, "Encoding 5: ulp_hist"; kernels.ulp_encode_core): context
+ * c belongs to history state cstate[c]; each state has qdepth slots for the gap quotients' "q > t"
+ * decisions, and in a state other than 0 a change's sign goes through the range coder (slot: the state)
+ * XOR its flip bit. Encoding 1 is the model with one state, qdepth 2 and raw signs: the coders take a
+ * NULL model for it (and keep its own code path, constant-folded). */
+typedef struct {
+    const int32_t *cstate; /* per context */
+    int n_states, qdepth;
+    const uint8_t *flip; /* encoder: per change (position order); decoder: per element (hist, bit 7) */
+    const int32_t *cmap; /* decoder: (state, exponent) to context, state-major */
+    Py_ssize_t n_exp;
+} hmodel_t;
+
 /* Returns the payload length, -5 if out is too small, -7 if memory ran out. Inlined into one copy per
- * item size (below), so the value loads are not a switch per change. */
+ * item size (below), so the value loads are not a switch per change; H is NULL (encoding 1) or the
+ * history model (encoding 5). */
 static inline __attribute__((always_inline)) Py_ssize_t encode_changes_t(const int32_t *ectx, const int32_t *rank, const void *bvals, const void *tvals,
                                    Py_ssize_t m, int itemsize, int bits, int kind, Py_ssize_t n_ctx, uint8_t *out,
-                                   Py_ssize_t out_cap)
+                                   Py_ssize_t out_cap, const hmodel_t *H)
 {
     const uint64_t mask = bits >= 64 ? ~0ull : (1ull << bits) - 1, sign = 1ull << (bits - 1);
     Py_ssize_t rawcap = m * 20 + n_ctx * 24 + 64;
@@ -308,9 +332,15 @@ static inline __attribute__((always_inline)) Py_ssize_t encode_changes_t(const i
     int64_t *granks = malloc(((size_t)m + 1) * sizeof(int64_t));
     uint8_t *raw = malloc((size_t)rawcap + 8);
     uint16_t *plen = malloc((size_t)n_ctx * MAX_UNARY * sizeof(uint16_t));
+    /* encoding 5's slots: per state, qdepth quotient decisions and a sign */
+    uint16_t *pqh = H ? malloc(((size_t)H->qdepth + 1) * (size_t)H->n_states * sizeof(uint16_t)) : NULL;
+    uint16_t *psign = H ? pqh + (size_t)H->qdepth * (size_t)H->n_states : NULL;
     Py_ssize_t ret = -7;
-    if (!gcount || !gstart || !fill || !granks || !raw || !plen)
+    if (!gcount || !gstart || !fill || !granks || !raw || !plen || (H && !pqh))
         goto done;
+    if (H)
+        for (size_t i = 0; i < ((size_t)H->qdepth + 1) * (size_t)H->n_states; i++)
+            pqh[i] = 1u << (PROB_BITS - 1);
     for (Py_ssize_t j = 0; j < m; j++)
         gcount[ectx[j]]++;
     for (Py_ssize_t c = 0; c < n_ctx; c++)
@@ -360,6 +390,30 @@ static inline __attribute__((always_inline)) Py_ssize_t encode_changes_t(const i
         raw_put(&w, (uint64_t)best_k, 5);
         int64_t prev = -1;
         const uint64_t kmask = (1ull << best_k) - 1;
+        if (H) { /* encoding 5: qdepth decisions in the context's state's slots, then as below */
+            uint16_t *pqs = pqh + (Py_ssize_t)H->qdepth * H->cstate[c];
+            const uint64_t qd = (uint64_t)H->qdepth;
+            for (int64_t j = 0; j < cnt; j++) {
+                int64_t gap = g[j] - prev - 1;
+                prev = g[j];
+                uint64_t q = (uint64_t)gap >> best_k;
+                for (uint64_t t = 0; t < qd; t++) {
+                    rc_bit(&rc, pqs, (Py_ssize_t)t, q > t);
+                    if (q <= t)
+                        break;
+                }
+                if (q >= qd) {
+                    q -= qd;
+                    while (q >= 32) {
+                        raw_put(&w, 0, 32);
+                        q -= 32;
+                    }
+                    raw_put(&w, 1ull << q, (unsigned)q + 1);
+                }
+                raw_put56(&w, (uint64_t)gap, (unsigned)best_k);
+            }
+            continue;
+        }
         for (int64_t j = 0; j < cnt; j++) {
             int64_t gap = g[j] - prev - 1;
             prev = g[j];
@@ -396,16 +450,26 @@ static inline __attribute__((always_inline)) Py_ssize_t encode_changes_t(const i
         uint64_t mag = ((d ^ flip) - flip) & mask;
         unsigned ln = bitlen64(mag);
         uint16_t *pl = plen + e * MAX_UNARY;
+        /* encoding 5, a state other than 0: the sign through the range coder, after the length */
+        const int32_t h = H ? H->cstate[e] : 0;
         if (__builtin_expect(ln == 1 && bits > 1, 1)) { /* a step of one ulp: most changes */
             rc_bit(&rc, pl, 0, 0);
-            raw_put56(&w, neg, 1);
+            if (H && h)
+                rc_bit(&rc, psign, h, neg ^ H->flip[j]);
+            else
+                raw_put56(&w, neg, 1);
             continue;
         }
         for (unsigned t2 = 0; t2 + 1 < ln; t2++)
             rc_bit(&rc, pl, t2, 1);
         if ((int)ln < bits)
             rc_bit(&rc, pl, ln - 1, 0);
-        raw_put(&w, neg | (mag << 1), ln);
+        if (H && h) {
+            rc_bit(&rc, psign, h, neg ^ H->flip[j]);
+            raw_put(&w, mag, ln - 1);
+        } else {
+            raw_put(&w, neg | (mag << 1), ln);
+        }
     }
     for (int k = 0; k < 5; k++)
         rc_shift_low(&rc);
@@ -428,6 +492,7 @@ done:
     free(granks);
     free(raw);
     free(plen);
+    free(pqh);
     return ret;
 }
 
@@ -436,7 +501,7 @@ done:
                                             Py_ssize_t m, int bits, int kind, Py_ssize_t n_ctx, uint8_t *out,        \
                                             Py_ssize_t cap)                                                          \
     {                                                                                                                \
-        return encode_changes_t(ectx, rank, bv, tv, m, size, bits, kind, n_ctx, out, cap);                           \
+        return encode_changes_t(ectx, rank, bv, tv, m, size, bits, kind, n_ctx, out, cap, NULL);                     \
     }
 SPECIALISE(1)
 SPECIALISE(2)
@@ -595,6 +660,147 @@ done:
 }
 
 /* ------------------------------------------------------------------------------------------------
+ * encode_hist16(base, target, hist, cmap, shift, mask, n_exp, n_ctx, pos, ectx, rank, bvals, tvals, flip,
+ *               bits, kind, cstate, n_states, qdepth, out) -> (m, nbytes)
+ *
+ * kernels.hist_scan + kernels.ulp_encode_core (encoding 5) for 16-bit elements, in one call: element i's
+ * context is cmap[(hist[i] & 127) * n_exp + exponent], its flip bit hist[i] >> 7. The scan counts in
+ * four arrays, one per lane i % 4 (as scan16's portable path): a rank is their sum. nbytes is the
+ * coder's (0 when nothing changed, -5 when out is too small). The tables and the history are checked
+ * (ValueError): a bad one would index outside the counters.
+ * ------------------------------------------------------------------------------------------------ */
+
+static Py_ssize_t scan_hist16(const uint16_t *b, const uint16_t *t, const uint8_t *hist, const int32_t *cmap,
+                              unsigned shift, unsigned mask, Py_ssize_t n_exp, Py_ssize_t n_ctx, Py_ssize_t n,
+                              int32_t *c, out16 o, uint8_t *flip)
+{
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const unsigned h = hist[i];
+        const int32_t e = cmap[(Py_ssize_t)(h & 127) * n_exp + (((unsigned)b[i] >> shift) & mask)];
+        if (b[i] != t[i]) {
+            o.pos[m] = (int32_t)i;
+            o.ectx[m] = e;
+            int32_t r = 0;
+            for (Py_ssize_t l = 0; l < LANES; l++)
+                r += c[l * n_ctx + e];
+            o.rank[m] = r;
+            o.bvals[m] = b[i];
+            o.tvals[m] = t[i];
+            flip[m] = (uint8_t)(h >> 7);
+            m++;
+        }
+        c[(i % LANES) * n_ctx + e]++;
+    }
+    return m;
+}
+
+/* The largest history state (hist & 127) among n bytes (a plain reduction the compiler vectorizes). */
+static unsigned max_state(const uint8_t *hist, Py_ssize_t n)
+{
+    uint8_t mx = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint8_t h = hist[i] & 127;
+        mx = h > mx ? h : mx;
+    }
+    return mx;
+}
+
+/* encoding 5's tables: 0 when cstate's n_ctx entries lie in [0, n_states), cmap's n_states * n_exp
+ * entries (it holds at least as many) in [0, n_ctx), and every history state below n_states; else -2. */
+static int hist_tables_ok(const uint8_t *hist, Py_ssize_t n, const int32_t *cmap, const int32_t *cstate,
+                          Py_ssize_t n_ctx, Py_ssize_t n_exp, Py_ssize_t n_states)
+{
+    for (Py_ssize_t c = 0; c < n_ctx; c++)
+        if (cstate[c] < 0 || cstate[c] >= n_states)
+            return -2;
+    for (Py_ssize_t x = 0; x < n_states * n_exp; x++)
+        if (cmap[x] < 0 || cmap[x] >= n_ctx)
+            return -2;
+    return (Py_ssize_t)max_state(hist, n) < n_states ? 0 : -2;
+}
+
+static PyObject *py_encode_hist16(PyObject *self, PyObject *args)
+{
+    PyObject *ob, *ot, *oh, *ocmap, *opos, *oectx, *orank, *obv, *otv, *oflip, *ocs, *oout;
+    unsigned shift, mask;
+    Py_ssize_t n_exp, n_ctx;
+    int bits, kind, n_states, qdepth;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOIInnOOOOOOiiOiiO", &ob, &ot, &oh, &ocmap, &shift, &mask, &n_exp, &n_ctx, &opos,
+                          &oectx, &orank, &obv, &otv, &oflip, &bits, &kind, &ocs, &n_states, &qdepth, &oout))
+        return NULL;
+    if (shift > 15 || mask > 0xFFFF || n_exp < 1 || (Py_ssize_t)mask >= n_exp || n_ctx < 1 || n_ctx > (1 << 24) ||
+        n_states < 1 || n_states > 128 || qdepth < 1 || qdepth > 4096 || (Py_ssize_t)n_states * n_exp > (1 << 24) ||
+        bits < 1 || bits > 16 || kind < 0 || kind > 2) {
+        PyErr_SetString(PyExc_ValueError,
+                        "encode_hist16: context (shift, mask, n_exp, n_ctx), states, qdepth, bits or kind out of range");
+        return NULL;
+    }
+    Py_buffer v[12];
+    int got = 0;
+    PyObject *ret = NULL;
+    if (PyObject_GetBuffer(ob, &v[0], PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    got = 1;
+    const Py_ssize_t n = v[0].len / 2;
+    if (v[0].len % 2 || n > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "encode_hist16: base is not a whole number (< 2^31) of 16-bit elements");
+        goto done;
+    }
+    if (((uintptr_t)v[0].buf) % 2) {
+        PyErr_SetString(PyExc_BufferError, "encode_hist16: base is not aligned to 2 bytes");
+        goto done;
+    }
+    {
+        PyObject *objs[11] = {ot, oh, ocmap, ocs, opos, oectx, orank, obv, otv, oflip, oout};
+        const char *names[11] = {"target", "hist", "cmap", "cstate", "pos", "ectx", "rank", "bvals", "tvals", "flip", "out"};
+        const Py_ssize_t need[11] = {2 * n, n, 4 * (Py_ssize_t)n_states * n_exp, 4 * n_ctx, 4 * n, 4 * n, 4 * n,
+                                     2 * n, 2 * n, n, 9};
+        const unsigned align[11] = {2, 1, 4, 4, 4, 4, 4, 2, 2, 1, 1};
+        for (int k = 0; k < 11; k++) {
+            if (get_buf(objs[k], &v[k + 1], k >= 4, need[k], align[k], names[k]) < 0)
+                goto done;
+            got++;
+        }
+    }
+    if (v[1].len != v[0].len || v[2].len != n) {
+        PyErr_SetString(PyExc_ValueError, "encode_hist16: base, target and hist differ in length");
+        goto done;
+    }
+    if (hist_tables_ok(v[2].buf, n, v[3].buf, v[4].buf, n_ctx, n_exp, n_states) != 0) {
+        PyErr_SetString(PyExc_ValueError, "encode_hist16: a history state, cmap or cstate entry is out of range");
+        goto done;
+    }
+    {
+        int32_t *counters = calloc((size_t)n_ctx * LANES, sizeof(int32_t));
+        if (counters == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        out16 o = {v[5].buf, v[6].buf, v[7].buf, v[8].buf, v[9].buf};
+        uint8_t *flip = v[10].buf;
+        const hmodel_t H = {v[4].buf, n_states, qdepth, flip};
+        Py_ssize_t m, nbytes = 0;
+        Py_BEGIN_ALLOW_THREADS
+        m = scan_hist16(v[0].buf, v[1].buf, v[2].buf, v[3].buf, shift, mask, n_exp, n_ctx, n, counters, o, flip);
+        if (m > 0)
+            nbytes = encode_changes_t(o.ectx, o.rank, o.bvals, o.tvals, m, 2, bits, kind, n_ctx, v[11].buf,
+                                      v[11].len, &H);
+        Py_END_ALLOW_THREADS
+        free(counters);
+        if (nbytes == -7)
+            PyErr_NoMemory();
+        else
+            ret = Py_BuildValue("(nn)", m, nbytes);
+    }
+done:
+    while (got > 0)
+        PyBuffer_Release(&v[--got]);
+    return ret;
+}
+
+/* ------------------------------------------------------------------------------------------------
  * decode_ulp(base, payload, n_changed, itemsize, bits, kind, shift, mask, n_ctx, out_pos, out_val) -> status
  *
  * kernels.ulp_decode, output for output and status for status (kernels.STATUS): the group section
@@ -723,10 +929,10 @@ static inline uint64_t rawr_gamma(rawr_t *r)
     return (1ull << z) | rawr_get(r, (int)z);
 }
 
-/* The rest of a gap quotient's unary code (q > 1): numba's loop adds one per zero bit and stops at a
- * one or at the first bit read past the end (consumed either way), refusing (-3) once q << k reaches
- * n. Returns q, or -3. */
-static inline int64_t rawr_unary(rawr_t *r, int k, int64_t n)
+/* The rest of a gap quotient's unary code (q >= qd, the decisions through the range coder): numba's
+ * loop adds one per zero bit and stops at a one or at the first bit read past the end (consumed either
+ * way), refusing (-3) once q << k reaches n. Returns q, or -3. */
+static inline int64_t rawr_unary(rawr_t *r, int k, int64_t n, int64_t qd)
 {
     const int64_t room = r->avail - r->bp > 0 ? r->avail - r->bp : 0; /* zeros it can add before overrun */
     int64_t t = 0;
@@ -736,21 +942,25 @@ static inline int64_t rawr_unary(rawr_t *r, int k, int64_t n)
         r->bp -= t;
         unsigned z = (unsigned)__builtin_ctzll(w | (1ull << 56));
         t += z;
-        if (z < 56 || t >= room || ((2 + t) << k) >= n)
+        if (z < 56 || t >= room || ((qd + t) << k) >= n)
             break;
     }
     if (t > room)
         t = room;
-    if (t >= 1 && ((2 + t) << k) >= n)
+    if (t >= 1 && ((qd + t) << k) >= n)
         return -3;
     r->bp += t + 1;
-    return 2 + t;
+    return qd + t;
 }
 
-/* kernels.ulp_decode_groups: fills granks (grouped by context, ascending within a group), gbeg and
- * gend (zeroed by the caller); leaves the streams where the values start. */
-static __attribute__((noinline)) int dec_groups(const uint8_t *pl, int64_t plen, int64_t n_changed, int64_t n, int64_t n_ctx, int64_t *gbeg,
-                      int64_t *gend, int64_t *granks, rcd_t *s_out, rawr_t *r_out, int64_t *rc_end_out)
+/* kernels.ulp_groups_core: fills granks (grouped by context, ascending within a group), gbeg and gend
+ * (zeroed by the caller); leaves the streams where the values start. H: NULL for encoding 1 (two
+ * quotient decisions, one slot pair), else encoding 5's model (tables checked by the caller) with
+ * pqh, its qdepth * n_states quotient slots. Inlined into one copy each (dec_groups, dec_groups_hist). */
+static inline __attribute__((always_inline)) int dec_groups_t(const uint8_t *pl, int64_t plen, int64_t n_changed,
+                                                              int64_t n, int64_t n_ctx, int64_t *gbeg, int64_t *gend,
+                                                              int64_t *granks, rcd_t *s_out, rawr_t *r_out,
+                                                              int64_t *rc_end_out, const hmodel_t *H, uint16_t *pqh)
 {
     if (n_changed <= 0 || n_changed > n)
         return -4;
@@ -785,16 +995,25 @@ static __attribute__((noinline)) int dec_groups(const uint8_t *pl, int64_t plen,
             return -2;
         gbeg[c] = total;
         int64_t prev = -1;
+        const int64_t qd = H ? H->qdepth : 2;
+        uint16_t *const pqs = H ? pqh + qd * H->cstate[c] : pq;
         for (int64_t j = 0; j < cnt; j++) {
-            uint64_t b0 = rcd_bit(&s, pl, rc_end, pq, 0);
-            int64_t q = (int64_t)(b0 + rcd_bit_if(&s, pl, rc_end, pq, 1, b0));
-            /* q == 2 (a quarter of the gaps, at random): the unary rest without a branch while it is
-             * short, within the stream and legal (rawr_unary's result then); else rawr_unary. */
+            int64_t q;
+            if (H) {
+                q = 0;
+                while (q < qd && rcd_bit(&s, pl, rc_end, pqs, q))
+                    q++;
+            } else {
+                uint64_t b0 = rcd_bit(&s, pl, rc_end, pq, 0);
+                q = (int64_t)(b0 + rcd_bit_if(&s, pl, rc_end, pq, 1, b0));
+            }
+            /* q == qd (for encoding 1 a quarter of the gaps, at random): the unary rest without a branch
+             * while it is short, within the stream and legal (rawr_unary's result then); else rawr_unary. */
             const int64_t z = __builtin_ctzll(rawr_peek(&r) | (1ull << 56));
-            const uint64_t is2 = q == 2;
-            const uint64_t fast = (uint64_t)(z < 56) & (uint64_t)(z < r.avail - r.bp) & (uint64_t)(((2 + z) << k) < n);
+            const uint64_t is2 = q == qd;
+            const uint64_t fast = (uint64_t)(z < 56) & (uint64_t)(z < r.avail - r.bp) & (uint64_t)(((qd + z) << k) < n);
             if (__builtin_expect(is2 & (fast ^ 1), 0)) {
-                q = rawr_unary(&r, k, n);
+                q = rawr_unary(&r, k, n, qd);
                 if (q < 0)
                     return -3;
             } else {
@@ -819,6 +1038,21 @@ static __attribute__((noinline)) int dec_groups(const uint8_t *pl, int64_t plen,
     *r_out = r;
     *rc_end_out = rc_end;
     return 0;
+}
+
+static __attribute__((noinline)) int dec_groups(const uint8_t *pl, int64_t plen, int64_t n_changed, int64_t n,
+                                                int64_t n_ctx, int64_t *gbeg, int64_t *gend, int64_t *granks,
+                                                rcd_t *s_out, rawr_t *r_out, int64_t *rc_end_out)
+{
+    return dec_groups_t(pl, plen, n_changed, n, n_ctx, gbeg, gend, granks, s_out, r_out, rc_end_out, NULL, NULL);
+}
+
+static __attribute__((noinline)) int dec_groups_hist(const uint8_t *pl, int64_t plen, int64_t n_changed, int64_t n,
+                                                     int64_t n_ctx, int64_t *gbeg, int64_t *gend, int64_t *granks,
+                                                     rcd_t *s_out, rawr_t *r_out, int64_t *rc_end_out,
+                                                     const hmodel_t *H, uint16_t *pqh)
+{
+    return dec_groups_t(pl, plen, n_changed, n, n_ctx, gbeg, gend, granks, s_out, r_out, rc_end_out, H, pqh);
 }
 
 static inline uint64_t unkey_of(uint64_t k, int kind, uint64_t sign, uint64_t mask)
@@ -1481,10 +1715,55 @@ static __attribute__((noinline)) void apply_values(const uint8_t *base, const in
     }
 }
 
-/* Returns 0, a negative status, or -7 (out of memory). */
-static int decode_ulp_c(const uint8_t *base, int64_t n, const uint8_t *pl, int64_t plen, int64_t n_changed,
-                        int itemsize, int bits, int kind, unsigned shift, uint64_t cm, int64_t n_ctx,
-                        int64_t *out_pos, uint8_t *out_val)
+/* Encoding 5's positions pass (kernels.hist_positions): numba's countdown over elements [0, n), element
+ * i's context cmap[(hist[i] & 127) * n_exp + exponent] (the tables and states checked by the caller). */
+static inline __attribute__((always_inline)) void pos_hist_t(posst_t *P, const uint8_t *base, const uint8_t *hist,
+                                                             const int32_t *cmap, int64_t n_exp, int64_t n,
+                                                             int itemsize, unsigned shift, uint64_t cm)
+{
+    int64_t *const nxt = P->nxt, *const ptr = P->ptr, *const out_pos = P->out_pos;
+    const int64_t *const gend = P->gend, *const granks = P->granks;
+    int32_t *const out_ctx = P->out_ctx;
+    int64_t o = P->o, active = P->active;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t e = cmap[(int64_t)(hist[i] & 127) * n_exp + (int64_t)((load_u(base, i, itemsize) >> shift) & cm)];
+        const int64_t c = nxt[e];
+        nxt[e] = c - 1;
+        if (__builtin_expect(c == 0, 0)) {
+            out_pos[o] = i;
+            out_ctx[o] = (int32_t)e;
+            o++;
+            int64_t p = ++ptr[e];
+            if (p < gend[e]) {
+                nxt[e] = granks[p] - granks[p - 1] - 1;
+            } else {
+                nxt[e] = DEC_HUGE;
+                if (--active == 0)
+                    break;
+            }
+        }
+    }
+    P->o = o;
+    P->active = active;
+}
+
+static __attribute__((noinline)) void pos_hist(posst_t *P, const uint8_t *base, const uint8_t *hist, const int32_t *cmap,
+                                               int64_t n_exp, int64_t n, int itemsize, unsigned shift, uint64_t cm)
+{
+    switch (itemsize) {
+    case 1: pos_hist_t(P, base, hist, cmap, n_exp, n, 1, shift, cm); break;
+    case 2: pos_hist_t(P, base, hist, cmap, n_exp, n, 2, shift, cm); break;
+    case 4: pos_hist_t(P, base, hist, cmap, n_exp, n, 4, shift, cm); break;
+    default: pos_hist_t(P, base, hist, cmap, n_exp, n, 8, shift, cm); break;
+    }
+}
+
+/* kernels.ulp_decode (H NULL) or kernels.hist_decode (H: encoding 5's model, its tables and states
+ * checked by the caller; H->flip is the history, one byte per element). Returns 0, a negative status,
+ * or -7 (out of memory). */
+static int decode_c(const uint8_t *base, int64_t n, const uint8_t *pl, int64_t plen, int64_t n_changed,
+                    int itemsize, int bits, int kind, unsigned shift, uint64_t cm, int64_t n_ctx,
+                    int64_t *out_pos, uint8_t *out_val, const hmodel_t *H)
 {
     int64_t *gbeg = calloc((size_t)n_ctx, sizeof(int64_t));
     int64_t *gend = calloc((size_t)n_ctx, sizeof(int64_t));
@@ -1495,19 +1774,43 @@ static int decode_ulp_c(const uint8_t *base, int64_t n, const uint8_t *pl, int64
     int32_t *ectx = malloc((size_t)n_changed * sizeof(int32_t));
     uint16_t *plens = malloc((size_t)n_ctx * MAX_UNARY * sizeof(uint16_t));
     uint8_t *lens = malloc((size_t)n_changed);
+    /* encoding 5's slots: per state, qdepth quotient decisions and a sign */
+    const size_t nslots = H ? ((size_t)H->qdepth + 1) * (size_t)H->n_states : 0;
+    uint16_t *pqh = H ? malloc(nslots * sizeof(uint16_t)) : NULL;
     int st = -7;
-    if (!gbeg || !gend || !ptr || !nxt || !granks || !dgap || !ectx || !plens || !lens)
+    if (!gbeg || !gend || !ptr || !nxt || !granks || !dgap || !ectx || !plens || !lens || (H && !pqh))
         goto done;
+    for (size_t k = 0; k < nslots; k++)
+        pqh[k] = 1u << (PROB_BITS - 1);
     rcd_t s;
     rawr_t r;
     int64_t rc_end;
-    st = dec_groups(pl, plen, n_changed, n, n_ctx, gbeg, gend, granks, &s, &r, &rc_end);
+    if (H)
+        st = dec_groups_hist(pl, plen, n_changed, n, n_ctx, gbeg, gend, granks, &s, &r, &rc_end, H, pqh);
+    else
+        st = dec_groups(pl, plen, n_changed, n, n_ctx, gbeg, gend, granks, &s, &r, &rc_end);
     if (st)
         goto done;
     /* Part 2: positions, in position order, and their contexts. */
     if (n_ctx == 1) { /* every element is context 0: a rank is a position */
         memcpy(out_pos, granks, (size_t)n_changed * sizeof(int64_t));
         memset(ectx, 0, (size_t)n_changed * sizeof(int32_t));
+    } else if (H) {
+        posst_t P = {gend, granks, ptr, nxt, out_pos, ectx, 0, 0, n_changed};
+        for (int64_t e = 0; e < n_ctx; e++) {
+            ptr[e] = gbeg[e];
+            if (gend[e] > gbeg[e]) {
+                nxt[e] = granks[gbeg[e]];
+                P.active++;
+            } else {
+                nxt[e] = DEC_HUGE;
+            }
+        }
+        pos_hist(&P, base, H->flip, H->cmap, H->n_exp, n, itemsize, shift, cm);
+        if (P.o != n_changed) {
+            st = -3;
+            goto done;
+        }
     } else {
         posst_t P = {gend, granks, ptr, nxt, out_pos, ectx, 0, 0, n_changed};
         for (int64_t e = 0; e < n_ctx; e++) {
@@ -1543,6 +1846,26 @@ static int decode_ulp_c(const uint8_t *base, int64_t n, const uint8_t *pl, int64
      * coder's serial chain alone, then loads from the base at scattered positions). Fused, the loop ran
      * at half the speed; run between pos_gfni's blocks, it slowed that pass by more than its own time. */
     uint64_t *raw = (uint64_t *)granks; /* free by now */
+    if (H) { /* encoding 5: in a state other than 0, the sign from the range coder XOR the flip bit */
+        uint16_t *const psign = pqh + (size_t)H->qdepth * (size_t)H->n_states;
+        for (int64_t j = 0; j < n_changed; j++) {
+            uint16_t *pe = plens + (int64_t)ectx[j] * MAX_UNARY;
+            int ln = 1;
+            while (ln < bits) {
+                if (!rcd_bit(&s, pl, rc_end, pe, ln - 1))
+                    break;
+                ln++;
+            }
+            lens[j] = (uint8_t)ln;
+            const int32_t h = H->cstate[ectx[j]];
+            if (h == 0) {
+                raw[j] = rawr_get(&r, ln);
+            } else {
+                const uint64_t sgn = rcd_bit(&s, pl, rc_end, psign, h) ^ (uint64_t)(H->flip[out_pos[j]] >> 7);
+                raw[j] = (rawr_get(&r, ln - 1) << 1) | sgn; /* apply_values' layout: sign, then the bits */
+            }
+        }
+    } else
     for (int64_t j = 0; j < n_changed; j++) {
         uint16_t *pe = plens + (int64_t)ectx[j] * MAX_UNARY;
         int ln = 1;
@@ -1571,7 +1894,15 @@ done:
     free(ectx);
     free(plens);
     free(lens);
+    free(pqh);
     return st;
+}
+
+static int decode_ulp_c(const uint8_t *base, int64_t n, const uint8_t *pl, int64_t plen, int64_t n_changed,
+                        int itemsize, int bits, int kind, unsigned shift, uint64_t cm, int64_t n_ctx,
+                        int64_t *out_pos, uint8_t *out_val)
+{
+    return decode_c(base, n, pl, plen, n_changed, itemsize, bits, kind, shift, cm, n_ctx, out_pos, out_val, NULL);
 }
 
 /* Positions passes by name, and the one in use: "auto" picks the best this machine runs. */
@@ -1678,6 +2009,83 @@ done:
     if (got >= 3) PyBuffer_Release(&vpos);
     if (got >= 2) PyBuffer_Release(&vp);
     PyBuffer_Release(&vb);
+    return ret;
+}
+
+/* decode_hist(base, hist, payload, n_changed, itemsize, bits, kind, shift, mask, n_exp, cmap, cstate,
+ *             n_states, qdepth, out_pos, out_val) -> status
+ *
+ * kernels.hist_decode (encoding 5), output for output and status for status, the payload, the history
+ * and the tables all untrusted: -4 for counts or a history of the wrong length, -2 for a table or a
+ * history state out of range (kernels.hist_tables), then decode_ulp's statuses. The positions pass is
+ * numba's countdown, element by element. */
+static PyObject *py_decode_hist(PyObject *self, PyObject *args)
+{
+    PyObject *ob, *oh, *op, *ocmap, *ocs, *opos, *oval;
+    Py_ssize_t n_changed, n_exp;
+    int itemsize, bits, kind, n_states, qdepth;
+    unsigned shift;
+    unsigned long long cm;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOniiiIKnOOiiOO", &ob, &oh, &op, &n_changed, &itemsize, &bits, &kind, &shift, &cm,
+                          &n_exp, &ocmap, &ocs, &n_states, &qdepth, &opos, &oval))
+        return NULL;
+    if ((itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) || bits < 1 || bits > 8 * itemsize ||
+        kind < 0 || kind > 2 || shift >= (unsigned)(8 * itemsize) || n_states > 65536 || qdepth > 4096 ||
+        n_exp > (1 << 24)) {
+        PyErr_SetString(PyExc_ValueError, "decode_hist: itemsize, bits, kind, shift, n_states, qdepth or n_exp out of range");
+        return NULL;
+    }
+    Py_buffer v[7]; /* base, hist, payload, cmap, cstate, out_pos, out_val */
+    int got = 0;
+    long st = 0;
+    PyObject *ret = NULL;
+    if (PyObject_GetBuffer(ob, &v[0], PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    got = 1;
+    if (v[0].len % itemsize) {
+        PyErr_SetString(PyExc_ValueError, "decode_hist: base is not a whole number of elements");
+        goto done;
+    }
+    {
+        PyObject *objs[6] = {oh, op, ocmap, ocs, opos, oval};
+        const char *names[6] = {"hist", "payload", "cmap", "cstate", "out_pos", "out_val"};
+        const unsigned align[6] = {1, 1, 4, 4, 8, (unsigned)itemsize};
+        for (int k = 0; k < 6; k++) {
+            if (get_buf(objs[k], &v[k + 1], k >= 4, 0, align[k], names[k]) < 0)
+                goto done;
+            got++;
+        }
+    }
+    {
+        const int64_t n = v[0].len / itemsize;
+        const Py_ssize_t n_cmap = v[3].len / 4, n_ctx = v[4].len / 4;
+        /* kernels.hist_decode's first checks, status for status */
+        if (n_changed <= 0 || n_changed > n || v[5].len / 8 < n_changed || v[6].len / itemsize < n_changed ||
+            v[1].len != n) {
+            ret = PyLong_FromLong(-4);
+            goto done;
+        }
+        if (n_states < 1 || qdepth < 1 || n_exp < 1 || cm >= (unsigned long long)n_exp ||
+            n_cmap < (Py_ssize_t)n_states * n_exp) {
+            ret = PyLong_FromLong(-2);
+            goto done;
+        }
+        const hmodel_t H = {v[4].buf, n_states, qdepth, v[1].buf, v[3].buf, n_exp};
+        Py_BEGIN_ALLOW_THREADS
+        st = hist_tables_ok(v[1].buf, n, v[3].buf, v[4].buf, n_ctx, n_exp, n_states);
+        if (st == 0)
+            st = decode_c(v[0].buf, n, v[2].buf, v[2].len, n_changed, itemsize, bits, kind, shift, cm, n_ctx,
+                          v[5].buf, v[6].buf, &H);
+        Py_END_ALLOW_THREADS
+        if (st == -7)
+            PyErr_NoMemory();
+        else
+            ret = PyLong_FromLong(st);
+    }
+done:
+    while (got > 0)
+        PyBuffer_Release(&v[--got]);
     return ret;
 }
 
@@ -1871,9 +2279,16 @@ static PyMethodDef methods[] = {
     {"encode_changes", py_encode_changes, METH_VARARGS,
      "encode_changes(ectx, rank, bvals, tvals, itemsize, bits, kind, n_ctx, out) -> nbytes: "
      "kernels.ulp_encode_changes, the same bytes."},
+    {"encode_hist16", py_encode_hist16, METH_VARARGS,
+     "encode_hist16(base, target, hist, cmap, shift, mask, n_exp, n_ctx, pos, ectx, rank, bvals, tvals, flip, bits, "
+     "kind, cstate, n_states, qdepth, out) -> (m, nbytes): kernels.hist_scan + kernels.ulp_encode_core (encoding 5) "
+     "for 16-bit elements, the same bytes."},
     {"decode_ulp", py_decode_ulp, METH_VARARGS,
      "decode_ulp(base, payload, n_changed, itemsize, bits, kind, shift, mask, n_ctx, out_pos, out_val) -> status: "
      "kernels.ulp_decode, the same positions, values and status (0 or a kernels.STATUS code)."},
+    {"decode_hist", py_decode_hist, METH_VARARGS,
+     "decode_hist(base, hist, payload, n_changed, itemsize, bits, kind, shift, mask, n_exp, cmap, cstate, n_states, "
+     "qdepth, out_pos, out_val) -> status: kernels.hist_decode (encoding 5), the same positions, values and status."},
     {"decode_kernel", py_decode_kernel, METH_VARARGS,
      "decode_kernel([name]) -> the one in use before: the positions pass decode_ulp uses for 16-bit floats, one of "
      "decode_kernels(); 'auto' (the default) picks the fastest."},

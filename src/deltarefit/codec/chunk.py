@@ -276,13 +276,22 @@ def encode_hist(dt: DType, base: np.ndarray, target: np.ndarray, history: Histor
     cmap, cstate = context_map(n_exp)
     pos, ectx, rank, bvals, tvals = _scan_buffers(n, base.dtype, True)
     flip = scratch_array("flip", n, np.uint8)
-    m = K.hist_scan(base, target, history.states(), cmap, shift, mask, n_exp, cstate.size, pos, ectx, rank, bvals,
-                    tvals, flip)
+    states = history.states()
+    out = scratch_array("payload", max_payload_len(dt, n) + 64, np.uint8)
+    m = -1
+    if USE_NATIVE and _native is not None and dt.itemsize == 2:  # scan and code in one call, the same bytes
+        with contextlib.suppress(BufferError):  # an unaligned view: numba takes it
+            m, nbytes = _native.encode_hist16(base, target, states, cmap, shift, mask, n_exp, cstate.size, pos, ectx,
+                                              rank, bvals, tvals, flip, dt.bits, _kind(dt), cstate, N_STATES, QDEPTH,
+                                              out)
+    if m < 0:
+        m = K.hist_scan(base, target, states, cmap, shift, mask, n_exp, cstate.size, pos, ectx, rank, bvals, tvals,
+                        flip)
+        if m:
+            nbytes = K.ulp_encode_core(ectx[:m], rank[:m], bvals[:m], tvals[:m], dt.bits, _kind(dt), cstate.size,
+                                       cstate, N_STATES, QDEPTH, flip[:m], out)
     if m == 0:
         return None
-    out = scratch_array("payload", max_payload_len(dt, n) + 64, np.uint8)
-    nbytes = K.ulp_encode_core(ectx[:m], rank[:m], bvals[:m], tvals[:m], dt.bits, _kind(dt), cstate.size, cstate,
-                               N_STATES, QDEPTH, flip[:m], out)
     if nbytes < 0:
         return None
     return EncodedChunk(ULP_HIST, history.id + out[:nbytes].tobytes(), m, 0)
@@ -485,9 +494,16 @@ def _decode_hist(dt: DType, base: np.ndarray, payload: bytes, n_changed: int, de
     val = np.empty(n_changed, dt.uint)
     shift, mask, n_exp = _ctx(dt)
     cmap, cstate = context_map(n_exp)
-    buf = np.frombuffer(payload, np.uint8, offset=HIST_ID_BYTES)
-    st = K.hist_decode(base, history.states(), buf, n_changed, dt.bits, _kind(dt), shift, mask, n_exp, cmap, cstate,
-                       N_STATES, QDEPTH, pos, val)
+    states = history.states()
+    st = None
+    if USE_NATIVE and _native is not None and base.flags.c_contiguous:  # (any alignment of the base)
+        with contextlib.suppress(BufferError):
+            st = _native.decode_hist(base, states, memoryview(payload)[HIST_ID_BYTES:], n_changed, dt.itemsize,
+                                     dt.bits, _kind(dt), shift, mask, n_exp, cmap, cstate, N_STATES, QDEPTH, pos, val)
+    if st is None:
+        buf = np.frombuffer(payload, np.uint8, offset=HIST_ID_BYTES)
+        st = K.hist_decode(base, states, buf, n_changed, dt.bits, _kind(dt), shift, mask, n_exp, cmap, cstate,
+                           N_STATES, QDEPTH, pos, val)
     if st != 0:
         raise DecodeError(f"{where}: {STATUS.get(st, f'status {st}')}")
     return Patch(pos, val, None)

@@ -219,7 +219,8 @@ def ulp_decode(base, payload, n_changed, bits, kind, ctx_shift, ctx_mask, n_ctx,
 def hist_positions(base, hist, cmap, ctx_shift, ctx_mask, n_exp, n_ctx, gbeg, gend, granks, n_changed, out_pos,
                    out_ctx, out_flip):
     """``ulp_positions`` of encoding 5: element i's context is ``cmap[(hist[i] & 127) * n_exp +
-    exponent]``; each change's sign flag (``hist[i] >> 7``) goes to ``out_flip``."""
+    exponent]``; each change's sign flag (``hist[i] >> 7``) goes to ``out_flip``. Hazard: indexes its
+    tables unchecked; ``hist_tables`` (which ``hist_decode`` runs first) must have passed."""
     cs = U64(ctx_shift)
     cm = U64(ctx_mask)
     left = np.full(n_ctx, -1, np.int64)
@@ -246,16 +247,41 @@ def hist_positions(base, hist, cmap, ctx_shift, ctx_mask, n_exp, n_ctx, gbeg, ge
 
 
 @njit(nogil=True, cache=True)
+def hist_tables(hist, cmap, cstate, ctx_mask, n_exp, n_states, qdepth):
+    """The checks ``hist_decode`` makes of its model before it reads the payload (none of it is
+    trusted): 0, or -2 when a parameter, a table entry (``cstate``'s in ``[0, n_states)``, ``cmap``'s
+    first ``n_states * n_exp`` in ``[0, cstate.size)``) or a history state (``hist & 127``, below
+    ``n_states``) is out of range; with them all in range no context, slot or table index leaves its
+    array."""
+    if n_states < 1 or qdepth < 1 or n_exp < 1 or ctx_mask >= n_exp or cmap.size < n_states * n_exp:
+        return -2
+    for c in range(cstate.size):
+        if cstate[c] < 0 or cstate[c] >= n_states:
+            return -2
+    for x in range(n_states * n_exp):
+        if cmap[x] < 0 or cmap[x] >= cstate.size:
+            return -2
+    for i in range(hist.size):
+        if (np.int64(hist[i]) & 127) >= n_states:
+            return -2
+    return 0
+
+
+@njit(nogil=True, cache=True)
 def hist_decode(base, hist, payload, n_changed, bits, kind, ctx_shift, ctx_mask, n_exp, cmap, cstate, n_states,
                 qdepth, out_pos, out_val):
-    """``ulp_decode`` of encoding 5, given the chunk's history states (``hist``, one per element, each
-    below ``n_states``; the caller checks they are the ones the chunk names) and the context map
-    (``cmap``: state and exponent to context; ``cstate``: each context's state). Returns 0 or a
-    negative status."""
+    """``ulp_decode`` of encoding 5, given the chunk's history states (``hist``, one per element; the
+    caller checks they are the ones the chunk names) and the context map (``cmap``: state and exponent
+    to context; ``cstate``: each context's state). Trusts none of them: -4 for a history of the wrong
+    length, -2 for a state or table entry out of range (``hist_tables``). Returns 0 or a negative
+    status, the same as ``_native.decode_hist``."""
     n = base.size
     n_ctx = cstate.size
     if n_changed <= 0 or n_changed > n or out_pos.size < n_changed or out_val.size < n_changed or hist.size != n:
         return -4
+    st = hist_tables(hist, cmap, cstate, ctx_mask, n_exp, n_states, qdepth)
+    if st:
+        return st
     gbeg = np.zeros(n_ctx, np.int64)
     gend = np.zeros(n_ctx, np.int64)
     granks = np.empty(n_changed, np.int64)

@@ -17,6 +17,7 @@ from .constants import KIND_FLOAT, KIND_INT, KIND_UINT, STATUS
 from .decode_kernels import (
     hist_decode,
     hist_positions,
+    hist_tables,
     scatter,
     ulp_apply_deltas,
     ulp_decode,
@@ -31,6 +32,6 @@ from .primitives import MAX_UNARY, MOVE_BITS, PROB_BITS, PROB_INIT, TOP, U64
 
 __all__ = [
     "KIND_FLOAT", "KIND_INT", "KIND_UINT", "MAX_UNARY", "MOVE_BITS", "PROB_BITS", "PROB_INIT", "STATUS", "TOP",
-    "U64", "hist_decode", "hist_positions", "hist_scan", "scatter", "ulp_apply_deltas", "ulp_decode", "ulp_decode_deltas", "ulp_decode_groups",
+    "U64", "hist_decode", "hist_positions", "hist_scan", "hist_tables", "scatter", "ulp_apply_deltas", "ulp_decode", "ulp_decode_deltas", "ulp_decode_groups",
     "ulp_deltas_core", "ulp_encode_changes", "ulp_encode_core", "ulp_groups_core", "ulp_positions", "ulp_scan",
 ]

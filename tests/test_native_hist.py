@@ -1,0 +1,407 @@
+"""The native kernels of encoding 5 (``ulp_hist``) against numba's: ``_native.encode_hist16`` writes the
+bytes of ``kernels.hist_scan`` + ``kernels.ulp_encode_core``, and ``_native.decode_hist`` gives the
+positions, values and status of ``kernels.hist_decode`` for every payload, history and table, valid or
+hostile, without a read or write outside its buffers. Encoding 1's bytes stay pinned by test_native.py
+and test_vectors.py (the coder is shared)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_native_decode import _base, _guarded, _target  # (skips this module too where native is missing)
+
+from deltarefit.codec import chunk as C
+from deltarefit.codec import kernels as K
+from deltarefit.codec.history import (
+    N_STATES,
+    QDEPTH,
+    STATE_TABLE,
+    History,
+    Moves,
+    context_map,
+    moves_of_changes,
+)
+from deltarefit.dtypes import dtype
+from deltarefit.errors import DecodeError
+
+N = C._native
+FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+WIDTH16 = ("BF16", "F16", "I16", "U16")
+
+
+def _hist(n: int, rng, rate: float) -> np.ndarray:
+    """A history byte per element: state 0 for most, the others (flip bits included) at ``rate``."""
+    h = np.zeros(n, np.uint8)
+    idx = np.flatnonzero(rng.random(n) < rate)
+    h[idx] = STATE_TABLE[rng.integers(0, 27, idx.size)]
+    return h
+
+
+def _model(dt):
+    shift, mask, n_exp = C._ctx(dt)
+    cmap, cstate = context_map(n_exp)
+    return shift, mask, n_exp, cmap, cstate
+
+
+def _encode_numba(dt, base, target, hist, room: int = 0):
+    """(m, nbytes, payload) of numba's encoding-5 coder (payload without the history id)."""
+    n = base.size
+    shift, mask, n_exp, cmap, cstate = _model(dt)
+    bufs = C._scan_buffers(n, base.dtype, False)
+    flip = np.zeros(n, np.uint8)
+    m = K.hist_scan(base, target, hist, cmap, shift, mask, n_exp, cstate.size, *bufs, flip)
+    out = np.zeros(room or C.max_payload_len(dt, n) + 64, np.uint8)
+    nb = 0
+    if m:
+        nb = K.ulp_encode_core(bufs[1][:m], bufs[2][:m], bufs[3][:m], bufs[4][:m], dt.bits, C._kind(dt), cstate.size,
+                               cstate, N_STATES, QDEPTH, flip[:m], out)
+    return m, nb, out[:max(nb, 0)].tobytes()
+
+
+def _encode_native(dt, base, target, hist, room: int = 0):
+    n = base.size
+    shift, mask, n_exp, cmap, cstate = _model(dt)
+    bufs = C._scan_buffers(n, base.dtype, False)
+    flip = np.zeros(n, np.uint8)
+    out = np.zeros(room or C.max_payload_len(dt, n) + 64, np.uint8)
+    m, nb = N.encode_hist16(base, target, hist, cmap, shift, mask, n_exp, cstate.size, *bufs, flip, dt.bits,
+                            C._kind(dt), cstate, N_STATES, QDEPTH, out)
+    return m, nb, out[:max(nb, 0)].tobytes()
+
+
+def _both(dt, base, hist, payload, n_changed, cmap=None, cstate=None, n_states=N_STATES, qdepth=QDEPTH, out=None):
+    """(status, positions, values) from numba and from native."""
+    shift, mask, n_exp, cm0, cs0 = _model(dt)
+    cmap = cm0 if cmap is None else cmap
+    cstate = cs0 if cstate is None else cstate
+    size = max(n_changed if out is None else out, 0)
+    res = []
+    for native in (False, True):
+        pos, val = np.zeros(size, np.int64), np.zeros(size, dt.uint)
+        if native:
+            st = N.decode_hist(base, hist, payload, n_changed, dt.itemsize, dt.bits, C._kind(dt), shift, mask, n_exp,
+                               cmap, cstate, n_states, qdepth, pos, val)
+        else:
+            st = K.hist_decode(base, hist, np.frombuffer(payload, np.uint8), n_changed, dt.bits, C._kind(dt), shift,
+                               mask, n_exp, cmap, cstate, n_states, qdepth, pos, val)
+        res.append((st, pos, val))
+    return res
+
+
+def _agree(dt, base, hist, payload, n_changed, **kw) -> int:
+    (sk, pk, vk), (sn, pn, vn) = _both(dt, base, hist, payload, n_changed, **kw)
+    assert sn == sk, (sn, sk)
+    if sk == 0:
+        np.testing.assert_array_equal(pn, pk)
+        np.testing.assert_array_equal(vn, vk)
+    return sk
+
+
+def _case(name: str, n: int, rate: float, hrate: float, seed: int, kind: str = "weights", steps: str = "small"):
+    rng = np.random.default_rng(seed)
+    dt = dtype(name)
+    base = _base(dt, n, rng, kind)
+    return dt, base, _target(dt, base, rng, rate, steps), _hist(n, rng, hrate)
+
+
+@pytest.mark.parametrize("name", WIDTH16)
+def test_native_encoder_writes_numbas_bytes(name):
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        n = int(rng.integers(1, 6000))
+        dt, base, target, hist = _case(name, n, float(rng.choice([0.001, 0.03, 0.3, 1.0])),
+                                       float(rng.choice([0.0, 0.1, 0.5, 1.0])), 100 + trial,
+                                       "weights" if trial % 3 else "uniform", "small" if trial % 4 else "random")
+        want = _encode_numba(dt, base, target, hist)
+        assert want[1] > 0
+        assert _encode_native(dt, base, target, hist) == want
+
+
+def test_native_encoder_nothing_changed_and_out_too_small():
+    dt, base, target, hist = _case("BF16", 3000, 0.05, 0.2, 3)
+    assert _encode_native(dt, base, base.copy(), hist) == (0, 0, b"")
+    m, nb, _ = _encode_numba(dt, base, target, hist)
+    for room in (9, nb // 2, nb - 1):
+        assert _encode_native(dt, base, target, hist, room)[:2] == _encode_numba(dt, base, target, hist, room)[:2] \
+            == (m, -5)
+    assert _encode_native(dt, base, target, hist, nb)[1] == nb
+
+
+def test_native_encoder_refuses_bad_tables_and_histories():
+    dt, base, target, hist = _case("BF16", 500, 0.05, 0.2, 4)
+    shift, mask, n_exp, cmap, cstate = _model(dt)
+    bufs = C._scan_buffers(base.size, base.dtype, False)
+    flip = np.zeros(base.size, np.uint8)
+    out = np.zeros(1 << 16, np.uint8)
+
+    def enc(h=hist, cm=cmap, cs=cstate, nctx=cstate.size, b=base):
+        return N.encode_hist16(b, target, h, cm, shift, mask, n_exp, nctx, *bufs, flip, 16, 0, cs, N_STATES, QDEPTH,
+                               out)
+
+    bad_h = hist.copy()
+    bad_h[17] = N_STATES
+    bad_cm = cmap.copy()
+    bad_cm[5] = cstate.size
+    bad_cs = cstate.copy()
+    bad_cs[9] = N_STATES
+    for kw in ({"h": bad_h}, {"cm": bad_cm}, {"cs": bad_cs}):
+        with pytest.raises(ValueError, match="out of range"):
+            enc(**kw)
+    with pytest.raises(ValueError, match="hist holds"):
+        enc(h=hist[:-1])
+    with pytest.raises(ValueError, match="differ in length"):
+        enc(h=np.concatenate([hist, hist[:1]]))
+    with pytest.raises(ValueError, match="holds"):
+        enc(cm=cmap[:-1])
+    with pytest.raises(BufferError):
+        enc(b=np.zeros(base.size + 1, np.uint16).view(np.uint8)[1:-1].view(np.uint16))
+    assert enc()[0] == int(np.count_nonzero(base != target))
+
+
+@pytest.mark.parametrize("name", (*FLOATS, "I32", "U8", "I16"))
+def test_decoders_agree_and_are_right_on_every_width(name):
+    rng = np.random.default_rng(8)
+    for trial in range(12):
+        n = int(rng.integers(1, 4000))
+        dt, base, target, hist = _case(name, n, float(rng.choice([0.002, 0.05, 0.4])),
+                                       float(rng.choice([0.0, 0.1, 0.6])), 200 + trial,
+                                       "weights" if trial % 3 else "uniform", "small" if trial % 4 else "random")
+        m, nb, payload = _encode_numba(dt, base, target, hist, room=base.size * 24 + (1 << 17))
+        assert nb > 0
+        assert _agree(dt, base, hist, payload, m) == 0
+        pos, val = _both(dt, base, hist, payload, m)[1][1:]
+        np.testing.assert_array_equal(pos, np.flatnonzero(base != target))  # and both are right
+        np.testing.assert_array_equal(val, target[pos])
+
+
+def _payloads():
+    out = []
+    for i, (name, n, rate, hrate, kind) in enumerate((
+            ("BF16", 3000, 0.03, 0.1, "weights"), ("BF16", 700, 0.3, 0.5, "uniform"), ("F16", 1500, 0.05, 0.2, "weights"),
+            ("F32", 900, 0.05, 0.3, "weights"), ("F8_E4M3", 800, 0.1, 0.3, "uniform"), ("F64", 300, 0.1, 0.5, "weights"),
+            ("I32", 600, 0.05, 0.3, "uniform"))):
+        dt, base, target, hist = _case(name, n, rate, hrate, 300 + i, kind)
+        m, nb, payload = _encode_numba(dt, base, target, hist)
+        assert nb > 0
+        out.append((dt, base, hist, payload, m))
+    return out
+
+
+PAYLOADS = _payloads()
+
+
+def test_every_truncation_is_refused_alike():
+    seen = set()
+    for dt, base, hist, payload, m in PAYLOADS:
+        for cut in range(len(payload)):
+            st = _agree(dt, base, hist, payload[:cut], m)
+            assert st != 0
+            seen.add(st)
+        assert _agree(dt, base, hist, payload + b"\x00", m) == -6
+        seen.add(_agree(dt, base, hist, payload, m + 1))
+        seen.add(_agree(dt, base, hist, payload, m - 1))
+    assert {-1, -2} <= seen, seen
+
+
+def test_bit_flips_and_garbage_get_the_same_status_and_output():
+    # Seeded: single and multiple bit flips, spliced tails, garbage behind a plausible rc_len, raw parts
+    # of mostly zero bits (long unary runs past the qdepth decisions), wrong change counts, and
+    # histories other than the one coded against (a flip in one element's state).
+    rng = np.random.default_rng(2027)
+    seen: dict[int, int] = {}
+    for it in range(3000):
+        dt, base, hist, payload, m = PAYLOADS[it % len(PAYLOADS)]
+        b = bytearray(payload)
+        how = it % 7
+        if how <= 1:
+            for _ in range(1 + how * int(rng.integers(1, 6))):
+                k = int(rng.integers(len(b) * 8))
+                b[k // 8] ^= 1 << (k % 8)
+        elif how == 2:
+            k = int(rng.integers(4, len(b)))
+            b[k:] = rng.integers(0, 256, int(rng.integers(0, 2 * (len(b) - k) + 1)), dtype=np.uint8).tobytes()
+        elif how == 3:
+            size = int(rng.integers(0, 300))
+            rc_len = int(rng.integers(0, size + 2))
+            b = bytearray(rc_len.to_bytes(4, "little") + rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+        elif how == 4:
+            k = int(rng.integers(len(b)))
+            b[k] = int(rng.integers(256))
+        elif how == 5:
+            rc_end = 4 + int.from_bytes(b[:4], "little")
+            size = int(rng.integers(0, 2 * max(len(b) - rc_end, 1) + 8))
+            raw = np.where(rng.random(size) < 0.97, 0, rng.integers(0, 256, size)).astype(np.uint8)
+            b[rc_end:] = raw.tobytes()
+        else:
+            hist = hist.copy()
+            k = int(rng.integers(hist.size))
+            hist[k] = STATE_TABLE[int(rng.integers(27))]
+        nc = m if it % 5 else int(rng.integers(-1, base.size + 2))
+        st = _agree(dt, base, hist, bytes(b), nc)
+        seen[st] = seen.get(st, 0) + 1
+    assert {0, -1, -2, -3, -4, -6} <= set(seen), seen
+
+
+def test_hostile_histories_and_tables_get_the_same_status():
+    dt, base, hist, payload, m = PAYLOADS[0]
+    _, _, _, cmap, cstate = _model(dt)
+    rng = np.random.default_rng(9)
+    for _ in range(50):  # a state at or past n_states, anywhere, flip bit or not
+        h = hist.copy()
+        h[int(rng.integers(h.size))] = int(rng.integers(N_STATES, 128)) | (128 * int(rng.integers(2)))
+        assert _agree(dt, base, h, payload, m) == -2
+    assert _agree(dt, base, hist[:-1], payload, m) == -4  # a history of another length
+    assert _agree(dt, base, np.concatenate([hist, hist[:1]]), payload, m) == -4
+    for bad in (-1, cstate.size, 1 << 30):
+        cm = cmap.copy()
+        cm[int(rng.integers(cm.size))] = bad
+        assert _agree(dt, base, hist, payload, m, cmap=cm) == -2
+    for bad in (-1, N_STATES):
+        cs = cstate.copy()
+        cs[int(rng.integers(cs.size))] = bad
+        assert _agree(dt, base, hist, payload, m, cstate=cs) == -2
+    assert _agree(dt, base, hist, payload, m, cmap=cmap[:-1]) == -2  # too short for n_states * n_exp
+    assert _agree(dt, base, hist, payload, m, cstate=cstate[:0]) == -2
+    assert _agree(dt, base, hist, payload, m, n_states=0) == -2
+    assert _agree(dt, base, hist, payload, m, qdepth=0) == -2
+    # Tables that are in range but not the ones coded against: a different model, same status.
+    for qd in (1, 2, 3, QDEPTH + 5):
+        _agree(dt, base, hist, payload, m, qdepth=qd)
+    cs = np.zeros_like(cstate)
+    _agree(dt, base, hist, payload, m, cstate=cs)
+    cm = rng.integers(0, cstate.size, cmap.size).astype(np.int32)
+    _agree(dt, base, hist, payload, m, cmap=cm)
+    assert _agree(dt, base, hist, payload, m, out=m - 1) == -4
+
+
+def test_nothing_is_read_or_written_past_the_buffers():
+    # Base, history, payload and both outputs each end at a guard page (test_native_decode's, whose
+    # faulting is tested there): valid payloads, truncations and flips; a base at an odd address.
+    rng = np.random.default_rng(6)
+    maps = []
+    for dt, base, hist, payload, m in PAYLOADS[:3] + PAYLOADS[4:5]:
+        shift, mask, n_exp, cmap, cstate = _model(dt)
+        for odd in (0, 1):
+            mb, ob = _guarded(base.nbytes + odd)
+            mh, oh = _guarded(hist.size)
+            mo, oo = _guarded(m * 8)
+            mv, ov = _guarded(m * dt.itemsize)
+            maps += [mb, mh, mo, mv]
+            gbase = np.frombuffer(mb, np.uint8, base.nbytes, ob + odd).view(dt.uint)
+            gbase[:] = base
+            ghist = np.frombuffer(mh, np.uint8, hist.size, oh)
+            ghist[:] = hist
+            pos = np.frombuffer(mo, np.int64, m, oo)
+            val = np.frombuffer(mv, dt.uint, m, ov)
+            cases = [payload] + [payload[:k] for k in range(0, len(payload), max(1, len(payload) // 40))]
+            for _ in range(40):
+                b = bytearray(payload)
+                b[int(rng.integers(len(b)))] ^= 1 << int(rng.integers(8))
+                cases.append(bytes(b))
+            for case in cases:
+                mp, op = _guarded(len(case))
+                maps.append(mp)
+                mp[op:op + len(case)] = case
+                gp = np.frombuffer(mp, np.uint8, len(case), op)
+                st = N.decode_hist(gbase, ghist, gp, m, dt.itemsize, dt.bits, C._kind(dt), shift, mask, n_exp, cmap,
+                                   cstate, N_STATES, QDEPTH, pos, val)
+                (sk, pk, vk), _ = _both(dt, base, hist, case, m)
+                assert st == sk
+                if st == 0:
+                    np.testing.assert_array_equal(pos, pk)
+                    np.testing.assert_array_equal(val, vk)
+                del gp
+            del gbase, ghist, pos, val
+
+
+def test_bad_parameters_raise():
+    dt, base, hist, payload, m = PAYLOADS[0]
+    shift, mask, n_exp, cmap, cstate = _model(dt)
+    pos, val = np.zeros(m, np.int64), np.zeros(m, np.uint16)
+    with pytest.raises(ValueError, match="out of range"):
+        N.decode_hist(base, hist, payload, m, 3, 16, 0, shift, mask, n_exp, cmap, cstate, N_STATES, QDEPTH, pos, val)
+    with pytest.raises(ValueError, match="out of range"):
+        N.decode_hist(base, hist, payload, m, 2, 16, 0, 16, mask, n_exp, cmap, cstate, N_STATES, QDEPTH, pos, val)
+    with pytest.raises(BufferError):
+        N.decode_hist(base, hist, payload, m, 2, 16, 0, shift, mask, n_exp, cmap, cstate, N_STATES, QDEPTH,
+                      np.zeros(m + 1, np.int64).view(np.uint8)[4:-4], val)
+
+
+def _chunk_history(dt, base, rng, rate: float) -> History:
+    """A history from three random earlier versions' moves over the chunk."""
+    moves = []
+    for _ in range(3):
+        pos = np.flatnonzero(rng.random(base.size) < rate)
+        moves.append(Moves(base.size, pos, rng.random(pos.size) < 0.5))
+    return History.from_moves(base.size, moves)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("name", (*FLOATS, "I16"))
+def test_chunk_round_trip_with_history(monkeypatch, name, native):
+    monkeypatch.setattr(C, "USE_NATIVE", native)
+    rng = np.random.default_rng(10)
+    dt = dtype(name)
+    kinds = set()
+    for trial in range(6):
+        n = int(rng.integers(50, 5000))
+        base = _base(dt, n, rng, "weights")
+        target = _target(dt, base, rng, 0.03, "small")
+        # The history predicts this version's moves: the elements it moved are mostly the ones that
+        # move now, in the same direction (the case ulp_hist is for).
+        moved = np.flatnonzero(base != target)
+        keep = moved[rng.random(moved.size) < 0.8]
+        hist = History.from_moves(n, [moves_of_changes(dt, n, keep, base[keep], target[keep])] * 2) if trial % 2 \
+            else _chunk_history(dt, base, rng, 0.03)
+        enc = C.encode_chunk(dt, base, target, hist)
+        assert enc is not None
+        kinds.add(enc.encoding)
+        patch = C.decode_chunk(dt, base, enc.encoding, enc.payload, enc.n_changed, enc.decoded_len, "t", hist)
+        out = base.copy()
+        patch.apply_to(out)
+        np.testing.assert_array_equal(out, target)
+        h = C.encode_hist(dt, base, target, hist)
+        patch = C.decode_chunk(dt, base, C.ULP_HIST, h.payload, h.n_changed, 0, "t", hist)
+        out = base.copy()
+        patch.apply_to(out)
+        np.testing.assert_array_equal(out, target)
+        other = _chunk_history(dt, base, rng, 0.05)
+        with pytest.raises(DecodeError, match="coded against history"):
+            C.decode_chunk(dt, base, C.ULP_HIST, h.payload, h.n_changed, 0, "t", other)
+    assert C.ULP_HIST in kinds
+
+
+@pytest.mark.parametrize("name", ("BF16", "F32"))
+def test_chunk_paths_write_the_same_bytes_and_messages(monkeypatch, name):
+    rng = np.random.default_rng(12)
+    dt = dtype(name)
+    base = _base(dt, 4096, rng, "weights")
+    target = _target(dt, base, rng, 0.03, "small")
+    hist = _chunk_history(dt, base, rng, 0.03)
+    got = {}
+    for native in (True, False):
+        monkeypatch.setattr(C, "USE_NATIVE", native)
+        h = C.encode_hist(dt, base, target, hist)
+        bad = bytearray(h.payload)
+        bad[len(bad) // 2] ^= 0x10
+        try:
+            C.decode_chunk(dt, base, C.ULP_HIST, bytes(bad), h.n_changed, 0, "t", hist)
+            msg = None
+        except DecodeError as e:
+            msg = str(e)
+        got[native] = (h, msg)
+    assert got[True] == got[False]
+
+
+def test_misaligned_views_fall_back_to_numba():
+    rng = np.random.default_rng(13)
+    dt = dtype("BF16")
+    base = _base(dt, 3000, rng, "weights")
+    target = _target(dt, base, rng, 0.03, "small")
+    hist = _chunk_history(dt, base, rng, 0.03)
+    want = C.encode_hist(dt, base, target, hist)
+    raw = np.zeros(base.nbytes * 2 + 2, np.uint8)
+    mb = raw[1:1 + base.nbytes].view(np.uint16)  # odd address: numpy allows the view, native refuses it
+    mb[:] = base
+    assert mb.ctypes.data % 2
+    assert C.encode_hist(dt, mb, target, hist) == want
