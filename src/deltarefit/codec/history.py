@@ -117,18 +117,19 @@ class History:
     def from_moves(cls, n: int, moves: list[Moves]) -> History:
         """The history of a chunk of ``n`` elements from its last moves, newest first (at most
         ``DEPTH`` are used; fewer count as no move)."""
+        from .history_kernels import merge_states
+
         moves = list(moves[:DEPTH])
-        allpos = np.unique(np.concatenate([mv.pos for mv in moves])) if moves else np.empty(0, np.int64)
-        sig = np.zeros((DEPTH, allpos.size), np.int64)
-        for d, mv in enumerate(moves):
+        for mv in moves:
             if mv.n != n:
                 raise ValueError(f"moves of a {mv.n}-element chunk given for a chunk of {n}")
-            at = np.searchsorted(allpos, mv.pos)
-            sig[d, at] = np.where(mv.down, -1, 1)
-        idx = (sig[0] + 1) * 9 + (sig[1] + 1) * 3 + (sig[2] + 1)
-        st = STATE_TABLE[idx]
-        keep = (st & 127) != 0
-        return cls(n, allpos[keep], st[keep])
+        empty = (np.empty(0, np.int64), np.empty(0, np.bool_))
+        sets = [(np.asarray(mv.pos, np.int64), np.asarray(mv.down, np.bool_)) for mv in moves]
+        sets += [empty] * (DEPTH - len(sets))
+        total = sum(p.size for p, _ in sets)
+        pos, st = np.empty(total, np.int64), np.empty(total, np.uint8)
+        k = merge_states(*sets[0], *sets[1], *sets[2], STATE_TABLE, pos, st)
+        return cls(n, pos[:k], st[:k])
 
 
 @dataclass(frozen=True)
