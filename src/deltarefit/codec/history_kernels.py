@@ -23,7 +23,7 @@ def merge_states(p0, d0, p1, d1, p2, d2, table, out_pos, out_state):
         a = p0[i0] if i0 < n0 else big
         b = p1[i1] if i1 < n1 else big
         c = p2[i2] if i2 < n2 else big
-        p = min(a, min(b, c))
+        p = min(a, b, c)
         idx = 13
         if a == p:
             idx += -9 if d0[i0] else 9
