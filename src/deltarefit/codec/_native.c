@@ -1818,13 +1818,18 @@ pos_hist_split(posst_t *P, const uint8_t *base, const hmodel_t *H, int64_t n, un
     }
     /* The groups come in context order (dec_groups_t), so those above cm are granks[first, cap). A
      * context's countdown after its change at group index p: ngap[p - first] (after its last, none). */
+    /* ptr of these contexts (read by nothing else) from here on: relative to first. */
     const int64_t first = P->cap - other;
     for (int64_t c = (int64_t)cm + 1; c < n_ctx; c++) {
         if (gend[c] == ptr[c]) /* none (gbeg 0): counts down from DEC_HUGE and reads ngap[other] */
             ptr[c] = P->cap;
         for (int64_t p = ptr[c]; p < gend[c]; p++)
             ngap[p - first] = p + 1 < gend[c] ? granks[p + 1] - granks[p] - 1 : DEC_HUGE;
+        ptr[c] -= first;
     }
+    const int32_t *rows[128]; /* cmap's row of each state */
+    for (int64_t h = 0; h < 128; h++)
+        rows[h] = cmap + (h <= top ? h : 0) * n_exp;
     ngap[other] = DEC_HUGE; /* read, unused, by an exhausted context at index cap */
     const uint8_t *const hist = H->flip;
     const uint16_t fld = (uint16_t)(cm << shift), put = (uint16_t)(estar << shift);
@@ -1859,12 +1864,12 @@ pos_hist_split(posst_t *P, const uint8_t *base, const hmodel_t *H, int64_t n, un
         while (nz) { /* pos_hist_t's countdown, for these elements only */
             const int64_t j = i + __builtin_ctzll(nz);
             nz &= nz - 1;
-            const int64_t c = cmap[(int64_t)(hist[j] & 127) * n_exp + (int64_t)((load_u(base, j, 2) >> shift) & cm)];
+            const int64_t c = rows[hist[j] & 127][(load_u(base, j, 2) >> shift) & cm];
             const int64_t cd = nxt[c], pc = ptr[c], hit = cd == 0;
             pos1[o1] = j; /* kept when it is a change */
             ctx1[o1] = (int32_t)c;
             o1 += hit;
-            nxt[c] = hit ? ngap[pc - first] : cd - 1;
+            nxt[c] = (int64_t)csel((uint64_t)hit, (uint64_t)ngap[pc], (uint64_t)(cd - 1));
             ptr[c] = pc + hit;
         }
     }
