@@ -1817,8 +1817,8 @@ pos_hist_split(posst_t *P, const uint8_t *base, const hmodel_t *H, int64_t n, un
         return 0;
     }
     /* The groups come in context order (dec_groups_t), so those above cm are granks[first, cap). A
-     * context's countdown after its change at group index p: ngap[p - first] (after its last, none). */
-    /* ptr of these contexts (read by nothing else) from here on: relative to first. */
+     * context's countdown after its change at group index p: ngap[p - first] (after its last, none).
+     * From here on ptr of these contexts (read by nothing else) is relative to first. */
     const int64_t first = P->cap - other;
     for (int64_t c = (int64_t)cm + 1; c < n_ctx; c++) {
         if (gend[c] == ptr[c]) /* none (gbeg 0): counts down from DEC_HUGE and reads ngap[other] */
@@ -1830,7 +1830,7 @@ pos_hist_split(posst_t *P, const uint8_t *base, const hmodel_t *H, int64_t n, un
     const int32_t *rows[128]; /* cmap's row of each state */
     for (int64_t h = 0; h < 128; h++)
         rows[h] = cmap + (h <= top ? h : 0) * n_exp;
-    ngap[other] = DEC_HUGE; /* read, unused, by an exhausted context at index cap */
+    ngap[other] = DEC_HUGE; /* read, unused, by a context exhausted at the end of granks or without changes */
     const uint8_t *const hist = H->flip;
     const uint16_t fld = (uint16_t)(cm << shift), put = (uint16_t)(estar << shift);
     const __m128i m7f = _mm_set1_epi8(0x7F), zero = _mm_setzero_si128();
