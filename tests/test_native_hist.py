@@ -20,6 +20,7 @@ from deltarefit.codec.history import (
     Moves,
     context_map,
     moves_of_changes,
+    moves_of_images,
 )
 from deltarefit.dtypes import dtype
 from deltarefit.errors import DecodeError
@@ -405,3 +406,171 @@ def test_misaligned_views_fall_back_to_numba():
     mb[:] = base
     assert mb.ctypes.data % 2
     assert C.encode_hist(dt, mb, target, hist) == want
+
+
+# decode_hist's split positions pass for 16-bit floats (state 0 through decode_ulp's block passes over a
+# copy of the base, the other states one by one) and its fallbacks, on every positions pass this
+# machine runs ("scalar" is numba's countdown over every element).
+KERNELS = N.decode_kernels()
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request):
+    was = N.decode_kernel(request.param)
+    yield request.param
+    N.decode_kernel(was)
+
+
+def _versions(dt, n: int, rng):
+    """(base, target, states) of a chunk from a chain of five versions in which about 30% of the
+    elements moved by a version move again in the next (the benchmark's shape): a real history."""
+    versions = [_base(dt, n, rng, "weights")]
+    prev = np.flatnonzero(rng.random(n) < 0.03)
+    for _ in range(4):
+        idx = np.union1d(prev[rng.random(prev.size) < 0.3], np.flatnonzero(rng.random(n) < 0.022))
+        t = versions[-1].copy()
+        t[idx] = (t[idx].astype(np.int64) + rng.choice(np.array([1, -1, 2, -2]), idx.size, p=[.45, .45, .05, .05])
+                  ).astype(dt.uint)
+        versions.append(t)
+        prev = idx
+    hist = History.from_moves(n, [moves_of_images(dt, versions[k], versions[k + 1]) for k in (2, 1, 0)])
+    return versions[3], versions[4], hist.states().copy()
+
+
+def _right(dt, base, target, hist, payload, m):
+    """Both decoders agree, succeed, and give the chunk's changes."""
+    assert _agree(dt, base, hist, payload, m) == 0
+    pos, val = _both(dt, base, hist, payload, m)[1][1:]
+    np.testing.assert_array_equal(pos, np.flatnonzero(base != target))
+    np.testing.assert_array_equal(val, target[pos])
+
+
+def _state0_exponents_changed(dt, base, target, hist) -> set[int]:
+    shift, mask, _, _, _ = _model(dt)
+    moved = (base != target) & ((hist & 127) == 0)
+    return set(((base[moved] >> shift) & mask).tolist())
+
+
+@pytest.mark.parametrize("name", ("BF16", "F16"))
+@pytest.mark.parametrize("n", ((1 << 19) - 13, 1 << 18))
+def test_split_pass_on_realistic_chunks(kernel, name, n):
+    # Half-MiB and 1-MiB chunks (one of them not a whole number of 64-element blocks) with a history
+    # from a chain of versions: a state-0 exponent group is empty (the split applies), states 1..6
+    # hold a fair share of the changes, and every flip bit is exercised.
+    dt = dtype(name)
+    rng = np.random.default_rng(n + len(name))
+    base, target, hist = _versions(dt, n, rng)
+    _, mask, _, _, _ = _model(dt)
+    assert len(_state0_exponents_changed(dt, base, target, hist)) <= mask  # an empty state-0 group
+    moved = np.flatnonzero(base != target)
+    other = np.count_nonzero(hist[moved] & 127)
+    assert 0.1 * moved.size < other < 0.9 * moved.size
+    assert np.count_nonzero(hist[moved] >> 7) > 0
+    m, nb, payload = _encode_numba(dt, base, target, hist)
+    assert nb > 0 and m == moved.size
+    _right(dt, base, target, hist, payload, m)
+    # Refusals: flips (ranks beyond their context among them), wrong counts and a history other than
+    # the one coded against, status for status.
+    seen = set()
+    for it in range(60):
+        b = bytearray(payload)
+        h, nc = hist, m
+        if it % 3 == 0:
+            k = int(rng.integers(len(b) * 8))
+            b[k // 8] ^= 1 << (k % 8)
+        elif it % 3 == 1:
+            h = hist.copy()
+            h[rng.integers(n, size=int(rng.integers(1, 40)))] = STATE_TABLE[int(rng.integers(27))]
+        else:
+            nc = m + int(rng.choice([-2, -1, 1, 2]))
+        seen.add(_agree(dt, base, h, bytes(b), nc))
+    assert -3 in seen or -4 in seen, seen
+
+
+@pytest.mark.parametrize("name", ("BF16", "F16"))
+def test_every_state0_group_with_changes_falls_back(kernel, name):
+    # Exponents uniform: every one of the state-0 exponent groups holds changes, so no exponent is free
+    # to park the other states' elements on and the countdown over every element runs. Then the same
+    # chunk with one group emptied (its changes undone): the split runs, with that exponent as e*,
+    # whose state-0 elements are still there, now among the other states' parked ones.
+    dt = dtype(name)
+    rng = np.random.default_rng(31)
+    n = 60000 if name == "BF16" else 9000
+    base = _base(dt, n, rng, "uniform")
+    target = _target(dt, base, rng, 0.1, "small")
+    hist = _hist(n, rng, 0.1)
+    _, mask, _, _, _ = _model(dt)
+    assert _state0_exponents_changed(dt, base, target, hist) == set(range(mask + 1))
+    m, _, payload = _encode_numba(dt, base, target, hist)
+    _right(dt, base, target, hist, payload, m)
+    for _ in range(30):
+        b = bytearray(payload)
+        k = int(rng.integers(len(b) * 8))
+        b[k // 8] ^= 1 << (k % 8)
+        _agree(dt, base, hist, bytes(b), m)
+    shift = _model(dt)[0]
+    free = 7
+    undo = ((base >> shift) & mask == free) & ((hist & 127) == 0)
+    assert np.count_nonzero(undo & (base == target)) > 0
+    target = np.where(undo, base, target)
+    assert _state0_exponents_changed(dt, base, target, hist) == set(range(mask + 1)) - {free}
+    m, _, payload = _encode_numba(dt, base, target, hist)
+    _right(dt, base, target, hist, payload, m)
+
+
+def test_tables_the_split_cannot_take_and_ones_it_can():
+    # cmap in range but not context_map's: state 0 not the identity, or another state's contexts among
+    # state 0's (both: the countdown over every element), or another state's contexts permuted above
+    # state 0's (the split, with contexts it was not coded with). Numba's status, and its output.
+    dt = dtype("BF16")
+    rng = np.random.default_rng(41)
+    base, target, hist = _versions(dt, 1 << 16, rng)
+    _, _, n_exp, cmap, _ = _model(dt)
+    m, _, payload = _encode_numba(dt, base, target, hist)
+    for kern in KERNELS:
+        was = N.decode_kernel(kern)
+        try:
+            _right(dt, base, target, hist, payload, m)
+            swap0 = cmap.copy()
+            swap0[[120, 121]] = swap0[[121, 120]]
+            into0 = cmap.copy()
+            into0[2 * n_exp + 119] = 119
+            perm = cmap.copy()
+            perm[n_exp:] = n_exp + rng.permutation(cmap.size - n_exp)
+            for cm in (swap0, into0, perm):
+                _agree(dt, base, hist, payload, m, cmap=cm.astype(np.int32))
+        finally:
+            N.decode_kernel(was)
+
+
+def test_split_pass_reads_and_writes_nothing_past_the_buffers(kernel):
+    # A realistic chunk of a length that leaves a partial last block, base (at an odd address too),
+    # history, payload and outputs each ending at a guard page.
+    rng = np.random.default_rng(43)
+    for name in ("BF16", "F16"):
+        dt = dtype(name)
+        base, target, hist = _versions(dt, 40000 + 37, rng)
+        shift, mask, n_exp, cmap, cstate = _model(dt)
+        m, _, payload = _encode_numba(dt, base, target, hist)
+        maps = []
+        for odd in (0, 1):
+            mb, ob = _guarded(base.nbytes + odd)
+            mh, oh = _guarded(hist.size)
+            mo, oo = _guarded(m * 8)
+            mv, ov = _guarded(m * dt.itemsize)
+            mp, op = _guarded(len(payload))
+            maps += [mb, mh, mo, mv, mp]
+            gbase = np.frombuffer(mb, np.uint8, base.nbytes, ob + odd).view(dt.uint)
+            gbase[:] = base
+            ghist = np.frombuffer(mh, np.uint8, hist.size, oh)
+            ghist[:] = hist
+            mp[op:op + len(payload)] = payload
+            gp = np.frombuffer(mp, np.uint8, len(payload), op)
+            pos = np.frombuffer(mo, np.int64, m, oo)
+            val = np.frombuffer(mv, dt.uint, m, ov)
+            st = N.decode_hist(gbase, ghist, gp, m, dt.itemsize, dt.bits, C._kind(dt), shift, mask, n_exp, cmap,
+                               cstate, N_STATES, QDEPTH, pos, val)
+            assert st == 0
+            np.testing.assert_array_equal(pos, np.flatnonzero(base != target))
+            np.testing.assert_array_equal(val, target[pos])
+            del gbase, ghist, gp, pos, val

@@ -15,7 +15,8 @@
  * decode_hist(base, hist, payload, n_changed, itemsize, bits, kind, shift, mask, n_exp, cmap, cstate,
  *             n_states, qdepth, out_pos, out_val) -> status
  *     kernels.hist_decode: the same positions, values and status, for any item size; it trusts neither
- *     the payload nor the history nor the tables. Its positions pass is numba's countdown (scalar).
+ *     the payload nor the history nor the tables. For 16-bit floats its positions pass splits (pos_hist_split):
+ *     state 0 through decode_ulp's block passes, the other states one by one; else numba's countdown.
  * Encodings 1 and 5 share the coder, the group decoder and the value decoder: encoding 5 is encoding 1
  * with history contexts, qdepth gap-quotient decisions per history state and range-coded signs
  * (hmodel_t; NULL for encoding 1, whose code paths are kept as they were).
@@ -1758,6 +1759,152 @@ static __attribute__((noinline)) void pos_hist(posst_t *P, const uint8_t *base, 
     }
 }
 
+#if HAVE_AVX512_PATH
+
+/* pos_hist for 16-bit elements in two passes, where the tables allow it: the same positions and
+ * contexts, and the same count (decode_c's -3), since each change is found by exactly one of them.
+ * State 0's contexts must be its exponents (cmap[x] == x for x <= cm) and every other state's lie
+ * above cm (context_map's layout); an exponent e* whose state-0 group is empty must exist.
+ *  1. The other states (about 7% of the elements): one scan of the history, 64 bytes at a time, finds
+ *     the block's elements of another state and counts them down per context, as pos_hist_t does
+ *     (with selects: a change is no rare event there), into a list of their own.
+ *  2. State 0: the same scan writes a copy of the base in which every element of another state has
+ *     exponent e*; over it, a state-0 change's rank among its exponent's state-0 elements is its rank
+ *     among the copy's elements of that exponent, and e* has no change to find: decode_ulp's block
+ *     passes (kern: dec_current()'s, > 0) with contexts 0..cm find them, their own fallbacks kept.
+ *  3. The two lists, each in position order, merge into out_pos and out_ctx.
+ * Returns 1 when done; 0 (P untouched) when the tables, the groups or the memory do not allow it. */
+__attribute__((target("popcnt"))) static __attribute__((noinline)) int
+pos_hist_split(posst_t *P, const uint8_t *base, const hmodel_t *H, int64_t n, unsigned shift, unsigned cm,
+               int64_t n_ctx, int32_t *dgap, int kern)
+{
+    const int32_t *const cmap = H->cmap;
+    const int64_t n_exp = H->n_exp;
+    if (cm > 0xFF || ((uint64_t)cm << shift) > 0xFFFF || n > BLOCK_MAX_N || (int64_t)cm + 1 > n_ctx)
+        return 0;
+    for (int64_t x = 0; x <= (int64_t)cm; x++)
+        if (cmap[x] != x)
+            return 0;
+    const int64_t top = H->n_states - 1 < 127 ? H->n_states - 1 : 127; /* (hist & 127 < n_states: checked) */
+    for (int64_t h = 1; h <= top; h++)
+        for (int64_t x = 0; x <= (int64_t)cm; x++)
+            if (cmap[h * n_exp + x] <= (int64_t)cm)
+                return 0;
+    int64_t *const ptr = P->ptr, *const nxt = P->nxt;
+    const int64_t *const gend = P->gend, *const granks = P->granks;
+    int64_t estar = -1, active0 = 0, other = 0; /* other: changes in contexts above cm */
+    for (int64_t c = 0; c < n_ctx; c++) {
+        if (c <= (int64_t)cm) {
+            if (gend[c] > ptr[c])
+                active0++;
+            else if (estar < 0)
+                estar = c;
+        } else {
+            other += gend[c] - ptr[c];
+        }
+    }
+    if (estar < 0)
+        return 0;
+    uint16_t *copy = malloc((size_t)n * sizeof(uint16_t));
+    int64_t *pos1 = malloc(((size_t)other + 1) * sizeof(int64_t));
+    int32_t *ctx1 = malloc(((size_t)other + 1) * sizeof(int32_t));
+    int64_t *ngap = malloc(((size_t)other + 1) * sizeof(int64_t));
+    if (!copy || !pos1 || !ctx1 || !ngap) {
+        free(copy);
+        free(pos1);
+        free(ctx1);
+        free(ngap);
+        return 0;
+    }
+    /* The groups come in context order (dec_groups_t), so those above cm are granks[first, cap). A
+     * context's countdown after its change at group index p: ngap[p - first] (after its last, none).
+     * From here on ptr of these contexts (read by nothing else) is relative to first. */
+    const int64_t first = P->cap - other;
+    for (int64_t c = (int64_t)cm + 1; c < n_ctx; c++) {
+        if (gend[c] == ptr[c]) /* none (gbeg 0): counts down from DEC_HUGE and reads ngap[other] */
+            ptr[c] = P->cap;
+        for (int64_t p = ptr[c]; p < gend[c]; p++)
+            ngap[p - first] = p + 1 < gend[c] ? granks[p + 1] - granks[p] - 1 : DEC_HUGE;
+        ptr[c] -= first;
+    }
+    const int32_t *rows[128]; /* cmap's row of each state */
+    for (int64_t h = 0; h < 128; h++)
+        rows[h] = cmap + (h <= top ? h : 0) * n_exp;
+    ngap[other] = DEC_HUGE; /* read, unused, by a context exhausted at the end of granks or without changes */
+    const uint8_t *const hist = H->flip;
+    const uint16_t fld = (uint16_t)(cm << shift), put = (uint16_t)(estar << shift);
+    const __m128i m7f = _mm_set1_epi8(0x7F), zero = _mm_setzero_si128();
+    const __m128i vfld = _mm_set1_epi16((short)fld), vput = _mm_set1_epi16((short)put);
+    int64_t o1 = 0, i = 0;
+    for (; i < n; i += 64) {
+        uint64_t nz; /* the block's elements of another state */
+        if (i + 64 <= n) {
+            nz = 0;
+            for (int q = 0; q < 4; q++) {
+                const __m128i st0 =
+                    _mm_cmpeq_epi8(_mm_and_si128(_mm_loadu_si128((const __m128i *)(hist + i + 16 * q)), m7f), zero);
+                nz |= (uint64_t)(~(unsigned)_mm_movemask_epi8(st0) & 0xFFFFu) << (16 * q);
+                for (int half = 0; half < 2; half++) {
+                    const __m128i keep = half ? _mm_unpackhi_epi8(st0, st0) : _mm_unpacklo_epi8(st0, st0);
+                    const int64_t j = i + 16 * q + 8 * half;
+                    const __m128i b = _mm_loadu_si128((const __m128i *)(base + 2 * j));
+                    const __m128i moved = _mm_or_si128(_mm_andnot_si128(vfld, b), vput);
+                    _mm_storeu_si128((__m128i *)(copy + j), _mm_or_si128(_mm_and_si128(keep, b), _mm_andnot_si128(keep, moved)));
+                }
+            }
+        } else { /* the last, partial block */
+            nz = 0;
+            for (int64_t j = i; j < n; j++) {
+                const uint16_t u = (uint16_t)load_u(base, j, 2);
+                const int moved = (hist[j] & 127) != 0;
+                copy[j] = moved ? (uint16_t)((u & ~fld) | put) : u;
+                nz |= (uint64_t)moved << (j - i);
+            }
+        }
+        while (nz) { /* pos_hist_t's countdown, for these elements only */
+            const int64_t j = i + __builtin_ctzll(nz);
+            nz &= nz - 1;
+            const int64_t c = rows[hist[j] & 127][(load_u(base, j, 2) >> shift) & cm];
+            const int64_t cd = nxt[c], pc = ptr[c], hit = cd == 0;
+            pos1[o1] = j; /* kept when it is a change */
+            ctx1[o1] = (int32_t)c;
+            o1 += hit;
+            nxt[c] = (int64_t)csel((uint64_t)hit, (uint64_t)ngap[pc], (uint64_t)(cd - 1));
+            ptr[c] = pc + hit;
+        }
+    }
+    posst_t P0 = {gend, granks, ptr, nxt, P->out_pos, P->out_ctx, 0, active0, P->cap};
+    const uint8_t *const cb = (const uint8_t *)copy;
+    if (kern == 4)
+        pos_gfni(&P0, cb, n, 2, shift, cm, (int64_t)cm + 1, dgap);
+    else if (kern == 3)
+        pos_avx512(&P0, cb, n, 2, shift, cm, (int64_t)cm + 1, dgap);
+    else
+        pos_block(&P0, cb, n, 2, shift, cm, (int64_t)cm + 1, block_kernel(kern));
+    /* Merge from the back, in place (the state-0 list is out_pos[0, P0.o)), with selects: which list
+     * the next entry comes from is a coin flip. wr > a throughout, and out_pos holds an entry 0. */
+    int64_t *const out_pos = P->out_pos;
+    int32_t *const out_ctx = P->out_ctx;
+    int64_t a = P0.o - 1, b1 = o1 - 1, wr = P0.o + o1 - 1;
+    while (b1 >= 0) {
+        const int64_t ia = a < 0 ? 0 : a, pa = out_pos[ia], pb = pos1[b1];
+        const int32_t ca = out_ctx[ia], cb = ctx1[b1];
+        const int64_t t = (a >= 0) & (pa > pb);
+        out_pos[wr] = t ? pa : pb;
+        out_ctx[wr] = t ? ca : cb;
+        wr--;
+        a -= t;
+        b1 -= 1 - t;
+    }
+    P->o = P0.o + o1;
+    free(copy);
+    free(pos1);
+    free(ctx1);
+    free(ngap);
+    return 1;
+}
+#endif
+
 /* kernels.ulp_decode (H NULL) or kernels.hist_decode (H: encoding 5's model, its tables and states
  * checked by the caller; H->flip is the history, one byte per element). Returns 0, a negative status,
  * or -7 (out of memory). */
@@ -1806,7 +1953,13 @@ static int decode_c(const uint8_t *base, int64_t n, const uint8_t *pl, int64_t p
                 nxt[e] = DEC_HUGE;
             }
         }
-        pos_hist(&P, base, H->flip, H->cmap, H->n_exp, n, itemsize, shift, cm);
+        const int kern = dec_current();
+#if HAVE_AVX512_PATH
+        if (!(kern > 0 && itemsize == 2 && pos_hist_split(&P, base, H, n, shift, (unsigned)cm, n_ctx, dgap, kern)))
+#else
+        (void)kern;
+#endif
+            pos_hist(&P, base, H->flip, H->cmap, H->n_exp, n, itemsize, shift, cm);
         if (P.o != n_changed) {
             st = -3;
             goto done;
@@ -2018,7 +2171,8 @@ done:
  * kernels.hist_decode (encoding 5), output for output and status for status, the payload, the history
  * and the tables all untrusted: -4 for counts or a history of the wrong length, -2 for a table or a
  * history state out of range (kernels.hist_tables), then decode_ulp's statuses. The positions pass is
- * numba's countdown, element by element. */
+ * pos_hist_split where it applies (16-bit elements, context_map's layout of the tables, a positions
+ * pass other than "scalar" in use), else numba's countdown, element by element. */
 static PyObject *py_decode_hist(PyObject *self, PyObject *args)
 {
     PyObject *ob, *oh, *op, *ocmap, *ocs, *opos, *oval;
@@ -2290,8 +2444,8 @@ static PyMethodDef methods[] = {
      "decode_hist(base, hist, payload, n_changed, itemsize, bits, kind, shift, mask, n_exp, cmap, cstate, n_states, "
      "qdepth, out_pos, out_val) -> status: kernels.hist_decode (encoding 5), the same positions, values and status."},
     {"decode_kernel", py_decode_kernel, METH_VARARGS,
-     "decode_kernel([name]) -> the one in use before: the positions pass decode_ulp uses for 16-bit floats, one of "
-     "decode_kernels(); 'auto' (the default) picks the fastest."},
+     "decode_kernel([name]) -> the one in use before: the positions pass decode_ulp and decode_hist use for 16-bit "
+     "floats, one of decode_kernels(); 'auto' (the default) picks the fastest."},
     {"decode_kernels", py_decode_kernels, METH_NOARGS,
      "The positions passes this machine runs: 'scalar' (numba's countdown), 'sse2', 'avx2', 'avx512', 'avx512gfni' "
      "(blocks of 64)."},
