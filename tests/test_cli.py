@@ -96,8 +96,8 @@ def test_the_set_of_commands_and_flags_is_deliberate():
     # Adding a flag is fine; doing it by accident is not. Update this table with the change.
     got = {name: sorted(p.name for p in cmd.params) for name, cmd in main.commands.items()}
     assert got == {
-        "encode": ["as_json", "base", "output", "quiet", "target", "threads"],
-        "apply": ["as_json", "checkpoint", "delta", "quiet", "threads"],
+        "encode": ["as_json", "base", "history_dir", "output", "quiet", "target", "threads"],
+        "apply": ["as_json", "checkpoint", "delta", "history_dir", "quiet", "threads"],
         "inspect": ["as_json", "delta", "show_all"],
         "fingerprint": ["as_json", "checkpoint", "threads"],
         "verify": ["checkpoint", "expected", "threads"],
