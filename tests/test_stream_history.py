@@ -8,6 +8,7 @@ sent by the process to itself at a named point of the publish (deterministic, no
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -82,9 +83,10 @@ def chain(tmp_path_factory):
     return _files(str(tmp_path_factory.mktemp("hchain")), 9)
 
 
-def test_a_history_stream_followed_version_by_version_is_bit_exact(chain, tmp_path):
+@pytest.mark.parametrize("advance", ["copy", "apply"])
+def test_a_history_stream_followed_version_by_version_is_bit_exact(chain, tmp_path, advance):
     store = LocalStore(str(tmp_path / "store"))
-    pub = _pub(store, str(tmp_path / "pub"), keyframe_every=5)  # keyframes at versions 1 and 5
+    pub = _pub(store, str(tmp_path / "pub"), keyframe_every=5, advance=advance)  # keyframes at versions 1 and 5
     plain = Publisher(LocalStore(str(tmp_path / "plain")), str(tmp_path / "ppub"), keyframe_every=5,
                       keyframe_ratio=1000.0)
     ckpt = str(tmp_path / "rollout.safetensors")
@@ -212,6 +214,9 @@ def test_publish_history_cli_flag(chain, tmp_path):
     st = LocalStore(store)
     assert [load_commit(st, v).history for v in (2, 3)] == [True, True]
     assert _delta_encodings(st, 3).get(C.ULP_HIST, 0) > 0
+    log = subprocess.run([sys.executable, "-m", "deltarefit", "log", store, "--json"], env=env, check=True,
+                         capture_output=True, text=True, timeout=120)
+    assert [row["history"] for row in json.loads(log.stdout)] == [False, True, True]
 
 
 # ------------------------------------------------------------------------------------ killed publishes
@@ -327,9 +332,7 @@ def test_a_sync_killed_then_rerun_stays_bit_exact(chain, tmp_path, point, route_
 
 
 def test_joint_commit_checks_a_history_delta_against_each_subscribers_book(chain, tmp_path):
-    import json
-
-    from test_stream import _joint_round
+    from test_stream import _joint_round  # the joint round of the plain stream's tests
 
     store, _ = _publish_all(chain, tmp_path, 4)
     subs = [Subscriber(LocalStore(store.url), str(tmp_path / f"{n}.safetensors"), subscriber_id=n)

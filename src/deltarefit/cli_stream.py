@@ -163,6 +163,7 @@ def log_cmd(store, public_key, as_json) -> None:
                          "fingerprint": r.fingerprint, "delta_bytes": r.delta.bytes if r.delta else None,
                          "keyframe_bytes": sum(p.bytes for _, p in r.keyframe) or None, "full_bytes": r.full_bytes,
                          "catchup_from": r.catchup_from, "catchup_bytes": r.catchup.bytes if r.catchup else None,
+                         "history": r.history,
                          "ratio": (r.full_bytes / r.delta.bytes) if r.delta and r.delta.bytes else None,
                          "signed": bool(r.signature), "created": r.created})
         if as_json:
@@ -181,6 +182,8 @@ def log_cmd(store, public_key, as_json) -> None:
             kf = f", keyframe {r['keyframe_bytes']:,} B" if r["keyframe_bytes"] else ""
             if r["catchup_bytes"]:
                 kf += f", catch-up from v{r['catchup_from']} {r['catchup_bytes']:,} B"
+            if r["history"]:
+                kf += ", with history"
             parent = (r["parent"] or "-")[:12]
             click.echo(f"v{r['version']:<5} {r['kind']:<8} step {r['step']!s:<6} parent {parent:<12} "
                        f"fp {r['fingerprint'][:12]}  {size}{kf}{sig}")

@@ -147,7 +147,8 @@ class BaselineMixin:
             return
         scratch = self.book_path + ".scratch"
         shutil.rmtree(scratch, ignore_errors=True)
-        shutil.copytree(self.book_path, scratch)
+        if os.path.isdir(self.book_path):  # else the empty book (after a start)
+            shutil.copytree(self.book_path, scratch)
         try:
             apply_delta(local, self.baseline, threads=self.threads, history=HistoryBook(scratch))
         finally:

@@ -379,7 +379,7 @@ class Subscriber:
                      ) -> tuple[list[int], int, str]:
         """Apply the staged route version by version, recording each verified one, and keep the
         history book along (module docstring, "History"). ``first_apply(history)``: applies the first
-        step instead (returns the fingerprint reached)."""
+        step instead (returns its report)."""
         applied: list[int] = []
         version, fp = cur if cur else (0, "")
         for i, st in enumerate(steps):
