@@ -15,10 +15,6 @@ from .publisher import _copy_checkpoint
 from .records import CommitRecord, Part, StreamError
 
 
-class NoDecodableRoute(StreamError):
-    """Routes exist, but none the subscriber's history book can decode (``decodable``)."""
-
-
 @dataclass(frozen=True)
 class Step:
     """One step of a sync route: install a keyframe, or apply a delta or a catch-up delta."""
@@ -31,8 +27,8 @@ class Step:
 
 
 def cheapest_route(store: Store, cur: tuple[int, str] | None, recs: dict[int, CommitRecord], *,
-                   book_follows: Callable[[], bool] = lambda: True,
-                   keeps_book: bool = True) -> tuple[str, list[Step]]:
+                   book_follows: Callable[[], bool] = lambda: True, keeps_book: bool = True,
+                   or_none: bool = False) -> tuple[str, list[Step]] | None:
     """Cheapest in bytes among: the chain of deltas; a keyframe and the deltas after it; a catch-up
     delta (one delta from a keyframe's version, composed by the publisher) and the deltas after it,
     from that keyframe's version or from a keyframe installed first. Parts retention pruned are skipped.
@@ -40,7 +36,8 @@ def cheapest_route(store: Store, cur: tuple[int, str] | None, recs: dict[int, Co
     Only routes the subscriber can decode are taken (``decodable``): ``book_follows()`` says whether
     its history book follows the stream's lineage at ``cur`` (asked only when the chain from ``cur``
     starts with a delta coded with history); ``keeps_book``: whether its applies advance the book (an
-    engine's apply hook does not)."""
+    engine's apply hook does not). ``or_none``: None, instead of the refusal, where routes exist but
+    none of them is decodable."""
     versions = sorted(recs)
     last = versions[-1]
     have: dict[str, bool] = {}
@@ -95,8 +92,10 @@ def cheapest_route(store: Store, cur: tuple[int, str] | None, recs: dict[int, Co
 
     usable = [r for r in routes if decodable(r[1], recs, follows, keeps_book)]
     if not usable:
-        raise NoDecodableRoute(f"{store.url}: no route to version {last} from "
-                               f"{'version ' + str(cur[0]) if cur else 'nothing'} that this subscriber can decode: "
+        if or_none:
+            return None
+        raise StreamError(f"{store.url}: no route to version {last} from "
+                          f"{'version ' + str(cur[0]) if cur else 'nothing'} that this subscriber can decode: "
                           "the deltas are coded against a history book it does not hold"
                           + ("" if keeps_book else " (an engine's apply hook keeps none)"))
     return min(usable, key=lambda r: sum(p.bytes for s in r[1] for p in s.parts))

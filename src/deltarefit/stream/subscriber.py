@@ -87,7 +87,7 @@ from .records import (
     record_version,
     stream_identity,
 )
-from .route import NoDecodableRoute, Step, cheapest_route, install_keyframe
+from .route import Step, cheapest_route, install_keyframe
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +131,6 @@ def history_path(checkpoint: str) -> str:
     return os.path.abspath(checkpoint) + ".deltarefit-history"
 
 
-class _HistoryRefused(DecodeError):
-    """A delta coded with history was refused against the held book (nothing written)."""
-
-
 class Subscriber:
     def __init__(self, store: Store | str, checkpoint: str, *, subscriber_id: str | None = None,
                  public_key: str | None = None, threads: int | None = None,
@@ -165,6 +161,9 @@ class Subscriber:
         self._hashed_at: int | None = None  # the version a fingerprint of the checkpoint just matched
         # The parts of the overlapped sync in progress (their watermarks, ``early_reads``), else None.
         self.arriving: PartDownloads | None = None
+        # The version whose delta, coded with history, the held book could not decode (nothing of it
+        # written), in the sync attempt that just failed; else None.
+        self._refused_history: int | None = None
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -249,13 +248,17 @@ class Subscriber:
                                       f"store?){REPAIR_FIX}")
 
     def _sync(self, to_version: int | None, verify: bool = False, repair: bool = False) -> SyncReport:
+        self._refused_history = None
         try:
             return self._sync_once(to_version, verify, repair)
-        except _HistoryRefused as e:
+        except DecodeError as e:
+            if self._refused_history is None:
+                raise
             # The book did not follow after all (edited, or a rerun found chunks already applied):
             # nothing of that delta was written. Started over, the book follows no chain delta coded
             # with history, so the plan takes a keyframe route (or refuses to sync at all).
             log.warning("%s; starting the history book over and planning the sync again", e)
+            self._refused_history = None
             start_over(self.book_path)
             return self._sync_once(to_version, verify, repair)
 
@@ -279,18 +282,20 @@ class Subscriber:
         first = newest_keyframe(self._load, target) if cur is None else cur[0] + 1
         recs = {v: self._commit(v) for v in range(first, target + 1)}
         check_links(recs, cur, self.store.url, REPAIR_FIX)  # the chain links up, from what we hold
-        try:
-            route, steps = cheapest_route(self.store, cur, recs, book_follows=lambda: self._book_follows(cur),
-                                          keeps_book=self.apply_hook is None)
-        except NoDecodableRoute:
+        keeps_book = self.apply_hook is None
+        best = cheapest_route(self.store, cur, recs, book_follows=lambda: self._book_follows(cur),
+                              keeps_book=keeps_book, or_none=cur is not None)
+        if best is None:
             # The held book cannot decode the chain and no keyframe lies ahead: go back to the newest
             # keyframe (at or before the held version), which starts the book over.
             k = newest_keyframe(self._load, target)
-            if cur is None or k > cur[0]:
-                raise
-            recs = {**{v: self._commit(v) for v in range(k, cur[0] + 1)}, **recs}
-            check_links(recs, None, self.store.url, REPAIR_FIX)
-            route, steps = cheapest_route(self.store, None, recs, keeps_book=self.apply_hook is None)
+            if k <= cur[0]:
+                recs = {**{v: self._commit(v) for v in range(k, cur[0] + 1)}, **recs}
+                check_links(recs, None, self.store.url, REPAIR_FIX)
+                best = cheapest_route(self.store, None, recs, keeps_book=keeps_book)
+            else:
+                best = cheapest_route(self.store, cur, recs, book_follows=lambda: False, keeps_book=keeps_book)
+        route, steps = best
         os.makedirs(self.staging, exist_ok=True)
         local = {p.key: os.path.join(self.staging, p.key.replace("/", "_")) for st in steps for p in st.parts}
         if self._overlaps(steps):
@@ -410,7 +415,8 @@ class Subscriber:
                         settle(self.book_path, rep)
             except DecodeError as e:
                 if st.kind == "delta" and rec.history:
-                    raise _HistoryRefused(f"{e} (version {st.version} is coded against a history book)") from None
+                    self._refused_history = st.version
+                    raise DecodeError(f"{e} (version {st.version} is coded against a history book)") from None
                 raise
             if got != st.fingerprint:
                 raise StreamError(f"{self.checkpoint}: fingerprint after version {st.version} is {got[:16]}…, "
