@@ -269,11 +269,13 @@ def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None,
     return rep
 
 
-def check(delta_path: str, checkpoint_path: str, *, threads: int | None = None) -> None:
+def check(delta_path: str, checkpoint_path: str, *, threads: int | None = None,
+          history: HistoryBook | None = None) -> None:
     """Everything apply verifies before writing, and nothing else: raises if the delta would not apply.
-    Holds the checkpoint's lock, so it never reads a checkpoint another run is writing."""
+    Holds the checkpoint's lock, so it never reads a checkpoint another run is writing. ``history``:
+    the checkpoint's history book, which ``ulp_hist`` chunks decode against (it is not advanced)."""
     with checkpoint_lock(checkpoint_path), DeltaReader(delta_path) as d, open_checkpoint(checkpoint_path) as ck:
-        Applier(d, ck, journal=None, threads=threads, cache_bytes=0).plan()
+        Applier(d, ck, journal=None, threads=threads, cache_bytes=0, history=history).plan()
 
 
 # ``deltarefit.apply`` is this module and, called, ``apply`` (``_callable``).

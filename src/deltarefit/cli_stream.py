@@ -29,6 +29,10 @@ from .cli import _json, _quiet, _run, _threads, _transfer_progress, main
               help="Sign the commit record with this Ed25519 private key (see keygen).")
 @click.option("--catchup", is_flag=True,
               help="Also ship a delta straight from the newest keyframe (late joiners skip the chain).")
+@click.option("--history", is_flag=True,
+              help="Also code each delta against the stream's history (the last versions' moves, kept in the "
+                   "state directory): smaller deltas for momentum-like training; subscribers keep a book beside "
+                   "their checkpoint (docs/STREAMS.md, \"History\").")
 @click.option("--advance", type=click.Choice(["copy", "apply"]), default="copy", show_default=True,
               help="Move the baseline to the committed version by a verified copy of CHECKPOINT (fast; a second "
                    "copy on disk for a moment) or by applying the delta in place.")
@@ -42,7 +46,7 @@ from .cli import _json, _quiet, _run, _threads, _transfer_progress, main
 @_quiet
 @_json
 def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, quorum, ack_timeout, signing_key,
-            catchup, advance, reset_baseline, quarantine_head, threads, quiet, as_json) -> None:
+            catchup, history, advance, reset_baseline, quarantine_head, threads, quiet, as_json) -> None:
     """Commit CHECKPOINT as the next version of the stream in STORE (a directory, or s3://bucket/prefix).
 
     One publisher per state directory at a time: a second one exits 11 naming the first."""
@@ -61,7 +65,7 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
         st = open_store(store)
         pub = Publisher(st, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=q,
                         ack_timeout=ack_timeout, signing_key=signing_key, threads=threads,
-                        catchup=catchup, advance=advance)
+                        catchup=catchup, advance=advance, history=history)
         with _transfer_progress(st, "publish: upload", quiet):
             rec = pub.publish(checkpoint, step=step, reset_baseline=reset_baseline, quarantine_head=quarantine_head)
         if as_json:
@@ -159,6 +163,7 @@ def log_cmd(store, public_key, as_json) -> None:
                          "fingerprint": r.fingerprint, "delta_bytes": r.delta.bytes if r.delta else None,
                          "keyframe_bytes": sum(p.bytes for _, p in r.keyframe) or None, "full_bytes": r.full_bytes,
                          "catchup_from": r.catchup_from, "catchup_bytes": r.catchup.bytes if r.catchup else None,
+                         "history": r.history,
                          "ratio": (r.full_bytes / r.delta.bytes) if r.delta and r.delta.bytes else None,
                          "signed": bool(r.signature), "created": r.created})
         if as_json:
@@ -177,6 +182,8 @@ def log_cmd(store, public_key, as_json) -> None:
             kf = f", keyframe {r['keyframe_bytes']:,} B" if r["keyframe_bytes"] else ""
             if r["catchup_bytes"]:
                 kf += f", catch-up from v{r['catchup_from']} {r['catchup_bytes']:,} B"
+            if r["history"]:
+                kf += ", with history"
             parent = (r["parent"] or "-")[:12]
             click.echo(f"v{r['version']:<5} {r['kind']:<8} step {r['step']!s:<6} parent {parent:<12} "
                        f"fp {r['fingerprint'][:12]}  {size}{kf}{sig}")

@@ -143,6 +143,18 @@ class HistoryBook:
     def versions(self) -> list[str]:
         return [f.fingerprint for f in self._files]
 
+    def tip_moves(self) -> MovesRecorder:
+        """The moves of the tip version, as recorded (an empty recorder for an empty book): what a
+        ``commit`` of that version into another book takes."""
+        rec = MovesRecorder()
+        if self._files:
+            f = self._files[0]
+            for (name, ci), (n_el, _, _) in f.entries.items():
+                rec.add(name, ci, f.moves(name, ci, n_el))
+            for name in f.resets:
+                rec.reset(name)
+        return rec
+
     def history(self, name: str, ci: int, n: int) -> History | None:
         """The history of chunk ``ci`` (``n`` elements) of tensor ``name`` at the tip, or None when
         the book has no move of it (the chunk is then coded and decoded without history)."""

@@ -13,8 +13,11 @@ from dataclasses import replace
 from ..apply import apply as apply_delta
 from ..checkpoint import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
+from ..errors import DecodeError
 from ..fsutil import write_atomic
-from .publish_state import _TEMP_SUFFIX, PublishState
+from ..history_book import HistoryBook, MovesRecorder
+from .history import open_book, resets, settle, start_over
+from .publish_state import _TEMP_SUFFIX, RESET_FIX, PublishState
 from .records import (
     CommitRecord,
     Part,
@@ -54,6 +57,8 @@ class BaselineMixin:
         for p in (self.state_path, self.known_path, self.keyframe_copy, self.keyframe_copy + ".json"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
+        start_over(self.book_path)  # rebuilt with the baseline: a keyframe starts it, each delta advances it
+        start_over(self.staged_moves_path)
         self._known = None
         shutil.rmtree(self.staging, ignore_errors=True)
         h = head(self.store)
@@ -89,7 +94,13 @@ class BaselineMixin:
         os.makedirs(self.staging, exist_ok=True)
         if st is not None and rec.delta is not None and rec.parent == st.fingerprint:
             local = self._fetch(rec.delta, os.path.join(self.staging, "advance.delta"))
-            apply_delta(local, self.baseline, threads=self.threads)  # idempotent: a rerun is a no-op
+            try:  # idempotent: a rerun is a no-op
+                self._apply_with_book(rec, local)
+            except DecodeError as e:
+                if not rec.history:
+                    raise
+                raise StreamError(f"{e} (version {rec.version} is coded against a history book this publisher's "
+                                  f"{self.book_path} is not){RESET_FIX}") from None
             os.unlink(local)
         elif rec.keyframe:
             kdir = os.path.join(self.staging, "keyframe")
@@ -103,6 +114,8 @@ class BaselineMixin:
         else:
             raise StreamError(f"{self.store.url}: version {rec.version} cannot be reached from this publisher's "
                               "baseline")
+        if resets(rec):
+            start_over(self.book_path)
         from ..api import verify
 
         verify(self.baseline, rec.fingerprint, threads=self.threads)
@@ -110,6 +123,47 @@ class BaselineMixin:
         self._save_state(st)
         log.info("baseline advanced to version %d", rec.version)
         return st
+
+    def _book_for(self, rec: CommitRecord) -> HistoryBook | None:
+        """The book to apply ``rec``'s delta to the baseline with: the baseline's, for a delta coded
+        with history, unless the book already holds that version (its apply was verified and the book
+        advanced before a kill: the rerun finds every chunk applied and needs no history)."""
+        if not rec.history:
+            return None
+        book = open_book(self.book_path)
+        return None if book.tip == rec.fingerprint else book
+
+    def _apply_with_book(self, rec: CommitRecord, local: str) -> None:
+        """Apply ``rec``'s delta to the baseline, advancing the history book with it. Where this
+        publisher staged the version's moves (a publish killed after its commit), the apply decodes
+        against a scratch copy of the book and the book takes the staged moves: the baseline may have
+        reached the version already, and an apply that finds chunks applied has lost their moves."""
+        book = self._book_for(rec)
+        staged = self._staged_moves(rec.fingerprint) if book is not None else None
+        if staged is None:
+            rep = apply_delta(local, self.baseline, threads=self.threads, history=book)
+            if book is not None:
+                settle(self.book_path, rep)
+            return
+        scratch = self.book_path + ".scratch"
+        shutil.rmtree(scratch, ignore_errors=True)
+        if os.path.isdir(self.book_path):  # else the empty book (after a start)
+            shutil.copytree(self.book_path, scratch)
+        try:
+            apply_delta(local, self.baseline, threads=self.threads, history=HistoryBook(scratch))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        book.commit(rec.fingerprint, staged, parent=rec.parent)
+        start_over(self.staged_moves_path)
+
+    def _staged_moves(self, fp: str) -> MovesRecorder | None:
+        """The moves ``publish`` staged for version ``fp`` before committing it, or None."""
+        try:
+            staged = HistoryBook(self.staged_moves_path)
+            return staged.tip_moves() if staged.tip == fp else None
+        except (DecodeError, OSError) as e:
+            log.warning("%s: ignored (%s)", self.staged_moves_path, e)
+            return None
 
     def _fetch(self, part: Part, dest: str) -> str:
         fetch_part(self.store, part, dest)

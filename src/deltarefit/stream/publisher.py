@@ -30,17 +30,18 @@ from dataclasses import replace
 
 import blake3
 
-from ..apply import apply as apply_delta
 from ..checkpoint import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
 from ..encode import encode as encode_delta
 from ..errors import PublishError, UsageError
 from ..fsutil import write_atomic
+from ..history_book import HistoryBook
 from ..locks import lock_path_beside, locked_method
 from ..signing import SignatureError, Signer, check_record_signature, record_signature
 from ..storage.base import Store, open_store
 from .attempts import AttemptsMixin
 from .baseline import BaselineMixin, _copy_checkpoint, _temp_beside
+from .history import follows, lineage, open_book, resets, start_over
 from .publish_state import _TEMP_SUFFIX, ALL, ATTEMPT_NAME, QUARANTINE_FIX, RESET_FIX, PublishState
 from .records import (
     CommitRecord,
@@ -93,13 +94,18 @@ class Publisher(BaselineMixin, AttemptsMixin):
     place (no second copy). Directory checkpoints, and a checkpoint that changed after it was
     encoded, always take the apply route. ``sums`` (default on): deltas carry each changed tensor's
     additive digest, so a live engine checks a refit in O(changed elements) (FORMAT.md, "Held
-    digests"); one more pass over the changed tensors per encode.
+    digests"); one more pass over the changed tensors per encode. ``history``: code each version's
+    delta against a history book kept in ``state_dir/history`` as well (encoding 5, kept where
+    smaller; the record's ``history`` flag), which describes the baseline: it advances only once the
+    version is committed and the baseline has reached it, starts over at keyframes, and where it does
+    not follow the stream's lineage at the baseline (``stream.history``) the version is published
+    without it. Catch-up deltas never use it.
     """
 
     def __init__(self, store: Store | str, state_dir: str, *, keyframe_every: int = 20,
                  keyframe_ratio: float = 0.5, quorum: int = 0, ack_timeout: float = 60.0, live_ttl: float = 3600.0,
                  signing_key: str | None = None, threads: int | None = None, publisher_id: str | None = None,
-                 catchup: bool = False, advance: str = "copy", sums: bool = True) -> None:
+                 catchup: bool = False, advance: str = "copy", sums: bool = True, history: bool = False) -> None:
         if advance not in ("copy", "apply"):
             raise UsageError(f"advance must be 'copy' or 'apply', not {advance!r}")
         self.advance = advance
@@ -126,6 +132,9 @@ class Publisher(BaselineMixin, AttemptsMixin):
         # late joiner needs the keyframe and one delta instead of the whole chain. Costs a local copy
         # of that keyframe and a second encode per publish.
         self.catchup = catchup
+        if catchup and history:
+            log.warning("catch-up deltas and history do not combine: a subscriber takes no catch-up to a version "
+                        "coded with history (its book could not follow the next delta), see docs/STREAMS.md")
         self.keyframe_copy = os.path.join(self.state_dir, "keyframe.safetensors")
         self.publisher_id = publisher_id or f"{os.uname().nodename}-{os.getpid()}"
         self.baseline = os.path.join(self.state_dir, "baseline.safetensors")
@@ -136,6 +145,14 @@ class Publisher(BaselineMixin, AttemptsMixin):
         # publish in a new process (each `deltarefit publish`) finds them too.
         self._known: KnownHashes | None = None
         self.known_path = os.path.join(self.state_dir, "baseline.hashes")
+        self.history = history
+        # The baseline's history book. Kept by every publisher that follows a version coded with one
+        # (recover, reset_baseline), so that it can decode the next; written into only with history.
+        self.book_path = os.path.join(self.state_dir, "history")
+        # The moves of the version being published, kept from before its commit until its book commit:
+        # a kill after the baseline reached it (its chunks then all found applied, their moves gone)
+        # still advances the book by them (``_advance``).
+        self.staged_moves_path = os.path.join(self.state_dir, "history.pending")
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -261,7 +278,8 @@ class Publisher(BaselineMixin, AttemptsMixin):
         attempt = f"{vkey(version)}/{uuid.uuid4().hex[:12]}"
         shutil.rmtree(self.staging, ignore_errors=True)
         os.makedirs(self.staging)
-        rep, delta_part, fp, full_bytes = self._delta(st, checkpoint, attempt)
+        book = self._book_at(st) if self.history and st is not None else None
+        rep, delta_part, fp, full_bytes = self._delta(st, checkpoint, attempt, book)
         if st is not None and fp == st.fingerprint:
             shutil.rmtree(self.staging, ignore_errors=True)
             log.info("checkpoint is already version %d; nothing to publish", st.version)
@@ -282,26 +300,41 @@ class Publisher(BaselineMixin, AttemptsMixin):
                 full_bytes = sum(t.nbytes for t in ck.tensors.values())
         rec = CommitRecord(version, st.fingerprint if st else None, fp, "keyframe" if keyframe else "delta",
                            delta_part, kf_parts, full_bytes, step, now(), self.publisher_id, catchup_from,
-                           catchup_part, stream=st.stream_id if st else new_stream_id())
+                           catchup_part, stream=st.stream_id if st else new_stream_id(),
+                           history=book is not None and delta_part is not None)
         if self.signer:
             rec = _signed(rec, self.signer)
+        if rec.history and not resets(rec):
+            start_over(self.staged_moves_path)
+            HistoryBook(self.staged_moves_path).commit(fp, rep.moves, parent=None)
         pending = self._upload_and_commit(rec, attempt, checkpoint)
         self._after_commit(rec, checkpoint, rep, pending)
         log.info("published version %d (%s, %d bytes)", version, rec.kind, rec.part_bytes)
         return rec
 
-    def _delta(self, st: PublishState | None, checkpoint: str,
-               attempt: str) -> tuple[EncodeReport | None, Part | None, str | None, int]:
+    def _book_at(self, st: PublishState) -> HistoryBook | None:
+        """The history book to code the next delta against: the baseline's, where it follows the
+        stream's lineage at the baseline; else None (the version goes out without history, which
+        starts every book over at it)."""
+        book = open_book(self.book_path)
+        if follows(book, lineage(lambda v: load_commit(self.store, v), st.version)):
+            return book
+        log.warning("%s: the history book does not describe the baseline (version %d); this version is "
+                    "published without history, which starts the book over", self.book_path, st.version)
+        return None
+
+    def _delta(self, st: PublishState | None, checkpoint: str, attempt: str,
+               book: HistoryBook | None = None) -> tuple[EncodeReport | None, Part | None, str | None, int]:
         """(encode report, delta part, target fingerprint, full bytes) of ``checkpoint`` against the
         committed baseline, staged; all None/0 for a first version. Refuses a baseline that is not the
-        committed version."""
+        committed version. ``book``: the baseline's history book, coded against too."""
         if st is None:
             return None, None, None, 0
         local = os.path.join(self.staging, "delta")
         # Staged, not durable: the store makes its copy durable, and nothing after a crash reads
         # the staged file (a rerun encodes again; recovery fetches the committed part).
         rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, known_base=self._known_base(),
-                           durable=False, sums=self.sums)
+                           durable=False, sums=self.sums, history=book)
         if rep.base_fingerprint != st.fingerprint and rep.base_hashes_known:
             # The kept hashes do not describe the committed baseline (their file edited, or a write
             # the identity missed): drop them and hash the baseline, so the check below is the
@@ -310,7 +343,7 @@ class Publisher(BaselineMixin, AttemptsMixin):
                         self.known_path)
             self._forget_known()
             rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, durable=False,
-                               sums=self.sums)
+                               sums=self.sums, history=book)
         if rep.base_fingerprint != st.fingerprint:
             raise StreamError(f"{self.baseline}: baseline fingerprint {rep.base_fingerprint[:16]}… is not the "
                               f"committed {st.fingerprint[:16]}… (modified by hand?){RESET_FIX}")
@@ -366,16 +399,24 @@ class Publisher(BaselineMixin, AttemptsMixin):
         return pending
 
     def _after_commit(self, rec: CommitRecord, checkpoint: str, rep: EncodeReport | None, pending: str) -> None:
-        """Committed: advance the baseline (and the keyframe copy), save the state, move HEAD."""
+        """Committed: advance the baseline (and the keyframe copy), then the history book, save the
+        state, move HEAD. A kill between any two steps leaves the book at the baseline's parent (which
+        ``recover`` advances with the baseline, see ``_advance``) or at the baseline."""
         version, fp, delta_part, keyframe = rec.version, rec.fingerprint, rec.delta, rec.kind == "keyframe"
         if delta_part:
-            if not self._advance_by_copy(checkpoint, fp):
-                apply_delta(os.path.join(self.staging, "delta"), self.baseline, threads=self.threads)
+            if self._advance_by_copy(checkpoint, fp):
+                if rec.history and not resets(rec):
+                    open_book(self.book_path).commit(fp, rep.moves, parent=rec.parent)
+            else:  # the apply advances the book with the baseline, once verified
+                self._apply_with_book(rec, os.path.join(self.staging, "delta"))
         else:
             tmp = _temp_beside(self.baseline)
             _copy_checkpoint(checkpoint, tmp)
             os.replace(tmp, self.baseline)
+        if resets(rec):
+            start_over(self.book_path)
         self._save_state(PublishState(version, fp, rec.stream))
+        start_over(self.staged_moves_path)
         if delta_part:
             self._remember_baseline(rep)
         if keyframe and self.catchup:  # the base of the catch-up deltas to come

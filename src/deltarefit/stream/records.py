@@ -78,12 +78,18 @@ class CommitRecord(SignableRecord):
     # The stream's identity, fixed at its first version and carried (and signed) in every record. None
     # only in records written before identities existed (see ``stream_identity``).
     stream: str | None = None
+    # The delta was coded against the publisher's history book (it may hold ``ulp_hist`` chunks), which
+    # continues the book of the version before (``stream.history``). Absent (False) in records of
+    # publishers without a book, and then not in the canonical bytes either.
+    history: bool = False
 
     def body(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("signature")
         if d["stream"] is None:  # records of older streams keep their canonical (signed) bytes
             d.pop("stream")
+        if not d["history"]:  # so do records without a history book
+            d.pop("history")
         d["keyframe"] = [[name, asdict(p)] for name, p in self.keyframe]
         return {"format": COMMIT_FORMAT, "format_version": COMMIT_VERSION, **d}
 
@@ -127,7 +133,7 @@ BOOL = (lambda x: isinstance(x, bool), "true or false")
 
 _COMMIT_FIELDS = {"version": INT, "parent": STR_OR_NULL, "fingerprint": STR, "kind": STR, "keyframe": LIST,
                   "full_bytes": INT, "step": INT_OR_NULL, "created": NUMBER, "publisher": STR,
-                  "catchup_from": INT_OR_NULL, "stream": STR_OR_NULL}
+                  "catchup_from": INT_OR_NULL, "stream": STR_OR_NULL, "history": BOOL}
 
 
 def malformed_field(where: str, name: str, value: Any, what: str) -> MalformedRecordError:
@@ -187,7 +193,7 @@ def parse_commit(data: bytes, where: str) -> CommitRecord:
         raise MalformedRecordError(f"{where}: malformed stream identity {str(rec.stream)[:40]!r}")
     if (not isinstance(rec.version, int) or rec.version < 1 or rec.kind not in ("delta", "keyframe")
             or (rec.kind == "keyframe") != bool(rec.keyframe) or (rec.delta is None and rec.parent is not None)
-            or (rec.delta is None and not rec.keyframe)
+            or (rec.delta is None and not rec.keyframe) or (rec.history and rec.delta is None)
             or (rec.catchup is None) != (rec.catchup_from is None)
             or (rec.catchup_from is not None and not (isinstance(rec.catchup_from, int) and 1 <= rec.catchup_from < rec.version))):
         raise MalformedRecordError(f"{where}: inconsistent commit record (version, kind, parts): version "

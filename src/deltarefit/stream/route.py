@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..checkpoint import carry_non_weights
 from ..storage.base import Store
+from .history import resets
 from .publisher import _copy_checkpoint
 from .records import CommitRecord, Part, StreamError
 
@@ -24,10 +26,18 @@ class Step:
     fingerprint: str  # fingerprint reached
 
 
-def cheapest_route(store: Store, cur: tuple[int, str] | None, recs: dict[int, CommitRecord]) -> tuple[str, list[Step]]:
+def cheapest_route(store: Store, cur: tuple[int, str] | None, recs: dict[int, CommitRecord], *,
+                   book_follows: Callable[[], bool] = lambda: True, keeps_book: bool = True,
+                   or_none: bool = False) -> tuple[str, list[Step]] | None:
     """Cheapest in bytes among: the chain of deltas; a keyframe and the deltas after it; a catch-up
     delta (one delta from a keyframe's version, composed by the publisher) and the deltas after it,
-    from that keyframe's version or from a keyframe installed first. Parts retention pruned are skipped."""
+    from that keyframe's version or from a keyframe installed first. Parts retention pruned are skipped.
+
+    Only routes the subscriber can decode are taken (``decodable``): ``book_follows()`` says whether
+    its history book follows the stream's lineage at ``cur`` (asked only when the chain from ``cur``
+    starts with a delta coded with history); ``keeps_book``: whether its applies advance the book (an
+    engine's apply hook does not). ``or_none``: None, instead of the refusal, where routes exist but
+    none of them is decodable."""
     versions = sorted(recs)
     last = versions[-1]
     have: dict[str, bool] = {}
@@ -73,7 +83,50 @@ def cheapest_route(store: Store, cur: tuple[int, str] | None, recs: dict[int, Co
     if not routes:
         raise StreamError(f"{store.url}: no route to version {last} from "
                           f"{'version ' + str(cur[0]) if cur else 'nothing'} (no keyframe, or parts pruned)")
-    return min(routes, key=lambda r: sum(p.bytes for s in r[1] for p in s.parts))
+    asked: list[bool] = []
+
+    def follows() -> bool:
+        if not asked:
+            asked.append(book_follows())
+        return asked[0]
+
+    usable = [r for r in routes if decodable(r[1], recs, follows, keeps_book)]
+    if not usable:
+        if or_none:
+            return None
+        raise StreamError(f"{store.url}: no route to version {last} from "
+                          f"{'version ' + str(cur[0]) if cur else 'nothing'} that this subscriber can decode: "
+                          "the deltas are coded against a history book it does not hold"
+                          + ("" if keeps_book else " (an engine's apply hook keeps none)"))
+    return min(usable, key=lambda r: sum(p.bytes for s in r[1] for p in s.parts))
+
+
+def decodable(steps: list[Step], recs: dict[int, CommitRecord], book_follows: Callable[[], bool],
+              keeps_book: bool = True) -> bool:
+    """Whether a route's deltas coded with history (record ``history``) all meet the book they were
+    coded against, and the route leaves a book that follows the stream (so that the next sync can go
+    on by the chain). Follows the lineage (``stream.history``): a keyframe install, and a version that
+    resets, leave a book that follows; a catch-up step leaves an empty one, which follows only where
+    its version resets; a delta coded with history needs a book that follows, and keeps it following
+    (where the subscriber keeps a book). ``book_follows()``: whether the book held before the first
+    step follows."""
+    ok: bool | None = None  # None: the held book, not asked yet
+    for s in steps:
+        rec = recs[s.version]
+        if s.kind == "keyframe":
+            ok = True
+        elif s.kind == "catchup":
+            ok = resets(rec)
+        else:
+            if rec.history:
+                if ok is None:
+                    ok = book_follows()
+                if not ok:
+                    return False
+                ok = keeps_book
+            if resets(rec):
+                ok = True
+    return ok is not False
 
 
 def install_keyframe(rec: CommitRecord, local: dict[str, str], staging: str, checkpoint: str) -> None:

@@ -31,6 +31,16 @@ files that changed since are hashed again, and ``verify=True`` always hashes. On
 as "verified" (``SyncReport.verified``). A checkpoint that fails these checks is refused with the way
 out: ``repair=True`` (``deltarefit sync --repair``) restores it from the stream.
 
+History (docs/STREAMS.md, "History"): a subscriber keeps a history book beside its checkpoint
+(``history_path``), which deltas coded with history (record ``history``) decode against; each such
+delta advances it, and a keyframe install, a catch-up step or a version without history starts it
+over (``stream.history``). The route is chosen among those the book can decode (``route.decodable``):
+a book that does not follow the stream's lineage at the held version (deleted, or after a rerun that
+found chunks already applied) makes the chain refused and a keyframe route taken, and a catch-up
+step is taken only where it leaves a book that can follow. Should a delta still be refused for its
+history (``DecodeError``, nothing written), the book is started over and the sync planned again once,
+which then takes a keyframe route.
+
 Joint commit: ``prepare`` verifies a proposed (prepared, not yet committed) version against the
 local checkpoint without writing it, and acknowledges it in the store.
 """
@@ -46,16 +56,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..api import fingerprint as fingerprint_of
+from ..apply import ApplyReport
 from ..apply import apply as apply_delta
 from ..apply import check as check_delta
 from ..checkpoint import open_checkpoint
-from ..errors import BaseMismatchError, UsageError, VerificationError
+from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationError
 from ..format import DeltaReader
+from ..history_book import HistoryBook
 from ..locks import lock_path_beside, locked_method
 from ..signing import SignatureError, Verifier, check_record_signature
 from ..storage.base import GET_RANGE, Store, open_store
 from .arriving import ArrivingReader, PartDownloads
 from .chain import check_links, newest_keyframe, sync_target
+from .history import follows, lineage, open_book, resets, settle, start_over
 from .records import (
     CommitRecord,
     MalformedRecordError,
@@ -112,6 +125,12 @@ def state_path(checkpoint: str) -> str:
     return os.path.join(p, ".deltarefit-version.json") if os.path.isdir(p) else p + ".deltarefit-version.json"
 
 
+def history_path(checkpoint: str) -> str:
+    """The checkpoint's history book: a directory beside it (beside, so that a keyframe renamed over a
+    directory checkpoint leaves it where it is)."""
+    return os.path.abspath(checkpoint) + ".deltarefit-history"
+
+
 class Subscriber:
     def __init__(self, store: Store | str, checkpoint: str, *, subscriber_id: str | None = None,
                  public_key: str | None = None, threads: int | None = None,
@@ -134,6 +153,7 @@ class Subscriber:
         self.verifier = Verifier(public_key) if public_key else None
         self.threads = threads
         self.staging = self.checkpoint + ".deltarefit-staging"
+        self.book_path = history_path(self.checkpoint)
         self.apply_hook = apply_hook
         self.keyframe_hook = keyframe_hook
         self.pinned_stream = stream_id
@@ -141,6 +161,9 @@ class Subscriber:
         self._hashed_at: int | None = None  # the version a fingerprint of the checkpoint just matched
         # The parts of the overlapped sync in progress (their watermarks, ``early_reads``), else None.
         self.arriving: PartDownloads | None = None
+        # The version whose delta, coded with history, the held book could not decode (nothing of it
+        # written), in the sync attempt that just failed; else None.
+        self._refused_history: int | None = None
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -225,6 +248,25 @@ class Subscriber:
                                       f"store?){REPAIR_FIX}")
 
     def _sync(self, to_version: int | None, verify: bool = False, repair: bool = False) -> SyncReport:
+        self._refused_history = None
+        try:
+            return self._sync_once(to_version, verify, repair)
+        except DecodeError as e:
+            if self._refused_history is None:
+                raise
+            # The book did not follow after all (edited, or a rerun found chunks already applied):
+            # nothing of that delta was written. Started over, the book follows no chain delta coded
+            # with history, so the plan takes a keyframe route (or refuses to sync at all).
+            log.warning("%s; starting the history book over and planning the sync again", e)
+            self._refused_history = None
+            start_over(self.book_path)
+            return self._sync_once(to_version, verify, repair)
+
+    def _book_follows(self, cur: tuple[int, str] | None) -> bool:
+        """Whether the history book follows the stream's lineage at the held version."""
+        return cur is not None and follows(open_book(self.book_path), lineage(self._commit, cur[0]))
+
+    def _sync_once(self, to_version: int | None, verify: bool = False, repair: bool = False) -> SyncReport:
         t0 = time.perf_counter()
         self._hashed_at = None
         target = sync_target(self.store.url, head(self.store), to_version)
@@ -240,7 +282,20 @@ class Subscriber:
         first = newest_keyframe(self._load, target) if cur is None else cur[0] + 1
         recs = {v: self._commit(v) for v in range(first, target + 1)}
         check_links(recs, cur, self.store.url, REPAIR_FIX)  # the chain links up, from what we hold
-        route, steps = cheapest_route(self.store, cur, recs)
+        keeps_book = self.apply_hook is None
+        best = cheapest_route(self.store, cur, recs, book_follows=lambda: self._book_follows(cur),
+                              keeps_book=keeps_book, or_none=cur is not None)
+        if best is None:
+            # The held book cannot decode the chain and no keyframe lies ahead: go back to the newest
+            # keyframe (at or before the held version), which starts the book over.
+            k = newest_keyframe(self._load, target)
+            if k <= cur[0]:
+                recs = {**{v: self._commit(v) for v in range(k, cur[0] + 1)}, **recs}
+                check_links(recs, None, self.store.url, REPAIR_FIX)
+                best = cheapest_route(self.store, None, recs, keeps_book=keeps_book)
+            else:
+                best = cheapest_route(self.store, cur, recs, book_follows=lambda: False, keeps_book=keeps_book)
+        route, steps = best
         os.makedirs(self.staging, exist_ok=True)
         local = {p.key: os.path.join(self.staging, p.key.replace("/", "_")) for st in steps for p in st.parts}
         if self._overlaps(steps):
@@ -292,12 +347,12 @@ class Subscriber:
 
         first = steps[0].parts[0].key
 
-        def apply_first() -> str:
+        def apply_first(history: HistoryBook | None) -> ApplyReport:
             try:
                 reader = ArrivingReader(downloads.parts[0])
                 try:
                     return apply_delta(local[first], self.checkpoint, threads=self.threads, reader=reader,
-                                       before_write=authenticated).target_fingerprint
+                                       before_write=authenticated, history=history)
                 finally:
                     reader.close()
             except Exception:
@@ -325,29 +380,49 @@ class Subscriber:
 
     def _apply_steps(self, steps: list[Step], local: dict[str, str], recs: dict[int, CommitRecord],
                      cur: tuple[int, str] | None,
-                     first_apply: Callable[[], str] | None = None) -> tuple[list[int], int, str]:
-        """Apply the staged route version by version, recording each verified one. ``first_apply``:
-        applies the first step instead (returns the fingerprint reached)."""
+                     first_apply: Callable[[HistoryBook | None], ApplyReport] | None = None
+                     ) -> tuple[list[int], int, str]:
+        """Apply the staged route version by version, recording each verified one, and keep the
+        history book along (module docstring, "History"). ``first_apply(history)``: applies the first
+        step instead (returns its report)."""
         applied: list[int] = []
         version, fp = cur if cur else (0, "")
         for i, st in enumerate(steps):
-            if st.kind == "keyframe":
-                install_keyframe(recs[st.version], local, self.staging, self.checkpoint)
-                got = fingerprint_of(self.checkpoint, threads=self.threads)
-                if self.keyframe_hook is not None and got == st.fingerprint:
-                    self.keyframe_hook()
-            elif i == 0 and first_apply is not None:
-                got = first_apply()
-            else:
-                # apply verifies that the checkpoint reached the delta's own target fingerprint; the
-                # record must name that same fingerprint (an edited record must not be believed).
-                if self.apply_hook is not None:
+            rec = recs[st.version]
+            # A delta coded with history decodes against the book, which its verified apply advances;
+            # a book that already holds the version (a kill after that, before the record) is not
+            # needed: the rerun finds every chunk applied.
+            book = None
+            if st.kind == "delta" and rec.history and self.apply_hook is None:
+                book = open_book(self.book_path)
+                if book.tip == st.fingerprint:
+                    book = None
+            try:
+                if st.kind == "keyframe":
+                    install_keyframe(rec, local, self.staging, self.checkpoint)
+                    got = fingerprint_of(self.checkpoint, threads=self.threads)
+                    if self.keyframe_hook is not None and got == st.fingerprint:
+                        self.keyframe_hook()
+                elif self.apply_hook is not None and not (i == 0 and first_apply is not None):
                     got = self.apply_hook(local[st.parts[0].key])
                 else:
-                    got = apply_delta(local[st.parts[0].key], self.checkpoint, threads=self.threads).target_fingerprint
+                    # apply verifies that the checkpoint reached the delta's own target fingerprint; the
+                    # record must name that same fingerprint (an edited record must not be believed).
+                    rep = first_apply(book) if i == 0 and first_apply is not None else apply_delta(
+                        local[st.parts[0].key], self.checkpoint, threads=self.threads, history=book)
+                    got = rep.target_fingerprint
+                    if book is not None:
+                        settle(self.book_path, rep)
+            except DecodeError as e:
+                if st.kind == "delta" and rec.history:
+                    self._refused_history = st.version
+                    raise DecodeError(f"{e} (version {st.version} is coded against a history book)") from None
+                raise
             if got != st.fingerprint:
                 raise StreamError(f"{self.checkpoint}: fingerprint after version {st.version} is {got[:16]}…, "
                                   f"expected {st.fingerprint[:16]}…")
+            if st.kind != "delta" or resets(rec) or self.apply_hook is not None:
+                start_over(self.book_path)  # a keyframe, a catch-up, a version without history: no history
             version, fp = st.version, st.fingerprint
             self._record(version, fp, self._files_identity())
             applied.append(version)
@@ -430,7 +505,8 @@ class Subscriber:
             dest = os.path.join(self.staging, rec.delta.key.replace("/", "_"))
             try:
                 fetch_part(self.store, rec.delta, dest)
-                check_delta(dest, self.checkpoint, threads=self.threads)
+                check_delta(dest, self.checkpoint, threads=self.threads,
+                            history=open_book(self.book_path) if rec.history else None)
             except Exception as e:  # any failure is a "no" vote, and its reason goes into the ack
                 ok, why = False, str(e)
         ack = {"ok": ok, "fingerprint": rec.fingerprint, "subscriber": self.id, "why": why, "at": now()}

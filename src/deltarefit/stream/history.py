@@ -1,0 +1,90 @@
+"""History books in a plain stream: which book each version's delta was coded against, whether a
+holder's book is that one, and starting a book over (FORMAT.md, "Encoding 5: ulp_hist" and the commit
+record's ``history``; docs/STREAMS.md, "History").
+
+Contract (the *lineage*): the book after version V, the publisher's and every subscriber's, is a
+function of the commit records alone:
+
+* empty (started over at V) when V is a keyframe or V's record has no ``history`` flag (a keyframe,
+  a catch-up delta and a delta coded without a book carry no history);
+* else the book after V-1 advanced by V's moves.
+
+A flagged delta (``history`` true) was coded against the book after its parent; it decodes only
+against that book. A publisher flags a delta only when its own book follows the lineage at its
+baseline (``follows``), else it publishes the version unflagged (its delta v1-coded) and so starts
+every book over there: never a delta coded against a book no subscriber can rebuild.
+
+An absent book is the empty one (it gives no chunk a history), so starting over is removing the
+book: ``start_over`` unlinks HEAD first (atomic: the book is empty from that moment), then the rest.
+A book that does not follow the lineage makes a flagged delta's ``ulp_hist`` chunks refuse by name
+(``DecodeError``, nothing written): a wrong book costs a route, never bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import Callable
+
+from ..applier import ApplyReport
+from ..codec.history import DEPTH
+from ..errors import DecodeError
+from ..history_book import HEAD, HistoryBook
+from .records import CommitRecord
+
+log = logging.getLogger(__name__)
+
+
+def resets(rec: CommitRecord) -> bool:
+    """Whether the book after ``rec``'s version is empty (a keyframe, or a version without history)."""
+    return bool(rec.keyframe) or not rec.history
+
+
+def lineage(load: Callable[[int], CommitRecord], version: int) -> tuple[list[str], bool]:
+    """The versions (fingerprints, newest first) the book after ``version`` holds by the lineage, and
+    whether the oldest of them is a start (an empty moves file, which a book may lack)."""
+    out: list[str] = []
+    v = version
+    while v >= 1 and len(out) < DEPTH:
+        rec = load(v)
+        out.append(rec.fingerprint)
+        if resets(rec):
+            return out, True
+        v -= 1
+    return out, False
+
+
+def follows(book: HistoryBook, expected: tuple[list[str], bool]) -> bool:
+    """Whether ``book`` holds the versions ``lineage`` names (the start's empty file may be missing)."""
+    want, started = expected
+    got = book.versions()
+    return got == want or (started and got == want[:-1])
+
+
+def open_book(path: str) -> HistoryBook:
+    """The book at ``path``; a malformed one is started over (logged), since it is local state that
+    the lineage rebuilds, and a wrong book only costs a route."""
+    try:
+        return HistoryBook(path)
+    except (DecodeError, OSError) as e:
+        log.warning("%s: history book unreadable (%s); starting it over", path, e)
+        start_over(path)
+        return HistoryBook(path)
+
+
+def settle(path: str, report: ApplyReport) -> None:
+    """After an apply with the book at ``path``: one that found chunks already applied (a rerun) or
+    torn lost their moves, and the book it committed names the version with an empty moves file,
+    which the lineage check cannot tell from a start; the book is started over instead (so that
+    ``follows`` says no, unless the version is a start anyway)."""
+    if report.chunks_skipped or report.chunks_recovered:
+        start_over(path)
+
+
+def start_over(path: str) -> None:
+    """Empty the book at ``path``: HEAD goes first (from then on the book is empty), then its files."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(path, HEAD))
+    shutil.rmtree(path, ignore_errors=True)
