@@ -123,12 +123,16 @@ class History:
         for mv in moves:
             if mv.n != n:
                 raise ValueError(f"moves of a {mv.n}-element chunk given for a chunk of {n}")
-        empty = (np.empty(0, np.int64), np.empty(0, np.bool_))
-        sets = [(np.asarray(mv.pos, np.int64), np.asarray(mv.down, np.bool_)) for mv in moves]
-        sets += [empty] * (DEPTH - len(sets))
-        total = sum(p.size for p, _ in sets)
+        big = np.iinfo(np.int64).max
+        sets: list[np.ndarray] = []
+        for d in range(DEPTH):
+            if d < len(moves) and moves[d].pos.size:
+                sets += [np.append(np.asarray(moves[d].pos, np.int64), big), np.asarray(moves[d].down, np.bool_)]
+            else:
+                sets += [np.full(1, big, np.int64), np.zeros(1, np.bool_)]
+        total = sum(p.size for p in sets[::2])
         pos, st = np.empty(total, np.int64), np.empty(total, np.uint8)
-        k = merge_states(*sets[0], *sets[1], *sets[2], STATE_TABLE, pos, st)
+        k = merge_states(*sets, STATE_TABLE, pos, st)
         return cls(n, pos[:k], st[:k])
 
 
