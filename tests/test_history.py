@@ -307,3 +307,17 @@ def test_the_cli_keeps_books_on_both_sides(tmp_path):
     r = subprocess.run([*cli, "apply", out, other, "-q"], capture_output=True, text=True)
     assert r.returncode == 3 and "none is held here" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert sha(other) == sha(paths[2])
+
+
+def test_the_chain_benchmark_measures_both_codings_on_a_real_chain_dir(tmp_path):
+    from deltarefit.apps.bench import chain as bench_chain
+
+    _chain_files(tmp_path, steps=4)
+    res = bench_chain.run_chain(str(tmp_path), threads=1, log=lambda *_: None)
+    assert [s.step for s in res.steps] == [1, 2, 3, 4]
+    assert res.steps[0].hist_bytes == res.steps[0].v1_bytes  # no history yet: the same delta
+    assert all(s.hist_bytes <= s.v1_bytes for s in res.steps)
+    assert res.steps[-1].hist_chunks > 0 and res.steps[-1].smaller > 0.03
+    assert all(0 < s.bound_hist_bytes <= s.bound_v1_bytes for s in res.steps[1:])
+    md = bench_chain.markdown([res], "cmd", "here")
+    assert "| 3+ (sum) |" in md

@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -69,6 +71,8 @@ class ChainResult:
     name: str
     n_params: int
     steps: list[StepResult] = field(default_factory=list)
+    about: str = ""  # from the chain's chain.json (bench.chains), when it has one
+    made_by: str = ""
 
     def steady(self, first: int = 3) -> StepResult | None:
         """Steps ``first`` on, summed (the history holds three versions from step 4 on; step 3 has two)."""
@@ -129,6 +133,15 @@ def run_chain(d: str, *, threads: int | None = None, log=print) -> ChainResult:
 
     paths = chain_paths(d)
     res = ChainResult(os.path.basename(os.path.normpath(d)), 0)
+    meta_path = os.path.join(d, "chain.json")
+    if os.path.exists(meta_path):
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+        kind = "rl" if "rl" in str(meta.get("name", "")) else "adamw"
+        res.about = (f"A real {'GRPO run of a small causal LM' if kind == 'rl' else 'AdamW run of the pretrained MiniLM'}"
+                     f", lr {meta.get('lr')}, {len(paths)} versions.")
+        res.made_by = (f"python -m deltarefit.apps.bench.chains DIR --kind {kind} --lr {meta.get('lr')} "
+                       f"--versions {len(paths)}")
     moves: dict[str, list[np.ndarray]] = {}  # per bf16 tensor: signs of the last moves, newest first
     with tempfile.TemporaryDirectory(prefix="bench-chain-") as w:
         tbook, rbook = HistoryBook(os.path.join(w, "tbook")), HistoryBook(os.path.join(w, "rbook"))
@@ -186,7 +199,8 @@ def markdown(results: list[ChainResult], command: str, machine: str) -> str:
            "state, tensor) (module docstring of `deltarefit.apps.bench.chain`). Times are wall seconds of "
            "the library calls (the history encode includes its book's commit).", ""]
     for r in results:
-        out += [f"## {r.name} ({r.n_params / 1e6:.1f}M parameters)", "",
+        how = f" Made by `{r.made_by}`." if r.made_by else ""
+        out += [f"## {r.name} ({r.n_params / 1e6:.1f}M parameters)", "", f"{r.about}{how}".strip(), "",
                 "| step | changed | v1 bytes (x) | history bytes (x) | smaller | ulp_hist chunks | bound v1 | "
                 "bound history | encode v1 / hist s | apply v1 / hist s |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
@@ -211,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--machine", default="this machine")
     a = ap.parse_args(argv)
     results = [run_chain(d, threads=a.threads) for d in a.chains]
-    cmd = "python -m deltarefit.apps.bench.chain " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    cmd = "python -m deltarefit.apps.bench.chain " + shlex.join(argv if argv is not None else sys.argv[1:])
     if a.markdown:
         with open(a.markdown, "w", encoding="utf-8") as f:
             f.write(markdown(results, cmd, a.machine) + "\n")
