@@ -14,8 +14,7 @@ import shutil
 
 import numpy as np
 import pytest
-import safetensors.torch
-import torch
+from _chains import momentum_chain, write_chain
 from _pairs import sha
 
 from deltarefit import apply as apply_mod
@@ -26,44 +25,6 @@ from deltarefit.dtypes import dtype
 from deltarefit.errors import DecodeError
 from deltarefit.format import DeltaReader
 from deltarefit.history_book import HistoryBook
-
-
-def _key(u: np.ndarray, bits: int) -> np.ndarray:
-    u = u.astype(np.int64)
-    sign, mask = 1 << (bits - 1), (1 << bits) - 1
-    return np.where(u & sign, u ^ mask, u ^ sign)
-
-
-def _unkey(k: np.ndarray, bits: int) -> np.ndarray:
-    sign, mask = 1 << (bits - 1), (1 << bits) - 1
-    return np.where(k & sign, k ^ sign, mask - k)
-
-
-def momentum_chain(n: int, steps: int, *, bits: int = 16, rate: float = 0.03, seed: int = 0,
-                   udt=np.uint16) -> list[np.ndarray]:
-    """``steps + 1`` versions of ``n`` float bit patterns (bf16 / f16 by ``bits``): each version moves
-    a few percent of the elements by a few ulps, an element that just moved again with probability
-    0.3 and mostly the same way."""
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(n) * 0.02).astype(np.float32)
-    if bits == 16 and udt == np.uint16:
-        v = (x.view(np.uint32) >> 16).astype(np.uint16)
-    else:
-        v = x.astype(np.float16).view(np.uint16)
-    out = [v]
-    last = np.zeros(n, np.int64)
-    for _ in range(steps):
-        again = (last != 0) & (rng.random(n) < 0.3)
-        fresh = (last == 0) & (rng.random(n) < rate)
-        d = np.where(rng.random(n) < 0.85, 1, rng.integers(2, 6, n))
-        d = np.where(again, np.sign(last) * np.where(rng.random(n) < 0.95, 1, -1) * d,
-                     np.where(fresh, np.where(rng.random(n) < 0.5, 1, -1) * d, 0))
-        k = _key(out[-1], bits)
-        nk = np.clip(k + d, 1, (1 << bits) - 2)
-        new = _unkey(nk, bits).astype(udt)
-        last = np.where(new != out[-1], d, 0)
-        out.append(new)
-    return out
 
 
 def _moves(dt, a: np.ndarray, b: np.ndarray) -> H.Moves:
@@ -170,19 +131,7 @@ def test_history_ids_depend_on_every_state():
 
 
 def _chain_files(d, steps: int = 5, seed: int = 5) -> list[str]:
-    n = 3 * (1 << 19) + 1000  # three full segments and a short one
-    a = momentum_chain(n, steps, seed=seed)
-    b = momentum_chain(20_000, steps, seed=seed + 1)
-    paths = []
-    for i in range(steps + 1):
-        p = os.path.join(d, f"v{i}.safetensors")
-        safetensors.torch.save_file({
-            "w": torch.from_numpy(a[i].view(np.int16).copy()).view(torch.bfloat16),
-            "small": torch.from_numpy(b[i].view(np.int16).copy()).view(torch.bfloat16).reshape(100, 200),
-            "count": torch.tensor([i], dtype=torch.int64),
-        }, p)
-        paths.append(p)
-    return paths
+    return write_chain(d, steps, n=3 * (1 << 19) + 1000, seed=seed)  # three full segments and a short one
 
 
 def _encodings(path: str) -> dict[int, int]:

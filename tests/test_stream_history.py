@@ -16,12 +16,9 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
-import safetensors.torch
-import torch
+from _chains import write_chain
 from _pairs import sha
-from test_history import momentum_chain
 
 from deltarefit.codec import chunk as C
 from deltarefit.format import DeltaReader
@@ -36,19 +33,7 @@ from deltarefit.stream.subscriber import history_path
 def _files(d, steps: int, seed: int = 11) -> list[str]:
     """``steps`` checkpoints of a momentum-like chain: one full 1 MiB segment and a short one of bf16,
     a small bf16 matrix and a counter (so that every version differs)."""
-    a = momentum_chain((1 << 19) + 3000, steps - 1, seed=seed, rate=0.05)
-    b = momentum_chain(20_000, steps - 1, seed=seed + 1, rate=0.05)
-    os.makedirs(d, exist_ok=True)
-    paths = []
-    for i in range(steps):
-        p = os.path.join(d, f"c{i}.safetensors")
-        safetensors.torch.save_file({
-            "w": torch.from_numpy(a[i].view(np.int16).copy()).view(torch.bfloat16),
-            "small": torch.from_numpy(b[i].view(np.int16).copy()).view(torch.bfloat16).reshape(100, 200),
-            "count": torch.tensor([i], dtype=torch.int64),
-        }, p)
-        paths.append(p)
-    return paths
+    return write_chain(d, steps - 1, n=(1 << 19) + 3000, seed=seed, rate=0.05, prefix="c")
 
 
 def _pub(store: LocalStore, state: str, **kw) -> Publisher:
