@@ -39,7 +39,7 @@ from typing import Any
 
 from ...errors import DeltaRefitError, UsageError
 from ...fsutil import write_atomic
-from .pairs import _adamw_step, _model_path, _n_changed, _served_bf16
+from .pairs import _n_changed, _served_bf16, adamw_run
 
 log = logging.getLogger(__name__)
 
@@ -145,21 +145,13 @@ def make_adamw_chain(
     proj_dim: int = 16,
 ) -> Chain:
     """``n_versions`` consecutive AdamW steps of the pretrained MiniLM; see the module docstring."""
-    import torch
-    import transformers
 
     _check(n_versions, lr)
     t0 = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    model = transformers.AutoModel.from_pretrained(_model_path(), dtype=torch.float32)
-    model.train()
-    cfg = model.config
-    proj = torch.randn(cfg.hidden_size, proj_dim, generator=gen) / cfg.hidden_size**0.5
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    step = functools.partial(_adamw_step, model, opt, proj, gen, batch_size, seq_len)
+    model, step = adamw_run(lr, seed=seed, batch_size=batch_size, seq_len=seq_len, weight_decay=weight_decay,
+                            proj_dim=proj_dim)
     for i in range(steps_warmup):
         log.info("adamw lr %g warm-up step %d: loss %.4f", lr, i, step())
     saver = _Saver(out)

@@ -88,24 +88,14 @@ def make_adamw_pairs(
     proj_dim: int = 16,
 ) -> list[Pair]:
     """One (base, target) bf16 pair per learning rate; see the module docstring."""
-    import torch
-    import transformers
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = _model_path()
     pairs: list[Pair] = []
     for lr in lrs:
-        torch.manual_seed(seed)
-        gen = torch.Generator().manual_seed(seed)
-        model = transformers.AutoModel.from_pretrained(path, dtype=torch.float32)
-        model.train()
-        cfg = model.config
-        proj = torch.randn(cfg.hidden_size, proj_dim, generator=gen) / cfg.hidden_size**0.5
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-
-        step = functools.partial(_adamw_step, model, opt, proj, gen, batch_size, seq_len)
+        model, step = adamw_run(lr, seed=seed, batch_size=batch_size, seq_len=seq_len, weight_decay=weight_decay,
+                                proj_dim=proj_dim)
         for i in range(steps_warmup):
             log.info("lr %g warm-up step %d: loss %.4f", lr, i, step())
         base = _served_bf16(model)
@@ -119,6 +109,23 @@ def make_adamw_pairs(
         pairs.append(Pair(f"adamw-lr{lr:g}", str(bp), str(tp), total, changed / total))
         log.info("pair %s: %.3f%% of %d elements changed", pairs[-1].name, 100 * changed / total, total)
     return pairs
+
+
+def adamw_run(lr: float, *, seed: int, batch_size: int, seq_len: int, weight_decay: float,
+              proj_dim: int) -> tuple[Any, Any]:
+    """(model, step): the pretrained MiniLM in fp32 under ``torch.optim.AdamW``, and a call that takes
+    one step on the module docstring's loss (returning it). Seeds torch's global generator."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    model = transformers.AutoModel.from_pretrained(_model_path(), dtype=torch.float32)
+    model.train()
+    cfg = model.config
+    proj = torch.randn(cfg.hidden_size, proj_dim, generator=gen) / cfg.hidden_size**0.5
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    return model, functools.partial(_adamw_step, model, opt, proj, gen, batch_size, seq_len)
 
 
 def _n_changed(a: Any, b: Any) -> int:
