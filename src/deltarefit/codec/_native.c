@@ -1090,9 +1090,12 @@ typedef struct {
     int64_t cap;       /* entries out_pos and out_ctx hold (n_changed) */
 } posst_t;
 
-/* numba's countdown over elements [i, end) of any item size. */
-static inline __attribute__((always_inline)) void pos_scalar_t(posst_t *P, const uint8_t *base, int64_t i, int64_t end,
-                                                               int itemsize, unsigned shift, uint64_t cm)
+/* numba's countdown over elements [i, end) of any item size: element i's context is its exponent field,
+ * or with hist (encoding 5) cmap[(hist[i] & 127) * n_exp + exponent]. One loop for both: every caller
+ * passes hist as a constant or always the same pointer, so the test folds away where it is NULL. */
+static inline __attribute__((always_inline)) void pos_count_t(posst_t *P, const uint8_t *base, const uint8_t *hist,
+                                                              const int32_t *cmap, int64_t n_exp, int64_t i,
+                                                              int64_t end, int itemsize, unsigned shift, uint64_t cm)
 {
     /* The state in locals: stores through nxt could alias P's fields, and the compiler would reload them
      * for every element. */
@@ -1101,7 +1104,8 @@ static inline __attribute__((always_inline)) void pos_scalar_t(posst_t *P, const
     int32_t *const out_ctx = P->out_ctx;
     int64_t o = P->o, active = P->active;
     for (; i < end; i++) {
-        int64_t e = (int64_t)((load_u(base, i, itemsize) >> shift) & cm);
+        const int64_t x = (int64_t)((load_u(base, i, itemsize) >> shift) & cm);
+        const int64_t e = hist ? cmap[(int64_t)(hist[i] & 127) * n_exp + x] : x; /* hist: a constant at each use */
         int64_t c = nxt[e];
         nxt[e] = c - 1; /* unconditional: the rare change rewrites it */
         if (__builtin_expect(c == 0, 0)) {
@@ -1122,6 +1126,12 @@ static inline __attribute__((always_inline)) void pos_scalar_t(posst_t *P, const
     P->active = active;
 }
 
+/* numba's countdown over elements [i, end) of any item size (kernels.ulp_positions). */
+static inline __attribute__((always_inline)) void pos_scalar_t(posst_t *P, const uint8_t *base, int64_t i, int64_t end,
+                                                               int itemsize, unsigned shift, uint64_t cm)
+{
+    pos_count_t(P, base, NULL, NULL, 0, i, end, itemsize, shift, cm);
+}
 static __attribute__((noinline)) void pos_scalar(posst_t *P, const uint8_t *base, int64_t i, int64_t end, int itemsize, unsigned shift,
                        uint64_t cm)
 {
@@ -1722,31 +1732,9 @@ static inline __attribute__((always_inline)) void pos_hist_t(posst_t *P, const u
                                                              const int32_t *cmap, int64_t n_exp, int64_t n,
                                                              int itemsize, unsigned shift, uint64_t cm)
 {
-    int64_t *const nxt = P->nxt, *const ptr = P->ptr, *const out_pos = P->out_pos;
-    const int64_t *const gend = P->gend, *const granks = P->granks;
-    int32_t *const out_ctx = P->out_ctx;
-    int64_t o = P->o, active = P->active;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t e = cmap[(int64_t)(hist[i] & 127) * n_exp + (int64_t)((load_u(base, i, itemsize) >> shift) & cm)];
-        const int64_t c = nxt[e];
-        nxt[e] = c - 1;
-        if (__builtin_expect(c == 0, 0)) {
-            out_pos[o] = i;
-            out_ctx[o] = (int32_t)e;
-            o++;
-            int64_t p = ++ptr[e];
-            if (p < gend[e]) {
-                nxt[e] = granks[p] - granks[p - 1] - 1;
-            } else {
-                nxt[e] = DEC_HUGE;
-                if (--active == 0)
-                    break;
-            }
-        }
-    }
-    P->o = o;
-    P->active = active;
+    pos_count_t(P, base, hist, cmap, n_exp, 0, n, itemsize, shift, cm);
 }
+
 
 static __attribute__((noinline)) void pos_hist(posst_t *P, const uint8_t *base, const uint8_t *hist, const int32_t *cmap,
                                                int64_t n_exp, int64_t n, int itemsize, unsigned shift, uint64_t cm)
