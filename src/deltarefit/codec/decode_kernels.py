@@ -106,29 +106,8 @@ def ulp_groups_core(payload, n_changed, n, n_ctx, cstate, n_states, qdepth, gbeg
 def ulp_positions(base, ctx_shift, ctx_mask, n_ctx, gbeg, gend, granks, n_changed, out_pos, out_ctx):
     """Decoder, part 2 (on the host; a device does it with a sort): the position of each change, in
     position order, and its context. Returns 0, or -3 if a rank lies beyond its context's elements."""
-    cs = U64(ctx_shift)
-    cm = U64(ctx_mask)
-    # The r-th element of context e is the next change of group e. Each context counts down to its
-    # next change (never reaching zero again once its group is exhausted).
-    left = np.full(n_ctx, -1, np.int64)
-    ptr = gbeg.copy()
-    for e in range(n_ctx):
-        if gend[e] > gbeg[e]:
-            left[e] = granks[gbeg[e]] + 1
-    o = 0
-    for i in range(base.size):
-        e = np.int64((U64(base[i]) >> cs) & cm)
-        c = left[e] - 1
-        left[e] = c
-        if c == 0:
-            out_pos[o] = i
-            out_ctx[o] = e
-            o += 1
-            p = ptr[e] + 1
-            ptr[e] = p
-            if p < gend[e]:
-                left[e] = granks[p] - granks[p - 1]
-    return 0 if o == n_changed else -3
+    return positions_core(base, None, None, ctx_shift, ctx_mask, 0, n_ctx, gbeg, gend, granks, n_changed, out_pos,
+                          out_ctx, None)
 
 
 @njit(nogil=True, cache=True)
@@ -221,8 +200,20 @@ def hist_positions(base, hist, cmap, ctx_shift, ctx_mask, n_exp, n_ctx, gbeg, ge
     """``ulp_positions`` of encoding 5: element i's context is ``cmap[(hist[i] & 127) * n_exp +
     exponent]``; each change's sign flag (``hist[i] >> 7``) goes to ``out_flip``. Hazard: indexes its
     tables unchecked; ``hist_tables`` (which ``hist_decode`` runs first) must have passed."""
+    return positions_core(base, hist, cmap, ctx_shift, ctx_mask, n_exp, n_ctx, gbeg, gend, granks, n_changed, out_pos,
+                          out_ctx, out_flip)
+
+
+@njit(nogil=True, cache=True)
+def positions_core(base, hist, cmap, ctx_shift, ctx_mask, n_exp, n_ctx, gbeg, gend, granks, n_changed, out_pos,
+                   out_ctx, out_flip):
+    """The countdown of ``ulp_positions`` (``hist`` None: an element's context is its exponent field)
+    and ``hist_positions``. numba compiles a version per argument types and prunes the ``is None``
+    branches in each, so encoding 1's loop carries no history lookup."""
     cs = U64(ctx_shift)
     cm = U64(ctx_mask)
+    # The r-th element of context e is the next change of group e. Each context counts down to its
+    # next change (never reaching zero again once its group is exhausted).
     left = np.full(n_ctx, -1, np.int64)
     ptr = gbeg.copy()
     for e in range(n_ctx):
@@ -230,12 +221,18 @@ def hist_positions(base, hist, cmap, ctx_shift, ctx_mask, n_exp, n_ctx, gbeg, ge
             left[e] = granks[gbeg[e]] + 1
     o = 0
     for i in range(base.size):
-        hk = np.int64(hist[i])
-        e = np.int64(cmap[(hk & 127) * n_exp + np.int64((U64(base[i]) >> cs) & cm)])
+        x = np.int64((U64(base[i]) >> cs) & cm)
+        hk = 0
+        if hist is None:
+            e = x
+        else:
+            hk = np.int64(hist[i])
+            e = np.int64(cmap[(hk & 127) * n_exp + x])
         c = left[e] - 1
         left[e] = c
         if c == 0:
-            out_flip[o] = hk >> 7
+            if out_flip is not None:
+                out_flip[o] = hk >> 7
             out_pos[o] = i
             out_ctx[o] = e
             o += 1
