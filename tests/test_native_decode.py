@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+from _fuzz import mutate
 
 from deltarefit.codec import chunk as C
 from deltarefit.codec import kernels as K
@@ -249,28 +250,7 @@ def test_bit_flips_and_garbage_get_the_same_status_and_output(kernel):
     seen = {}
     for it in range(4000):
         dt, base, payload, m = PAYLOADS[it % len(PAYLOADS)]
-        b = bytearray(payload)
-        how = it % 6
-        if how <= 1:
-            for _ in range(1 + how * int(rng.integers(1, 6))):
-                k = int(rng.integers(len(b) * 8))
-                b[k // 8] ^= 1 << (k % 8)
-        elif how == 2:
-            k = int(rng.integers(4, len(b)))
-            b[k:] = rng.integers(0, 256, int(rng.integers(0, 2 * (len(b) - k) + 1)), dtype=np.uint8).tobytes()
-        elif how == 3:
-            size = int(rng.integers(0, 300))
-            rc_len = int(rng.integers(0, size + 2))
-            b = bytearray(rc_len.to_bytes(4, "little") + rng.integers(0, 256, size, dtype=np.uint8).tobytes())
-        elif how == 4:
-            k = int(rng.integers(len(b)))
-            b[k] = int(rng.integers(256))
-        else:  # the range-coded part kept, the raw part mostly zero bits: long unary runs and Elias gamma
-            # codes of 40 zeros or more, runs that reach past the end, streams that end mid-code
-            rc_end = 4 + int.from_bytes(b[:4], "little")
-            size = int(rng.integers(0, 2 * max(len(b) - rc_end, 1) + 8))
-            raw = np.where(rng.random(size) < 0.97, 0, rng.integers(0, 256, size)).astype(np.uint8)
-            b[rc_end:] = raw.tobytes()
+        b = mutate(rng, payload, it % 6)
         nc = m if it % 7 else int(rng.integers(-1, base.size + 2))
         st = _agree(dt, base, bytes(b), nc)
         seen[st] = seen.get(st, 0) + 1

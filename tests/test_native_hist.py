@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _fuzz import N_MUTATIONS, mutate
 from test_native_decode import _base, _guarded, _target  # (skips this module too where native is missing)
 
 from deltarefit.codec import chunk as C
@@ -212,28 +213,11 @@ def test_bit_flips_and_garbage_get_the_same_status_and_output():
     seen: dict[int, int] = {}
     for it in range(3000):
         dt, base, hist, payload, m = PAYLOADS[it % len(PAYLOADS)]
-        b = bytearray(payload)
         how = it % 7
-        if how <= 1:
-            for _ in range(1 + how * int(rng.integers(1, 6))):
-                k = int(rng.integers(len(b) * 8))
-                b[k // 8] ^= 1 << (k % 8)
-        elif how == 2:
-            k = int(rng.integers(4, len(b)))
-            b[k:] = rng.integers(0, 256, int(rng.integers(0, 2 * (len(b) - k) + 1)), dtype=np.uint8).tobytes()
-        elif how == 3:
-            size = int(rng.integers(0, 300))
-            rc_len = int(rng.integers(0, size + 2))
-            b = bytearray(rc_len.to_bytes(4, "little") + rng.integers(0, 256, size, dtype=np.uint8).tobytes())
-        elif how == 4:
-            k = int(rng.integers(len(b)))
-            b[k] = int(rng.integers(256))
-        elif how == 5:
-            rc_end = 4 + int.from_bytes(b[:4], "little")
-            size = int(rng.integers(0, 2 * max(len(b) - rc_end, 1) + 8))
-            raw = np.where(rng.random(size) < 0.97, 0, rng.integers(0, 256, size)).astype(np.uint8)
-            b[rc_end:] = raw.tobytes()
-        else:
+        if how < N_MUTATIONS:
+            b = mutate(rng, payload, how)
+        else:  # the payload kept, the history other than the one coded against (one element's state)
+            b = bytearray(payload)
             hist = hist.copy()
             k = int(rng.integers(hist.size))
             hist[k] = STATE_TABLE[int(rng.integers(27))]
