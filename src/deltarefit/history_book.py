@@ -8,7 +8,9 @@ Contract:
   the tensors it reset (added, replaced or removed: older moves do not apply to them). ``HEAD.json``
   names the newest ``DEPTH`` versions, newest first; the first is the book's *tip*, the fingerprint
   of the checkpoint whose history it holds.
-* Holding a book costs each version's changes, not the checkpoint: about a byte per change.
+* Holding a book costs each version's changes, not the checkpoint: about 3 bytes per change (u32
+  positions and a direction bit, zstd; 83 KB for the 26,196 changes of a MiB of the real AdamW
+  chain's bf16). Gap-coding the positions would bring that near one byte.
   Advancing it (``commit``) writes one moves file of the new version's changes and rewrites HEAD;
   the oldest moves file goes. Nothing is rewritten per refit in proportion to the model.
 * Crash safety: the moves file is written to a temporary name and renamed, then HEAD the same way.

@@ -33,7 +33,16 @@ import zstandard
 from ..dtypes import DType
 from ..errors import DecodeError, LimitError
 from .constants import KIND_FLOAT, KIND_INT, KIND_UINT, STATUS
-from .history import HIST_ID_BYTES, N_STATES, QDEPTH, History, Moves, context_map, directions
+from .history import (
+    HIST_ID_BYTES,
+    N_STATES,
+    QDEPTH,
+    History,
+    Moves,
+    context_map,
+    moves_of_changes,
+    moves_of_images,
+)
 
 
 class _Numba:
@@ -248,7 +257,7 @@ def encode_with_moves(dt: DType, base: np.ndarray, target: np.ndarray,
     # Both scans fill this thread's scratch arrays with the changes in position order.
     pos, _, _, bvals, tvals = _scan_buffers(n, base.dtype, True)
     m = got.n_changed
-    moves = Moves(n, pos[:m].astype(np.int64), directions(dt, bvals[:m], tvals[:m]))
+    moves = moves_of_changes(dt, n, pos[:m], bvals[:m], tvals[:m])
     if history is None or history.m == 0:
         return got, moves
     hist = encode_hist(dt, base, target, history)
@@ -258,11 +267,10 @@ def encode_with_moves(dt: DType, base: np.ndarray, target: np.ndarray,
 def moves_of_patch(dt: DType, base: np.ndarray, patch: Patch) -> Moves:
     """A decoded chunk's moves (its changes and their directions) against its base (uint view)."""
     if patch.dense is not None:
-        pos = np.flatnonzero(patch.dense != base)
-        return Moves(base.size, pos, directions(dt, base[pos], patch.dense[pos]))
+        return moves_of_images(dt, base, patch.dense)
     if patch.positions is None or not patch.positions.size:
         return Moves(base.size, np.empty(0, np.int64), np.empty(0, np.bool_))
-    return Moves(base.size, patch.positions, directions(dt, base[patch.positions], patch.values))
+    return moves_of_changes(dt, base.size, patch.positions, base[patch.positions], patch.values)
 
 
 def encode_hist(dt: DType, base: np.ndarray, target: np.ndarray, history: History) -> EncodedChunk | None:

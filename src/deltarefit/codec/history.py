@@ -188,7 +188,7 @@ def _key(dt: DType, v: np.ndarray) -> np.ndarray:
 def moves_of_changes(dt: DType, n: int, pos: np.ndarray, bvals: np.ndarray, tvals: np.ndarray) -> Moves:
     """A version's moves in a chunk of ``n`` elements: its changed positions (ascending) and their base
     and target bits."""
-    return Moves(n, np.asarray(pos, np.int64).copy(), directions(dt, bvals, tvals))
+    return Moves(n, np.array(pos, np.int64), directions(dt, bvals, tvals))  # a copy: pos may be scratch
 
 
 def moves_of_images(dt: DType, base: np.ndarray, target: np.ndarray) -> Moves:
