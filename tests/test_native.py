@@ -242,3 +242,40 @@ def test_the_additive_digest_is_native_and_importing_it_loads_no_numba(simd):
             "print('numba' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
+def test_elements_at_positions_agree_with_numpy_and_refuse_a_bad_position_unwritten(simd, native, monkeypatch):
+    """``elements.put`` / ``equal_at`` and ``shard.digest.move`` (the per-chunk element work of an apply,
+    native without the GIL): numpy's results on every item size and block boundary of the digest move, on
+    the native kernels and on the numpy fallback; a position outside the array (one past the end, or
+    negative, which numpy would wrap) raises IndexError with nothing written."""
+    from deltarefit import elements
+    from deltarefit.shard import digest
+
+    monkeypatch.setattr(C, "USE_NATIVE", native)
+    rng = np.random.default_rng(11)
+    seed = digest.seeds("t", "BF16", (9,))
+    for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
+        for m in (0, 1, 255, 256, 257, 700):
+            view = rng.integers(0, np.iinfo(dt).max, 1000, dtype=dt, endpoint=True)
+            pos = np.sort(rng.choice(view.size, m, replace=False)).astype(np.int64)
+            new = rng.integers(0, np.iinfo(dt).max, m, dtype=dt, endpoint=True)
+            want = digest.change(seed, pos + 2**33, view[pos], new)
+            np.testing.assert_array_equal(digest.move(seed, 2**33, view, pos, new), want)
+            assert elements.equal_at(view, pos, view[pos].copy())
+            assert elements.equal_at(view, pos, new) == bool(np.array_equal(view[pos], new))
+            ref = view.copy()
+            ref[pos] = new
+            elements.put(view, pos, new)
+            np.testing.assert_array_equal(view, ref)
+            assert elements.equal_at(view, pos, new)
+        for bad in (view.size, -1):
+            pos = np.array([3, bad], np.int64)
+            vals = np.ones(2, dt)
+            before = view.copy()
+            for call, args in ((elements.put, (view, pos, vals)), (elements.equal_at, (view, pos, vals)),
+                               (digest.move, (seed, 0, view, pos, vals))):
+                with pytest.raises(IndexError):
+                    call(*args)
+            np.testing.assert_array_equal(view, before)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import regions
+from . import elements, regions
 from .codec.chunk import moves_of_patch
 from .dtypes import dtype
 from .encode import default_threads, uint_view
@@ -385,7 +385,7 @@ class Applier(HeldPlans):
             region = (self.segs.write_own if c.own else self.segs.write_segment)(e.name, r.chunk_index, region, view,
                                                                                  patch)
             if tp.state == "held":  # O(changed elements): what was written is read back
-                if not np.array_equal(self._view(region, e.base.dtype)[pos], new):
+                if not elements.equal_at(self._view(region, e.base.dtype), pos, new):
                     raise VerificationError(f"{_where(e, r)}: changed elements read back differ from the patch "
                                             "after writing")
             elif self._read_back:

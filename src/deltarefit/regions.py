@@ -9,6 +9,7 @@ from typing import Protocol
 
 import numpy as np
 
+from . import elements
 from .codec.chunk import ULP_HIST, Patch, decode_chunk, decode_new, scratch_array
 from .dtypes import dtype
 from .encode import uint_view
@@ -124,7 +125,7 @@ def _patched_copy(view: np.ndarray, patch: Patch) -> np.ndarray:
         return img
     img[:] = view
     if patch.positions is not None and patch.positions.size:
-        img[patch.positions] = patch.values
+        elements.put(img, patch.positions, patch.values)
     return img
 
 
@@ -134,7 +135,7 @@ def _moved(e: TensorEntry, r: ChunkRecord, view: np.ndarray, pos: np.ndarray, ne
     from .shard import digest as additive
 
     seed = additive.seeds(e.name, e.base.dtype, e.base.shape)
-    return additive.change(seed, pos + r.chunk_index * (SEGMENT_BYTES // view.itemsize), view[pos], new)
+    return additive.move(seed, r.chunk_index * (SEGMENT_BYTES // view.itemsize), view, pos, new)
 
 
 def _post_image(seg: np.ndarray, patch: Patch) -> np.ndarray:

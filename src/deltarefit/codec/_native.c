@@ -2410,10 +2410,230 @@ static PyObject *py_digest(PyObject *self, PyObject *args)
     return Py_BuildValue("(KK)", (unsigned long long)out[0], (unsigned long long)out[1]);
 }
 
+/* ------------------------------------------------------------------------------------------------
+ * Elements at positions: put(dst, pos, vals, itemsize), equal_at(view, pos, vals, itemsize) and
+ * digest_move(view, pos, new, itemsize, start, s0, s1).
+ *
+ * The per-chunk element work of an apply (the scatter of a patch, the read-back of what it wrote, how
+ * its changes move a tensor's additive digest) with the GIL released: numpy's fancy indexing holds it,
+ * so apply threads took turns. Every position is checked against the array first; one out of range
+ * raises IndexError with nothing written (positions come from a checked decode, so that is a bug).
+ * ------------------------------------------------------------------------------------------------ */
+
+static int pos_in_range(const int64_t *pos, Py_ssize_t m, Py_ssize_t n)
+{
+    uint64_t bad = 0;
+    for (Py_ssize_t j = 0; j < m; j++)
+        bad |= (uint64_t)pos[j] >= (uint64_t)n; /* a negative one too */
+    return !bad;
+}
+
+/* The three arrays of an element call: view/dst (itemsize elements), pos (int64, m), vals (m elements). */
+static int elem_bufs(PyObject *ov, PyObject *op, PyObject *ox, int itemsize, int writable, Py_buffer *bv,
+                     Py_buffer *bp, Py_buffer *bx, Py_ssize_t *n, Py_ssize_t *m, const char *what)
+{
+    if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) {
+        PyErr_Format(PyExc_ValueError, "%s: itemsize must be 1, 2, 4 or 8", what);
+        return -1;
+    }
+    if (get_buf(ov, bv, writable, 0, 1, "view") < 0)
+        return -1;
+    if (get_buf(op, bp, 0, 0, 8, "pos") < 0) {
+        PyBuffer_Release(bv);
+        return -1;
+    }
+    *n = bv->len / itemsize;
+    *m = bp->len / 8;
+    if (get_buf(ox, bx, 0, *m * itemsize, 1, "vals") < 0) {
+        PyBuffer_Release(bv);
+        PyBuffer_Release(bp);
+        return -1;
+    }
+    if (bv->len % itemsize || bp->len % 8 || bx->len != *m * itemsize) {
+        PyBuffer_Release(bv);
+        PyBuffer_Release(bp);
+        PyBuffer_Release(bx);
+        PyErr_Format(PyExc_ValueError, "%s: arrays are not whole elements, or vals is not one per position", what);
+        return -1;
+    }
+    return 0;
+}
+
+static void elem_release(Py_buffer *bv, Py_buffer *bp, Py_buffer *bx)
+{
+    PyBuffer_Release(bv);
+    PyBuffer_Release(bp);
+    PyBuffer_Release(bx);
+}
+
+#define ELEM_SWITCH(...)                                                                               \
+    switch (itemsize) {                                                                                \
+    case 1: { typedef uint8_t T; __VA_ARGS__ } break;                                                         \
+    case 2: { typedef uint16_t T; __VA_ARGS__ } break;                                                        \
+    case 4: { typedef uint32_t T; __VA_ARGS__ } break;                                                        \
+    default: { typedef uint64_t T; __VA_ARGS__ } break;                                                       \
+    }
+
+static PyObject *py_put(PyObject *self, PyObject *args)
+{
+    PyObject *ov, *op, *ox;
+    int itemsize;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOi", &ov, &op, &ox, &itemsize))
+        return NULL;
+    Py_buffer bv, bp, bx;
+    Py_ssize_t n, m;
+    if (elem_bufs(ov, op, ox, itemsize, 1, &bv, &bp, &bx, &n, &m, "put") < 0)
+        return NULL;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    const int64_t *pos = bp.buf;
+    ok = pos_in_range(pos, m, n);
+    if (ok) {
+        char *dst = bv.buf;
+        const char *src = bx.buf;
+        ELEM_SWITCH(for (Py_ssize_t j = 0; j < m; j++) {
+            T v;
+            memcpy(&v, src + (size_t)j * sizeof(T), sizeof(T));
+            memcpy(dst + (size_t)pos[j] * sizeof(T), &v, sizeof(T));
+        })
+    }
+    Py_END_ALLOW_THREADS
+    elem_release(&bv, &bp, &bx);
+    if (!ok) {
+        PyErr_SetString(PyExc_IndexError, "put: a position is outside the array (nothing written)");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_equal_at(PyObject *self, PyObject *args)
+{
+    PyObject *ov, *op, *ox;
+    int itemsize;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOi", &ov, &op, &ox, &itemsize))
+        return NULL;
+    Py_buffer bv, bp, bx;
+    Py_ssize_t n, m;
+    if (elem_bufs(ov, op, ox, itemsize, 0, &bv, &bp, &bx, &n, &m, "equal_at") < 0)
+        return NULL;
+    int ok;
+    uint64_t diff = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const int64_t *pos = bp.buf;
+    ok = pos_in_range(pos, m, n);
+    if (ok) {
+        const char *view = bv.buf, *src = bx.buf;
+        ELEM_SWITCH(for (Py_ssize_t j = 0; j < m; j++) {
+            T a, b;
+            memcpy(&a, view + (size_t)pos[j] * sizeof(T), sizeof(T));
+            memcpy(&b, src + (size_t)j * sizeof(T), sizeof(T));
+            diff |= (uint64_t)(a ^ b);
+        })
+    }
+    Py_END_ALLOW_THREADS
+    elem_release(&bv, &bp, &bx);
+    if (!ok) {
+        PyErr_SetString(PyExc_IndexError, "equal_at: a position is outside the array");
+        return NULL;
+    }
+    return PyBool_FromLong(diff == 0);
+}
+
+/* digest_move's sums over one block: the old and new bits already gathered into words, so the loop has
+ * no gather and the compiler vectorizes it (the index mixes are shared by old and new). */
+#define MOVE_BLOCK 256
+#define MOVE_BODY                                                                                       \
+    uint64_t a0 = 0, a1 = 0;                                                                           \
+    for (Py_ssize_t j = 0; j < m; j++) {                                                               \
+        const uint64_t f = start + (uint64_t)pos[j];                                                   \
+        const uint64_t g0 = mix64(f ^ s0), g1 = mix64(f ^ s1);                                         \
+        const uint64_t bn = nw[j] * 0x9E3779B97F4A7C15ULL, bo = od[j] * 0x9E3779B97F4A7C15ULL;         \
+        a0 += mix64(g0 ^ bn) - mix64(g0 ^ bo);                                                         \
+        a1 += mix64(g1 ^ bn) - mix64(g1 ^ bo);                                                         \
+    }                                                                                                  \
+    out[0] += a0;                                                                                      \
+    out[1] += a1;
+
+static void move_sums(const int64_t *pos, const uint64_t *od, const uint64_t *nw, Py_ssize_t m, uint64_t start,
+                      uint64_t s0, uint64_t s1, uint64_t *out)
+{
+    MOVE_BODY
+}
+
+#if HAVE_AVX512_PATH
+__attribute__((target("avx512f,avx512dq,avx512vl,avx512bw")))
+static void move_sums_avx512(const int64_t *pos, const uint64_t *od, const uint64_t *nw, Py_ssize_t m,
+                             uint64_t start, uint64_t s0, uint64_t s1, uint64_t *out)
+{
+    MOVE_BODY
+}
+#endif
+#undef MOVE_BODY
+
+/* sum_j h(start + pos_j, new_j) - h(start + pos_j, view[pos_j]) per lane, h as in digest(). */
+static PyObject *py_digest_move(PyObject *self, PyObject *args)
+{
+    PyObject *ov, *op, *ox;
+    int itemsize;
+    long long start;
+    unsigned long long s0, s1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOiLKK", &ov, &op, &ox, &itemsize, &start, &s0, &s1))
+        return NULL;
+    Py_buffer bv, bp, bx;
+    Py_ssize_t n, m;
+    if (elem_bufs(ov, op, ox, itemsize, 0, &bv, &bp, &bx, &n, &m, "digest_move") < 0)
+        return NULL;
+    int ok;
+    uint64_t sums[2] = {0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    const int64_t *pos = bp.buf;
+    ok = pos_in_range(pos, m, n);
+#if HAVE_AVX512_PATH
+    const int wide = have_avx512() && __builtin_cpu_supports("avx512dq");
+#endif
+    uint64_t od[MOVE_BLOCK], nw[MOVE_BLOCK];
+    for (Py_ssize_t j0 = 0; ok && j0 < m; j0 += MOVE_BLOCK) {
+        const Py_ssize_t k = m - j0 < MOVE_BLOCK ? m - j0 : MOVE_BLOCK;
+        const char *view = bv.buf, *src = (const char *)bx.buf + (size_t)j0 * itemsize;
+        ELEM_SWITCH(for (Py_ssize_t j = 0; j < k; j++) {
+            T o, v;
+            memcpy(&o, view + (size_t)pos[j0 + j] * sizeof(T), sizeof(T));
+            memcpy(&v, src + (size_t)j * sizeof(T), sizeof(T));
+            od[j] = o;
+            nw[j] = v;
+        })
+#if HAVE_AVX512_PATH
+        if (wide)
+            move_sums_avx512(pos + j0, od, nw, k, (uint64_t)start, s0, s1, sums);
+        else
+#endif
+            move_sums(pos + j0, od, nw, k, (uint64_t)start, s0, s1, sums);
+    }
+    Py_END_ALLOW_THREADS
+    elem_release(&bv, &bp, &bx);
+    if (!ok) {
+        PyErr_SetString(PyExc_IndexError, "digest_move: a position is outside the array");
+        return NULL;
+    }
+    return Py_BuildValue("(KK)", (unsigned long long)sums[0], (unsigned long long)sums[1]);
+}
+#undef ELEM_SWITCH
+
 static PyMethodDef methods[] = {
     {"digest", py_digest, METH_VARARGS,
      "digest(flat, start, bits, itemsize, s0, s1) -> (a0, a1): shard.digest's additive sums of the elements "
      "``bits`` at checkpoint flat indices ``flat`` (int64), or start, start + 1, ... when flat is None."},
+    {"put", py_put, METH_VARARGS,
+     "put(dst, pos, vals, itemsize): dst[pos[j]] = vals[j] (pos int64, every one checked first: IndexError, nothing "
+     "written), without the GIL."},
+    {"equal_at", py_equal_at, METH_VARARGS,
+     "equal_at(view, pos, vals, itemsize) -> bool: whether view[pos[j]] == vals[j] for every j (positions checked)."},
+    {"digest_move", py_digest_move, METH_VARARGS,
+     "digest_move(view, pos, new, itemsize, start, s0, s1) -> (a0, a1): how digest()'s sums move when the elements "
+     "view[pos] at checkpoint flat indices start + pos become new (positions checked)."},
     {"scan16", py_scan16, METH_VARARGS,
      "scan16(base, target, shift, mask, n_ctx, pos, ectx, rank, bvals, tvals[, bits, kind, out]) -> m: "
      "kernels.ulp_scan for 16-bit elements; with out, also codes the changes: -> (m, nbytes), nbytes as "

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import elements
 from ..codec.chunk import Patch
 from ..dtypes import dtype as lookup_dtype
 from ..errors import UsageError
@@ -331,7 +332,7 @@ class LiveTarget:
             return None
         whole = self._whole_run(name, a, b, own)
         if whole is not None:  # one run of one CPU parameter holds the segment and nothing else does
-            whole[pos] = vals
+            elements.put(whole, pos, vals)
             return whole.view(np.uint8)
         ck = pos + a
         for pl, run in self._place[name]:
