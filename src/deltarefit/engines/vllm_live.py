@@ -47,6 +47,7 @@ import numpy as np
 
 from ..applier import run_apply
 from ..checkpoint import fingerprint_checkpoint, open_checkpoint
+from ..codec.chunk import Patch
 from ..errors import BaseMismatchError, UsageError, VerificationError
 from ..format import DeltaReader
 from ..integrity import fingerprint_from_digests
@@ -65,7 +66,7 @@ class MemoryJournal(Journal):
 
     def __init__(self) -> None:
         self.fp = b""
-        self._recs: dict[tuple[int, int], tuple[bytes, int, int, bytes]] = {}
+        self._recs: dict[tuple[int, int], tuple[bytes, Patch]] = {}
 
     def bind(self, target_fp: str) -> MemoryJournal:
         fp = bytes.fromhex(target_fp)
@@ -74,13 +75,22 @@ class MemoryJournal(Journal):
         return self
 
     def read(self) -> dict[tuple[int, int], tuple[bytes, int, int, bytes]]:
-        return dict(self._recs)
+        out = {}
+        for k, (post, patch) in self._recs.items():
+            if patch.dense is not None:
+                out[k] = (post, 1, patch.dense.size, patch.dense.tobytes())
+            else:
+                out[k] = (post, 0, patch.positions.size,
+                          patch.positions.astype("<u4").tobytes() + patch.values.tobytes())
+        return out
 
     def open_for_write(self, slots: int) -> None:
         pass
 
-    def write(self, slot: int, ti: int, ci: int, post: bytes, patch, pre: np.ndarray) -> None:
-        self._recs[(ti, ci)] = (post, *self.record(patch, pre))
+    def write(self, slot: int, ti: int, ci: int, post: bytes, patch: Patch, pre: np.ndarray) -> None:
+        # The patch itself, not a copy: its arrays are the decode's own, never changed after it (the
+        # applier drops its reference once written). Put in the journal's record form when read.
+        self._recs[(ti, ci)] = (post, patch)
 
     def remove(self) -> None:
         self._recs = {}
