@@ -303,3 +303,67 @@ def test_backend_refits_a_tensor_parallel_engine_in_place(tmp_path, monkeypatch)
     assert before != after and after == want
     for got_d, exp_d in zip(digests, want_digests, strict=True):
         assert sorted(k for k in exp_d if got_d.get(k) != exp_d[k]) == []
+
+
+def _adamw_chain(root: str, steps: int) -> list[str]:
+    """``steps + 1`` checkpoint directories: a random-init tiny Llama, then one AdamW step after another
+    (one optimizer, so its momentum carries from step to step), each served in bf16."""
+    import torch
+    from test_vllm import CONFIG, WORDS, build_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    dirs = []
+    for i in range(steps + 1):
+        if i:
+            ids = torch.randint(4, len(WORDS) + 4, (4, 32))
+            m(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        d = os.path.join(root, f"v{i}")
+        m.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
+        m.float()
+        build_tokenizer(d)
+        dirs.append(d)
+    return dirs
+
+
+@pytest.mark.slow
+def test_backend_follows_a_stream_coded_with_history_by_the_chain(tmp_path, monkeypatch):
+    """A stream published with history (``Publisher(history=True)``): the engine (one worker) keeps a
+    history book in its scratch and takes every version by the chain, its deltas decoded in place against
+    the book; weights and generations equal a fresh engine's on the last version."""
+    from deltarefit.engines.vllm import engine_digests
+    from deltarefit.engines.vllm_backend import LLMClient
+    from deltarefit.storage.local import LocalStore
+    from deltarefit.stream.publisher import Publisher
+    from deltarefit.stream.records import load_commit
+
+    monkeypatch.setenv("DELTAREFIT_TEST_NO_PREPACK", "1")
+    versions = _adamw_chain(str(tmp_path / "chain"), 4)
+    store = str(tmp_path / "store")
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=1000, keyframe_ratio=1000.0, history=True)
+    for ck in versions:
+        pub.publish(ck)
+    assert all(load_commit(LocalStore(store), v).history for v in range(2, len(versions) + 1))
+    llm = start(versions[0])
+    try:
+        client = LLMClient(llm)
+        client.init_weight_transfer_engine({"stream": store})
+        routes = []
+        for v in range(2, len(versions) + 1):
+            client.start_weight_update()
+            client.update_weights({"version": v})
+            client.finish_weight_update(str(v))
+            last = llm.collective_rpc(_last_update)[0]
+            routes.append((last["route"], [r["check"] for r in last["refits"]]))
+        after, digests = generate(llm), engine_digests(llm)[0]
+    finally:
+        stop_engine(llm)
+        gc.collect()
+    assert routes == [("chain", ["held digests"])] * (len(versions) - 1), routes
+    want, want_d = fresh(versions[-1])
+    assert after == want
+    assert sorted(k for k in want_d if digests.get(k) != want_d[k]) == []

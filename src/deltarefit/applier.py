@@ -156,11 +156,13 @@ class Applier(HeldPlans):
             raise UsageError("held digests need a target with host regions")
         self.held = held
         # A history book: ulp_hist chunks decode against it, and every decoded chunk's moves go to
-        # ``moves`` (host regions only: the moves come from the host patch and base).
+        # ``moves`` (host regions only: the moves come from the host patch and base; and one process:
+        # the segments of a collective target are decoded by different processes).
         self.moves = moves
         if history is not None or moves is not None:
-            if any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")) or held is not None:
-                raise UsageError("a history book needs a target with host regions and no held digests")
+            if any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")) or getattr(self.segs, "collective",
+                                                                                         False):
+                raise UsageError("a history book needs a target with host regions, held by one process")
             self._decode = functools.partial(regions._decode, history=history)
         # Host regions are confirmed after a write by comparing them with the post-image the plan hashed,
         # built again from the patch (FORMAT.md, "Applying", step 2); a target with its own region hooks

@@ -259,10 +259,7 @@ def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None,
             ck.flush()
         journal.remove()
         if history is not None and moves is not None:
-            for e in d.tensors:
-                if e.op in ("add", "remove", "replace"):
-                    moves.reset(e.name)
-            history.commit(d.target_fingerprint, moves, parent=d.base_fingerprint)
+            history.advance(d, moves)
     log.info("applied %s to %s: %d chunks (%d skipped, %d recovered), %d tensors added/removed/replaced in %.2f s",
              delta_path, checkpoint_path, rep.chunks_applied, rep.chunks_skipped, rep.chunks_recovered,
              len(rep.structural), rep.seconds)

@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .codec.chunk import moves_of_patch
+from .dtypes import dtype
 from .errors import BaseMismatchError, VerificationError
 from .format import ChunkRecord, TensorEntry
 from .plans import _ChunkPlan, _TensorPlan
@@ -29,6 +31,8 @@ class HeldPlans:
         from .shard import digest as additive
 
         if held == e.target.sum and held != e.base.sum:  # already at the target (a rerun)
+            if self.moves is not None:  # its moves are not known here
+                self.moves.incomplete = True
             return _TensorPlan(e, "held", chunks=[_ChunkPlan(r, "done") for r in self.d.chunks(e)],
                                sum=np.frombuffer(held, "<u8").astype(np.uint64))
         if held != e.base.sum:
@@ -41,6 +45,8 @@ class HeldPlans:
             patch = self._decode(self.d, e, r, view)
             if self.progress:
                 self.progress(_seg_len(e.base.nbytes, r.chunk_index))
+            if self.moves is not None:
+                self.moves.add(e.name, r.chunk_index, moves_of_patch(dtype(e.base.dtype), view, patch))
             return _ChunkPlan(r, "todo", patch, _moved(e, r, view, *_changes(patch, view)), own)
 
         total = np.frombuffer(held, "<u8").astype(np.uint64)

@@ -170,6 +170,14 @@ class HistoryBook:
             return None
         return History.from_moves(n, moves)
 
+    def advance(self, delta, rec: MovesRecorder, *, durable: bool = True) -> None:
+        """``commit`` after a verified apply of ``delta`` (a ``DeltaReader``) whose decodes ``rec``
+        recorded: the tensors it adds, removes or replaces start their history over."""
+        for e in delta.tensors:
+            if e.op in ("add", "remove", "replace"):
+                rec.reset(e.name)
+        self.commit(delta.target_fingerprint, rec, parent=delta.base_fingerprint, durable=durable)
+
     def commit(self, fingerprint: str, rec: MovesRecorder, *, parent: str | None, durable: bool = True) -> None:
         """Advance the book to the version ``fingerprint`` with that version's moves. ``parent``: the
         fingerprint the version was applied to; a book whose tip is another starts over from this

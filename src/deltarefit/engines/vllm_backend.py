@@ -92,6 +92,10 @@ class _EngineSubscriber(Subscriber):
         self.held = held
         self.stream_ident: str | None = None
         self.reports: list[Any] = []
+        # A single worker keeps a history book (in the scratch, beside its keyframe staging) and follows
+        # streams coded with history; a tensor-parallel group does not (its workers decode different
+        # segments), and takes the routes without history.
+        self.hook_keeps_book = live.keeps_history
 
     def current(self) -> tuple[int, str] | None:
         return self.held
@@ -133,10 +137,12 @@ class _EngineSubscriber(Subscriber):
             self.live.verify()
         return SyncReport(start, version, fp, "none", 0, [], time.perf_counter() - t0, verified=verify)
 
-    def _apply(self, delta_path: str) -> str:
-        rep = self.live.apply(delta_path)
+    def _apply(self, delta_path: str, history: Any = None) -> Any:
+        """The apply hook (``Subscriber.hook_keeps_book``): the report where the engine keeps a book, else
+        the fingerprint."""
+        rep = self.live.apply(delta_path, history=history)
         self.reports.append(rep)
-        return rep.target_fingerprint
+        return rep if self.hook_keeps_book else rep.target_fingerprint
 
     def _keyframe(self) -> None:
         self.live.reload_all(self.checkpoint)

@@ -50,6 +50,7 @@ from ..checkpoint import fingerprint_checkpoint, open_checkpoint
 from ..codec.chunk import Patch
 from ..errors import BaseMismatchError, UsageError, VerificationError
 from ..format import DeltaReader
+from ..history_book import HistoryBook, MovesRecorder
 from ..integrity import fingerprint_from_digests
 from ..journal import Journal
 from .capture import capture_layout
@@ -367,8 +368,16 @@ class LiveEngine:
             raise VerificationError(f"parameter {moved[0]!r} was replaced since the layout was captured; "
                                     "recreate the live engine")
 
-    def apply(self, delta_path: str) -> LiveRefitReport:
-        """Apply one delta in place (see the module docstring); rerun after any failure to complete it."""
+    @property
+    def keeps_history(self) -> bool:
+        """Whether ``apply`` takes a history book: where one process holds every segment it decodes (no
+        tensor-parallel group, whose processes decode different segments)."""
+        return not getattr(self.target, "collective", False)
+
+    def apply(self, delta_path: str, history: HistoryBook | None = None) -> LiveRefitReport:
+        """Apply one delta in place (see the module docstring); rerun after any failure to complete it.
+        ``history``: the book ``ulp_hist`` chunks decode against (``keeps_history`` engines only), advanced
+        once the apply is verified and the engine reloaded what it needed."""
         t0 = time.perf_counter()
         self._check_storages()
         with DeltaReader(delta_path) as d:
@@ -379,8 +388,10 @@ class LiveEngine:
             held = self.sums if self._sums_ok and d.base_fingerprint == self.fingerprint else None
             journal = self.journal.bind(d.target_fingerprint)
             try:
+                moves = MovesRecorder() if history is not None else None
                 with _affinity(self.cpus):
-                    rep = run_apply(d, self.target, journal=journal, threads=self.threads, held=held)
+                    rep = run_apply(d, self.target, journal=journal, threads=self.threads, held=held,
+                                    history=history, moves=moves)
             except BaseException:
                 if journal.read():  # a write began: held digests no longer describe the weights
                     self._sums_ok = False
@@ -397,6 +408,9 @@ class LiveEngine:
         self.journal.remove()
         to_reload = [n for n in changed if n in self.host]
         layers = self._reload(to_reload)
+        if history is not None and moves is not None:
+            # Not fsynced: the book describes weights in this process's memory, which no restart keeps.
+            history.advance(d, moves, durable=False)
         self.fingerprint = target_fp
         t1 = time.perf_counter()
         return LiveRefitReport(rep.target_fingerprint, rep.chunks_applied, rep.chunks_skipped, rep.chunks_recovered,

@@ -132,6 +132,13 @@ def history_path(checkpoint: str) -> str:
 
 
 class Subscriber:
+    # Whether ``apply_hook`` keeps the history book: it is then called as ``apply_hook(delta_path, book)``
+    # (``book``: the ``HistoryBook`` to decode against and advance once verified, or None) and returns
+    # the apply's report (``target_fingerprint``, ``chunks_skipped``, ``chunks_recovered``). A hook that
+    # does not (the default) is called with the path alone, returns the fingerprint, and the book
+    # starts over after it: such a subscriber takes no route through deltas coded with history.
+    hook_keeps_book = False
+
     def __init__(self, store: Store | str, checkpoint: str, *, subscriber_id: str | None = None,
                  public_key: str | None = None, threads: int | None = None,
                  apply_hook: Callable[[str], str] | None = None,
@@ -174,6 +181,10 @@ class Subscriber:
     def _files_identity(self) -> tuple:
         with open_checkpoint(self.checkpoint) as ck:
             return ck.identity()
+
+    def _keeps_book(self) -> bool:
+        """Whether this subscriber's applies decode against, and advance, its history book."""
+        return self.apply_hook is None or self.hook_keeps_book
 
     def _record(self, version: int, fp: str, identity: tuple | None = None) -> None:
         """Record ``version``; ``identity``: the checkpoint's files' identity, taken after the last write
@@ -282,7 +293,7 @@ class Subscriber:
         first = newest_keyframe(self._load, target) if cur is None else cur[0] + 1
         recs = {v: self._commit(v) for v in range(first, target + 1)}
         check_links(recs, cur, self.store.url, REPAIR_FIX)  # the chain links up, from what we hold
-        keeps_book = self.apply_hook is None
+        keeps_book = self._keeps_book()
         best = cheapest_route(self.store, cur, recs, book_follows=lambda: self._book_follows(cur),
                               keeps_book=keeps_book, or_none=cur is not None)
         if best is None:
@@ -393,7 +404,7 @@ class Subscriber:
             # a book that already holds the version (a kill after that, before the record) is not
             # needed: the rerun finds every chunk applied.
             book = None
-            if st.kind == "delta" and rec.history and self.apply_hook is None:
+            if st.kind == "delta" and rec.history and self._keeps_book():
                 book = open_book(self.book_path)
                 if book.tip == st.fingerprint:
                     book = None
@@ -404,7 +415,13 @@ class Subscriber:
                     if self.keyframe_hook is not None and got == st.fingerprint:
                         self.keyframe_hook()
                 elif self.apply_hook is not None and not (i == 0 and first_apply is not None):
-                    got = self.apply_hook(local[st.parts[0].key])
+                    if self.hook_keeps_book:
+                        rep = self.apply_hook(local[st.parts[0].key], book)
+                        got = rep.target_fingerprint
+                        if book is not None:
+                            settle(self.book_path, rep)
+                    else:
+                        got = self.apply_hook(local[st.parts[0].key])
                 else:
                     # apply verifies that the checkpoint reached the delta's own target fingerprint; the
                     # record must name that same fingerprint (an edited record must not be believed).
@@ -421,7 +438,7 @@ class Subscriber:
             if got != st.fingerprint:
                 raise StreamError(f"{self.checkpoint}: fingerprint after version {st.version} is {got[:16]}…, "
                                   f"expected {st.fingerprint[:16]}…")
-            if st.kind != "delta" or resets(rec) or self.apply_hook is not None:
+            if st.kind != "delta" or resets(rec) or not self._keeps_book():
                 start_over(self.book_path)  # a keyframe, a catch-up, a version without history: no history
             version, fp = st.version, st.fingerprint
             self._record(version, fp, self._files_identity())
