@@ -332,28 +332,34 @@ def _adamw_chain(root: str, steps: int) -> list[str]:
 
 @pytest.mark.slow
 def test_backend_follows_a_stream_coded_with_history_by_the_chain(tmp_path, monkeypatch):
-    """A stream published with history (``Publisher(history=True)``): the engine (one worker) keeps a
-    history book in its scratch and takes every version by the chain, its deltas decoded in place against
-    the book; weights and generations equal a fresh engine's on the last version."""
+    """A stream published with history (``Publisher(history=True)``). A rollout syncs a checkpoint
+    directory to version 3 (``Subscriber``: a book beside it) and starts an engine from it; the engine
+    (one worker) starts its own book from that one and takes every later version by the chain, its
+    deltas decoded in place against the book; weights and generations equal a fresh engine's on the
+    last version. (Without the rollout's book its first update would take the keyframe route.)"""
     from deltarefit.engines.vllm import engine_digests
     from deltarefit.engines.vllm_backend import LLMClient
     from deltarefit.storage.local import LocalStore
+    from deltarefit.stream import Subscriber
     from deltarefit.stream.publisher import Publisher
     from deltarefit.stream.records import load_commit
 
     monkeypatch.setenv("DELTAREFIT_TEST_NO_PREPACK", "1")
-    versions = _adamw_chain(str(tmp_path / "chain"), 4)
+    versions = _adamw_chain(str(tmp_path / "chain"), 5)
     store = str(tmp_path / "store")
     pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=1000, keyframe_ratio=1000.0, history=True)
     for ck in versions:
         pub.publish(ck)
     assert all(load_commit(LocalStore(store), v).history for v in range(2, len(versions) + 1))
-    llm = start(versions[0])
+    roll = str(tmp_path / "rollout")
+    shutil.copytree(versions[0], roll)  # config and tokenizer; the weights come from the stream
+    assert Subscriber(store, roll, subscriber_id="disk").sync(to_version=3).version == 3
+    llm = start(roll)
     try:
         client = LLMClient(llm)
         client.init_weight_transfer_engine({"stream": store})
         routes = []
-        for v in range(2, len(versions) + 1):
+        for v in range(4, len(versions) + 1):
             client.start_weight_update()
             client.update_weights({"version": v})
             client.finish_weight_update(str(v))
@@ -363,7 +369,7 @@ def test_backend_follows_a_stream_coded_with_history_by_the_chain(tmp_path, monk
     finally:
         stop_engine(llm)
         gc.collect()
-    assert routes == [("chain", ["held digests"])] * (len(versions) - 1), routes
+    assert routes == [("chain", ["held digests"])] * (len(versions) - 3), routes
     want, want_d = fresh(versions[-1])
     assert after == want
     assert sorted(k for k in want_d if digests.get(k) != want_d[k]) == []

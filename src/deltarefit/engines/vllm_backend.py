@@ -167,6 +167,23 @@ def held_version(store: Any, fingerprint: str, version: int | None) -> tuple[int
                       "from a version's checkpoint")
 
 
+def seed_book(sub: _EngineSubscriber, checkpoint: str) -> bool:
+    """Start the engine's history book from the one a rollout keeps beside the checkpoint the engine
+    loaded (``deltarefit sync`` of a stream published with ``--history``), so that the engine goes on by
+    the chain from its first update instead of taking a keyframe route. A copy only: whether it follows
+    the stream at the held version is checked before every route, a malformed one is started over,
+    and one that holds other moves is refused by name (the route falls back). Whether it was copied."""
+    import shutil
+
+    from ..stream.subscriber import history_path
+
+    src = history_path(checkpoint)
+    if not sub.hook_keeps_book or not os.path.isdir(src):
+        return False
+    shutil.copytree(src, sub.book_path, dirs_exist_ok=True)
+    return True
+
+
 class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, DeltaRefitUpdateInfo]):
     """vLLM worker side of the deltarefit backend (see the module docstring)."""
 
@@ -194,6 +211,7 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
         held = held_version(store, self.live.fingerprint, init_info.version)
         self.sub = _EngineSubscriber(store, self.live, held, public_key=init_info.verify_key,
                                      subscriber_id=init_info.subscriber_id)
+        seed_book(self.sub, ckpt)
         self.info = init_info
         log.info("deltarefit: engine at version %d of %s; %s", held[0], store.url,
                  {k: v for k, v in self.live.describe().items() if k in ("host_bytes", "seconds_init")})
