@@ -38,6 +38,7 @@ from .dtypes import DTYPES
 from .encode import default_threads
 from .errors import UsageError, VerificationError
 from .format import ChunkRecord, DeltaReader, TensorEntry
+from .history_book import HistoryBook, MovesRecorder
 from .integrity import (
     SEGMENT_BYTES,
     fingerprint_from_digests,
@@ -253,8 +254,9 @@ def _check_tensors(tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def _apply(delta_path: str, tensors: dict[str, torch.Tensor], *, threads: int | None,
-           allow_structural: bool) -> ApplyReport:
+           allow_structural: bool, history: HistoryBook | None = None) -> ApplyReport:
     _check_tensors(tensors)
+    moves = MovesRecorder() if history is not None else None
     with DeltaReader(delta_path) as d:
         if not allow_structural:
             _refuse_structural(d, tensors)
@@ -262,7 +264,8 @@ def _apply(delta_path: str, tensors: dict[str, torch.Tensor], *, threads: int | 
         target = _TorchTarget({n: t for n, t in tensors.items() if n not in drop_targets})
         view = _DeltaView(d, drop_entries) if drop_entries or drop_targets else d
         structural = _structural_for(tensors) if allow_structural else None
-        rep = run_apply(view, target, journal=None, threads=threads, structural=structural)
+        rep = run_apply(view, target, journal=None, threads=threads, structural=structural, history=history,
+                        moves=moves)
         if view is not d:
             # Every name the delta lists must hash to its target digest; the merged ones are re-hashed.
             digests = {e.name: e.target.digest for e in d.tensors if e.target is not None}
@@ -276,6 +279,8 @@ def _apply(delta_path: str, tensors: dict[str, torch.Tensor], *, threads: int | 
                 raise VerificationError(f"fingerprint after apply {fp[:16]}… is not the delta's target "
                                         f"{d.target_fingerprint[:16]}…")
             rep = dataclasses.replace(rep, target_fingerprint=fp)
+        if history is not None and moves is not None:
+            history.advance(d, moves)
     return rep
 
 
@@ -298,31 +303,35 @@ def _refuse_structural(d: DeltaReader, tensors: Mapping[str, torch.Tensor]) -> N
 
 
 def apply_to_tensors(delta_path: str, tensors: dict[str, torch.Tensor], *,
-                     threads: int | None = None) -> ApplyReport:
+                     threads: int | None = None, history: HistoryBook | None = None) -> ApplyReport:
     """Apply the delta in place into CPU torch tensors; ``tensors`` must be the delta's base.
 
     Existing tensors are written through views of their memory. Added and re-typed tensors are put into
     ``tensors`` as new tensors, removed ones are deleted from it. Wrong base, non-contiguous or non-CPU
     tensors are refused before any byte is written. Idempotent: applying again changes nothing.
+    ``history``: the tensors' history book (as ``deltarefit.apply``'s): ``ulp_hist`` chunks decode
+    against it (refused by name, nothing written, where it is not theirs), and it advances once the
+    apply is verified.
     """
     if not isinstance(tensors, dict):
         raise UsageError(f"tensors must be a dict of name -> torch.Tensor, got {type(tensors).__name__}")
-    return _apply(delta_path, tensors, threads=threads, allow_structural=True)
+    return _apply(delta_path, tensors, threads=threads, allow_structural=True, history=history)
 
 
-def apply_to_module(delta_path: str, module: torch.nn.Module, *, threads: int | None = None) -> ApplyReport:
+def apply_to_module(delta_path: str, module: torch.nn.Module, *, threads: int | None = None,
+                    history: HistoryBook | None = None) -> ApplyReport:
     """Apply the delta in place into a module's parameters and persistent buffers (``state_dict`` names).
 
     Tied weights are written once and verified under every name. Deltas that add, remove or re-type
     tensors are refused before any write, as are wrong bases and non-CPU or non-contiguous tensors.
-    Non-tensor ``state_dict`` entries (``_extra_state``) are ignored.
+    Non-tensor ``state_dict`` entries (``_extra_state``) are ignored. ``history``: as ``apply_to_tensors``.
     """
     if not isinstance(module, torch.nn.Module):
         raise UsageError(f"expected a torch.nn.Module, got {type(module).__name__}")
     with torch.no_grad():
         sd = module.state_dict(keep_vars=True)
         tensors = {n: v.detach() for n, v in sd.items() if isinstance(v, torch.Tensor)}
-        return _apply(delta_path, tensors, threads=threads, allow_structural=False)
+        return _apply(delta_path, tensors, threads=threads, allow_structural=False, history=history)
 
 
 # -------------------------------------------------------------------------------------- fingerprint
