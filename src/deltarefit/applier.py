@@ -159,7 +159,10 @@ class Applier(HeldPlans):
         # ``moves`` (host regions only: the moves come from the host patch and base; and one process:
         # the segments of a collective target are decoded by different processes).
         self.moves = moves
-        if history is not None or moves is not None:
+        # A target with region hooks that decodes against a book itself (``decodes_history``: it was
+        # given the book, and records each decoded chunk's moves into ``moves``).
+        self._target_moves = bool(getattr(self.segs, "decodes_history", False))
+        if (history is not None or moves is not None) and not self._target_moves:
             if any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")) or getattr(self.segs, "collective",
                                                                                          False):
                 raise UsageError("a history book needs a target with host regions, held by one process")
@@ -305,7 +308,7 @@ class Applier(HeldPlans):
                 if self._post_hash(view, patch) != r.post_hash:
                     raise VerificationError(f"{self.d.path}: {_where(e, r)}: decodes to bytes that miss the "
                                             "post-image hash (corrupt delta)")
-                if self.moves is not None:
+                if self.moves is not None and not self._target_moves:
                     self.moves.add(e.name, ci, moves_of_patch(dtype(e.base.dtype), view, patch))
                 return h, _ChunkPlan(r, "todo", patch)
             rec = self.recovered.get((ti, ci))

@@ -9,8 +9,8 @@ touches whole segments on the device and the host only what is compact:
   reference; on CPU tensors the host's BLAKE3 over a view of their memory), all segments of a tensor
   in one call for the plan; 16 bytes per MiB cross to the host;
 * decode: the ulp encoding in compact form (below); chunks of the other encodings (rare: dense or
-  non-float changes) are decoded on the host from a copy of their segment and reduced to the
-  positions they change;
+  non-float changes, and ``ulp_hist``, which decodes against the tensors' history book) are decoded
+  on the host from a copy of their segment and reduced to the positions they change;
 * post-image hash: the decoded values scattered into a device copy of the segment, hashed there;
 * write: only the patched positions are scattered into the tensor, and the segment (the storage
   itself) is hashed again on the device.
@@ -41,10 +41,12 @@ import torch
 
 from ..applier import ApplyReport, run_apply
 from ..codec import kernels as K
-from ..codec.chunk import ULP, _ctx, _kind, decode_chunk
+from ..codec.chunk import ULP, ULP_HIST, _ctx, _kind, decode_chunk
+from ..codec.history import moves_of_changes
 from ..dtypes import dtype
 from ..errors import DecodeError, UsageError
 from ..format import ChunkRecord, DeltaReader, TensorEntry
+from ..history_book import HistoryBook, MovesRecorder
 from ..integrity import SEGMENT_BYTES
 from ..torch_api import safetensors_dtype
 from . import scan as device_scan
@@ -85,8 +87,9 @@ def _context_perm(seg: torch.Tensor, dt, scan: str, lock: threading.Lock):
 
 
 def _decode_ulp(seg: torch.Tensor, dt, payload: bytes, m: int, where: str, scan: str,
-                lock: threading.Lock) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions, target bits) of one ulp chunk, decoded with the device holding the segment."""
+                lock: threading.Lock) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """(positions, target bits) of one ulp chunk, decoded with the device holding the segment, and on
+    the host the base and target bits there."""
     n = seg.numel()
     shift, mask, nctx = _ctx(dt)
     buf = np.frombuffer(payload, np.uint8)
@@ -116,26 +119,37 @@ def _decode_ulp(seg: torch.Tensor, dt, payload: bytes, m: int, where: str, scan:
         raise DecodeError(f"{where}: {K.STATUS.get(st, f'status {st}')}")
     val = np.empty(m, dt.uint)
     K.ulp_apply_deltas(base_at, np.arange(m, dtype=np.int64), neg, mag, dt.bits, _kind(dt), val)
-    return pos_d, _to_device_ints(val, dt.itemsize, dev)
+    return pos_d, _to_device_ints(val, dt.itemsize, dev), base_at, val
 
 
 def _decode(d: DeltaReader, e: TensorEntry, r: ChunkRecord, seg: torch.Tensor, scan: str,
-            lock: threading.Lock) -> DevicePatch:
+            lock: threading.Lock, history: HistoryBook | None = None,
+            moves: MovesRecorder | None = None) -> DevicePatch:
+    """A chunk decoded against its segment on the device. ``history``: the book ``ulp_hist`` chunks
+    decode against (on the host, from a copy of the segment, as the other rare encodings); ``moves``:
+    where the chunk's moves go."""
     dt = dtype(e.base.dtype)
     where = f"{d.path}: {_where(e, r)}"
     payload = d.read_payload(r, _where(e, r))
+    n = seg.numel()
     if r.encoding == ULP:
         if r.decoded_len != 0:  # decode_chunk's check, which the split ulp decode does not pass through
             raise DecodeError(f"{where}: ulp chunk declares a decoded length")
-        return DevicePatch(*_decode_ulp(seg, dt, payload, r.n_changed, where, _scan_mode(scan, seg.device),
-                                       lock))
+        pos_d, val_d, old, new = _decode_ulp(seg, dt, payload, r.n_changed, where, _scan_mode(scan, seg.device),
+                                             lock)
+        if moves is not None:
+            moves.add(e.name, r.chunk_index, moves_of_changes(dt, n, pos_d.cpu().numpy(), old, new))
+        return DevicePatch(pos_d, val_d)
     host = seg.cpu().numpy().view(dt.uint)  # rare encodings: decoded on the host from a copy
-    patch = decode_chunk(dt, host, r.encoding, payload, r.n_changed, r.decoded_len, where)
+    hist = history.history(e.name, r.chunk_index, n) if r.encoding == ULP_HIST and history is not None else None
+    patch = decode_chunk(dt, host, r.encoding, payload, r.n_changed, r.decoded_len, where, hist)
     if patch.dense is not None:
         pos = np.flatnonzero(patch.dense != host)
         val = patch.dense[pos]
     else:
         pos, val = patch.positions, patch.values
+    if moves is not None:
+        moves.add(e.name, r.chunk_index, moves_of_changes(dt, n, pos, host[pos], val))
     return DevicePatch(torch.from_numpy(pos.astype(np.int64)).to(seg.device),
                        _to_device_ints(val, dt.itemsize, seg.device))
 
@@ -148,10 +162,15 @@ class DeviceTensors:
     back by the next hash. ``impl`` picks the CUDA hash kernel ("auto", "triton", "torch").
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], impl: str = "auto", scan: str = "auto") -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], impl: str = "auto", scan: str = "auto",
+                 history: HistoryBook | None = None, moves: MovesRecorder | None = None) -> None:
         if scan not in _SCANS:
             raise UsageError(f"scan must be one of {', '.join(_SCANS)}, got {scan!r}")
         self.impl, self.scan = impl, scan
+        # The applier's history hooks: this target decodes ulp_hist chunks against ``history`` and
+        # records every decoded chunk's moves into ``moves`` itself (its regions are device tensors).
+        self.history, self.moves = history, moves
+        self.decodes_history = history is not None or moves is not None
         # Device hashes are taken one at a time: a Triton kernel compiles on its first launch, which is
         # not safe from several threads at once (the applier's pools), and one stream serializes them.
         self._device_lock = threading.Lock()
@@ -196,7 +215,7 @@ class DeviceTensors:
         return region  # already the dtype's integers
 
     def decode_region(self, d: DeltaReader, e: TensorEntry, r: ChunkRecord, view: torch.Tensor) -> DevicePatch:
-        return _decode(d, e, r, view, self.scan, self._device_lock)
+        return _decode(d, e, r, view, self.scan, self._device_lock, self.history, self.moves)
 
     def post_image_hash(self, view: torch.Tensor, patch: DevicePatch) -> bytes:
         img = view.clone()
@@ -212,12 +231,20 @@ def _refuse_structural(d: DeltaReader) -> None:
 
 
 def apply_to_device_tensors(delta_path: str, tensors: dict[str, torch.Tensor], *,
-                            impl: str = "auto", scan: str = "auto") -> ApplyReport:
+                            impl: str = "auto", scan: str = "auto", history: HistoryBook | None = None) -> ApplyReport:
     """Apply the delta in place into ``tensors`` (CUDA or CPU, contiguous; the delta's base, or partly
     applied by an interrupted call). Refuses, before any write, wrong bases and deltas that do not
     decode to their target; ends with the target fingerprint verified. ``impl`` picks the segment
     hash kernel on CUDA ("auto", "triton", "torch"); ``scan`` the rank-to-position map ("triton": the
-    kernels of ``gpu.scan``; "torch": a stable sort; "auto": Triton wherever it can run)."""
+    kernels of ``gpu.scan``; "torch": a stable sort; "auto": Triton wherever it can run).
+    ``history``: the tensors' history book (as ``deltarefit.apply``'s): ``ulp_hist`` chunks decode
+    against it on the host from a copy of their segment (refused by name, nothing written, where it is
+    not theirs), and it advances once the apply is verified."""
     with DeltaReader(delta_path) as d, torch.no_grad():
         _refuse_structural(d)
-        return run_apply(d, DeviceTensors(tensors, impl, scan), journal=None)
+        moves = MovesRecorder() if history is not None else None
+        rep = run_apply(d, DeviceTensors(tensors, impl, scan, history=history, moves=moves), journal=None,
+                        moves=moves)
+        if history is not None and moves is not None:
+            history.advance(d, moves)
+        return rep
