@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def _native_for(*arrays: np.ndarray):
-    """The native module when every array qualifies (C-contiguous; one item size; int64 positions at
-    index 1, aligned), else None."""
+def native_for(*arrays: np.ndarray):
+    """The native module when ``(view, pos, vals)`` qualify for its element calls (C-contiguous; one
+    unsigned or signed item size; aligned int64 positions), else None (the numpy fallback)."""
     from .codec import chunk
 
     if not chunk.USE_NATIVE or chunk._native is None or not hasattr(chunk._native, "put"):
@@ -30,23 +30,25 @@ def _native_for(*arrays: np.ndarray):
 
 def put(dst: np.ndarray, pos: np.ndarray, vals: np.ndarray) -> None:
     """``dst[pos] = vals``; every position checked before anything is written."""
-    nat = _native_for(dst, pos, vals)
+    nat = native_for(dst, pos, vals)
     if nat is not None:
         nat.put(dst, pos, vals, dst.dtype.itemsize)
         return
-    _check(pos, dst.size, "put")
+    check_positions(pos, dst.size, "put")
     dst[pos] = vals
 
 
 def equal_at(view: np.ndarray, pos: np.ndarray, vals: np.ndarray) -> bool:
     """Whether ``view[pos] == vals`` everywhere."""
-    nat = _native_for(view, pos, vals)
+    nat = native_for(view, pos, vals)
     if nat is not None:
         return bool(nat.equal_at(view, pos, vals, view.dtype.itemsize))
-    _check(pos, view.size, "equal_at")
+    check_positions(pos, view.size, "equal_at")
     return bool(np.array_equal(view[pos], vals))
 
 
-def _check(pos: np.ndarray, n: int, what: str) -> None:
-    if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= n):  # (numpy would wrap a negative one)
+def check_positions(pos: np.ndarray, n: int, what: str) -> None:
+    """``IndexError`` unless every position lies in ``[0, n)`` (the numpy paths' check; numpy itself would
+    wrap a negative one)."""
+    if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= n):
         raise IndexError(f"{what}: a position is outside the array (nothing written)")

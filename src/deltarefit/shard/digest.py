@@ -107,22 +107,14 @@ def move(seed: np.ndarray, start: int, view: np.ndarray, pos: np.ndarray, new: n
     """``change(seed, start + pos, view[pos], new)``: how the digest moves when the elements at ``pos`` of
     ``view`` (a flat unsigned array whose element 0 is checkpoint flat index ``start``) become ``new``.
     One native call without the GIL where it was built (no gathered copies), else ``change``."""
-    nat = _native_module() if _native() is not None else None
-    if (nat is not None and hasattr(nat, "digest_move") and pos.dtype == np.int64
-            and view.dtype.kind in "ui" and new.dtype.kind in "ui" and view.dtype.itemsize == new.dtype.itemsize
-            and view.flags.c_contiguous and pos.flags.c_contiguous and new.flags.c_contiguous
-            and pos.ctypes.data % 8 == 0):
+    from .. import elements
+
+    nat = elements.native_for(view, pos, new)
+    if nat is not None:
         a0, a1 = nat.digest_move(view, pos, new, view.dtype.itemsize, int(start), int(seed[0]), int(seed[1]))
         return np.array([a0, a1], np.uint64)
-    if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= view.size):
-        raise IndexError("digest_move: a position is outside the array")
+    elements.check_positions(pos, view.size, "digest_move")
     return change(seed, pos + start, view[pos], new)
-
-
-def _native_module():
-    from ..codec import chunk
-
-    return chunk._native
 
 
 def partial(seed: np.ndarray, flat: np.ndarray, bits: np.ndarray) -> np.ndarray:
