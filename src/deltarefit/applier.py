@@ -182,6 +182,12 @@ class Applier(HeldPlans):
         self._roles = getattr(self.segs, "chunk_roles", None) if self.collective else None
         self._own_pool: ThreadPoolExecutor | None = None
 
+    def _record_moves(self, e: TensorEntry, ci: int, view, patch) -> None:
+        """Record a chunk's moves, decoded in the plan against its base ``view`` (host regions), where a
+        book is kept and the target does not record them itself."""
+        if self.moves is not None and not self._target_moves:
+            self.moves.add(e.name, ci, moves_of_patch(dtype(e.base.dtype), view, patch))
+
     def _agreed(self, fn, *args):
         """``fn(*args)``; for a collective target, also the group's agreement that nobody failed."""
         if not self.collective:
@@ -308,8 +314,7 @@ class Applier(HeldPlans):
                 if self._post_hash(view, patch) != r.post_hash:
                     raise VerificationError(f"{self.d.path}: {_where(e, r)}: decodes to bytes that miss the "
                                             "post-image hash (corrupt delta)")
-                if self.moves is not None and not self._target_moves:
-                    self.moves.add(e.name, ci, moves_of_patch(dtype(e.base.dtype), view, patch))
+                self._record_moves(e, ci, view, patch)
                 return h, _ChunkPlan(r, "todo", patch)
             rec = self.recovered.get((ti, ci))
             if rec is not None and rec[0] == r.post_hash:  # a journal: host regions, read above

@@ -9,8 +9,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .codec.chunk import moves_of_patch
-from .dtypes import dtype
 from .errors import BaseMismatchError, VerificationError
 from .format import ChunkRecord, TensorEntry
 from .plans import _ChunkPlan, _TensorPlan
@@ -45,8 +43,7 @@ class HeldPlans:
             patch = self._decode(self.d, e, r, view)
             if self.progress:
                 self.progress(_seg_len(e.base.nbytes, r.chunk_index))
-            if self.moves is not None:
-                self.moves.add(e.name, r.chunk_index, moves_of_patch(dtype(e.base.dtype), view, patch))
+            self._record_moves(e, r.chunk_index, view, patch)
             return _ChunkPlan(r, "todo", patch, _moved(e, r, view, *_changes(patch, view)), own)
 
         total = np.frombuffer(held, "<u8").astype(np.uint64)
