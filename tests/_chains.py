@@ -5,6 +5,8 @@ way (as AdamW's steps do), written as real safetensors checkpoints."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import safetensors.torch
@@ -65,3 +67,30 @@ def write_chain(d, steps: int, *, n: int, seed: int, rate: float = 0.03, prefix:
         }, p)
         paths.append(p)
     return paths
+
+
+def encodings(delta_path: str) -> dict[int, int]:
+    """A delta file's chunk count per encoding id."""
+    from deltarefit.format import DeltaReader
+
+    out: dict[int, int] = {}
+    with DeltaReader(delta_path) as r:
+        for e in r.tensors:
+            for c in r.chunks(e):
+                out[c.encoding] = out.get(c.encoding, 0) + 1
+    return out
+
+
+def deltas_with_history(paths: list[str], d) -> Iterator[tuple[str, Any, int]]:
+    """Each step of the chain ``paths`` encoded as a trainer does with a history book (kept in ``d``,
+    advanced by each step's moves): (the delta's path, its ``EncodeReport``, its ``ulp_hist`` chunks)."""
+    from deltarefit.codec.chunk import ULP_HIST
+    from deltarefit.encode import encode
+    from deltarefit.history_book import HistoryBook
+
+    trainer = HistoryBook(os.path.join(d, "trainer.history"))
+    for i in range(1, len(paths)):
+        out = os.path.join(d, f"h{i}.delta")
+        rep = encode(paths[i - 1], paths[i], out, history=trainer, sums=True)
+        trainer.commit(rep.target_fingerprint, rep.moves, parent=rep.base_fingerprint)
+        yield out, rep, encodings(out).get(ULP_HIST, 0)

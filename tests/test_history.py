@@ -14,7 +14,7 @@ import shutil
 
 import numpy as np
 import pytest
-from _chains import momentum_chain, write_chain
+from _chains import encodings, momentum_chain, write_chain
 from _pairs import sha
 
 from deltarefit import apply as apply_mod
@@ -23,7 +23,6 @@ from deltarefit.codec import chunk as C
 from deltarefit.codec import history as H
 from deltarefit.dtypes import dtype
 from deltarefit.errors import DecodeError
-from deltarefit.format import DeltaReader
 from deltarefit.history_book import HistoryBook
 
 
@@ -134,15 +133,6 @@ def _chain_files(d, steps: int = 5, seed: int = 5) -> list[str]:
     return write_chain(d, steps, n=3 * (1 << 19) + 1000, seed=seed)  # three full segments and a short one
 
 
-def _encodings(path: str) -> dict[int, int]:
-    with DeltaReader(path) as r:
-        out: dict[int, int] = {}
-        for e in r.tensors:
-            for c in r.chunks(e):
-                out[c.encoding] = out.get(c.encoding, 0) + 1
-        return out
-
-
 def test_a_chain_through_books_stays_bit_exact_and_takes_the_history_coding(tmp_path):
     paths = _chain_files(tmp_path)
     trainer, rollout = HistoryBook(tmp_path / "tbook"), HistoryBook(tmp_path / "rbook")
@@ -158,7 +148,7 @@ def test_a_chain_through_books_stays_bit_exact_and_takes_the_history_coding(tmp_
         got = apply_mod.apply(out, ckpt, history=rollout)
         assert sha(ckpt) == sha(paths[i])
         assert got.target_fingerprint == rep.target_fingerprint == rollout.tip == trainer.tip
-        encs = _encodings(out)
+        encs = encodings(out)
         if i >= 2:
             assert encs.get(C.ULP_HIST, 0) > 0, encs
         assert rep.delta_bytes <= plain.delta_bytes
@@ -186,7 +176,7 @@ def test_a_rollout_without_the_history_refuses_and_writes_nothing(tmp_path):
     # history: refused too
     book = HistoryBook(tmp_path / "short")
     plain = encode_mod.encode(paths[1], paths[2], str(tmp_path / "plain.delta"))
-    assert C.ULP_HIST not in _encodings(plain.path)
+    assert C.ULP_HIST not in encodings(plain.path)
     apply_mod.apply(plain.path, str(shutil.copy(paths[1], tmp_path / "x.safetensors")), history=book)
     assert book.tip == plain.target_fingerprint
     with pytest.raises(DecodeError, match="this decoder holds"):
@@ -249,7 +239,7 @@ def test_the_cli_keeps_books_on_both_sides(tmp_path):
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         assert sha(ckpt) == sha(paths[i])
-    assert C.ULP_HIST in _encodings(out)
+    assert C.ULP_HIST in encodings(out)
     assert HistoryBook(tmp_path / "tb").versions() == HistoryBook(tmp_path / "rb").versions()
     # the same delta applied to a copy without the book: exit 3 (a malformed delta for this rollout), one line
     other = str(shutil.copy(paths[2], tmp_path / "o.safetensors"))

@@ -17,11 +17,10 @@ import sys
 import textwrap
 
 import pytest
-from _chains import write_chain
+from _chains import encodings, write_chain
 from _pairs import sha
 
 from deltarefit.codec import chunk as C
-from deltarefit.format import DeltaReader
 from deltarefit.history_book import HistoryBook, MovesRecorder
 from deltarefit.storage import LocalStore
 from deltarefit.stream import Publisher, Subscriber
@@ -44,12 +43,7 @@ def _pub(store: LocalStore, state: str, **kw) -> Publisher:
 
 def _delta_encodings(store: LocalStore, version: int) -> dict[int, int]:
     rec = load_commit(store, version)
-    out: dict[int, int] = {}
-    with DeltaReader(os.path.join(store.url, *rec.delta.key.split("/"))) as r:
-        for e in r.tensors:
-            for c in r.chunks(e):
-                out[c.encoding] = out.get(c.encoding, 0) + 1
-    return out
+    return encodings(os.path.join(store.url, *rec.delta.key.split("/")))
 
 
 def _lineage_of(store: LocalStore, version: int):
