@@ -2468,28 +2468,30 @@ static void elem_release(Py_buffer *bv, Py_buffer *bp, Py_buffer *bx)
 
 #define ELEM_SWITCH(...)                                                                               \
     switch (itemsize) {                                                                                \
-    case 1: { typedef uint8_t T; __VA_ARGS__ } break;                                                         \
-    case 2: { typedef uint16_t T; __VA_ARGS__ } break;                                                        \
-    case 4: { typedef uint32_t T; __VA_ARGS__ } break;                                                        \
-    default: { typedef uint64_t T; __VA_ARGS__ } break;                                                       \
+    case 1: { typedef uint8_t T; __VA_ARGS__ } break;                                                  \
+    case 2: { typedef uint16_t T; __VA_ARGS__ } break;                                                 \
+    case 4: { typedef uint32_t T; __VA_ARGS__ } break;                                                 \
+    default: { typedef uint64_t T; __VA_ARGS__ } break;                                                \
     }
 
-static PyObject *py_put(PyObject *self, PyObject *args)
+/* put (writable view: dst[pos[j]] = vals[j]) and equal_at (view[pos[j]] == vals[j] for all j): one
+ * argument parse, one range check, one release. Returns the bool for equal_at, None for put. */
+static PyObject *elem_call(PyObject *args, int put, const char *what, const char *range_msg)
 {
     PyObject *ov, *op, *ox;
     int itemsize;
-    (void)self;
     if (!PyArg_ParseTuple(args, "OOOi", &ov, &op, &ox, &itemsize))
         return NULL;
     Py_buffer bv, bp, bx;
     Py_ssize_t n, m;
-    if (elem_bufs(ov, op, ox, itemsize, 1, &bv, &bp, &bx, &n, &m, "put") < 0)
+    if (elem_bufs(ov, op, ox, itemsize, put, &bv, &bp, &bx, &n, &m, what) < 0)
         return NULL;
     int ok;
+    uint64_t diff = 0;
     Py_BEGIN_ALLOW_THREADS
     const int64_t *pos = bp.buf;
     ok = pos_in_range(pos, m, n);
-    if (ok) {
+    if (ok && put) {
         char *dst = bv.buf;
         const char *src = bx.buf;
         ELEM_SWITCH(for (Py_ssize_t j = 0; j < m; j++) {
@@ -2497,48 +2499,36 @@ static PyObject *py_put(PyObject *self, PyObject *args)
             memcpy(&v, src + (size_t)j * sizeof(T), sizeof(T));
             memcpy(dst + (size_t)pos[j] * sizeof(T), &v, sizeof(T));
         })
-    }
-    Py_END_ALLOW_THREADS
-    elem_release(&bv, &bp, &bx);
-    if (!ok) {
-        PyErr_SetString(PyExc_IndexError, "put: a position is outside the array (nothing written)");
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_equal_at(PyObject *self, PyObject *args)
-{
-    PyObject *ov, *op, *ox;
-    int itemsize;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "OOOi", &ov, &op, &ox, &itemsize))
-        return NULL;
-    Py_buffer bv, bp, bx;
-    Py_ssize_t n, m;
-    if (elem_bufs(ov, op, ox, itemsize, 0, &bv, &bp, &bx, &n, &m, "equal_at") < 0)
-        return NULL;
-    int ok;
-    uint64_t diff = 0;
-    Py_BEGIN_ALLOW_THREADS
-    const int64_t *pos = bp.buf;
-    ok = pos_in_range(pos, m, n);
-    if (ok) {
+    } else if (ok) {
         const char *view = bv.buf, *src = bx.buf;
         ELEM_SWITCH(for (Py_ssize_t j = 0; j < m; j++) {
-            T a, b;
-            memcpy(&a, view + (size_t)pos[j] * sizeof(T), sizeof(T));
-            memcpy(&b, src + (size_t)j * sizeof(T), sizeof(T));
-            diff |= (uint64_t)(a ^ b);
+            T x, y;
+            memcpy(&x, view + (size_t)pos[j] * sizeof(T), sizeof(T));
+            memcpy(&y, src + (size_t)j * sizeof(T), sizeof(T));
+            diff |= (uint64_t)(x ^ y);
         })
     }
     Py_END_ALLOW_THREADS
     elem_release(&bv, &bp, &bx);
     if (!ok) {
-        PyErr_SetString(PyExc_IndexError, "equal_at: a position is outside the array");
+        PyErr_SetString(PyExc_IndexError, range_msg);
         return NULL;
     }
+    if (put)
+        Py_RETURN_NONE;
     return PyBool_FromLong(diff == 0);
+}
+
+static PyObject *py_put(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return elem_call(args, 1, "put", "put: a position is outside the array (nothing written)");
+}
+
+static PyObject *py_equal_at(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return elem_call(args, 0, "equal_at", "equal_at: a position is outside the array");
 }
 
 /* digest_move's sums over one block: the old and new bits already gathered into words, so the loop has
