@@ -14,7 +14,7 @@ import shutil
 
 import numpy as np
 import pytest
-from _chains import encodings, momentum_chain, write_chain
+from _chains import deltas_with_history, encodings, momentum_chain, write_chain
 from _pairs import sha
 
 from deltarefit import apply as apply_mod
@@ -159,13 +159,7 @@ def test_a_chain_through_books_stays_bit_exact_and_takes_the_history_coding(tmp_
 
 def test_a_rollout_without_the_history_refuses_and_writes_nothing(tmp_path):
     paths = _chain_files(tmp_path, steps=3)
-    trainer = HistoryBook(tmp_path / "tbook")
-    deltas = []
-    for i in range(1, len(paths)):
-        out = str(tmp_path / f"d{i}.delta")
-        rep = encode_mod.encode(paths[i - 1], paths[i], out, history=trainer)
-        trainer.commit(rep.target_fingerprint, rep.moves, parent=rep.base_fingerprint)
-        deltas.append(out)
+    deltas = [out for out, _, _ in deltas_with_history(paths, str(tmp_path))]
     ckpt = str(tmp_path / "late.safetensors")
     shutil.copy(paths[2], ckpt)  # a late joiner at version 2, with no book
     before = sha(ckpt)
@@ -186,14 +180,9 @@ def test_a_rollout_without_the_history_refuses_and_writes_nothing(tmp_path):
 
 def test_a_rerun_of_a_finished_apply_starts_the_book_over(tmp_path):
     paths = _chain_files(tmp_path, steps=3)
-    trainer, rollout = HistoryBook(tmp_path / "tbook"), HistoryBook(tmp_path / "rbook")
+    rollout = HistoryBook(tmp_path / "rbook")
     ckpt = str(shutil.copy(paths[0], tmp_path / "r.safetensors"))
-    deltas = []
-    for i in range(1, len(paths)):
-        out = str(tmp_path / f"d{i}.delta")
-        rep = encode_mod.encode(paths[i - 1], paths[i], out, history=trainer)
-        trainer.commit(rep.target_fingerprint, rep.moves, parent=rep.base_fingerprint)
-        deltas.append(out)
+    deltas = [out for out, _, _ in deltas_with_history(paths, str(tmp_path))]
     apply_mod.apply(deltas[0], ckpt, history=rollout)
     apply_mod.apply(deltas[1], ckpt, history=rollout)
     assert len(rollout.versions()) == 2
