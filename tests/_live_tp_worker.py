@@ -4,7 +4,9 @@ through a collective LiveTarget over a real gloo group on loopback.
 
 argv[1] is a JSON object: rank, world, port, base (checkpoint dir), delta, out (where to save the
 parameters after), and optionally ``corrupt`` (this rank flips one bit of its norm first). Prints one JSON
-line: {"ok": true, ...} or {"error": class name, "message": ...}.
+line: {"ok": true, ...} or {"error": class name, "message": ...}. With ``held``, the apply is checked by held
+digests; ``cache`` (bytes) bounds the patches kept from plan to write; ``fail_split`` n and ``fail_rank``
+r make rank r's write of its n-th split chunk fail once, and the apply is then run again.
 """
 
 import datetime
@@ -66,21 +68,45 @@ shared = {n for i, n in enumerate(names) if least[i] != ck[n].numel()}
 live = group.target(params, {n: lay.placements.get(n, []) for n in names},
                     {n: ("BF16", tuple(ck[n].shape)) for n in names}, shared)
 before = {n: p.detach().clone() for n, p in params.items()}
+first = None  # the first apply's failure, where it was made to fail and then run again
 try:
     if a.get("held"):  # held digests, taken as LiveEngine takes them (a collective pass for shared tensors)
         from deltarefit.apply import run_apply
         from deltarefit.engines.live import TargetUnion, state_through
+        from deltarefit.engines.vllm_live import MemoryJournal
         from deltarefit.format import DeltaReader
         from deltarefit.torch_api import _TorchTarget
 
         union = TargetUnion(live, _TorchTarget({}))  # as LiveEngine holds it: live placements beside host copies
         sums = {n: state_through(union, n)[1] for n in names}
+        journal = MemoryJournal()
+        if a.get("fail_split") is not None:  # this rank fails its write of the n-th split chunk, once
+            calls, real = [0], live.write_split
+
+            def failing(*args):
+                calls[0] += 1
+                if rank == a["fail_rank"] and calls[0] == a["fail_split"]:
+                    raise OSError("injected failure mid-write")
+                return real(*args)
+
+            live.write_split = failing
         with DeltaReader(a["delta"]) as d:
-            rep = run_apply(d, union, journal=None, threads=2, held=sums)
+            try:
+                rep = run_apply(d, union, journal=journal.bind(d.target_fingerprint), threads=2, held=sums,
+                                cache_bytes=a.get("cache", 512 << 20))
+            except (OSError, DeltaRefitError) as e:
+                if a.get("fail_split") is None:
+                    raise
+                # the rerun, as LiveEngine does it after a failed write: segment by segment, every chunk
+                # written before the failure found at its post-image, a torn one restored from the journal
+                live.write_split = real
+                first = f"{type(e).__name__}: {e}"
+                rep = run_apply(d, union, journal=journal.bind(d.target_fingerprint), threads=2)
     else:
         rep = apply_live(a["delta"], live, threads=2)
     out = {"ok": True, "shared": sorted(shared), "written": rep.written_bytes, "held": rep.held,
-           "elsewhere": rep.elsewhere, "roles": {n: live.chunk_roles(n) for n in sorted(shared)}}
+           "elsewhere": rep.elsewhere, "split": [rep.split_decoded, rep.split_chunks], "first": first,
+           "recovered": rep.chunks_recovered, "roles": {n: live.chunk_roles(n) for n in sorted(shared)}}
 except DeltaRefitError as e:
     out = {"error": type(e).__name__, "message": str(e),
            "untouched": all(torch.equal(before[n].view(torch.int16), p.view(torch.int16)) for n, p in params.items())}

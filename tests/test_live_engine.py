@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from deltarefit.encode import encode
 from deltarefit.engines.capture import capture_layout
-from deltarefit.engines.live import LiveTarget, Placement, apply_live
+from deltarefit.engines.live import LiveTarget, Placement, apply_live, row_runs
 from deltarefit.engines.vllm_live import LiveEngine
 from deltarefit.errors import BaseMismatchError, DeltaRefitError
 from deltarefit.shard.projection import Axis, Piece
@@ -385,3 +385,47 @@ def test_a_live_engine_decodes_a_chain_coded_with_history_and_refuses_the_wrong_
         assert got.check == "held digests" and got.target_fingerprint == rep.target_fingerprint
         assert live.verify() == rep.target_fingerprint == book.tip
     assert hist_chunks > 0
+
+
+def _random_piece(rng: np.random.Generator) -> Piece:
+    """A piece whose last local axis runs along the checkpoint's last dimension with stride 1 (row runs
+    apply), the other axes in any order, with any offsets and strides, inside a padded local tensor."""
+    nd = int(rng.integers(2, 4))
+    shape = tuple(int(x) for x in rng.integers(3, 40, nd))
+    lengths = [int(rng.integers(1, n + 1)) for n in shape]
+    dst_dims = [*rng.permutation(nd - 1).tolist(), nd - 1]
+    axes, local = [], []
+    for i, d in enumerate(dst_dims):
+        ln = lengths[d]
+        stride = 1 if i == nd - 1 else int(rng.integers(1, max(2, shape[d] // ln) + 1))
+        while (ln - 1) * stride >= shape[d]:
+            stride -= 1
+        off = int(rng.integers(0, shape[d] - (ln - 1) * stride))
+        src_stride = 1 if i == nd - 1 else int(rng.integers(1, 3))
+        src_off = int(rng.integers(0, 3))
+        axes.append(Axis(src_off, ln, d, off, stride, src_stride))
+        local.append(src_off + src_stride * (ln - 1) + 1 + int(rng.integers(0, 3)))
+    return Piece("w", shape, tuple(local), tuple(axes))
+
+
+def test_row_runs_are_exactly_the_elements_to_local_maps():
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        p = _random_piece(rng)
+        total = int(np.prod(p.shape))
+        a = int(rng.integers(0, total))
+        b = int(rng.integers(a + 1, total + 1))
+        ck = np.arange(a, b, dtype=np.int64)
+        loc = p.to_local(ck)
+        runs = row_runs(p, a, b)
+        assert runs is not None
+        got_ck = np.concatenate([np.arange(c, c + n) for c, _, n in zip(*runs, strict=True)] or [np.empty(0, int)])
+        got_loc = np.concatenate([np.arange(lo, lo + n) for _, lo, n in zip(*runs, strict=True)] or [np.empty(0, int)])
+        assert np.array_equal(got_ck, ck[loc >= 0])
+        assert np.array_equal(got_loc, loc[loc >= 0])
+
+
+def test_row_runs_leave_other_pieces_to_the_index_map():
+    transposed = Piece("w", (4, 6), (6, 4), (Axis(0, 6, 1, 0), Axis(0, 4, 0, 0)))
+    strided = Piece("w", (4, 6), (4, 3), (Axis(0, 4, 0, 0), Axis(0, 3, 1, 0, 2)))
+    assert row_runs(transposed, 0, 24) is None and row_runs(strided, 0, 24) is None

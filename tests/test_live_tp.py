@@ -33,13 +33,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(tmp_path, base: str, delta: str, corrupt_rank: int | None = None, held: bool = False) -> list[dict]:
+def _run(tmp_path, base: str, delta: str, corrupt_rank: int | None = None, held: bool = False, **opts) -> list[dict]:
     port = _port()
     procs = []
     for r in range(2):
         arg = {"rank": r, "world": 2, "port": port, "base": base, "delta": delta,
                "out": str(tmp_path / f"rank{r}.safetensors"), "corrupt": r == corrupt_rank,
-               "held": held}
+               "held": held, **opts}
         procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(arg)], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outs = []
@@ -125,12 +125,53 @@ def test_segments_a_worker_holds_whole_are_decoded_there_once(tmp_path):
     assert all(set(o["roles"]["down.weight"]) == {"group"} for o in outs)
     # each of "up"'s 4 chunks decoded, checked and written by its holder alone
     assert [o["elsewhere"] for o in outs] == [2, 2]
+    # each of "down"'s 2 split chunks decoded by one worker, which sent the other its changes
+    assert [o["split"] for o in outs] == [[1, 2], [1, 2]]
+    _assert_at(tmp_path, target)
+
+
+def _assert_at(tmp_path, target: dict) -> None:
+    """Both workers' saved parameters are their slices of ``target``, bit for bit."""
     r0, r1 = (load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2))
     assert torch.equal(torch.cat([r0["up"], r1["up"]]).view(torch.int16), target["up.weight"].view(torch.int16))
     assert torch.equal(torch.cat([r0["down"], r1["down"]], 1).view(torch.int16),
                        target["down.weight"].view(torch.int16))
     for r in (r0, r1):
         assert torch.equal(r["norm"].view(torch.int16), target["norm.weight"].view(torch.int16))
+
+
+def test_split_chunks_dropped_by_the_memory_budget_are_decoded_and_sent_again_when_written(tmp_path):
+    target, b, delta, _ = _whole_pair(tmp_path)
+    outs = _run(tmp_path, b, delta, held=True, cache=0)  # nothing kept from plan to write
+    assert all(o.get("ok") for o in outs), outs
+    assert [o["split"] for o in outs] == [[1, 2], [1, 2]]
+    _assert_at(tmp_path, target)
+
+
+def test_a_split_chunk_its_decoder_refuses_stops_both_before_any_write(tmp_path):
+    _target, b, delta, _ = _whole_pair(tmp_path)
+    # "down"'s second chunk, split between the workers, is decoded by rank 1 alone (split chunks are
+    # dealt round the group): its payload cut short, every hash made consistent
+    d = Delta.load(delta)
+    k = d.record_of("down.weight", 1)
+    d.payloads[k] = d.payloads[k][: len(d.payloads[k]) // 2]
+    bad = d.write(tmp_path / "cut.delta")
+    outs = _run(tmp_path, b, bad, held=True)
+    assert outs[1]["error"] == "DecodeError" and "down.weight" in outs[1]["message"], outs
+    assert outs[0]["error"] == "VerificationError" and "decodes it refused" in outs[0]["message"], outs
+    assert outs[0]["untouched"] and outs[1]["untouched"]
+
+
+@pytest.mark.parametrize("fail_rank", [0, 1])
+def test_a_worker_failing_mid_write_of_a_split_chunk_is_completed_by_a_rerun(tmp_path, fail_rank):
+    target, b, delta, _ = _whole_pair(tmp_path)
+    # the failing worker's write of "down"'s second split chunk fails after the other wrote its part of it
+    outs = _run(tmp_path, b, delta, held=True, fail_split=2, fail_rank=fail_rank)
+    assert all(o.get("ok") for o in outs), outs
+    assert "injected failure" in outs[fail_rank]["first"], outs
+    assert "another process" in outs[1 - fail_rank]["first"], outs
+    assert [o["recovered"] for o in outs] == [1, 1], outs  # the torn chunk, restored from the journal
+    _assert_at(tmp_path, target)
 
 
 def test_a_lie_in_a_segment_one_worker_holds_stops_both_before_any_write(tmp_path):

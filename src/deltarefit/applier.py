@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import elements, regions
-from .codec.chunk import moves_of_patch
+from .codec.chunk import Patch, moves_of_patch
 from .dtypes import dtype
 from .encode import default_threads, uint_view
 from .errors import BaseMismatchError, UsageError, VerificationError
@@ -89,6 +89,10 @@ class ApplyReport:
     # Chunks of a collective target's shared tensors that another process of the group holds whole:
     # decoded, checked and written there, not here (held-digest plans; ``LiveTarget.chunk_roles``).
     elsewhere: int = 0
+    # Chunks of shared tensors split between the group's processes (held-digest plans), and how many of
+    # them this process decoded for the group (``HeldPlans._plan_split``).
+    split_chunks: int = 0
+    split_decoded: int = 0
 
 
 def _matches(info: object, meta: TensorMeta) -> bool:
@@ -181,6 +185,12 @@ class Applier(HeldPlans):
         self._pool = _Inline if self.collective else ThreadPoolExecutor
         self._roles = getattr(self.segs, "chunk_roles", None) if self.collective else None
         self._own_pool: ThreadPoolExecutor | None = None
+        # Held-digest plans decode a segment split between the group's processes in one of them, which
+        # sends the others its changes (``HeldPlans._plan_split``). Those processes journal the changes
+        # without the segment, so a journal that needs pre-images (a file journal) keeps the older way:
+        # every process assembles and decodes the whole segment.
+        self._split = (self._roles is not None and hasattr(self.segs, "split_owner")
+                       and (journal is None or not getattr(journal, "needs_pre", True)))
 
     def _record_moves(self, e: TensorEntry, ci: int, view, patch) -> None:
         """Record a chunk's moves, decoded in the plan against its base ``view`` (host regions), where a
@@ -351,7 +361,7 @@ class Applier(HeldPlans):
         """Keep the decoded patches of ``chunks`` while the plan's memory budget lasts; drop the rest
         (their chunks are decoded again when written)."""
         for c in chunks:
-            if c.patch is None:  # held and written elsewhere
+            if c.patch is None or c.split:  # held and written elsewhere; split: decided with the group
                 continue
             size = _patch_bytes(c.patch)
             with self._cache_lock:
@@ -380,6 +390,8 @@ class Applier(HeldPlans):
             e, r = tp.entry, c.rec
             if c.state == "other":  # held whole, and written, by another process of the group
                 return 0
+            if c.split:
+                return write_split(tp, ti, c)
             region = (self.segs.read_own if c.own else self.segs.read_segment)(e.name, r.chunk_index)
             view = self._view(region, e.base.dtype)
             patch = c.patch or self._decode(self.d, e, r, view)
@@ -410,6 +422,17 @@ class Applier(HeldPlans):
             c.patch = None
             return _seg_len(e.base.nbytes, r.chunk_index)
 
+        def write_split(tp: _TensorPlan, ti: int, c: _ChunkPlan) -> int:
+            e, r = tp.entry, c.rec
+            patch = c.patch or self._split_again(e, c)
+            if self.journal:
+                self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch, None)
+            if not self.segs.write_split(e.name, r.chunk_index, patch.positions, patch.values):
+                raise VerificationError(f"{_where(e, r)}: changed elements read back differ from the patch after "
+                                        "writing")
+            c.patch = None
+            return _seg_len(e.base.nbytes, r.chunk_index)
+
         for state in ("torn", "todo"):
             # Torn chunks go first and alone: their only copy is a journal slot that the next new
             # chunk written by the same slot number would overwrite.
@@ -430,6 +453,30 @@ class Applier(HeldPlans):
             skipped += sum(1 for c in tp.chunks if c.state == "done")
             recovered += sum(1 for c in tp.chunks if c.state == "torn")
         return applied, skipped, recovered, written
+
+    def _split_again(self, e: TensorEntry, c: _ChunkPlan) -> Patch:
+        """A split chunk's changes, dropped after its plan (the memory budget), decoded again by the same
+        process and sent again (collective calls, at the same chunk in every process); the decoder
+        refuses them unless they move the digest exactly as the checked plan did."""
+        r = c.rec
+        owner = self.segs.split_owner(e.name, r.chunk_index)
+        region = self.segs.assemble_at(e.name, r.chunk_index, owner)
+        got, err = None, None
+        if region is not None:
+            try:
+                pos, new, moved = self._split_changes(e, r, region)
+                if not np.array_equal(moved, c.moved):
+                    raise VerificationError(f"{_where(e, r)}: decodes differently from its checked plan")
+                got = (pos, new)
+            except Exception as ex:
+                err = ex
+        shared = self.segs.share_changes(e.name, r.chunk_index, owner, got)
+        if err is not None:
+            raise err
+        if shared is None:
+            raise VerificationError(f"{_where(e, r)}: the process of the group that decodes it refused or failed "
+                                    "(see its log)")
+        return Patch(shared[0], shared[1], None)
 
     # -- verify ----------------------------------------------------------------------------------
 
@@ -487,4 +534,6 @@ def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | No
     held_plans = [tp for tp in plans if tp.state == "held"]
     return ApplyReport(fp, applied, skipped, recovered, written, time.perf_counter() - t0, names, held=len(held_plans),
                        sums={tp.entry.name: np.asarray(tp.sum, "<u8").tobytes() for tp in held_plans},
-                       elsewhere=sum(c.state == "other" for tp in held_plans for c in tp.chunks))
+                       elsewhere=sum(c.state == "other" for tp in held_plans for c in tp.chunks),
+                       split_chunks=sum(c.split for tp in held_plans for c in tp.chunks),
+                       split_decoded=sum(c.split and c.moved is not None for tp in held_plans for c in tp.chunks))

@@ -1,20 +1,24 @@
 """The held-digest plan of the one apply protocol (``applier``; FORMAT.md "Held digests"): a tensor whose
 target holds the additive digest of what it holds is checked in O(changed elements), each chunk decoded
 against its segment as it is and the digest moved by every change compared with the delta's; on a
-collective target, a segment one process holds whole is decoded there alone."""
+collective target, a segment one process holds whole is decoded there alone, and a segment split
+between processes is decoded by one of them, which sends its changes to the others."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
 
+from .codec.chunk import Patch
 from .errors import BaseMismatchError, VerificationError
 from .format import ChunkRecord, TensorEntry
 from .plans import _ChunkPlan, _TensorPlan
 from .regions import (
     _changes,
     _moved,
+    _patch_bytes,
     _seg_len,
     _where,
 )
@@ -54,7 +58,7 @@ class HeldPlans:
             chunks, moved = self._plan_held_shared(e, roles, chunk)
             total = additive.add(total, moved)
         for c in chunks:
-            if c.moved is not None and not c.own:
+            if c.moved is not None and not c.own and not c.split:
                 total = additive.add(total, c.moved)
         if np.asarray(total, "<u8").tobytes() != e.target.sum:
             raise VerificationError(f"{self.d.path}: {_where(e)}: its post-image, the held digest moved by the decoded "
@@ -76,9 +80,15 @@ class HeldPlans:
         futs = {r.chunk_index: self._own_pool.submit(chunk, r, True) for r in recs if roles[r.chunk_index] == "mine"}
         out: list[_ChunkPlan] = []
         err: BaseException | None = None
+        split: dict[int, _ChunkPlan] = {}
+        if self._split:
+            split, err = self._plan_split(e, [r for r in recs if roles[r.chunk_index] == "group"])
         try:
             for r in recs:
-                if roles[r.chunk_index] == "group":
+                if roles[r.chunk_index] == "group" and self._split:
+                    if r.chunk_index in split:
+                        out.append(split[r.chunk_index])
+                elif roles[r.chunk_index] == "group":
                     out.append(chunk(r))
                 elif roles[r.chunk_index] == "other":
                     out.append(_ChunkPlan(r, "other"))
@@ -93,7 +103,7 @@ class HeldPlans:
         local = additive.ZERO.copy()
         if err is None:
             for c in out:
-                if c.own:
+                if c.own or (c.split and c.moved is not None):
                     local = additive.add(local, c.moved)
         moved, ok = self.segs.group_sum(local, err is None)
         if err is not None:
@@ -101,4 +111,84 @@ class HeldPlans:
         if not ok:
             raise VerificationError("another process of the group refused or failed at the same step of this apply "
                                     "(see its log)")
+        self._keep_split(out)
         return out, moved
+
+    def _split_changes(self, e: TensorEntry, r: ChunkRecord, region: np.ndarray):
+        """(positions, target bits, digest move) of chunk ``r`` decoded against its assembled ``region``,
+        by the process that decodes it."""
+        view = self._view(region, e.base.dtype)
+        patch = self._decode(self.d, e, r, view)
+        if self.progress:
+            self.progress(_seg_len(e.base.nbytes, r.chunk_index))
+        pos, new = _changes(patch, view)
+        return pos, new, _moved(e, r, view, pos, new)
+
+    def _plan_split(self, e: TensorEntry, recs: list[ChunkRecord]
+                    ) -> tuple[dict[int, _ChunkPlan], BaseException | None]:
+        """The plans of a shared tensor's chunks split between the group's processes (in ``recs``' order,
+        the same in every process), and the first failure. Each is assembled at the process that decodes
+        it (``split_owner``), decoded there on its threads, and its changes sent to the group; a window
+        of them is in flight at once, so every process decodes its share in parallel. A failure is known
+        to every process at the same chunk (the owner sends none): all of them stop there."""
+        out: dict[int, _ChunkPlan] = {}
+        err: BaseException | None = None
+        me = self.segs.rank
+        pending: deque = deque()
+
+        def finish() -> None:
+            nonlocal err
+            r, owner, fut = pending.popleft()
+            got = moved = None
+            if fut is not None:
+                try:
+                    pos, new, moved = fut.result()
+                    got = (pos, new)
+                except Exception as ex:
+                    err = ex
+            shared = self.segs.share_changes(e.name, r.chunk_index, owner, got)
+            if shared is None:
+                if err is None:
+                    err = VerificationError(f"{_where(e, r)}: the process of the group that decodes it refused or "
+                                            "failed (see its log)")
+                return
+            out[r.chunk_index] = _ChunkPlan(r, "todo", Patch(shared[0], shared[1], None), moved, split=True)
+
+        window = 2 * self.threads * self.segs.size
+        for r in recs:
+            owner = self.segs.split_owner(e.name, r.chunk_index)
+            region = self.segs.assemble_at(e.name, r.chunk_index, owner)
+            fut = self._own_pool.submit(self._split_changes, e, r, region) if owner == me else None
+            pending.append((r, owner, fut))
+            if len(pending) >= window:
+                finish()
+            if err is not None:
+                break
+        while pending and err is None:
+            finish()
+        for _, _, fut in pending:
+            if fut is not None:
+                fut.cancel()
+        return out, err
+
+    def _keep_split(self, chunks: list[_ChunkPlan]) -> None:
+        """``_keep_within_budget`` for the split chunks among ``chunks``, decided with the group (one
+        collective call): a split chunk's changes are kept only where every process keeps them, so that
+        every process sends them again, at the same chunk, when it is written."""
+        split = [c for c in chunks if c.split]
+        if not split:
+            return
+        flags = []
+        for c in split:
+            size = _patch_bytes(c.patch)
+            with self._cache_lock:
+                keep = size <= self.cache_left
+                if keep:
+                    self.cache_left -= size
+            flags.append(keep)
+        for c, keep, all_keep in zip(split, flags, self.segs.agree_each(np.array(flags, bool)), strict=True):
+            if not all_keep:
+                if keep:
+                    with self._cache_lock:
+                        self.cache_left += _patch_bytes(c.patch)
+                c.patch = None

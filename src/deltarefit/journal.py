@@ -25,6 +25,9 @@ class Journal:
     written only after the record; replaying the record's target values over it is idempotent.
     """
 
+    # ``write`` reads the chunk's pre-image (a dense-ish patch is recorded as its post-image).
+    needs_pre = True
+
     def __init__(self, path: str, target_fp: str) -> None:
         self.path = path
         self.fp = bytes.fromhex(target_fp)

@@ -18,6 +18,9 @@ class _ChunkPlan:
     patch: Patch | None = None
     moved: np.ndarray | None = None  # held-digest plan: how the chunk's changes move the tensor's digest
     own: bool = False  # a segment of a shared tensor that this process holds whole (no collective call)
+    # A segment split between the processes of a group, decoded by one of them (held-digest plans): the
+    # patch is its changes as that process sent them; ``moved`` is set there alone.
+    split: bool = False
 
 
 @dataclass

@@ -14,7 +14,7 @@ tensor live where in it). The applier then runs its one protocol over it unchang
 
 Each checkpoint tensor must be covered whole by owner pieces that do not overlap, unless it is
 ``shared``: held in parts by the processes of a group (tensor-parallel workers), each element owned by
-exactly one of them. A shared tensor's segment is assembled by summing, over the group (``reduce``),
+exactly one of them. A shared tensor's segment is assembled by summing, over the group (``group``),
 each process's owned elements with zeros elsewhere, so every process hashes, decodes and checks the
 whole segment, and writes only its own elements. A target with shared tensors is ``collective``: the
 applier then drives it in one fixed order and asks the group to ``agree`` after every step.
@@ -22,7 +22,13 @@ applier then drives it in one fixed order and asks the group to ``agree`` after 
 A held-digest plan does less: a segment of a shared tensor that one process holds whole
 (``chunk_roles``: "mine" there, "other" everywhere else) is read, decoded and written by that process
 alone (``read_own``, ``write_own``), and the group adds up those segments' digest moves
-(``group_sum``). Only segments split between processes ("group") are assembled and decoded by all.
+(``group_sum``). A segment split between processes ("group") is decoded once, by the process
+``split_owner`` names (the split segments of the target dealt round the group): it is assembled there
+alone (``assemble_at``), decoded and its digest move taken there, and its changes are sent to the
+group (``share_changes``), where each process writes and reads back its own elements (``write_split``).
+
+``group`` (``vllm_live._Group``): ``rank`` and ``size``, and the collective calls ``reduce_in_place(a)``
+(a sum over the group), ``sum_to(a, dst)``, ``broadcast(a, src)`` and ``agree(ok)``.
 
 Parameters may be on any torch device; CPU parameters are read and written through numpy views of
 their memory, others through torch indexing (one gathered segment crosses to the host per read).
@@ -31,7 +37,7 @@ their memory, others through torch indexing (one gathered segment crosses to the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,6 +95,24 @@ def contiguous_run(p: Piece) -> tuple[int, int, int] | None:
     return c0, l0, p.count
 
 
+def row_runs(p: Piece, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The piece's elements among checkpoint flat elements ``[a, b)`` as runs (checkpoint start, local
+    start, length: int64 arrays), one per checkpoint row of its box (the rows of the last dimension),
+    when its last local axis runs along the checkpoint's last dimension in order with stride 1 on both
+    sides (a TP column slice, a fused row block); None otherwise. Costs O(rows), not O(elements)."""
+    last = p.axes[-1]
+    if last.dst_dim != len(p.shape) - 1 or last.dst_stride != 1 or last.src_stride != 1 or b <= a:
+        return None
+    width = p.shape[-1]
+    starts = np.arange(a // width, (b - 1) // width + 1, dtype=np.int64) * width + last.dst_off
+    loc = p.to_local(starts)
+    keep = loc >= 0
+    starts, loc = starts[keep], loc[keep]
+    lo, hi = np.maximum(starts, a), np.minimum(starts + last.length, b)
+    keep = lo < hi
+    return lo[keep], (loc + lo - starts)[keep], (hi - lo)[keep]
+
+
 class _Flat:
     """A parameter's elements as one flat array of the dtype's unsigned integers."""
 
@@ -142,13 +166,12 @@ class LiveTarget:
 
     def __init__(self, params: Mapping[str, object], layout: Mapping[str, Sequence[Placement]],
                  specs: Mapping[str, tuple[str, Sequence[int]]], *, shared: Sequence[str] = (),
-                 reduce: Callable[[np.ndarray], None] | None = None,
-                 agree: Callable[[bool], bool] | None = None) -> None:
-        if shared and (reduce is None or agree is None):
-            raise UsageError("shared tensors need the group's reduce and agree")
+                 group: object | None = None) -> None:
+        if shared and group is None:
+            raise UsageError("shared tensors need their group (module docstring)")
         self.shared = set(shared)
         self.collective = bool(self.shared)
-        self._reduce, self._agree = reduce, agree
+        self._group = group
         self.tensors: dict[str, _Info] = {}
         self._flat: dict[str, _Flat] = {}
         self._place: dict[str, list[tuple[Placement, tuple[int, int, int] | None]]] = {}
@@ -180,6 +203,12 @@ class LiveTarget:
                     self._flat[pl.param] = _Flat(pl.param, t, np.dtype(dt.uint))
             self._place[name] = [(pl, contiguous_run(pl.piece)) for pl in sorted(places, key=lambda p: not p.piece.owner)]
         self._roles = self._whole_holders() if self.shared else {}
+        # The split segments, dealt round the group in (name, segment) order: each is decoded by one process.
+        self._split_owner: dict[tuple[str, int], int] = {}
+        for name in sorted(self._roles):
+            for ci, role in enumerate(self._roles[name]):
+                if role == "group":
+                    self._split_owner[(name, ci)] = len(self._split_owner) % group.size
 
     def _owned_in(self, name: str, a: int, b: int) -> int:
         """How many of checkpoint elements ``[a, b)`` of ``name`` this process owns."""
@@ -200,7 +229,7 @@ class LiveTarget:
         mine = [[self._owned_in(name, a, b) == b - a for a, b in self._ranges(name)] for name in names]
         flags = np.array([m for per in mine for m in per], np.int64)
         if flags.size:  # the same size in every process: the same shared tensors
-            self._reduce(flags)  # each element has exactly one owner: at most one process holds a segment whole
+            self._group.reduce_in_place(flags)  # each element has exactly one owner: at most one process holds a segment whole
         out, i = {}, 0
         for name, per in zip(names, mine, strict=True):
             out[name] = ["mine" if m else "other" if f else "group" for m, f in zip(per, flags[i:i + len(per)],
@@ -226,7 +255,7 @@ class LiveTarget:
         # Summed as 32-bit halves in int64, which no group of fewer than 2**31 processes overflows.
         acc = np.concatenate([(v & np.uint64(0xFFFFFFFF)).astype(np.int64), (v >> np.uint64(32)).astype(np.int64),
                               np.array([0 if ok else 1], np.int64)])
-        self._reduce(acc)
+        self._group.reduce_in_place(acc)
         n = v.size
         lo, hi = acc[:n].astype(np.uint64), acc[n:2 * n].astype(np.uint64)
         return (lo + (hi << np.uint64(32))).astype(np.uint64), bool(acc[-1] == 0)
@@ -240,7 +269,70 @@ class LiveTarget:
 
     def agree(self, ok: bool) -> bool:
         """Whether every process of the group reports ``ok`` (a collective call)."""
-        return self._agree(ok) if self._agree is not None else ok
+        return self._group.agree(ok) if self._group is not None else ok
+
+    def agree_each(self, flags: np.ndarray) -> np.ndarray:
+        """Per entry of ``flags`` (bools, the same length in every process), whether every process of the
+        group reports it true (one collective call)."""
+        acc = (~np.asarray(flags, bool)).astype(np.int64)
+        if acc.size:
+            self._group.reduce_in_place(acc)
+        return acc == 0
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in its group (0 without one)."""
+        return self._group.rank if self._group is not None else 0
+
+    @property
+    def size(self) -> int:
+        """How many processes its group has (1 without one)."""
+        return self._group.size if self._group is not None else 1
+
+    def split_owner(self, name: str, ci: int) -> int:
+        """The rank that decodes segment ``ci`` of ``name``, a segment split between processes
+        (``chunk_roles`` "group")."""
+        return self._split_owner[(name, ci)]
+
+    def assemble_at(self, name: str, ci: int, owner: int) -> np.ndarray | None:
+        """Segment ``ci`` of shared tensor ``name`` assembled at rank ``owner`` alone (a collective call: a
+        sum to one process): its bytes there, None in every other process."""
+        out = self._gather(name, ci, True).view(np.uint8)
+        # Each byte comes from exactly one process, the others add zero: the bytewise sum is the
+        # segment, with no carry to lose.
+        self._group.sum_to(out, owner)
+        return out if self.rank == owner else None
+
+    def share_changes(self, name: str, ci: int, owner: int, changes: tuple[np.ndarray, np.ndarray] | None
+                      ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Rank ``owner``'s decoded changes of segment ``ci`` of ``name`` (positions in the segment, target
+        bits; None where its decode or check failed) sent to every process of the group (a collective
+        call): the changes, or None in every process when the owner had none."""
+        a, b, uint = self._range(name, ci)
+        head = np.zeros(2, np.int64)
+        if self.rank == owner and changes is not None:
+            head[:] = (1, changes[0].size)
+        self._group.broadcast(head, owner)
+        if head[0] != 1:
+            return None
+        n, item = int(head[1]), uint.itemsize
+        if not 0 <= n <= b - a:
+            raise UsageError(f"tensor {name!r} segment {ci}: rank {owner} sent {n} changes for {b - a} elements")
+        body = np.empty(n * (4 + item), np.uint8)
+        if self.rank == owner:
+            body[:4 * n] = np.asarray(changes[0], "<u4").view(np.uint8)
+            body[4 * n:] = np.ascontiguousarray(changes[1], uint).view(np.uint8)
+        self._group.broadcast(body, owner)
+        if self.rank == owner:  # its own arrays, as decoded
+            return changes
+        return body[:4 * n].view("<u4").astype(np.int64), body[4 * n:].view(uint)
+
+    def write_split(self, name: str, ci: int, pos: np.ndarray, new: np.ndarray) -> bool:
+        """Write the changes of split segment ``ci`` of ``name`` (``share_changes``) that land in this
+        process's placements, here alone; whether every element written reads back as written."""
+        self._scatter(name, ci, Patch(pos, new, None))
+        return all(np.array_equal(flat.take(loc), new[sel])
+                   for flat, sel, loc in self._landing(name, pos + self._range(name, ci)[0]))
 
     def _whole_run(self, name: str, a: int, b: int, own: bool = False) -> np.ndarray | None:
         """The elements ``[a, b)`` of tensor ``name`` as a view of the one CPU parameter run holding them,
@@ -262,14 +354,11 @@ class LiveTarget:
         """Segment ``ci`` of ``name``; of a shared tensor, assembled over the group (a collective call)."""
         if name not in self.shared:
             return self._gather(name, ci, False)
-        out = self._gather(name, ci, True)
-        # Each element is owned by exactly one process, the others add zero: the sum is its bits
-        # (in wrapping integer arithmetic of at least the element's width).
-        uint = out.dtype
-        acc = out.view(np.int64) if uint.itemsize == 8 else out.astype(np.int32)
-        self._reduce(acc)
-        out = acc.view(uint) if uint.itemsize == 8 else acc.astype(uint)
-        return out.view(np.uint8)
+        out = self._gather(name, ci, True).view(np.uint8)
+        # Each byte comes from exactly one process, the others add zero: the bytewise sum is the
+        # segment, with no carry to lose.
+        self._group.reduce_in_place(out)
+        return out
 
     def read_own(self, name: str, ci: int) -> np.ndarray:
         """Segment ``ci`` of ``name``, which this process holds whole (``chunk_roles``), read here alone."""
@@ -303,6 +392,11 @@ class LiveTarget:
                 if lo < hi:
                     out[lo - a:hi - a] = flat.read_run(l0 + lo - c0, hi - lo)
                 continue
+            runs = row_runs(pl.piece, a, b)
+            if runs is not None:
+                for c, lo, n in zip(*(x.tolist() for x in runs), strict=True):
+                    out[c - a:c - a + n] = flat.read_run(lo, n)
+                continue
             loc = pl.piece.to_local(np.arange(a, b, dtype=np.int64))
             m = loc >= 0
             if m.any():
@@ -334,20 +428,24 @@ class LiveTarget:
         if whole is not None:  # one run of one CPU parameter holds the segment and nothing else does
             elements.put(whole, pos, vals)
             return whole.view(np.uint8)
-        ck = pos + a
+        for flat, sel, loc in self._landing(name, pos + a):
+            flat.put(loc, vals[sel])
+        return None
+
+    def _landing(self, name: str, ck: np.ndarray) -> Iterator[tuple[_Flat, np.ndarray, np.ndarray]]:
+        """Per placement of ``name`` holding any of checkpoint elements ``ck``: (its parameter, which of
+        ``ck`` it holds, where they are in it)."""
         for pl, run in self._place[name]:
-            flat = self._flat[pl.param]
             if run is not None:
                 c0, l0, n = run
                 sel = (ck >= c0) & (ck < c0 + n)
-                if sel.any():
-                    flat.put(ck[sel] - c0 + l0, vals[sel])
-                continue
-            loc = pl.piece.to_local(ck)
-            m = loc >= 0
-            if m.any():
-                flat.put(loc[m], vals[m])
-        return None
+                loc = ck[sel] - c0 + l0
+            else:
+                loc = pl.piece.to_local(ck)
+                sel = loc >= 0
+                loc = loc[sel]
+            if loc.size:
+                yield self._flat[pl.param], sel, loc
 
 
 class TargetUnion:
@@ -390,6 +488,31 @@ class TargetUnion:
 
     def read_own(self, name: str, ci: int) -> np.ndarray:
         return self._of[name].read_own(name, ci)
+
+    # The collective part's calls for segments split between its processes (``LiveTarget``; a union
+    # holds at most one collective target, and only its tensors have split segments).
+    @property
+    def rank(self) -> int:
+        return self._group[0].rank if self._group else 0
+
+    @property
+    def size(self) -> int:
+        return self._group[0].size if self._group else 1
+
+    def agree_each(self, flags: np.ndarray) -> np.ndarray:
+        return self._group[0].agree_each(flags) if self._group else np.asarray(flags, bool)
+
+    def split_owner(self, name: str, ci: int) -> int:
+        return self._of[name].split_owner(name, ci)
+
+    def assemble_at(self, name: str, ci: int, owner: int) -> np.ndarray | None:
+        return self._of[name].assemble_at(name, ci, owner)
+
+    def share_changes(self, name: str, ci: int, owner: int, changes):
+        return self._of[name].share_changes(name, ci, owner, changes)
+
+    def write_split(self, name: str, ci: int, pos: np.ndarray, new: np.ndarray) -> bool:
+        return self._of[name].write_split(name, ci, pos, new)
 
     def write_own(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray:
         return self._of[name].write_own(name, ci, region, view, patch)

@@ -65,6 +65,8 @@ class MemoryJournal(Journal):
     """``journal.Journal`` kept in memory: the patch of each chunk being written, so an exception mid-write
     leaves a record from which the next apply of the same delta restores a torn chunk."""
 
+    needs_pre = False  # ``write`` keeps the patch and ignores the pre-image
+
     def __init__(self) -> None:
         self.fp = b""
         self._recs: dict[tuple[int, int], tuple[bytes, Patch]] = {}
@@ -211,11 +213,18 @@ def _whole_layers(reload: dict[str, str], names: list[str], packed: dict[str, li
 
 
 class _Group:
-    """The worker's tensor-parallel group as the live target needs it: sums, minima, agreement (gloo, on
-    the CPU group vLLM keeps beside the device one). One worker: every call is the identity."""
+    """The worker's tensor-parallel group as the live target needs it (``live.LiveTarget``'s ``group``):
+    sums, minima, agreement, a sum to one worker and a broadcast from one (gloo, on the CPU group vLLM
+    keeps beside the device one). One worker: every call is the identity."""
 
     def __init__(self, cpu_group: Any | None) -> None:
         self.pg = cpu_group
+        if cpu_group is None:
+            self.rank, self.size = 0, 1
+        else:
+            import torch.distributed as dist
+
+            self.rank, self.size = dist.get_rank(cpu_group), dist.get_world_size(cpu_group)
 
     @classmethod
     def of_tp(cls) -> _Group:
@@ -247,6 +256,25 @@ class _Group:
         if self.pg is not None:
             a[:] = self._reduce(a, "SUM")
 
+    def sum_to(self, a: np.ndarray, dst: int) -> None:
+        """``a`` (contiguous) summed over the group into worker ``dst``'s ``a``; the others' are left as
+        they are or used as scratch."""
+        if self.pg is None:
+            return
+        import torch
+        import torch.distributed as dist
+
+        dist.reduce(torch.from_numpy(a), dst=dist.get_global_rank(self.pg, dst), op=dist.ReduceOp.SUM, group=self.pg)
+
+    def broadcast(self, a: np.ndarray, src: int) -> None:
+        """Worker ``src``'s ``a`` (contiguous) copied into every worker's ``a``."""
+        if self.pg is None:
+            return
+        import torch
+        import torch.distributed as dist
+
+        dist.broadcast(torch.from_numpy(a), src=dist.get_global_rank(self.pg, src), group=self.pg)
+
     def agree(self, ok: bool) -> bool:
         return bool(self._reduce(np.array([0 if ok else 1], np.int64), "MAX")[0] == 0)
 
@@ -259,8 +287,7 @@ class _Group:
     def target(self, params: Any, placed: dict, specs: dict, shared: set[str]) -> LiveTarget:
         if not shared:
             return LiveTarget(params, placed, specs)
-        return LiveTarget(params, placed, specs, shared=sorted(shared), reduce=self.reduce_in_place,
-                          agree=self.agree)
+        return LiveTarget(params, placed, specs, shared=sorted(shared), group=self)
 
 
 class LiveEngine:
