@@ -5,8 +5,8 @@ through a collective LiveTarget over a real gloo group on loopback.
 argv[1] is a JSON object: rank, world, port, base (checkpoint dir), delta, out (where to save the
 parameters after), and optionally ``corrupt`` (this rank flips one bit of its norm first). Prints one JSON
 line: {"ok": true, ...} or {"error": class name, "message": ...}. With ``held``, the apply is checked by held
-digests; ``cache`` (bytes) bounds the patches kept from plan to write; ``fail_split`` n and ``fail_rank``
-r make rank r's write of its n-th split chunk fail once, and the apply is then run again.
+digests; ``cache`` (bytes) bounds the patches kept from plan to write; ``fail`` {"call": a LiveTarget
+write method, "n": n, "rank": r} makes rank r's n-th call of it fail once, and the apply is then run again.
 """
 
 import datetime
@@ -80,26 +80,27 @@ try:
         union = TargetUnion(live, _TorchTarget({}))  # as LiveEngine holds it: live placements beside host copies
         sums = {n: state_through(union, n)[1] for n in names}
         journal = MemoryJournal()
-        if a.get("fail_split") is not None:  # this rank fails its write of the n-th split chunk, once
-            calls, real = [0], live.write_split
+        fail = a.get("fail")
+        if fail is not None:  # rank fail["rank"] fails its n-th call of fail["call"], once
+            calls, real = [0], getattr(live, fail["call"])
 
             def failing(*args):
                 calls[0] += 1
-                if rank == a["fail_rank"] and calls[0] == a["fail_split"]:
+                if rank == fail["rank"] and calls[0] == fail["n"]:
                     raise OSError("injected failure mid-write")
                 return real(*args)
 
-            live.write_split = failing
+            setattr(live, fail["call"], failing)
         with DeltaReader(a["delta"]) as d:
             try:
                 rep = run_apply(d, union, journal=journal.bind(d.target_fingerprint), threads=2, held=sums,
                                 cache_bytes=a.get("cache", 512 << 20))
             except (OSError, DeltaRefitError) as e:
-                if a.get("fail_split") is None:
+                if fail is None:
                     raise
                 # the rerun, as LiveEngine does it after a failed write: segment by segment, every chunk
                 # written before the failure found at its post-image, a torn one restored from the journal
-                live.write_split = real
+                setattr(live, fail["call"], real)
                 first = f"{type(e).__name__}: {e}"
                 rep = run_apply(d, union, journal=journal.bind(d.target_fingerprint), threads=2)
     else:

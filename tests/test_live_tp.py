@@ -162,15 +162,27 @@ def test_a_split_chunk_its_decoder_refuses_stops_both_before_any_write(tmp_path)
     assert outs[0]["untouched"] and outs[1]["untouched"]
 
 
-@pytest.mark.parametrize("fail_rank", [0, 1])
-def test_a_worker_failing_mid_write_of_a_split_chunk_is_completed_by_a_rerun(tmp_path, fail_rank):
+@pytest.mark.parametrize(("n", "fail_rank"), [(1, 1), (2, 0), (2, 1)])
+def test_a_worker_failing_mid_write_of_a_split_chunk_is_completed_by_a_rerun(tmp_path, n, fail_rank):
     target, b, delta, _ = _whole_pair(tmp_path)
-    # the failing worker's write of "down"'s second split chunk fails after the other wrote its part of it
-    outs = _run(tmp_path, b, delta, held=True, fail_split=2, fail_rank=fail_rank)
+    # The failing worker's write of one of "down"'s 2 split chunks fails after the other wrote its part
+    # of it: that chunk is torn across the workers, and the group stops there (each split chunk written
+    # is agreed on before the next).
+    outs = _run(tmp_path, b, delta, held=True, fail={"call": "write_split", "n": n, "rank": fail_rank})
     assert all(o.get("ok") for o in outs), outs
     assert "injected failure" in outs[fail_rank]["first"], outs
     assert "another process" in outs[1 - fail_rank]["first"], outs
-    assert [o["recovered"] for o in outs] == [1, 1], outs  # the torn chunk, restored from the journal
+    assert [o["recovered"] for o in outs] == [1, 1], outs  # the torn chunk, restored from each one's journal
+    _assert_at(tmp_path, target)
+
+
+def test_a_worker_failing_mid_write_of_a_chunk_it_holds_whole_is_completed_by_a_rerun(tmp_path):
+    target, b, delta, _ = _whole_pair(tmp_path)
+    # Rank 1's write of its first chunk of "up" (held whole: written by it alone) fails; rank 0 writes
+    # its own chunks of "up" meanwhile, up to the group's agreement at the end of the tensor's run.
+    outs = _run(tmp_path, b, delta, held=True, fail={"call": "write_own", "n": 1, "rank": 1})
+    assert all(o.get("ok") for o in outs), outs
+    assert "injected failure" in outs[1]["first"] and "another process" in outs[0]["first"], outs
     _assert_at(tmp_path, target)
 
 

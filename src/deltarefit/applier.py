@@ -70,6 +70,8 @@ log = logging.getLogger(__name__)
 
 # Decoded patches kept from the plan phase for the write phase, so most chunks decode once.
 DEFAULT_CACHE_BYTES = 512 << 20
+# A collective target's write: chunks written between two agreements of the group, at most.
+WRITE_AGREE_EVERY = 256
 
 
 @dataclass
@@ -137,9 +139,9 @@ class Applier(HeldPlans):
 
     A target with ``collective = True`` (segments assembled from the parts several processes hold) is
     driven in one fixed order on the calling thread, so that every process reads and writes the same
-    segments in the same order; after each tensor's plan and each chunk's write the target's
-    ``agree(ok)`` tells whether every process succeeded, so that a refusal in one stops all of them at
-    the same point, before any write.
+    segments in the same order; after each tensor's plan and each run of chunk writes (``_write_in_step``)
+    the target's ``agree(ok)`` tells whether every process succeeded, so that a refusal in one stops all
+    of them at the same point, a refusal in the plan before any write.
     """
 
     def __init__(self, delta: DeltaReader, target: TensorTarget, *, journal: Journal | None,
@@ -436,12 +438,15 @@ class Applier(HeldPlans):
         for state in ("torn", "todo"):
             # Torn chunks go first and alone: their only copy is a journal slot that the next new
             # chunk written by the same slot number would overwrite.
-            with self._pool(self.threads if state == "todo" else 1, thread_name_prefix="apply") as pool:
-                # Another process's chunks take their turn here too (doing nothing), so that every process
-                # of a group agrees after the same steps.
-                futs = [pool.submit(self._agreed, do, tp, ti, c) for ti, tp in enumerate(plans)
-                        if tp.state in ("patch", "held") for c in tp.chunks
-                        if c.state == state or (state == "todo" and c.state == "other")]
+            # Another process's chunks take their turn here too (doing nothing), so that every process
+            # of a group agrees after the same steps.
+            todo = [(ti, tp, c) for ti, tp in enumerate(plans) if tp.state in ("patch", "held") for c in tp.chunks
+                    if c.state == state or (state == "todo" and c.state == "other")]
+            if self.collective:
+                written += self._write_in_step(do, todo)
+                continue
+            with ThreadPoolExecutor(self.threads if state == "todo" else 1, thread_name_prefix="apply") as pool:
+                futs = [pool.submit(do, tp, ti, c) for ti, tp, c in todo]
                 try:
                     for f in futs:
                         written += f.result()
@@ -453,6 +458,58 @@ class Applier(HeldPlans):
             skipped += sum(1 for c in tp.chunks if c.state == "done")
             recovered += sum(1 for c in tp.chunks if c.state == "torn")
         return applied, skipped, recovered, written
+
+    def _write_in_step(self, do: Callable[[_TensorPlan, int, _ChunkPlan], int],
+                       todo: list[tuple[int, _TensorPlan, _ChunkPlan]]) -> int:
+        """Write a collective target's chunks ``todo`` on this thread, in their order (the same in every
+        process of the group); the bytes written. The group agrees after each tensor's run of chunks that
+        one process writes alone (at most ``WRITE_AGREE_EVERY`` of them): one collective call per run, not
+        per chunk. A process that fails writes nothing more, and every process stops at the same
+        agreement; the others may have written the rest of the run, each chunk checked by its writer's
+        plan and journaled by it, so a rerun completes it, as after any failure mid-write. A chunk that
+        several processes write parts of (a split segment) gets an agreement of its own, before the next
+        is written: a chunk torn across processes must have a journal record in each of them."""
+        written, run, err = 0, 0, None
+        prev = -1
+
+        def settle() -> None:
+            nonlocal run
+            if run == 0:
+                return
+            run = 0
+            ok = self.segs.agree(err is None)
+            if err is not None:
+                raise err
+            if not ok:
+                raise VerificationError("another process of the group refused or failed at the same step of this "
+                                        "apply (see its log)")
+
+        for ti, tp, c in todo:
+            if self._written_by_several(tp, c):
+                settle()
+                written += self._agreed(do, tp, ti, c)
+                continue
+            if ti != prev:
+                settle()
+                prev = ti
+            if err is None:
+                try:
+                    written += do(tp, ti, c)
+                except Exception as ex:
+                    err = ex
+            run += 1
+            if run >= WRITE_AGREE_EVERY:
+                settle()
+        settle()
+        return written
+
+    def _written_by_several(self, tp: _TensorPlan, c: _ChunkPlan) -> bool:
+        """Whether chunk ``c`` is a segment of a shared tensor that no process holds whole (its parts written
+        by several processes, and its write may make collective calls: the segment read over the group,
+        or a split chunk's changes sent again). The same answer in every process: roles are the group's."""
+        if self._roles is None or self._roles(tp.entry.name) is None:
+            return False
+        return not (c.own or c.state == "other")
 
     def _split_again(self, e: TensorEntry, c: _ChunkPlan) -> Patch:
         """A split chunk's changes, dropped after its plan (the memory budget), decoded again by the same
