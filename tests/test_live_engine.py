@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from deltarefit.encode import encode
 from deltarefit.engines.capture import capture_layout
-from deltarefit.engines.live import LiveTarget, Placement, apply_live, row_runs
+from deltarefit.engines.live import LiveTarget, Placement, apply_live, row_local, row_runs
 from deltarefit.engines.vllm_live import LiveEngine
 from deltarefit.errors import BaseMismatchError, DeltaRefitError
 from deltarefit.shard.projection import Axis, Piece
@@ -408,7 +408,7 @@ def _random_piece(rng: np.random.Generator) -> Piece:
     return Piece("w", shape, tuple(local), tuple(axes))
 
 
-def test_row_runs_are_exactly_the_elements_to_local_maps():
+def test_row_runs_and_row_local_are_exactly_the_elements_to_local_maps():
     rng = np.random.default_rng(7)
     for _ in range(300):
         p = _random_piece(rng)
@@ -423,9 +423,14 @@ def test_row_runs_are_exactly_the_elements_to_local_maps():
         got_loc = np.concatenate([np.arange(lo, lo + n) for _, lo, n in zip(*runs, strict=True)] or [np.empty(0, int)])
         assert np.array_equal(got_ck, ck[loc >= 0])
         assert np.array_equal(got_loc, loc[loc >= 0])
+        some = rng.choice(total, int(rng.integers(0, 60)))  # any positions, sorted or not, repeated or not
+        if rng.random() < 0.5:
+            some.sort()
+        assert np.array_equal(row_local(p, some), p.to_local(some))
 
 
 def test_row_runs_leave_other_pieces_to_the_index_map():
     transposed = Piece("w", (4, 6), (6, 4), (Axis(0, 6, 1, 0), Axis(0, 4, 0, 0)))
     strided = Piece("w", (4, 6), (4, 3), (Axis(0, 4, 0, 0), Axis(0, 3, 1, 0, 2)))
     assert row_runs(transposed, 0, 24) is None and row_runs(strided, 0, 24) is None
+    assert row_local(transposed, np.arange(24)) is None and row_local(strided, np.arange(24)) is None
