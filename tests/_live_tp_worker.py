@@ -5,7 +5,7 @@ through a collective LiveTarget over a real gloo group on loopback.
 argv[1] is a JSON object: rank, world, port, base (checkpoint dir), delta, out (where to save the
 parameters after), and optionally ``corrupt`` (this rank flips one bit of its norm first). Prints one JSON
 line: {"ok": true, ...} or {"error": class name, "message": ...}. With ``held``, the apply is checked by held
-digests; ``cache`` (bytes) bounds the patches kept from plan to write; ``fail`` {"call": a LiveTarget
+digests; ``threads`` (a list: per rank) the apply threads; ``cache`` (bytes) bounds the patches kept from plan to write; ``fail`` {"call": a LiveTarget
 write method, "n": n, "rank": r} makes rank r's n-th call of it fail once, and the apply is then run again.
 """
 
@@ -69,6 +69,7 @@ live = group.target(params, {n: lay.placements.get(n, []) for n in names},
                     {n: ("BF16", tuple(ck[n].shape)) for n in names}, shared)
 before = {n: p.detach().clone() for n, p in params.items()}
 first = None  # the first apply's failure, where it was made to fail and then run again
+threads = a.get("threads", [2, 2])[rank]  # apply threads, per rank
 try:
     if a.get("held"):  # held digests, taken as LiveEngine takes them (a collective pass for shared tensors)
         from deltarefit.apply import run_apply
@@ -93,7 +94,7 @@ try:
             setattr(live, fail["call"], failing)
         with DeltaReader(a["delta"]) as d:
             try:
-                rep = run_apply(d, union, journal=journal.bind(d.target_fingerprint), threads=2, held=sums,
+                rep = run_apply(d, union, journal=journal.bind(d.target_fingerprint), threads=threads, held=sums,
                                 cache_bytes=a.get("cache", 512 << 20))
             except (OSError, DeltaRefitError) as e:
                 if fail is None:

@@ -118,7 +118,8 @@ def _whole_pair(tmp_path):
 
 def test_segments_a_worker_holds_whole_are_decoded_there_once(tmp_path):
     target, b, delta, _ = _whole_pair(tmp_path)
-    outs = _run(tmp_path, b, delta, held=True)
+    # with different apply threads per worker (the group's window of split chunks in flight is its own)
+    outs = _run(tmp_path, b, delta, held=True, threads=[1, 3])
     assert all(o.get("ok") for o in outs), outs
     assert outs[0]["roles"]["up.weight"] == ["mine", "mine", "other", "other"]
     assert outs[1]["roles"]["up.weight"] == ["other", "other", "mine", "mine"]

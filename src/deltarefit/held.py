@@ -129,7 +129,8 @@ class HeldPlans:
         """The plans of a shared tensor's chunks split between the group's processes (in ``recs``' order,
         the same in every process), and the first failure. Each is assembled at the process that decodes
         it (``split_owner``), decoded there on its threads, and its changes sent to the group; a window
-        of them is in flight at once, so every process decodes its share in parallel. A failure is known
+        of them (``split_window``, the group's) is in flight at once, so every process decodes its share
+        in parallel. A failure is known
         to every process at the same chunk (the owner sends none): all of them stop there."""
         out: dict[int, _ChunkPlan] = {}
         err: BaseException | None = None
@@ -154,7 +155,7 @@ class HeldPlans:
                 return
             out[r.chunk_index] = _ChunkPlan(r, "todo", Patch(shared[0], shared[1], None), moved, split=True)
 
-        window = 2 * self.threads * self.segs.size
+        window = self.segs.split_window  # the same in every process: it fixes the order of collective calls
         for r in recs:
             owner = self.segs.split_owner(e.name, r.chunk_index)
             region = self.segs.assemble_at(e.name, r.chunk_index, owner)

@@ -49,6 +49,9 @@ from ..errors import UsageError
 from ..integrity import SEGMENT_BYTES, n_segments
 from ..shard.projection import Piece, intersect_boxes
 
+# Split segments in flight per process of a group (``LiveTarget.split_window``).
+SPLIT_AHEAD = 4
+
 __all__ = ["LiveTarget", "Placement", "TargetUnion", "apply_live", "contiguous_run", "digest_through", "state_through"]
 
 
@@ -307,6 +310,13 @@ class LiveTarget:
         """How many processes its group has (1 without one)."""
         return self._group.size if self._group is not None else 1
 
+    @property
+    def split_window(self) -> int:
+        """How many split segments a held-digest plan keeps in flight (assembled, not yet shared): the same
+        in every process of the group, whatever threads each applies with, since it fixes the order of
+        the collective calls."""
+        return SPLIT_AHEAD * self.size
+
     def split_owner(self, name: str, ci: int) -> int:
         """The rank that decodes segment ``ci`` of ``name``, a segment split between processes
         (``chunk_roles`` "group")."""
@@ -532,6 +542,10 @@ class TargetUnion:
 
     def agree_each(self, flags: np.ndarray) -> np.ndarray:
         return self._group[0].agree_each(flags) if self._group else np.asarray(flags, bool)
+
+    @property
+    def split_window(self) -> int:
+        return self._group[0].split_window if self._group else SPLIT_AHEAD
 
     def split_owner(self, name: str, ci: int) -> int:
         return self._of[name].split_owner(name, ci)
