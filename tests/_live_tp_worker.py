@@ -5,7 +5,7 @@ through a collective LiveTarget over a real gloo group on loopback.
 argv[1] is a JSON object: rank, world, port, base (checkpoint dir), delta, out (where to save the
 parameters after), and optionally ``corrupt`` (this rank flips one bit of its norm first). Prints one JSON
 line: {"ok": true, ...} or {"error": class name, "message": ...}. With ``held``, the apply is checked by held
-digests; ``threads`` (a list: per rank) the apply threads; ``cache`` (bytes) bounds the patches kept from plan to write; ``fail`` {"call": a LiveTarget
+digests; ``no_shm`` gives the group no shared memory; ``threads`` (a list: per rank) the apply threads; ``cache`` (bytes) bounds the patches kept from plan to write; ``fail`` {"call": a LiveTarget
 write method, "n": n, "rank": r} makes rank r's n-th call of it fail once, and the apply is then run again.
 """
 
@@ -61,6 +61,8 @@ if a.get("corrupt"):
 params = dict(m.named_parameters())
 lay = capture_layout(m.load_weights, params, {n: (t.dtype, tuple(t.shape)) for n, t in ck.items()})
 group = _Group(dist.group.WORLD)
+if a.get("no_shm"):  # as on workers of different hosts: split segments assembled by a sum over gloo
+    group.shared_buffer = lambda nbytes: None
 names = sorted(ck)
 held = np.array([sum(p.piece.count for p in lay.placements.get(n, ())) for n in names], np.int64)
 least = group.min(held)
@@ -107,7 +109,7 @@ try:
     else:
         rep = apply_live(a["delta"], live, threads=2)
     out = {"ok": True, "shared": sorted(shared), "written": rep.written_bytes, "held": rep.held,
-           "elsewhere": rep.elsewhere, "split": [rep.split_decoded, rep.split_chunks], "first": first,
+           "elsewhere": rep.elsewhere, "split": [rep.split_decoded, rep.split_chunks], "first": first, "shm": live._slots is not None,
            "recovered": rep.chunks_recovered, "roles": {n: live.chunk_roles(n) for n in sorted(shared)}}
 except DeltaRefitError as e:
     out = {"error": type(e).__name__, "message": str(e),

@@ -116,11 +116,13 @@ def _whole_pair(tmp_path):
     return target, b, delta, other_delta
 
 
-def test_segments_a_worker_holds_whole_are_decoded_there_once(tmp_path):
+@pytest.mark.parametrize("shm", [True, False], ids=["shared-memory", "gloo-sum"])
+def test_segments_a_worker_holds_whole_are_decoded_there_once(tmp_path, shm):
     target, b, delta, _ = _whole_pair(tmp_path)
     # with different apply threads per worker (the group's window of split chunks in flight is its own)
-    outs = _run(tmp_path, b, delta, held=True, threads=[1, 3])
+    outs = _run(tmp_path, b, delta, held=True, threads=[1, 3], no_shm=not shm)
     assert all(o.get("ok") for o in outs), outs
+    assert [o["shm"] for o in outs] == [shm, shm]  # where split segments were assembled
     assert outs[0]["roles"]["up.weight"] == ["mine", "mine", "other", "other"]
     assert outs[1]["roles"]["up.weight"] == ["other", "other", "mine", "mine"]
     assert all(set(o["roles"]["down.weight"]) == {"group"} for o in outs)
@@ -139,6 +141,24 @@ def _assert_at(tmp_path, target: dict) -> None:
                        target["down.weight"].view(torch.int16))
     for r in (r0, r1):
         assert torch.equal(r["norm"].view(torch.int16), target["norm.weight"].view(torch.int16))
+
+
+def test_split_chunks_whose_changes_outgrow_their_shared_slot_are_broadcast(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    base = {"up.weight": (torch.randn(4096, 512, generator=g) * 0.05).to(torch.bfloat16),
+            "down.weight": (torch.randn(512, 2048, generator=g) * 0.05).to(torch.bfloat16),
+            "norm.weight": torch.ones(512, dtype=torch.bfloat16)}
+    target = {n: _bits(t, np.random.default_rng(6)) for n, t in base.items()}
+    bits = base["down.weight"].clone().view(torch.int16).view(-1).numpy()
+    bits[::2] += 1  # half of every segment: 262,144 changes of 6 bytes each, more than a slot's MiB
+    target["down.weight"] = torch.from_numpy(bits).view(torch.bfloat16).view(512, 2048)
+    b = _ckpt(str(tmp_path / "base"), base)
+    delta = str(tmp_path / "step.delta")
+    encode(b, _ckpt(str(tmp_path / "target"), target), delta, sums=True)
+    outs = _run(tmp_path, b, delta, held=True)
+    assert all(o.get("ok") for o in outs), outs
+    assert [o["shm"] for o in outs] == [True, True] and [o["split"] for o in outs] == [[1, 2], [1, 2]]
+    _assert_at(tmp_path, target)
 
 
 def test_split_chunks_dropped_by_the_memory_budget_are_decoded_and_sent_again_when_written(tmp_path):

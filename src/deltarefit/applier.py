@@ -517,7 +517,7 @@ class Applier(HeldPlans):
         refuses them unless they move the digest exactly as the checked plan did."""
         r = c.rec
         owner = self.segs.split_owner(e.name, r.chunk_index)
-        region = self.segs.assemble_at(e.name, r.chunk_index, owner)
+        region = self.segs.assemble_window(e.name, [(r.chunk_index, owner)])[0]
         got, err = None, None
         if region is not None:
             try:
@@ -527,7 +527,7 @@ class Applier(HeldPlans):
                 got = (pos, new)
             except Exception as ex:
                 err = ex
-        shared = self.segs.share_changes(e.name, r.chunk_index, owner, got)
+        shared = self.segs.share_window(e.name, [(r.chunk_index, owner, got)])[0]
         if err is not None:
             raise err
         if shared is None:

@@ -6,7 +6,6 @@ between processes is decoded by one of them, which sends its changes to the othe
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -127,49 +126,42 @@ class HeldPlans:
     def _plan_split(self, e: TensorEntry, recs: list[ChunkRecord]
                     ) -> tuple[dict[int, _ChunkPlan], BaseException | None]:
         """The plans of a shared tensor's chunks split between the group's processes (in ``recs``' order,
-        the same in every process), and the first failure. Each is assembled at the process that decodes
-        it (``split_owner``), decoded there on its threads, and its changes sent to the group; a window
-        of them (``split_window``, the group's) is in flight at once, so every process decodes its share
-        in parallel. A failure is known
-        to every process at the same chunk (the owner sends none): all of them stop there."""
+        the same in every process), and the first failure. A window of them (``split_window``, the
+        group's) at a time: each assembled at the process that decodes it (``split_owner``), every
+        process decoding its share of the window on its threads, then the changes sent to the group. A
+        failure is known to every process in the same window (its decoder sends no changes): all of
+        them stop there."""
         out: dict[int, _ChunkPlan] = {}
         err: BaseException | None = None
-        me = self.segs.rank
-        pending: deque = deque()
-
-        def finish() -> None:
-            nonlocal err
-            r, owner, fut = pending.popleft()
-            got = moved = None
-            if fut is not None:
-                try:
-                    pos, new, moved = fut.result()
-                    got = (pos, new)
-                except Exception as ex:
-                    err = ex
-            shared = self.segs.share_changes(e.name, r.chunk_index, owner, got)
-            if shared is None:
-                if err is None:
-                    err = VerificationError(f"{_where(e, r)}: the process of the group that decodes it refused or "
-                                            "failed (see its log)")
-                return
-            out[r.chunk_index] = _ChunkPlan(r, "todo", Patch(shared[0], shared[1], None), moved, split=True)
-
-        window = self.segs.split_window  # the same in every process: it fixes the order of collective calls
-        for r in recs:
-            owner = self.segs.split_owner(e.name, r.chunk_index)
-            region = self.segs.assemble_at(e.name, r.chunk_index, owner)
-            fut = self._own_pool.submit(self._split_changes, e, r, region) if owner == me else None
-            pending.append((r, owner, fut))
-            if len(pending) >= window:
-                finish()
+        step = self.segs.split_window
+        for i in range(0, len(recs), step):
+            win = recs[i:i + step]
+            items = [(r.chunk_index, self.segs.split_owner(e.name, r.chunk_index)) for r in win]
+            regions = self.segs.assemble_window(e.name, items)
+            futs = [self._own_pool.submit(self._split_changes, e, r, region) if region is not None else None
+                    for r, region in zip(win, regions, strict=True)]
+            got: list[tuple[np.ndarray, np.ndarray] | None] = []
+            moved: list[np.ndarray | None] = []
+            for f in futs:
+                pos = new = mv = None
+                if f is not None:
+                    try:
+                        pos, new, mv = f.result()
+                    except Exception as ex:
+                        err = err or ex
+                got.append(None if pos is None else (pos, new))
+                moved.append(mv)
+            shared = self.segs.share_window(e.name, [(ci, owner, g) for (ci, owner), g in zip(items, got,
+                                                                                               strict=True)])
+            for r, mv, sh in zip(win, moved, shared, strict=True):
+                if sh is None:
+                    if err is None:
+                        err = VerificationError(f"{_where(e, r)}: the process of the group that decodes it refused "
+                                                "or failed (see its log)")
+                    continue
+                out[r.chunk_index] = _ChunkPlan(r, "todo", Patch(sh[0], sh[1], None), mv, split=True)
             if err is not None:
                 break
-        while pending and err is None:
-            finish()
-        for _, _, fut in pending:
-            if fut is not None:
-                fut.cancel()
         return out, err
 
     def _keep_split(self, chunks: list[_ChunkPlan]) -> None:

@@ -24,11 +24,14 @@ A held-digest plan does less: a segment of a shared tensor that one process hold
 alone (``read_own``, ``write_own``), and the group adds up those segments' digest moves
 (``group_sum``). A segment split between processes ("group") is decoded once, by the process
 ``split_owner`` names (the split segments of the target dealt round the group): it is assembled there
-alone (``assemble_at``), decoded and its digest move taken there, and its changes are sent to the
-group (``share_changes``), where each process writes and reads back its own elements (``write_split``).
+alone (``assemble_window``, a window of them at a time: in memory the group's processes share, where
+they share a host, else by a sum to that process), decoded and its digest move taken there, and its
+changes are sent to the group (``share_window``), where each process writes and reads back its own
+elements (``write_split``).
 
 ``group`` (``vllm_live._Group``): ``rank`` and ``size``, and the collective calls ``reduce_in_place(a)``
-(a sum over the group), ``sum_to(a, dst)``, ``broadcast(a, src)`` and ``agree(ok)``.
+(a sum over the group), ``sum_to(a, dst)``, ``broadcast(a, src)``, ``agree(ok)`` and optionally
+``shared_buffer(nbytes)`` (memory every process maps, or None).
 
 Parameters may be on any torch device; CPU parameters are read and written through numpy views of
 their memory, others through torch indexing (one gathered segment crosses to the host per read).
@@ -51,6 +54,8 @@ from ..shard.projection import Piece, intersect_boxes
 
 # Split segments in flight per process of a group (``LiveTarget.split_window``).
 SPLIT_AHEAD = 4
+# Bytes of a split segment's decoded changes sent through a group's shared memory (more go by broadcast).
+RESULT_BYTES = 1 << 20
 
 __all__ = ["LiveTarget", "Placement", "TargetUnion", "apply_live", "contiguous_run", "digest_through", "state_through"]
 
@@ -230,6 +235,17 @@ class LiveTarget:
             for ci, role in enumerate(self._roles[name]):
                 if role == "group":
                     self._split_owner[(name, ci)] = len(self._split_owner) % group.size
+        # Where the group's workers share a host, split segments are assembled in memory they all map
+        # (``split_window`` slots, used in turn): each writes its own elements, and no bytes cross a socket.
+        # A window's segments and the changes decoded from them, one slot each.
+        self._slots: np.ndarray | None = None
+        self._results: np.ndarray | None = None
+        if self._split_owner and hasattr(group, "shared_buffer"):
+            w = self.split_window
+            mem = group.shared_buffer(w * (SEGMENT_BYTES + RESULT_BYTES))
+            if mem is not None:
+                self._slots = mem[:w * SEGMENT_BYTES]
+                self._results = mem[w * SEGMENT_BYTES:]
 
     def _owned_in(self, name: str, a: int, b: int) -> int:
         """How many of checkpoint elements ``[a, b)`` of ``name`` this process owns."""
@@ -322,10 +338,68 @@ class LiveTarget:
         (``chunk_roles`` "group")."""
         return self._split_owner[(name, ci)]
 
-    def assemble_at(self, name: str, ci: int, owner: int) -> np.ndarray | None:
-        """Segment ``ci`` of shared tensor ``name`` assembled at rank ``owner`` alone (a collective call: a
-        sum to one process): its bytes there, None in every other process."""
-        return self._summed(name, ci, owner)
+    def assemble_window(self, name: str, items: Sequence[tuple[int, int]]) -> list[np.ndarray | None]:
+        """Segments of shared tensor ``name``, ``(ci, owner)`` each (at most ``split_window`` of them),
+        assembled each at its ``owner`` alone: its bytes there, None in every other process. A collective
+        step: through the group's shared memory where its processes share a host (each writes its own
+        elements into the window's slots, then one agreement), else a sum to the owner per segment. The
+        owner's bytes stay valid until the next window is assembled."""
+        if self._slots is None:
+            return [self._summed(name, ci, owner) for ci, owner in items]
+        if len(items) > self.split_window:
+            raise UsageError(f"a window of {len(items)} segments; the group's window is {self.split_window}")
+        out = []
+        for k, (ci, owner) in enumerate(items):
+            a, b, uint = self._range(name, ci)
+            buf = self._slots[k * SEGMENT_BYTES:k * SEGMENT_BYTES + (b - a) * uint.itemsize]
+            self._gather(name, ci, True, into=buf.view(uint))  # every element is owned by exactly one process
+            out.append(buf if self.rank == owner else None)
+        self._group.agree(True)  # every part written before any owner reads its slot
+        return out
+
+    def share_window(self, name: str, items: Sequence[tuple[int, int, tuple[np.ndarray, np.ndarray] | None]]
+                     ) -> list[tuple[np.ndarray, np.ndarray] | None]:
+        """``share_changes`` of a window (``assemble_window``'s): ``(ci, owner, changes)`` each, the changes
+        given by the owner (None where its decode or check failed), received by every process. Through
+        the shared memory, one agreement for the window (changes too large for their slot are then
+        broadcast, in order); else a broadcast per segment."""
+        if self._results is None:
+            return [self.share_changes(name, ci, owner, ch) for ci, owner, ch in items]
+        slots = []
+        for k, (ci, owner, ch) in enumerate(items):
+            slot = self._results[k * RESULT_BYTES:(k + 1) * RESULT_BYTES]
+            slots.append(slot)
+            if self.rank != owner:
+                continue
+            head = slot[:16].view(np.int64)
+            item = self._range(name, ci)[2].itemsize
+            if ch is None:
+                head[:] = (0, 0)  # refused
+            elif 16 + ch[0].size * (4 + item) > RESULT_BYTES:
+                head[:] = (2, 0)  # sent by broadcast below
+            else:
+                n = ch[0].size
+                slot[16:16 + 4 * n].view("<u4")[:] = ch[0]
+                slot[16 + 4 * n:16 + n * (4 + item)].view(ch[1].dtype)[:] = ch[1]
+                head[:] = (1, n)
+        self._group.agree(True)  # every owner's changes written before anyone reads them
+        out: list[tuple[np.ndarray, np.ndarray] | None] = []
+        for (ci, owner, ch), slot in zip(items, slots, strict=True):
+            state, n = (int(x) for x in slot[:16].view(np.int64))
+            a, b, uint = self._range(name, ci)
+            if state == 2:
+                out.append(self.share_changes(name, ci, owner, ch))
+            elif state != 1:
+                out.append(None)
+            elif self.rank == owner:
+                out.append(ch)
+            elif not 0 <= n <= b - a:
+                raise UsageError(f"tensor {name!r} segment {ci}: rank {owner} sent {n} changes for {b - a} elements")
+            else:  # copied out: the slot is the next window's
+                item = uint.itemsize
+                out.append((slot[16:16 + 4 * n].view("<u4").astype(np.int64),
+                            slot[16 + 4 * n:16 + n * (4 + item)].view(uint).copy()))
+        return out
 
     def _summed(self, name: str, ci: int, owner: int | None = None) -> np.ndarray | None:
         """Segment ``ci`` of shared tensor ``name`` (bytes) summed over the group: at every process, or at
@@ -550,8 +624,11 @@ class TargetUnion:
     def split_owner(self, name: str, ci: int) -> int:
         return self._of[name].split_owner(name, ci)
 
-    def assemble_at(self, name: str, ci: int, owner: int) -> np.ndarray | None:
-        return self._of[name].assemble_at(name, ci, owner)
+    def assemble_window(self, name: str, items) -> list:
+        return self._of[name].assemble_window(name, items)
+
+    def share_window(self, name: str, items) -> list:
+        return self._of[name].share_window(name, items)
 
     def share_changes(self, name: str, ci: int, owner: int, changes):
         return self._of[name].share_changes(name, ci, owner, changes)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -277,6 +278,48 @@ class _Group:
 
     def agree(self, ok: bool) -> bool:
         return bool(self._reduce(np.array([0 if ok else 1], np.int64), "MAX")[0] == 0)
+
+    def shared_buffer(self, nbytes: int) -> np.ndarray | None:
+        """``nbytes`` of memory that every worker of the group maps (a file in ``/dev/shm``, its pages
+        reserved up front, so a full tmpfs refuses here instead of faulting later; its name removed once
+        every worker has it open), or None in every worker where any of them cannot map it (no
+        ``/dev/shm``, or workers on different hosts). A collective call."""
+        import mmap
+        import tempfile
+
+        if self.pg is None:
+            return None
+        token = np.zeros(256, np.uint8)  # path length, path, 16 check bytes at the end
+        fd, path, ok = -1, "", True
+        if self.rank == 0:
+            try:
+                fd, path = tempfile.mkstemp(prefix="deltarefit-tp-", dir="/dev/shm")
+                os.posix_fallocate(fd, 0, nbytes)
+                check = os.urandom(16)
+                os.pwrite(fd, check, 0)
+                raw = path.encode()
+                token[0], token[1:1 + len(raw)], token[240:] = len(raw), np.frombuffer(raw, np.uint8), \
+                    np.frombuffer(check, np.uint8)
+            except OSError:
+                ok = False
+        ok = self.agree(ok)
+        if ok:
+            self.broadcast(token, 0)
+            if self.rank != 0:
+                try:
+                    path = bytes(token[1:1 + int(token[0])]).decode()
+                    fd = os.open(path, os.O_RDWR)
+                    ok = os.fstat(fd).st_size >= nbytes and os.pread(fd, 16, 0) == token[240:].tobytes()
+                except (OSError, UnicodeDecodeError):
+                    ok = False
+            ok = self.agree(ok)
+        if self.rank == 0 and path:
+            os.unlink(path)  # every worker has it open, or nobody will use it: no name is left behind
+        try:
+            return np.frombuffer(mmap.mmap(fd, nbytes), np.uint8) if ok else None
+        finally:
+            if fd >= 0:
+                os.close(fd)  # the mapping keeps the memory
 
     def union(self, reasons: dict[str, str], names: list[str]) -> dict[str, str]:
         """``reasons`` extended by every name another worker of the group has reasons for."""
