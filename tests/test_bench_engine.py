@@ -171,3 +171,23 @@ def test_main_without_vllm_fails_with_one_line(monkeypatch: pytest.MonkeyPatch, 
     assert eb.main(["--quick"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "vLLM is not installed" in err
+
+
+def test_live_tp_bench_runs_two_real_workers_and_reports_each_split_chunk_decoded_once(tmp_path: Path) -> None:
+    import json
+
+    from deltarefit.apps.bench import live_tp
+
+    out = tmp_path / "tp.json"
+    md = tmp_path / "TP.md"
+    assert live_tp.main(["--hidden", "256", "--mlp", "1024", "--layers", "1", "--repeat", "1", "--rates", "0.035",
+                         "--json", str(out), "--markdown", str(md)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert [r["world"] for r in res] == [1, 2]
+    one, two = res[0]["rates"][0], res[1]["rates"][0]
+    assert one["split_chunks"] == 0 and one["held"] == 5  # 5 tensors, each checked by its held digest
+    # each of the 4 matrices is one segment (at most 256 Ki elements) holding both workers' slices: split,
+    # and each decoded by one worker
+    assert two["split_chunks"] == 4 and two["split_decoded"] == 2
+    assert one["held_ok"] and two["held_ok"]
+    assert "| 2 | " in md.read_text()

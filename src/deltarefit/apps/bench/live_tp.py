@@ -91,6 +91,17 @@ def run_tp(root: str, world: int, rates: list[float], repeat: int, threads: int)
         return json.load(f)
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
 def render(results: list[dict], cfg: dict) -> str:
     lines = [
         "| TP | threads per worker | changed | in place (s): median (min-max) | full reload (s): median (min-max) "
@@ -105,9 +116,23 @@ def render(results: list[dict], cfg: dict) -> str:
                          f"({lo:.3f}-{hi:.3f}) | {r['reload']:.3f} ({rlo:.3f}-{rhi:.3f}) | "
                          f"{r['reload'] / r['in_place']:.1f}x | {r['split_chunks']} ({r['split_decoded']}) | "
                          f"{'yes' if r['held_ok'] else 'NO'} |")
-    head = (f"`python -m deltarefit.apps.bench.live_tp {cfg['argv']}`: {cfg['elements'] / 1e6:.1f}M bf16 elements "
-            f"({cfg['layers']} layers, hidden {cfg['hidden']}, MLP {cfg['mlp']}) on {os.cpu_count()} CPUs.")
-    return head + "\n\n" + "\n".join(lines) + "\n"
+    head = (f"# Tensor-parallel refit in place\n\nProduced by `python -m deltarefit.apps.bench.live_tp {cfg['argv']}`: "
+            f"{cfg['elements'] / 1e6:.1f}M bf16 elements ({cfg['layers']} layers, hidden {cfg['hidden']}, MLP "
+            f"{cfg['mlp']}) on {os.cpu_count()} CPUs ({cfg['cpu']}).")
+    method = (
+        "* Workers: one process per tensor-parallel rank, each holding its slices in a torch module "
+        "(`q_proj`, `up_proj` by rows, `o_proj`, `down_proj` by columns, norms whole); at TP 2 a gloo group on "
+        "loopback and, the workers sharing a host, a shared-memory window for split segments.\n"
+        "* In place: `run_apply` through a `LiveTarget` checked by held digests, as a vLLM worker runs it. Every "
+        "segment of a row-parallel weight is split between the workers: each is decoded by one of them (the "
+        "column \"split chunks\"; in brackets, how many rank 0 decoded), which sends the others its changes.\n"
+        "* Full reload: the target's checkpoint read from the page cache and each worker's slices copied from it "
+        f"through the module's loader. It checks nothing, and the {2 * cfg['elements'] / 1e6:.0f} MB it reads had "
+        "to arrive on the node and be written there first, which is not counted.\n"
+        "* Times: medians over forward and back refits (min-max in brackets), between barriers, after a warm-up "
+        "round trip. \"Held digests moved exactly\": after the runs, every tensor re-hashed matches the digest "
+        "the refits moved.\n")
+    return head + "\n\n" + method + "\n" + "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     cfg = {"argv": " ".join(argv if argv is not None else sys.argv[1:]), "elements": n, "layers": args.layers,
-           "hidden": args.hidden, "mlp": args.mlp}
+           "hidden": args.hidden, "mlp": args.mlp, "cpu": _cpu_model()}
     text = render(results, cfg)
     print(text)
     if args.markdown:
