@@ -183,17 +183,17 @@ def test_a_split_chunk_its_decoder_refuses_stops_both_before_any_write(tmp_path)
     assert outs[0]["untouched"] and outs[1]["untouched"]
 
 
-@pytest.mark.parametrize(("n", "fail_rank"), [(1, 1), (2, 0), (2, 1)])
-def test_a_worker_failing_mid_write_of_a_split_chunk_is_completed_by_a_rerun(tmp_path, n, fail_rank):
+@pytest.mark.parametrize(("n", "fail_rank", "torn"), [(1, 1, 2), (2, 0, 1), (2, 1, 1)])
+def test_a_worker_failing_mid_write_of_a_split_chunk_is_completed_by_a_rerun(tmp_path, n, fail_rank, torn):
     target, b, delta, _ = _whole_pair(tmp_path)
-    # The failing worker's write of one of "down"'s 2 split chunks fails after the other wrote its part
-    # of it: that chunk is torn across the workers, and the group stops there (each split chunk written
-    # is agreed on before the next).
+    # The failing worker's write of one of "down"'s 2 split chunks fails; the other writes its parts of
+    # the tensor's chunks up to the group's agreement at the end of the tensor's run, so every split
+    # chunk from the failed one on is torn across the workers. The failed worker journals them anyway.
     outs = _run(tmp_path, b, delta, held=True, fail={"call": "write_split", "n": n, "rank": fail_rank})
     assert all(o.get("ok") for o in outs), outs
     assert "injected failure" in outs[fail_rank]["first"], outs
     assert "another process" in outs[1 - fail_rank]["first"], outs
-    assert [o["recovered"] for o in outs] == [1, 1], outs  # the torn chunk, restored from each one's journal
+    assert [o["recovered"] for o in outs] == [torn, torn], outs  # restored from each one's journal
     _assert_at(tmp_path, target)
 
 

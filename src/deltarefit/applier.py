@@ -424,11 +424,13 @@ class Applier(HeldPlans):
             c.patch = None
             return _seg_len(e.base.nbytes, r.chunk_index)
 
-        def write_split(tp: _TensorPlan, ti: int, c: _ChunkPlan) -> int:
+        def write_split(tp: _TensorPlan, ti: int, c: _ChunkPlan, journal_only: bool = False) -> int:
             e, r = tp.entry, c.rec
             patch = c.patch or self._split_again(e, c)
             if self.journal:
                 self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch, None)
+            if journal_only:
+                return 0
             if not self.segs.write_split(e.name, r.chunk_index, patch.positions, patch.values):
                 raise VerificationError(f"{_where(e, r)}: changed elements read back differ from the patch after "
                                         "writing")
@@ -443,7 +445,7 @@ class Applier(HeldPlans):
             todo = [(ti, tp, c) for ti, tp in enumerate(plans) if tp.state in ("patch", "held") for c in tp.chunks
                     if c.state == state or (state == "todo" and c.state == "other")]
             if self.collective:
-                written += self._write_in_step(do, todo)
+                written += self._write_in_step(do, todo, functools.partial(write_split, journal_only=True))
                 continue
             with ThreadPoolExecutor(self.threads if state == "todo" else 1, thread_name_prefix="apply") as pool:
                 futs = [pool.submit(do, tp, ti, c) for ti, tp, c in todo]
@@ -460,15 +462,18 @@ class Applier(HeldPlans):
         return applied, skipped, recovered, written
 
     def _write_in_step(self, do: Callable[[_TensorPlan, int, _ChunkPlan], int],
-                       todo: list[tuple[int, _TensorPlan, _ChunkPlan]]) -> int:
+                       todo: list[tuple[int, _TensorPlan, _ChunkPlan]],
+                       journal_split: Callable[[_TensorPlan, int, _ChunkPlan], int]) -> int:
         """Write a collective target's chunks ``todo`` on this thread, in their order (the same in every
         process of the group); the bytes written. The group agrees after each tensor's run of chunks that
         one process writes alone (at most ``WRITE_AGREE_EVERY`` of them): one collective call per run, not
         per chunk. A process that fails writes nothing more, and every process stops at the same
         agreement; the others may have written the rest of the run, each chunk checked by its writer's
-        plan and journaled by it, so a rerun completes it, as after any failure mid-write. A chunk that
-        several processes write parts of (a split segment) gets an agreement of its own, before the next
-        is written: a chunk torn across processes must have a journal record in each of them."""
+        plan and journaled by it, so a rerun completes it, as after any failure mid-write. A split chunk
+        (every process writes its part) may then be torn across processes, and each needs a journal record
+        of it: a process that failed still journals the run's split chunks (``journal_split``), without
+        writing them. A chunk whose write makes collective calls (its segment read over the group, or
+        its changes sent again) gets an agreement of its own."""
         written, run, err = 0, 0, None
         prev = -1
 
@@ -485,7 +490,7 @@ class Applier(HeldPlans):
                                         "apply (see its log)")
 
         for ti, tp, c in todo:
-            if self._written_by_several(tp, c):
+            if self._writes_collectively(tp, c):
                 settle()
                 written += self._agreed(do, tp, ti, c)
                 continue
@@ -497,19 +502,21 @@ class Applier(HeldPlans):
                     written += do(tp, ti, c)
                 except Exception as ex:
                     err = ex
+            elif c.split:
+                journal_split(tp, ti, c)
             run += 1
             if run >= WRITE_AGREE_EVERY:
                 settle()
         settle()
         return written
 
-    def _written_by_several(self, tp: _TensorPlan, c: _ChunkPlan) -> bool:
-        """Whether chunk ``c`` is a segment of a shared tensor that no process holds whole (its parts written
-        by several processes, and its write may make collective calls: the segment read over the group,
-        or a split chunk's changes sent again). The same answer in every process: roles are the group's."""
+    def _writes_collectively(self, tp: _TensorPlan, c: _ChunkPlan) -> bool:
+        """Whether writing chunk ``c`` makes collective calls: a segment of a shared tensor read and written
+        over the group, or a split chunk's changes decoded and sent again. The same answer in every
+        process: roles, and which split chunks keep their changes, are the group's."""
         if self._roles is None or self._roles(tp.entry.name) is None:
             return False
-        return not (c.own or c.state == "other")
+        return not (c.own or c.state == "other" or (c.split and c.patch is not None))
 
     def _split_again(self, e: TensorEntry, c: _ChunkPlan) -> Patch:
         """A split chunk's changes, dropped after its plan (the memory budget), decoded again by the same
