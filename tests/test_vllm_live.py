@@ -257,8 +257,9 @@ def test_vllm_serve_refit_through_http_routes_by_the_trainer_engine(tmp_path):
 @pytest.mark.slow
 def test_backend_refits_a_tensor_parallel_engine_in_place(tmp_path, monkeypatch):
     """TP=2 on the CPU (one core per worker): linear layers are split across the two workers; each
-    segment of a split tensor is assembled over the group's gloo group, checked by both, and each worker
-    writes only its own elements. Compared with a fresh TP=2 engine on the target, worker by worker."""
+    segment split between them is assembled at one of them (in the memory both map), decoded and checked
+    there once, and each worker writes only its own elements. Compared with a fresh TP=2 engine on the
+    target, worker by worker."""
     from vllm import LLM
 
     from deltarefit.engines.vllm import EXTENSION, engine_digests
@@ -291,6 +292,11 @@ def test_backend_refits_a_tensor_parallel_engine_in_place(tmp_path, monkeypatch)
         client.start_weight_update()
         client.update_weights({"version": 2})
         client.finish_weight_update("2")
+        lasts = [last["refits"] for last in llm.collective_rpc(_last_update)]
+        assert all([r["check"] for r in refits] == ["held digests"] for refits in lasts), lasts
+        split = [(refits[0]["split_chunks"], refits[0]["split_decoded"]) for refits in lasts]
+        assert split[0][0] == split[1][0] > 0 and split[0][1] + split[1][1] == split[0][0], split  # each once
+        assert all(d["split_assembly"] == "shared memory" for d in descs), descs
         after, digests = generate(llm), engine_digests(llm)
     finally:
         stop_engine(llm)

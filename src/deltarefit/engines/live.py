@@ -52,8 +52,10 @@ from ..errors import UsageError
 from ..integrity import SEGMENT_BYTES, n_segments
 from ..shard.projection import Piece, intersect_boxes
 
-# Split segments in flight per process of a group (``LiveTarget.split_window``).
+# Split segments in flight per process of a group, unless its caller says (``LiveTarget.split_window``),
+# and in all (their slots cost 2 MiB each of shared memory).
 SPLIT_AHEAD = 4
+SPLIT_WINDOW_MAX = 32
 # Bytes of a split segment's decoded changes sent through a group's shared memory (more go by broadcast).
 RESULT_BYTES = 1 << 20
 
@@ -186,18 +188,21 @@ class LiveTarget:
     """``apply.SegmentTarget`` over engine parameters holding checkpoint tensors through ``Placement`` s.
 
     ``specs``: checkpoint tensor name -> (safetensors dtype name, shape), for the tensors placed.
+    ``split_ahead``: split segments a held-digest plan keeps in flight per process (module docstring),
+    which must be the same in every process of the group.
     ``params``: parameter name -> torch tensor (the live storage). Refuses, with nothing written, a
     layout that does not cover a tensor exactly once by owner pieces, or whose parameter dtype differs.
     """
 
     def __init__(self, params: Mapping[str, object], layout: Mapping[str, Sequence[Placement]],
                  specs: Mapping[str, tuple[str, Sequence[int]]], *, shared: Sequence[str] = (),
-                 group: object | None = None) -> None:
+                 group: object | None = None, split_ahead: int = 0) -> None:
         if shared and group is None:
             raise UsageError("shared tensors need their group (module docstring)")
         self.shared = set(shared)
         self.collective = bool(self.shared)
         self._group = group
+        self._ahead = split_ahead or SPLIT_AHEAD
         self.tensors: dict[str, _Info] = {}
         self._flat: dict[str, _Flat] = {}
         self._place: dict[str, list[tuple[Placement, tuple[int, int, int] | None]]] = {}
@@ -331,7 +336,15 @@ class LiveTarget:
         """How many split segments a held-digest plan keeps in flight (assembled, not yet shared): the same
         in every process of the group, whatever threads each applies with, since it fixes the order of
         the collective calls."""
-        return SPLIT_AHEAD * self.size
+        return max(self.size, min(SPLIT_WINDOW_MAX, self._ahead * self.size))
+
+    @property
+    def split_assembly(self) -> str | None:
+        """Where split segments are assembled: "shared memory", "gloo" (a sum to the decoder over the
+        group), or None (this target has none)."""
+        if not self._split_owner:
+            return None
+        return "shared memory" if self._slots is not None else "gloo"
 
     def split_owner(self, name: str, ci: int) -> int:
         """The rank that decodes segment ``ci`` of ``name``, a segment split between processes

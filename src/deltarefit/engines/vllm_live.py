@@ -55,7 +55,7 @@ from ..history_book import HistoryBook, MovesRecorder
 from ..integrity import fingerprint_from_digests
 from ..journal import Journal
 from .capture import capture_layout
-from .live import LiveTarget, Placement, TargetUnion, digest_through, state_through
+from .live import SPLIT_AHEAD, LiveTarget, Placement, TargetUnion, digest_through, state_through
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,9 @@ class LiveRefitReport:
     # every changed element read back; unchanged elements not re-read) or "segments" (every segment
     # of every tensor hashed).
     check: str = "segments"
+    # Chunks of tensors split between the workers of a TP group, and how many of them this worker decoded.
+    split_chunks: int = 0
+    split_decoded: int = 0
 
 
 def _apply_cpus(spec: str) -> set[int]:
@@ -327,10 +330,11 @@ class _Group:
         return {n: reasons.get(n, "another worker of its tensor-parallel group reloads it")
                 for n, f in zip(names, flags, strict=True) if f}
 
-    def target(self, params: Any, placed: dict, specs: dict, shared: set[str]) -> LiveTarget:
+    def target(self, params: Any, placed: dict, specs: dict, shared: set[str], split_ahead: int = SPLIT_AHEAD
+               ) -> LiveTarget:
         if not shared:
             return LiveTarget(params, placed, specs)
-        return LiveTarget(params, placed, specs, shared=sorted(shared), group=self)
+        return LiveTarget(params, placed, specs, shared=sorted(shared), group=self, split_ahead=split_ahead)
 
 
 class LiveEngine:
@@ -420,15 +424,20 @@ class LiveEngine:
     def _build_target(self) -> None:
         from ..torch_api import _TorchTarget
 
+        # Split segments in flight per worker: as many as the group's fewest apply threads can decode at
+        # once (the same number in every worker: it fixes the order of the group's collective calls).
+        ahead = int(self.group.min(np.array([self.threads], np.int64))[0])
         self.live = self.group.target(self.params, self.placements, {n: self.specs[n] for n in self.placements},
-                                      self.shared)
+                                      self.shared, split_ahead=min(max(ahead, SPLIT_AHEAD), 2 * SPLIT_AHEAD))
         self.target = TargetUnion(self.live, _TorchTarget(self.host))
 
     def describe(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "in_place": sorted(self.placements),
                 "reload": dict(sorted(self.reload_reasons.items())), "host_bytes": sum(
                     t.numel() * t.element_size() for t in self.host.values()), "seconds_init": self.seconds_init,
-                "threads": self.threads, "cpus": sorted(self.cpus)}
+                "threads": self.threads, "cpus": sorted(self.cpus),
+                # where the group assembles split segments: "shared memory", "gloo" or None (no split segments)
+                "split_assembly": self.live.split_assembly}
 
     def _check_storages(self) -> None:
         moved = [n for n, p in self.model.named_parameters()
@@ -487,7 +496,7 @@ class LiveEngine:
                                rep.written_bytes, len([n for n in changed if n in self.placements]),
                                sum(1 for n in self.host if self._layer(n) in set(layers)), layers,
                                t_apply - t0, t1 - t_apply, t1 - t0,
-                               _check_name(rep.held, n_tensors))
+                               _check_name(rep.held, n_tensors), rep.split_chunks, rep.split_decoded)
 
     def _layer(self, name: str) -> str:
         from .vllm import layer_key
