@@ -1,7 +1,8 @@
 """One rank of a torch.distributed (gloo, loopback) broadcast refit, for tests/test_torchdist.py.
 
 argv[1] is a JSON object: rank, world, port, mirror, and either ``checkpoint`` or ``tensors_from``
-(+ ``held`` [version, fingerprint] and ``tensors_out``); rank 0 also gets ``store``. Prints one JSON
+(+ ``held`` [version, fingerprint], ``tensors_out`` and optionally ``history``, the tensors' book
+directory); rank 0 also gets ``store``. Prints one JSON
 line: the report, or the error; exits 0, or 3 on a deltarefit error.
 """
 
@@ -22,7 +23,7 @@ kw = {"store": a.get("store"), "mirror": a["mirror"], "chunk_bytes": a.get("chun
 tensors = None
 if "tensors_from" in a:
     tensors = load_file(a["tensors_from"])
-    kw.update(tensors=tensors, held=tuple(a["held"]))
+    kw.update(tensors=tensors, held=tuple(a["held"]), history=a.get("history"))
 else:
     kw.update(checkpoint=a["checkpoint"])
 try:

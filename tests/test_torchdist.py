@@ -95,3 +95,58 @@ def test_a_tampered_part_fails_every_rank_and_writes_nothing(setup, tmp_path):
     for _, r in out:
         assert "does not match its commit record" in r["error"]
     assert [sha(ck0), sha(ck1)] == before == [sha(chain[6])] * 2
+
+
+def _history_stream(tmp_path):
+    """A stream published with history (encoding 5) along a momentum-like chain: version 1 a keyframe,
+    2 the first delta after it (coded without history), 3 and 4 coded against the stream's moves."""
+    from _chains import encodings, write_chain
+
+    from deltarefit.codec.chunk import ULP_HIST
+
+    chain = write_chain(str(tmp_path / "chain"), 3, n=(1 << 19) + 3000, seed=11, rate=0.05, prefix="c")
+    store = LocalStore(str(tmp_path / "store"))
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=1000, keyframe_ratio=1000.0, history=True)
+    for v, ck in enumerate(chain, 1):
+        pub.publish(ck, step=v)
+    used = {e for v in (3, 4) for e in encodings(os.path.join(store.url, *load_commit(store, v).delta.key.split("/")))}
+    assert ULP_HIST in used, used
+    return chain, store
+
+
+def test_a_tensors_rank_with_its_history_book_follows_a_history_stream_bit_exact(tmp_path):
+    chain, store = _history_stream(tmp_path)
+    ck0 = str(tmp_path / "r0.safetensors")
+    Subscriber(store, ck0).sync(to_version=1)
+    fp1 = deltarefit.fingerprint(chain[0])
+    out = _run_group([
+        {"store": store.url, "checkpoint": ck0, "mirror": str(tmp_path / "m0")},
+        {"tensors_from": chain[0], "held": [1, fp1], "tensors_out": str(tmp_path / "t1.safetensors"),
+         "history": str(tmp_path / "book1"), "mirror": str(tmp_path / "m1")},
+    ])
+    assert [rc for rc, _ in out] == [0, 0], out
+    assert [r["applied"] for _, r in out] == [[2, 3, 4], [2, 3, 4]]
+    assert sha(ck0) == sha(chain[3])
+    assert deltarefit.fingerprint(str(tmp_path / "t1.safetensors")) == deltarefit.fingerprint(chain[3])
+
+
+def test_a_tensors_rank_without_a_book_refuses_a_history_delta_on_every_rank(tmp_path):
+    chain, store = _history_stream(tmp_path)
+    ck0 = str(tmp_path / "r0.safetensors")
+    Subscriber(store, ck0).sync(to_version=2)
+    out = _run_group([
+        {"store": store.url, "checkpoint": ck0, "mirror": str(tmp_path / "m0")},
+        {"tensors_from": chain[1], "held": [2, deltarefit.fingerprint(chain[1])],
+         "tensors_out": str(tmp_path / "t1.safetensors"), "mirror": str(tmp_path / "m1")},
+    ])
+    assert [rc for rc, _ in out] == [3, 3], out
+    assert all("rank 1" in r["error"] and "history" in r["error"] for _, r in out), out
+
+
+def test_a_failure_line_shared_between_ranks_keeps_its_reason_within_its_slot():
+    from deltarefit.transport.torchdist import FP_BYTES, _brief
+
+    line = "rank 1: /a/very/long/mirror/path/" + "é" * 300 + "/delta: chunk is coded against history 25da…, none held"
+    got = _brief(line)
+    assert len(got.encode()) <= FP_BYTES and got.startswith("rank 1: ") and got.endswith("none held")
+    assert _brief("short") == "short"

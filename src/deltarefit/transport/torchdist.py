@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import blake3
 import numpy as np
 
+from ..codec.history import DEPTH as HISTORY_DEPTH
 from ..errors import BroadcastError, DeltaRefitError, UsageError
 from ..fsutil import fsync_dir
 from ..storage.base import PATH_OF, Store, open_store
@@ -40,7 +41,7 @@ from ..stream.chain import newest_keyframe, sync_target
 from ..stream.records import CommitRecord, Part, StreamError, commit_key, head, load_commit, parse_commit
 from .collectives import broadcast_bytes
 
-FP_BYTES = 96  # a fingerprint's hex (64 chars) fits, with room; padded with NUL
+FP_BYTES = 256  # a fingerprint's hex (64 chars), or a failure's line (``_brief``); padded with NUL
 DEFAULT_CHUNK = 16 << 20
 
 
@@ -74,7 +75,18 @@ def _encode_fp(version: int | None, fp: str | None):
 def _decode_fp(t) -> tuple[int | None, str]:
     b = t.cpu().numpy().tobytes()
     v = int(np.frombuffer(b[:8], dtype=np.int64)[0])
-    return (None if v < 0 else v), b[8:].rstrip(b"\0").decode()
+    return (None if v < 0 else v), b[8:].rstrip(b"\0").decode(errors="replace")
+
+
+def _brief(line: str, limit: int = FP_BYTES) -> str:
+    """``line`` in at most ``limit`` bytes of UTF-8: its start and its end (where the reason is, after
+    the path that names the place), joined by "..."."""
+    raw = line.encode()
+    if len(raw) <= limit:
+        return line
+    head = raw[:limit // 4].decode(errors="ignore")
+    tail = raw[-(limit - len(head.encode()) - 3):].decode(errors="ignore")
+    return f"{head}...{tail}"
 
 
 def _all_gather_bytes(t, group, device):
@@ -92,7 +104,9 @@ def _bcast_blob(data: bytes | None, status: int, group, src: int, device) -> tup
 
 
 def _plan(store: Store, held: list[int | None], to_version: int | None) -> tuple[list[CommitRecord], list[Part]]:
-    """Records from the oldest version any rank needs to the target, and the parts to send."""
+    """Records from the oldest version any rank needs to the target, and the parts to send. The records
+    of the versions the ranks hold, and of the two before each, go too where the store still has them:
+    a subscriber following a history stream checks its book against that lineage (``stream.history``)."""
     target = sync_target(store.url, head(store), to_version)
     for v in held:
         if v is not None and v > target:
@@ -103,6 +117,14 @@ def _plan(store: Store, held: list[int | None], to_version: int | None) -> tuple
         kf = newest_keyframe(lambda v: load_commit(store, v), target)
         first = min(first, kf)
     recs = [load_commit(store, v) for v in range(first, target + 1)]
+    lineage = {v - k for v in held if v is not None for k in range(HISTORY_DEPTH) if 1 <= v - k < first}
+    older = []
+    for v in sorted(lineage):
+        try:
+            older.append(load_commit(store, v))
+        except StreamError:  # retired from the store: that subscriber's book then starts over (a route)
+            continue
+    recs = older + recs
     # Deltas after the oldest version a rank holds (or after the keyframe, for ranks holding nothing).
     after = min([v for v in held if v is not None] + ([kf] if kf is not None else []))
     parts: list[Part] = []
@@ -158,13 +180,17 @@ def _send_part(store: Store, part: Part, group, src: int, rank: int, mirror: str
 def broadcast_sync(group=None, *, src: int = 0, store: Store | str | None = None, checkpoint: str | None = None,
                    tensors: dict | None = None, held: tuple[int, str] | None = None, to_version: int | None = None,
                    mirror: str, chunk_bytes: int = DEFAULT_CHUNK, device: str = "cpu",
-                   threads: int | None = None) -> BroadcastReport:
+                   threads: int | None = None, history=None) -> BroadcastReport:
     """Bring every rank of ``group`` to version ``to_version`` (default: the head of ``store`` on ``src``).
 
     Every rank passes exactly one target: ``checkpoint`` (a path; its version is kept beside it as with
     ``deltarefit sync``) or ``tensors`` (a dict of CPU tensors updated in place; ``held`` says which
     version it holds). Only ``src`` needs ``store``. ``mirror`` is a local directory for received parts.
     ``device`` is where broadcast buffers live: ``"cpu"`` for gloo, ``"cuda"`` for NCCL.
+    ``history`` (``tensors`` targets): the tensors' history book, a ``HistoryBook`` or its directory,
+    whose tip is the held version. A delta's ``ulp_hist`` chunks decode against it, and it advances with
+    each version verified; without one, such a delta is refused by name (a ``checkpoint`` keeps its book
+    beside it, as ``deltarefit sync`` does).
     Raises ``BroadcastError`` on every rank when any rank fails.
     """
     _, dist = _dist()
@@ -172,6 +198,12 @@ def broadcast_sync(group=None, *, src: int = 0, store: Store | str | None = None
     rank = dist.get_rank(group)
     if (checkpoint is None) == (tensors is None):
         raise UsageError("broadcast_sync: give exactly one of checkpoint= or tensors=")
+    if history is not None and tensors is None:
+        raise UsageError("broadcast_sync: history= is the book of tensors= (a checkpoint keeps its own beside it)")
+    if isinstance(history, (str, os.PathLike)):
+        from ..history_book import HistoryBook
+
+        history = HistoryBook(history)
     from ..stream.subscriber import Subscriber
 
     os.makedirs(mirror, exist_ok=True)
@@ -194,7 +226,7 @@ def broadcast_sync(group=None, *, src: int = 0, store: Store | str | None = None
                 rep = sub.sync(to_version=target.version)
                 applied, version, fp = rep.versions_applied, rep.version, rep.fingerprint
             else:
-                version, fp, applied = _apply_tensors(mstore, recs, mine, tensors, threads)
+                version, fp, applied = _apply_tensors(mstore, recs, mine, tensors, threads, history)
         except DeltaRefitError as e:
             failure = f"rank {rank}: {e}"
     _fail_together(failure, version, fp, target, group, device)
@@ -254,7 +286,7 @@ def _fail_together(failure: str, version: int | None, fp: str, target: CommitRec
     torch, dist = _dist()
     flag = torch.tensor([1 if failure else 0], dtype=torch.int64, device=device)
     dist.all_reduce(flag, group=group)
-    ends = [_decode_fp(t) for t in _all_gather_bytes(_encode_fp(version, fp if not failure else failure[:FP_BYTES]),
+    ends = [_decode_fp(t) for t in _all_gather_bytes(_encode_fp(version, fp if not failure else _brief(failure)),
                                                      group, device)]
     if int(flag.item()):
         raise BroadcastError(failure or "; ".join(f"rank {i}: {e[1]}" for i, e in enumerate(ends)
@@ -265,18 +297,21 @@ def _fail_together(failure: str, version: int | None, fp: str, target: CommitRec
         raise BroadcastError(f"ranks {bad} did not end at version {target.version} ({target.fingerprint[:16]}…)")
 
 
-def _apply_tensors(mstore: Store, recs: list[CommitRecord], mine, tensors: dict, threads):
+def _apply_tensors(mstore: Store, recs: list[CommitRecord], mine, tensors: dict, threads, history):
     from ..torch_api import apply_to_tensors
 
     if mine is None:
         raise UsageError("broadcast_sync: a tensors= target must say which version it holds (held=)")
     version, fp, applied = mine[0], mine[1], []
+    if history is not None and history.tip not in (None, fp):
+        raise StreamError(f"the history book given describes {history.tip[:16]}…, the tensors hold version "
+                          f"{version} ({fp[:16]}…)")
     for r in recs:
         if r.version <= version:
             continue
         if r.delta is None or r.parent != fp:
             raise StreamError(f"version {r.version} does not apply to the held version {version} ({fp[:16]}…)")
-        rep = apply_to_tensors(mstore.path_of(r.delta.key), tensors, threads=threads)
+        rep = apply_to_tensors(mstore.path_of(r.delta.key), tensors, threads=threads, history=history)
         if rep.target_fingerprint != r.fingerprint:
             raise StreamError(f"after version {r.version}: fingerprint {rep.target_fingerprint[:16]}…, "
                               f"the record says {r.fingerprint[:16]}…")
