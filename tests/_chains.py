@@ -5,7 +5,7 @@ way (as AdamW's steps do), written as real safetensors checkpoints."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -94,3 +94,36 @@ def deltas_with_history(paths: list[str], d) -> Iterator[tuple[str, Any, int]]:
         rep = encode(paths[i - 1], paths[i], out, history=trainer, sums=True)
         trainer.commit(rep.target_fingerprint, rep.moves, parent=rep.base_fingerprint)
         yield out, rep, encodings(out).get(ULP_HIST, 0)
+
+
+def checkpoint_bits(path: str) -> dict[str, bytes]:
+    """Every tensor of a safetensors file as its raw bytes."""
+    return {n: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            for n, t in safetensors.torch.load_file(path).items()}
+
+
+def follow_with_book(paths: list[str], d: str, apply: Callable[[str, Any], Any],
+                     held_bits: Callable[[], dict[str, bytes]]) -> None:
+    """A target follows the chain ``paths`` (it holds ``paths[0]``) delta by delta with a history book
+    (``deltas_with_history``, the trainer's book in ``d``): a delta with ``ulp_hist`` chunks is first
+    refused by name, nothing written, given an empty book; each is then applied with the target's own
+    book (``apply(delta, book)``), which must end at the delta's target, and the target must hold the
+    next checkpoint bit for bit (``held_bits()``: its tensors' bytes). Some delta must use history."""
+    import pytest
+
+    from deltarefit.errors import DecodeError
+    from deltarefit.history_book import HistoryBook
+
+    book = HistoryBook(os.path.join(d, "book"))
+    hist_chunks = 0
+    for i, (out, rep, n5) in enumerate(deltas_with_history(paths, d), 1):
+        hist_chunks += n5
+        if n5:
+            before = held_bits()
+            with pytest.raises(DecodeError, match="history"):
+                apply(out, HistoryBook(os.path.join(d, f"empty{i}")))
+            assert held_bits() == before
+        got = apply(out, book)
+        assert got.target_fingerprint == rep.target_fingerprint == book.tip
+        assert held_bits() == checkpoint_bits(paths[i])
+    assert hist_chunks > 0

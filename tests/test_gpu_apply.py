@@ -143,22 +143,10 @@ def test_a_chain_coded_with_history_is_applied_and_the_wrong_book_refused(tmp_pa
     against the book (on the host, from a copy of their segment), every chunk's moves (the ulp ones
     decoded on the device too) advance it as the trainer's advanced, and a book that is not the one a
     delta was coded against is refused by name with nothing written."""
-    from _chains import deltas_with_history, write_chain
-
-    from deltarefit.history_book import HistoryBook
+    from _chains import follow_with_book, write_chain
 
     paths = write_chain(str(tmp_path / "chain"), 4, n=(1 << 19) + 3000, seed=8, rate=0.05, prefix="c")
     live = _on(load_file(paths[0]), device)
-    book = HistoryBook(str(tmp_path / "book"))
-    hist_chunks = 0
-    for i, (out, rep, n5) in enumerate(deltas_with_history(paths, str(tmp_path)), 1):
-        hist_chunks += n5
-        if n5:
-            before = {k: v.clone() for k, v in live.items()}
-            with pytest.raises(DecodeError, match="history"):
-                apply_to_device_tensors(out, live, history=HistoryBook(str(tmp_path / f"empty{i}")))
-            assert _same_bits(live, before)
-        got = apply_to_device_tensors(out, live, history=book)
-        assert got.target_fingerprint == rep.target_fingerprint == book.tip
-        assert _same_bits({k: v.cpu() for k, v in live.items()}, load_file(paths[i]))
-    assert hist_chunks > 0
+    follow_with_book(paths, str(tmp_path), lambda out, book: apply_to_device_tensors(out, live, history=book),
+                     lambda: {k: v.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                              for k, v in live.items()})

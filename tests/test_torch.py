@@ -388,24 +388,9 @@ def test_tensors_follow_a_chain_coded_with_history_and_refuse_the_wrong_book(tmp
     """``apply_to_tensors(..., history=book)``: deltas coded with history (encoding 5, a momentum-like
     chain) decode against the tensors' book, which each verified apply advances as the trainer's
     advanced; a book that is not the one a delta was coded against is refused by name, nothing written."""
-    from _chains import deltas_with_history, write_chain
-
-    from deltarefit.errors import DecodeError
-    from deltarefit.history_book import HistoryBook
+    from _chains import follow_with_book, write_chain
 
     paths = write_chain(str(tmp_path / "chain"), 4, n=(1 << 19) + 3000, seed=6, rate=0.05, prefix="c")
     tensors = load_file(paths[0])
-    book = HistoryBook(str(tmp_path / "book"))
-    hist_chunks = 0
-    for i, (out, rep, n5) in enumerate(deltas_with_history(paths, str(tmp_path)), 1):
-        hist_chunks += n5
-        if n5:
-            before = {n: t.clone() for n, t in tensors.items()}
-            with pytest.raises(DecodeError, match="history"):
-                apply_to_tensors(out, tensors, history=HistoryBook(str(tmp_path / f"empty{i}")))
-            assert all(torch.equal(tensors[n].view(torch.uint8), before[n].view(torch.uint8)) for n in before)
-        got = apply_to_tensors(out, tensors, history=book)
-        assert got.target_fingerprint == rep.target_fingerprint == book.tip
-        want = load_file(paths[i])
-        assert all(torch.equal(tensors[n].view(torch.uint8), want[n].view(torch.uint8)) for n in want)
-    assert hist_chunks > 0
+    follow_with_book(paths, str(tmp_path), lambda out, book: apply_to_tensors(out, tensors, history=book),
+                     lambda: {n: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for n, t in tensors.items()})
