@@ -365,13 +365,17 @@ class Applier(HeldPlans):
         for c in chunks:
             if c.patch is None or c.split:  # held and written elsewhere; split: decided with the group
                 continue
-            size = _patch_bytes(c.patch)
-            with self._cache_lock:
-                keep = size <= self.cache_left
-                if keep:
-                    self.cache_left -= size
-            if not keep:
+            if not self._reserve(_patch_bytes(c.patch)):
                 c.patch = None
+
+    def _reserve(self, size: int) -> bool:
+        """Take ``size`` bytes of the plan's memory budget for a kept patch, if that much is left
+        (``size < 0`` gives bytes back)."""
+        with self._cache_lock:
+            if size > self.cache_left:
+                return False
+            self.cache_left -= size
+            return True
 
     # -- write -----------------------------------------------------------------------------------
 

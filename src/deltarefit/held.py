@@ -171,17 +171,9 @@ class HeldPlans:
         split = [c for c in chunks if c.split]
         if not split:
             return
-        flags = []
-        for c in split:
-            size = _patch_bytes(c.patch)
-            with self._cache_lock:
-                keep = size <= self.cache_left
-                if keep:
-                    self.cache_left -= size
-            flags.append(keep)
+        flags = [self._reserve(_patch_bytes(c.patch)) for c in split]
         for c, keep, all_keep in zip(split, flags, self.segs.agree_each(np.array(flags, bool)), strict=True):
             if not all_keep:
                 if keep:
-                    with self._cache_lock:
-                        self.cache_left += _patch_bytes(c.patch)
+                    self._reserve(-_patch_bytes(c.patch))
                 c.patch = None
