@@ -105,13 +105,20 @@ def contiguous_run(p: Piece) -> tuple[int, int, int] | None:
     return c0, l0, p.count
 
 
+def _row_axis(p: Piece):
+    """The piece's last axis when it runs along the checkpoint's last dimension in order with stride 1
+    on both sides (each checkpoint row of its box is one local run), else None."""
+    last = p.axes[-1]
+    return last if last.dst_dim == len(p.shape) - 1 and last.dst_stride == 1 and last.src_stride == 1 else None
+
+
 def row_runs(p: Piece, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The piece's elements among checkpoint flat elements ``[a, b)`` as runs (checkpoint start, local
     start, length: int64 arrays), one per checkpoint row of its box (the rows of the last dimension),
     when its last local axis runs along the checkpoint's last dimension in order with stride 1 on both
     sides (a TP column slice, a fused row block); None otherwise. Costs O(rows), not O(elements)."""
-    last = p.axes[-1]
-    if last.dst_dim != len(p.shape) - 1 or last.dst_stride != 1 or last.src_stride != 1 or b <= a:
+    last = _row_axis(p)
+    if last is None or b <= a:
         return None
     width = p.shape[-1]
     starts = np.arange(a // width, (b - 1) // width + 1, dtype=np.int64) * width + last.dst_off
@@ -127,8 +134,8 @@ def row_local(p: Piece, ck: np.ndarray) -> np.ndarray | None:
     """``p.to_local(ck)`` (-1 outside the piece) for a piece ``row_runs`` takes, with ``to_local`` run once
     per run of equal checkpoint rows in ``ck`` instead of once per element (sorted positions, the
     changes of a patch, have few rows); None for another piece."""
-    last = p.axes[-1]
-    if last.dst_dim != len(p.shape) - 1 or last.dst_stride != 1 or last.src_stride != 1:
+    last = _row_axis(p)
+    if last is None:
         return None
     ck = np.asarray(ck, np.int64)
     if ck.size == 0:
@@ -139,6 +146,18 @@ def row_local(p: Piece, ck: np.ndarray) -> np.ndarray | None:
     at = np.repeat(p.to_local(rows[first] * width + last.dst_off), np.diff(np.append(first, ck.size)))
     d = ck - rows * width - last.dst_off
     return np.where((at >= 0) & (d >= 0) & (d < last.length), at + d, -1)
+
+
+def _pack_changes(buf: np.ndarray, pos: np.ndarray, vals: np.ndarray) -> None:
+    """A segment's changes into bytes ``buf`` (exactly their size): ``u32 positions ‖ target bits``."""
+    n = pos.size
+    buf[:4 * n] = np.asarray(pos, "<u4").view(np.uint8)
+    buf[4 * n:] = np.ascontiguousarray(vals).view(np.uint8)
+
+
+def _unpack_changes(buf: np.ndarray, n: int, uint: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``_pack_changes``'s ``n`` changes from ``buf``: (int64 positions, target bits), copies."""
+    return buf[:4 * n].view("<u4").astype(np.int64), buf[4 * n:n * (4 + uint.itemsize)].view(uint).copy()
 
 
 class _Flat:
@@ -392,26 +411,20 @@ class LiveTarget:
                 head[:] = (2, 0)  # sent by broadcast below
             else:
                 n = ch[0].size
-                slot[16:16 + 4 * n].view("<u4")[:] = ch[0]
-                slot[16 + 4 * n:16 + n * (4 + item)].view(ch[1].dtype)[:] = ch[1]
+                _pack_changes(slot[16:16 + n * (4 + item)], ch[0], ch[1])
                 head[:] = (1, n)
         self._group.agree(True)  # every owner's changes written before anyone reads them
         out: list[tuple[np.ndarray, np.ndarray] | None] = []
         for (ci, owner, ch), slot in zip(items, slots, strict=True):
             state, n = (int(x) for x in slot[:16].view(np.int64))
-            a, b, uint = self._range(name, ci)
             if state == 2:
                 out.append(self.share_changes(name, ci, owner, ch))
             elif state != 1:
                 out.append(None)
             elif self.rank == owner:
                 out.append(ch)
-            elif not 0 <= n <= b - a:
-                raise UsageError(f"tensor {name!r} segment {ci}: rank {owner} sent {n} changes for {b - a} elements")
             else:  # copied out: the slot is the next window's
-                item = uint.itemsize
-                out.append((slot[16:16 + 4 * n].view("<u4").astype(np.int64),
-                            slot[16 + 4 * n:16 + n * (4 + item)].view(uint).copy()))
+                out.append(_unpack_changes(slot[16:], self._sent(name, ci, owner, n), self._range(name, ci)[2]))
         return out
 
     def _summed(self, name: str, ci: int, owner: int | None = None) -> np.ndarray | None:
@@ -436,24 +449,28 @@ class LiveTarget:
         """Rank ``owner``'s decoded changes of segment ``ci`` of ``name`` (positions in the segment, target
         bits; None where its decode or check failed) sent to every process of the group (a collective
         call): the changes, or None in every process when the owner had none."""
-        a, b, uint = self._range(name, ci)
+        uint = self._range(name, ci)[2]
         head = np.zeros(2, np.int64)
         if self.rank == owner and changes is not None:
             head[:] = (1, changes[0].size)
         self._group.broadcast(head, owner)
         if head[0] != 1:
             return None
-        n, item = int(head[1]), uint.itemsize
-        if not 0 <= n <= b - a:
-            raise UsageError(f"tensor {name!r} segment {ci}: rank {owner} sent {n} changes for {b - a} elements")
-        body = np.empty(n * (4 + item), np.uint8)
+        n = self._sent(name, ci, owner, int(head[1]))
+        body = np.empty(n * (4 + uint.itemsize), np.uint8)
         if self.rank == owner:
-            body[:4 * n] = np.asarray(changes[0], "<u4").view(np.uint8)
-            body[4 * n:] = np.ascontiguousarray(changes[1], uint).view(np.uint8)
+            _pack_changes(body, changes[0], changes[1])
         self._group.broadcast(body, owner)
         if self.rank == owner:  # its own arrays, as decoded
             return changes
-        return body[:4 * n].view("<u4").astype(np.int64), body[4 * n:].view(uint)
+        return _unpack_changes(body, n, uint)
+
+    def _sent(self, name: str, ci: int, owner: int, n: int) -> int:
+        """``n``, the count of changes rank ``owner`` sent for segment ``ci`` of ``name``, checked."""
+        a, b, _ = self._range(name, ci)
+        if not 0 <= n <= b - a:
+            raise UsageError(f"tensor {name!r} segment {ci}: rank {owner} sent {n} changes for {b - a} elements")
+        return n
 
     def write_split(self, name: str, ci: int, pos: np.ndarray, new: np.ndarray) -> bool:
         """Write the changes of split segment ``ci`` of ``name`` (``share_changes``) that land in this
@@ -642,9 +659,6 @@ class TargetUnion:
 
     def share_window(self, name: str, items) -> list:
         return self._of[name].share_window(name, items)
-
-    def share_changes(self, name: str, ci: int, owner: int, changes):
-        return self._of[name].share_changes(name, ci, owner, changes)
 
     def write_split(self, name: str, ci: int, pos: np.ndarray, new: np.ndarray) -> bool:
         return self._of[name].write_split(name, ci, pos, new)
