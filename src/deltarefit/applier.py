@@ -45,7 +45,7 @@ from .dtypes import dtype
 from .encode import default_threads, uint_view
 from .errors import BaseMismatchError, UsageError, VerificationError
 from .format import ChunkRecord, DeltaReader, TensorEntry, TensorMeta
-from .held import HeldPlans
+from .held import GROUP_REFUSED, HeldPlans
 from .history_book import HistoryBook, MovesRecorder
 from .integrity import fingerprint_from_digests, n_segments, seg_hash, tensor_digest_from_segments
 from .journal import Journal, _journal_patch
@@ -206,13 +206,19 @@ class Applier(HeldPlans):
             return fn(*args)
         try:
             out = fn(*args)
-        except Exception:
-            self.segs.agree(False)
-            raise
-        if not self.segs.agree(True):
-            raise VerificationError("another process of the group refused or failed at the same step of this apply "
-                                    "(see its log)")
+        except Exception as ex:
+            self._settle(ex)
+        self._settle(None)
         return out
+
+    def _settle(self, err: BaseException | None) -> None:
+        """The group's agreement on whether every process got here without a failure (``err``): raises
+        ``err`` where it failed, ``VerificationError`` in the others, when any did."""
+        ok = self.segs.agree(err is None)
+        if err is not None:
+            raise err
+        if not ok:
+            raise VerificationError(GROUP_REFUSED)
 
     # -- plan ------------------------------------------------------------------------------------
 
@@ -483,15 +489,9 @@ class Applier(HeldPlans):
 
         def settle() -> None:
             nonlocal run
-            if run == 0:
-                return
-            run = 0
-            ok = self.segs.agree(err is None)
-            if err is not None:
-                raise err
-            if not ok:
-                raise VerificationError("another process of the group refused or failed at the same step of this "
-                                        "apply (see its log)")
+            if run:
+                run = 0
+                self._settle(err)
 
         for ti, tp, c in todo:
             if self._writes_collectively(tp, c):

@@ -22,6 +22,9 @@ from .regions import (
     _where,
 )
 
+# What a process of a group raises when another one refused or failed at the same step.
+GROUP_REFUSED = "another process of the group refused or failed at the same step of this apply (see its log)"
+
 
 class HeldPlans:
     """``Applier``'s held-digest plans (they use its delta, target, pools and budget)."""
@@ -108,8 +111,7 @@ class HeldPlans:
         if err is not None:
             raise err
         if not ok:
-            raise VerificationError("another process of the group refused or failed at the same step of this apply "
-                                    "(see its log)")
+            raise VerificationError(GROUP_REFUSED)
         self._keep_split(out)
         return out, moved
 
