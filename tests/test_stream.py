@@ -990,16 +990,53 @@ def test_checkpoint_rewritten_after_encoding_is_not_copied(tmp_path, chain, chai
     assert [f for f in os.listdir(pub.state_dir) if ".tmp-" in f] == []
 
 
-def test_copies_left_by_a_killed_publish_are_removed(tmp_path, chain, chain_fps):
-    pub = _publisher(LocalStore(str(tmp_path / "store")), str(tmp_path / "pub"))
-    pub.publish(chain[0])
-    stale = [pub.baseline + ".tmp-999999", pub.keyframe_copy + ".tmp-999998"]
-    for s in stale:
+def _dead_pid() -> int:
+    """The pid of a process that has exited (a killed writer's temp names it)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _plant(paths: list[str]) -> list[str]:
+    for s in paths:
+        os.makedirs(os.path.dirname(s), exist_ok=True)
         with open(s, "wb") as f:
             f.write(b"half a copy")
+    return paths
+
+
+def test_copies_left_by_a_killed_publish_are_removed(tmp_path, chain, chain_fps):
+    """Every file the publisher writes atomically in its state directory, and its history book's files:
+    a temp a killed publish left of any of them is gone after the next publish."""
+    pub = _publisher(LocalStore(str(tmp_path / "store")), str(tmp_path / "pub"))
+    pub.publish(chain[0])
+    pid = _dead_pid()
+    names = [pub.baseline, pub.keyframe_copy, pub.keyframe_copy + ".json", pub.known_path, pub.state_path,
+             os.path.join(pub.state_dir, "pending.json"), os.path.join(pub.state_dir, "attempt.json")]
+    stale = _plant([f"{n}.tmp-{pid}" for n in names]
+                   + [os.path.join(pub.book_path, f"HEAD.json.tmp-{pid}"),
+                      os.path.join(pub.book_path, f"{'0' * 64}.moves.tmp-{pid}")])
     assert pub.publish(chain[1]).fingerprint == chain_fps[1]
-    assert not any(os.path.exists(s) for s in stale)
+    assert [s for s in stale if os.path.exists(s)] == []
+    assert [f for f in os.listdir(pub.state_dir) if ".tmp-" in f] == []
     assert deltarefit.fingerprint(pub.baseline) == chain_fps[1]
+
+
+def test_temps_left_by_a_killed_sync_are_removed(stream, tmp_path, chain, chain_fps):
+    """A subscriber's version record is written atomically beside its checkpoint: a temp a killed sync
+    left of it (or of the checkpoint) is gone after the next sync, and a live writer's temp stays."""
+    ck = str(tmp_path / "sub.safetensors")
+    shutil.copyfile(chain[HEAD - 3], ck)
+    sub = Subscriber(stream.store, ck, subscriber_id="sub")
+    sub.sync(to_version=HEAD - 3)
+    sub.sync(to_version=HEAD - 2)
+    pid = _dead_pid()
+    stale = _plant([f"{state_path(ck)}.tmp-{pid}", f"{ck}.tmp-{pid}"])
+    live = _plant([f"{state_path(ck)}.tmp-{os.getppid()}"])  # a live process other than this one
+    sub.sync()
+    _exact(ck, chain[HEAD], chain_fps[HEAD])
+    assert [s for s in stale if os.path.exists(s)] == []
+    assert all(os.path.exists(s) for s in live)
 
 
 def test_unknown_advance_is_refused(tmp_path):

@@ -194,8 +194,10 @@ def checkpoint_lock(checkpoint_path: str) -> contextlib.AbstractContextManager[N
     return exclusive(lock_path_beside(checkpoint_path), f"checkpoint {checkpoint_path}")
 
 
-# Temp files the structural rewrite leaves when killed (write_safetensors / write_atomic naming).
-_DIR_TEMPS = (r".+\.safetensors", re.escape(INDEX_NAME), re.escape(REPLACED_LIST))
+# Temp files the structural rewrite leaves when killed (write_safetensors / write_atomic naming), and
+# those of the state files kept beside or in a checkpoint under its lock (``.deltarefit-version.json``).
+_OURS = r"\.deltarefit-[a-z.-]+"
+_DIR_TEMPS = (r".+\.safetensors", re.escape(INDEX_NAME), re.escape(REPLACED_LIST), _OURS)
 
 
 def remove_dead_temps_of(checkpoint_path: str) -> list[str]:
@@ -207,7 +209,7 @@ def remove_dead_temps_of(checkpoint_path: str) -> list[str]:
     if os.path.isdir(p):
         removed = remove_dead_temps(p, temp_pattern(*_DIR_TEMPS))
     else:
-        removed = remove_dead_temps(os.path.dirname(p), temp_pattern(re.escape(os.path.basename(p))))
+        removed = remove_dead_temps(os.path.dirname(p), temp_pattern(re.escape(os.path.basename(p)) + f"(?:{_OURS})?"))
     for r in removed:
         log.info("removed %s, left by a killed run", r)
     return removed

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import threading
 
 import numpy as np
@@ -35,9 +36,11 @@ import zstandard
 from .codec.history import DEPTH, History, Moves
 from .errors import DecodeError
 from .fsutil import fsync_dir, write_atomic
+from .locks import remove_dead_temps, temp_pattern
 
 MAGIC = b"DRMOVES1"
 HEAD = "HEAD.json"
+_TEMPS = temp_pattern(r".+\.moves", re.escape(HEAD))  # what write_atomic leaves when killed
 MAX_INDEX_BYTES = 64 << 20
 
 
@@ -206,6 +209,7 @@ class HistoryBook:
         for fn in os.listdir(self.path):  # older versions' files, and orphans of killed commits
             if fn.endswith(".moves") and fn[:-6] not in fps:
                 os.unlink(os.path.join(self.path, fn))
+        remove_dead_temps(self.path, _TEMPS)  # the temps of commits killed mid-write
         if durable:
             fsync_dir(self.path)
         self.__init__(self.path)

@@ -178,11 +178,14 @@ class Publisher(BaselineMixin, AttemptsMixin):
         """Bring the baseline to the stream's head: finish our own publish that committed but died
         before its baseline advanced, and follow versions other publishers committed on our parent."""
         st = self.state()
-        for base in (self.baseline, self.keyframe_copy, self.known_path):  # what a killed publish left behind
+        pending = os.path.join(self.state_dir, "pending.json")
+        # What a killed publish left behind: the temp of every file it writes atomically in its state
+        # directory. This process holds the state's lock, so no live writer of these names remains.
+        for base in (self.baseline, self.keyframe_copy, self.keyframe_copy + ".json", self.known_path,
+                     self.state_path, pending, os.path.join(self.state_dir, ATTEMPT_NAME)):
             for stale in glob.glob(glob.escape(base) + _TEMP_SUFFIX + "*"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(stale)
-        pending = os.path.join(self.state_dir, "pending.json")
         if os.path.exists(pending):
             with open(pending, "rb") as f:
                 mine = f.read()
