@@ -5,6 +5,9 @@ tampered objects, late ranks, diverged baselines and late joiners."""
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -230,8 +233,12 @@ def test_kill_after_commit_before_advance(store, tmp_path):
     rec = tps[0].commit_version(2, attempt)
     tps[0].advance(rec)  # rank 1 dies before advancing: its saved state is still version 1
     assert tps[1].version == 1
+    dead = _dead_pid()
+    half = sd / f"rank-1.npz.tmp-{dead}"  # what a rank killed while saving its slice leaves
+    half.write_bytes(b"half a slice")
     tps = [tps[0], trainers(store, sd)[1]]
     assert tps[1].recover() == 2 and tps[1].fingerprint == rec.fingerprint
+    assert not half.exists()
     step(full, rng)
     publish_all(tps, full)
     # a rank that lost its state altogether rebuilds its baseline from the keyframe chain
@@ -245,6 +252,12 @@ def test_kill_after_commit_before_advance(store, tmp_path):
         rep = sync_sharded(store, roll[r], RLAYS[r], state_path=str(tmp_path / f"r{r}.json"))
         assert rep.versions_applied == [1, 2, 3, 4]
         assert_exact(roll[r], RLAYS[r], full)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
 
 
 def _rollout_synced_at_v1(store, tmp_path, seed):
@@ -275,9 +288,12 @@ def test_rollout_killed_between_apply_and_record(tmp_path, monkeypatch):
         sync_sharded(store, roll, RLAYS[0], state_path=sp)
     monkeypatch.setattr(shard_sync, "record_version", real)
     assert held_version(sp)[0] == 1
+    half = f"{sp}.tmp-{_dead_pid()}"  # a kill inside record_version's write leaves its temp
+    with open(half, "wb") as f:
+        f.write(b"{")
     rep = sync_sharded(store, roll, RLAYS[0], state_path=sp)  # applied already: every cell skipped
     assert rep.versions_applied == [2] and rep.applied[0].written == 0
-    assert held_version(sp)[0] == 2
+    assert held_version(sp)[0] == 2 and not os.path.exists(half)
     assert_exact(roll, RLAYS[0], full)
 
 

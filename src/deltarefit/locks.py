@@ -181,3 +181,10 @@ def temp_pattern(*names: str) -> re.Pattern[str]:
     """Temp files ``NAME.tmp-PID`` (``write_atomic``/``write_safetensors`` naming) of the given names;
     a name may be a regular expression (escape literal names with ``re.escape``)."""
     return re.compile(rf"(?:{'|'.join(names)})\.tmp-(?P<pid>[0-9]+)")
+
+
+def remove_dead_temps_beside(path: str) -> list[str]:
+    """``remove_dead_temps`` of the one file ``path``: the ``path.tmp-PID`` temps its killed writers
+    (``write_atomic``) left."""
+    p = os.path.abspath(path)
+    return remove_dead_temps(os.path.dirname(p), temp_pattern(re.escape(os.path.basename(p))))

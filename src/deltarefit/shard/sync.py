@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import BaseMismatchError, DeltaRefitError, FormatError, UsageError, VerificationError
+from ..locks import remove_dead_temps_beside
 from ..signing import Verifier, check_record_signature
 from ..storage.base import Store, open_store
 from ..stream.chain import check_links, commit_key, head, newest_keyframe, sync_target
@@ -204,6 +205,7 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
     tensors, _ = _module_tensors(tensors)
     g = TPGroup(group)
     target = sync_target(store.url, head(store), to_version)
+    remove_dead_temps_beside(state_path)  # a sync killed while recording its version
     cur = held_version(state_path)
     ident = _followed_identity(store, state_path)
     start = cur[0] if cur else 0

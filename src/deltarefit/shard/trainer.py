@@ -40,6 +40,7 @@ from ..dtypes import dtype as lookup_dtype
 from ..errors import DeltaRefitError, PublishError, UsageError
 from ..fsutil import write_atomic
 from ..integrity import SEGMENT_BYTES
+from ..locks import remove_dead_temps_beside
 from ..signing import Signer, record_signature
 from ..storage.base import Store, open_store
 from ..stream.chain import commit_key, head, newest_keyframe
@@ -113,6 +114,8 @@ class ShardStreamPublisher:
 
     def _load_state(self) -> None:
         self._loaded = True
+        if self.state_path is not None:  # a rank killed while saving left a temp of its baseline slice
+            remove_dead_temps_beside(self.state_path)
         if self.state_path is None or not os.path.exists(self.state_path):
             return
         try:
