@@ -256,8 +256,9 @@ def test_known_hashes_round_trip_and_refuse_what_is_not_theirs(pair):
 
 def test_publisher_reuses_its_baselines_additive_digests(tmp_path, spy, monkeypatch):
     """A publish after the first delta takes its base's additive digests from the encode before (the
-    baseline is that encode's target): only the target's changed tensors are summed, and the delta is
-    still byte for byte a cold encode's (so the digests it reused were right)."""
+    baseline is that encode's target), and every encode moves them by the changes its scan found: the
+    first delta sums its base once, the later ones sum nothing, and every delta is still byte for
+    byte a cold encode's, whose target digests are those of a pass over the target."""
     summed: list[int] = []
     real = E.additive_digests
 
@@ -273,13 +274,65 @@ def test_publisher_reuses_its_baselines_additive_digests(tmp_path, spy, monkeypa
     n = len(spy[0].target_sums)
     assert n > 0 and all(r.target_sums for r in spy)
     patched = [sum(1 for e in _entries(store, r) if e.op == "patch") for r in recs[1:]]
-    # version 2: every tensor of the base and the changed ones of the target; 3 and 4: the latter only
-    assert summed == [n + patched[0], patched[1], patched[2]]
+    # version 2: every tensor of the base; the targets' digests: the base's moved by the changes
+    assert all(patched) and summed == [n, 0, 0]
     for i, rec in enumerate(recs[1:]):
         cold = str(tmp_path / f"cold{i}.delta")
         E.encode(steps[i], steps[i + 1], cold, sums=True)
         with open(cold, "rb") as f:
             assert store.get(rec.delta.key) == f.read()
+        with open_checkpoint(steps[i + 1]) as ck:
+            full = dict(zip(sorted(ck.tensors), real([(ck, t) for t in sorted(ck.tensors)]), strict=True))
+        assert {e.name: e.target.sum for e in _entries(store, rec)} == full
+
+
+def test_target_digests_moved_by_the_changes_match_a_pass_over_the_target(tmp_path):
+    """Every dtype the scan handles (16-bit through the native scan, the others through numba), a
+    tensor at an odd offset in its file (copied before the scan), chunks coded densely, a tensor whose
+    second chunk has no change, and one with none at all: the target digests an encode derives from
+    its scan are those of a pass over the target."""
+    g = torch.Generator().manual_seed(3)
+    base = {"a_odd": torch.randint(0, 255, (3,), dtype=torch.uint8, generator=g),
+            "bf16": torch.randn(700_000, generator=g).to(torch.bfloat16),
+            "f32": torch.randn(300_000, generator=g),
+            "f16": torch.randn(2000, generator=g).to(torch.float16),
+            "f8": torch.randn(5000, generator=g).to(torch.float8_e4m3fn),
+            "i64": torch.randint(-10**12, 10**12, (4000,), generator=g),
+            "flag": torch.rand(3000, generator=g) < 0.5,
+            "same": torch.randn(1000, generator=g).to(torch.bfloat16)}
+    target = {k: v.clone() for k, v in base.items()}
+    for k, rate in (("bf16", 0.03), ("f32", 0.98), ("f16", 0.02), ("f8", 0.4), ("i64", 0.1), ("flag", 0.05),
+                    ("a_odd", 1.0)):
+        t = target[k]
+        ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+                torch.float8_e4m3fn: torch.uint8, torch.bool: torch.uint8}
+        u = t.view(ints.get(t.dtype, t.dtype))  # the bits, moved by one (or flipped, for bool)
+        if k == "bf16":
+            u = u[: 400_000]  # the second chunk (from element 524,288) unchanged
+        mask = torch.rand(u.shape, generator=g) < rate
+        if k == "f32":  # random bits: no ulp model codes them well
+            u[mask] = torch.randint(-2**31, 2**31 - 1, (int(mask.sum()),), dtype=torch.int32, generator=g)
+        else:
+            u[mask] = 1 - u[mask] if t.dtype == torch.bool else u[mask] + 1
+    b = write_tensors(tmp_path / "b.safetensors", base)
+    t = write_tensors(tmp_path / "t.safetensors", target)
+    out = str(tmp_path / "d.delta")
+    E.encode(b, t, out, sums=True)
+    from deltarefit.format import DeltaReader
+
+    with DeltaReader(out) as d, open_checkpoint(b) as bk, open_checkpoint(t) as tk:
+        entries = {e.name: e for e in d.tensors}
+        assert {n for n, e in entries.items() if e.op == "patch"} == set(base) - {"same"}
+        names = sorted(base)
+        assert {n: entries[n].base.sum for n in names} == dict(zip(names, E.additive_digests([(bk, n) for n in names]),
+                                                                   strict=True))
+        assert {n: entries[n].target.sum for n in names} == dict(zip(names, E.additive_digests([(tk, n) for n in names]),
+                                                                     strict=True))
+        assert {d.chunks(entries["f32"])[0].encoding} <= {3, 4}  # nearly every element: coded densely
+    work = str(tmp_path / "w.safetensors")
+    shutil.copyfile(b, work)
+    deltarefit.apply(out, work)
+    assert sha(work) == sha(t)
 
 
 def _entries(store, rec):

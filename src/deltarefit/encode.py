@@ -28,6 +28,7 @@ from .codec.chunk import (
     EncodedChunk,
     encode_overwrite,
     encode_raw,
+    encode_with_changes,
     encode_with_moves,
 )
 from .codec.chunk import uint_view as chunk_uint_view
@@ -96,11 +97,43 @@ def _segments(nbytes: int) -> Iterator[tuple[int, int]]:
 Work = Callable[[], tuple[bytes, bytes, EncodedChunk | None]]
 
 
+class _SumMoves:
+    """How each patched tensor's additive digest moves, chunk by chunk, as the host scan finds its
+    changes: the target's digest is then the base's moved by them (``shard.digest`` is additive), in
+    O(changed elements), instead of a pass over the target. A tensor is listed once its jobs are made,
+    so a listed tensor's every changed chunk adds its move (from the pool's threads)."""
+
+    def __init__(self) -> None:
+        self.moved: dict[str, list[np.ndarray]] = {}
+
+    def start(self, name: str, dt_name: str, shape: tuple[int, ...]) -> tuple[_SumMoves, str, np.ndarray]:
+        from .shard import digest as additive
+
+        self.moved[name] = []
+        return self, name, additive.seeds(name, dt_name, shape)
+
+    def add(self, name: str, seed: np.ndarray, start: int, bu: np.ndarray, pos: np.ndarray,
+            new: np.ndarray) -> None:
+        from .shard import digest as additive
+
+        self.moved[name].append(additive.move(seed, start, bu, pos.astype(np.int64), new))
+
+    def target_sum(self, name: str, base_sum: bytes) -> bytes:
+        from .shard import digest as additive
+
+        total = np.frombuffer(base_sum, "<u8").astype(np.uint64)
+        for m in self.moved[name]:
+            total = additive.add(total, m)
+        return np.asarray(total, "<u8").tobytes()
+
+
 def _patch_work(dt_name: str, b: np.ndarray, t: np.ndarray, known_pre: bytes | None = None,
-                hist: tuple[HistoryBook, MovesRecorder, str, int] | None = None) -> Work:
+                hist: tuple[HistoryBook, MovesRecorder, str, int] | None = None,
+                sums: tuple[_SumMoves, str, np.ndarray, int] | None = None) -> Work:
     """One segment of a tensor in both checkpoints; ``known_pre``: the base segment's hash, if known;
     ``hist``: (book, recorder, tensor name, chunk index) to code against the book's history of the
-    segment and record its moves."""
+    segment and record its moves; ``sums``: (recorder, tensor name, digest seed, the segment's first
+    flat index) to record how the segment's changes move the tensor's additive digest."""
     dt = dtype(dt_name)
 
     def run() -> tuple[bytes, bytes, EncodedChunk | None]:
@@ -108,13 +141,19 @@ def _patch_work(dt_name: str, b: np.ndarray, t: np.ndarray, known_pre: bytes | N
         # memory, and the hashes after it read them from cache (scan then hash took 31 ms on the real
         # 3.5% pair where hash then scan took 36, one thread). A segment with no change is hashed once,
         # or not at all when its base hash is known.
-        if hist is None:
+        if hist is None and sums is None:
             enc = encode_raw(dt, b, t)
         else:
-            book, rec, name, ci = hist
             bu, tu = uint_view(b, dt_name), uint_view(t, dt_name)
-            enc, moves = encode_with_moves(dt, bu, tu, book.history(name, ci, bu.size))
-            rec.add(name, ci, moves)
+            seen = None if sums is None else (lambda pos, _old, new: sums[0].add(sums[1], sums[2], sums[3], bu, pos, new))
+            if hist is None:
+                enc, pos, old, new = encode_with_changes(dt, bu, tu)
+                if enc is not None and seen is not None:
+                    seen(pos, old, new)
+            else:
+                book, rec, name, ci = hist
+                enc, moves = encode_with_moves(dt, bu, tu, book.history(name, ci, bu.size), seen)
+                rec.add(name, ci, moves)
         pre = seg_hash(b) if known_pre is None else known_pre
         return pre, pre if enc is None else seg_hash(t), enc
 
@@ -190,12 +229,16 @@ def _known_segments(known: Mapping[str, bytes] | None, name: str, info: TensorIn
 
 
 def _host_patch_works(base: Checkpoint, target: Checkpoint, known: Mapping[str, bytes] | None,
-                      hist: tuple[HistoryBook, MovesRecorder] | None = None) -> PatchWorks:
+                      hist: tuple[HistoryBook, MovesRecorder] | None = None,
+                      sums: _SumMoves | None = None) -> PatchWorks:
     def works(name: str, bi: TensorInfo, tinfo: TensorInfo) -> list[Work]:
         braw, traw = base.raw(name), target.raw(name)
         pre = _known_segments(known, name, bi)
+        per = SEGMENT_BYTES // dtype(bi.dtype).itemsize
+        s = None if sums is None else sums.start(name, bi.dtype, bi.shape)
         return [_patch_work(bi.dtype, braw[o:o + SEGMENT_BYTES], traw[o:o + SEGMENT_BYTES],
-                            None if pre is None else pre[ci], None if hist is None else (*hist, name, ci))
+                            None if pre is None else pre[ci], None if hist is None else (*hist, name, ci),
+                            None if s is None else (*s, ci * per))
                 for ci, o in _segments(bi.nbytes)]
 
     return works
@@ -317,7 +360,8 @@ def encode_checkpoints(
     ``sums=True``: the entries of tensors in both checkpoints also carry their additive digests
     (``additive_digests``, base and target), so a target that tracks the digest of what it holds (a
     live engine) checks a patch in O(changed elements); it costs a pass over those tensors of ``base``
-    and over the changed ones of ``target``. ``base_sums``: the base's additive digests where known
+    (none where ``base_sums`` has them), and the target's are the base's moved by the changes the host
+    scan found (with ``patch_works``, a pass over the changed tensors of ``target``). ``base_sums``: the base's additive digests where known
     (``KnownHashes.sums``), trusted as ``base_hashes`` are; wrong ones make held-digest applies refuse
     the delta as one for another base, never accept wrong bytes.
 
@@ -334,13 +378,14 @@ def encode_checkpoints(
     t0 = time.perf_counter()
     threads = threads or default_threads()
     names = sorted(set(base.tensors) | set(target.tensors), key=lambda n: n.encode("utf-8"))
+    sum_moves = _SumMoves() if sums and patch_works is None else None
     if history is not None or moves is not None:
         if patch_works is not None:
             raise UsageError("a history book needs the host scan (no patch_works)")
         moves = moves if moves is not None else MovesRecorder()
-        works = _host_patch_works(base, target, base_hashes, (history or _NoBook(), moves))
+        works = _host_patch_works(base, target, base_hashes, (history or _NoBook(), moves), sum_moves)
     else:
-        works = patch_works or _host_patch_works(base, target, base_hashes)
+        works = patch_works or _host_patch_works(base, target, base_hashes, sums=sum_moves)
     if moves is not None:
         for name in names:
             bi, tinfo = base.tensors.get(name), target.tensors.get(name)
@@ -354,7 +399,7 @@ def encode_checkpoints(
         entries = got.entries
         target_sums: dict[str, bytes] = {}
         if sums:
-            entries = _with_sums(entries, base, target, threads, base_sums or {})
+            entries = _with_sums(entries, base, target, threads, base_sums or {}, sum_moves)
             target_sums = {e.name: e.target.sum for e in entries if e.target is not None and e.target.sum}
         total_elems = sum(math.prod(t.shape) for t in target.tensors.values())
         full_bytes = sum(t.nbytes for t in target.tensors.values())
@@ -453,13 +498,18 @@ def _finish_entry(got: _Collected, writer: DeltaWriter, job: _Job) -> None:
 
 
 def _with_sums(entries: list[TensorEntry], base: Checkpoint, target: Checkpoint, threads: int,
-               known: Mapping[str, bytes]) -> list[TensorEntry]:
+               known: Mapping[str, bytes], moved: _SumMoves | None = None) -> list[TensorEntry]:
+    """The entries with their additive digests: the base's known or taken by a pass over it; the
+    target's, of a patched tensor, the base's moved by its changes where the scan recorded them, else
+    by a pass over the target."""
     kept = [e for e in entries if e.op in ("same", "patch")]
     todo = [e.name for e in kept if e.name not in known]
     patched = [e.name for e in kept if e.op == "patch"]
-    got = additive_digests([(base, n) for n in todo] + [(target, n) for n in patched], threads=threads)
+    passes = [n for n in patched if moved is None or n not in moved.moved]
+    got = additive_digests([(base, n) for n in todo] + [(target, n) for n in passes], threads=threads)
     bsum = {**{e.name: known[e.name] for e in kept if e.name in known}, **dict(zip(todo, got, strict=False))}
-    tsum = dict(zip(patched, got[len(todo):], strict=True))
+    tsum = dict(zip(passes, got[len(todo):], strict=True))
+    tsum.update({n: moved.target_sum(n, bsum[n]) for n in patched if n not in tsum})
     return [replace(e, base=replace(e.base, sum=bsum[e.name]),
                     target=replace(e.target, sum=tsum.get(e.name, bsum[e.name]))) if e.name in bsum else e
             for e in entries]

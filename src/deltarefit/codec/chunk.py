@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -239,10 +240,11 @@ def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray, history: Histo
     return encode_with_moves(dt, base, target, history)[0]
 
 
-def encode_with_moves(dt: DType, base: np.ndarray, target: np.ndarray,
-                      history: History | None) -> tuple[EncodedChunk | None, Moves]:
-    """``encode_chunk`` with ``history``, and the chunk's moves in this version (what the next
-    version's history is made of), taken from the scan the coding made anyway."""
+def encode_with_changes(dt: DType, base: np.ndarray,
+                        target: np.ndarray) -> tuple[EncodedChunk | None, np.ndarray, np.ndarray, np.ndarray]:
+    """``encode_chunk`` without history, and the changes its scan found: (chunk or None, positions
+    (int32, ascending), base bits, target bits). The three arrays are views of this thread's scratch
+    arrays, valid until its next scan."""
     got = None
     scanned = False
     if _native16(dt):
@@ -251,13 +253,25 @@ def encode_with_moves(dt: DType, base: np.ndarray, target: np.ndarray,
             scanned = True
     if not scanned:
         got = encode_changes(dt, scan_chunk(dt, base, target, scratch=True), lambda: (base, target))
+    # Both scans fill this thread's scratch arrays with the changes in position order.
+    pos, _, _, bvals, tvals = _scan_buffers(base.size, base.dtype, True)
+    m = 0 if got is None else got.n_changed
+    return got, pos[:m], bvals[:m], tvals[:m]
+
+
+def encode_with_moves(dt: DType, base: np.ndarray, target: np.ndarray, history: History | None,
+                      changes: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
+                      ) -> tuple[EncodedChunk | None, Moves]:
+    """``encode_chunk`` with ``history``, and the chunk's moves in this version (what the next
+    version's history is made of), taken from the scan the coding made anyway. ``changes``, where
+    given, is called with that scan's changes (as ``encode_with_changes`` returns them) when any."""
+    got, pos, bvals, tvals = encode_with_changes(dt, base, target)
     n = base.size
     if got is None:
         return None, Moves(n, np.empty(0, np.int64), np.empty(0, np.bool_))
-    # Both scans fill this thread's scratch arrays with the changes in position order.
-    pos, _, _, bvals, tvals = _scan_buffers(n, base.dtype, True)
-    m = got.n_changed
-    moves = moves_of_changes(dt, n, pos[:m], bvals[:m], tvals[:m])
+    if changes is not None:
+        changes(pos, bvals, tvals)
+    moves = moves_of_changes(dt, n, pos, bvals, tvals)
     if history is None or history.m == 0:
         return got, moves
     hist = encode_hist(dt, base, target, history)
