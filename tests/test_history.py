@@ -133,6 +133,45 @@ def _chain_files(d, steps: int = 5, seed: int = 5) -> list[str]:
     return write_chain(d, steps, n=3 * (1 << 19) + 1000, seed=seed)  # three full segments and a short one
 
 
+def _random_moves(rng, n: int) -> H.Moves:
+    m = int(rng.integers(0, min(n, 400)))
+    pos = np.sort(rng.choice(n, m, replace=False)).astype(np.int64)
+    return H.Moves(n, pos, rng.random(m) < 0.5)
+
+
+def test_histories_from_stored_records_equal_those_from_moves():
+    """A book's lookups merge the stored records in one kernel; it gives what ``from_moves`` gives
+    (positions, history bytes, id) for any three change sets, fewer, or sets with no move."""
+    rng = np.random.default_rng(11)
+    for trial in range(300):
+        n = int(rng.integers(1, 5000))
+        moves = [_random_moves(rng, n) for _ in range(int(rng.integers(1, 4)))]
+        if trial % 7 == 0:
+            moves[0] = H.Moves(n, np.empty(0, np.int64), np.empty(0, np.bool_))
+        want = H.History.from_moves(n, moves)
+        records = [mv.to_bytes() if mv.pos.size or trial % 2 else None for mv in moves]
+        got = H.History.from_records(n, records, ["here"] * len(records))
+        assert (got.n, got.id) == (want.n, want.id), trial
+        assert np.array_equal(got.pos, want.pos) and np.array_equal(got.state, want.state), trial
+        assert got.pos.dtype == np.int64 and got.state.dtype == np.uint8
+
+
+@pytest.mark.parametrize("bad", ["other n", "short", "long", "count", "unsorted", "repeated", "beyond"])
+def test_a_malformed_stored_record_is_refused_naming_its_entry(bad):
+    n = 1000
+    good = H.Moves(n, np.array([3, 10, 500], np.int64), np.array([True, False, True])).to_bytes()
+    pos = lambda *p: np.array(p, "<u4").tobytes()  # noqa: E731
+    head = lambda nn, m: nn.to_bytes(8, "little") + m.to_bytes(8, "little")  # noqa: E731
+    rec = {"other n": head(999, 3) + good[16:], "short": good[:-1], "long": good + b"\0",
+           "count": head(n, 4) + good[16:], "unsorted": head(n, 3) + pos(10, 3, 500) + good[-1:],
+           "repeated": head(n, 3) + pos(3, 3, 500) + good[-1:], "beyond": head(n, 3) + pos(3, 10, 1000) + good[-1:]}[bad]
+    with pytest.raises(DecodeError, match="entry 'w' chunk 2"):
+        H.History.from_records(n, [good, rec], ["book: entry 'w' chunk 1", "book: entry 'w' chunk 2"])
+    if bad != "other n":  # (a record of another chunk size: refused by the book's entry check)
+        with pytest.raises(DecodeError):
+            H.Moves.from_bytes(rec)  # what the book's other readers refuse too
+
+
 def test_a_chain_through_books_stays_bit_exact_and_takes_the_history_coding(tmp_path):
     paths = _chain_files(tmp_path)
     trainer, rollout = HistoryBook(tmp_path / "tbook"), HistoryBook(tmp_path / "rbook")

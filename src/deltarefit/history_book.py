@@ -30,7 +30,6 @@ import os
 import re
 import threading
 
-import numpy as np
 import zstandard
 
 from .codec.history import DEPTH, History, Moves
@@ -65,6 +64,9 @@ class MovesRecorder:
             self.resets.add(name)
 
 
+_tls = threading.local()
+
+
 class _MovesFile:
     def __init__(self, path: str) -> None:
         self.path = path
@@ -96,19 +98,32 @@ class _MovesFile:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         return self._map[self.base + off:self.base + off + ln]
 
-    def moves(self, name: str, ci: int, n: int) -> Moves | None:
+    def where(self, name: str, ci: int) -> str:
+        return f"{self.path}: entry {name!r} chunk {ci}"
+
+    def record(self, name: str, ci: int, n: int) -> bytes | None:
+        """The change set of chunk ``ci`` of ``name`` as stored (``Moves.to_bytes``, not yet checked),
+        or None when this version has no move of it."""
         got = self.entries.get((name, ci))
         if got is None:
             return None
         n_el, off, ln = got
         if n_el != n or off < 0 or ln < 0 or self.base + off + ln > self.size:
-            raise DecodeError(f"{self.path}: entry {name!r} chunk {ci} does not fit ({n_el} elements, chunk of {n})")
+            raise DecodeError(f"{self.where(name, ci)} does not fit ({n_el} elements, chunk of {n})")
         blob = self._blob(off, ln)
+        dctx = getattr(_tls, "dctx", None)
+        if dctx is None:  # one per thread (a context per call cost a third of the decompression)
+            dctx = _tls.dctx = zstandard.ZstdDecompressor()
         try:
-            raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=16 + 5 * n + 8)
+            return dctx.decompress(blob, max_output_size=16 + 5 * n + 8)
         except zstandard.ZstdError as e:
-            raise DecodeError(f"{self.path}: entry {name!r} chunk {ci} does not decompress ({e})") from None
-        mv = Moves.from_bytes(raw, f"{self.path}: entry {name!r} chunk {ci}")
+            raise DecodeError(f"{self.where(name, ci)} does not decompress ({e})") from None
+
+    def moves(self, name: str, ci: int, n: int) -> Moves | None:
+        raw = self.record(name, ci, n)
+        if raw is None:
+            return None
+        mv = Moves.from_bytes(raw, self.where(name, ci))
         if mv.n != n:
             raise DecodeError(f"{self.path}: entry {name!r} chunk {ci} is of {mv.n} elements, chunk of {n}")
         return mv
@@ -163,15 +178,16 @@ class HistoryBook:
     def history(self, name: str, ci: int, n: int) -> History | None:
         """The history of chunk ``ci`` (``n`` elements) of tensor ``name`` at the tip, or None when
         the book has no move of it (the chunk is then coded and decoded without history)."""
-        moves: list[Moves] = []
+        records: list[bytes | None] = []
         for f in self._files:
-            got = f.moves(name, ci, n)
-            moves.append(got if got is not None else Moves(n, np.empty(0, np.int64), np.empty(0, np.bool_)))
+            records.append(f.record(name, ci, n))
             if name in f.resets:
                 break
-        if not any(m.pos.size for m in moves):
+        if all(r is None for r in records):
             return None
-        return History.from_moves(n, moves)
+        got = History.from_records(n, records, [f.where(name, ci) for f in self._files[:len(records)]])
+        # (checked by from_records: bytes 8..16 of a record are its number of changes)
+        return got if any(r is not None and int.from_bytes(r[8:16], "little") for r in records) else None
 
     def advance(self, delta, rec: MovesRecorder, *, durable: bool = True) -> None:
         """``commit`` after a verified apply of ``delta`` (a ``DeltaReader``) whose decodes ``rec``

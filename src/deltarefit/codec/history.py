@@ -75,6 +75,26 @@ def context_map(n_exp: int) -> tuple[np.ndarray, np.ndarray]:
 _CMAPS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
 
+def _record_size(r: bytes | None, n: int) -> int:
+    """The number of changes of a change set's record (``Moves.to_bytes``) of a chunk of ``n``
+    elements (0 for None), or -1 where its header and length do not agree."""
+    if r is None:
+        return 0
+    if len(r) < 16 or int.from_bytes(r[:8], "little") != n:
+        return -1
+    m = int.from_bytes(r[8:16], "little")
+    return m if m <= n and len(r) == 16 + 4 * m + (m + 7) // 8 else -1
+
+
+def _history_id(n: int, pos32: np.ndarray, state: np.ndarray) -> bytes:
+    """FORMAT.md's history id of a chunk of ``n`` elements: its positions (little-endian u32) and
+    their history bytes."""
+    h = blake3.blake3(_DOMAIN + int(n).to_bytes(8, "little") + int(pos32.size).to_bytes(8, "little"))
+    h.update(np.ascontiguousarray(pos32, "<u4").view(np.uint8))
+    h.update(np.ascontiguousarray(state, np.uint8))
+    return h.digest(HIST_ID_BYTES)
+
+
 @dataclass(frozen=True)
 class History:
     n: int  # elements in the chunk
@@ -93,10 +113,7 @@ class History:
             raise ValueError(f"history states must lie in 1..{N_STATES - 1}")
         object.__setattr__(self, "pos", pos)
         object.__setattr__(self, "state", state)
-        h = blake3.blake3(_DOMAIN + int(self.n).to_bytes(8, "little") + int(pos.size).to_bytes(8, "little"))
-        h.update(pos.astype("<u4").tobytes())
-        h.update(state.tobytes())
-        object.__setattr__(self, "id", h.digest(HIST_ID_BYTES))
+        object.__setattr__(self, "id", _history_id(self.n, pos.astype("<u4"), state))
 
     @property
     def m(self) -> int:
@@ -112,6 +129,40 @@ class History:
         a.fill(0)
         a[self.pos] = self.state
         return a
+
+    @classmethod
+    def from_records(cls, n: int, records: list[bytes | None], where: list[str]) -> History:
+        """``from_moves`` of change sets given as their records (``Moves.to_bytes``; None: no move),
+        newest first, each checked as ``Moves.from_bytes`` does (``DecodeError`` naming ``where[d]``
+        for a malformed record ``d``): one kernel call, where ``from_moves`` takes numpy's steps on
+        every change set."""
+        from ..errors import DecodeError
+        from .history_kernels import merge_records
+
+        sets: list[np.ndarray] = []
+        for d, r in enumerate(list(records[:DEPTH])):
+            m = _record_size(r, n)
+            if m < 0:
+                raise DecodeError(f"{where[d]}: change set of {len(r or b'')} bytes is not one of a chunk of {n} elements")
+            sets += ([np.frombuffer(r, "<u4", m, 16), np.frombuffer(r, np.uint8, (m + 7) // 8, 16 + 4 * m)] if m
+                     else [np.empty(0, np.uint32), np.empty(1, np.uint8)])
+        sets += [np.empty(0, np.uint32), np.empty(1, np.uint8)] * (DEPTH - len(sets) // 2)
+        total = sum(p.size for p in sets[::2]) + 1
+        pos, pos32, st = np.empty(total, np.int64), np.empty(total, np.uint32), np.empty(total, np.uint8)
+        k = merge_records(*sets, n, STATE_TABLE, pos, pos32, st)
+        if k < 0:
+            raise DecodeError(f"{where[-1 - k]}: change set positions do not ascend within {n} elements")
+        return cls._trusted(n, pos[:k], st[:k], pos32[:k])
+
+    @classmethod
+    def _trusted(cls, n: int, pos: np.ndarray, state: np.ndarray, pos32: np.ndarray) -> History:
+        """A history from a merge's output (valid by construction: not checked again)."""
+        h = object.__new__(cls)
+        object.__setattr__(h, "n", n)
+        object.__setattr__(h, "pos", pos)
+        object.__setattr__(h, "state", state)
+        object.__setattr__(h, "id", _history_id(n, pos32, state))
+        return h
 
     @classmethod
     def from_moves(cls, n: int, moves: list[Moves]) -> History:
