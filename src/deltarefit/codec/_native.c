@@ -1010,18 +1010,29 @@ static inline __attribute__((always_inline)) int dec_groups_t(const uint8_t *pl,
             }
             /* q == qd (for encoding 1 a quarter of the gaps, at random): the unary rest without a branch
              * while it is short, within the stream and legal (rawr_unary's result then); else rawr_unary. */
-            const int64_t z = __builtin_ctzll(rawr_peek(&r) | (1ull << 56));
+            /* One load of the raw stream per gap: the unary rest and the k low bits both come from
+             * the 57 bits it gives, where they fit (z + 1 + k <= 57), else rawr_get reads again. */
+            const uint64_t w = rawr_peek(&r);
+            const int64_t z = __builtin_ctzll(w | (1ull << 56));
             const uint64_t is2 = q == qd;
             const uint64_t fast = (uint64_t)(z < 56) & (uint64_t)(z < r.avail - r.bp) & (uint64_t)(((qd + z) << k) < n);
+            int64_t g;
             if (__builtin_expect(is2 & (fast ^ 1), 0)) {
                 q = rawr_unary(&r, k, n, qd);
                 if (q < 0)
                     return -3;
+                g = (int64_t)rawr_get(&r, k);
             } else {
+                const int64_t used = (z + 1) & (0 - (int64_t)is2);
                 q += z & (0 - (int64_t)is2);
-                r.bp += (z + 1) & (0 - (int64_t)is2);
+                if (__builtin_expect(used + k <= 57, 1)) {
+                    g = (int64_t)((w >> used) & ((1ull << k) - 1));
+                    r.bp += used + k;
+                } else {
+                    r.bp += used;
+                    g = (int64_t)rawr_get(&r, k);
+                }
             }
-            int64_t g = (int64_t)rawr_get(&r, k);
             int64_t rk = prev + 1 + ((q << k) | g);
             if (rk >= n)
                 return -3;
