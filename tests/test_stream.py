@@ -1022,6 +1022,33 @@ def test_copies_left_by_a_killed_publish_are_removed(tmp_path, chain, chain_fps)
     assert deltarefit.fingerprint(pub.baseline) == chain_fps[1]
 
 
+def test_a_keyframe_install_killed_then_a_chain_sync_leaves_no_copy_behind(stream, tmp_path, chain, chain_fps):
+    """A sync killed inside a keyframe's install leaves the copy it was building, or the directory it
+    replaced, beside the checkpoint; the next sync may take a chain route, and removes them all the
+    same. While the checkpoint is missing, the replaced copy stays (the install takes it away)."""
+    ck = str(tmp_path / "sub.safetensors")
+    shutil.copyfile(chain[HEAD - 2], ck)
+    sub = Subscriber(stream.store, ck, subscriber_id="sub")
+    sub.sync(to_version=HEAD - 2)
+    tmp, old = ck + ".deltarefit-keyframe.tmp", ck + ".deltarefit-old"
+    with open(tmp, "wb") as f:
+        f.write(b"half a checkpoint")
+    os.makedirs(old)
+    with open(os.path.join(old, "model.safetensors"), "wb") as f:
+        f.write(b"the replaced copy")
+    rep = sub.sync()
+    assert rep.route == "chain"
+    _exact(ck, chain[HEAD], chain_fps[HEAD])
+    assert not os.path.lexists(tmp) and not os.path.lexists(old)
+    from deltarefit.stream.route import remove_keyframe_leftovers
+
+    missing = str(tmp_path / "missing.safetensors")
+    os.makedirs(missing + ".deltarefit-old")
+    os.makedirs(missing + ".deltarefit-keyframe.tmp")
+    assert remove_keyframe_leftovers(missing) == [missing + ".deltarefit-keyframe.tmp"]
+    assert os.path.isdir(missing + ".deltarefit-old")
+
+
 def test_temps_left_by_a_killed_sync_are_removed(stream, tmp_path, chain, chain_fps):
     """A subscriber's version record is written atomically beside its checkpoint: a temp a killed sync
     left of it (or of the checkpoint) is gone after the next sync, and a live writer's temp stays."""

@@ -3,6 +3,7 @@ cheapest of the routes the records allow, and installing a keyframe step into a 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Callable
@@ -129,6 +130,31 @@ def decodable(steps: list[Step], recs: dict[int, CommitRecord], book_follows: Ca
     return ok is not False
 
 
+def _keyframe_temps(checkpoint: str) -> tuple[str, str]:
+    """The fixed names ``install_keyframe`` builds beside a checkpoint: the new copy, the replaced one."""
+    return f"{checkpoint}.deltarefit-keyframe.tmp", f"{checkpoint}.deltarefit-old"
+
+
+def remove_keyframe_leftovers(checkpoint: str) -> list[str]:
+    """Remove what a sync killed inside ``install_keyframe`` left beside the checkpoint: the new copy
+    it was building, and the replaced directory once the checkpoint is in place again (while it is
+    missing, the old copy stays until the keyframe is installed again). Either can be as large as the
+    checkpoint, and the next sync may take a chain route, which never reaches the install. Call under
+    the checkpoint's lock. Returns the paths removed."""
+    tmp, old = _keyframe_temps(checkpoint)
+    gone = []
+    for p in (tmp, old) if os.path.exists(checkpoint) else (tmp,):
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+        elif os.path.lexists(p):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+        else:
+            continue
+        gone.append(p)
+    return gone
+
+
 def install_keyframe(rec: CommitRecord, local: dict[str, str], staging: str, checkpoint: str) -> None:
     """Replace the checkpoint by a keyframe's files, built aside and renamed into place.
 
@@ -141,8 +167,7 @@ def install_keyframe(rec: CommitRecord, local: dict[str, str], staging: str, che
     for name, part in rec.keyframe:
         os.replace(local[part.key], os.path.join(kdir, name))
     # Fixed temp names: a sync killed here leaves them, and the next one replaces them.
-    tmp = f"{checkpoint}.deltarefit-keyframe.tmp"
-    old = f"{checkpoint}.deltarefit-old"
+    tmp, old = _keyframe_temps(checkpoint)
     as_dir = os.path.isdir(checkpoint) or (
         not os.path.exists(checkpoint) and not checkpoint.endswith(".safetensors"))
     if not as_dir:

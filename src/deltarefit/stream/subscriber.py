@@ -87,7 +87,7 @@ from .records import (
     record_version,
     stream_identity,
 )
-from .route import Step, cheapest_route, install_keyframe
+from .route import Step, cheapest_route, install_keyframe, remove_keyframe_leftovers
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +231,8 @@ class Subscriber:
         recorded version and stream: a checkpoint whose fingerprint is a version of the store's stream
         is adopted at it, any other is replaced from the newest keyframe (the way out of an edited
         checkpoint, a store wiped and republished, or a checkpoint of another stream)."""
+        for p in remove_keyframe_leftovers(self.checkpoint):
+            log.info("removed %s, left by a killed sync", p)
         try:
             return self._sync(to_version, verify, repair)
         except BaseMismatchError as e:
