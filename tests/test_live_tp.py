@@ -121,10 +121,13 @@ def test_segments_a_worker_holds_whole_are_decoded_there_once(tmp_path, shm):
     if shm and not os.access("/dev/shm", os.W_OK):
         pytest.skip("no writable /dev/shm here: split segments go by gloo (the other case)")
     target, b, delta, _ = _whole_pair(tmp_path)
+    before = set(os.listdir("/dev/shm")) if shm else set()
     # with different apply threads per worker (the group's window of split chunks in flight is its own)
     outs = _run(tmp_path, b, delta, held=True, threads=[1, 3], no_shm=not shm)
     assert all(o.get("ok") for o in outs), outs
     assert [o["shm"] for o in outs] == [shm, shm]  # where split segments were assembled
+    if shm:  # the shared file's name was removed once both workers had it open
+        assert not [n for n in set(os.listdir("/dev/shm")) - before if "deltarefit-tp-" in n]
     assert outs[0]["roles"]["up.weight"] == ["mine", "mine", "other", "other"]
     assert outs[1]["roles"]["up.weight"] == ["other", "other", "mine", "mine"]
     assert all(set(o["roles"]["down.weight"]) == {"group"} for o in outs)

@@ -359,3 +359,50 @@ def test_an_engine_sync_holds_the_lock_for_its_workers_in_other_processes(pair, 
     assert (rep.version, rep.route) == (2, "chain")
     assert deltarefit.fingerprint(engine_dir) == deltarefit.fingerprint(pair["target"])
     assert not os.path.exists(lock_path_beside(engine_dir))
+
+
+# ------------------------------------------------------------------------- scratch of dead owners
+
+
+_OWNER = """
+import sys, time
+from deltarefit.locks import owned_temp
+path, fd = owned_temp(sys.argv[1], sys.argv[2], directory=sys.argv[3] == "dir")
+if sys.argv[3] == "dir":
+    open(path + "/staged.delta", "wb").write(b"x" * 4096)
+print(path, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("kind", ["dir", "file"])
+def test_scratch_of_an_owner_killed_by_sigkill_is_swept_and_a_live_owners_is_kept(tmp_path, kind):
+    """An engine's scratch directory (or a group's shared-memory file) is locked by its owner for its
+    life: a sweep leaves it while the owner runs (another process here), removes it once the owner is
+    killed with SIGKILL, and leaves alone what carries no owner's lock."""
+    from deltarefit.locks import owned_temp, sweep_abandoned
+
+    parent = str(tmp_path)
+    p = subprocess.Popen([sys.executable, "-c", _OWNER, "scratch-", parent, kind], stdout=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([p.stdout], [], [], 60)
+        assert ready, "the owner did not start"
+        theirs = p.stdout.readline().strip()
+        assert os.path.basename(theirs).startswith("scratch-") and os.path.exists(theirs)
+        mine, fd = owned_temp("scratch-", parent, directory=kind == "dir")
+        # A directory without the owner's lock file is not one of ours; a file of the prefix that no one
+        # locks is one a dead owner left (before it was locked, or by a release that did not lock).
+        foreign = os.path.join(parent, "scratch-not-ours")
+        os.makedirs(foreign) if kind == "dir" else open(foreign, "wb").close()
+        assert sweep_abandoned(parent, "scratch-") == ([] if kind == "dir" else [foreign])
+        assert os.path.exists(theirs) and os.path.exists(mine)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        assert sweep_abandoned(parent, "scratch-") == [theirs]
+        assert not os.path.lexists(theirs) and os.path.exists(mine)
+        os.close(fd)  # its owner lets go (an engine's shutdown removes it first)
+        assert sweep_abandoned(parent, "scratch-") == [mine]
+        assert sorted(os.listdir(parent)) == (["scratch-not-ours"] if kind == "dir" else [])
+    finally:
+        p.kill()
+        p.wait()

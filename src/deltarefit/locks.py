@@ -13,7 +13,10 @@ and calls apply on it); another thread of the same process is refused like anoth
 
 Leftovers: a run killed mid-write leaves ``NAME.tmp-PID`` temp files (``fsutil.write_atomic``,
 ``checkpoint.write_safetensors``). ``remove_dead_temps`` removes those of a naming pattern whose PID
-is not a live process; it is called by a run that holds the lock of the place they are in.
+is not a live process; it is called by a run that holds the lock of the place they are in. Scratch
+that belongs to no lock (an engine's staging directory, a shared-memory file of a tensor-parallel
+group) is made by ``owned_temp``, which holds a flock on it for the owner's life, so that
+``sweep_abandoned`` removes only what a dead owner left, whichever pid namespace it ran in.
 """
 
 from __future__ import annotations
@@ -188,3 +191,73 @@ def remove_dead_temps_beside(path: str) -> list[str]:
     (``write_atomic``) left."""
     p = os.path.abspath(path)
     return remove_dead_temps(os.path.dirname(p), temp_pattern(re.escape(os.path.basename(p))))
+
+
+OWNER = ".owner"  # the lock file inside an owned temp directory
+
+
+def owned_temp(prefix: str, parent: str | None = None, *, directory: bool = True) -> tuple[str, int]:
+    """A new temp directory (or, ``directory=False``, an empty file) named ``prefix...`` in ``parent``
+    (default: the system's temp directory), and a file descriptor holding an exclusive flock on it
+    (on its ``.owner`` file, for a directory). Closing the descriptor, or the owner's death, releases
+    it. It is made under a hidden name and renamed to its own once locked, so ``sweep_abandoned``
+    never sees it unlocked."""
+    import tempfile
+
+    parent = parent or tempfile.gettempdir()
+    if directory:
+        hidden = tempfile.mkdtemp(prefix="." + prefix, dir=parent)
+        fd = os.open(os.path.join(hidden, OWNER), os.O_RDWR | os.O_CREAT, 0o600)
+    else:
+        fd, hidden = tempfile.mkstemp(prefix="." + prefix, dir=parent)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path = os.path.join(parent, os.path.basename(hidden)[1:])
+        os.rename(hidden, path)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            if directory:
+                import shutil
+
+                shutil.rmtree(hidden)
+            else:
+                os.unlink(hidden)
+        raise
+    return path, fd
+
+
+def sweep_abandoned(parent: str, prefix: str) -> list[str]:
+    """Remove the ``owned_temp`` entries named ``prefix...`` in ``parent`` whose owner is gone (their
+    flock can be taken); returns their paths. A directory without its ``.owner`` file (not made by
+    ``owned_temp``) is left alone; a file of the prefix is taken for one of ours, so its prefix must be
+    this project's alone."""
+    import shutil
+
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(prefix)]
+    except OSError:
+        return removed
+    for name in names:
+        p = os.path.join(parent, name)
+        is_dir = os.path.isdir(p) and not os.path.islink(p)
+        try:
+            fd = os.open(os.path.join(p, OWNER) if is_dir else p, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its owner lives
+        try:
+            if is_dir:
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+            removed.append(p)
+        finally:
+            os.close(fd)
+    return removed

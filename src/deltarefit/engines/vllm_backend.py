@@ -48,11 +48,14 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..errors import UsageError
+from ..locks import owned_temp, sweep_abandoned
 from ..storage.base import open_store
 from ..stream.records import StreamError, head, load_commit
 from ..stream.subscriber import Subscriber, SyncReport
 
 log = logging.getLogger(__name__)
+
+SCRATCH_PREFIX = "deltarefit-engine-"
 
 BACKEND = "deltarefit"
 
@@ -85,7 +88,11 @@ class _EngineSubscriber(Subscriber):
     file beside a checkpoint: a restarted engine holds what it loaded, whatever a file says."""
 
     def __init__(self, store: Any, live: Any, held: tuple[int, str], **kw: Any) -> None:
-        self.scratch = tempfile.mkdtemp(prefix="deltarefit-engine-")  # staging and keyframes; removed at close
+        # Staging and keyframes, removed at close; an engine killed before that leaves its scratch,
+        # which the next engine on this host removes (owned_temp: locked while its engine lives).
+        for gone in sweep_abandoned(tempfile.gettempdir(), SCRATCH_PREFIX):
+            log.info("removed %s, left by an engine that died", gone)
+        self.scratch, self.scratch_lock = owned_temp(SCRATCH_PREFIX)
         super().__init__(store, os.path.join(self.scratch, "keyframe"), apply_hook=self._apply,
                          keyframe_hook=self._keyframe, **kw)
         self.live = live
@@ -244,6 +251,7 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
             import shutil
 
             shutil.rmtree(self.sub.scratch, ignore_errors=True)
+            os.close(self.sub.scratch_lock)
         self.sub = None
 
 

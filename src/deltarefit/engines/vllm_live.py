@@ -54,12 +54,15 @@ from ..format import DeltaReader
 from ..history_book import HistoryBook, MovesRecorder
 from ..integrity import fingerprint_from_digests
 from ..journal import Journal
+from ..locks import owned_temp, sweep_abandoned
 from .capture import capture_layout
 from .live import SPLIT_AHEAD, LiveTarget, Placement, TargetUnion, digest_through, state_through
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LiveEngine", "LiveRefitReport", "MemoryJournal"]
+
+SHM_PREFIX = "deltarefit-tp-"  # a tensor-parallel group's shared-memory file (``_Group.shared_buffer``)
 
 
 class MemoryJournal(Journal):
@@ -288,7 +291,6 @@ class _Group:
         every worker has it open), or None in every worker where any of them cannot map it (no
         ``/dev/shm``, or workers on different hosts). A collective call."""
         import mmap
-        import tempfile
 
         if self.pg is None:
             return None
@@ -296,7 +298,10 @@ class _Group:
         fd, path, ok = -1, "", True
         if self.rank == 0:
             try:
-                fd, path = tempfile.mkstemp(prefix="deltarefit-tp-", dir="/dev/shm")
+                # Locked while this worker lives: a worker killed before the unlink below leaves the
+                # file (and its memory), which the next group's first worker removes.
+                sweep_abandoned("/dev/shm", SHM_PREFIX)
+                path, fd = owned_temp(SHM_PREFIX, "/dev/shm", directory=False)
                 os.posix_fallocate(fd, 0, nbytes)
                 check = os.urandom(16)
                 os.pwrite(fd, check, 0)
@@ -305,20 +310,23 @@ class _Group:
                     np.frombuffer(check, np.uint8)
             except OSError:
                 ok = False
-        ok = self.agree(ok)
-        if ok:
-            self.broadcast(token, 0)
-            if self.rank != 0:
-                try:
-                    path = bytes(token[1:1 + int(token[0])]).decode()
-                    fd = os.open(path, os.O_RDWR)
-                    ok = os.fstat(fd).st_size >= nbytes and os.pread(fd, 16, 0) == token[240:].tobytes()
-                except (OSError, UnicodeDecodeError):
-                    ok = False
-            ok = self.agree(ok)
-        if self.rank == 0 and path:
-            os.unlink(path)  # every worker has it open, or nobody will use it: no name is left behind
         try:
+            try:
+                ok = self.agree(ok)
+                if ok:
+                    self.broadcast(token, 0)
+                    if self.rank != 0:
+                        try:
+                            path = bytes(token[1:1 + int(token[0])]).decode()
+                            fd = os.open(path, os.O_RDWR)
+                            ok = os.fstat(fd).st_size >= nbytes and os.pread(fd, 16, 0) == token[240:].tobytes()
+                        except (OSError, UnicodeDecodeError):
+                            ok = False
+                    ok = self.agree(ok)
+            finally:  # every worker has it open, or nobody will use it (a peer failed): no name is left behind
+                if self.rank == 0 and path:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
             return np.frombuffer(mmap.mmap(fd, nbytes), np.uint8) if ok else None
         finally:
             if fd >= 0:
