@@ -21,7 +21,7 @@ from deltarefit import apply as apply_mod
 from deltarefit import encode as encode_mod
 from deltarefit.codec import chunk as C
 from deltarefit.codec import history as H
-from deltarefit.dtypes import dtype
+from deltarefit.dtypes import DTYPES, dtype
 from deltarefit.errors import DecodeError
 from deltarefit.history_book import HistoryBook
 
@@ -137,6 +137,23 @@ def _random_moves(rng, n: int) -> H.Moves:
     m = int(rng.integers(0, min(n, 400)))
     pos = np.sort(rng.choice(n, m, replace=False)).astype(np.int64)
     return H.Moves(n, pos, rng.random(m) < 0.5)
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_directions_are_those_of_the_keys(name):
+    """A move's direction, taken in the bits' own width, is FORMAT.md's: the key decreased (NaN
+    payloads, both zeros and the sign boundary included, for every dtype)."""
+    dt = dtype(name)
+    rng = np.random.default_rng(5)
+    w = 8 * np.dtype(dt.uint).itemsize
+    b = rng.integers(0, 2**63, 5000, dtype=np.uint64).astype(dt.uint)
+    t = rng.integers(0, 2**63, 5000, dtype=np.uint64).astype(dt.uint)
+    edge = np.array([0, 1, 2 ** (w - 1) - 1, 2 ** (w - 1), 2 ** (w - 1) + 1, 2**w - 1], np.uint64).astype(dt.uint)
+    b = np.concatenate([b, np.repeat(edge, edge.size)])
+    t = np.concatenate([t, np.tile(edge, edge.size)])
+    want = H._key(dt, t) < H._key(dt, b)
+    assert np.array_equal(H.directions(dt, b, t), want)
+    assert np.array_equal(H.directions(dt, b.view(f"i{b.itemsize}"), t.view(f"i{t.itemsize}")), want)
 
 
 def test_histories_from_stored_records_equal_those_from_moves():
