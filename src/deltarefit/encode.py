@@ -145,7 +145,7 @@ def _patch_work(dt_name: str, b: np.ndarray, t: np.ndarray, known_pre: bytes | N
             enc = encode_raw(dt, b, t)
         else:
             bu, tu = uint_view(b, dt_name), uint_view(t, dt_name)
-            seen = None if sums is None else (lambda pos, _old, new: sums[0].add(sums[1], sums[2], sums[3], bu, pos, new))
+            seen = None if sums is None else (lambda pos, _old, new: sums[0].add(*sums[1:], bu, pos, new))
             if hist is None:
                 enc, pos, old, new = encode_with_changes(dt, bu, tu)
                 if enc is not None and seen is not None:
@@ -361,9 +361,9 @@ def encode_checkpoints(
     (``additive_digests``, base and target), so a target that tracks the digest of what it holds (a
     live engine) checks a patch in O(changed elements); it costs a pass over those tensors of ``base``
     (none where ``base_sums`` has them), and the target's are the base's moved by the changes the host
-    scan found (with ``patch_works``, a pass over the changed tensors of ``target``). ``base_sums``: the base's additive digests where known
-    (``KnownHashes.sums``), trusted as ``base_hashes`` are; wrong ones make held-digest applies refuse
-    the delta as one for another base, never accept wrong bytes.
+    scan found (with ``patch_works``, a pass over the changed tensors of ``target``). ``base_sums``: the
+    base's additive digests where known (``KnownHashes.sums``), trusted as ``base_hashes`` are; wrong
+    ones make held-digest applies refuse the delta as one for another base, never accept wrong bytes.
 
     ``base`` and ``target`` need only ``tensors`` (name -> info with dtype, shape, nbytes) and
     ``raw(name)``; ``patch_works`` replaces the host scan of tensors present in both (the GPU encoder
