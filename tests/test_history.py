@@ -156,21 +156,33 @@ def test_directions_are_those_of_the_keys(name):
     assert np.array_equal(H.directions(dt, b.view(f"i{b.itemsize}"), t.view(f"i{t.itemsize}")), want)
 
 
-def test_histories_from_stored_records_equal_those_from_moves():
-    """A book's lookups merge the stored records in one kernel; it gives what ``from_moves`` gives
-    (positions, history bytes, id) for any three change sets, fewer, or sets with no move."""
+def _dense_history(n: int, moves: list[H.Moves]) -> tuple[np.ndarray, np.ndarray]:
+    """FORMAT.md's history bytes, element by element (the reference): (positions, bytes) of the
+    elements whose state is not 0."""
+    s = np.zeros((H.DEPTH, n), np.int64)
+    for d, mv in enumerate(moves[:H.DEPTH]):
+        s[d, mv.pos] = np.where(mv.down, -1, 1)
+    b = H.STATE_TABLE[(s[0] + 1) * 9 + (s[1] + 1) * 3 + (s[2] + 1)]
+    pos = np.flatnonzero(b & 127)
+    return pos, b[pos]
+
+
+def test_histories_from_stored_records_are_formats_element_by_element():
+    """A book's lookups merge the stored records in one kernel; it gives FORMAT.md's history bytes,
+    element by element, and its id, for any three change sets, fewer, or sets with no move
+    (``from_moves`` takes the same path from ``Moves``)."""
     rng = np.random.default_rng(11)
     for trial in range(300):
         n = int(rng.integers(1, 5000))
         moves = [_random_moves(rng, n) for _ in range(int(rng.integers(1, 4)))]
         if trial % 7 == 0:
             moves[0] = H.Moves(n, np.empty(0, np.int64), np.empty(0, np.bool_))
-        want = H.History.from_moves(n, moves)
+        pos, b = _dense_history(n, moves)
         records = [mv.to_bytes() if mv.pos.size or trial % 2 else None for mv in moves]
-        got = H.History.from_records(n, records, ["here"] * len(records))
-        assert (got.n, got.id) == (want.n, want.id), trial
-        assert np.array_equal(got.pos, want.pos) and np.array_equal(got.state, want.state), trial
-        assert got.pos.dtype == np.int64 and got.state.dtype == np.uint8
+        for got in (H.History.from_records(n, records, ["here"] * len(records)), H.History.from_moves(n, moves)):
+            assert np.array_equal(got.pos, pos) and np.array_equal(got.state, b), trial
+            assert got.pos.dtype == np.int64 and got.state.dtype == np.uint8
+            assert got.id == H.History(n, pos, b).id  # the id of the checked constructor
 
 
 @pytest.mark.parametrize("bad", ["other n", "short", "long", "count", "unsorted", "repeated", "beyond"])

@@ -167,24 +167,12 @@ class History:
     @classmethod
     def from_moves(cls, n: int, moves: list[Moves]) -> History:
         """The history of a chunk of ``n`` elements from its last moves, newest first (at most
-        ``DEPTH`` are used; fewer count as no move)."""
-        from .history_kernels import merge_states
-
+        ``DEPTH`` are used; fewer count as no move): ``from_records`` of their records."""
         moves = list(moves[:DEPTH])
         for mv in moves:
             if mv.n != n:
                 raise ValueError(f"moves of a {mv.n}-element chunk given for a chunk of {n}")
-        big = np.iinfo(np.int64).max
-        sets: list[np.ndarray] = []
-        for d in range(DEPTH):
-            if d < len(moves) and moves[d].pos.size:
-                sets += [np.append(np.asarray(moves[d].pos, np.int64), big), np.asarray(moves[d].down, np.bool_)]
-            else:
-                sets += [np.full(1, big, np.int64), np.zeros(1, np.bool_)]
-        total = sum(p.size for p in sets[::2])
-        pos, st = np.empty(total, np.int64), np.empty(total, np.uint8)
-        k = merge_states(*sets, STATE_TABLE, pos, st)
-        return cls(n, pos[:k], st[:k])
+        return cls.from_records(n, [mv.to_bytes() for mv in moves], [f"moves {d}" for d in range(len(moves))])
 
 
 @dataclass(frozen=True)
