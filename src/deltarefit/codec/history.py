@@ -75,6 +75,11 @@ def context_map(n_exp: int) -> tuple[np.ndarray, np.ndarray]:
 _CMAPS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
 
+# A set with no move, read-only like the sets taken from records: numba compiles a kernel per mix of
+# read-only and writable arguments (a fresh mix cost about half a second in the middle of a chain).
+_NO_MOVE = (np.frombuffer(b"", np.uint32), np.frombuffer(b"\0", np.uint8))
+
+
 def _record_size(r: bytes | None, n: int) -> int:
     """The number of changes of a change set's record (``Moves.to_bytes``) of a chunk of ``n``
     elements (0 for None), or -1 where its header and length do not agree."""
@@ -145,8 +150,8 @@ class History:
             if m < 0:
                 raise DecodeError(f"{where[d]}: change set of {len(r or b'')} bytes is not one of a chunk of {n} elements")
             sets += ([np.frombuffer(r, "<u4", m, 16), np.frombuffer(r, np.uint8, (m + 7) // 8, 16 + 4 * m)] if m
-                     else [np.empty(0, np.uint32), np.empty(1, np.uint8)])
-        sets += [np.empty(0, np.uint32), np.empty(1, np.uint8)] * (DEPTH - len(sets) // 2)
+                     else list(_NO_MOVE))
+        sets += list(_NO_MOVE) * (DEPTH - len(sets) // 2)
         total = sum(p.size for p in sets[::2]) + 1
         pos, pos32, st = np.empty(total, np.int64), np.empty(total, np.uint32), np.empty(total, np.uint8)
         k = merge_records(*sets, n, STATE_TABLE, pos, pos32, st)
