@@ -203,13 +203,13 @@ _DIR_TEMPS = (r".+\.safetensors", re.escape(INDEX_NAME), re.escape(REPLACED_LIST
 def remove_dead_temps_of(checkpoint_path: str) -> list[str]:
     """Remove temp files a killed apply left in or beside the checkpoint (a shard-sized
     ``NAME.tmp-PID`` of a structural rewrite), those whose writer is dead. Call under its lock."""
-    from .locks import remove_dead_temps, temp_pattern
+    from .locks import remove_dead_temps, remove_dead_temps_beside, temp_pattern
 
     p = os.path.abspath(checkpoint_path)
     if os.path.isdir(p):
         removed = remove_dead_temps(p, temp_pattern(*_DIR_TEMPS))
     else:
-        removed = remove_dead_temps(os.path.dirname(p), temp_pattern(re.escape(os.path.basename(p)) + f"(?:{_OURS})?"))
+        removed = remove_dead_temps_beside(p, _OURS)
     for r in removed:
         log.info("removed %s, left by a killed run", r)
     return removed

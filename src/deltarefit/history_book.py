@@ -125,7 +125,7 @@ class _MovesFile:
             return None
         mv = Moves.from_bytes(raw, self.where(name, ci))
         if mv.n != n:
-            raise DecodeError(f"{self.path}: entry {name!r} chunk {ci} is of {mv.n} elements, chunk of {n}")
+            raise DecodeError(f"{self.where(name, ci)} is of {mv.n} elements, chunk of {n}")
         return mv
 
 

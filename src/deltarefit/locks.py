@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import functools
 import json
+import logging
 import os
 import re
 import threading
@@ -33,6 +34,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from .errors import CheckpointError, LockedError
+
+log = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".deltarefit-lock"
 
@@ -186,11 +189,13 @@ def temp_pattern(*names: str) -> re.Pattern[str]:
     return re.compile(rf"(?:{'|'.join(names)})\.tmp-(?P<pid>[0-9]+)")
 
 
-def remove_dead_temps_beside(path: str) -> list[str]:
+def remove_dead_temps_beside(path: str, suffixes: str | None = None) -> list[str]:
     """``remove_dead_temps`` of the one file ``path``: the ``path.tmp-PID`` temps its killed writers
-    (``write_atomic``) left."""
+    (``write_atomic``) left; with ``suffixes`` (a regular expression), those of ``path`` + a suffix it
+    matches too (files kept beside it)."""
     p = os.path.abspath(path)
-    return remove_dead_temps(os.path.dirname(p), temp_pattern(re.escape(os.path.basename(p))))
+    name = re.escape(os.path.basename(p)) + (f"(?:{suffixes})?" if suffixes else "")
+    return remove_dead_temps(os.path.dirname(p), temp_pattern(name))
 
 
 OWNER = ".owner"  # the lock file inside an owned temp directory
@@ -201,10 +206,12 @@ def owned_temp(prefix: str, parent: str | None = None, *, directory: bool = True
     (default: the system's temp directory), and a file descriptor holding an exclusive flock on it
     (on its ``.owner`` file, for a directory). Closing the descriptor, or the owner's death, releases
     it. It is made under a hidden name and renamed to its own once locked, so ``sweep_abandoned``
-    never sees it unlocked."""
+    never sees it unlocked; what dead owners of the prefix left there is swept first."""
     import tempfile
 
     parent = parent or tempfile.gettempdir()
+    for gone in sweep_abandoned(parent, prefix):
+        log.info("removed %s, left by an owner that died", gone)
     if directory:
         hidden = tempfile.mkdtemp(prefix="." + prefix, dir=parent)
         fd = os.open(os.path.join(hidden, OWNER), os.O_RDWR | os.O_CREAT, 0o600)

@@ -80,15 +80,22 @@ _CMAPS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 _NO_MOVE = (np.frombuffer(b"", np.uint32), np.frombuffer(b"\0", np.uint8))
 
 
+def _record_counts(r: bytes | memoryview) -> tuple[int, int] | None:
+    """(elements, changes) of a change set's record (``Moves.to_bytes``), or None where its header
+    and its length do not agree."""
+    if len(r) < 16:
+        return None
+    n, m = int.from_bytes(r[:8], "little"), int.from_bytes(r[8:16], "little")
+    return (n, m) if m <= n and len(r) == 16 + 4 * m + (m + 7) // 8 else None
+
+
 def _record_size(r: bytes | None, n: int) -> int:
-    """The number of changes of a change set's record (``Moves.to_bytes``) of a chunk of ``n``
-    elements (0 for None), or -1 where its header and length do not agree."""
+    """The number of changes of a change set's record of a chunk of ``n`` elements (0 for None), or
+    -1 where it is not one (``_record_counts``)."""
     if r is None:
         return 0
-    if len(r) < 16 or int.from_bytes(r[:8], "little") != n:
-        return -1
-    m = int.from_bytes(r[8:16], "little")
-    return m if m <= n and len(r) == 16 + 4 * m + (m + 7) // 8 else -1
+    got = _record_counts(r)
+    return got[1] if got is not None and got[0] == n else -1
 
 
 def _history_id(n: int, pos32: np.ndarray, state: np.ndarray) -> bytes:
@@ -201,10 +208,11 @@ class Moves:
         mv = memoryview(raw)
         if len(mv) < 16:
             raise DecodeError(f"{where}: truncated change set")
-        n = int.from_bytes(mv[:8], "little")
-        m = int.from_bytes(mv[8:16], "little")
-        if m > n or len(mv) != 16 + 4 * m + (m + 7) // 8:
+        counts = _record_counts(mv)
+        if counts is None:
+            n, m = int.from_bytes(mv[:8], "little"), int.from_bytes(mv[8:16], "little")
             raise DecodeError(f"{where}: change set of {len(mv)} bytes does not hold {m} of {n} changes")
+        n, m = counts
         pos = np.frombuffer(mv, "<u4", m, 16).astype(np.int64)
         if m and (pos[-1] >= n or np.any(np.diff(pos) <= 0)):
             raise DecodeError(f"{where}: change set positions do not ascend within {n} elements")

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -48,7 +47,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..errors import UsageError
-from ..locks import owned_temp, sweep_abandoned
+from ..locks import owned_temp
 from ..storage.base import open_store
 from ..stream.records import StreamError, head, load_commit
 from ..stream.subscriber import Subscriber, SyncReport
@@ -90,8 +89,6 @@ class _EngineSubscriber(Subscriber):
     def __init__(self, store: Any, live: Any, held: tuple[int, str], **kw: Any) -> None:
         # Staging and keyframes, removed at close; an engine killed before that leaves its scratch,
         # which the next engine on this host removes (owned_temp: locked while its engine lives).
-        for gone in sweep_abandoned(tempfile.gettempdir(), SCRATCH_PREFIX):
-            log.info("removed %s, left by an engine that died", gone)
         self.scratch, self.scratch_lock = owned_temp(SCRATCH_PREFIX)
         super().__init__(store, os.path.join(self.scratch, "keyframe"), apply_hook=self._apply,
                          keyframe_hook=self._keyframe, **kw)

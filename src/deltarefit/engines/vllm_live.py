@@ -54,7 +54,7 @@ from ..format import DeltaReader
 from ..history_book import HistoryBook, MovesRecorder
 from ..integrity import fingerprint_from_digests
 from ..journal import Journal
-from ..locks import owned_temp, sweep_abandoned
+from ..locks import owned_temp
 from .capture import capture_layout
 from .live import SPLIT_AHEAD, LiveTarget, Placement, TargetUnion, digest_through, state_through
 
@@ -300,7 +300,6 @@ class _Group:
             try:
                 # Locked while this worker lives: a worker killed before the unlink below leaves the
                 # file (and its memory), which the next group's first worker removes.
-                sweep_abandoned("/dev/shm", SHM_PREFIX)
                 path, fd = owned_temp(SHM_PREFIX, "/dev/shm", directory=False)
                 os.posix_fallocate(fd, 0, nbytes)
                 check = os.urandom(16)
