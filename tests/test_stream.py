@@ -232,6 +232,41 @@ def test_cheapest_route_and_to(stream, tmp_path, chain, chain_fps):
     assert r.returncode == 9 and "no committed version 24" in r.stderr
 
 
+def test_memory_staging_takes_routes_of_deltas_and_keyframes_stay_beside(stream, tmp_path, chain, chain_fps,
+                                                                         monkeypatch):
+    """A subscriber with ``memory_staging`` (an engine's, in a tmpfs) stages a route of deltas there, a
+    route with a keyframe beside the checkpoint (it is renamed into place), and a route of deltas that
+    takes more than a quarter of the room left there beside the checkpoint too; each ends bit-exact
+    with nothing left in either place."""
+    ck = str(tmp_path / "eng.safetensors")
+    staged: list[str] = []
+
+    def hook(path: str) -> str:
+        staged.append(os.path.dirname(path))
+        return deltarefit.apply(path, ck).target_fingerprint
+
+    sub = Subscriber(stream.store, ck, subscriber_id="eng", apply_hook=hook)
+    sub.memory_staging = str(tmp_path / "mem" / "staging")
+    os.makedirs(os.path.dirname(sub.memory_staging))
+    rep = sub.sync(to_version=17)  # a late joiner: the keyframe at 15, then the deltas 16 and 17
+    assert rep.route == "keyframe" and rep.versions_applied == [15, 16, 17]
+    assert staged == [sub.staging, sub.staging]
+    _exact(ck, chain[17], chain_fps[17])
+    staged.clear()
+    rep = sub.sync(to_version=19)
+    assert rep.route == "chain" and rep.versions_applied == [18, 19]
+    assert staged == [sub.memory_staging] * 2
+    _exact(ck, chain[19], chain_fps[19])
+    need = stream.recs[20].delta.bytes + stream.recs[21].delta.bytes
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=4 * need - 4))
+    staged.clear()
+    assert sub.sync(to_version=21).versions_applied == [20, 21]
+    assert staged == [sub.staging] * 2
+    _exact(ck, chain[21], chain_fps[21])
+    assert not os.path.exists(sub.memory_staging) and not os.path.exists(sub.staging)
+
+
 def test_adopts_checkpoint_by_fingerprint(stream, tmp_path, chain, chain_fps):
     ck = str(tmp_path / "seven.safetensors")
     shutil.copyfile(chain[7], ck)

@@ -19,8 +19,9 @@ Worker side (``DeltaRefitWeightTransferEngine``):
   drained (``HTTPClient`` pauses the server around it).
 * ``update_weights({"version": N})`` (between ``start_weight_update`` and ``finish_weight_update``) makes
   the worker sync from the stream itself: records read and checked (parent links, signatures with
-  ``verify_key``), the cheapest route staged and checked before any write, each delta applied in place
-  (O(changed elements) written), a keyframe through the reload path. The held version moves only after
+  ``verify_key``), the cheapest route staged and checked before any write (a route of deltas in memory,
+  ``/dev/shm``, where it fits: a refit writes nothing to disk), each delta applied in place (O(changed
+  elements) written), a keyframe (staged on disk) through the reload path. The held version moves only after
   each apply verified. A failure leaves the worker at a verified version or completable by sending
   the same update again; nothing needs a restart.
 
@@ -55,6 +56,11 @@ from ..stream.subscriber import Subscriber, SyncReport
 log = logging.getLogger(__name__)
 
 SCRATCH_PREFIX = "deltarefit-engine-"
+MEMORY_DIR = "/dev/shm"  # a tmpfs on Linux hosts: the engine's delta staging and history book
+
+
+def _usable(directory: str) -> bool:
+    return os.path.isdir(directory) and os.access(directory, os.W_OK | os.X_OK)
 
 BACKEND = "deltarefit"
 
@@ -90,13 +96,21 @@ class _EngineSubscriber(Subscriber):
         # Staging and keyframes, removed at close; an engine killed before that leaves its scratch,
         # which the next engine on this host removes (owned_temp: locked while its engine lives).
         self.scratch, self.scratch_lock = owned_temp(SCRATCH_PREFIX)
+        # Deltas are staged, and the history book kept, in memory where the host has a tmpfs: the engine
+        # holds its weights in memory, and a refit then writes no byte to disk (keyframes, the size of
+        # the checkpoint, are staged on disk). Same ownership rules as the scratch.
+        self.memory, self.memory_lock = (owned_temp(SCRATCH_PREFIX, MEMORY_DIR) if _usable(MEMORY_DIR)
+                                         else (None, None))
         super().__init__(store, os.path.join(self.scratch, "keyframe"), apply_hook=self._apply,
                          keyframe_hook=self._keyframe, **kw)
+        if self.memory is not None:
+            self.memory_staging = os.path.join(self.memory, "staging")
+            self.book_path = os.path.join(self.memory, "history")
         self.live = live
         self.held = held
         self.stream_ident: str | None = None
         self.reports: list[Any] = []
-        # A single worker keeps a history book (in the scratch, beside its keyframe staging) and follows
+        # A single worker keeps a history book (in memory, else in the scratch) and follows
         # streams coded with history; a tensor-parallel group does not (its workers decode different
         # segments), and takes the routes without history.
         self.hook_keeps_book = live.keeps_history
@@ -247,8 +261,10 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
         if self.sub is not None:
             import shutil
 
-            shutil.rmtree(self.sub.scratch, ignore_errors=True)
-            os.close(self.sub.scratch_lock)
+            for path, lock in ((self.sub.scratch, self.sub.scratch_lock), (self.sub.memory, self.sub.memory_lock)):
+                if path is not None:
+                    shutil.rmtree(path, ignore_errors=True)
+                    os.close(lock)
         self.sub = None
 
 

@@ -160,6 +160,10 @@ class Subscriber:
         self.verifier = Verifier(public_key) if public_key else None
         self.threads = threads
         self.staging = self.checkpoint + ".deltarefit-staging"
+        # A directory in memory (tmpfs) where a route of deltas is staged instead, while it fits
+        # (``_staging_for``); None: everything is staged beside the checkpoint. Keyframes always are
+        # (they are renamed into place, and are the size of the checkpoint).
+        self.memory_staging: str | None = None
         self.book_path = history_path(self.checkpoint)
         self.apply_hook = apply_hook
         self.keyframe_hook = keyframe_hook
@@ -309,17 +313,32 @@ class Subscriber:
             else:
                 best = cheapest_route(self.store, cur, recs, book_follows=lambda: False, keeps_book=keeps_book)
         route, steps = best
-        os.makedirs(self.staging, exist_ok=True)
-        local = {p.key: os.path.join(self.staging, p.key.replace("/", "_")) for st in steps for p in st.parts}
+        staging = self._staging_for(steps)
+        os.makedirs(staging, exist_ok=True)
+        local = {p.key: os.path.join(staging, p.key.replace("/", "_")) for st in steps for p in st.parts}
         if self._overlaps(steps):
-            return self._sync_arriving(steps, local, recs, cur, start, route, t0)
+            return self._sync_arriving(steps, staging, local, recs, cur, start, route, t0)
         fetched = 0
         for part in (p for st in steps for p in st.parts):  # stage everything first
             fetched += fetch_part(self.store, part, local[part.key])
         self._check_staged(steps, local)
         applied, version, fp = self._apply_steps(steps, local, recs, cur)
-        shutil.rmtree(self.staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         return SyncReport(start, version, fp, route, fetched, applied, time.perf_counter() - t0, verified=True)
+
+    def _staging_for(self, steps: list[Step]) -> str:
+        """Where a route's parts are staged: ``memory_staging`` for a route of deltas whose parts take at
+        most a quarter of the room left there (an engine's: no byte of it reaches a disk), else beside
+        the checkpoint (``staging``)."""
+        mem = self.memory_staging
+        if mem is None or any(st.kind == "keyframe" for st in steps):
+            return self.staging
+        need = sum(p.bytes for st in steps for p in st.parts)
+        try:
+            room = shutil.disk_usage(os.path.dirname(mem)).free
+        except OSError:
+            return self.staging
+        return mem if need <= room // 4 else self.staging
 
     def _overlaps(self, steps: list[Step]) -> bool:
         """Whether this route is synced with its download and the first plan overlapped: deltas only
@@ -338,7 +357,7 @@ class Subscriber:
                                           f"{d.base_fingerprint[:16]}… to {d.target_fingerprint[:16]}…, the record "
                                           f"says {str(st.parent)[:16]}… to {st.fingerprint[:16]}…")
 
-    def _sync_arriving(self, steps: list[Step], local: dict[str, str], recs: dict[int, CommitRecord],
+    def _sync_arriving(self, steps: list[Step], staging: str, local: dict[str, str], recs: dict[int, CommitRecord],
                        cur: tuple[int, str] | None, start: int, route: str, t0: float) -> SyncReport:
         """A route of deltas, its first delta planned while the parts download (module docstring,
         "Overlap"): every part streams into staging in order on a background thread; the first apply
@@ -387,7 +406,7 @@ class Subscriber:
             raise
         finally:
             self.arriving = None
-        shutil.rmtree(self.staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         return SyncReport(start, version, fp, route, downloads.fetched, applied, time.perf_counter() - t0,
                           verified=True, early_reads=downloads.early_reads)
 
