@@ -120,10 +120,10 @@ def findings(res: dict[str, Any]) -> list[str]:
         out.append(f"{lay['title']}, {rs[-1]['changed']:.1%} changed: in place {t['inplace']:.2f} s, "
                    f"{vs(t['full'])} than the full reload ({t['full']:.2f} s) and {vs(t['disk'])} than disk + "
                    f"reload ({t['disk']:.2f} s). Written to disk: in place {fmt_mb(top['inplace']['io']['write_bytes'])}"
-                   f" MB (the delta, staged by the stream subscriber; no weight bytes), disk + reload "
+                   f" MB (the delta is staged in memory, `/dev/shm`; no weight bytes), disk + reload "
                    f"{fmt_mb(top['disk']['io']['write_bytes'])} MB, full reload "
                    f"{fmt_mb(top['full']['io']['write_bytes'])} MB. Read from disk: in place "
-                   f"{fmt_mb(top['inplace']['io']['read_bytes'])} MB, disk + reload "
+                   f"{fmt_mb(top['inplace']['io']['read_bytes'])} MB (the delta, from the stream's directory), disk + reload "
                    f"{fmt_mb(top['disk']['io']['read_bytes'])} MB, full reload {fmt_mb(top['full']['io']['read_bytes'])} MB.")
         times = [r["summary"]["inplace"]["seconds"] for r in rs]
         grows = all(b > a for a, b in itertools.pairwise(times))
