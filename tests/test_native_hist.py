@@ -106,14 +106,37 @@ def _case(name: str, n: int, rate: float, hrate: float, seed: int, kind: str = "
     return dt, base, _target(dt, base, rng, rate, steps), _hist(n, rng, hrate)
 
 
+@pytest.fixture(params=["portable", "avx512"])
+def scan(request):
+    """The native scan's path: element by element, or 32 at a time (where this machine has AVX-512)."""
+    if request.param == "avx512" and N.simd() != "avx512":
+        pytest.skip("no AVX-512 here")
+    was = N.use_simd(request.param == "avx512")
+    yield request.param
+    N.use_simd(was)
+
+
 @pytest.mark.parametrize("name", WIDTH16)
-def test_native_encoder_writes_numbas_bytes(name):
+def test_native_encoder_writes_numbas_bytes(name, scan):
     rng = np.random.default_rng(7)
     for trial in range(40):
         n = int(rng.integers(1, 6000))
         dt, base, target, hist = _case(name, n, float(rng.choice([0.001, 0.03, 0.3, 1.0])),
                                        float(rng.choice([0.0, 0.1, 0.5, 1.0])), 100 + trial,
                                        "weights" if trial % 3 else "uniform", "small" if trial % 4 else "random")
+        want = _encode_numba(dt, base, target, hist)
+        assert want[1] > 0
+        assert _encode_native(dt, base, target, hist) == want
+
+
+@pytest.mark.parametrize("name", ["BF16", "F16"])
+def test_native_encoder_on_whole_chunks_with_a_realistic_history(name, scan):
+    """Whole 1 MiB chunks, most elements in state 0 and a tenth with a recent move (the vector scan's
+    window holds state 0's contexts, the rest is counted one by one), exponents outside the window too."""
+    rng = np.random.default_rng(11)
+    for trial, (rate, hrate) in enumerate([(0.035, 0.1), (0.005, 0.3), (0.3, 0.05)]):
+        dt, base, target, hist = _case(name, (1 << 19) + 17 * trial, rate, hrate, 200 + trial)
+        base[:: 97] = _base(dt, base[:: 97].size, rng, "uniform")  # exponents far from the window
         want = _encode_numba(dt, base, target, hist)
         assert want[1] > 0
         assert _encode_native(dt, base, target, hist) == want

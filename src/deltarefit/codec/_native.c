@@ -666,17 +666,19 @@ done:
  *
  * kernels.hist_scan + kernels.ulp_encode_core (encoding 5) for 16-bit elements, in one call: element i's
  * context is cmap[(hist[i] & 127) * n_exp + exponent], its flip bit hist[i] >> 7. The scan counts in
- * four arrays, one per lane i % 4 (as scan16's portable path): a rank is their sum. nbytes is the
+ * four arrays, one per lane i % 4 (as scan16's portable path): a rank is their sum; with AVX-512 and
+ * context_map's table, 32 elements at a time (scan_hist16_avx512, the same output). nbytes is the
  * coder's (0 when nothing changed, -5 when out is too small). The tables and the history are checked
  * (ValueError): a bad one would index outside the counters.
  * ------------------------------------------------------------------------------------------------ */
 
+/* Elements [i, n) one by one, the m changes before them already out (the tail of the block loop below,
+ * or a whole chunk on the portable path). */
 static Py_ssize_t scan_hist16(const uint16_t *b, const uint16_t *t, const uint8_t *hist, const int32_t *cmap,
-                              unsigned shift, unsigned mask, Py_ssize_t n_exp, Py_ssize_t n_ctx, Py_ssize_t n,
-                              int32_t *c, out16 o, uint8_t *flip)
+                              unsigned shift, unsigned mask, Py_ssize_t n_exp, Py_ssize_t n_ctx, Py_ssize_t i,
+                              Py_ssize_t n, int32_t *c, out16 o, uint8_t *flip, Py_ssize_t m)
 {
-    Py_ssize_t m = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (; i < n; i++) {
         const unsigned h = hist[i];
         const int32_t e = cmap[(Py_ssize_t)(h & 127) * n_exp + (((unsigned)b[i] >> shift) & mask)];
         if (b[i] != t[i]) {
@@ -695,6 +697,77 @@ static Py_ssize_t scan_hist16(const uint16_t *b, const uint16_t *t, const uint8_
     }
     return m;
 }
+
+/* Whether encoding 5's table is the one context_map makes, element context (state << ebits) | exponent
+ * with n_exp = 2^ebits = mask + 1 exponent contexts and ids below 2^16: the contexts the vector scan
+ * computes. Returns ebits, or -1 for any other table (the scan then looks each element up). */
+static int hist_identity(const int32_t *cmap, Py_ssize_t n_exp, Py_ssize_t n_ctx, Py_ssize_t n_states, unsigned mask)
+{
+    if ((Py_ssize_t)mask + 1 != n_exp || (n_exp & (n_exp - 1)) || n_states * n_exp > 65536 || n_ctx < n_states * n_exp)
+        return -1;
+    for (Py_ssize_t x = 0; x < n_states * n_exp; x++)
+        if (cmap[x] != (int32_t)x)
+            return -1;
+    return __builtin_ctzll((unsigned long long)n_exp);
+}
+
+#if HAVE_AVX512_PATH
+/* scan_hist16 for context_map's table (hist_identity), 32 elements at a time, as scan16_avx512: the
+ * counters are c's first array (the portable path's lane 0), exact after every block; the hot window
+ * is state 0's (most elements have no recent move), counted with a compare and a popcount each per
+ * block, and the other contexts (the elements with a recent move among them) one by one. States are
+ * below n_states (checked by the caller), so contexts stay below n_ctx. */
+__attribute__((target("avx512f,avx512bw,avx512vl,popcnt,bmi,bmi2")))
+static Py_ssize_t scan_hist16_avx512(const uint16_t *b, const uint16_t *t, const uint8_t *hist, const int32_t *cmap,
+                                     unsigned shift, unsigned mask, unsigned ebits, Py_ssize_t n_exp, Py_ssize_t n_ctx,
+                                     Py_ssize_t n, int32_t *c, int32_t *scratch, out16 o, uint8_t *flip)
+{
+    if (mask + 1 < WINDOW)
+        return scan_hist16(b, t, hist, cmap, shift, mask, n_exp, n_ctx, 0, n, c, o, flip, 0);
+    Py_ssize_t m = 0, i = 0;
+    const unsigned e0 = hot_window(b, n, shift, mask, scratch); /* state 0's contexts are the exponents */
+    const __m512i vmask = _mm512_set1_epi16((short)mask), v127 = _mm512_set1_epi16(127);
+    const __m128i vshift = _mm_cvtsi32_si128((int)shift), vebits = _mm_cvtsi32_si128((int)ebits);
+    const __m512i ve0 = _mm512_set1_epi16((short)e0), vwin = _mm512_set1_epi16(WINDOW);
+    __m512i vk[WINDOW];
+    for (unsigned k = 0; k < WINDOW; k++)
+        vk[k] = _mm512_set1_epi16((short)(e0 + k));
+    int32_t *const hot = c + e0;
+    uint16_t eb[32];
+    for (; i + 32 <= n; i += 32) {
+        const __m512i vb = _mm512_loadu_si512((const void *)(b + i));
+        const __m512i vt = _mm512_loadu_si512((const void *)(t + i));
+        const __m512i vh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(hist + i)));
+        const __m512i ve = _mm512_or_si512(_mm512_sll_epi16(_mm512_and_si512(vh, v127), vebits),
+                                           _mm512_and_si512(_mm512_srl_epi16(vb, vshift), vmask));
+        __mmask32 ch = _mm512_cmpneq_epu16_mask(vb, vt);
+        uint32_t out = ~(uint32_t)_mm512_cmplt_epu16_mask(_mm512_sub_epi16(ve, ve0), vwin);
+        if (ch | out)
+            _mm512_storeu_si512((void *)eb, ve);
+        while (ch) {
+            const unsigned k = (unsigned)__builtin_ctz(ch);
+            const unsigned ek = eb[k];
+            const __mmask32 same = _mm512_cmpeq_epu16_mask(ve, _mm512_set1_epi16((short)ek));
+            o.pos[m] = (int32_t)(i + k);
+            o.ectx[m] = (int32_t)ek;
+            o.rank[m] = c[ek] + __builtin_popcount((uint32_t)same & ((1u << k) - 1u));
+            o.bvals[m] = b[i + k];
+            o.tvals[m] = t[i + k];
+            flip[m] = (uint8_t)(hist[i + k] >> 7);
+            m++;
+            ch &= ch - 1;
+        }
+        for (unsigned k = 0; k < WINDOW; k++)
+            hot[k] += __builtin_popcount((uint32_t)_mm512_cmpeq_epu16_mask(ve, vk[k]));
+        while (out) {
+            c[eb[__builtin_ctz(out)]]++;
+            out &= out - 1;
+        }
+    }
+    /* The tail counts with the portable path's lanes; lanes 1-3 start at zero, so ranks stay sums. */
+    return scan_hist16(b, t, hist, cmap, shift, mask, n_exp, n_ctx, i, n, c, o, flip, m);
+}
+#endif
 
 /* The largest history state (hist & 127) among n bytes (a plain reduction the compiler vectorizes). */
 static unsigned max_state(const uint8_t *hist, Py_ssize_t n)
@@ -774,7 +847,8 @@ static PyObject *py_encode_hist16(PyObject *self, PyObject *args)
         goto done;
     }
     {
-        int32_t *counters = calloc((size_t)n_ctx * LANES, sizeof(int32_t));
+        /* the counters, then hot_window's scratch (mask + 1) */
+        int32_t *counters = calloc((size_t)n_ctx * LANES + mask + 1, sizeof(int32_t));
         if (counters == NULL) {
             PyErr_NoMemory();
             goto done;
@@ -782,9 +856,17 @@ static PyObject *py_encode_hist16(PyObject *self, PyObject *args)
         out16 o = {v[5].buf, v[6].buf, v[7].buf, v[8].buf, v[9].buf};
         uint8_t *flip = v[10].buf;
         const hmodel_t H = {v[4].buf, n_states, qdepth, flip};
+        const int ebits = have_avx512() ? hist_identity(v[3].buf, n_exp, n_ctx, n_states, mask) : -1;
         Py_ssize_t m, nbytes = 0;
         Py_BEGIN_ALLOW_THREADS
-        m = scan_hist16(v[0].buf, v[1].buf, v[2].buf, v[3].buf, shift, mask, n_exp, n_ctx, n, counters, o, flip);
+#if HAVE_AVX512_PATH
+        if (ebits >= 0)
+            m = scan_hist16_avx512(v[0].buf, v[1].buf, v[2].buf, v[3].buf, shift, mask, (unsigned)ebits, n_exp, n_ctx,
+                                   n, counters, counters + (size_t)n_ctx * LANES, o, flip);
+        else
+#endif
+            m = scan_hist16(v[0].buf, v[1].buf, v[2].buf, v[3].buf, shift, mask, n_exp, n_ctx, 0, n, counters, o, flip,
+                            0);
         if (m > 0)
             nbytes = encode_changes_t(o.ectx, o.rank, o.bvals, o.tvals, m, 2, bits, kind, n_ctx, v[11].buf,
                                       v[11].len, &H);
