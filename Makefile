@@ -44,6 +44,8 @@ SAN_TESTS ?= tests/test_native_decode.py tests/test_native_hist.py tests/test_na
 	tests/test_codec_props.py tests/test_hostile.py tests/test_history.py tests/test_apply.py \
 	tests/test_apply_targets.py tests/test_encode_pipeline.py tests/test_live_engine.py tests/test_torch.py \
 	tests/test_stream_history.py
+SAN_ENV = PYTHONPATH=$(SAN_DIR)/src LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 .PHONY: test-sanitize
 test-sanitize: $(VENV)/.installed
 	rm -rf $(SAN_DIR) && mkdir -p $(SAN_DIR) && cp -r src $(SAN_DIR)/
@@ -51,11 +53,9 @@ test-sanitize: $(VENV)/.installed
 	gcc -O2 -g -fsanitize=address,undefined -fno-omit-frame-pointer -std=gnu11 -fno-strict-overflow -shared -fPIC \
 		-I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" src/deltarefit/codec/_native.c \
 		-o $(SAN_DIR)/src/deltarefit/codec/_native"$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
-	PYTHONPATH=$(SAN_DIR)/src LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	$(SAN_ENV) \
 		$(PY) -c 'import deltarefit.codec._native as n, sys; sys.exit(0 if n.__file__.startswith("$(SAN_DIR)/") else "not the sanitized build: " + n.__file__)'
-	PYTHONPATH=$(SAN_DIR)/src LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	$(SAN_ENV) \
 		$(PY) -m pytest -q -p no:faulthandler -p no:cacheprovider $(SAN_TESTS) --deselect tests/test_native_decode.py::test_the_guard_page_faults
 
 # vLLM refit test (deltarefit.engines.vllm) in its own venv outside the repo, so .venv stays untouched.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _fuzz import N_MUTATIONS, mutate
+from test_native import simd  # noqa: F401 (the fixture: the native scan element by element, or with AVX-512)
 from test_native_decode import _base, _guarded, _target  # (skips this module too where native is missing)
 
 from deltarefit.codec import chunk as C
@@ -106,18 +107,9 @@ def _case(name: str, n: int, rate: float, hrate: float, seed: int, kind: str = "
     return dt, base, _target(dt, base, rng, rate, steps), _hist(n, rng, hrate)
 
 
-@pytest.fixture(params=["portable", "avx512"])
-def scan(request):
-    """The native scan's path: element by element, or 32 at a time (where this machine has AVX-512)."""
-    if request.param == "avx512" and N.simd() != "avx512":
-        pytest.skip("no AVX-512 here")
-    was = N.use_simd(request.param == "avx512")
-    yield request.param
-    N.use_simd(was)
-
-
+@pytest.mark.usefixtures("simd")
 @pytest.mark.parametrize("name", WIDTH16)
-def test_native_encoder_writes_numbas_bytes(name, scan):
+def test_native_encoder_writes_numbas_bytes(name):
     rng = np.random.default_rng(7)
     for trial in range(40):
         n = int(rng.integers(1, 6000))
@@ -129,8 +121,9 @@ def test_native_encoder_writes_numbas_bytes(name, scan):
         assert _encode_native(dt, base, target, hist) == want
 
 
+@pytest.mark.usefixtures("simd")
 @pytest.mark.parametrize("name", ["BF16", "F16"])
-def test_native_encoder_on_whole_chunks_with_a_realistic_history(name, scan):
+def test_native_encoder_on_whole_chunks_with_a_realistic_history(name):
     """Whole 1 MiB chunks, most elements in state 0 and a tenth with a recent move (the vector scan's
     window holds state 0's contexts, the rest is counted one by one), exponents outside the window too."""
     rng = np.random.default_rng(11)
