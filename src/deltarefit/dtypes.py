@@ -12,6 +12,8 @@ import numpy as np
 
 from .errors import FormatError
 
+_UINT = {n: np.dtype(f"<u{n}") for n in (1, 2, 4, 8)}  # (built once: a property asked per chunk)
+
 
 @dataclass(frozen=True)
 class DType:
@@ -28,7 +30,7 @@ class DType:
     @property
     def uint(self) -> np.dtype:
         """The unsigned integer view type of the same width."""
-        return np.dtype(f"<u{self.itemsize}")
+        return _UINT[self.itemsize]
 
     @property
     def n_contexts(self) -> int:

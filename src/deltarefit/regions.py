@@ -78,7 +78,7 @@ class RawSegments:
 
     def write_segment(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray:
         patch.apply_to(view)
-        if view.ctypes.data != region.ctypes.data:  # misaligned data was patched in a copy
+        if not np.may_share_memory(view, region):  # misaligned data was patched in a copy
             region[:] = view.view(np.uint8)
         return region
 

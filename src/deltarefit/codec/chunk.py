@@ -338,9 +338,9 @@ def encode_raw(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk 
 
 def uint_view(raw: np.ndarray, dt: DType) -> np.ndarray:
     """View raw bytes as unsigned integers of the dtype's width (copying only if misaligned)."""
-    if raw.ctypes.data % dt.itemsize:
-        raw = raw.copy()
-    return raw.view(dt.uint)
+    v = raw.view(dt.uint)
+    # (flags.aligned: the address is a multiple of the item size, without building a .ctypes object)
+    return v if v.flags.aligned else raw.copy().view(dt.uint)
 
 
 def _encode_native16(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk | None:
