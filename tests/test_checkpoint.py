@@ -250,6 +250,30 @@ def test_writable_checkpoint_modified_through_raw_persists(tmp_path):
     assert w[0, :2].tolist() == [1.0, -2.0] and float(w.abs().sum()) == 3.0
 
 
+def test_write_raw_goes_through_the_file_and_the_map_sees_it(tmp_path):
+    """``write_raw`` (the apply's write of a checked post-image) lands in the file, is seen at once
+    through ``raw`` views of the same open checkpoint, and refuses a read-only checkpoint or a range
+    outside the tensor with nothing written."""
+    path = tmp_path / "m.safetensors"
+    safetensors.torch.save_file({"a": torch.zeros(8, dtype=torch.uint8), "w": torch.zeros(4, 4, dtype=torch.bfloat16),
+                                 "z": torch.zeros(3, dtype=torch.uint8)}, str(path))
+    before = path.read_bytes()
+    with open_checkpoint(path) as ck, pytest.raises(CheckpointError, match="cannot write"):
+        ck.write_raw("w", 0, np.ones(2, np.uint16))
+    with open_checkpoint(path, writable=True) as ck:
+        view = ck.raw("w")
+        for off, n in ((-2, 2), (30, 2), (0, 17)):
+            with pytest.raises(CheckpointError, match="cannot write"):
+                ck.write_raw("w", off, np.ones(n, np.uint16))
+        assert path.read_bytes() == before
+        ck.write_raw("w", 6, np.array([0x3F80, 0xC000], np.uint16))  # bf16 1.0, -2.0 at elements 3 and 4
+        assert view.view(np.uint16)[3:5].tolist() == [0x3F80, 0xC000]
+        del view
+    w = safetensors.torch.load_file(str(path))
+    assert w["w"].reshape(-1)[3:5].tolist() == [1.0, -2.0] and float(w["w"].abs().sum()) == 3.0
+    assert not w["a"].any() and not w["z"].any()  # the neighbours untouched
+
+
 def test_closed_checkpoint_refuses_use(tmp_path):
     path = tmp_path / "m.safetensors"
     write_safetensors(path, [src("x", "U8", (3,), b"abc")])

@@ -234,16 +234,17 @@ def test_kill_encode_leaves_no_delta(big, tmp_path):
     assert sha(out) == sha(big["delta"]), "rerunning encode after kills gives other bytes"
 
 
-# A real SIGKILL at an exact point: the child patches two seams (Patch.apply_to, Journal.write) to kill
-# itself there, then runs the real CLI. MODE "tear": the K-th chunk written is half scattered, then the
-# process dies (a torn chunk, its journal record in slot 0). MODE "reuse": while replaying a torn chunk,
-# wait until another writer thread has journaled its next chunk, then die.
+# A real SIGKILL at an exact point: the child patches two seams (Checkpoint.write_raw, through which the
+# apply writes each chunk's post-image into the file, and Journal.write) to kill itself there, then runs
+# the real CLI. MODE "tear": the K-th chunk written is half written, then the process dies (a torn chunk,
+# its journal record in slot 0). MODE "reuse": while replaying a torn chunk, wait until another writer
+# thread has journaled its next chunk, then die.
 _INJECT = r"""
 import importlib, os, signal, sys, threading
-from deltarefit.codec import chunk as C
+from deltarefit.checkpoint import Checkpoint
 Journal = importlib.import_module("deltarefit.apply").Journal
 mode, k_target, delta, ckpt, threads = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-orig_apply, orig_write = C.Patch.apply_to, Journal.write
+orig_raw, orig_write = Checkpoint.write_raw, Journal.write
 tls, wrote_any, count = threading.local(), threading.Event(), [0]
 
 def jwrite(self, *a):
@@ -251,21 +252,19 @@ def jwrite(self, *a):
     tls.journaled = True
     wrote_any.set()
 
-def apply_to(self, view):
-    if not threading.current_thread().name.startswith("apply"):
-        return orig_apply(self, view)  # the plan's post-image checks
+def write_raw(self, name, offset, data):
+    assert threading.current_thread().name.startswith("apply"), "a write outside the write phase"
     journaled, tls.journaled = getattr(tls, "journaled", False), False
     count[0] += 1
     if mode == "tear" and count[0] == k_target:
-        h = self.positions.size // 2
-        orig_apply(C.Patch(self.positions[:h], self.values[:h], None), view)
+        orig_raw(self, name, offset, data[:data.size // 2])
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "reuse" and not journaled:  # a torn chunk replayed from the journal
         wrote_any.wait(20)
         os.kill(os.getpid(), signal.SIGKILL)
-    return orig_apply(self, view)
+    return orig_raw(self, name, offset, data)
 
-C.Patch.apply_to, Journal.write = apply_to, jwrite
+Checkpoint.write_raw, Journal.write = write_raw, jwrite
 sys.argv = ["deltarefit", "apply", delta, ckpt, "-q", "--threads", threads]
 from deltarefit.cli import main
 main()

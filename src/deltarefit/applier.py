@@ -177,6 +177,9 @@ class Applier(HeldPlans):
         # built again from the patch (FORMAT.md, "Applying", step 2); a target with its own region hooks
         # (a device) re-hashes the region there.
         self._read_back = not any(hasattr(self.segs, h) for h in (*hooks, "hash_segments"))
+        # ... and such a post-image is written whole where the target writes through its file
+        # (``RawSegments.write_image``: cheaper than patching pages the plan mapped read-only).
+        self._writes_images = self._read_back and getattr(self.segs, "writes_images", False)
         self.journal = journal
         self.threads = threads or default_threads()
         self.cache_left = cache_bytes
@@ -407,6 +410,7 @@ class Applier(HeldPlans):
             region = (self.segs.read_own if c.own else self.segs.read_segment)(e.name, r.chunk_index)
             view = self._view(region, e.base.dtype)
             patch = c.patch or self._decode(self.d, e, r, view)
+            img = None
             if tp.state == "held":
                 pos, new = _changes(patch, view)  # before the write: ``view`` may be the target's memory
                 # decoded again (outside the memory budget): it must move the digest as the checked plan did
@@ -416,8 +420,11 @@ class Applier(HeldPlans):
                 img = _patched_copy(view, patch)
             if c.state == "todo" and self.journal:
                 self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch, view)
-            region = (self.segs.write_own if c.own else self.segs.write_segment)(e.name, r.chunk_index, region, view,
-                                                                                 patch)
+            if img is not None and self._writes_images:  # the checked post-image, written whole
+                region = self.segs.write_image(e.name, r.chunk_index, region, img)
+            else:
+                region = (self.segs.write_own if c.own else self.segs.write_segment)(e.name, r.chunk_index, region,
+                                                                                     view, patch)
             if tp.state == "held":  # O(changed elements): what was written is read back
                 if not elements.equal_at(self._view(region, e.base.dtype), pos, new):
                     raise VerificationError(f"{_where(e, r)}: changed elements read back differ from the patch "

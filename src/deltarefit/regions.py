@@ -66,7 +66,9 @@ class SegmentTarget(Protocol):
 
 
 class RawSegments:
-    """``SegmentTarget`` over a ``TensorTarget``: segments are slices of ``raw``, patched in place."""
+    """``SegmentTarget`` over a ``TensorTarget``: segments are slices of ``raw``, patched in place, or, where
+    the target has ``write_raw(name, offset, data)`` (a checkpoint's files), written whole from their
+    checked post-images through it (``write_image``)."""
 
     def __init__(self, target: TensorTarget) -> None:
         self.target = target
@@ -75,6 +77,17 @@ class RawSegments:
     def read_segment(self, name: str, ci: int) -> np.ndarray:
         off = ci * SEGMENT_BYTES
         return self.target.raw(name)[off:off + SEGMENT_BYTES]
+
+    @property
+    def writes_images(self) -> bool:
+        """Whether ``write_image`` is the cheaper write (a target that writes through its file)."""
+        return hasattr(self.target, "write_raw")
+
+    def write_image(self, name: str, ci: int, region: np.ndarray, image: np.ndarray) -> np.ndarray:
+        """Write segment ``ci``'s whole post-image ``image`` (checked by the plan) through the target's
+        file (``Checkpoint.write_raw``); the region, which now reads the new bytes."""
+        self.target.write_raw(name, ci * SEGMENT_BYTES, image)
+        return region
 
     def write_segment(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray:
         patch.apply_to(view)
