@@ -1,0 +1,24 @@
+"""The CLI benchmark on a small synthetic pair: `cp`, the CLI (bytecode cached and as given) and the
+library's warm call each timed on a fresh copy, every result checked against the target fingerprint by
+the benchmark itself. Figures are printed, never asserted on."""
+
+from __future__ import annotations
+
+import os
+
+from deltarefit.apps.bench import cli as bench_cli
+from deltarefit.apps.bench.stream import _chain
+
+
+def test_cli_bench_measures_each_path_and_reports_them(tmp_path):
+    steps = _chain(str(tmp_path), 32, 2, 0.03, 0)
+    r = bench_cli.measure_pair("tiny", steps[0], steps[1], str(tmp_path), 1)
+    for k in ("cp", "cli_cached", "cli_env", "library"):
+        assert 0 < r[k]["min"] <= r[k]["median"] <= r[k]["max"], k
+    assert 0.025 < r["changed"] < 0.035 and r["delta_bytes"] < r["bytes"] / 10
+    assert r["fixed_cached"] == r["cli_cached"]["median"] - r["library"]["median"]
+    assert os.path.isdir(tmp_path / "pycache")  # the cached run's bytecode went to the work dir
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".delta") or "work" in f]  # nothing left
+    res = {"machine": "m", "environment": {"dontwritebytecode": True, "package_dir": "src"}, "pairs": [r]}
+    md = bench_cli.markdown(res, "python -m deltarefit.apps.bench.cli")
+    assert "| tiny | 34 |" in md and "bytecode cached" in md and "`PYTHONDONTWRITEBYTECODE` set" in md
