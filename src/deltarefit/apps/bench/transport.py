@@ -323,8 +323,8 @@ def _where_time_goes(res: dict[str, Any]) -> list[str]:
     return ["## Where the delta's time goes", "",
             f"At {r['link']} the delta crosses the link in {link_s:.3f} s (up and down); the other "
             f"{proc_s:.2f} s are processing: encoding against the trainer's baseline and applying in place, "
-            f"with every segment hashed before and after, on this machine's cores ({p / 1e9:.2f} GB/s of "
-            f"checkpoint through both). The speed-up is bounded by processing, not by the link: a 25x speed-up "
+            f"with every segment's base and post-image hashed and what was written compared with the "
+            f"post-image, on this machine's cores ({p / 1e9:.2f} GB/s of checkpoint through both). The speed-up is bounded by processing, not by the link: a 25x speed-up "
             f"over the full checkpoint at {r['link']} needs {need_p / 1e9:.1f} GB/s of processing, or, at this "
             f"machine's rate, a link slower than {need_link:.2f} Gbit/s.", ""]
 
