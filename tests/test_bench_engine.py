@@ -149,6 +149,7 @@ def test_io_delta_and_markdown_render_every_row() -> None:
 
     rates = [{"rate": r, "changed": r, "delta_bytes": 1_000_000, "same_tokens": True,
               "summary": {"inplace": eb.summarize([run(1.0 + r, 0), run(1.0 + r, 0)]),
+                          "planned": eb.summarize([run(0.5, 0)]),
                           "disk": eb.summarize([disk(4.0), disk(4.0)]), "full": eb.summarize([run(6.0, 0)])}}
              for r in (0.005, 0.035)]
     lay = {"title": "T", "in_place": 10, "reload": 0, "host_bytes": 0, "seconds_init": 1.0, "seconds_start": 20.0,
@@ -161,6 +162,8 @@ def test_io_delta_and_markdown_render_every_row() -> None:
             in md)
     assert "| 0.50% | in place (deltarefit backend) | 1.00 (1.00-1.00) | 1.00 |" in md
     assert "5.8x faster than the full reload" in md and "; it grows with the changed elements" in md
+    assert "| 3.50% | in place, planned while serving: the pause | 0.50 (0.50-0.50) | 0.48 |" in md
+    assert "the update's pause (what generation waits for) 0.50 s, 12.0x faster than the full reload" in md
 
 
 def test_main_without_vllm_fails_with_one_line(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
@@ -190,4 +193,5 @@ def test_live_tp_bench_runs_two_real_workers_and_reports_each_split_chunk_decode
     # and each decoded by one worker
     assert two["split_chunks"] == 4 and two["split_decoded"] == 2
     assert one["held_ok"] and two["held_ok"]
-    assert "| 2 | " in md.read_text()
+    assert one["ahead"] > 0 and two["ahead"] is None  # planned ahead: one worker only
+    assert "| 2 | " in md.read_text() and "planned ahead" in md.read_text()

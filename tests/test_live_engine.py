@@ -454,3 +454,84 @@ def test_patches_beyond_the_memory_budget_are_decoded_again_when_written(chain, 
         rep = run_apply(d, live, journal=None, threads=2, cache_bytes=0, held=sums)
     assert rep.held == (len(SHAPES) if held else 0) and rep.chunks_applied > 0
     assert _bits(m) == _bits(_loaded(chain["target"]))
+
+
+def test_a_prepared_plan_writes_nothing_until_applied_and_then_only_writes(chain):
+    """``prepare`` makes every check of the apply and writes nothing; ``apply(prepared=...)`` then writes that
+    plan, bit-exact, and a plan is used once."""
+    m = _loaded(chain["base"])
+    eng = LiveEngine(m, None, chain["dirs"]["base"])
+    fp0, before = eng.fingerprint, _bits(m)
+    with pytest.raises(BaseMismatchError):
+        eng.prepare(chain["deltas"]["wrong"])
+    prep = eng.prepare(chain["deltas"]["step-sums"])
+    assert _bits(m) == before and eng.fingerprint == fp0 and eng.verify() == fp0  # read-only
+    rep = eng.apply(chain["deltas"]["step-sums"], prepared=prep)
+    assert rep.prepared and rep.check == "held digests" and rep.chunks_applied > 0 and rep.seconds_prepared > 0
+    assert _bits(m) == _bits(_loaded(chain["target"]))
+    assert eng.verify() == eng.fingerprint != fp0
+    rep = eng.apply(chain["deltas"]["step-sums"], prepared=prep)  # used already: planned again (done)
+    assert not rep.prepared and rep.chunks_applied == 0
+    prep2 = eng.prepare(chain["deltas"]["step2-sums"])  # the next step, planned against the weights now
+    assert eng.apply(chain["deltas"]["step2-sums"], prepared=prep2).prepared
+    assert _bits(m) == _bits(_loaded(chain["target2"])) and eng.verify() == eng.fingerprint
+
+
+def test_a_prepared_plan_goes_stale_when_another_apply_begins_first(chain):
+    """A plan prepared before another apply began is not written: the delta is planned again against the
+    weights as they are then."""
+    m = _loaded(chain["base"])
+    eng = LiveEngine(m, None, chain["dirs"]["base"])
+    prep = eng.prepare(chain["deltas"]["step-sums"])
+    assert not eng.apply(chain["deltas"]["step-sums"]).prepared
+    rep = eng.apply(chain["deltas"]["step-sums"], prepared=prep)  # stale: planned again (already done)
+    assert not rep.prepared and rep.chunks_applied == 0
+    prep = eng.prepare(chain["deltas"]["step2-sums"])
+    rep = eng.apply(chain["deltas"]["step-sums"], prepared=prep)  # another delta's plan: dropped
+    assert not rep.prepared and prep.reader._f.closed
+    assert _bits(m) == _bits(_loaded(chain["target"])) and eng.verify() == eng.fingerprint
+
+
+def test_a_prepared_plan_refuses_elements_modified_since_with_nothing_written(chain):
+    """Between ``prepare`` and ``apply`` an element the delta changes is modified behind the engine: the
+    apply reads the changed elements again before writing, and refuses with nothing written."""
+    from deltarefit.errors import VerificationError
+
+    m = _loaded(chain["base"])
+    eng = LiveEngine(m, None, chain["dirs"]["base"])
+    prep = eng.prepare(chain["deltas"]["step-sums"])
+    base_bits = chain["base"]["layers.0.norm.weight"].view(torch.int16).numpy()
+    changed = np.flatnonzero(chain["target"]["layers.0.norm.weight"].view(torch.int16).numpy() != base_bits)
+    _param_bits(m, "layers.0.norm.weight")[changed[0]] ^= 1  # behind the engine's back
+    before = _bits(m)
+    with pytest.raises(VerificationError, match=r"layers\.0\.norm\.weight.*modified since"):
+        eng.apply(chain["deltas"]["step-sums"], prepared=prep)
+    assert _bits(m) == before
+
+
+def test_a_prepared_apply_that_fails_midway_is_completed_by_the_same_call_again(chain, monkeypatch):
+    """A write failing midway through a prepared plan: the same call again (the used plan dropped, the delta
+    planned again from the journal's torn chunk) completes it, bit-exact."""
+    m = _loaded(chain["base"])
+    eng = LiveEngine(m, None, chain["dirs"]["base"], threads=1)
+    real = LiveTarget.write_segment
+    calls = {"n": 0}
+
+    def flaky(self, name, ci, region, view, patch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            half = type(patch)(patch.positions[: patch.positions.size // 2], patch.values[: patch.values.size // 2],
+                               None) if patch.dense is None else patch
+            real(self, name, ci, region, view, half)
+            raise OSError("injected failure mid-write")
+        return real(self, name, ci, region, view, patch)
+
+    prep = eng.prepare(chain["deltas"]["step-sums"])
+    monkeypatch.setattr(LiveTarget, "write_segment", flaky)
+    with pytest.raises(OSError):
+        eng.apply(chain["deltas"]["step-sums"], prepared=prep)
+    assert _bits(m) != _bits(_loaded(chain["target"]))
+    monkeypatch.setattr(LiveTarget, "write_segment", real)
+    rep = eng.apply(chain["deltas"]["step-sums"], prepared=prep)
+    assert not rep.prepared and rep.chunks_recovered == 1 and rep.check == "segments"
+    assert _bits(m) == _bits(_loaded(chain["target"])) and eng.verify() == eng.fingerprint

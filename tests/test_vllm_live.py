@@ -93,7 +93,7 @@ def _models(tmp_path):
 
 def _refit_and_compare(tmp_path, *, in_place_linear: bool):
     from deltarefit.encode import encode
-    from deltarefit.engines.vllm import engine_digests, refit_engine_in_place
+    from deltarefit.engines.vllm import engine_digests, prepare_refit_in_place, refit_engine_in_place
     from deltarefit.engines.vllm_backend import LLMClient
     from deltarefit.errors import BaseMismatchError, DeltaRefitError
     from deltarefit.stream.publisher import Publisher
@@ -148,6 +148,9 @@ def _refit_and_compare(tmp_path, *, in_place_linear: bool):
         seconds = time.perf_counter() - t
         after1, d1 = generate(llm), engine_digests(llm)[0]
         assert llm.llm_engine.get_weight_version() == "2"
+        # version 3 planned while the engine serves (nothing written), then written in the update
+        client.prepare_weights(3)
+        assert generate(llm) == after1 and engine_digests(llm)[0] == d1
         client.start_weight_update()
         client.update_weights({"version": 3})
         client.finish_weight_update("3")
@@ -155,7 +158,17 @@ def _refit_and_compare(tmp_path, *, in_place_linear: bool):
         assert last["route"] == ("chain" if in_place_linear else "keyframe"), last
         if in_place_linear:  # after the failed update, checked by segments, held digests resume
             assert [r["check"] for r in last["refits"]] == ["held digests"], last
+            assert [r["prepared"] for r in last["refits"]] == [True], last
         after2, d2 = generate(llm), engine_digests(llm)[0]
+
+        # planned ahead while the engine serves, then written: back to version 2's weights
+        back = str(tmp_path / "back.delta")
+        encode(target2, target, back, sums=True)
+        prepare_refit_in_place(llm, back)
+        assert generate(llm) == after2  # serving while the workers plan; nothing written yet
+        rep = refit_engine_in_place(llm, back)
+        assert all(w["prepared"] and w["seconds_prepared"] > 0 for w in rep["workers"]), rep
+        assert generate(llm) == after1 and engine_digests(llm)[0] == d1
     finally:
         stop_engine(llm)
         gc.collect()
@@ -232,7 +245,10 @@ def test_vllm_serve_refit_through_http_routes_by_the_trainer_engine(tmp_path):
             DeltaRefitTrainerInitInfo(rank=0, stream=store, state_dir=str(tmp_path / "pub"), engine_version=1),
             client=HTTPClient(url))
         assert trainer.publisher.publish(base).version == 1
-        assert trainer.send_weights(target) == 2
+        # planned by the engine while it serves, through the same routes, without a pause; then written
+        assert trainer.prepare_weights(target) == 2
+        assert _completions(url, base) == before
+        assert trainer.send_weights() == 2
         with urllib.request.urlopen(f"{url}/weight_info", timeout=10) as r:
             assert json.loads(r.read())["weight_version"] == "2"
         after = _completions(url, base)

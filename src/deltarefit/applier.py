@@ -8,9 +8,10 @@ Protocol (the crash-safety argument is in FORMAT.md, "Applying"):
    each tensor's base digest: a delta for another base is refused here, before any byte is written.
    Every chunk to do is decoded and its post-image hashed against the record, so a delta that decodes
    badly is refused here too.
-2. **Write.** Per chunk: write its decoded patch to a journal slot, then scatter it into the mapped
-   tensor, then compare the region with the post-image the plan hashed (built again in memory). Patches write target values (never XOR),
-   so replaying a journal record over a torn chunk is idempotent.
+2. **Write.** Per chunk: write its decoded patch to a journal slot, then write the post-image the plan
+   hashed (built again in memory) through the checkpoint's file (or scatter the patch, into a target
+   without one), then compare the region with that post-image. Patches write target values (never
+   XOR), so replaying a journal record over a torn chunk is idempotent.
 3. **Verify.** Every tensor's digest and the checkpoint fingerprint must equal the delta's target;
    then the maps are flushed and the journal removed.
 
@@ -478,6 +479,23 @@ class Applier(HeldPlans):
             recovered += sum(1 for c in tp.chunks if c.state == "torn")
         return applied, skipped, recovered, written
 
+    def recheck_held(self, plans: list[_TensorPlan]) -> None:
+        """Before the first write of a plan made ahead of time: each held-digest chunk whose patch the plan
+        kept must move the digest from the bits the elements it changes hold now exactly as it did when
+        planned (O(changed elements); refused with nothing written otherwise). Chunks the plan did not
+        keep are checked so when decoded again for the write."""
+        for tp in plans:
+            if tp.state != "held":
+                continue
+            e = tp.entry
+            for c in tp.chunks:
+                if c.state != "todo" or c.patch is None or c.own or c.split or c.moved is None:
+                    continue
+                view = self._view(self.segs.read_segment(e.name, c.rec.chunk_index), e.base.dtype)
+                if not np.array_equal(_moved(e, c.rec, view, *_changes(c.patch, view)), c.moved):
+                    raise VerificationError(f"{_where(e, c.rec)}: an element it changes no longer holds the bits "
+                                            "the prepared plan read (modified since; nothing written)")
+
     def _write_in_step(self, do: Callable[[_TensorPlan, int, _ChunkPlan], int],
                        todo: list[tuple[int, _TensorPlan, _ChunkPlan]],
                        journal_split: Callable[[_TensorPlan, int, _ChunkPlan], int]) -> int:
@@ -571,22 +589,28 @@ class Applier(HeldPlans):
         return out
 
 
-def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | None, threads: int | None = None,
-              cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None,
-              structural: Callable[[DeltaReader, list[_TensorPlan]], list[str]] | None = None,
-              structural_check: Callable[[list[_TensorPlan]], None] | None = None,
-              held: Mapping[str, bytes] | None = None,
-              before_write: Callable[[], None] | None = None, history: HistoryBook | None = None,
-              moves: MovesRecorder | None = None) -> ApplyReport:
-    """Plan, write, verify (see the module docstring). ``structural`` performs added/removed/re-typed
-    tensors after the in-place patches; ``structural_check`` may refuse them, before any write.
-    ``held``: tensor name -> the additive digest of what the target holds now, which the caller
-    vouches for (module docstring, "Held digests"); tensors it names are checked through it when the
-    delta carries their additive target digest. ``before_write()`` runs once the plan passed, before
-    the first write; it may refuse (raise), and then nothing is written (a subscriber that planned on
-    a part still downloading checks the whole part against its record there). ``history``: the
-    book ``ulp_hist`` chunks decode against; ``moves``: records each decoded chunk's moves (marked
-    incomplete where a chunk was found already applied)."""
+@dataclass
+class PreparedApply:
+    """A plan that passed (``plan_apply``): nothing written yet. ``commit`` writes and verifies it; it holds
+    the delta's reader, which must stay open until then, and the decoded patches the plan's memory budget
+    kept. Valid only while the target holds exactly what it held when planned: the caller vouches for
+    that (a live engine, whose only writer is its own apply, counts its applies)."""
+
+    ap: Applier
+    plans: list[_TensorPlan]
+    structural: Callable[[DeltaReader, list[_TensorPlan]], list[str]] | None
+    t0: float
+    committed: bool = False
+
+
+def plan_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | None, threads: int | None = None,
+               cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None,
+               structural: Callable[[DeltaReader, list[_TensorPlan]], list[str]] | None = None,
+               structural_check: Callable[[list[_TensorPlan]], None] | None = None,
+               held: Mapping[str, bytes] | None = None, history: HistoryBook | None = None,
+               moves: MovesRecorder | None = None) -> PreparedApply:
+    """``run_apply``'s plan, read-only (its arguments are ``run_apply``'s): every check before the first
+    write, refused with nothing written. ``commit`` then writes it."""
     t0 = time.perf_counter()
     ap = Applier(delta, target, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
                  held=held, history=history, moves=moves)
@@ -597,18 +621,58 @@ def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | No
                          "which this target cannot do in place")
     if struct_todo and structural_check is not None:
         structural_check(struct_todo)
+    return PreparedApply(ap, plans, structural, t0)
+
+
+def commit(prep: PreparedApply, *, before_write: Callable[[], None] | None = None,
+           recheck: bool = False) -> ApplyReport:
+    """Write a prepared plan, then verify (``run_apply``'s steps 2 and 3); once per plan. The report's
+    seconds count from the plan's start. ``recheck``: the plan was made a while ago (``plan_apply`` ahead
+    of time); first, with nothing written yet, every element a held-digest chunk changes is read again
+    and must hold the bits the plan moved the digest from (``Applier.recheck_held``)."""
+    if prep.committed:
+        raise UsageError("this prepared apply was committed already")
+    prep.committed = True
+    ap, plans, delta = prep.ap, prep.plans, prep.ap.d
+    if recheck:
+        ap.recheck_held(plans)
     if before_write is not None:
         before_write()
     applied, skipped, recovered, written = ap.write(plans)
-    names = structural(delta, plans) if struct_todo else []
+    struct_todo = any(tp.state in ("add", "remove", "replace") for tp in plans)
+    names = prep.structural(delta, plans) if struct_todo and prep.structural is not None else []
     digests = ap.target_digests(plans)
     fp = fingerprint_from_digests(digests)
     if fp != delta.target_fingerprint:
         raise VerificationError(f"fingerprint after apply {fp[:16]}… is not the delta's target "
                                 f"{delta.target_fingerprint[:16]}…")
     held_plans = [tp for tp in plans if tp.state == "held"]
-    return ApplyReport(fp, applied, skipped, recovered, written, time.perf_counter() - t0, names, held=len(held_plans),
+    return ApplyReport(fp, applied, skipped, recovered, written, time.perf_counter() - prep.t0, names,
+                       held=len(held_plans),
                        sums={tp.entry.name: np.asarray(tp.sum, "<u8").tobytes() for tp in held_plans},
                        elsewhere=sum(c.state == "other" for tp in held_plans for c in tp.chunks),
                        split_chunks=sum(c.split for tp in held_plans for c in tp.chunks),
                        split_decoded=sum(c.split and c.moved is not None for tp in held_plans for c in tp.chunks))
+
+
+def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | None, threads: int | None = None,
+              cache_bytes: int = DEFAULT_CACHE_BYTES, progress: Callable[[int], None] | None = None,
+              structural: Callable[[DeltaReader, list[_TensorPlan]], list[str]] | None = None,
+              structural_check: Callable[[list[_TensorPlan]], None] | None = None,
+              held: Mapping[str, bytes] | None = None,
+              before_write: Callable[[], None] | None = None, history: HistoryBook | None = None,
+              moves: MovesRecorder | None = None) -> ApplyReport:
+    """Plan, write, verify (see the module docstring): ``plan_apply`` then ``commit``. ``structural``
+    performs added/removed/re-typed tensors after the in-place patches; ``structural_check`` may refuse
+    them, before any write.
+    ``held``: tensor name -> the additive digest of what the target holds now, which the caller
+    vouches for (module docstring, "Held digests"); tensors it names are checked through it when the
+    delta carries their additive target digest. ``before_write()`` runs once the plan passed, before
+    the first write; it may refuse (raise), and then nothing is written (a subscriber that planned on
+    a part still downloading checks the whole part against its record there). ``history``: the
+    book ``ulp_hist`` chunks decode against; ``moves``: records each decoded chunk's moves (marked
+    incomplete where a chunk was found already applied)."""
+    prep = plan_apply(delta, target, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
+                      structural=structural, structural_check=structural_check, held=held, history=history,
+                      moves=moves)
+    return commit(prep, before_write=before_write)

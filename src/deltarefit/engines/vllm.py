@@ -302,12 +302,55 @@ class DeltaRefitWorkerExtension:
             self._deltarefit_live_engine = live
         return live
 
+    def deltarefit_live_prepare(self, delta_path: str, checkpoint_dir: str | None = None) -> dict[str, Any]:
+        """Start planning the delta in place (``LiveEngine.prepare``: read-only) on a thread of this worker,
+        and return at once: the engine serves meanwhile. ``deltarefit_live_apply`` of the same delta waits
+        for that plan and writes it; a plan that was refused, or went stale, is made again there (and
+        refused there, with nothing written). Another delta's plan still pending is dropped."""
+        import threading
+        from concurrent.futures import Future
+
+        live = self._deltarefit_live(checkpoint_dir)
+        self._deltarefit_drop_prepared()
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(live.prepare(delta_path))
+            except BaseException as e:  # delivered to the apply, which plans again
+                fut.set_exception(e)
+
+        threading.Thread(target=run, name="deltarefit-prepare", daemon=True).start()
+        self._deltarefit_preparing = (delta_path, fut)
+        return {"ok": True, "rank": getattr(self, "rank", None)}
+
+    def _deltarefit_drop_prepared(self) -> None:
+        pending = getattr(self, "_deltarefit_preparing", None)
+        self._deltarefit_preparing = None
+        if pending is not None and pending[1].exception() is None:
+            pending[1].result().close()
+
+    def _deltarefit_take_prepared(self, delta_path: str) -> Any:
+        """The plan ``deltarefit_live_prepare`` made of ``delta_path`` (waiting for it), or None."""
+        pending = getattr(self, "_deltarefit_preparing", None)
+        if pending is None or pending[0] != delta_path:
+            self._deltarefit_drop_prepared()
+            return None
+        self._deltarefit_preparing = None
+        if pending[1].exception() is not None:
+            log.info("deltarefit: the prepared plan of %s was refused (%s); planning it again", delta_path,
+                     pending[1].exception())
+            return None
+        return pending[1].result()
+
     def deltarefit_live_apply(self, delta_path: str, checkpoint_dir: str | None = None) -> dict[str, Any]:
-        """Apply the delta in place into the engine's parameters (``LiveEngine.apply``); no file is written.
-        Errors come back as ``{"ok": False, ...}`` as for ``apply_delta``."""
+        """Apply the delta in place into the engine's parameters (``LiveEngine.apply``; with the plan
+        ``deltarefit_live_prepare`` made of it, if any); no file is written. Errors come back as
+        ``{"ok": False, ...}`` as for ``apply_delta``."""
         rank = getattr(self, "rank", None)
         try:
-            rep = self._deltarefit_live(checkpoint_dir).apply(delta_path)
+            live = self._deltarefit_live(checkpoint_dir)
+            rep = live.apply(delta_path, prepared=self._deltarefit_take_prepared(delta_path))
         except DeltaRefitError as e:
             log.warning("deltarefit live refit refused on rank %s: %s", rank, e)
             return {"ok": False, "rank": rank, "error_type": type(e).__name__, "error": str(e)}
@@ -430,6 +473,7 @@ class DeltaRefitWorkerExtension:
 # The driver side (what the process holding the ``LLM`` calls) lives in ``vllm_driver``; re-exported here.
 from .vllm_driver import (  # noqa: E402, F401
     engine_digests,
+    prepare_refit_in_place,
     refit_engine,
     refit_engine_in_place,
     reload_engine,

@@ -24,17 +24,29 @@ Worker side (``DeltaRefitWeightTransferEngine``):
   elements) written), a keyframe (staged on disk) through the reload path. The held version moves only after
   each apply verified. A failure leaves the worker at a verified version or completable by sending
   the same update again; nothing needs a restart.
+* ``update_weights({"version": N, "prepare": true})``, sent while the engine serves (no pause around it),
+  returns at once and has a thread of the worker sync to N up to its first write: the route's records
+  checked, its parts staged, the first delta planned against the live weights (``LiveEngine.prepare``:
+  decoded and checked, nothing written). The next ``update_weights({"version": N})``, in the pause,
+  waits for that plan and writes it: the changed elements are read again first and must hold the bits
+  the plan read. The engine's pause is then the writes and their checks, not the decode. A plan that
+  was refused or went stale is dropped and the update plans again (and refuses there, with nothing
+  written). Hazard: the planning thread takes CPU (and the GIL, for its Python parts) from the
+  engine's own work while it runs.
 
 Trainer side (``DeltaRefitTrainerWeightTransferEngine``): a ``Publisher`` on the trainer's stream;
 ``send_weights(checkpoint)`` publishes the checkpoint as the next version and drives the round trip
 (start, update with that version, finish with ``weight_version=str(version)``) through any
 ``VLLMWeightSyncClient`` (vLLM's HTTP or Ray clients, or ``LLMClient`` below for an in-process ``LLM``).
+``prepare_weights(checkpoint)`` publishes it and has the engines plan it while they serve; the
+``send_weights()`` after it then costs the engines' pause only the writes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -86,6 +98,13 @@ class DeltaRefitUpdateInfo(WeightTransferUpdateInfo):
     version: int | None = None  # default: the stream's head
     stream: str | None = None  # must name the stream given at init, when given
     verify: bool = False  # re-hash every weight afterwards (O(model)); each apply verifies what it touched
+    # Plan the update on a thread while the engine serves, write nothing, return at once (module docstring);
+    # the next update to the same version writes that plan.
+    prepare: bool = False
+
+
+class _PlannedAhead(Exception):
+    """Ends a preparing sync at its first write: the route staged, its first delta planned."""
 
 
 class _EngineSubscriber(Subscriber):
@@ -110,6 +129,9 @@ class _EngineSubscriber(Subscriber):
         self.held = held
         self.stream_ident: str | None = None
         self.reports: list[Any] = []
+        # Set on the preparing thread's sync: the first delta is planned (``prepared``), not applied.
+        self.preparing = False
+        self.prepared: Any = None  # vllm_live.PreparedRefit, for the next sync's first delta
         # A single worker keeps a history book (in memory, else in the scratch) and follows
         # streams coded with history; a tensor-parallel group does not (its workers decode different
         # segments), and takes the routes without history.
@@ -155,10 +177,32 @@ class _EngineSubscriber(Subscriber):
             self.live.verify()
         return SyncReport(start, version, fp, "none", 0, [], time.perf_counter() - t0, verified=verify)
 
+    def _apply_steps(self, steps: list[Any], local: dict[str, str], recs: dict[int, Any], cur: Any,
+                     first_apply: Any = None) -> Any:
+        """Preparing: the route is staged and checked; plan its first step if it is a delta (a keyframe is
+        installed in the update), then end the sync with nothing written."""
+        if not self.preparing:
+            return super()._apply_steps(steps, local, recs, cur, first_apply)
+        st = steps[0]
+        if st.kind == "delta":
+            self.drop_prepared()
+            self.prepared = self.live.prepare(local[st.parts[0].key], self._book_for(st, recs[st.version]))
+        raise _PlannedAhead()
+
+    def drop_prepared(self) -> None:
+        if self.prepared is not None:
+            self.prepared.close()
+            self.prepared = None
+
     def _apply(self, delta_path: str, history: Any = None) -> Any:
         """The apply hook (``Subscriber.hook_keeps_book``): the report where the engine keeps a book, else
-        the fingerprint."""
-        rep = self.live.apply(delta_path, history=history)
+        the fingerprint. The plan a preparing sync made is written when it is of this delta (the live
+        engine drops it, and plans again, if it went stale)."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None and prepared.delta_path != delta_path:
+            prepared.close()
+            prepared = None
+        rep = self.live.apply(delta_path, history=history, prepared=prepared)
         self.reports.append(rep)
         return rep if self.hook_keeps_book else rep.target_fingerprint
 
@@ -215,6 +259,8 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
         self.sub: _EngineSubscriber | None = None
         self.info: DeltaRefitInitInfo | None = None
         self.last: dict[str, Any] = {}
+        self.preparing: threading.Thread | None = None  # the thread of a prepare update, while it runs
+        self.prepare_error: BaseException | None = None
 
     def init_transfer_engine(self, init_info: DeltaRefitInitInfo) -> None:
         from .vllm_live import LiveEngine
@@ -243,6 +289,10 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
             raise UsageError("deltarefit: call init_weight_transfer_engine with the stream first")
         if update_info.stream is not None and update_info.stream != self.info.stream:
             raise UsageError(f"deltarefit: this engine follows {self.info.stream}, not {update_info.stream}")
+        self.wait_prepared()
+        if update_info.prepare:
+            self._start_prepare(update_info.version)
+            return
         self.sub.reports = []
         rep = self.sub.sync(to_version=update_info.version, verify=update_info.verify)
         if update_info.verify and rep.route != "none":
@@ -254,12 +304,46 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
         log.info("deltarefit: version %d -> %d via %s, %d bytes", rep.from_version, rep.version, rep.route,
                  rep.bytes_fetched)
 
+    def _start_prepare(self, version: int | None) -> None:
+        """Sync to ``version`` on a thread up to its first write (module docstring); returns at once."""
+        sub = self.sub
+        assert sub is not None
+        self.prepare_error = None
+        self.last = {"prepare": version}
+
+        def run() -> None:
+            sub.preparing = True
+            try:
+                sub.sync(to_version=version)
+            except _PlannedAhead:
+                pass
+            except BaseException as e:  # reported by the update, which syncs (and refuses) again itself
+                self.prepare_error = e
+                sub.drop_prepared()
+            finally:
+                sub.preparing = False
+
+        self.preparing = threading.Thread(target=run, name="deltarefit-prepare", daemon=True)
+        self.preparing.start()
+
+    def wait_prepared(self) -> None:
+        """Wait for a prepare update's thread to end (one sync at a time on the subscriber)."""
+        if self.preparing is not None:
+            self.preparing.join()
+            self.preparing = None
+            if self.prepare_error is not None:
+                log.info("deltarefit: planning ahead failed (%s: %s); the update syncs without it",
+                         type(self.prepare_error).__name__, self.prepare_error)
+
     def finish_weight_update(self) -> None:
         pass  # applied in place and verified in receive_weights; nothing is deferred
 
     def shutdown(self) -> None:
+        self.wait_prepared()
         if self.sub is not None:
             import shutil
+
+            self.sub.drop_prepared()
 
             for path, lock in ((self.sub.scratch, self.sub.scratch_lock), (self.sub.memory, self.sub.memory_lock)):
                 if path is not None:
@@ -287,6 +371,15 @@ class LLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
         self.llm.reset_prefix_cache()
+
+    def prepare_weights(self, version: int) -> None:
+        """Have the workers plan ``version`` while the engine serves (``update_weights`` with ``prepare``);
+        nothing is written, so no cache is reset."""
+        self.llm.start_weight_update()
+        try:
+            self.llm.update_weights({"update_info": {"version": version, "prepare": True}})
+        finally:
+            self.llm.finish_weight_update(None)
 
 
 class HTTPClient:
@@ -325,6 +418,15 @@ class HTTPClient:
         self.rl.finish_weight_update(weight_version)
         self._post("resume")
 
+    def prepare_weights(self, version: int) -> None:
+        """Have the workers plan ``version`` while the server serves: no pause around it (nothing is
+        written; the workers return at once and plan on a thread)."""
+        self.rl.start_weight_update()
+        try:
+            self.rl.update_weights({"version": version, "prepare": True})
+        finally:
+            self.rl.finish_weight_update(None)
+
 
 @dataclass
 class DeltaRefitTrainerInitInfo(TrainerInitInfo):
@@ -360,16 +462,29 @@ class DeltaRefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaRef
         self.client.init_weight_transfer_engine({k: v for k, v in info.items() if v is not None})
         self.engines_ready = True
 
-    def send_weights(self, checkpoint: str | None = None, *, step: int | None = None) -> int:
-        """Publish ``checkpoint`` (the trainer's new weights in the served dtype) as the next version and
-        bring the engines to it; returns the version. With no checkpoint, brings them to the head."""
+    def _publish(self, checkpoint: str | None, step: int | None) -> int:
         version = head(self.publisher.store)
         if checkpoint is not None and self.is_sender:
             version = self.publisher.publish(checkpoint, step=step).version
+        if self.is_sender and not self.engines_ready:
+            self._init_engines()
+        return version
+
+    def prepare_weights(self, checkpoint: str | None = None, *, step: int | None = None) -> int:
+        """Publish ``checkpoint`` as the next version (as ``send_weights`` does) and have the engines plan
+        it while they go on serving (the client's ``prepare_weights``); returns the version. The
+        ``send_weights()`` that follows writes those plans."""
+        version = self._publish(checkpoint, step)
+        if self.is_sender:
+            self.client.prepare_weights(version)
+        return version
+
+    def send_weights(self, checkpoint: str | None = None, *, step: int | None = None) -> int:
+        """Publish ``checkpoint`` (the trainer's new weights in the served dtype) as the next version and
+        bring the engines to it; returns the version. With no checkpoint, brings them to the head."""
+        version = self._publish(checkpoint, step)
         if not self.is_sender:
             return version
-        if not self.engines_ready:
-            self._init_engines()
         self.client.start_weight_update()
         self.client.update_weights({"version": version})
         self.client.finish_weight_update(weight_version=str(version))

@@ -87,6 +87,21 @@ def refit_engine_in_place(llm: Any, delta_path: str, checkpoint_dir: str | None 
     return {"ok": True, "target_fingerprint": fps.pop(), "workers": reports}
 
 
+def prepare_refit_in_place(llm: Any, delta_path: str, checkpoint_dir: str | None = None, *,
+                           timeout: float | None = None) -> None:
+    """Start planning ``delta_path`` in every worker (``LiveEngine.prepare``: decoded and checked against
+    the live weights, nothing written) and return at once; the engine keeps serving while the workers
+    plan. ``refit_engine_in_place`` of the same delta then writes those plans: the engine's update then
+    costs the writes and their checks (O(changed elements)) and any reload, not the decode. Meant for
+    in-flight updates (asynchronous RL), where the pause is what generation waits for."""
+    reports = llm.collective_rpc("deltarefit_live_prepare", timeout=timeout,
+                                 args=(os.path.abspath(delta_path),
+                                       os.path.abspath(checkpoint_dir) if checkpoint_dir else None))
+    failed = [r for r in reports if not r.get("ok")]
+    if failed:
+        _raise(failed[0])
+
+
 def reload_engine(llm: Any, checkpoint_dir: str, *, timeout: float | None = None) -> dict[str, Any]:
     """Reload a running engine's weights from every tensor of ``checkpoint_dir`` (a full refit, as after
     a keyframe); resets the prefix cache."""

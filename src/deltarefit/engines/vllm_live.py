@@ -31,6 +31,12 @@ Layers of the reload set that the delta changed are then fed whole, from the hos
 vLLM's own layerwise reload (``reload_weights``), so their post-load processing (prepacking) runs.
 An in-memory journal holds the patch of each chunk while it is written, so an exception anywhere leaves
 the worker either untouched (refused in the plan) or completable by calling ``apply`` again.
+
+``prepare(delta)`` runs the plan alone (``applier.plan_apply``: read-only) while the engine serves, and
+``apply(delta, prepared=...)`` writes it: the changed elements are read again first and must hold the bits
+the plan read (refused with nothing written otherwise), so the pause of an in-flight update is the writes
+and their checks. A plan made before another apply (or a rebuild) began is stale, dropped, and the delta
+planned again; a tensor-parallel group, whose workers plan and write together, does not prepare.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import contextlib
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -46,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from ..applier import run_apply
+from ..applier import PreparedApply, commit, plan_apply
 from ..checkpoint import fingerprint_checkpoint, open_checkpoint
 from ..codec.chunk import Patch
 from ..errors import BaseMismatchError, UsageError, VerificationError
@@ -123,6 +130,35 @@ class LiveRefitReport:
     # Chunks of tensors split between the workers of a TP group, and how many of them this worker decoded.
     split_chunks: int = 0
     split_decoded: int = 0
+    # Planned ahead by ``LiveEngine.prepare`` (then ``seconds_apply`` counts the writes and checks after it
+    # only, and ``seconds_prepared`` is what the plan took beforehand).
+    prepared: bool = False
+    seconds_prepared: float = 0.0
+
+
+@dataclass
+class PreparedRefit:
+    """A delta planned against a live engine's weights (``LiveEngine.prepare``): checked, decoded, not
+    written. Pass it to ``LiveEngine.apply`` of the same delta; ``close`` drops it unused."""
+
+    delta_path: str
+    reader: DeltaReader
+    plan: PreparedApply
+    history: HistoryBook | None
+    moves: MovesRecorder | None
+    generation: int
+    seconds: float
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _same_book(a: HistoryBook | None, b: HistoryBook | None) -> bool:
+    """Whether two history books are the same book in the same state (a plan decoded against one holds
+    against the other)."""
+    if a is None or b is None:
+        return a is b
+    return a is b or (os.path.realpath(a.path) == os.path.realpath(b.path) and a.versions() == b.versions())
 
 
 def _apply_cpus(spec: str) -> set[int]:
@@ -355,11 +391,14 @@ class LiveEngine:
         self.cpus = _apply_cpus(cpus)
         self.threads = threads or max(1, min(8, len(self.cpus)))
         self.journal = MemoryJournal()
+        self._lock = threading.RLock()  # prepare and apply, from any thread, one at a time
+        self._generation = 0  # applies begun and rebuilds: a plan prepared before the last one is stale
         self._build(checkpoint)
 
     def _build(self, checkpoint: str) -> None:
         import torch
 
+        self._generation = getattr(self, "_generation", 0) + 1  # new weights: plans made before are stale
         t0 = time.perf_counter()
         model, threads = self.model, self.threads
         packed = _packed(model)
@@ -460,30 +499,84 @@ class LiveEngine:
         tensor-parallel group, whose processes decode different segments)."""
         return not getattr(self.target, "collective", False)
 
-    def apply(self, delta_path: str, history: HistoryBook | None = None) -> LiveRefitReport:
+    def prepare(self, delta_path: str, history: HistoryBook | None = None) -> PreparedRefit:
+        """Plan ``delta_path`` against the weights as they are, read-only (``applier.plan_apply``): every
+        check the apply makes before its first write, and the decoded patches its memory budget keeps.
+        The engine may go on serving meanwhile (nothing is written); ``apply(delta_path, prepared=...)``
+        then only writes, reads back and reloads. Refused like ``apply``, with nothing written."""
+        if getattr(self.target, "collective", False):
+            raise UsageError("prepare: a tensor-parallel group plans and writes together; use apply")
+        with self._lock:
+            t0 = time.perf_counter()
+            self._check_storages()
+            d = DeltaReader(delta_path)
+            try:
+                prep, moves = self._plan(d, delta_path, history)
+            except BaseException:
+                d.close()
+                raise
+            return PreparedRefit(delta_path, d, prep, history, moves, self._generation, time.perf_counter() - t0)
+
+    def apply(self, delta_path: str, history: HistoryBook | None = None,
+              prepared: PreparedRefit | None = None) -> LiveRefitReport:
         """Apply one delta in place (see the module docstring); rerun after any failure to complete it.
         ``history``: the book ``ulp_hist`` chunks decode against (``keeps_history`` engines only), advanced
-        once the apply is verified and the engine reloaded what it needed."""
-        t0 = time.perf_counter()
-        self._check_storages()
-        with DeltaReader(delta_path) as d:
-            if d.base_fingerprint != self.fingerprint and d.target_fingerprint != self.fingerprint:
-                raise BaseMismatchError(f"{delta_path}: applies to {d.base_fingerprint[:16]}…; this engine holds "
-                                        f"{self.fingerprint[:16]}…")
-            changed = [e.name for e in d.tensors if e.op == "patch"]
-            held = self.sums if self._sums_ok and d.base_fingerprint == self.fingerprint else None
-            journal = self.journal.bind(d.target_fingerprint)
+        once the apply is verified and the engine reloaded what it needed. ``prepared``: this delta's plan
+        from ``prepare``, written as planned when nothing was applied since it was made (with the same
+        book); otherwise (and on a rerun after a failure) dropped and the delta planned again here."""
+        with self._lock:
+            t0 = time.perf_counter()
+            self._check_storages()
+            if prepared is not None and (prepared.plan.committed or prepared.delta_path != delta_path
+                                         or prepared.generation != self._generation
+                                         or not _same_book(prepared.history, history)):
+                # stale: used already (a rerun after a failed write), another apply began since, or made
+                # of another delta or book
+                prepared.close()
+                prepared = None
+            if prepared is not None:
+                d, prep, moves = prepared.reader, prepared.plan, prepared.moves
+            else:
+                d = DeltaReader(delta_path)
             try:
-                moves = MovesRecorder() if history is not None else None
-                with _affinity(self.cpus):
-                    rep = run_apply(d, self.target, journal=journal, threads=self.threads, held=held,
-                                    history=history, moves=moves)
-            except BaseException:
-                if journal.read():  # a write began: held digests no longer describe the weights
-                    self._sums_ok = False
-                raise
-            target_fp = d.target_fingerprint
-            n_tensors = len(d.tensors)
+                if prepared is None:
+                    prep, moves = self._plan(d, delta_path, history)
+                rep = self._commit(d, prep, history, moves, t0, ahead=prepared is not None)
+            finally:
+                d.close()
+            if prepared is not None:
+                rep.prepared, rep.seconds_prepared = True, prepared.seconds
+            return rep
+
+    def _plan(self, d: DeltaReader, delta_path: str, history: HistoryBook | None
+              ) -> tuple[PreparedApply, MovesRecorder | None]:
+        """(the plan, the moves it recorded for the book)."""
+        if d.base_fingerprint != self.fingerprint and d.target_fingerprint != self.fingerprint:
+            raise BaseMismatchError(f"{delta_path}: applies to {d.base_fingerprint[:16]}…; this engine holds "
+                                    f"{self.fingerprint[:16]}…")
+        held = self.sums if self._sums_ok and d.base_fingerprint == self.fingerprint else None
+        moves = MovesRecorder() if history is not None else None
+        with _affinity(self.cpus):
+            prep = plan_apply(d, self.target, journal=self.journal.bind(d.target_fingerprint), threads=self.threads,
+                              held=held, history=history, moves=moves)
+        return prep, moves
+
+    def _commit(self, d: DeltaReader, prep: PreparedApply, history: HistoryBook | None,
+                moves: MovesRecorder | None, t0: float, ahead: bool = False) -> LiveRefitReport:
+        """``ahead``: ``prep`` was planned by ``prepare``, before this call: the elements it changes are read
+        again, and must hold the bits it planned from, before anything is written."""
+        self._generation += 1  # from here on the weights may change: any other prepared plan is stale
+        changed = [e.name for e in d.tensors if e.op == "patch"]
+        journal = self.journal.bind(d.target_fingerprint)
+        try:
+            with _affinity(self.cpus):
+                rep = commit(prep, recheck=ahead)
+        except BaseException:
+            if journal.read():  # a write began: held digests no longer describe the weights
+                self._sums_ok = False
+            raise
+        target_fp = d.target_fingerprint
+        n_tensors = len(d.tensors)
         # What the apply wrote without moving a held digest (checked by segments) is summed again.
         stale = list(self.target.tensors) if not self._sums_ok else [n for n in changed if n not in rep.sums]
         self.sums.update(rep.sums)

@@ -421,14 +421,7 @@ class Subscriber:
         version, fp = cur if cur else (0, "")
         for i, st in enumerate(steps):
             rec = recs[st.version]
-            # A delta coded with history decodes against the book, which its verified apply advances;
-            # a book that already holds the version (a kill after that, before the record) is not
-            # needed: the rerun finds every chunk applied.
-            book = None
-            if st.kind == "delta" and rec.history and self._keeps_book():
-                book = open_book(self.book_path)
-                if book.tip == st.fingerprint:
-                    book = None
+            book = self._book_for(st, rec)
             try:
                 if st.kind == "keyframe":
                     install_keyframe(rec, local, self.staging, self.checkpoint)
@@ -465,6 +458,15 @@ class Subscriber:
             self._record(version, fp, self._files_identity())
             applied.append(version)
         return applied, version, fp
+
+    def _book_for(self, st: Step, rec: CommitRecord) -> HistoryBook | None:
+        """The book step ``st`` decodes against: a delta coded with history decodes against the book, which
+        its verified apply advances; a book that already holds the version (a kill after that, before the
+        record) is not needed: the rerun finds every chunk applied."""
+        if not (st.kind == "delta" and rec.history and self._keeps_book()):
+            return None
+        book = open_book(self.book_path)
+        return None if book.tip == st.fingerprint else book
 
     def _at_head(self, cur: tuple[int, str], start: int, verify: bool, t0: float) -> SyncReport:
         """The checkpoint holds the target version by its record: check that the store's record of it is

@@ -67,7 +67,14 @@ from .engine_model import (  # noqa: F401
     version_plan,
 )
 from .engine_report import findings, markdown, meaning, plot  # noqa: F401
-from .engine_worker import measure, worker_describe, worker_instrument, worker_reset_times, worker_times
+from .engine_worker import (
+    measure,
+    worker_describe,
+    worker_instrument,
+    worker_reset_times,
+    worker_times,
+    worker_wait_prepared,
+)
 
 # ------------------------------------------------------------------------------------ one layout (child)
 
@@ -119,6 +126,7 @@ def _run_paths(llm: Any, prep: dict[str, Any], layout: str, work: str, t_start: 
     steps = [(n, way, i) for n in names for i in range(len(plan["forward"][n])) for way in ("fwd", "back")]
     run = _PathRun(llm, desc["pid"], all_files, layout, log, res, gens)
     _inplace_path(run, client, plan, steps)
+    _inplace_path(run, client, plan, steps, ahead=True)
     _disk_path(run, prep, work, steps)
     _full_path(run, prep["checkpoints"], steps)
     return _layout_result(prep, layout, t_start, desc, names, res, gens)
@@ -159,6 +167,8 @@ def _inplace_split(m: dict[str, Any], w: dict[str, Any], pid: int) -> dict[str, 
             "engine_cpu": sum(m["proc_cpu"].values()),
             "read_segment": tm.get("read_segment", 0.0), "write_segment": tm.get("write_segment", 0.0),
             "apply": sum(r["seconds_apply"] for r in refits),
+            "prepared": sum(r.get("seconds_prepared", 0.0) for r in refits),
+            "ahead": all(r.get("prepared", False) for r in refits) and bool(refits),
             "reload": sum(r["seconds_reload"] for r in refits),
             "stream": m["seconds"] - sum(r["seconds"] for r in refits),
             "layers_reloaded": sum(len(r["layers_reloaded"]) for r in refits),
@@ -166,8 +176,12 @@ def _inplace_split(m: dict[str, Any], w: dict[str, Any], pid: int) -> dict[str, 
             "check": sorted({r.get("check", "segments") for r in refits})}
 
 
-def _inplace_path(run: _PathRun, client: Any, plan: dict[str, Any], steps: list[tuple[str, str, int]]) -> None:
-    """(a) in place: the deltarefit backend's ``update_weights({"version": N})``, timed in the worker too."""
+def _inplace_path(run: _PathRun, client: Any, plan: dict[str, Any], steps: list[tuple[str, str, int]],
+                  ahead: bool = False) -> None:
+    """(a) in place: the deltarefit backend's ``update_weights({"version": N})``, timed in the worker too.
+    ``ahead``: first ``prepare_weights(N)``, then the engine generates (serving while its worker plans), the
+    plan is waited for, and the update that writes it is what is timed: the engine's pause."""
+    path = "planned" if ahead else "inplace"
 
     def update(version: int) -> None:
         client.start_weight_update()
@@ -176,16 +190,22 @@ def _inplace_path(run: _PathRun, client: Any, plan: dict[str, Any], steps: list[
 
     for n, way, i in steps:
         v = plan["forward" if way == "fwd" else "back"][n][i]
+        if ahead:
+            client.prepare_weights(v)
+            _generate(run.llm)
+            run.llm.collective_rpc(worker_wait_prepared)
         run.llm.collective_rpc(worker_reset_times)
         m = measure(lambda v=v: update(v), run.pid, run.files)
         w = run.llm.collective_rpc(worker_times)[0]
         m["split"] = _inplace_split(m, w, run.pid)
         m.pop("result")
-        run.record(n, way, "inplace", m)
-        run.log(f"[{run.layout}] in place {n} {way}: {m['seconds']:.2f} s (apply {m['split']['apply']:.2f}, reload "
-                f"{m['split']['reload']:.2f}), read {fmt_mb(m['io']['read_bytes'])} MB, written "
-                f"{fmt_mb(m['io']['write_bytes'])} MB")
-        run.generate(n, way, "inplace")
+        if ahead and not m["split"]["ahead"]:
+            raise EngineBenchError(f"{n} {way}: the update did not write the plan made ahead of it")
+        run.record(n, way, path, m)
+        run.log(f"[{run.layout}] {path} {n} {way}: {m['seconds']:.2f} s (apply {m['split']['apply']:.2f}, reload "
+                f"{m['split']['reload']:.2f}, planned before {m['split']['prepared']:.2f}), read "
+                f"{fmt_mb(m['io']['read_bytes'])} MB, written {fmt_mb(m['io']['write_bytes'])} MB")
+        run.generate(n, way, path)
 
 
 def _disk_path(run: _PathRun, prep: dict[str, Any], work: str, steps: list[tuple[str, str, int]]) -> None:
@@ -227,7 +247,7 @@ def _layout_result(prep: dict[str, Any], layout: str, t_start: float, desc: dict
     rates = []
     xs, ys = [], []
     for i, n in enumerate(names[1:]):
-        g = [x for k in ("inplace", "disk", "full") for x in gens[n][k]]
+        g = [x for k, _ in PATHS for x in gens[n][k]]
         changed = prep["changed"][n]
         rates.append({"rate": prep["rates"][i], "changed": changed,
                       "delta_bytes": os.path.getsize(prep["deltas"][f"{n}-fwd"]),

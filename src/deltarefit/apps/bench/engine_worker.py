@@ -63,6 +63,11 @@ def worker_times(worker: Any) -> dict[str, Any]:
     return {"times": times, "last": getattr(eng, "last", {})}
 
 
+def worker_wait_prepared(worker: Any) -> None:
+    """Wait until the plan a ``prepare`` update started on the worker's thread is made."""
+    worker.weight_transfer_engine.wait_prepared()
+
+
 def worker_describe(worker: Any) -> dict[str, Any]:
     d = worker.weight_transfer_engine.live.describe()
     return {"in_place": len(d["in_place"]), "reload": len(d["reload"]), "host_bytes": d["host_bytes"],

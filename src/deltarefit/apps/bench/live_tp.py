@@ -104,16 +104,21 @@ def _cpu_model() -> str:
 
 def render(results: list[dict], cfg: dict) -> str:
     lines = [
-        "| TP | threads per worker | changed | in place (s): median (min-max) | full reload (s): median (min-max) "
-        "| reload / in place | split chunks (decoded by rank 0) | held digests moved exactly |",
-        "|---|---|---|---|---|---|---|---|",
+        "| TP | threads per worker | changed | in place (s): median (min-max) | planned ahead: the update (s) "
+        "| full reload (s): median (min-max) | reload / in place | split chunks (decoded by rank 0) "
+        "| held digests moved exactly |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
         for r in res["rates"]:
             lo, hi = r["in_place_range"]
             rlo, rhi = r["reload_range"]
+            ahead = "-"
+            if r.get("ahead") is not None:
+                alo, ahi = r["ahead_range"]
+                ahead = f"{r['ahead']:.3f} ({alo:.3f}-{ahi:.3f})"
             lines.append(f"| {res['world']} | {res['threads']} | {100 * r['rate']:.2f}% | {r['in_place']:.3f} "
-                         f"({lo:.3f}-{hi:.3f}) | {r['reload']:.3f} ({rlo:.3f}-{rhi:.3f}) | "
+                         f"({lo:.3f}-{hi:.3f}) | {ahead} | {r['reload']:.3f} ({rlo:.3f}-{rhi:.3f}) | "
                          f"{r['reload'] / r['in_place']:.1f}x | {r['split_chunks']} ({r['split_decoded']}) | "
                          f"{'yes' if r['held_ok'] else 'NO'} |")
     head = (f"# Tensor-parallel refit in place\n\nProduced by `python -m deltarefit.apps.bench.live_tp {cfg['argv']}`: "
@@ -126,6 +131,10 @@ def render(results: list[dict], cfg: dict) -> str:
         "* In place: `run_apply` through a `LiveTarget` checked by held digests, as a vLLM worker runs it. Every "
         "segment of a row-parallel weight is split between the workers: each is decoded by one of them (the "
         "column \"split chunks\"; in brackets, how many rank 0 decoded), which sends the others its changes.\n"
+        "* Planned ahead (one worker): the same refit planned first (`applier.plan_apply`, read-only, as "
+        "`LiveEngine.prepare` runs it while an engine serves), then only its update timed (`applier.commit`: "
+        "the changed elements read again and checked against the plan, then written and read back): the pause "
+        "an engine that plans while it serves takes.\n"
         "* Full reload: the target's checkpoint read from the page cache and each worker's slices copied from it "
         f"through the module's loader. It checks nothing, and the {2 * cfg['elements'] / 1e6:.0f} MB it reads had "
         "to arrive on the node and be written there first, which is not counted.\n"

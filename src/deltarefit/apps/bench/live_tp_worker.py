@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from ...applier import run_apply
+    from ...applier import commit, plan_apply, run_apply
     from ...engines.capture import capture_layout
     from ...engines.live import TargetUnion, state_through
     from ...engines.vllm_live import _Group
@@ -96,6 +96,17 @@ def main(argv: list[str]) -> int:
         sums.update(rep.sums)
         return time.perf_counter() - t0, rep
 
+    def ahead(path: str) -> float:
+        """One process: planned ahead (``plan_apply``, untimed), then the update alone (``commit``, which
+        reads the changed elements again before writing): what an engine that plans while it serves pauses."""
+        with DeltaReader(path) as d:
+            prep = plan_apply(d, union, journal=None, threads=a["threads"], held=sums)
+            t0 = time.perf_counter()
+            rep = commit(prep, recheck=True)
+            dt = time.perf_counter() - t0
+        sums.update(rep.sums)
+        return dt
+
     def reload(ckpt: str) -> float:
         barrier()
         t0 = time.perf_counter()
@@ -115,6 +126,10 @@ def main(argv: list[str]) -> int:
             for path in (fwd, back):
                 t, rep = refit(path)
                 times.append(t)
+        pauses = []
+        for _ in range(a["repeat"] if world == 1 else 0):
+            for path in (fwd, back):
+                pauses.append(ahead(path))
         reloads = []
         for _ in range(a["repeat"]):
             reloads.append(reload(os.path.join(rd, "target")))
@@ -123,6 +138,8 @@ def main(argv: list[str]) -> int:
         held_ok = all(state_through(union, n)[1] == sums[n] for n in names)
         out.append({"rate": rate, "in_place": statistics.median(times), "in_place_range": [min(times), max(times)],
                     "reload": statistics.median(reloads), "reload_range": [min(reloads), max(reloads)],
+                    "ahead": statistics.median(pauses) if pauses else None,
+                    "ahead_range": [min(pauses), max(pauses)] if pauses else None,
                     "held": rep.held, "split_chunks": rep.split_chunks, "split_decoded": rep.split_decoded,
                     "elsewhere": rep.elsewhere, "chunks": rep.chunks_applied, "held_ok": held_ok})
     if rank == 0:
