@@ -85,6 +85,13 @@ def test_version_plan_returns_to_the_base_after_every_target() -> None:
         for v, b in zip(vs, p["back"][n], strict=True):
             assert p["checkpoints"][v - 1] == n and p["checkpoints"][v - 2] == "base"
             assert b == v + 1 and p["checkpoints"][b - 1] == "base"
+    p2 = eb.version_plan([0.01, 0.02], repeat=2, passes=2)
+    assert p2["checkpoints"] == p["checkpoints"] + p["checkpoints"][1:]
+    assert p2["passes"][0]["forward"] == p["forward"] and p2["passes"][1]["forward"]["warm"] == [12]
+    for ps in p2["passes"]:
+        for n, vs in ps["forward"].items():
+            assert all(p2["checkpoints"][v - 1] == n and p2["checkpoints"][b - 1] == "base"
+                       for v, b in zip(vs, ps["back"][n], strict=True))
     with pytest.raises(ValueError):
         eb.version_plan([0.01], repeat=0)
 

@@ -492,14 +492,22 @@ def test_a_prepared_plan_goes_stale_when_another_apply_begins_first(chain):
     assert _bits(m) == _bits(_loaded(chain["target"])) and eng.verify() == eng.fingerprint
 
 
-def test_a_prepared_plan_refuses_elements_modified_since_with_nothing_written(chain):
+@pytest.mark.parametrize("by", ["bits", "digest"])
+def test_a_prepared_plan_refuses_elements_modified_since_with_nothing_written(chain, by):
     """Between ``prepare`` and ``apply`` an element the delta changes is modified behind the engine: the
-    apply reads the changed elements again before writing, and refuses with nothing written."""
+    apply reads the changed elements again before writing, and refuses with nothing written. ``bits``: the
+    old bits the plan kept compared; ``digest``: a plan without them (``plan_apply`` not ``ahead``), the
+    digest the elements move compared with the one planned."""
     from deltarefit.errors import VerificationError
 
     m = _loaded(chain["base"])
     eng = LiveEngine(m, None, chain["dirs"]["base"])
     prep = eng.prepare(chain["deltas"]["step-sums"])
+    kept = [c for tp in prep.plan.plans for c in tp.chunks if c.old is not None]
+    assert kept  # the plan made ahead kept the old bits of the chunks it kept
+    if by == "digest":
+        for c in kept:
+            c.old = None
     base_bits = chain["base"]["layers.0.norm.weight"].view(torch.int16).numpy()
     changed = np.flatnonzero(chain["target"]["layers.0.norm.weight"].view(torch.int16).numpy() != base_bits)
     _param_bits(m, "layers.0.norm.weight")[changed[0]] ^= 1  # behind the engine's back

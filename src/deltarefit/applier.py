@@ -149,8 +149,11 @@ class Applier(HeldPlans):
                  threads: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
                  progress: Callable[[int], None] | None = None,
                  held: Mapping[str, bytes] | None = None, history: HistoryBook | None = None,
-                 moves: MovesRecorder | None = None) -> None:
+                 moves: MovesRecorder | None = None, ahead: bool = False) -> None:
         self.d = delta
+        # Planned ahead of its write (``plan_apply``): held-digest chunks keep the bits their changed
+        # elements held, for ``recheck_held``.
+        self.ahead = ahead
         self.t = target
         self.segs = segments_of(target)
         hooks = ("hash_region", "region_view", "decode_region", "post_image_hash")
@@ -375,8 +378,8 @@ class Applier(HeldPlans):
         for c in chunks:
             if c.patch is None or c.split:  # held and written elsewhere; split: decided with the group
                 continue
-            if not self._reserve(_patch_bytes(c.patch)):
-                c.patch = None
+            if not self._reserve(_patch_bytes(c.patch) + (c.old.nbytes if c.old is not None else 0)):
+                c.patch = c.old = None
 
     def _reserve(self, size: int) -> bool:
         """Take ``size`` bytes of the plan's memory budget for a kept patch, if that much is left
@@ -480,21 +483,30 @@ class Applier(HeldPlans):
         return applied, skipped, recovered, written
 
     def recheck_held(self, plans: list[_TensorPlan]) -> None:
-        """Before the first write of a plan made ahead of time: each held-digest chunk whose patch the plan
-        kept must move the digest from the bits the elements it changes hold now exactly as it did when
-        planned (O(changed elements); refused with nothing written otherwise). Chunks the plan did not
-        keep are checked so when decoded again for the write."""
-        for tp in plans:
-            if tp.state != "held":
-                continue
-            e = tp.entry
-            for c in tp.chunks:
-                if c.state != "todo" or c.patch is None or c.own or c.split or c.moved is None:
-                    continue
-                view = self._view(self.segs.read_segment(e.name, c.rec.chunk_index), e.base.dtype)
-                if not np.array_equal(_moved(e, c.rec, view, *_changes(c.patch, view)), c.moved):
-                    raise VerificationError(f"{_where(e, c.rec)}: an element it changes no longer holds the bits "
-                                            "the prepared plan read (modified since; nothing written)")
+        """Before the first write of a plan made ahead of time: the elements each held-digest chunk whose
+        patch the plan kept changes must hold the bits they held when planned (compared bit for bit where
+        the plan kept them, ``ahead``; else the digest they move must be the one planned), so that the
+        digest moves as checked (O(changed elements); refused with nothing written otherwise). Chunks the
+        plan did not keep are checked so when decoded again for the write."""
+        def check(e: TensorEntry, c: _ChunkPlan) -> None:
+            view = self._view(self.segs.read_segment(e.name, c.rec.chunk_index), e.base.dtype)
+            pos, new = _changes(c.patch, view)
+            same = (elements.equal_at(view, pos, c.old) if c.old is not None and c.patch.dense is None
+                    else np.array_equal(_moved(e, c.rec, view, pos, new), c.moved))
+            if not same:
+                raise VerificationError(f"{_where(e, c.rec)}: an element it changes no longer holds the bits "
+                                        "the prepared plan read (modified since; nothing written)")
+
+        todo = [(tp.entry, c) for tp in plans if tp.state == "held" for c in tp.chunks
+                if c.state == "todo" and c.patch is not None and not c.own and not c.split and c.moved is not None]
+        if self.collective or self.threads == 1:
+            for e, c in todo:
+                check(e, c)
+            return
+        # (one pass over each touched cache line of the weights: memory-bound, so spread over the threads)
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="recheck") as pool:
+            for f in [pool.submit(check, e, c) for e, c in todo]:
+                f.result()
 
     def _write_in_step(self, do: Callable[[_TensorPlan, int, _ChunkPlan], int],
                        todo: list[tuple[int, _TensorPlan, _ChunkPlan]],
@@ -608,12 +620,14 @@ def plan_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | N
                structural: Callable[[DeltaReader, list[_TensorPlan]], list[str]] | None = None,
                structural_check: Callable[[list[_TensorPlan]], None] | None = None,
                held: Mapping[str, bytes] | None = None, history: HistoryBook | None = None,
-               moves: MovesRecorder | None = None) -> PreparedApply:
+               moves: MovesRecorder | None = None, ahead: bool = False) -> PreparedApply:
     """``run_apply``'s plan, read-only (its arguments are ``run_apply``'s): every check before the first
-    write, refused with nothing written. ``commit`` then writes it."""
+    write, refused with nothing written. ``commit`` then writes it. ``ahead``: planned a while before the
+    write (``commit(recheck=True)``); held-digest chunks keep the old bits of the elements they change
+    (2 bytes per change in bf16, within the plan's memory budget) for that recheck."""
     t0 = time.perf_counter()
     ap = Applier(delta, target, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
-                 held=held, history=history, moves=moves)
+                 held=held, history=history, moves=moves, ahead=ahead)
     plans = ap.plan()
     struct_todo = [tp for tp in plans if tp.state in ("add", "remove", "replace")]
     if struct_todo and structural is None:

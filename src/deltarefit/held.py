@@ -50,7 +50,9 @@ class HeldPlans:
             if self.progress:
                 self.progress(_seg_len(e.base.nbytes, r.chunk_index))
             self._record_moves(e, r.chunk_index, view, patch)
-            return _ChunkPlan(r, "todo", patch, _moved(e, r, view, *_changes(patch, view)), own)
+            pos, new = _changes(patch, view)
+            old = np.take(view, pos) if self.ahead and not own and patch.dense is None else None
+            return _ChunkPlan(r, "todo", patch, _moved(e, r, view, pos, new), own, old=old)
 
         total = np.frombuffer(held, "<u8").astype(np.uint64)
         roles = self._roles(e.name) if self._roles is not None else None

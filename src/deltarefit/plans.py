@@ -21,6 +21,9 @@ class _ChunkPlan:
     # A segment split between the processes of a group, decoded by one of them (held-digest plans): the
     # patch is its changes as that process sent them; ``moved`` is set there alone.
     split: bool = False
+    # A plan made ahead of its write (``plan_apply(ahead=True)``): the bits the changed elements held when
+    # decoded, which they must still hold when the write begins (``Applier.recheck_held``).
+    old: np.ndarray | None = None
 
 
 @dataclass

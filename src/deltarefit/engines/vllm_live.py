@@ -511,7 +511,7 @@ class LiveEngine:
             self._check_storages()
             d = DeltaReader(delta_path)
             try:
-                prep, moves = self._plan(d, delta_path, history)
+                prep, moves = self._plan(d, delta_path, history, ahead=True)
             except BaseException:
                 d.close()
                 raise
@@ -548,9 +548,9 @@ class LiveEngine:
                 rep.prepared, rep.seconds_prepared = True, prepared.seconds
             return rep
 
-    def _plan(self, d: DeltaReader, delta_path: str, history: HistoryBook | None
+    def _plan(self, d: DeltaReader, delta_path: str, history: HistoryBook | None, ahead: bool = False
               ) -> tuple[PreparedApply, MovesRecorder | None]:
-        """(the plan, the moves it recorded for the book)."""
+        """(the plan, the moves it recorded for the book); ``ahead``: made by ``prepare``."""
         if d.base_fingerprint != self.fingerprint and d.target_fingerprint != self.fingerprint:
             raise BaseMismatchError(f"{delta_path}: applies to {d.base_fingerprint[:16]}…; this engine holds "
                                     f"{self.fingerprint[:16]}…")
@@ -558,7 +558,7 @@ class LiveEngine:
         moves = MovesRecorder() if history is not None else None
         with _affinity(self.cpus):
             prep = plan_apply(d, self.target, journal=self.journal.bind(d.target_fingerprint), threads=self.threads,
-                              held=held, history=history, moves=moves)
+                              held=held, history=history, moves=moves, ahead=ahead)
         return prep, moves
 
     def _commit(self, d: DeltaReader, prep: PreparedApply, history: HistoryBook | None,

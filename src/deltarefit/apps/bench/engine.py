@@ -182,6 +182,7 @@ def _inplace_path(run: _PathRun, client: Any, plan: dict[str, Any], steps: list[
     ``ahead``: first ``prepare_weights(N)``, then the engine generates (serving while its worker plans), the
     plan is waited for, and the update that writes it is what is timed: the engine's pause."""
     path = "planned" if ahead else "inplace"
+    versions = plan["passes"][1 if ahead else 0]
 
     def update(version: int) -> None:
         client.start_weight_update()
@@ -189,7 +190,7 @@ def _inplace_path(run: _PathRun, client: Any, plan: dict[str, Any], steps: list[
         client.finish_weight_update(str(version))
 
     for n, way, i in steps:
-        v = plan["forward" if way == "fwd" else "back"][n][i]
+        v = versions["forward" if way == "fwd" else "back"][n][i]
         if ahead:
             client.prepare_weights(v)
             _generate(run.llm)

@@ -95,22 +95,27 @@ def perturb_checkpoint(src: str, dst: str, fraction: float, seed: int) -> None:
     save_file(tensors, os.path.join(dst, "model.safetensors"), metadata=meta)
 
 
-def version_plan(rates: Sequence[float], repeat: int = 1) -> dict[str, Any]:
+def version_plan(rates: Sequence[float], repeat: int = 1, passes: int = 1) -> dict[str, Any]:
     """The stream's versions: 1 the base, then a warm-up target once and each rate's target ``repeat``
-    times, each followed by the base again. Returns ``{"checkpoints": [names in version order],
-    "forward": {name: [versions]}, "back": {name: [versions]}}`` (targets ``warm``, ``r0``, ``r1``, ...)."""
-    if repeat < 1:
-        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    times, each followed by the base again; all that after the base ``passes`` times (one pass per path
+    that refits through the stream, whose versions only go forward). Returns ``{"checkpoints": [names in
+    version order], "passes": [{"forward": {name: [versions]}, "back": {name: [versions]}}, ...]}`` with
+    the first pass's ``forward`` and ``back`` also at the top (targets ``warm``, ``r0``, ``r1``, ...)."""
+    if repeat < 1 or passes < 1:
+        raise ValueError(f"repeat and passes must be >= 1, got {repeat} and {passes}")
     names = ["base"]
-    fwd: dict[str, list[int]] = {}
-    back: dict[str, list[int]] = {}
-    for name in ["warm"] + [f"r{i}" for i in range(len(rates))]:
-        for _ in range(1 if name == "warm" else repeat):
-            names.append(name)
-            fwd.setdefault(name, []).append(len(names))
-            names.append("base")
-            back.setdefault(name, []).append(len(names))
-    return {"checkpoints": names, "forward": fwd, "back": back}
+    out = []
+    for _ in range(passes):
+        fwd: dict[str, list[int]] = {}
+        back: dict[str, list[int]] = {}
+        for name in ["warm"] + [f"r{i}" for i in range(len(rates))]:
+            for _ in range(1 if name == "warm" else repeat):
+                names.append(name)
+                fwd.setdefault(name, []).append(len(names))
+                names.append("base")
+                back.setdefault(name, []).append(len(names))
+        out.append({"forward": fwd, "back": back})
+    return {"checkpoints": names, "passes": out, **out[0]}
 
 
 def median(xs: Iterable[float]) -> float:
@@ -253,7 +258,7 @@ def prepare(work: str, config: dict[str, Any], rates: Sequence[float], repeat: i
         ck[name] = os.path.join(work, "models", name)
         perturb_checkpoint(ck["base"], ck[name], rate, seed=1000 + i)
     log(f"models: {params / 1e6:.1f}M parameters, {time.perf_counter() - t:.1f} s")
-    plan = version_plan(rates, repeat)
+    plan = version_plan(rates, repeat, passes=2)  # in place, then in place planned while serving
     store = os.path.join(work, "store")
     pub = Publisher(store, os.path.join(work, "publisher"), keyframe_every=10**6, keyframe_ratio=1e9)
     for name in plan["checkpoints"]:

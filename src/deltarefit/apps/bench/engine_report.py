@@ -35,7 +35,8 @@ def _method_lines(res: dict[str, Any]) -> list[str]:
         "lm_head). Targets: in every tensor, that fraction of the elements, chosen at random, moved by one ulp "
         "up or down (`deltarefit.apps.bench.engine.perturb_bits`).",
         "* Versions: a stream alternating base and targets (base, warm-up, base, then each target and the base "
-        f"again, {res['repeat']} times per rate), so every refit starts from the base or returns to it. Each "
+        f"again, {res['repeat']} times per rate; the sequence twice, one pass for each path that refits through the "
+        "stream), so every refit starts from the base or returns to it. Each "
         "path takes the engine base -> target and target -> base (both are refits that change the same "
         f"elements) {res['repeat']} times per rate, after one unmeasured warm-up round trip on its own path "
         "(one-time costs: numba compilation, vLLM's first reload). Times are the median of those "

@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
         """One process: planned ahead (``plan_apply``, untimed), then the update alone (``commit``, which
         reads the changed elements again before writing): what an engine that plans while it serves pauses."""
         with DeltaReader(path) as d:
-            prep = plan_apply(d, union, journal=None, threads=a["threads"], held=sums)
+            prep = plan_apply(d, union, journal=None, threads=a["threads"], held=sums, ahead=True)
             t0 = time.perf_counter()
             rep = commit(prep, recheck=True)
             dt = time.perf_counter() - t0
