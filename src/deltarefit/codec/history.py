@@ -228,9 +228,11 @@ def directions(dt: DType, bvals: np.ndarray, tvals: np.ndarray) -> np.ndarray:
     if u.dtype.kind != "u":
         u, v = u.view(f"u{u.dtype.itemsize}"), v.view(f"u{v.dtype.itemsize}")
     if dt.kind == "float":
-        sign = u.dtype.type(1 << (dt.bits - 1))
-        # (every float dtype fills its container: ~u is (2^bits - 1) - u)
-        return np.where(v & sign, ~v, v | sign) < np.where(u & sign, ~u, u | sign)
+        t = u.dtype.type
+        sign, top = t(1 << (dt.bits - 1)), t(dt.bits - 1)
+        # key = bits ^ (all ones if the sign is set, else the sign): every float dtype fills its
+        # container, so 0 - (bits >> top) is all ones or zero there (np.where took nine times as long)
+        return (v ^ ((t(0) - (v >> top)) | sign)) < (u ^ ((t(0) - (u >> top)) | sign))
     if dt.kind == "int":
         sign = u.dtype.type(1 << (dt.bits - 1))
         return (v ^ sign) < (u ^ sign)
