@@ -156,7 +156,8 @@ def test_io_delta_and_markdown_render_every_row() -> None:
 
     rates = [{"rate": r, "changed": r, "delta_bytes": 1_000_000, "same_tokens": True,
               "summary": {"inplace": eb.summarize([run(1.0 + r, 0), run(1.0 + r, 0)]),
-                          "planned": eb.summarize([run(0.5, 0)]),
+                          "planned": eb.summarize([{**run(0.5, 0), "split": {**run(0.5, 0)["split"],
+                                                                             "gen_planning": 0.3, "gen_idle": 0.2}}]),
                           "disk": eb.summarize([disk(4.0), disk(4.0)]), "full": eb.summarize([run(6.0, 0)])}}
              for r in (0.005, 0.035)]
     lay = {"title": "T", "in_place": 10, "reload": 0, "host_bytes": 0, "seconds_init": 1.0, "seconds_start": 20.0,
@@ -171,6 +172,7 @@ def test_io_delta_and_markdown_render_every_row() -> None:
     assert "5.8x faster than the full reload" in md and "; it grows with the changed elements" in md
     assert "| 3.50% | in place, planned while serving: the pause | 0.50 (0.50-0.50) | 0.48 |" in md
     assert "the update's pause (what generation waits for) 0.50 s, 12.0x faster than the full reload" in md
+    assert "took 0.30 s while the worker planned a 3.5% delta beside it (median over the refits) and 0.20 s" in md
 
 
 def test_main_without_vllm_fails_with_one_line(monkeypatch: pytest.MonkeyPatch, capsys) -> None:

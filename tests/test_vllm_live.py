@@ -305,11 +305,16 @@ def test_backend_refits_a_tensor_parallel_engine_in_place(tmp_path, monkeypatch)
         assert all(d["reload"] == {} for d in descs), [d["reload"] for d in descs]
         assert all(any("proj" in n for n in d["in_place"]) for d in descs)
         before = generate(llm)
+        client.prepare_weights(2)  # a TP group only stages the route ahead: the update plans, fetches nothing
+        assert generate(llm) == before
         client.start_weight_update()
         client.update_weights({"version": 2})
         client.finish_weight_update("2")
-        lasts = [last["refits"] for last in llm.collective_rpc(_last_update)]
+        updates = llm.collective_rpc(_last_update)
+        assert [u["bytes_fetched"] for u in updates] == [0, 0], updates
+        lasts = [last["refits"] for last in updates]
         assert all([r["check"] for r in refits] == ["held digests"] for refits in lasts), lasts
+        assert not any(r["prepared"] for refits in lasts for r in refits), lasts
         split = [(refits[0]["split_chunks"], refits[0]["split_decoded"]) for refits in lasts]
         assert split[0][0] == split[1][0] > 0 and split[0][1] + split[1][1] == split[0][0], split  # each once
         assert all(d["split_assembly"] == "shared memory" for d in descs), descs

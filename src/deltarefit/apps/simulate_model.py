@@ -56,7 +56,7 @@ APPLY_GBPS_PER_CORE = 0.56 / 2
 # apply threads costs ENGINE_FIXED_S over its ENGINE_ELEMENTS checkpoint elements (the decoder's pass
 # over the base) plus ENGINE_CHANGE_NS per changed element (the line the benchmark fits through every
 # in-place apply). Per core:
-ENGINE_ELEMENTS, ENGINE_THREADS, ENGINE_FIXED_S, ENGINE_CHANGE_NS = 124.7e6, 2, 0.09, 19.3
+ENGINE_ELEMENTS, ENGINE_THREADS, ENGINE_FIXED_S, ENGINE_CHANGE_NS = 124.7e6, 2, 0.08, 20.5
 ENGINE_ELEMENT_NS_CORE = ENGINE_FIXED_S * ENGINE_THREADS / ENGINE_ELEMENTS * 1e9
 ENGINE_CHANGE_NS_CORE = ENGINE_CHANGE_NS * ENGINE_THREADS
 

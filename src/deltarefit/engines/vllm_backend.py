@@ -27,7 +27,8 @@ Worker side (``DeltaRefitWeightTransferEngine``):
 * ``update_weights({"version": N, "prepare": true})``, sent while the engine serves (no pause around it),
   returns at once and has a thread of the worker sync to N up to its first write: the route's records
   checked, its parts staged, the first delta planned against the live weights (``LiveEngine.prepare``:
-  decoded and checked, nothing written). The next ``update_weights({"version": N})``, in the pause,
+  decoded and checked, nothing written; a tensor-parallel group, whose workers plan together, only
+  stages). The next ``update_weights({"version": N})``, in the pause,
   waits for that plan and writes it: the changed elements are read again first and must hold the bits
   the plan read. The engine's pause is then the writes and their checks, not the decode. A plan that
   was refused or went stale is dropped and the update plans again (and refuses there, with nothing
@@ -180,11 +181,12 @@ class _EngineSubscriber(Subscriber):
     def _apply_steps(self, steps: list[Any], local: dict[str, str], recs: dict[int, Any], cur: Any,
                      first_apply: Any = None) -> Any:
         """Preparing: the route is staged and checked; plan its first step if it is a delta (a keyframe is
-        installed in the update), then end the sync with nothing written."""
+        installed in the update; a tensor-parallel group, whose workers plan together, plans in the update
+        too), then end the sync with nothing written."""
         if not self.preparing:
             return super()._apply_steps(steps, local, recs, cur, first_apply)
         st = steps[0]
-        if st.kind == "delta":
+        if st.kind == "delta" and self.live.prepares:
             self.drop_prepared()
             self.prepared = self.live.prepare(local[st.parts[0].key], self._book_for(st, recs[st.version]))
         raise _PlannedAhead()

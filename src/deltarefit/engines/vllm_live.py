@@ -499,12 +499,18 @@ class LiveEngine:
         tensor-parallel group, whose processes decode different segments)."""
         return not getattr(self.target, "collective", False)
 
+    @property
+    def prepares(self) -> bool:
+        """Whether ``prepare`` plans ahead here: not in a tensor-parallel group, whose processes plan and
+        write together in one call."""
+        return not getattr(self.target, "collective", False)
+
     def prepare(self, delta_path: str, history: HistoryBook | None = None) -> PreparedRefit:
         """Plan ``delta_path`` against the weights as they are, read-only (``applier.plan_apply``): every
         check the apply makes before its first write, and the decoded patches its memory budget keeps.
         The engine may go on serving meanwhile (nothing is written); ``apply(delta_path, prepared=...)``
         then only writes, reads back and reloads. Refused like ``apply``, with nothing written."""
-        if getattr(self.target, "collective", False):
+        if not self.prepares:
             raise UsageError("prepare: a tensor-parallel group plans and writes together; use apply")
         with self._lock:
             t0 = time.perf_counter()

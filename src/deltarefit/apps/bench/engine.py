@@ -191,14 +191,22 @@ def _inplace_path(run: _PathRun, client: Any, plan: dict[str, Any], steps: list[
 
     for n, way, i in steps:
         v = versions["forward" if way == "fwd" else "back"][n][i]
-        if ahead:
+        gen = {}
+        if ahead:  # generation while the worker plans, then with nothing planning (prefix cache reset before each)
             client.prepare_weights(v)
+            run.llm.reset_prefix_cache()
+            t = time.perf_counter()
             _generate(run.llm)
+            gen["gen_planning"] = time.perf_counter() - t
             run.llm.collective_rpc(worker_wait_prepared)
+            run.llm.reset_prefix_cache()
+            t = time.perf_counter()
+            _generate(run.llm)
+            gen["gen_idle"] = time.perf_counter() - t
         run.llm.collective_rpc(worker_reset_times)
         m = measure(lambda v=v: update(v), run.pid, run.files)
         w = run.llm.collective_rpc(worker_times)[0]
-        m["split"] = _inplace_split(m, w, run.pid)
+        m["split"] = {**_inplace_split(m, w, run.pid), **gen}
         m.pop("result")
         if ahead and not m["split"]["ahead"]:
             raise EngineBenchError(f"{n} {way}: the update did not write the plan made ahead of it")

@@ -46,7 +46,8 @@ def _method_lines(res: dict[str, Any]) -> list[str]:
         "reloads from host copies only the layers whose kernel keeps its own copy of the weight); (a') **in "
         "place, planned while serving**: first `update_weights({\"version\": N, \"prepare\": true})` with "
         "no pause (`LLMClient.prepare_weights`), then the engine generates while the worker plans the delta "
-        "on a thread; once the plan is made, the update that writes it is timed (the engine's pause); (b) **disk + "
+        "on a thread (timed, and timed again once the plan is made, the prefix cache reset before each); "
+        "then the update that writes the plan is timed (the engine's pause); (b) **disk + "
         "reload**: `engines.vllm.refit_engine(llm, delta, ckpt)` on a copy of the base checkpoint (the "
         "delta applied to the files, every touched layer reloaded from them through vLLM's "
         "`reload_weights`); (c) **full reload**: `engines.vllm.reload_engine(llm, target_dir)`. Deltas for "
@@ -135,6 +136,12 @@ def findings(res: dict[str, Any]) -> list[str]:
                        f"(what generation waits for) {tp:.2f} s, {vs(t['full'], tp)} than the full reload and "
                        f"{vs(t['disk'], tp)} than disk + reload; the plan before it took {before:.2f} s in the "
                        "worker while the engine generated (the refit's work is that plan plus the pause).")
+            sp = top["planned"].get("split", {})
+            if "gen_planning" in sp:
+                out.append(f"{lay['title']}: generating ({GEN_TOKENS} tokens, {len(PROMPTS)} prompts, prefix cache "
+                           f"reset) took {sp['gen_planning']:.2f} s while the worker planned a {rs[-1]['changed']:.1%} "
+                           f"delta beside it (median over the refits) and {sp['gen_idle']:.2f} s with nothing "
+                           "planning: the plan's CPU comes out of the engine's on these 2 cores.")
         times = [r["summary"]["inplace"]["seconds"] for r in rs]
         grows = all(b > a for a, b in itertools.pairwise(times))
         f = lay.get("fit")
