@@ -296,7 +296,10 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
             self._start_prepare(update_info.version)
             return
         self.sub.reports = []
-        rep = self.sub.sync(to_version=update_info.version, verify=update_info.verify)
+        try:
+            rep = self.sub.sync(to_version=update_info.version, verify=update_info.verify)
+        finally:
+            self.sub.drop_prepared()  # a plan this update did not write (stale, or of another route)
         if update_info.verify and rep.route != "none":
             self.live.verify()
         self.last = {"version": rep.version, "fingerprint": rep.fingerprint, "route": rep.route,
