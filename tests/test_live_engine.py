@@ -387,6 +387,36 @@ def test_a_live_engine_decodes_a_chain_coded_with_history_and_refuses_the_wrong_
     assert hist_chunks > 0
 
 
+def test_a_plan_prepared_against_the_same_history_book_is_written_and_another_books_is_not(tmp_path):
+    """``prepare`` with a history book, then ``apply`` with the book in the same state (another object of
+    the same directory): the plan is written. A plan made against a copy of the book elsewhere is dropped
+    and the delta planned again against the book given to the apply. Bit-exact either way."""
+    import shutil
+
+    from _chains import deltas_with_history, write_chain
+
+    from deltarefit.history_book import HistoryBook
+
+    paths = write_chain(str(tmp_path / "chain"), 5, n=(1 << 19) + 3000, seed=4, rate=0.05, prefix="c")
+    model = _Whole(paths[0])
+    live = LiveEngine(model, None, paths[0], threads=2)
+    book = HistoryBook(str(tmp_path / "ebook"))
+    ways = []
+    for i, (out, rep, n5) in enumerate(deltas_with_history(paths, str(tmp_path)), 1):
+        if i % 2 and n5:  # a copy of the book (the same state, another directory): its plan is not used
+            shutil.copytree(book.path, str(tmp_path / f"copy{i}"))
+            prep = live.prepare(out, history=HistoryBook(str(tmp_path / f"copy{i}")))
+            want = False
+        else:
+            prep = live.prepare(out, history=HistoryBook(book.path))
+            want = True
+        got = live.apply(out, history=book, prepared=prep)
+        ways.append((got.prepared, want))
+        assert got.prepared == want and got.target_fingerprint == rep.target_fingerprint
+        assert live.verify() == rep.target_fingerprint == book.tip
+    assert (True, True) in ways and (False, False) in ways, ways
+
+
 def _random_piece(rng: np.random.Generator) -> Piece:
     """A piece whose last local axis runs along the checkpoint's last dimension with stride 1 (row runs
     apply), the other axes in any order, with any offsets and strides, inside a padded local tensor."""
