@@ -178,16 +178,15 @@ def test_live_engine_refits_in_place_bit_exact_and_refuses_wrong_bases(chain):
     assert again.chunks_applied == 0 and _bits(m) == _bits(_loaded(chain["target"]))
 
 
-def test_a_write_that_fails_midway_is_completed_by_the_next_apply(chain, monkeypatch):
-    m = _loaded(chain["base"])
-    eng = LiveEngine(m, None, chain["dirs"]["base"], threads=1)
+def _tear_third_write(monkeypatch) -> object:
+    """``LiveTarget.write_segment`` failing at its third call, after half of that chunk's changes landed (a
+    torn chunk); returns the real method, to put back."""
     real = LiveTarget.write_segment
     calls = {"n": 0}
 
     def flaky(self, name, ci, region, view, patch):
         calls["n"] += 1
         if calls["n"] == 3:
-            # tear the chunk: half its changes land, then the write fails
             half = type(patch)(patch.positions[: patch.positions.size // 2], patch.values[: patch.values.size // 2],
                                None) if patch.dense is None else patch
             real(self, name, ci, region, view, half)
@@ -195,6 +194,13 @@ def test_a_write_that_fails_midway_is_completed_by_the_next_apply(chain, monkeyp
         return real(self, name, ci, region, view, patch)
 
     monkeypatch.setattr(LiveTarget, "write_segment", flaky)
+    return real
+
+
+def test_a_write_that_fails_midway_is_completed_by_the_next_apply(chain, monkeypatch):
+    m = _loaded(chain["base"])
+    eng = LiveEngine(m, None, chain["dirs"]["base"], threads=1)
+    real = _tear_third_write(monkeypatch)
     with pytest.raises(OSError):
         eng.apply(chain["deltas"]["step"])
     assert _bits(m) != _bits(_loaded(chain["target"]))
@@ -552,20 +558,8 @@ def test_a_prepared_apply_that_fails_midway_is_completed_by_the_same_call_again(
     planned again from the journal's torn chunk) completes it, bit-exact."""
     m = _loaded(chain["base"])
     eng = LiveEngine(m, None, chain["dirs"]["base"], threads=1)
-    real = LiveTarget.write_segment
-    calls = {"n": 0}
-
-    def flaky(self, name, ci, region, view, patch):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            half = type(patch)(patch.positions[: patch.positions.size // 2], patch.values[: patch.values.size // 2],
-                               None) if patch.dense is None else patch
-            real(self, name, ci, region, view, half)
-            raise OSError("injected failure mid-write")
-        return real(self, name, ci, region, view, patch)
-
     prep = eng.prepare(chain["deltas"]["step-sums"])
-    monkeypatch.setattr(LiveTarget, "write_segment", flaky)
+    real = _tear_third_write(monkeypatch)
     with pytest.raises(OSError):
         eng.apply(chain["deltas"]["step-sums"], prepared=prep)
     assert _bits(m) != _bits(_loaded(chain["target"]))

@@ -25,6 +25,19 @@ def _raise(report: dict[str, Any]) -> None:
     raise errors.error_from_name(report.get("error_type"), f"rank {report.get('rank')}: {report.get('error')}")
 
 
+def _on_every_worker(llm: Any, method: str, args: tuple, timeout: float | None) -> list[dict[str, Any]]:
+    """The workers' reports of extension ``method``; the first refusal raised (``_raise``)."""
+    reports = llm.collective_rpc(method, timeout=timeout, args=args)
+    failed = [r for r in reports if not r.get("ok")]
+    if failed:
+        _raise(failed[0])
+    return reports
+
+
+def _paths(delta_path: str, checkpoint_dir: str | None) -> tuple[str, str | None]:
+    return os.path.abspath(delta_path), os.path.abspath(checkpoint_dir) if checkpoint_dir else None
+
+
 def refit_engine(llm: Any, delta_path: str, checkpoint_dir: str, *, verify: bool = False,
                  timeout: float | None = None) -> dict[str, Any]:
     """Refit a running ``vllm.LLM`` (started with ``worker_extension_cls=EXTENSION`` from
@@ -73,12 +86,7 @@ def refit_engine_in_place(llm: Any, delta_path: str, checkpoint_dir: str | None 
     read once per worker to capture and check the layout (not needed with the weight-transfer backend
     initialized). A refused delta leaves the engine exactly at its version; after any failure, calling
     again with the same delta completes it. The prefix cache is reset afterwards."""
-    reports = llm.collective_rpc("deltarefit_live_apply", timeout=timeout,
-                                 args=(os.path.abspath(delta_path),
-                                       os.path.abspath(checkpoint_dir) if checkpoint_dir else None))
-    failed = [r for r in reports if not r.get("ok")]
-    if failed:
-        _raise(failed[0])
+    reports = _on_every_worker(llm, "deltarefit_live_apply", _paths(delta_path, checkpoint_dir), timeout)
     fps = {r["target_fingerprint"] for r in reports}
     if len(fps) != 1:
         raise errors.VerificationError(f"workers disagree on the target fingerprint: {sorted(fps)}")
@@ -94,22 +102,14 @@ def prepare_refit_in_place(llm: Any, delta_path: str, checkpoint_dir: str | None
     plan. ``refit_engine_in_place`` of the same delta then writes those plans: the engine's update then
     costs the writes and their checks (O(changed elements)) and any reload, not the decode. Meant for
     in-flight updates (asynchronous RL), where the pause is what generation waits for."""
-    reports = llm.collective_rpc("deltarefit_live_prepare", timeout=timeout,
-                                 args=(os.path.abspath(delta_path),
-                                       os.path.abspath(checkpoint_dir) if checkpoint_dir else None))
-    failed = [r for r in reports if not r.get("ok")]
-    if failed:
-        _raise(failed[0])
+    _on_every_worker(llm, "deltarefit_live_prepare", _paths(delta_path, checkpoint_dir), timeout)
 
 
 def reload_engine(llm: Any, checkpoint_dir: str, *, timeout: float | None = None) -> dict[str, Any]:
     """Reload a running engine's weights from every tensor of ``checkpoint_dir`` (a full refit, as after
     a keyframe); resets the prefix cache."""
     t0 = time.perf_counter()
-    reports = llm.collective_rpc("deltarefit_reload_all", timeout=timeout, args=(os.path.abspath(checkpoint_dir),))
-    failed = [r for r in reports if not r.get("ok")]
-    if failed:
-        _raise(failed[0])
+    reports = _on_every_worker(llm, "deltarefit_reload_all", (os.path.abspath(checkpoint_dir),), timeout)
     with contextlib.suppress(AttributeError):
         llm.reset_prefix_cache()
     return {"ok": True, "target_fingerprint": reports[0]["target_fingerprint"],
