@@ -398,7 +398,7 @@ class LiveEngine:
     def _build(self, checkpoint: str) -> None:
         import torch
 
-        self._generation = getattr(self, "_generation", 0) + 1  # new weights: plans made before are stale
+        self._generation += 1  # new weights: plans made before are stale
         t0 = time.perf_counter()
         model, threads = self.model, self.threads
         packed = _packed(model)

@@ -86,6 +86,14 @@ def _generate(llm: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
 
 
+def _generate_seconds(llm: Any) -> float:
+    """Wall time of one ``_generate`` with the prefix cache reset first (no prompt block cached)."""
+    llm.reset_prefix_cache()
+    t = time.perf_counter()
+    _generate(llm)
+    return time.perf_counter() - t
+
+
 def run_layout(prep: dict[str, Any], layout: str, work: str, log=print) -> dict[str, Any]:
     """One engine, every path, every rate (runs in the child interpreter; see :func:`run_layout_main`)."""
     from vllm import LLM
@@ -192,17 +200,11 @@ def _inplace_path(run: _PathRun, client: Any, plan: dict[str, Any], steps: list[
     for n, way, i in steps:
         v = versions["forward" if way == "fwd" else "back"][n][i]
         gen = {}
-        if ahead:  # generation while the worker plans, then with nothing planning (prefix cache reset before each)
+        if ahead:  # generation while the worker plans, then with nothing planning
             client.prepare_weights(v)
-            run.llm.reset_prefix_cache()
-            t = time.perf_counter()
-            _generate(run.llm)
-            gen["gen_planning"] = time.perf_counter() - t
+            gen["gen_planning"] = _generate_seconds(run.llm)
             run.llm.collective_rpc(worker_wait_prepared)
-            run.llm.reset_prefix_cache()
-            t = time.perf_counter()
-            _generate(run.llm)
-            gen["gen_idle"] = time.perf_counter() - t
+            gen["gen_idle"] = _generate_seconds(run.llm)
         run.llm.collective_rpc(worker_reset_times)
         m = measure(lambda v=v: update(v), run.pid, run.files)
         w = run.llm.collective_rpc(worker_times)[0]
