@@ -7,6 +7,10 @@ parameters after), and optionally ``corrupt`` (this rank flips one bit of its no
 line: {"ok": true, ...} or {"error": class name, "message": ...}. With ``held``, the apply is checked by held
 digests; ``no_shm`` gives the group no shared memory; ``threads`` (a list: per rank) the apply threads; ``cache`` (bytes) bounds the patches kept from plan to write; ``fail`` {"call": a LiveTarget
 write method, "n": n, "rank": r} makes rank r's n-th call of it fail once, and the apply is then run again.
+``chain`` (delta paths, in order from the base) applies each in turn with held digests, each rank decoding
+against its own history book in ``book``/rank<r> and advancing it as a live engine does; ``empty_book``
+{"rank": r, "step": i} gives rank r an empty book at step i (0-based), and the chain stops at that step's
+refusal. With ``fail``, the failure and the rerun are those of the chain's last step.
 """
 
 import datetime
@@ -72,45 +76,105 @@ live = group.target(params, {n: lay.placements.get(n, []) for n in names},
 before = {n: p.detach().clone() for n, p in params.items()}
 first = None  # the first apply's failure, where it was made to fail and then run again
 threads = a.get("threads", [2, 2])[rank]  # apply threads, per rank
-try:
-    if a.get("held"):  # held digests, taken as LiveEngine takes them (a collective pass for shared tensors)
-        from deltarefit.apply import run_apply
-        from deltarefit.engines.live import TargetUnion, state_through
-        from deltarefit.engines.vllm_live import MemoryJournal
-        from deltarefit.format import DeltaReader
-        from deltarefit.torch_api import _TorchTarget
 
-        union = TargetUnion(live, _TorchTarget({}))  # as LiveEngine holds it: live placements beside host copies
+def _chain() -> dict:
+    """``chain`` mode (module docstring): each delta applied with held digests and this rank's book."""
+    from deltarefit.apply import run_apply
+    from deltarefit.engines.live import TargetUnion, state_through
+    from deltarefit.engines.vllm_live import MemoryJournal
+    from deltarefit.format import DeltaReader
+    from deltarefit.history_book import HistoryBook, MovesRecorder
+    from deltarefit.torch_api import _TorchTarget
+
+    union = TargetUnion(live, _TorchTarget({}))
+    book = HistoryBook(os.path.join(a["book"], f"rank{rank}"))
+    journal = MemoryJournal()
+    empty, fail = a.get("empty_book") or {}, a.get("fail")
+    steps = []
+    for i, path in enumerate(a["chain"]):
         sums = {n: state_through(union, n)[1] for n in names}
-        journal = MemoryJournal()
-        fail = a.get("fail")
-        if fail is not None:  # rank fail["rank"] fails its n-th call of fail["call"], once
+        hist = HistoryBook(os.path.join(a["book"], f"empty{rank}")) if empty.get("step") == i and \
+            empty.get("rank") == rank else book
+        if fail is not None and i == len(a["chain"]) - 1:
             calls, real = [0], getattr(live, fail["call"])
 
-            def failing(*args):
+            def failing(*args, calls=calls, real=real):
                 calls[0] += 1
                 if rank == fail["rank"] and calls[0] == fail["n"]:
                     raise OSError("injected failure mid-write")
                 return real(*args)
 
             setattr(live, fail["call"], failing)
-        with DeltaReader(a["delta"]) as d:
+        at = {n: p.detach().clone() for n, p in params.items()}
+        with DeltaReader(path) as d:
+            moves = MovesRecorder()
             try:
                 rep = run_apply(d, union, journal=journal.bind(d.target_fingerprint), threads=threads, held=sums,
-                                cache_bytes=a.get("cache", 512 << 20))
+                                history=hist, moves=moves)
             except (OSError, DeltaRefitError) as e:
-                if fail is None:
-                    raise
-                # the rerun, as LiveEngine does it after a failed write: segment by segment, every chunk
-                # written before the failure found at its post-image, a torn one restored from the journal
+                steps.append({"step": i, "error": type(e).__name__, "message": str(e), "untouched": all(
+                    torch.equal(at[n].view(torch.int16), p.view(torch.int16)) for n, p in params.items())})
+                if fail is None or i != len(a["chain"]) - 1:
+                    return {"steps": steps}
                 setattr(live, fail["call"], real)
-                first = f"{type(e).__name__}: {e}"
-                rep = run_apply(d, union, journal=journal.bind(d.target_fingerprint), threads=2)
+                # the rerun, as LiveEngine makes it after a failed write: by segments, with the book
+                moves = MovesRecorder()
+                try:
+                    rep = run_apply(d, union, journal=journal.bind(d.target_fingerprint), threads=threads,
+                                    history=book, moves=moves)
+                except DeltaRefitError as e2:
+                    steps.append({"step": i, "rerun": type(e2).__name__, "message": str(e2)})
+                    return {"steps": steps}
+            hist.advance(d, moves, durable=False)
+            steps.append({"step": i, "fingerprint": rep.target_fingerprint, "held": rep.held,
+                          "split": [rep.split_decoded, rep.split_chunks], "elsewhere": rep.elsewhere,
+                          "book": sorted(f"{n}:{c}" for n, c in moves.moves), "incomplete": moves.incomplete})
+    return {"steps": steps, "tip": book.tip}
+
+
+try:
+    if a.get("chain"):
+        out = {"ok": True, "shared": sorted(shared), **_chain()}
     else:
-        rep = apply_live(a["delta"], live, threads=2)
-    out = {"ok": True, "shared": sorted(shared), "written": rep.written_bytes, "held": rep.held,
-           "elsewhere": rep.elsewhere, "split": [rep.split_decoded, rep.split_chunks], "first": first, "shm": live._slots is not None,
-           "recovered": rep.chunks_recovered, "roles": {n: live.chunk_roles(n) for n in sorted(shared)}}
+        if a.get("held"):  # held digests, taken as LiveEngine takes them (a collective pass for shared tensors)
+            from deltarefit.apply import run_apply
+            from deltarefit.engines.live import TargetUnion, state_through
+            from deltarefit.engines.vllm_live import MemoryJournal
+            from deltarefit.format import DeltaReader
+            from deltarefit.torch_api import _TorchTarget
+
+            # as LiveEngine holds it: live placements beside host copies
+            union = TargetUnion(live, _TorchTarget({}))
+            sums = {n: state_through(union, n)[1] for n in names}
+            journal = MemoryJournal()
+            fail = a.get("fail")
+            if fail is not None:  # rank fail["rank"] fails its n-th call of fail["call"], once
+                calls, real = [0], getattr(live, fail["call"])
+
+                def failing(*args):
+                    calls[0] += 1
+                    if rank == fail["rank"] and calls[0] == fail["n"]:
+                        raise OSError("injected failure mid-write")
+                    return real(*args)
+
+                setattr(live, fail["call"], failing)
+            with DeltaReader(a["delta"]) as d:
+                try:
+                    rep = run_apply(d, union, journal=journal.bind(d.target_fingerprint), threads=threads, held=sums,
+                                    cache_bytes=a.get("cache", 512 << 20))
+                except (OSError, DeltaRefitError) as e:
+                    if fail is None:
+                        raise
+                    # the rerun, as LiveEngine does it after a failed write: segment by segment, every chunk
+                    # written before the failure found at its post-image, a torn one restored from the journal
+                    setattr(live, fail["call"], real)
+                    first = f"{type(e).__name__}: {e}"
+                    rep = run_apply(d, union, journal=journal.bind(d.target_fingerprint), threads=2)
+        else:
+            rep = apply_live(a["delta"], live, threads=2)
+        out = {"ok": True, "shared": sorted(shared), "written": rep.written_bytes, "held": rep.held,
+               "elsewhere": rep.elsewhere, "split": [rep.split_decoded, rep.split_chunks], "first": first,
+               "shm": live._slots is not None, "recovered": rep.chunks_recovered, "roles": {n: live.chunk_roles(n) for n in sorted(shared)}}
 except DeltaRefitError as e:
     out = {"error": type(e).__name__, "message": str(e),
            "untouched": all(torch.equal(before[n].view(torch.int16), p.view(torch.int16)) for n, p in params.items())}

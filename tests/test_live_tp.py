@@ -186,7 +186,8 @@ def test_a_split_chunk_its_decoder_refuses_stops_both_before_any_write(tmp_path)
     bad = d.write(tmp_path / "cut.delta")
     outs = _run(tmp_path, b, bad, held=True)
     assert outs[1]["error"] == "DecodeError" and "down.weight" in outs[1]["message"], outs
-    assert outs[0]["error"] == "VerificationError" and "decodes it refused" in outs[0]["message"], outs
+    # the other worker raises DecodeError too (what the group refused is the delta's coding), naming the chunk
+    assert outs[0]["error"] == "DecodeError" and "decodes it refused" in outs[0]["message"], outs
     assert outs[0]["untouched"] and outs[1]["untouched"]
 
 
@@ -230,3 +231,70 @@ def test_a_lie_in_a_segment_one_worker_holds_stops_both_before_any_write(tmp_pat
     for o in outs:
         assert o["error"] == "VerificationError" and "up.weight" in o["message"], outs
         assert o["untouched"], outs
+
+
+def _history_chain(tmp_path, steps: int = 3):
+    """``_whole_pair``'s layout along a momentum chain (``_chains``): the base checkpoint, each version's
+    tensors, and the deltas between them encoded as a publisher with a history book does."""
+    from _chains import deltas_with_history, momentum_chain
+
+    shapes = {"up.weight": (4096, 512), "down.weight": (512, 2048), "norm.weight": (512,)}
+    series = {n: momentum_chain(int(np.prod(s)), steps, seed=10 + i, rate=0.04)
+              for i, (n, s) in enumerate(shapes.items())}
+    versions = [{n: torch.from_numpy(series[n][v].view(np.int16).copy()).view(torch.bfloat16).view(s)
+                 for n, s in shapes.items()} for v in range(steps + 1)]
+    dirs = [_ckpt(str(tmp_path / f"v{v}"), versions[v]) for v in range(steps + 1)]
+    deltas = list(deltas_with_history([os.path.join(d, "model.safetensors") for d in dirs], str(tmp_path)))
+    return dirs[0], versions, deltas
+
+
+def test_a_group_follows_a_history_chain_each_worker_keeping_the_book_of_what_it_decodes(tmp_path):
+    b, versions, deltas = _history_chain(tmp_path)
+    assert all(n5 > 0 for _, _, n5 in deltas[1:]), [n5 for _, _, n5 in deltas]  # coded with history from step 2
+    outs = _run(tmp_path, b, "", chain=[p for p, _, _ in deltas], book=str(tmp_path / "books"))
+    assert all(o.get("ok") for o in outs), outs
+    for o in outs:
+        assert [s.get("fingerprint") for s in o["steps"]] == [rep.target_fingerprint for _, rep, _ in deltas], o
+        assert all(s["held"] == 3 and not s["incomplete"] for s in o["steps"]), o
+        assert o["tip"] == deltas[-1][1].target_fingerprint
+    # each worker's book holds the moves of the chunks it decodes, and only those: the segments of "up" it
+    # holds whole, the split chunk of "down" dealt to it, and the replicated norm
+    assert outs[0]["steps"][-1]["book"] == ["down.weight:0", "norm.weight:0", "up.weight:0", "up.weight:1"]
+    assert outs[1]["steps"][-1]["book"] == ["down.weight:1", "norm.weight:0", "up.weight:2", "up.weight:3"]
+    _assert_at(tmp_path, versions[-1])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_worker_without_the_history_stops_the_group_by_a_decode_refusal_before_any_write(tmp_path, rank):
+    b, _versions, deltas = _history_chain(tmp_path, steps=2)
+    outs = _run(tmp_path, b, "", chain=[p for p, _, _ in deltas], book=str(tmp_path / "books"),
+                empty_book={"rank": rank, "step": 1})
+    for o in outs:
+        assert o.get("ok"), o
+        first, second = o["steps"]
+        assert first["fingerprint"] == deltas[0][1].target_fingerprint
+        # every worker raises DecodeError (the refusal a subscriber answers by starting its book over),
+        # and none wrote a byte of the step
+        assert second["error"] == "DecodeError" and second["untouched"], o
+    assert "history" in outs[rank]["steps"][1]["message"], outs
+    assert "refused to decode" in outs[1 - rank]["steps"][1]["message"], outs
+
+
+
+@pytest.mark.parametrize(("call", "n", "fail_rank"), [("write_split", 1, 1), ("write_own", 1, 1), ("write_own", 2, 0)])
+def test_a_rerun_after_a_failed_write_of_a_history_delta_is_refused_alike_by_every_worker(tmp_path, call, n,
+                                                                                        fail_rank):
+    """The rerun after a failed write checks by segments: every worker decodes every chunk not yet written,
+    some of them against a history its book does not hold. Each worker keeps making the group's calls in
+    step after its refusal, and every one of them raises DecodeError (no hang, no worker left behind): a
+    subscriber then starts its book over and takes a keyframe route."""
+    b, _versions, deltas = _history_chain(tmp_path)
+    outs = _run(tmp_path, b, "", chain=[p for p, _, _ in deltas], book=str(tmp_path / "books"),
+                fail={"call": call, "n": n, "rank": fail_rank})
+    for r, o in enumerate(outs):
+        assert o.get("ok"), o
+        *done, first, rerun = o["steps"]
+        assert [s["fingerprint"] for s in done] == [rep.target_fingerprint for _, rep, _ in deltas[:-1]]
+        assert first["error"] == ("OSError" if r == fail_rank else "VerificationError"), o
+        assert rerun["rerun"] == "DecodeError", o
+    assert any("none is held here" in o["steps"][-1]["message"] for o in outs), outs

@@ -44,9 +44,9 @@ from . import elements, regions
 from .codec.chunk import Patch, moves_of_patch
 from .dtypes import dtype
 from .encode import default_threads, uint_view
-from .errors import BaseMismatchError, UsageError, VerificationError
+from .errors import BaseMismatchError, DecodeError, UsageError, VerificationError
 from .format import ChunkRecord, DeltaReader, TensorEntry, TensorMeta
-from .held import GROUP_REFUSED, HeldPlans
+from .held import GROUP_DECODE_REFUSED, GROUP_REFUSED, HeldPlans
 from .history_book import HistoryBook, MovesRecorder
 from .integrity import fingerprint_from_digests, n_segments, seg_hash, tensor_digest_from_segments
 from .journal import Journal, _journal_patch
@@ -165,17 +165,18 @@ class Applier(HeldPlans):
         if held is not None and any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")):
             raise UsageError("held digests need a target with host regions")
         self.held = held
-        # A history book: ulp_hist chunks decode against it, and every decoded chunk's moves go to
-        # ``moves`` (host regions only: the moves come from the host patch and base; and one process:
-        # the segments of a collective target are decoded by different processes).
+        # A history book: ulp_hist chunks decode against it, and every chunk decoded here records its
+        # moves into ``moves`` (host regions only: the moves come from the host patch and base). In a
+        # collective target's group each process keeps its own book, of the chunks it decodes: the
+        # held-digest plan gives every chunk one decoder, the same at every version (the roles and split
+        # owners come from the layout), so that book holds each such chunk's history.
         self.moves = moves
         # A target with region hooks that decodes against a book itself (``decodes_history``: it was
         # given the book, and records each decoded chunk's moves into ``moves``).
         self._target_moves = bool(getattr(self.segs, "decodes_history", False))
         if (history is not None or moves is not None) and not self._target_moves:
-            if any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")) or getattr(self.segs, "collective",
-                                                                                         False):
-                raise UsageError("a history book needs a target with host regions, held by one process")
+            if any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")):
+                raise UsageError("a history book needs a target with host regions")
             self._decode = functools.partial(regions._decode, history=history)
         # Host regions are confirmed after a write by comparing them with the post-image the plan hashed,
         # built again from the patch (FORMAT.md, "Applying", step 2); a target with its own region hooks
@@ -220,10 +221,19 @@ class Applier(HeldPlans):
 
     def _settle(self, err: BaseException | None) -> None:
         """The group's agreement on whether every process got here without a failure (``err``): raises
-        ``err`` where it failed, ``VerificationError`` in the others, when any did."""
-        ok = self.segs.agree(err is None)
-        if err is not None:
+        ``err`` where it failed, ``VerificationError`` in the others, when any did. Where one process
+        refused to decode (``DecodeError``: a corrupt payload, or a history its book does not hold),
+        every process raises ``DecodeError``, so that all of them take the same way out (a subscriber
+        starts its book over and plans again on that error alone)."""
+        agree_each = getattr(self.segs, "agree_each", None)
+        if agree_each is not None:
+            ok, decodes = (bool(x) for x in agree_each(np.array([err is None, not isinstance(err, DecodeError)])))
+        else:
+            ok, decodes = self.segs.agree(err is None), True
+        if err is not None and (decodes or isinstance(err, DecodeError)):
             raise err
+        if not decodes:
+            raise DecodeError(GROUP_DECODE_REFUSED + (f": {err}" if err is not None else "")) from err
         if not ok:
             raise VerificationError(GROUP_REFUSED)
 
@@ -352,7 +362,10 @@ class Applier(HeldPlans):
             raise BaseMismatchError(f"{_where(e, r)}: bytes match neither the delta's base nor its target "
                                     "(wrong base checkpoint, or modified since?)")
 
-        results = list(pool.map(seg, range(n_segments(e.base.nbytes))))
+        if self.collective:
+            results = _in_step(seg, lambda ci: self.segs.read_segment(e.name, ci), range(n_segments(e.base.nbytes)))
+        else:
+            results = list(pool.map(seg, range(n_segments(e.base.nbytes))))
         segs = [h for h, _ in results]
         chunks = [c for _, c in results if c is not None]
         # Base check: with pre-images in place of chunks already done, the digest must be the base's.
@@ -613,6 +626,26 @@ class PreparedApply:
     structural: Callable[[DeltaReader, list[_TensorPlan]], list[str]] | None
     t0: float
     committed: bool = False
+
+
+def _in_step(fn: Callable[[int], object], calls: Callable[[int], object], items) -> list:
+    """``[fn(i) for i in items]`` for a collective target, where ``fn(i)`` makes the group's call for item
+    ``i`` (``calls(i)``, a segment assembled over the group) and then local work that may fail in one
+    process alone (a chunk whose history only some books hold): after the first failure the remaining
+    items make their group call only, so that every process makes the same calls in the same order,
+    and the failure is raised at the end (the group agrees on it next)."""
+    out, err = [], None
+    for i in items:
+        if err is not None:
+            calls(i)
+            continue
+        try:
+            out.append(fn(i))
+        except Exception as ex:
+            err = ex
+    if err is not None:
+        raise err
+    return out
 
 
 def plan_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | None, threads: int | None = None,

@@ -24,6 +24,8 @@ from .regions import (
 
 # What a process of a group raises when another one refused or failed at the same step.
 GROUP_REFUSED = "another process of the group refused or failed at the same step of this apply (see its log)"
+GROUP_DECODE_REFUSED = ("another process of the group refused to decode a chunk at the same step of this apply "
+                        "(a corrupt payload, or a history its book does not hold; see its log)")
 
 
 class HeldPlans:
@@ -92,8 +94,14 @@ class HeldPlans:
                 if roles[r.chunk_index] == "group" and self._split:
                     if r.chunk_index in split:
                         out.append(split[r.chunk_index])
-                elif roles[r.chunk_index] == "group":
-                    out.append(chunk(r))
+                elif roles[r.chunk_index] == "group":  # assembled over the group: kept in step after a failure
+                    if err is None:
+                        try:
+                            out.append(chunk(r))
+                        except Exception as ex:
+                            err = ex
+                    else:
+                        self.segs.read_segment(e.name, r.chunk_index)
                 elif roles[r.chunk_index] == "other":
                     out.append(_ChunkPlan(r, "other"))
                 else:
@@ -124,6 +132,7 @@ class HeldPlans:
         patch = self._decode(self.d, e, r, view)
         if self.progress:
             self.progress(_seg_len(e.base.nbytes, r.chunk_index))
+        self._record_moves(e, r.chunk_index, view, patch)  # its decoder's book: it decodes this chunk every time
         pos, new = _changes(patch, view)
         return pos, new, _moved(e, r, view, pos, new)
 
