@@ -14,12 +14,25 @@ of spinning on a core (``shm_broadcast.SpinCondition`` busy-loops with ``sched_y
 nothing there, and it takes a core from the apply threads: on this project's 2-core machine it used
 0.24-0.33 s of CPU during a 0.33-0.36 s refit. Any other call, or another backend, is left as it is;
 where vLLM's internals differ (no such attributes), the wrapper does nothing.
+
+The same wrapper reads every worker's reply to a failed call of the ``deltarefit`` backend
+(``WEIGHT_TRANSFER_CALLS``: init, start, update, finish, shutdown). vLLM 0.32's
+multiprocess executor reads its workers' replies in rank order and raises at the first failure,
+leaving the later workers' replies in their queues, where the next call (any call: the next step's
+forward pass, or the rerun of the update) reads them as its own. In a tensor-parallel group a
+refused update fails in every worker (they agree), so without this the engine would answer every
+call after a failed update with the previous call's reply. During the update each reply queue's
+``dequeue`` hands the executor a failure as a success and keeps it; once every reply is read, the
+call raises as vLLM does (``Worker failed with error '...'``), naming each distinct failure.
 """
 
 import sys
 
 BACKEND = "deltarefit"
 MODULE = "deltarefit.engines.vllm_backend"
+# The engine core's calls into the weight-transfer engine: every worker's reply is read when one fails.
+WEIGHT_TRANSFER_CALLS = frozenset({"init_weight_transfer_engine", "start_weight_update", "update_weights",
+                                   "finish_weight_update", "shutdown_weight_transfer_engine"})
 
 
 def register() -> None:
@@ -49,22 +62,61 @@ def _spin_conditions(engine_core) -> list:
     return out
 
 
+def _success_status():
+    """The status vLLM's workers reply with on success (None where vLLM's internals differ)."""
+    mod = sys.modules.get("vllm.v1.executor.multiproc_executor")
+    status = getattr(getattr(getattr(mod, "WorkerProc", None), "ResponseStatus", None), "SUCCESS", None)
+    return status
+
+
+def _read_every_reply(engine_core, failures: list, success) -> list:
+    """Wrap the ``dequeue`` of each of the executor's reply queues (module docstring): a failure reply is
+    kept in ``failures`` and handed on as a success. The queues wrapped (their wrappers to remove)."""
+    mqs = list(getattr(getattr(engine_core, "model_executor", None), "response_mqs", None) or ())
+    if success is None or len(mqs) < 2 or not all(callable(getattr(mq, "dequeue", None)) for mq in mqs):
+        return []
+
+    def wrap(real):
+        def dequeue(*a, **k):
+            got = real(*a, **k)
+            if isinstance(got, tuple) and len(got) == 2 and got[0] != success:
+                failures.append(got[1])
+                return success, None
+            return got
+
+        return dequeue
+
+    for mq in mqs:
+        mq.dequeue = wrap(mq.dequeue)
+    return mqs
+
+
 def quiet_during_update(rpc):
-    """``EngineCore.collective_rpc`` with no busy loop while a ``deltarefit`` update runs (module docstring)."""
+    """``EngineCore.collective_rpc`` with no busy loop while a ``deltarefit`` update runs, and every worker's
+    reply read when it fails (module docstring)."""
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         cfg = getattr(getattr(self, "vllm_config", None), "weight_transfer_config", None)
-        if method != "update_weights" or getattr(cfg, "backend", None) != BACKEND:
+        if method not in WEIGHT_TRANSFER_CALLS or getattr(cfg, "backend", None) != BACKEND:
             return rpc(self, method, timeout, args, kwargs)
-        conds = _spin_conditions(self)
+        conds = _spin_conditions(self) if method == "update_weights" else []
         saved = [c.busy_loop_s for c in conds]
         for c in conds:
             c.busy_loop_s = 0.0
+        failures: list = []
+        wrapped = _read_every_reply(self, failures, _success_status())
         try:
-            return rpc(self, method, timeout, args, kwargs)
+            out = rpc(self, method, timeout, args, kwargs)
         finally:
+            for mq in wrapped:
+                vars(mq).pop("dequeue", None)
             for c, s in zip(conds, saved, strict=True):
                 c.busy_loop_s = s
+        if failures:
+            distinct = list(dict.fromkeys(str(f) for f in failures))
+            raise RuntimeError(f"Worker failed with error '{'; '.join(distinct)}', please check the stack trace "
+                               "above for the root cause")
+        return out
 
     collective_rpc._deltarefit_quiet = True
     collective_rpc.__wrapped__ = rpc
