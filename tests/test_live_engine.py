@@ -393,6 +393,31 @@ def test_a_live_engine_decodes_a_chain_coded_with_history_and_refuses_the_wrong_
     assert hist_chunks > 0
 
 
+def test_a_book_that_cannot_advance_is_started_over_and_the_refit_stands(tmp_path, monkeypatch):
+    """A verified apply whose book cannot be written (a full tmpfs) keeps its weights at the target and
+    its version: the book is emptied instead (the next delta coded with history then takes a keyframe
+    route), so a worker of a group never stays a version behind the others over its book."""
+    from _chains import deltas_with_history, write_chain
+
+    from deltarefit.history_book import HistoryBook
+
+    paths = write_chain(str(tmp_path / "chain"), 2, n=(1 << 19) + 3000, seed=4, rate=0.05, prefix="c")
+    model = _Whole(paths[0])
+    live = LiveEngine(model, None, paths[0], threads=2)
+    book = HistoryBook(str(tmp_path / "ebook"))
+    (out1, rep1, _), (out2, rep2, _) = deltas_with_history(paths, str(tmp_path))
+    live.apply(out1, history=book)
+    assert book.tip == rep1.target_fingerprint
+
+    def full(*_a, **_k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(HistoryBook, "commit", full)
+    got = live.apply(out2, history=book)
+    assert got.target_fingerprint == rep2.target_fingerprint == live.verify() == live.fingerprint
+    assert HistoryBook(book.path).versions() == []
+
+
 def test_a_plan_prepared_against_the_same_history_book_is_written_and_another_books_is_not(tmp_path):
     """``prepare`` with a history book, then ``apply`` with the book in the same state (another object of
     the same directory): the plan is written. A plan made against a copy of the book elsewhere is dropped

@@ -74,6 +74,26 @@ def _fail_writes(worker) -> None:
         tgt.write_segment = flaky
 
 
+def _fail_split_write(worker) -> None:
+    """In the worker of rank 1 of a TP group: its second write of a split segment's changes raises."""
+    live = worker.weight_transfer_engine.live
+    if live.target.rank != 1:
+        return
+    real, state = live.live.write_split, {"n": 0}
+
+    def flaky(*args):
+        state["n"] += 1
+        if state["n"] == 2:
+            raise OSError("injected failure mid-write")
+        return real(*args)
+
+    live.live.write_split = flaky
+
+
+def _heal_split_write(worker) -> None:
+    vars(worker.weight_transfer_engine.live.live).pop("write_split", None)
+
+
 def _last_update(worker) -> dict:
     return worker.weight_transfer_engine.last
 
@@ -400,3 +420,80 @@ def test_backend_follows_a_stream_coded_with_history_by_the_chain(tmp_path, monk
     want, want_d = fresh(versions[-1])
     assert after == want
     assert sorted(k for k in want_d if digests.get(k) != want_d[k]) == []
+
+
+@pytest.mark.slow
+def test_backend_tensor_parallel_engine_follows_a_stream_coded_with_history(tmp_path, monkeypatch):
+    """TP=2 on a stream published with history: each worker keeps the book of the segments it decodes
+    (its own, and the split ones dealt to it), the group agrees that the books follow before taking the
+    chain, and every version after the keyframe comes by the chain, its ``ulp_hist`` chunks decoded in
+    place against those books. Then one worker fails mid-write of the last version: the same update again
+    is refused alike by both workers' books (the rerun checks by segments, which needs every chunk's
+    history everywhere) and completes by the keyframe route, no restart. Weights and generations equal a
+    fresh TP=2 engine's on the last version."""
+    from _chains import encodings
+    from vllm import LLM
+
+    from deltarefit.codec.chunk import ULP_HIST
+    from deltarefit.engines.vllm import EXTENSION, engine_digests
+    from deltarefit.engines.vllm_backend import LLMClient
+    from deltarefit.storage.local import LocalStore
+    from deltarefit.stream.publisher import Publisher
+    from deltarefit.stream.records import load_commit
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("tensor parallelism 2 needs two cores here")
+    monkeypatch.setenv("DELTAREFIT_TEST_NO_PREPACK", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    versions = _adamw_chain(str(tmp_path / "chain"), 5)
+    store = str(tmp_path / "store")
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=1000, keyframe_ratio=1000.0, history=True)
+    for ck in versions:
+        pub.publish(ck)
+    st = LocalStore(store)
+    hist_chunks = [encodings(os.path.join(store, load_commit(st, v).delta.key)).get(ULP_HIST, 0)
+                   for v in range(3, len(versions) + 1)]
+    assert all(n > 0 for n in hist_chunks), hist_chunks
+
+    def start_tp(model_dir: str, backend: bool):
+        kw = {"weight_transfer_config": {"backend": "deltarefit"}} if backend else {}
+        return LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0,
+                   tensor_parallel_size=2, distributed_executor_backend="mp", worker_extension_cls=EXTENSION, **kw)
+
+    llm = start_tp(versions[0], True)
+    try:
+        client = LLMClient(llm)
+        client.init_weight_transfer_engine({"stream": store})
+        routes = []
+        for v in range(2, len(versions)):
+            client.start_weight_update()
+            client.update_weights({"version": v})
+            client.finish_weight_update(str(v))
+            updates = llm.collective_rpc(_last_update)
+            routes.append([(u["route"], [r["check"] for r in u["refits"]]) for u in updates])
+        last = len(versions)
+        llm.collective_rpc(_fail_split_write)
+        client.start_weight_update()
+        # both workers' failures: the plugin hook read every reply (module docstring of deltarefit_vllm_plugin)
+        with pytest.raises(Exception, match=r"another process of the group refused .*; injected failure mid-write"):
+            client.update_weights({"version": last})
+        llm.collective_rpc(_heal_split_write)  # (every worker's reply to the failed update was read)
+        client.start_weight_update()
+        client.update_weights({"version": last})
+        client.finish_weight_update(str(last))
+        assert llm.llm_engine.get_weight_version() == str(last)
+        rerun = [u["route"] for u in llm.collective_rpc(_last_update)]
+        after, digests = generate(llm), engine_digests(llm)
+    finally:
+        stop_engine(llm)
+        gc.collect()
+    assert routes == [[("chain", ["held digests"])] * 2] * (len(versions) - 2), routes
+    assert rerun == ["keyframe", "keyframe"], rerun
+    fresh_llm = start_tp(versions[-1], False)
+    try:
+        want, want_digests = generate(fresh_llm), engine_digests(fresh_llm)
+    finally:
+        stop_engine(fresh_llm)
+    assert after == want
+    for got_d, exp_d in zip(digests, want_digests, strict=True):
+        assert sorted(k for k in exp_d if got_d.get(k) != exp_d[k]) == []

@@ -133,13 +133,22 @@ class _EngineSubscriber(Subscriber):
         # Set on the preparing thread's sync: the first delta is planned (``prepared``), not applied.
         self.preparing = False
         self.prepared: Any = None  # vllm_live.PreparedRefit, for the next sync's first delta
-        # A single worker keeps a history book (in memory, else in the scratch) and follows
-        # streams coded with history; a tensor-parallel group does not (its workers decode different
-        # segments), and takes the routes without history.
+        # The worker keeps a history book (in memory, else in the scratch) and follows streams coded
+        # with history; in a tensor-parallel group, each worker the book of the segments it decodes.
         self.hook_keeps_book = live.keeps_history
 
     def current(self) -> tuple[int, str] | None:
         return self.held
+
+    def _book_follows(self, cur: tuple[int, str] | None) -> bool:
+        """Whether every worker's book follows the stream at the held version: a tensor-parallel group
+        takes a route through deltas coded with history only where all of its books can decode them
+        (each worker asks at the same point of the same plan: one collective call). A preparing sync
+        runs on a thread beside the serving engine, which must make no collective call there, and
+        only stages its route (a group plans in the update, which plans its route again): it asks
+        its own book alone."""
+        mine = super()._book_follows(cur)
+        return mine if self.preparing else self.live.agree(mine)
 
     def _files_identity(self) -> tuple:
         return ()  # the engine's weights are memory: no files whose identity could vouch for them

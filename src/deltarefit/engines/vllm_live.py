@@ -56,7 +56,7 @@ import numpy as np
 from ..applier import PreparedApply, commit, plan_apply
 from ..checkpoint import fingerprint_checkpoint, open_checkpoint
 from ..codec.chunk import Patch
-from ..errors import BaseMismatchError, UsageError, VerificationError
+from ..errors import BaseMismatchError, DeltaRefitError, UsageError, VerificationError
 from ..format import DeltaReader
 from ..history_book import HistoryBook, MovesRecorder
 from ..integrity import fingerprint_from_digests
@@ -495,9 +495,16 @@ class LiveEngine:
 
     @property
     def keeps_history(self) -> bool:
-        """Whether ``apply`` takes a history book: where one process holds every segment it decodes (no
-        tensor-parallel group, whose processes decode different segments)."""
-        return not getattr(self.target, "collective", False)
+        """Whether ``apply`` takes a history book: always. In a tensor-parallel group each worker keeps
+        its own, of the segments it decodes (``applier``: the held-digest plan gives every segment one
+        decoder, the same at every version), and the group agrees on whether the books follow a stream
+        (``agree``) before a route through them is taken."""
+        return True
+
+    def agree(self, ok: bool) -> bool:
+        """Whether every worker of the group reports ``ok`` (a collective call; ``ok`` itself outside a
+        group)."""
+        return self.target.agree(ok) if getattr(self.target, "collective", False) else ok
 
     @property
     def prepares(self) -> bool:
@@ -595,7 +602,7 @@ class LiveEngine:
         layers = self._reload(to_reload)
         if history is not None and moves is not None:
             # Not fsynced: the book describes weights in this process's memory, which no restart keeps.
-            history.advance(d, moves, durable=False)
+            self._advance(history, d, moves)
         self.fingerprint = target_fp
         t1 = time.perf_counter()
         return LiveRefitReport(rep.target_fingerprint, rep.chunks_applied, rep.chunks_skipped, rep.chunks_recovered,
@@ -603,6 +610,20 @@ class LiveEngine:
                                sum(1 for n in self.host if self._layer(n) in set(layers)), layers,
                                t_apply - t0, t1 - t_apply, t1 - t0,
                                _check_name(rep.held, n_tensors), rep.split_chunks, rep.split_decoded)
+
+    @staticmethod
+    def _advance(history: HistoryBook, d: DeltaReader, moves: MovesRecorder) -> None:
+        """Advance the book past a verified apply. One that cannot be written (a full tmpfs) is started
+        over instead of failing the refit: the weights are at the target, and in a tensor-parallel group a
+        failure in one worker alone would leave it a version behind the others. An empty book costs the
+        next delta coded with history a keyframe route (the group agrees on it), never bytes."""
+        try:
+            history.advance(d, moves, durable=False)
+        except (OSError, DeltaRefitError) as e:
+            from ..stream.history import start_over
+
+            log.warning("%s: history book not advanced (%s); starting it over", history.path, e)
+            start_over(history.path)
 
     def _layer(self, name: str) -> str:
         from .vllm import layer_key
