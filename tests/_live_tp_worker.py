@@ -7,7 +7,8 @@ parameters after), and optionally ``corrupt`` (this rank flips one bit of its no
 line: {"ok": true, ...} or {"error": class name, "message": ...}. With ``held``, the apply is checked by held
 digests; ``no_shm`` gives the group no shared memory; ``threads`` (a list: per rank) the apply threads; ``cache`` (bytes) bounds the patches kept from plan to write; ``fail`` {"call": a LiveTarget
 write method, "n": n, "rank": r} makes rank r's n-th call of it fail once, and the apply is then run again.
-``chain`` (delta paths, in order from the base) applies each in turn with held digests, each rank decoding
+``file_journal`` journals the held apply in a file
+(which needs pre-images). ``chain`` (delta paths, in order from the base) applies each in turn with held digests, each rank decoding
 against its own history book in ``book``/rank<r> and advancing it as a live engine does; ``empty_book``
 {"rank": r, "step": i} gives rank r an empty book at step i (0-based), and the chain stops at that step's
 refusal. With ``fail``, the failure and the rerun are those of the chain's last step.
@@ -147,6 +148,11 @@ try:
             union = TargetUnion(live, _TorchTarget({}))
             sums = {n: state_through(union, n)[1] for n in names}
             journal = MemoryJournal()
+            if a.get("file_journal"):  # one that keeps pre-images: every worker decodes every split segment
+                from deltarefit.journal import Journal
+
+                path = a["out"] + ".journal"
+                journal.bind = lambda fp: Journal(path, fp)
             fail = a.get("fail")
             if fail is not None:  # rank fail["rank"] fails its n-th call of fail["call"], once
                 calls, real = [0], getattr(live, fail["call"])

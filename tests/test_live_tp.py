@@ -168,6 +168,15 @@ def test_split_chunks_whose_changes_outgrow_their_shared_slot_are_broadcast(tmp_
     _assert_at(tmp_path, target)
 
 
+def test_with_a_journal_that_keeps_pre_images_every_worker_decodes_the_split_segments(tmp_path):
+    target, b, delta, _ = _whole_pair(tmp_path)
+    outs = _run(tmp_path, b, delta, held=True, file_journal=True)
+    assert all(o.get("ok") for o in outs), outs
+    assert [o["split"] for o in outs] == [[0, 0], [0, 0]]  # assembled over the group and decoded by each
+    assert [o["elsewhere"] for o in outs] == [2, 2]  # the segments of "up" each holds whole: there alone
+    _assert_at(tmp_path, target)
+
+
 def test_split_chunks_dropped_by_the_memory_budget_are_decoded_and_sent_again_when_written(tmp_path):
     target, b, delta, _ = _whole_pair(tmp_path)
     outs = _run(tmp_path, b, delta, held=True, cache=0)  # nothing kept from plan to write

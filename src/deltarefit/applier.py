@@ -46,7 +46,7 @@ from .dtypes import dtype
 from .encode import default_threads, uint_view
 from .errors import BaseMismatchError, DecodeError, UsageError, VerificationError
 from .format import ChunkRecord, DeltaReader, TensorEntry, TensorMeta
-from .held import GROUP_DECODE_REFUSED, GROUP_REFUSED, HeldPlans
+from .held import GROUP_DECODE_REFUSED, GROUP_REFUSED, HeldPlans, in_step
 from .history_book import HistoryBook, MovesRecorder
 from .integrity import fingerprint_from_digests, n_segments, seg_hash, tensor_digest_from_segments
 from .journal import Journal, _journal_patch
@@ -362,8 +362,8 @@ class Applier(HeldPlans):
             raise BaseMismatchError(f"{_where(e, r)}: bytes match neither the delta's base nor its target "
                                     "(wrong base checkpoint, or modified since?)")
 
-        if self.collective:
-            results = _in_step(seg, lambda ci: self.segs.read_segment(e.name, ci), range(n_segments(e.base.nbytes)))
+        if self.collective and known is None:  # (``seg`` reads each segment from the group once)
+            results = in_step(seg, lambda ci: self.segs.read_segment(e.name, ci), range(n_segments(e.base.nbytes)))
         else:
             results = list(pool.map(seg, range(n_segments(e.base.nbytes))))
         segs = [h for h, _ in results]
@@ -626,26 +626,6 @@ class PreparedApply:
     structural: Callable[[DeltaReader, list[_TensorPlan]], list[str]] | None
     t0: float
     committed: bool = False
-
-
-def _in_step(fn: Callable[[int], object], calls: Callable[[int], object], items) -> list:
-    """``[fn(i) for i in items]`` for a collective target, where ``fn(i)`` makes the group's call for item
-    ``i`` (``calls(i)``, a segment assembled over the group) and then local work that may fail in one
-    process alone (a chunk whose history only some books hold): after the first failure the remaining
-    items make their group call only, so that every process makes the same calls in the same order,
-    and the failure is raised at the end (the group agrees on it next)."""
-    out, err = [], None
-    for i in items:
-        if err is not None:
-            calls(i)
-            continue
-        try:
-            out.append(fn(i))
-        except Exception as ex:
-            err = ex
-    if err is not None:
-        raise err
-    return out
 
 
 def plan_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | None, threads: int | None = None,

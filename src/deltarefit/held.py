@@ -6,7 +6,8 @@ between processes is decoded by one of them, which sends its changes to the othe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import numpy as np
 
@@ -26,6 +27,30 @@ from .regions import (
 GROUP_REFUSED = "another process of the group refused or failed at the same step of this apply (see its log)"
 GROUP_DECODE_REFUSED = ("another process of the group refused to decode a chunk at the same step of this apply "
                         "(a corrupt payload, or a history its book does not hold; see its log)")
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def in_step(fn: Callable[[T], R], calls: Callable[[T], object], items: Iterable[T]) -> list[R]:
+    """``[fn(i) for i in items]`` on a collective target, where ``fn(i)`` makes the group's call for item
+    ``i`` (``calls(i)``: a segment assembled over the group) and then local work that may fail in one
+    process alone (a chunk whose history only some books hold): after the first failure the remaining
+    items make their group call only, so that every process makes the same calls in the same order,
+    and the failure is raised at the end (the group agrees on it next)."""
+    out: list[R] = []
+    err: Exception | None = None
+    for i in items:
+        if err is not None:
+            calls(i)
+            continue
+        try:
+            out.append(fn(i))
+        except Exception as ex:
+            err = ex
+    if err is not None:
+        raise err
+    return out
 
 
 class HeldPlans:
@@ -86,22 +111,21 @@ class HeldPlans:
         futs = {r.chunk_index: self._own_pool.submit(chunk, r, True) for r in recs if roles[r.chunk_index] == "mine"}
         out: list[_ChunkPlan] = []
         err: BaseException | None = None
+        group = [r for r in recs if roles[r.chunk_index] == "group"]
         split: dict[int, _ChunkPlan] = {}
         if self._split:
-            split, err = self._plan_split(e, [r for r in recs if roles[r.chunk_index] == "group"])
+            split, err = self._plan_split(e, group)
+        else:  # every process assembles and decodes each one, in one order
+            try:
+                split = {c.rec.chunk_index: c for c in in_step(
+                    chunk, lambda r: self.segs.read_segment(e.name, r.chunk_index), group)}
+            except Exception as ex:
+                err = ex
         try:
             for r in recs:
-                if roles[r.chunk_index] == "group" and self._split:
+                if roles[r.chunk_index] == "group":
                     if r.chunk_index in split:
                         out.append(split[r.chunk_index])
-                elif roles[r.chunk_index] == "group":  # assembled over the group: kept in step after a failure
-                    if err is None:
-                        try:
-                            out.append(chunk(r))
-                        except Exception as ex:
-                            err = ex
-                    else:
-                        self.segs.read_segment(e.name, r.chunk_index)
                 elif roles[r.chunk_index] == "other":
                     out.append(_ChunkPlan(r, "other"))
                 else:
