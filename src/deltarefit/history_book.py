@@ -44,11 +44,14 @@ MAX_INDEX_BYTES = 64 << 20
 
 
 class MovesRecorder:
-    """Collects one version's moves, chunk by chunk, from any thread."""
+    """Collects one version's moves, chunk by chunk, from any thread. Each chunk's record is also
+    compressed as it is added, on the thread that decoded or encoded the chunk (zstd releases the
+    GIL), so that the book's ``commit`` after the apply or encode only writes."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.moves: dict[tuple[str, int], Moves] = {}
+        self.blobs: dict[tuple[str, int], bytes] = {}  # the moves file's compressed record of each
         self.resets: set[str] = set()
         # Set where a chunk's moves could not be taken (applied by an earlier, killed run): the
         # version's history is then unknown, and ``HistoryBook.commit`` starts the book over.
@@ -56,8 +59,18 @@ class MovesRecorder:
 
     def add(self, name: str, ci: int, moves: Moves) -> None:
         if moves.pos.size:
+            blob = _compress(moves)
             with self._lock:
                 self.moves[(name, ci)] = moves
+                self.blobs[(name, ci)] = blob
+
+
+def _compress(moves: Moves) -> bytes:
+    """A chunk's record as a moves file stores it (one compressor per thread)."""
+    zc = getattr(_tls, "zc", None)
+    if zc is None:
+        zc = _tls.zc = zstandard.ZstdCompressor(level=3)
+    return zc.compress(moves.to_bytes())
 
     def reset(self, name: str) -> None:
         with self._lock:
@@ -210,9 +223,8 @@ class HistoryBook:
         keep = self._files[: DEPTH - 1] if parent is not None and self.tip == parent else []
         keep = [f for f in keep if f.fingerprint != fingerprint]
         blobs, entries, off = [], [], 0
-        zc = zstandard.ZstdCompressor(level=3)
         for (name, ci), mv in sorted(rec.moves.items(), key=lambda kv: (kv[0][0].encode("utf-8"), kv[0][1])):
-            b = zc.compress(mv.to_bytes())
+            b = rec.blobs.get((name, ci)) or _compress(mv)
             entries.append([name, ci, mv.n, off, len(b)])
             blobs.append(b)
             off += len(b)
