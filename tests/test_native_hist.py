@@ -574,3 +574,109 @@ def test_split_pass_reads_and_writes_nothing_past_the_buffers(kernel):
             np.testing.assert_array_equal(pos, np.flatnonzero(base != target))
             np.testing.assert_array_equal(val, target[pos])
             del gbase, ghist, gp, pos, val
+
+
+def _merge_sets(rng, n: int, rates: tuple[float, float, float]):
+    """Three change sets of a chunk of ``n`` elements as records hold them (uint32 positions, packed down
+    flags of at least one byte), at ``rates`` (0: no move)."""
+    from deltarefit.codec.history import _NO_MOVE
+
+    sets = []
+    for r in rates:
+        if r == 0:
+            sets += list(_NO_MOVE)
+            continue
+        pos = np.flatnonzero(rng.random(n) < r).astype("<u4")
+        down = np.packbits(rng.random(pos.size) < 0.5, bitorder="little")
+        sets += [pos, down if down.size else np.zeros(1, np.uint8)]
+    return sets
+
+
+def _merged(kern, sets, n):
+    total = sum(p.size for p in sets[::2]) + 1
+    outs = np.empty(total, np.int64), np.empty(total, np.uint32), np.empty(total, np.uint8)
+    k = kern(*sets, n, STATE_TABLE, *outs)
+    return k, tuple(o[:max(k, 0)] for o in outs)
+
+
+@pytest.mark.parametrize("rates", [(0.03, 0.03, 0.03), (0.3, 0.0, 0.1), (0.0, 0.0, 0.0), (0.9, 0.9, 0.9),
+                                   (0.001, 0.5, 0.0)])
+def test_native_merge_of_records_gives_numbas_histories(rates):
+    from deltarefit.codec.history_kernels import merge_records
+
+    rng = np.random.default_rng(11)
+    for n in (1, 7, 1000, 1 << 17):
+        sets = _merge_sets(rng, n, rates)
+        k, got = _merged(N.merge_records, sets, n)
+        kn, want = _merged(merge_records, sets, n)
+        assert k == kn >= 0
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_native_merge_refuses_what_numba_refuses_and_bad_buffers():
+    from deltarefit.codec.history_kernels import merge_records
+
+    rng = np.random.default_rng(12)
+    n = 5000
+    for d in range(3):
+        for bad in ("repeat", "descend", "past the end"):
+            sets = _merge_sets(rng, n, (0.05, 0.05, 0.05))
+            p = sets[2 * d].copy()
+            if bad == "repeat":
+                p[3] = p[2]
+            elif bad == "descend":
+                p[[4, 5]] = p[[5, 4]]
+            else:
+                p[-1] = n
+            sets[2 * d] = p
+            assert _merged(N.merge_records, sets, n)[0] == _merged(merge_records, sets, n)[0] == -(1 + d)
+    sets = _merge_sets(rng, n, (0.05, 0.05, 0.05))
+    total = sum(p.size for p in sets[::2])
+    with pytest.raises(ValueError, match="too short"):  # outputs with no room for every change
+        N.merge_records(*sets, n, STATE_TABLE, np.empty(total - 1, np.int64), np.empty(total, np.uint32),
+                        np.empty(total, np.uint8))
+    short = list(sets)
+    short[1] = short[1][:-1]  # fewer flag bytes than the positions need
+    with pytest.raises(ValueError, match="change set 0"):
+        N.merge_records(*short, n, STATE_TABLE, np.empty(total, np.int64), np.empty(total, np.uint32),
+                        np.empty(total, np.uint8))
+    with pytest.raises(ValueError, match="change set 1"):  # a position array of a partial uint32
+        bad = list(sets)
+        bad[2] = np.frombuffer(bad[2].tobytes()[:-1], np.uint8)
+        N.merge_records(*bad, n, STATE_TABLE, np.empty(total, np.int64), np.empty(total, np.uint32),
+                        np.empty(total, np.uint8))
+
+
+def test_histories_from_records_are_the_same_on_both_kernels(monkeypatch):
+    rng = np.random.default_rng(13)
+    n = 1 << 16
+    moves = [Moves(n, np.flatnonzero(rng.random(n) < 0.04), None) for _ in range(3)]
+    moves = [Moves(n, mv.pos, rng.random(mv.pos.size) < 0.5) for mv in moves]
+    native = History.from_moves(n, moves)
+    monkeypatch.setattr(C, "USE_NATIVE", False)
+    numba = History.from_moves(n, moves)
+    assert native.id == numba.id and native.m == numba.m
+    np.testing.assert_array_equal(native.pos, numba.pos)
+    np.testing.assert_array_equal(native.state, numba.state)
+
+
+def test_native_merge_reads_and_writes_nothing_past_its_buffers():
+    # every input set and every output ends at a guard page (outputs sized to the changes exactly)
+    rng = np.random.default_rng(14)
+    n = 20_000
+    maps = []
+
+    def guarded(a: np.ndarray) -> np.ndarray:
+        mm, off = _guarded(max(a.nbytes, 1))
+        maps.append(mm)
+        g = np.frombuffer(mm, a.dtype, a.size, off + max(a.nbytes, 1) - a.nbytes)
+        g[:] = a
+        return g
+
+    for rates in ((0.05, 0.05, 0.05), (0.5, 0.0, 0.2), (0.0, 0.0, 0.01)):
+        sets = [guarded(np.ascontiguousarray(x)) for x in _merge_sets(rng, n, rates)]
+        total = sum(p.size for p in sets[::2])
+        outs = [guarded(np.zeros(total, t)) for t in (np.int64, np.uint32, np.uint8)]
+        k = N.merge_records(*sets, n, STATE_TABLE, *outs)
+        assert 0 <= k <= total

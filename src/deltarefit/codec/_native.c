@@ -2705,6 +2705,110 @@ static PyObject *py_digest_move(PyObject *self, PyObject *args)
 }
 #undef ELEM_SWITCH
 
+/* ------------------------------------------------------------------------------------------------
+ * merge_records(p0, d0, p1, d1, p2, d2, n, table, out_pos, out_pos32, out_state) -> k
+ *
+ * history_kernels.merge_records, the same outputs: three change sets (newest first; positions uint32,
+ * down flags packed least significant bit first, at least one byte each) merged into the positions
+ * whose state (table[13 + the sets' signed moves there]) is not 0, with their history bytes. Returns
+ * how many were written, or -(1 + d) when set d's positions do not ascend strictly below n. Every
+ * input is checked first (lengths, the flags' bytes, the outputs' room): a record from a book is
+ * untrusted local state.
+ * ------------------------------------------------------------------------------------------------ */
+
+static int ascending_u32(const uint32_t *p, Py_ssize_t m, int64_t n)
+{
+    int64_t prev = -1;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const int64_t x = p[i];
+        if (x <= prev || x >= n)
+            return 0;
+        prev = x;
+    }
+    return 1;
+}
+
+static PyObject *py_merge_records(PyObject *self, PyObject *args)
+{
+    PyObject *o[11];
+    long long n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOOOLOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &n, &o[6], &o[7], &o[8],
+                          &o[9]))
+        return NULL;
+    Py_buffer b[10];
+    int got = 0;
+    static const char *const names[10] = {"p0", "d0", "p1", "d1", "p2", "d2", "table", "out_pos", "out_pos32",
+                                          "out_state"};
+    static const int writable[10] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 1};
+    static const unsigned align[10] = {1, 1, 1, 1, 1, 1, 1, 8, 4, 1};
+    for (; got < 10; got++)
+        if (get_buf(o[got], &b[got], writable[got], 0, align[got], names[got]) < 0)
+            break;
+    PyObject *res = NULL;
+    if (got < 10)
+        goto done;
+    Py_ssize_t m[3];
+    for (int d = 0; d < 3; d++) {
+        m[d] = b[2 * d].len / 4;
+        if (b[2 * d].len % 4 || b[2 * d + 1].len < (m[d] + 7) / 8 || b[2 * d + 1].len < 1) {
+            PyErr_Format(PyExc_ValueError, "merge_records: change set %d: %zd position bytes, %zd flag bytes", d,
+                         b[2 * d].len, b[2 * d + 1].len);
+            goto done;
+        }
+    }
+    const Py_ssize_t total = m[0] + m[1] + m[2];
+    if (b[6].len < 27 || b[7].len / 8 < total || b[8].len / 4 < total || b[9].len < total || n < 0) {
+        PyErr_SetString(PyExc_ValueError, "merge_records: the table or an output is too short");
+        goto done;
+    }
+    long long k = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const uint32_t *p0 = b[0].buf, *p1 = b[2].buf, *p2 = b[4].buf;
+    const uint8_t *d0 = b[1].buf, *d1 = b[3].buf, *d2 = b[5].buf, *table = b[6].buf;
+    int64_t *out_pos = b[7].buf;
+    uint32_t *out_pos32 = b[8].buf;
+    uint8_t *out_state = b[9].buf;
+    if (!ascending_u32(p0, m[0], n))
+        k = -1;
+    else if (!ascending_u32(p1, m[1], n))
+        k = -2;
+    else if (!ascending_u32(p2, m[2], n))
+        k = -3;
+    else {
+        /* Branch-free steps (as numba's): which sets hold the smallest position is data. */
+        const int64_t big = n;
+        Py_ssize_t i0 = 0, i1 = 0, i2 = 0;
+        for (Py_ssize_t t = 0; t < total; t++) {
+            const int64_t a = i0 < m[0] ? (int64_t)p0[i0] : big;
+            const int64_t bb = i1 < m[1] ? (int64_t)p1[i1] : big;
+            const int64_t c = i2 < m[2] ? (int64_t)p2[i2] : big;
+            int64_t p = a < bb ? a : bb;
+            p = c < p ? c : p;
+            const int64_t e0 = a == p, e1 = bb == p, e2 = c == p;
+            const int64_t s0 = i0 < m[0] ? 9 - 18 * (int64_t)((d0[i0 >> 3] >> (i0 & 7)) & 1) : 0;
+            const int64_t s1 = i1 < m[1] ? 3 - 6 * (int64_t)((d1[i1 >> 3] >> (i1 & 7)) & 1) : 0;
+            const int64_t s2 = i2 < m[2] ? 1 - 2 * (int64_t)((d2[i2 >> 3] >> (i2 & 7)) & 1) : 0;
+            const uint8_t st = table[13 + e0 * s0 + e1 * s1 + e2 * s2];
+            out_pos[k] = p;
+            out_pos32[k] = (uint32_t)p;
+            out_state[k] = st;
+            k += (st & 127) != 0;
+            i0 += e0;
+            i1 += e1;
+            i2 += e2;
+            if (i0 == m[0] && i1 == m[1] && i2 == m[2])
+                break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    res = PyLong_FromLongLong(k);
+done:
+    for (int i = 0; i < got; i++)
+        PyBuffer_Release(&b[i]);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"digest", py_digest, METH_VARARGS,
      "digest(flat, start, bits, itemsize, s0, s1) -> (a0, a1): shard.digest's additive sums of the elements "
@@ -2714,6 +2818,9 @@ static PyMethodDef methods[] = {
      "written), without the GIL."},
     {"equal_at", py_equal_at, METH_VARARGS,
      "equal_at(view, pos, vals, itemsize) -> bool: whether view[pos[j]] == vals[j] for every j (positions checked)."},
+    {"merge_records", py_merge_records, METH_VARARGS,
+     "merge_records(p0, d0, p1, d1, p2, d2, n, table, out_pos, out_pos32, out_state) -> k: "
+     "history_kernels.merge_records, the same outputs (-(1 + d): set d's positions do not ascend below n)."},
     {"digest_move", py_digest_move, METH_VARARGS,
      "digest_move(view, pos, new, itemsize, start, s0, s1) -> (a0, a1): how digest()'s sums move when the elements "
      "view[pos] at checkpoint flat indices start + pos become new (positions checked)."},

@@ -98,6 +98,19 @@ def _record_size(r: bytes | None, n: int) -> int:
     return got[1] if got is not None and got[0] == n else -1
 
 
+def _merge_kernel():
+    """``merge_records``: the native kernel where the extension was built (and is in use: ``chunk.USE_NATIVE``),
+    else numba's, the same outputs. The native one keeps numba out of a process that decodes or encodes
+    with history (its import and compilation cost about half a second in every ``deltarefit apply
+    --history``)."""
+    from . import chunk
+
+    kern = getattr(chunk._native, "merge_records", None) if chunk.USE_NATIVE else None
+    if kern is None:
+        from .history_kernels import merge_records as kern
+    return kern
+
+
 def _history_id(n: int, pos32: np.ndarray, state: np.ndarray) -> bytes:
     """FORMAT.md's history id of a chunk of ``n`` elements: its positions (little-endian u32) and
     their history bytes."""
@@ -149,8 +162,8 @@ class History:
         for a malformed record ``d``): one kernel call, where ``from_moves`` takes numpy's steps on
         every change set."""
         from ..errors import DecodeError
-        from .history_kernels import merge_records
 
+        merge_records = _merge_kernel()
         sets: list[np.ndarray] = []
         for d, r in enumerate(list(records[:DEPTH])):
             m = _record_size(r, n)
