@@ -42,6 +42,17 @@ def start(model_dir: str, backend: bool = True):
                worker_extension_cls=EXTENSION, **kw)
 
 
+def _start_tp(model_dir: str, backend: bool):
+    """A TP=2 engine on the CPU (the tests set one core per worker), with or without the backend."""
+    from vllm import LLM
+
+    from deltarefit.engines.vllm import EXTENSION
+
+    kw = {"weight_transfer_config": {"backend": "deltarefit"}} if backend else {}
+    return LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0,
+               tensor_parallel_size=2, distributed_executor_backend="mp", worker_extension_cls=EXTENSION, **kw)
+
+
 def fresh(model_dir: str) -> tuple[list, dict]:
     from deltarefit.engines.vllm import engine_digests
 
@@ -296,9 +307,7 @@ def test_backend_refits_a_tensor_parallel_engine_in_place(tmp_path, monkeypatch)
     segment split between them is assembled at one of them (in the memory both map), decoded and checked
     there once, and each worker writes only its own elements. Compared with a fresh TP=2 engine on the
     target, worker by worker."""
-    from vllm import LLM
-
-    from deltarefit.engines.vllm import EXTENSION, engine_digests
+    from deltarefit.engines.vllm import engine_digests
     from deltarefit.engines.vllm_backend import LLMClient
     from deltarefit.stream.publisher import Publisher
 
@@ -312,12 +321,7 @@ def test_backend_refits_a_tensor_parallel_engine_in_place(tmp_path, monkeypatch)
     for ck in (base, target):
         pub.publish(ck)
 
-    def start_tp(model_dir: str, backend: bool):
-        kw = {"weight_transfer_config": {"backend": "deltarefit"}} if backend else {}
-        return LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0,
-                   tensor_parallel_size=2, distributed_executor_backend="mp", worker_extension_cls=EXTENSION, **kw)
-
-    llm = start_tp(base, True)
+    llm = _start_tp(base, True)
     try:
         client = LLMClient(llm)
         client.init_weight_transfer_engine({"stream": store})
@@ -342,7 +346,7 @@ def test_backend_refits_a_tensor_parallel_engine_in_place(tmp_path, monkeypatch)
     finally:
         stop_engine(llm)
         gc.collect()
-    fresh_llm = start_tp(target, False)
+    fresh_llm = _start_tp(target, False)
     try:
         want, want_digests = generate(fresh_llm), engine_digests(fresh_llm)
     finally:
@@ -377,6 +381,19 @@ def _adamw_chain(root: str, steps: int) -> list[str]:
     return dirs
 
 
+def _history_stream(tmp_path, steps: int) -> tuple[list[str], str]:
+    """``_adamw_chain``'s versions published, in order, to a stream with history and no keyframe after the
+    first: (the versions' directories, the store)."""
+    from deltarefit.stream.publisher import Publisher
+
+    versions = _adamw_chain(str(tmp_path / "chain"), steps)
+    store = str(tmp_path / "store")
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=1000, keyframe_ratio=1000.0, history=True)
+    for ck in versions:
+        pub.publish(ck)
+    return versions, store
+
+
 @pytest.mark.slow
 def test_backend_follows_a_stream_coded_with_history_by_the_chain(tmp_path, monkeypatch):
     """A stream published with history (``Publisher(history=True)``). A rollout syncs a checkpoint
@@ -388,15 +405,10 @@ def test_backend_follows_a_stream_coded_with_history_by_the_chain(tmp_path, monk
     from deltarefit.engines.vllm_backend import LLMClient
     from deltarefit.storage.local import LocalStore
     from deltarefit.stream import Subscriber
-    from deltarefit.stream.publisher import Publisher
     from deltarefit.stream.records import load_commit
 
     monkeypatch.setenv("DELTAREFIT_TEST_NO_PREPACK", "1")
-    versions = _adamw_chain(str(tmp_path / "chain"), 5)
-    store = str(tmp_path / "store")
-    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=1000, keyframe_ratio=1000.0, history=True)
-    for ck in versions:
-        pub.publish(ck)
+    versions, store = _history_stream(tmp_path, 5)
     assert all(load_commit(LocalStore(store), v).history for v in range(2, len(versions) + 1))
     roll = str(tmp_path / "rollout")
     shutil.copytree(versions[0], roll)  # config and tokenizer; the weights come from the stream
@@ -432,35 +444,24 @@ def test_backend_tensor_parallel_engine_follows_a_stream_coded_with_history(tmp_
     history everywhere) and completes by the keyframe route, no restart. Weights and generations equal a
     fresh TP=2 engine's on the last version."""
     from _chains import encodings
-    from vllm import LLM
 
     from deltarefit.codec.chunk import ULP_HIST
-    from deltarefit.engines.vllm import EXTENSION, engine_digests
+    from deltarefit.engines.vllm import engine_digests
     from deltarefit.engines.vllm_backend import LLMClient
     from deltarefit.storage.local import LocalStore
-    from deltarefit.stream.publisher import Publisher
     from deltarefit.stream.records import load_commit
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("tensor parallelism 2 needs two cores here")
     monkeypatch.setenv("DELTAREFIT_TEST_NO_PREPACK", "1")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    versions = _adamw_chain(str(tmp_path / "chain"), 5)
-    store = str(tmp_path / "store")
-    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=1000, keyframe_ratio=1000.0, history=True)
-    for ck in versions:
-        pub.publish(ck)
+    versions, store = _history_stream(tmp_path, 5)
     st = LocalStore(store)
     hist_chunks = [encodings(os.path.join(store, load_commit(st, v).delta.key)).get(ULP_HIST, 0)
                    for v in range(3, len(versions) + 1)]
     assert all(n > 0 for n in hist_chunks), hist_chunks
 
-    def start_tp(model_dir: str, backend: bool):
-        kw = {"weight_transfer_config": {"backend": "deltarefit"}} if backend else {}
-        return LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0,
-                   tensor_parallel_size=2, distributed_executor_backend="mp", worker_extension_cls=EXTENSION, **kw)
-
-    llm = start_tp(versions[0], True)
+    llm = _start_tp(versions[0], True)
     try:
         client = LLMClient(llm)
         client.init_weight_transfer_engine({"stream": store})
@@ -489,7 +490,7 @@ def test_backend_tensor_parallel_engine_follows_a_stream_coded_with_history(tmp_
         gc.collect()
     assert routes == [[("chain", ["held digests"])] * 2] * (len(versions) - 2), routes
     assert rerun == ["keyframe", "keyframe"], rerun
-    fresh_llm = start_tp(versions[-1], False)
+    fresh_llm = _start_tp(versions[-1], False)
     try:
         want, want_digests = generate(fresh_llm), engine_digests(fresh_llm)
     finally:
