@@ -78,6 +78,26 @@ before = {n: p.detach().clone() for n, p in params.items()}
 first = None  # the first apply's failure, where it was made to fail and then run again
 threads = a.get("threads", [2, 2])[rank]  # apply threads, per rank
 
+def _inject(fail: dict):
+    """Make rank ``fail["rank"]``'s ``fail["n"]``-th call of the live target's ``fail["call"]`` raise, once; the
+    real method (to put back)."""
+    calls, real = [0], getattr(live, fail["call"])
+
+    def failing(*args):
+        calls[0] += 1
+        if rank == fail["rank"] and calls[0] == fail["n"]:
+            raise OSError("injected failure mid-write")
+        return real(*args)
+
+    setattr(live, fail["call"], failing)
+    return real
+
+
+def _untouched(ref: dict) -> bool:
+    """Whether every parameter holds the bits of ``ref`` (name -> tensor)."""
+    return all(torch.equal(ref[n].view(torch.int16), p.view(torch.int16)) for n, p in params.items())
+
+
 def _chain() -> dict:
     """``chain`` mode (module docstring): each delta applied with held digests and this rank's book."""
     from deltarefit.apply import run_apply
@@ -97,15 +117,7 @@ def _chain() -> dict:
         hist = HistoryBook(os.path.join(a["book"], f"empty{rank}")) if empty.get("step") == i and \
             empty.get("rank") == rank else book
         if fail is not None and i == len(a["chain"]) - 1:
-            calls, real = [0], getattr(live, fail["call"])
-
-            def failing(*args, calls=calls, real=real):
-                calls[0] += 1
-                if rank == fail["rank"] and calls[0] == fail["n"]:
-                    raise OSError("injected failure mid-write")
-                return real(*args)
-
-            setattr(live, fail["call"], failing)
+            real = _inject(fail)
         at = {n: p.detach().clone() for n, p in params.items()}
         with DeltaReader(path) as d:
             moves = MovesRecorder()
@@ -113,8 +125,7 @@ def _chain() -> dict:
                 rep = run_apply(d, union, journal=journal.bind(d.target_fingerprint), threads=threads, held=sums,
                                 history=hist, moves=moves)
             except (OSError, DeltaRefitError) as e:
-                steps.append({"step": i, "error": type(e).__name__, "message": str(e), "untouched": all(
-                    torch.equal(at[n].view(torch.int16), p.view(torch.int16)) for n, p in params.items())})
+                steps.append({"step": i, "error": type(e).__name__, "message": str(e), "untouched": _untouched(at)})
                 if fail is None or i != len(a["chain"]) - 1:
                     return {"steps": steps}
                 setattr(live, fail["call"], real)
@@ -155,15 +166,7 @@ try:
                 journal.bind = lambda fp: Journal(path, fp)
             fail = a.get("fail")
             if fail is not None:  # rank fail["rank"] fails its n-th call of fail["call"], once
-                calls, real = [0], getattr(live, fail["call"])
-
-                def failing(*args):
-                    calls[0] += 1
-                    if rank == fail["rank"] and calls[0] == fail["n"]:
-                        raise OSError("injected failure mid-write")
-                    return real(*args)
-
-                setattr(live, fail["call"], failing)
+                real = _inject(fail)
             with DeltaReader(a["delta"]) as d:
                 try:
                     rep = run_apply(d, union, journal=journal.bind(d.target_fingerprint), threads=threads, held=sums,
@@ -182,8 +185,7 @@ try:
                "elsewhere": rep.elsewhere, "split": [rep.split_decoded, rep.split_chunks], "first": first,
                "shm": live._slots is not None, "recovered": rep.chunks_recovered, "roles": {n: live.chunk_roles(n) for n in sorted(shared)}}
 except DeltaRefitError as e:
-    out = {"error": type(e).__name__, "message": str(e),
-           "untouched": all(torch.equal(before[n].view(torch.int16), p.view(torch.int16)) for n, p in params.items())}
+    out = {"error": type(e).__name__, "message": str(e), "untouched": _untouched(before)}
 save_file({n: p.detach().contiguous() for n, p in params.items()}, a["out"])
 print(json.dumps(out), flush=True)
 # Both peers leave together: a gloo group torn down while its peer's pair threads still run aborts the

@@ -112,20 +112,20 @@ class HeldPlans:
         out: list[_ChunkPlan] = []
         err: BaseException | None = None
         group = [r for r in recs if roles[r.chunk_index] == "group"]
-        split: dict[int, _ChunkPlan] = {}
+        grouped: dict[int, _ChunkPlan] = {}  # the plans of the chunks split between processes
         if self._split:
-            split, err = self._plan_split(e, group)
+            grouped, err = self._plan_split(e, group)
         else:  # every process assembles and decodes each one, in one order
             try:
-                split = {c.rec.chunk_index: c for c in in_step(
+                grouped = {c.rec.chunk_index: c for c in in_step(
                     chunk, lambda r: self.segs.read_segment(e.name, r.chunk_index), group)}
             except Exception as ex:
                 err = ex
         try:
             for r in recs:
                 if roles[r.chunk_index] == "group":
-                    if r.chunk_index in split:
-                        out.append(split[r.chunk_index])
+                    if r.chunk_index in grouped:
+                        out.append(grouped[r.chunk_index])
                 elif roles[r.chunk_index] == "other":
                     out.append(_ChunkPlan(r, "other"))
                 else:
