@@ -592,3 +592,65 @@ def test_a_prepared_apply_that_fails_midway_is_completed_by_the_same_call_again(
     rep = eng.apply(chain["deltas"]["step-sums"], prepared=prep)
     assert not rep.prepared and rep.chunks_recovered == 1 and rep.check == "segments"
     assert _bits(m) == _bits(_loaded(chain["target"])) and eng.verify() == eng.fingerprint
+
+
+# A fused MoE layer as vLLM's FusedMoE loads it: experts stacked in one parameter, each expert's gate and up
+# rows copied into its slice of w13 (rows [0, I) and [I, 2I)), down_proj into its slice of w2; the router
+# a plain weight. Checkpoint tensors are per expert, 2-D; the parameters are 3-D.
+E, I_MOE = 4, 24
+MOE_SHAPES = {**{f"mlp.experts.{e}.{p}.weight": ((I_MOE, H) if p != "down_proj" else (H, I_MOE))
+                 for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")},
+              "mlp.gate.weight": (E, H)}
+
+
+class MoE(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        z = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=torch.bfloat16), requires_grad=False)  # noqa: E731
+        self.mlp = torch.nn.Module()
+        self.mlp.experts = torch.nn.Module()
+        self.mlp.experts.w13_weight = z(E, 2 * I_MOE, H)
+        self.mlp.experts.w2_weight = z(E, H, I_MOE)
+        self.mlp.gate = torch.nn.Module()
+        self.mlp.gate.weight = z(E, H)
+
+    def load_weights(self, weights) -> set[str]:
+        for name, w in weights:
+            if ".experts." in name:
+                e, proj = int(name.split(".")[2]), name.split(".")[3]
+                if proj == "down_proj":
+                    self.mlp.experts.w2_weight.data[e].copy_(w)
+                else:
+                    self.mlp.experts.w13_weight.data[e].narrow(0, 0 if proj == "gate_proj" else I_MOE, I_MOE).copy_(w)
+            else:
+                self.mlp.gate.weight.data.copy_(w)
+        return set()
+
+
+def test_fused_moe_experts_are_placed_slice_by_slice_and_refit_in_place(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    base = {n: (torch.randn(s, generator=g) * 0.05).to(torch.bfloat16) for n, s in MOE_SHAPES.items()}
+    target = _step(base, 4)
+    bd, td = _save(base, str(tmp_path / "base")), _save(target, str(tmp_path / "target"))
+    delta = str(tmp_path / "step.delta")
+    encode(bd, td, delta, sums=True)
+    m = MoE()
+    with torch.no_grad():
+        m.load_weights(base.items())
+    before = _bits(m)
+    lay = capture_layout(m.load_weights, dict(m.named_parameters()), {n: (torch.bfloat16, s) for n, s in MOE_SHAPES.items()})
+    assert lay.reload == {} and _bits(m) == before
+    (up,) = lay.placements["mlp.experts.2.up_proj.weight"]
+    assert up.param == "mlp.experts.w13_weight[2]" and up.piece.local_shape == (2 * I_MOE, H)
+    assert up.piece.axes[0].src_off == I_MOE
+    (down,) = lay.placements["mlp.experts.3.down_proj.weight"]
+    assert down.param == "mlp.experts.w2_weight[3]"
+    eng = LiveEngine(m, None, bd)
+    assert eng.reload_reasons == {} and len(eng.placements) == len(MOE_SHAPES)
+    rep = eng.apply(delta)
+    assert rep.tensors_in_place == len(MOE_SHAPES) and rep.tensors_reloaded == 0 and rep.check == "held digests"
+    want = MoE()
+    with torch.no_grad():
+        want.load_weights(target.items())
+    assert _bits(m) == _bits(want)
+    assert eng.verify() == eng.fingerprint

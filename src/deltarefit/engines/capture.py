@@ -37,7 +37,7 @@ from .live import Placement
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CapturedLayout", "capture_layout", "piece_from_views"]
+__all__ = ["CapturedLayout", "capture_layout", "piece_from_views", "placed_params", "sub_param"]
 
 
 @dataclass
@@ -118,6 +118,50 @@ def piece_from_views(name: str, ckpt_shape: Sequence[int], src: _View, param_sha
     if not np.array_equal(piece.to_ckpt(local), want):
         return None
     return piece
+
+
+def _sub_piece(name: str, ckpt_shape: Sequence[int], src: _View, param_shape: Sequence[int],
+               dst: _View) -> tuple[tuple[int, ...], Piece] | None:
+    """(leading indices, piece) of a copy into a parameter of higher rank than the checkpoint tensor: the
+    box lies in one slice ``param[i, j, ...]`` (a stacked expert's rows of a fused MoE ``w13_weight``),
+    and the piece is of that slice. None when the copy is not one affine box of one slice."""
+    k = len(param_shape) - len(ckpt_shape)
+    if k <= 0 or len(src.sizes) != len(ckpt_shape):
+        return None
+    inner = math.prod(param_shape[k:])
+    if not inner or dst.offset < 0:
+        return None
+    lead, rel = divmod(dst.offset, inner)
+    if lead >= math.prod(param_shape[:k]):
+        return None
+    reach = rel + sum((n - 1) * s for n, s in zip(dst.sizes, dst.strides, strict=True) if n > 1)
+    if any(s < 0 for s in dst.strides) or reach >= inner:
+        return None
+    piece = piece_from_views(name, ckpt_shape, src, param_shape[k:], _View(rel, dst.sizes, dst.strides))
+    if piece is None:
+        return None
+    return tuple(int(i) for i in np.unravel_index(lead, tuple(param_shape[:k]))), piece
+
+
+def sub_param(name: str) -> tuple[str, tuple[int, ...]]:
+    """(parameter name, leading indices) of a placement's parameter: ``experts.w13_weight[3]`` is slice 3
+    of ``experts.w13_weight``; a plain name has no indices."""
+    if not name.endswith("]") or "[" not in name:
+        return name, ()
+    base, _, idx = name[:-1].rpartition("[")
+    return base, tuple(int(i) for i in idx.split(","))
+
+
+def placed_params(params: Mapping[str, Any], placements: Mapping[str, Sequence[Placement]]) -> dict[str, Any]:
+    """``params`` with a view for each sliced parameter the placements name (``sub_param``): the live
+    target writes the slice, which shares the parameter's storage."""
+    out = dict(params)
+    for places in placements.values():
+        for pl in places:
+            if pl.param not in out:
+                base, idx = sub_param(pl.param)
+                out[pl.param] = params[base][idx]
+    return out
 
 
 def _storage_key(t: Any) -> int:
@@ -235,10 +279,14 @@ def _placements(name: str, shape: Sequence[int], rec: Any, params: Mapping[str, 
         return None, "the loader did not copy it into any parameter"
     places = []
     for pname, src, dst in rec.copies:
-        piece = piece_from_views(name, shape, src, tuple(params[pname].shape), dst)
-        if piece is None:
-            return None, f"its copy into {pname} is not one affine box"
-        places.append(Placement(pname, piece))
+        pshape = tuple(params[pname].shape)
+        piece, where = piece_from_views(name, shape, src, pshape, dst), pname
+        if piece is None:  # a slice of a stacked parameter (fused MoE experts)?
+            sub = _sub_piece(name, shape, src, pshape, dst)
+            if sub is None:
+                return None, f"its copy into {pname} is not one affine box"
+            where, piece = f"{pname}[{','.join(map(str, sub[0]))}]", sub[1]
+        places.append(Placement(where, piece))
     # The same checkpoint elements copied into several parameters: the first copy owns them.
     seen: list[Piece] = []
     final = []

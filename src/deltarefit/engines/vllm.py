@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import logging
 import os
 import time
@@ -37,12 +36,12 @@ from ..apply import apply as apply_delta_to_checkpoint
 from ..checkpoint import open_checkpoint
 from ..errors import DeltaRefitError, UsageError
 from ..format import DeltaReader
+from .kernels import bits_digest, is_linear, kernel_digest, verify_layers
 
 log = logging.getLogger(__name__)
 
 EXTENSION = "deltarefit.engines.vllm.DeltaRefitWorkerExtension"
 LOCK_NAME = ".deltarefit-engine.lock"  # serializes apply between workers sharing one checkpoint directory
-PROBE_ROWS = 1024  # identity rows per probe GEMM when reading a linear layer's effective weight
 
 
 # ------------------------------------------------------------------------------------ name grouping
@@ -98,47 +97,6 @@ def _partial_layers(model: Any) -> list[str] | None:
         if 0 < info.load_numel < (info.load_numel_total or 0):
             out.append(name)
     return out
-
-
-def _is_linear(module: Any) -> bool:
-    return (hasattr(module, "quant_method") and hasattr(module, "input_size_per_partition")
-            and hasattr(module, "output_size_per_partition"))
-
-
-def _probe_rows(module: Any, start: int, stop: int) -> Any:
-    """Rows [start, stop) of the transposed weight the layer's kernel actually multiplies with.
-
-    Multiplying the identity by the (possibly prepacked) kernel weight returns the weight itself, exactly
-    for float weights (one nonzero product per output, accumulated in at least the weight's precision);
-    -0.0 comes back as +0.0.
-    """
-    import torch
-
-    dtype = getattr(module, "params_dtype", None) or torch.bfloat16
-    device = next((p.device for p in module.parameters() if p.numel()), torch.device("cpu"))
-    k = module.input_size_per_partition
-    eye = torch.zeros(stop - start, k, dtype=dtype, device=device)
-    eye[torch.arange(stop - start), torch.arange(start, stop)] = 1
-    with torch.inference_mode():
-        return module.quant_method.apply(module, eye, bias=None)
-
-
-def _same_values(a: Any, b: Any) -> bool:
-    import torch
-
-    if a.shape != b.shape:
-        return False
-    a, b = a.float(), b.float()
-    return bool(torch.all((a == b) | (torch.isnan(a) & torch.isnan(b))))
-
-
-def _bits_digest(t: Any) -> str:
-    import torch
-
-    t = t.detach().contiguous().cpu()
-    raw = t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32,
-                                                                     8: torch.int64}[t.element_size()])
-    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
 # ------------------------------------------------------------------------------------ worker extension
@@ -371,7 +329,6 @@ class DeltaRefitWorkerExtension:
         Only unsharded engines (tensor parallel size 1) are compared; sharded layers are listed as
         unverified. ``names``: checkpoint tensors to check (default all).
         """
-        import torch
         from safetensors import safe_open
 
         model = self._deltarefit_model()
@@ -389,60 +346,8 @@ class DeltaRefitWorkerExtension:
                     handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
                 return handles[file].get_tensor(name)
 
-            groups: dict[str, list[str]] = {}
-            for n in wanted:
-                groups.setdefault(layer_key(n, packed), []).append(n)
-            for key, members in groups.items():
-                try:
-                    module = model.get_submodule(key)
-                except AttributeError:
-                    out["unverified"].extend(members)
-                    continue
-                if tp != 1:
-                    out["unverified"].extend(members)
-                    continue
-                for suffix in sorted({m.rpartition(".")[2] for m in members}):
-                    ms = [m for m in members if m.rpartition(".")[2] == suffix]
-                    if len(ms) > 1 or layer_key(ms[0], packed) != ms[0].rpartition(".")[0]:
-                        # fused: order the siblings as the model's mapping does
-                        order = next((p for f, p in packed.items() if key.endswith("." + f) or key == f), [])
-                        full = {m.rpartition(".")[0].rpartition(".")[2]: m for m in ms}
-                        if set(full) != set(order):
-                            out["unverified"].extend(ms)  # only part of a fused layer asked for
-                            continue
-                        ms = [full[p] for p in order]
-                    want = torch.cat([read(m) for m in ms]) if len(ms) > 1 else read(ms[0])
-                    ok = self._deltarefit_compare(module, suffix, want)
-                    if ok is None:
-                        out["unverified"].extend(ms)
-                    else:
-                        out["verified" if ok else "mismatched"].extend(ms)
+            verify_layers(model, wanted, packed, read, out, sharded=tp != 1)
         return out
-
-    def _deltarefit_compare(self, module: Any, suffix: str, want: Any) -> bool | None:
-        import torch
-
-        if suffix == "weight" and _is_linear(module) and want.ndim == 2:
-            n, k = module.output_size_per_partition, module.input_size_per_partition
-            if tuple(want.shape) != (n, k):
-                return None
-            for i in range(0, k, PROBE_ROWS):
-                j = min(k, i + PROBE_ROWS)
-                got = _probe_rows(module, i, j)  # (j - i, n): columns i..j of the weight, transposed
-                if not _same_values(got.cpu(), want[:, i:j].t().to(got.dtype)):
-                    return False
-            return True
-        try:
-            param = module.get_parameter(suffix)
-        except AttributeError:
-            return None
-        if param.numel() == 0 or param.ndim != want.ndim or param.shape[1:] != want.shape[1:] \
-                or param.shape[0] < want.shape[0]:
-            return None
-        got = param.detach()[: want.shape[0]].cpu()
-        if got.dtype != want.dtype:
-            return _same_values(got, want)  # e.g. a bias the CPU kernel keeps in fp32
-        return torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
 
     def deltarefit_digests(self) -> dict[str, str]:
         """sha256 of what the engine computes with: each linear layer's effective (kernel) weight, read
@@ -450,23 +355,14 @@ class DeltaRefitWorkerExtension:
 
         Two engines of one model and parallel layout hold the same weights iff these are equal.
         """
-        import torch
-
         model = self._deltarefit_model()
         out: dict[str, str] = {}
         for name, module in model.named_modules():
             for pname, p in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
                 if p.numel():
-                    out[f"{name}.{pname}"] = _bits_digest(p)
-            if _is_linear(module):
-                try:
-                    k = module.input_size_per_partition
-                    w = torch.cat([_probe_rows(module, i, min(k, i + PROBE_ROWS)).cpu()
-                                   for i in range(0, k, PROBE_ROWS)])
-                except Exception as e:  # a layer whose kernel cannot be probed this way (quantized, ...)
-                    out[f"{name}#kernel"] = f"unprobed: {type(e).__name__}"
-                    continue
-                out[f"{name}#kernel"] = _bits_digest(w)
+                    out[f"{name}.{pname}"] = bits_digest(p)
+            if is_linear(module):
+                out[f"{name}#kernel"] = kernel_digest(module)
         return out
 
 

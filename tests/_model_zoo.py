@@ -1,0 +1,86 @@
+"""Tiny random-init checkpoints of the model families RL users train, for the live-refit conformance suite.
+
+``build(family, out)`` writes a bf16 HF checkpoint (``save_pretrained``, safetensors) plus a WordLevel
+tokenizer into ``out``: 2 layers, small widths, the architecture's own config class, so that vLLM loads it
+through the family's own model class and weight loader. ``adamw_step(src, dst)`` writes the same model
+after one real AdamW step (fp32 master weights, served in bf16).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+VOCAB = 512
+WORDS = [
+    "the", "a", "rollout", "trainer", "sends", "weights", "to", "every", "node", "and", "each",
+    "engine", "keeps", "serving", "while", "new", "deltas", "arrive", "policy", "reward", "step",
+    "model", "token", "greedy", "sample", "one", "two", "three", "four", "five", "six", "seven",
+]
+COMMON = dict(vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+LLAMA_LIKE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, initializer_range=0.1, rms_norm_eps=1e-5, **COMMON)
+
+
+def _cfg(cls_name: str, kw: dict[str, Any]) -> Callable[[], Any]:
+    def make():
+        import transformers
+
+        return getattr(transformers, cls_name)(**kw)
+
+    return make
+
+
+# family -> (config factory, model class name)
+FAMILIES: dict[str, tuple[Callable[[], Any], str]] = {
+    "llama": (_cfg("LlamaConfig", dict(LLAMA_LIKE, tie_word_embeddings=False)), "LlamaForCausalLM"),
+    "llama-tied": (_cfg("LlamaConfig", dict(LLAMA_LIKE, tie_word_embeddings=True)), "LlamaForCausalLM"),
+    "qwen2": (_cfg("Qwen2Config", dict(LLAMA_LIKE, tie_word_embeddings=False)), "Qwen2ForCausalLM"),
+    "qwen3": (_cfg("Qwen3Config", dict(LLAMA_LIKE, head_dim=32, tie_word_embeddings=False)), "Qwen3ForCausalLM"),
+    "mistral": (_cfg("MistralConfig", dict(LLAMA_LIKE, tie_word_embeddings=False)), "MistralForCausalLM"),
+    "qwen3-moe": (_cfg("Qwen3MoeConfig", dict(LLAMA_LIKE, head_dim=32, moe_intermediate_size=64, num_experts=8,
+                                              num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
+                                              tie_word_embeddings=False)), "Qwen3MoeForCausalLM"),
+    "mixtral": (_cfg("MixtralConfig", dict(LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2,
+                                           tie_word_embeddings=False)), "MixtralForCausalLM"),
+}
+
+
+def build(family: str, out: str, seed: int = 0) -> str:
+    """A tiny random ``family`` checkpoint (bf16 safetensors and a tokenizer) in ``out``."""
+    import torch
+    import transformers
+
+    make_cfg, cls = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls)(make_cfg()).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    _tokenizer(out)
+    return out
+
+
+def adamw_step(src: str, dst: str, family: str, lr: float = 1e-4, seed: int = 100) -> str:
+    """``dst``: checkpoint ``src`` after one AdamW step on random tokens in fp32, saved in bf16."""
+    import torch
+    import transformers
+
+    _, cls = FAMILIES[family]
+    model = getattr(transformers, cls).from_pretrained(src, torch_dtype=torch.float32)
+    torch.manual_seed(seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    ids = torch.randint(4, len(WORDS) + 4, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    model.eval()
+    model.to(torch.bfloat16).save_pretrained(dst, safe_serialization=True)
+    _tokenizer(dst)
+    return dst
+
+
+def _tokenizer(out: str) -> None:
+    from deltarefit.apps.bench.engine import build_tokenizer
+
+    build_tokenizer(out, WORDS)
+    os.makedirs(out, exist_ok=True)
