@@ -654,3 +654,65 @@ def test_fused_moe_experts_are_placed_slice_by_slice_and_refit_in_place(tmp_path
         want.load_weights(target.items())
     assert _bits(m) == _bits(want)
     assert eng.verify() == eng.fingerprint
+
+
+def test_an_update_whose_kernels_do_not_read_it_back_fails_and_the_same_call_completes_it(chain, monkeypatch):
+    """The read-back through the engine's kernels after the writes (tied copies, reloaded layers) fails:
+    the apply raises, the engine is not at the new version, and the same apply again completes it."""
+    from deltarefit.errors import VerificationError
+
+    m = _loaded(chain["base"])
+    eng = LiveEngine(m, None, chain["dirs"]["base"])
+    base_fp = eng.fingerprint
+    real, calls = LiveEngine._check_derived, {"n": 0}
+
+    def failing_once(self, names, at_init=False, rebuild=True):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise VerificationError("tensor 'embed.weight': injected: its kernel does not read it")
+        return real(self, names, at_init, rebuild)
+
+    monkeypatch.setattr(LiveEngine, "_check_derived", failing_once)
+    with pytest.raises(VerificationError, match="injected"):
+        eng.apply(chain["deltas"]["step-sums"])
+    assert eng.fingerprint == base_fp  # not stamped: the engine is not at the target until shown so
+    rep = eng.apply(chain["deltas"]["step-sums"])
+    assert rep.target_fingerprint == eng.fingerprint != base_fp
+    assert _bits(m) == _bits(_loaded(chain["target"]))
+    assert eng.verify() == eng.fingerprint
+    rep2 = eng.apply(chain["deltas"]["step2-sums"])  # and the next version goes on through held digests
+    assert rep2.check == "held digests" and _bits(m) == _bits(_loaded(chain["target2"]))
+
+
+def test_a_copy_that_crosses_slices_of_a_stacked_parameter_is_not_placed():
+    """Only a box inside one slice ``param[e]`` is a piece of that slice; a copy spanning two experts'
+    slices (rows of a flattened stack) goes to the reload set with its reason."""
+
+    class Across(MoE):
+        def load_weights(self, weights):
+            for name, w in weights:
+                if name == "mlp.gate.weight":
+                    self.mlp.gate.weight.data.copy_(w)
+                else:  # expert 0's gate rows written from the end of slice 0 into slice 1
+                    flat = self.mlp.experts.w13_weight.data.view(E * 2 * I_MOE, H)
+                    flat.narrow(0, 2 * I_MOE - 4, w.shape[0]).copy_(w)
+
+    m = Across()
+    lay = capture_layout(m.load_weights, dict(m.named_parameters()),
+                         {"mlp.experts.0.gate_proj.weight": (torch.bfloat16, (I_MOE, H)),
+                          "mlp.gate.weight": (torch.bfloat16, (E, H))})
+    assert "not one affine box" in lay.reload["mlp.experts.0.gate_proj.weight"]
+    assert [pl.param for pl in lay.placements["mlp.gate.weight"]] == ["mlp.gate.weight"]
+
+
+def test_holders_list_a_tied_parameter_once_per_module_and_nearest_module_walks_up():
+    from deltarefit.engines import kernels
+
+    m = Model()
+    m.head = torch.nn.Module()
+    m.head.weight = m.embed.weight  # tied: one Parameter, two modules
+    by = kernels.holders_of(dict(m.named_modules()))
+    assert sorted(by[m.embed.weight.untyped_storage().data_ptr()]) == [("embed", "weight"), ("head", "weight")]
+    assert len(dict(m.named_parameters())) == 4  # named_parameters lists the tied one once
+    assert kernels.nearest_module(m, "layers.0.qkv_proj")[0] == "layers.0.qkv_proj"
+    assert kernels.nearest_module(m, "layers.0.experts.3.gate_proj")[0] == "layers.0"

@@ -460,10 +460,11 @@ class LiveEngine:
                         out.setdefault(name, []).append((mod_name, pname))
         return out
 
-    def _check_derived(self, names: set[str], at_init: bool = False) -> None:
-        """Rebuild the derived copies of tensors ``names`` (``kernels.rebuild``) and read each back through
-        its kernel: it must multiply with exactly the parameter's values, or ``VerificationError`` names the
-        tensor and the module (``at_init``: ``UsageError``, the engine refused)."""
+    def _check_derived(self, names: set[str], at_init: bool = False, rebuild: bool = True) -> None:
+        """Rebuild the derived copies of tensors ``names`` (``kernels.rebuild``; not with ``rebuild=False``)
+        and read each back through its kernel: it must multiply with exactly the parameter's values, or
+        ``VerificationError`` names the tensor and the module (``at_init``: ``UsageError``, the engine
+        refused)."""
         done: set[str] = set()
         for n in sorted(names):
             for mod_name, pname in self.derived.get(n, ()):
@@ -471,7 +472,8 @@ class LiveEngine:
                     continue
                 done.add(mod_name)
                 mod = self.modules[mod_name]
-                kernels.rebuild(mod)
+                if rebuild:
+                    kernels.rebuild(mod)
                 if kernels.kernel_matches(mod, getattr(mod, pname)) is not True:
                     why = (f"tensor {n!r}: the kernel of {mod_name} keeps its own copy of this tied weight and does "
                            "not read it as written, even after its post-load processing ran again")
@@ -741,7 +743,9 @@ class LiveEngine:
     def verify(self) -> str:
         """Re-hash every tensor where this worker holds it (live placements, and host copies for the
         reload set, whose kernels hold their own packed copies); the fingerprint, or raise. The held
-        additive digests are checked against the weights in the same pass."""
+        additive digests are checked against the weights in the same pass. Then what the kernels compute
+        with: every reloaded layer read back through its kernel against the host copies, and every tied
+        copy a kernel keeps (``kernels``: derived) against its parameter, as they are (nothing rebuilt)."""
         states = {n: state_through(self.target, n) for n in self.target.tensors}
         fp = fingerprint_from_digests({n: s[0] for n, s in states.items()})
         if fp != self.fingerprint:
@@ -750,5 +754,7 @@ class LiveEngine:
         if wrong:
             raise VerificationError(f"tensor {wrong[0]!r}: held additive digest differs from the weights "
                                     f"({len(wrong)} tensors)")
+        self._check_reloaded(sorted({self._layer(n) for n in self.host}))
+        self._check_derived(set(self.derived), rebuild=False)
         return fp
 
