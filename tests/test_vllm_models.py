@@ -29,7 +29,8 @@ from _vllm_env import vllm_processes_env
 pytestmark = pytest.mark.slow
 _env = pytest.fixture(autouse=True)(vllm_processes_env)
 
-PROMPTS = ["the trainer sends weights", "one two three four", "policy reward step model"]
+# As token ids: vLLM picks some families' tokenizer class by model type (Qwen2's ignores the WordLevel one).
+PROMPTS = [[4, 7, 8, 9], [29, 30, 31, 32], [22, 23, 24, 25, 26]]
 # (family, layout, tensor-parallel size)
 CASES = [(f, lay, 1) for f in zoo.FAMILIES for lay in ("prepack", "gpu")] + \
     [(f, "gpu", 2) for f in ("llama", "llama-tied", "qwen3-moe")]
@@ -61,7 +62,8 @@ def _observe(llm) -> tuple[list[list[int]], list[dict[str, str]]]:
     from deltarefit.engines.vllm import engine_digests
 
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    gens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
+    gens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
     return gens, engine_digests(llm)
 
 
@@ -95,6 +97,8 @@ def test_family_refits_bit_exact_at_every_version_or_is_refused_at_init(family, 
 
     if layout == "gpu":
         monkeypatch.setenv("DELTAREFIT_TEST_NO_PREPACK", "1")
+    if tp > 1:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker: vLLM cannot bind by NUMA here
     base = zoo.build(family, str(tmp_path / "v1"))
     v2 = zoo.adamw_step(base, str(tmp_path / "v2"), family, seed=100)
     v3 = zoo.adamw_step(v2, str(tmp_path / "v3"), family, seed=101)

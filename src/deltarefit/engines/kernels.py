@@ -219,6 +219,16 @@ def state_of(modules: list[tuple[str, Any]]) -> dict[str, str]:
     return out
 
 
+def flip_first_bit(t: Any) -> None:
+    """Flip the lowest bit of ``t``'s first element in place (one ulp of a float's magnitude; never a NaN or
+    an infinity from a finite value, the exponent untouched); flipping again restores it."""
+    import torch
+
+    if t.numel():
+        raw = t.view(-1)[:1].view(torch.uint8)  # little-endian: byte 0 holds the lowest bits
+        raw[0] ^= 1
+
+
 def snapshot(modules: list[tuple[str, Any]]) -> list[tuple[Any, Any]]:
     """(tensor, a copy of it) for every parameter and buffer under ``modules``, for ``restore``."""
     return [(t, t.detach().clone()) for _, t in _tensors(modules)]

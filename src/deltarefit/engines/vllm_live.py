@@ -425,6 +425,7 @@ class LiveEngine:
                 self.host[n] = t
         self.modules = modules
         self.derived = derived
+        self._comparable: set[str] = set()  # reload tensors their kernels can be read back against (init)
         self.params = params
         self._storages = {n: (p.untyped_storage().data_ptr(), p.storage_offset()) for n, p in params.items()}
         self._build_target()
@@ -486,7 +487,9 @@ class LiveEngine:
         holds), one layer at a time as updates do, and require what those layers compute with (every
         parameter and buffer, each linear kernel read back) to be unchanged. vLLM's reload must reproduce the
         fresh load bit for bit; where it does not (a kernel format it does not rebuild on reload), the
-        engine's state is put back and the engine refused with ``UsageError`` naming the layer."""
+        engine's state is put back and the engine refused with ``UsageError`` naming the layer. Before that,
+        each layer is reloaded once with one element of every tensor moved by one ulp, and must change: a
+        reload that drops what it is fed would pass the first check and lose every update."""
         if not self.host:
             return
         try:
@@ -497,17 +500,39 @@ class LiveEngine:
         mods = sorted({m for m in (kernels.nearest_module(self.model, key) for key in layers) if m is not None},
                       key=lambda m: m[0])
         before = kernels.state_of(mods)
+        # Which reloaded tensors read back through their kernels as the checkpoint has them: a layer that
+        # multiplies with a transposed copy (GPT-2's Conv1D) does not, and is shown by this check alone.
+        got = kernels.verify_layers(self.model, list(self.host), self.packed, self.host.__getitem__,
+                                    {"verified": [], "mismatched": [], "unverified": []},
+                                    sharded=self.group.size > 1)
+        self._comparable = set(got["verified"])
         saved = kernels.snapshot(mods)
+        deaf = None
         for key in layers:
-            self._reload([n for n in self.host if self._layer(n) == key])
+            names = [n for n in self.host if self._layer(n) == key]
+            # First with one element of each tensor moved by one ulp: the layer must take what it is fed (a
+            # model whose loader writes around vLLM's layerwise reload keeps its old weights, silently).
+            mod = [m for m in (kernels.nearest_module(self.model, key),) if m is not None]
+            s0 = kernels.state_of(mod)
+            for n in names:
+                kernels.flip_first_bit(self.host[n])
+            try:
+                self._reload(names)
+            finally:
+                for n in names:
+                    kernels.flip_first_bit(self.host[n])
+            if kernels.state_of(mod) == s0 and deaf is None:
+                deaf = key
+            self._reload(names)
         after = kernels.state_of(mods)
         wrong = sorted(k for k in before if after.get(k) != before[k])
-        if wrong:
+        if wrong or deaf is not None:
             kernels.restore(saved)
             back = kernels.state_of(mods) == before
-            raise UsageError(f"deltarefit: vLLM's reload does not reproduce the fresh load of {wrong[0]} ({len(wrong)} "
-                             "tensors differ when a layer is reloaded with the weights it holds), so this model "
-                             "cannot be refitted exactly in this engine; "
+            why = (f"vLLM's reload of {deaf} does not take the weights it is fed (changed weights leave it as it "
+                   "was)" if deaf is not None else f"vLLM's reload does not reproduce the fresh load of {wrong[0]} "
+                   f"({len(wrong)} tensors differ when a layer is reloaded with the weights it holds)")
+            raise UsageError(f"deltarefit: {why}, so this model cannot be refitted exactly in this engine; "
                              + ("its weights were put back" if back else "restart it: its weights may be wrong now"))
 
     def _build_target(self) -> None:
@@ -709,13 +734,13 @@ class LiveEngine:
 
     def _check_reloaded(self, layers: list[str]) -> None:
         """Read the layers just reloaded back through their kernels (``kernels.verify_layers``) against the
-        host copies fed to them; a mismatch raises ``VerificationError`` naming the tensor (the engine then
-        stays at the old version, and the same update completes it). What cannot be read back so was
-        shown at init to reload exactly (``_check_reload``)."""
+        host copies fed to them (those that read back so at init); a mismatch raises ``VerificationError``
+        naming the tensor (the engine then stays at the old version, and the same update completes it).
+        What cannot be read back so was shown at init to reload exactly (``_check_reload``)."""
         if not layers:
             return
         want = set(layers)
-        names = [n for n in self.host if self._layer(n) in want]
+        names = [n for n in self.host if self._layer(n) in want and n in self._comparable]
         out = kernels.verify_layers(self.model, names, self.packed, self.host.__getitem__,
                                     {"verified": [], "mismatched": [], "unverified": []}, sharded=self.group.size > 1)
         if out["mismatched"]:

