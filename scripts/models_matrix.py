@@ -38,7 +38,7 @@ def _result(r: dict) -> str:
     return "incomplete (the case failed before comparing)"
 
 
-def render(rows: list[dict], machine: str) -> str:
+def render(rows: list[dict], machine: str, note: str = "") -> str:
     out = ["# Live refit across model families",
            "",
            "Each row is one case of `tests/test_vllm_models.py`, from one run of `make test-vllm-models` "
@@ -56,6 +56,7 @@ def render(rows: list[dict], machine: str) -> str:
            "through vLLM's reload). *GPU layout*: the prepack off and MoE experts left unpacked, run through torch "
            "on `w13`/`w2` as loaded (`tests/_vllm_env.py`): the parameters the kernels read, as on a CUDA engine.",
            "",
+           *([note, ""] if note else []),
            "| family | layout | TP | result | elements in place | reloaded | update v2 / v3 (history) / v4, s |",
            "|---|---|---|---|---|---|---|"]
     reasons: list[tuple[str, str]] = []
@@ -84,12 +85,13 @@ def main() -> None:
     ap.add_argument("rows")
     ap.add_argument("--out", default="docs/MODELS.md")
     ap.add_argument("--machine", default=f"{os.cpu_count()} cores, {_cpu()}")
+    ap.add_argument("--note", default="", help="a line under the method (e.g. what else ran on the machine)")
     a = ap.parse_args()
     rows = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(a.rows, "*.json")))]
     if not rows:
         raise SystemExit(f"{a.rows}: no rows (run make test-vllm-models first)")
     with open(a.out, "w") as f:
-        f.write(render(rows, a.machine))
+        f.write(render(rows, a.machine, a.note))
     print(f"{a.out}: {len(rows)} rows")
 
 
