@@ -181,6 +181,35 @@ def test_io_delta_and_markdown_render_every_row() -> None:
     assert "| 3.50% | in place, planned while serving: the pause | 0.50 (0.50-0.50) | 0.48 |" in md
     assert "the update's pause (what generation waits for) 0.50 s, 12.0x faster than the full reload" in md
     assert "took 0.30 s while the worker planned a 3.5% delta beside it (median over the refits) and 0.20 s" in md
+    assert "a random-init Llama (100.0M parameters" in md and "MLP 2048" in md
+
+    # the MoE model's report names its experts and the share of elements written in place
+    moe = {**res, "model": {**eb.MODELS["qwen3-moe"][2], "params": 1e8, "bytes": 2e8, "family": "qwen3-moe"},
+           "layouts": [{**lay, "in_place_elements": 0.987}]}
+    md = eb.markdown({**moe, "findings": eb.findings(moe)})
+    assert "a random-init Qwen3-MoE (100.0M parameters" in md and "16 experts of 512 in every layer" in md
+    assert "10 checkpoint tensors written in place (98.7% of the elements), 0 through the reload path" in md
+
+
+def test_prompts_are_the_tokenizers_ids_and_the_moe_base_has_expert_tensors(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_tiny_moe(tmp_path))
+    assert eb.prompt_ids() == [[1, *tok(p, add_special_tokens=False)["input_ids"]] for p in eb.PROMPTS]
+    assert all(3 not in ids for ids in eb.prompt_ids())  # every word is in the vocabulary
+
+
+def _tiny_moe(tmp_path: Path) -> str:
+    from safetensors import safe_open
+
+    out = str(tmp_path / "moe")
+    n = eb.build_base(out, dict(eb.MODELS["qwen3-moe"][3], hidden_size=64, moe_intermediate_size=32, head_dim=16,
+                                num_experts=4), model="qwen3-moe")
+    with safe_open(f"{out}/model.safetensors", framework="np") as f:
+        keys = list(f.keys())  # noqa: SIM118
+        assert n == sum(int(np.prod(f.get_slice(k).get_shape())) for k in keys)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in keys and "model.layers.0.mlp.gate.weight" in keys
+    return out
 
 
 def test_main_without_vllm_fails_with_one_line(monkeypatch: pytest.MonkeyPatch, capsys) -> None:

@@ -716,3 +716,19 @@ def test_holders_list_a_tied_parameter_once_per_module_and_nearest_module_walks_
     assert len(dict(m.named_parameters())) == 4  # named_parameters lists the tied one once
     assert kernels.nearest_module(m, "layers.0.qkv_proj")[0] == "layers.0.qkv_proj"
     assert kernels.nearest_module(m, "layers.0.experts.3.gate_proj")[0] == "layers.0"
+
+
+def test_kernel_read_back_takes_zero_for_a_subnormal_weight_and_nothing_else():
+    from deltarefit.engines import kernels
+
+    for dtype in (torch.bfloat16, torch.float16):
+        sub = torch.tensor([torch.finfo(dtype).tiny / 4, -torch.finfo(dtype).tiny / 2], dtype=dtype)
+        assert sub.abs().min() > 0  # representable, not flushed by the tensor itself
+        assert kernels.same_values(torch.zeros(2, dtype=dtype), sub)  # a GEMM that treats subnormals as zero
+        assert kernels.same_values(sub, sub)
+        tiny = torch.tensor([torch.finfo(dtype).tiny, 1.0], dtype=dtype)
+        assert not kernels.same_values(torch.zeros(2, dtype=dtype), tiny)  # the smallest normal is no zero
+        assert not kernels.same_values(torch.zeros(2, dtype=dtype), torch.tensor([0.0, 1e-3], dtype=dtype))
+        assert not kernels.same_values(sub[:1], sub)  # shapes differ
+    nan = torch.tensor([float("nan"), -0.0])
+    assert kernels.same_values(nan, torch.tensor([float("nan"), 0.0]))

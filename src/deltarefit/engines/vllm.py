@@ -36,6 +36,7 @@ from ..apply import apply as apply_delta_to_checkpoint
 from ..checkpoint import open_checkpoint
 from ..errors import DeltaRefitError, UsageError
 from ..format import DeltaReader
+from . import kernels
 from .kernels import bits_digest, is_linear, kernel_digest, verify_layers
 
 log = logging.getLogger(__name__)
@@ -225,6 +226,7 @@ class DeltaRefitWorkerExtension:
                 self.reload_weights(weights_iterator=weights())
             else:  # pragma: no cover - a worker without the wrapper
                 self.model_runner.reload_weights(weights_iterator=weights())
+            kernels.finish_reload(model, sorted({layer_key(n, packed) for n in fed}))
         return fed, state["bytes"], state["completed"]
 
     def deltarefit_reload_all(self, checkpoint_dir: str) -> dict[str, Any]:

@@ -728,11 +728,7 @@ class LiveEngine:
                     yield n, t
 
         reload_weights(self.vllm_config, self.model, weights(), None, True)
-        for key in layers:  # fused MoE layers: the experts' kernel format, which vLLM's reload does not redo
-            found = kernels.nearest_module(self.model, key)
-            if found is not None:
-                for sub in found[1].modules():
-                    kernels.finish_expert_reload(sub)
+        kernels.finish_reload(self.model, layers)
         self._check_storages()
         return layers
 
@@ -767,6 +763,7 @@ class LiveEngine:
                     yield n, handles[info.file].get_tensor(n)
 
             reload_weights(self.vllm_config, self.model, weights(), None, True)
+        kernels.finish_reload(self.model)
         self._build(checkpoint)
 
     def verify(self) -> str:

@@ -48,6 +48,7 @@ from .engine_model import (  # noqa: F401
     BENCH_CONFIG,
     GEN_TOKENS,
     LAYOUTS,
+    MODELS,
     PATHS,
     PROMPTS,
     QUICK_CONFIG,
@@ -62,6 +63,7 @@ from .engine_model import (  # noqa: F401
     perturb_bits,
     perturb_checkpoint,
     prepare,
+    prompt_ids,
     sitecustomize_source,
     summarize,
     version_plan,
@@ -83,7 +85,8 @@ def _generate(llm: Any) -> list[list[int]]:
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids()]
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
 def _generate_seconds(llm: Any) -> float:
@@ -268,6 +271,10 @@ def _layout_result(prep: dict[str, Any], layout: str, t_start: float, desc: dict
             xs.append(changed * prep["params"])
             ys.append(m["split"]["apply"] + m["split"]["reload"])
     title = dict((k, t) for k, _, t in LAYOUTS)[layout]
+    el = prep.get("elements") or {}
+    names_in = desc.pop("in_place_names", [])
+    if el:  # the share of the checkpoint's elements the backend writes in place (the rest is reloaded)
+        desc["in_place_elements"] = sum(el.get(k, 0) for k in names_in) / sum(el.values())
     out = {"layout": layout, "title": title, "seconds_start": t_start, **desc, "rates": rates,
            "warm": {"paths": res["warm"], "same_tokens": all(x == gens["warm"]["inplace"][0] for k in gens["warm"]
                                                              for x in gens["warm"][k])}}
@@ -343,6 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--render", default=None, metavar="JSON",
                     help="no run: write --markdown/--plot from the results a run wrote with --json")
     ap.add_argument("--quick", action="store_true", help="a tiny model, one rate, one round trip (a smoke run)")
+    ap.add_argument("--model", default="llama", choices=sorted(MODELS),
+                    help="the model family: a dense Llama (default) or a Qwen3-MoE whose every layer is sparse")
     args = ap.parse_args(argv)
     import importlib.util
 
@@ -369,13 +378,13 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     import torch
     import vllm
 
-    config = QUICK_CONFIG if args.quick else BENCH_CONFIG
+    config = MODELS[args.model][3] if args.quick else MODELS[args.model][2]
     rates = RATES[-1:] if args.quick else RATES
     work = args.out or tempfile.mkdtemp(prefix="deltarefit-engine-bench-")
     work = os.path.abspath(work)
     os.makedirs(work, exist_ok=True)
     try:
-        prep = prepare(work, config, rates, 1 if args.quick else max(1, args.repeat))
+        prep = prepare(work, config, rates, 1 if args.quick else max(1, args.repeat), model=args.model)
         prep_path = os.path.join(work, "prep.json")
         with open(prep_path, "w") as f:
             json.dump(prep, f)
@@ -383,7 +392,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         cmd = "python -m deltarefit.apps.bench.engine " + " ".join(sys.argv[1:] if argv is None else argv)
         res = {"command": cmd.strip(), "machine": _machine(), "vllm": vllm.__version__,
                "torch": torch.__version__.split("+")[0], "model": {**config, "params": prep["params"],
-                                                                   "bytes": prep["bytes"]},
+                                                                   "bytes": prep["bytes"], "family": args.model},
                "layouts": layouts, "notes": [], "repeat": 1 if args.quick else max(1, args.repeat)}
         res["findings"] = findings(res)
         for s in res["findings"]:

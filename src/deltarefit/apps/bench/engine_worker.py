@@ -70,7 +70,8 @@ def worker_wait_prepared(worker: Any) -> None:
 
 def worker_describe(worker: Any) -> dict[str, Any]:
     d = worker.weight_transfer_engine.live.describe()
-    return {"in_place": len(d["in_place"]), "reload": len(d["reload"]), "host_bytes": d["host_bytes"],
+    return {"in_place": len(d["in_place"]), "in_place_names": d["in_place"], "reload": len(d["reload"]),
+            "host_bytes": d["host_bytes"],
             "seconds_init": d["seconds_init"], "pid": os.getpid(), "threads": d.get("threads")}
 
 
