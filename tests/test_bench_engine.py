@@ -206,7 +206,7 @@ def _tiny_moe(tmp_path: Path) -> str:
     n = eb.build_base(out, dict(eb.MODELS["qwen3-moe"][3], hidden_size=64, moe_intermediate_size=32, head_dim=16,
                                 num_experts=4), model="qwen3-moe")
     with safe_open(f"{out}/model.safetensors", framework="np") as f:
-        keys = list(f.keys())  # noqa: SIM118
+        keys = list(f.keys())
         assert n == sum(int(np.prod(f.get_slice(k).get_shape())) for k in keys)
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in keys and "model.layers.0.mlp.gate.weight" in keys
     return out

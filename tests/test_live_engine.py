@@ -732,3 +732,30 @@ def test_kernel_read_back_takes_zero_for_a_subnormal_weight_and_nothing_else():
         assert not kernels.same_values(sub[:1], sub)  # shapes differ
     nan = torch.tensor([float("nan"), -0.0])
     assert kernels.same_values(nan, torch.tensor([float("nan"), 0.0]))
+
+
+def test_a_loud_move_changes_what_a_quantized_layout_keeps_and_goes_back():
+    from deltarefit.apps.bench.quantized import quantize_fp8, quantize_int8
+    from deltarefit.engines import kernels
+
+    w = (torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
+    before = w.clone()
+    one_ulp = w.clone()
+    one_ulp.view(torch.int16)[0, 0] ^= 1  # what a one-ulp probe would feed: fp8 rounds it away here
+    assert torch.equal(quantize_fp8(one_ulp)[0].view(torch.uint8), quantize_fp8(w)[0].view(torch.uint8))
+    assert torch.equal(quantize_fp8(one_ulp)[1], quantize_fp8(w)[1])
+    back = kernels.move_first_loudly(w)
+    for q in (quantize_fp8, quantize_int8):
+        (c0, s0), (c1, s1) = q(before), q(w)
+        assert not torch.equal(s0[0], s1[0]) and not torch.equal(c0[0].view(torch.uint8), c1[0].view(torch.uint8))
+    assert torch.isfinite(w).all() and w.view(-1)[0] < 0
+    back()
+    assert torch.equal(w.view(torch.int16), before.view(torch.int16))
+    i = torch.arange(6, dtype=torch.int32)
+    back = kernels.move_first_loudly(i)
+    assert i.tolist() == [1, 1, 2, 3, 4, 5]
+    back()
+    assert i.tolist() == list(range(6))
+    huge = torch.tensor([1.0, torch.finfo(torch.bfloat16).max], dtype=torch.bfloat16)
+    kernels.move_first_loudly(huge)
+    assert torch.isfinite(huge).all() and huge[0] < 0

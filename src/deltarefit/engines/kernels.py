@@ -225,14 +225,27 @@ def state_of(modules: list[tuple[str, Any]]) -> dict[str, str]:
     return out
 
 
-def flip_first_bit(t: Any) -> None:
-    """Flip the lowest bit of ``t``'s first element in place (one ulp of a float's magnitude; never a NaN or
-    an infinity from a finite value, the exponent untouched); flipping again restores it."""
+def move_first_loudly(t: Any) -> Callable[[], None]:
+    """Set ``t``'s first element to a value no kernel format can absorb, and return the call that puts it
+    back: minus twice the tensor's largest magnitude, plus one, for a float tensor (a new row and tensor
+    maximum, so a quantized layout's scale and codes change too, where one ulp may round away); the lowest
+    bit flipped otherwise."""
     import torch
 
-    if t.numel():
-        raw = t.view(-1)[:1].view(torch.uint8)  # little-endian: byte 0 holds the lowest bits
-        raw[0] ^= 1
+    if not t.numel():
+        return lambda: None
+    flat = t.view(-1)
+    old = flat[:1].clone()
+    if t.dtype.is_floating_point:
+        big = float(torch.nan_to_num(t.detach().float().abs(), posinf=0.0).max())
+        flat[0] = -min(2 * big + 1, float(torch.finfo(t.dtype).max) / 2)
+    else:
+        flat[:1].view(torch.uint8)[0] ^= 1
+
+    def back() -> None:
+        flat[:1] = old
+
+    return back
 
 
 def snapshot(modules: list[tuple[str, Any]]) -> list[tuple[Any, Any]]:

@@ -488,7 +488,7 @@ class LiveEngine:
         parameter and buffer, each linear kernel read back) to be unchanged. vLLM's reload must reproduce the
         fresh load bit for bit; where it does not (a kernel format it does not rebuild on reload), the
         engine's state is put back and the engine refused with ``UsageError`` naming the layer. Before that,
-        each layer is reloaded once with one element of every tensor moved by one ulp, and must change: a
+        each layer is reloaded once with one element of every tensor moved far, and must change: a
         reload that drops what it is fed would pass the first check and lose every update."""
         if not self.host:
             return
@@ -510,17 +510,17 @@ class LiveEngine:
         deaf = None
         for key in layers:
             names = [n for n in self.host if self._layer(n) == key]
-            # First with one element of each tensor moved by one ulp: the layer must take what it is fed (a
-            # model whose loader writes around vLLM's layerwise reload keeps its old weights, silently).
+            # First with one element of each tensor moved far (``move_first_loudly``: one ulp can round away in
+            # a quantized layout): the layer must take what it is fed (a model whose loader writes around
+            # vLLM's layerwise reload keeps its old weights, silently).
             mod = [m for m in (kernels.nearest_module(self.model, key),) if m is not None]
             s0 = kernels.state_of(mod)
-            for n in names:
-                kernels.flip_first_bit(self.host[n])
+            backs = [kernels.move_first_loudly(self.host[n]) for n in names]
             try:
                 self._reload(names)
             finally:
-                for n in names:
-                    kernels.flip_first_bit(self.host[n])
+                for back in backs:
+                    back()
             # Judged on what can be read: a kernel that cannot be probed (its digest says "unprobed") tells
             # nothing, and a layer with nothing readable is left to the second check.
             seen = {k: v for k, v in s0.items() if not v.startswith("unprobed")}
