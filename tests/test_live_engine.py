@@ -759,3 +759,22 @@ def test_a_loud_move_changes_what_a_quantized_layout_keeps_and_goes_back():
     huge = torch.tensor([1.0, torch.finfo(torch.bfloat16).max], dtype=torch.bfloat16)
     kernels.move_first_loudly(huge)
     assert torch.isfinite(huge).all() and huge[0] < 0
+
+
+def test_capture_never_writes_its_probe_into_a_strided_parameter():
+    # An fp8 kernel keeps its weight as a transposed view (qweight.t()); a square one takes the checkpoint's
+    # shape, so a loader's copy of the probe (uninitialized memory) would land in the live weight.
+    class Transposed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(16, 16).to(torch.float8_e4m3fn).t(), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.weight.data.copy_(t)
+
+    m = Transposed()
+    before = m.weight.detach().clone()
+    lay = capture_layout(m.load_weights, dict(m.named_parameters()), {"weight": (torch.float8_e4m3fn, (16, 16))})
+    assert "strided view" in lay.reload["weight"] and "weight" not in lay.placements
+    assert torch.equal(m.weight.view(torch.uint8), before.view(torch.uint8))

@@ -213,6 +213,9 @@ def _recorder(by_storage: Mapping[int, tuple[str, Any]]) -> type:
                 return func(*args, **kwargs)
             dst = hit[0]
             pname, p = by_storage[_storage_key(dst)]
+            if not p.is_contiguous():  # a transposed or strided view (an fp8 weight kept as qweight.t())
+                self.problem = self.problem or f"{pname} is a strided view, not a contiguous parameter"
+                return dst  # refused, and not executed either: the probe's bytes never reach the engine
             if func is aten.copy_.default:
                 src = args[1]
                 if not isinstance(src, torch.Tensor) or _storage_key(src) != self.probe_key:
@@ -239,9 +242,11 @@ def capture_layout(load: Callable[[Iterable[tuple[str, Any]]], Any], params: Map
     return where each lands in ``params`` (name -> parameter), or why it does not land affinely."""
     import torch
 
+    # Every parameter's storage, strided ones too: a write into any of them is recorded or refused, never
+    # executed (the probe holds no weights).
     by_storage: dict[int, tuple[str, Any]] = {}
-    for pname, p in params.items():
-        if p.numel() and p.is_contiguous():
+    for pname, p in sorted(params.items(), key=lambda kv: not kv[1].is_contiguous()):
+        if p.numel():
             by_storage.setdefault(_storage_key(p), (pname, p))
     recorder = _recorder(by_storage)
     out = CapturedLayout()
