@@ -281,14 +281,20 @@ def fmt_mb(n: float) -> str:
 # ------------------------------------------------------------------------------------ model building
 
 
+def _vocab(words: list[str] | None = None) -> dict[str, int]:
+    """The benchmark tokenizer's vocabulary: four special tokens, then ``words`` (default ``WORDS``)."""
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[UNK]": 3}
+    for w in WORDS if words is None else words:
+        vocab.setdefault(w, len(vocab))
+    return vocab
+
+
 def build_tokenizer(out: str, words: list[str] | None = None) -> None:
     """A whitespace WordLevel tokenizer over ``words`` (default ``WORDS``) and four special tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[UNK]": 3}
-    for w in WORDS if words is None else words:
-        vocab.setdefault(w, len(vocab))
+    vocab = _vocab(words)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]",
@@ -298,9 +304,7 @@ def build_tokenizer(out: str, words: list[str] | None = None) -> None:
 def prompt_ids(words: list[str] | None = None) -> list[list[int]]:
     """``PROMPTS`` as token ids of :func:`build_tokenizer`'s vocabulary (BOS first): the engine is prompted
     by ids, so no model family's tokenizer class can stand in for the checkpoint's own."""
-    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[UNK]": 3}
-    for w in WORDS if words is None else words:
-        vocab.setdefault(w, len(vocab))
+    vocab = _vocab(words)
     return [[1] + [vocab.get(w, 3) for w in p.split()] for p in PROMPTS]
 
 

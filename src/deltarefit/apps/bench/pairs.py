@@ -94,13 +94,8 @@ def make_adamw_pairs(
     out.mkdir(parents=True, exist_ok=True)
     pairs: list[Pair] = []
     for lr in lrs:
-        model, step = adamw_run(lr, seed=seed, batch_size=batch_size, seq_len=seq_len, weight_decay=weight_decay,
-                                proj_dim=proj_dim)
-        for i in range(steps_warmup):
-            log.info("lr %g warm-up step %d: loss %.4f", lr, i, step())
-        base = _served_bf16(model)
-        log.info("lr %g measured step: loss %.4f", lr, step())
-        target = _served_bf16(model)
+        base, target = adamw_served_pair(lr, steps_warmup=steps_warmup, seed=seed, batch_size=batch_size,
+                                         seq_len=seq_len, weight_decay=weight_decay, proj_dim=proj_dim)
         changed = sum(_n_changed(base[k], target[k]) for k in base)
         total = sum(v.numel() for v in base.values())
         bp, tp = out / f"base_lr{lr:g}.safetensors", out / f"target_lr{lr:g}.safetensors"
@@ -109,6 +104,19 @@ def make_adamw_pairs(
         pairs.append(Pair(f"adamw-lr{lr:g}", str(bp), str(tp), total, changed / total))
         log.info("pair %s: %.3f%% of %d elements changed", pairs[-1].name, 100 * changed / total, total)
     return pairs
+
+
+def adamw_served_pair(lr: float, *, steps_warmup: int = 3, seed: int = 0, batch_size: int = 8, seq_len: int = 64,
+                      weight_decay: float = 0.01, proj_dim: int = 16) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(base, target): the served bf16 state dicts before and after one measured AdamW step, taken after
+    ``steps_warmup`` steps of :func:`adamw_run` (the pair ``make_adamw_pairs`` writes)."""
+    model, step = adamw_run(lr, seed=seed, batch_size=batch_size, seq_len=seq_len, weight_decay=weight_decay,
+                            proj_dim=proj_dim)
+    for i in range(steps_warmup):
+        log.info("lr %g warm-up step %d: loss %.4f", lr, i, step())
+    base = _served_bf16(model)
+    log.info("lr %g measured step: loss %.4f", lr, step())
+    return base, _served_bf16(model)
 
 
 def adamw_run(lr: float, *, seed: int, batch_size: int, seq_len: int, weight_decay: float,

@@ -40,7 +40,7 @@ def quantize_fp8(w: Any) -> tuple[Any, Any]:
     import torch
 
     w = w.float()
-    amax = torch.maximum(*(x.abs() for x in w.aminmax(dim=-1, keepdim=True)))
+    amax = w.abs().amax(dim=-1, keepdim=True)
     scale = (amax / torch.tensor(FP8_MAX)).clamp_min(1.0 / (FP8_MAX * 512))
     return (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
@@ -133,7 +133,7 @@ def markdown(rows: dict[str, dict[str, Any]], command: str, machine: str) -> str
 
 def main(argv: Sequence[str] | None = None) -> int:
     from .engine import _machine
-    from .pairs import _served_bf16, adamw_run
+    from .pairs import adamw_served_pair
 
     ap = argparse.ArgumentParser(prog="python -m deltarefit.apps.bench.quantized", description=__doc__.splitlines()[0])
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
@@ -143,12 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = {}
     with tempfile.TemporaryDirectory(prefix="deltarefit-quantized-") as work:
         for lr in args.lrs:
-            model, step = adamw_run(lr, seed=0, batch_size=8, seq_len=64, weight_decay=0.01, proj_dim=16)
-            for _ in range(3):
-                step()
-            base = _served_bf16(model)
-            step()
-            rows[f"{lr:g}"] = r = measure(base, _served_bf16(model), os.path.join(work, f"lr{lr:g}"), args.threads)
+            base, target = adamw_served_pair(lr)
+            rows[f"{lr:g}"] = r = measure(base, target, os.path.join(work, f"lr{lr:g}"), args.threads)
             print(f"lr {lr:g}: bf16 {r['bf16']['codes_changed']:.2%} changed ({r['bf16']['ratio']:.1f}x), fp8 codes "
                   f"{r['fp8']['codes_changed']:.2%} ({r['fp8']['ratio']:.1f}x, rows rescaled "
                   f"{r['fp8']['rows_rescaled']:.2%}), int8 codes {r['int8']['codes_changed']:.2%} "
