@@ -109,3 +109,52 @@ def _tokenizer(out: str) -> None:
 
     build_tokenizer(out, WORDS)
     os.makedirs(out, exist_ok=True)
+
+
+# A pre-quantized checkpoint as llm-compressor writes one for W8A8 int8 (compressed-tensors "int-quantized"):
+# symmetric int8 weights with one scale per output channel, activations quantized per token at run time.
+W8A8_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                              "dynamic": True},
+    }},
+    "ignore": ["lm_head"],
+}
+
+
+def quantize_w8a8(src: str, dst: str) -> str:
+    """``dst``: checkpoint ``src`` with every decoder projection as int8 codes and per-channel scales.
+
+    The codes are ``round(w / s)`` with ``s = amax(|row|) / 127`` in fp32, the scale kept in bf16 (the model's
+    dtype), as llm-compressor's W8A8 scheme stores them; everything else is copied as it is.
+    """
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name.endswith(".safetensors"):
+            out = {}
+            for key, w in load_file(os.path.join(src, name)).items():
+                if key.endswith("_proj.weight") and w.dim() == 2 and ".layers." in key:
+                    scale = (w.float().abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12).to(torch.bfloat16)
+                    out[key] = torch.round(w.float() / scale.float()).clamp(-128, 127).to(torch.int8)
+                    out[key[: -len("weight")] + "weight_scale"] = scale
+                else:
+                    out[key] = w
+            save_file(out, os.path.join(dst, name), metadata={"format": "pt"})
+        elif name == "config.json":
+            with open(os.path.join(src, name)) as f:
+                cfg = json.load(f)
+            cfg["quantization_config"] = W8A8_CONFIG
+            with open(os.path.join(dst, name), "w") as f:
+                json.dump(cfg, f, indent=1)
+        elif os.path.isfile(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    return dst

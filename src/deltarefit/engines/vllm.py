@@ -222,11 +222,12 @@ class DeltaRefitWorkerExtension:
                         seen.add(n)
                         yield n, read(n)
 
-            if hasattr(self, "reload_weights"):
-                self.reload_weights(weights_iterator=weights())
-            else:  # pragma: no cover - a worker without the wrapper
-                self.model_runner.reload_weights(weights_iterator=weights())
-            kernels.finish_reload(model, sorted({layer_key(n, packed) for n in fed}))
+            with kernels.Reloading(model) as reloading:
+                if hasattr(self, "reload_weights"):
+                    self.reload_weights(weights_iterator=weights())
+                else:  # pragma: no cover - a worker without the wrapper
+                    self.model_runner.reload_weights(weights_iterator=weights())
+                reloading.keys = sorted({layer_key(n, packed) for n in fed})
         return fed, state["bytes"], state["completed"]
 
     def deltarefit_reload_all(self, checkpoint_dir: str) -> dict[str, Any]:

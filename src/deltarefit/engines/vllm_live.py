@@ -727,8 +727,8 @@ class LiveEngine:
                 if self._layer(n) in want:
                     yield n, t
 
-        reload_weights(self.vllm_config, self.model, weights(), None, True)
-        kernels.finish_reload(self.model, layers)
+        with kernels.Reloading(self.model, layers):
+            reload_weights(self.vllm_config, self.model, weights(), None, True)
         self._check_storages()
         return layers
 
@@ -753,7 +753,7 @@ class LiveEngine:
         from safetensors import safe_open
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-        with open_checkpoint(checkpoint) as ck, contextlib.ExitStack() as stack:
+        with open_checkpoint(checkpoint) as ck, contextlib.ExitStack() as stack, kernels.Reloading(self.model):
             handles: dict[str, Any] = {}
 
             def weights() -> Iterator[tuple[str, Any]]:
@@ -763,7 +763,6 @@ class LiveEngine:
                     yield n, handles[info.file].get_tensor(n)
 
             reload_weights(self.vllm_config, self.model, weights(), None, True)
-        kernels.finish_reload(self.model)
         self._build(checkpoint)
 
     def verify(self) -> str:
