@@ -345,7 +345,7 @@ class Reloading:
         self._patched: list[Any] = []
 
     def __enter__(self) -> Reloading:
-        for m, names in self.nones.values():
+        for m, _names in self.nones.values():
             qm = getattr(m, "quant_method", None)
             if qm is None or not hasattr(qm, "process_weights_after_loading") or \
                     "process_weights_after_loading" in vars(qm) or any(qm is q for q in self._patched):
