@@ -47,6 +47,25 @@ class CheckpointError(DeltaRefitError):
     exit_code = 4
 
 
+class FileSystemError(DeltaRefitError, OSError):
+    """A local file operation failed: no space left, a read-only filesystem, permission denied, a
+    missing directory, a path that is not what it must be (a directory, a loop of links).
+
+    The message names the operation and the path, and the system's reason (:meth:`of`). Also an
+    ``OSError`` carrying the cause's ``errno``, so that code which handles ``OSError`` still does."""
+
+    exit_code = 12
+
+    @classmethod
+    def of(cls, what: str, e: OSError) -> FileSystemError:
+        """``what`` (``"PATH: cannot write the delta"``) failed with ``e``: one line, its errno kept."""
+        if isinstance(e, FileSystemError):
+            return e
+        err = cls(f"{what} ({e.strerror or e})")
+        err.errno = e.errno
+        return err
+
+
 class BaseMismatchError(DeltaRefitError):
     """The checkpoint is not the base this delta applies to (wrong tensor, dtype, shape or bytes).
 
