@@ -1,0 +1,181 @@
+"""Filesystem faults end as one line, and a rerun with the fault lifted ends bit-exact.
+
+Real faults, real processes: each case mounts a tmpfs (root only; skipped with the reason elsewhere)
+and fills it to leave a given number of bytes free, or remounts it read-only, or takes the write bit
+away (the child ``python -m deltarefit`` then runs without ``CAP_DAC_OVERRIDE``, so root is refused
+too; as another user it is refused anyway). The harness is ``deltarefit.apps.bench.fs_faults``, which
+the hostile bench's "filesystem faults" section runs too. Each case asserts:
+
+* a failed run exits non-zero with exactly one line on stderr, naming a path, no traceback;
+* nothing is called "verified" that is not the version;
+* no committed version of the store misses a part;
+* the same command rerun with the fault lifted ends with the bytes of the version (the checkpoint, the
+  delta applied, or what a new subscriber syncs from the store).
+
+The default cases are the ones that ended in a traceback (or a wrong diagnosis, or a failed publish
+that had committed) before; the whole sweep (every command, fault and fill level) is ``slow``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from deltarefit.apps.bench import fs_faults as F
+
+MOUNT = F.mount_refusal()
+needs_mount = pytest.mark.skipif(MOUNT is not None, reason=f"needs a real tmpfs: {MOUNT}")
+
+
+def _deny_refusal() -> str | None:
+    """None where a child can be refused a write: any user but root; root that can drop its DAC
+    capabilities in the child."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        subprocess.run([sys.executable, "-c", "pass"], preexec_fn=F._drop_dac, check=True, capture_output=True)
+        return None
+    except (subprocess.SubprocessError, OSError) as e:
+        return f"root cannot drop CAP_DAC_OVERRIDE in a child here ({e})"
+
+
+DENY = _deny_refusal()
+needs_deny = pytest.mark.skipif(DENY is not None, reason=f"permission denied for this test: {DENY}")
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory) -> F.Fixture:
+    return F.make_fixture(str(tmp_path_factory.mktemp("fs-faults-fixture")))
+
+
+def check(o: F.Outcome) -> None:
+    """The assertions every case makes (module docstring)."""
+    assert not o.traceback, f"{o.case.name}: traceback:\n{o.stderr}"
+    if o.rc != 0:
+        lines = o.stderr.splitlines()
+        assert len(lines) == 1 and "/" in lines[0], f"{o.case.name}: exit {o.rc}, stderr not one line naming a " \
+                                                    f"path:\n{o.stderr}"
+        assert lines[0].startswith("deltarefit: error: "), o.stderr
+    assert not o.false_verified, f"{o.case.name}: said verified, the bytes are not the version"
+    assert o.missing_parts == 0, f"{o.case.name}: {o.missing_parts} parts of committed versions missing"
+    assert not o.unfinished, f"{o.case.name}: {o.unfinished}"
+
+
+def run(fx: F.Fixture, tmp_path, command: str, fault: str, level: float | None = None) -> F.Outcome:
+    o = F.run_case(fx, F.Case(command, fault, level), str(tmp_path))
+    check(o)
+    return o
+
+
+# ------------------------------------------------------------------------------------ disk full
+
+
+@needs_mount
+@pytest.mark.parametrize(("command", "level"), [
+    ("apply", 0.0),     # the journal's write: a traceback without a path
+    ("encode", 0.0),    # the delta writer's abort hid the error behind its own close
+    ("sync", 0.0),      # the staged part's write
+    ("sync-new", 1.5),  # the keyframe copied beside the checkpoint
+    ("publish", 0.0),   # the staged delta
+])
+def test_disk_full_is_one_line_and_a_rerun_finishes(fx, tmp_path, command, level):
+    o = run(fx, tmp_path, command, "full", level)
+    assert o.rc != 0 and "No space left on device" in o.stderr, o.stderr
+
+
+@needs_mount
+def test_an_error_without_a_path_names_the_command_and_what_it_writes(fx, tmp_path):
+    o = run(fx, tmp_path, "apply", "full", 0.0)
+    assert o.rc == 12, o.stderr  # FileSystemError
+    assert o.stderr.startswith("deltarefit: error: apply: writing ") and "ckpt.safetensors" in o.stderr, o.stderr
+
+
+@needs_mount
+def test_a_short_write_of_a_staged_part_is_a_full_disk_not_a_corrupt_delta(fx, tmp_path):
+    # 20 KB free for a 45 KB part: the kernel takes part of a write and reports no error; the bytes
+    # not written read back as zeros, which was reported as "payload hash mismatch (corrupt delta)".
+    o = run(fx, tmp_path, "sync", "full", 0.01)
+    assert o.rc == 12 and "No space left on device" in o.stderr and "corrupt" not in o.stderr, o.stderr
+    assert "cannot write the staged part" in o.stderr, o.stderr
+
+
+@needs_mount
+@pytest.mark.parametrize("level", [0.5, 1.0])
+def test_a_committed_publish_whose_state_cannot_follow_exits_0_with_one_warning(fx, tmp_path, level):
+    # Room for the parts and the commit, not for the baseline's copy: the version is out (a new
+    # subscriber syncs it, checked by run()), so the publish succeeded; the state follows next run.
+    o = run(fx, tmp_path, "publish", "full", level)
+    assert o.rc == 0, o.stderr
+    lines = o.stderr.splitlines()
+    assert len(lines) == 1 and "version 3 is committed" in lines[0] and "No space left" in lines[0], o.stderr
+
+
+# ------------------------------------------------------------------------------------ read-only
+
+
+@needs_mount
+@pytest.mark.parametrize("command", ["encode", "retain", "apply", "sync", "publish"])
+def test_read_only_filesystem_is_one_line_and_a_rerun_finishes(fx, tmp_path, command):
+    o = run(fx, tmp_path, command, "read-only")
+    assert o.rc != 0 and "Read-only file system" in o.stderr, o.stderr
+
+
+# ------------------------------------------------------------------------------------ permission denied
+
+
+@needs_deny
+@pytest.mark.parametrize("command", ["encode", "retain", "apply", "sync", "publish"])
+def test_permission_denied_is_one_line_and_a_rerun_finishes(fx, tmp_path, command):
+    o = run(fx, tmp_path, command, "denied")
+    assert o.rc != 0 and "Permission denied" in o.stderr, o.stderr
+
+
+@needs_deny
+def test_a_checkpoint_without_write_permission_is_refused_in_one_line(fx, tmp_path):
+    o = run(fx, tmp_path, "apply", "file-denied")
+    assert o.rc != 0 and "Permission denied" in o.stderr and "ckpt.safetensors" in o.stderr, o.stderr
+
+
+# ------------------------------------------------------------------------------------ paths that are not what they must be
+
+
+def test_paths_that_cannot_be_written_are_one_line(fx, tmp_path):
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_bytes(b"")
+    os.symlink("loop", tmp_path / "loop")
+    v1, v2 = fx.steps[1], fx.steps[2]
+    cases = [
+        (["encode", v1, v2, "-o", str(tmp_path / "adir")], "Is a directory"),
+        (["compose", fx.delta, "--base", v1, "-o", str(tmp_path / "adir")], "Is a directory"),
+        (["publish", str(tmp_path / "store"), v2, "--state", str(tmp_path / "afile")], "File exists"),
+        (["keygen", str(tmp_path / "afile" / "k")], "Not a directory"),
+        (["apply", fx.delta, str(tmp_path / "missing" / "ck")], "No such file or directory"),
+        (["sync", fx.store, str(tmp_path / "afile" / "ck")], "Not a directory"),
+    ]
+    for args, why in cases:
+        r = F.cli(args)
+        lines = r.stderr.splitlines()
+        assert r.rc != 0 and len(lines) == 1 and why in lines[0] and "Traceback" not in r.stderr, (args, r.stderr)
+    assert os.path.isdir(tmp_path / "adir") and not os.listdir(tmp_path / "adir")
+
+
+# ------------------------------------------------------------------------------------ the sweep
+
+
+@pytest.mark.slow
+@needs_mount
+@needs_deny
+def test_every_command_fault_and_fill_level(fx, tmp_path):
+    outs = []
+    for case in F.cases():
+        d = tmp_path / case.name
+        d.mkdir()
+        outs.append(F.run_case(fx, case, str(d)))
+    bad = [(o.case.name, o.stderr[-300:], o.unfinished) for o in outs if not o.ok]
+    assert not bad, bad
+    s = F.summary(outs)
+    assert s["cases"] == len(F.cases()) and s["tracebacks"] == 0 and s["false verified"] == 0
+    assert s["peak RSS (MiB)"] < 256
