@@ -453,3 +453,47 @@ def summary(outs: list[Outcome]) -> dict[str, int]:
         "half-written, rerun cannot finish": sum(bool(o.unfinished) for o in outs),
         "peak RSS (MiB)": max((o.peak_rss for o in outs), default=0) // MIB,
     }
+
+
+# ------------------------------------------------------------------------------------ the bench section
+
+
+def table(outs: list[Outcome]) -> list[str]:
+    """The section's rows: one per command and fault (the fill levels of "full" counted together),
+    then the totals; every figure counted from ``outs``."""
+    cols = ("cases", "failed runs", "false verified", "committed versions with missing parts", "tracebacks",
+            "errors not one line", "half-written, rerun cannot finish", "peak RSS (MiB)")
+    short = ("cases", "failed", "false verified", "missing parts", "tracebacks", "not 1 line", "unfinished",
+             "peak MiB")
+    lines = [f"{'command':<10} {'fault':<12} " + " ".join(f"{h:>{max(len(h), 5)}}" for h in short)]
+    groups: dict[tuple[str, str], list[Outcome]] = {}
+    for o in outs:
+        groups.setdefault((o.case.command, o.case.fault), []).append(o)
+    for (cmd, fault), got in [*groups.items(), (("all", ""), outs)]:
+        s = summary(got)
+        lines.append(f"{cmd:<10} {fault:<12} " + " ".join(f"{s[c]:>{max(len(h), 5)}}" for c, h in zip(cols, short,
+                                                                                                  strict=True)))
+    return lines
+
+
+def section(levels=LEVELS) -> None:
+    """Print the hostile bench's "filesystem faults" section: the sweep, counted by command and fault,
+    and the cases that went wrong (each with its last stderr line)."""
+    refused = mount_refusal()
+    faults = FAULTS if refused is None else tuple(f for f in FAULTS if f not in ("full", "read-only"))
+    print(f"\nfilesystem faults: {', '.join(COMMANDS)} as python -m deltarefit children; a tmpfs "
+          f"{'filled to leave ' + ', '.join(f'{lv:g}' for lv in levels) + ' checkpoints free, remounted read-only, ' if refused is None else ''}"
+          f"write permission taken away (no DAC capabilities); then the fault lifted and the command rerun"
+          + (f" (no tmpfs cases: {refused})" if refused else ""))
+    with tempfile.TemporaryDirectory(prefix="deltarefit-fs-faults-") as work:
+        t0 = time.perf_counter()
+        outs = sweep(work, cases(faults=faults, levels=levels))
+        seconds = time.perf_counter() - t0
+    for line in table(outs):
+        print(line)
+    for o in outs:
+        if not o.ok:
+            last = (o.stderr.splitlines() or [""])[-1]
+            print(f"  {o.case.name}: exit {o.rc}; {o.unfinished or 'see stderr'}: {last[:160]}")
+    print(f"({len(outs)} cases, a {CKPT_MIB:g} MiB checkpoint, {seconds:.0f} s; peak RSS is the faulted child's "
+          "VmHWM, all of it before and after trust)")
