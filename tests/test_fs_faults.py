@@ -179,3 +179,73 @@ def test_every_command_fault_and_fill_level(fx, tmp_path):
     s = F.summary(outs)
     assert s["cases"] == len(F.cases()) and s["tracebacks"] == 0 and s["false verified"] == 0
     assert s["peak RSS (MiB)"] < 256
+
+
+# ------------------------------------------------------------------------------------ names that are not UTF-8
+
+
+def _cli_bytes(*args: bytes) -> tuple[int, list[str], str]:
+    p = subprocess.run([sys.executable, b"-m", b"deltarefit", *args], capture_output=True, env=F.ENV, check=False,
+                       timeout=120)
+    return p.returncode, p.stderr.decode(errors="replace").strip().splitlines(), p.stdout.decode(errors="replace")
+
+
+def test_paths_that_are_not_utf8_work(fx, tmp_path):
+    # os.fsencode names: the bytes \xff, \xfe are no UTF-8; Python carries them as surrogates, which
+    # str.encode() refuses (the subscriber's default id hashed its path so, and every sync crashed).
+    d = os.fsencode(tmp_path) + b"/d\xff"
+    os.mkdir(d)
+    ck, store, sub = d + b"/c\xfe.safetensors", d + b"/store\xfd", d + b"/s\xfc.safetensors"
+    with open(fx.steps[1], "rb") as f, open(ck, "wb") as g:
+        g.write(f.read())
+    v1, v2 = os.fsencode(fx.steps[1]), os.fsencode(fx.steps[2])
+    for args in ([b"encode", ck, v2, b"-o", d + b"/x\xfb.delta"], [b"apply", d + b"/x\xfb.delta", ck],
+                 [b"publish", store, v1], [b"publish", store, ck], [b"sync", store, sub], [b"log", store],
+                 [b"retain", store]):
+        rc, err, _ = _cli_bytes(*args)
+        assert rc == 0 and not err, (args, err)
+    assert F.sha(ck) == F.sha(fx.steps[2]) and F.sha(sub) == F.sha(fx.steps[2])
+
+
+def _safetensors_with_names(path: str, names: list[bytes]) -> None:
+    """One BF16 tensor of 8 elements per raw JSON name (quotes included), the header written by hand."""
+    entries = [n + b':{"dtype":"BF16","shape":[8],"data_offsets":[%d,%d]}' % (16 * i, 16 * i + 16)
+               for i, n in enumerate(names)]
+    h = b"{" + b",".join(entries) + b"}"
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(len(h).to_bytes(8, "little") + h + bytes(16 * len(names)))
+
+
+@pytest.mark.parametrize(("name", "says"), [
+    (b'"w\xff"', "not UTF-8 text (byte 0xff at offset"),
+    (b'"w\\ud800"', "'w\\ud800' is not Unicode text (an unpaired surrogate escape)"),
+    (b'"\\udc80"', "'\\udc80' is not Unicode text"),
+])
+def test_tensor_names_that_are_not_text_are_one_line(tmp_path, name, says):
+    bad, good = str(tmp_path / "bad.safetensors"), str(tmp_path / "good.safetensors")
+    _safetensors_with_names(bad, [name, b'"b"'])
+    _safetensors_with_names(good, [b'"w"', b'"b"'])
+    for args in (["fingerprint", bad], ["encode", good, bad, "-o", str(tmp_path / "x.delta")],
+                 ["publish", str(tmp_path / "store"), bad]):
+        r = F.cli(args)
+        lines = r.stderr.splitlines()
+        assert r.rc == 4 and len(lines) == 1 and says in lines[0] and bad in lines[0], (args, r.stderr)
+    assert not os.path.exists(tmp_path / "x.delta")
+
+
+def test_a_delta_naming_a_tensor_with_an_unpaired_surrogate_is_one_line(tmp_path):
+    from _pairs import Delta, write_pair
+
+    base, target = write_pair(tmp_path, n_tensors=1, shape=(64, 256))
+    good, bad = str(tmp_path / "good.delta"), str(tmp_path / "bad.delta")
+    assert F.cli(["encode", base, target, "-o", good]).rc == 0
+    d = Delta.load(good)
+    next(t for t in d.manifest["tensors"] if t["name"] == "frozen.bias")["name"] = "frozen.bias\ud800"
+    d.write(bad)  # every hash consistent: only the name is wrong
+    before = F.sha(base)
+    for args in (["inspect", bad], ["apply", bad, base]):
+        r = F.cli(args)
+        lines = r.stderr.splitlines()
+        assert r.rc == 3 and len(lines) == 1 and "is not Unicode text" in lines[0], (args, r.stderr)
+    assert F.sha(base) == before

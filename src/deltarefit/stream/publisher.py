@@ -483,4 +483,4 @@ def default_state_dir(store: str) -> str:
     if "://" not in store or store.startswith("file://"):
         return os.path.join(os.path.abspath(store.removeprefix("file://")), ".publisher")
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "deltarefit", "publisher-" + blake3.blake3(store.encode()).hexdigest(8))
+    return os.path.join(cache, "deltarefit", "publisher-" + blake3.blake3(os.fsencode(store)).hexdigest(8))
