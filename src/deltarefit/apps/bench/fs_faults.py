@@ -5,7 +5,7 @@ child.
 Each case puts what the command writes (the checkpoint, the delta, the store) on a tmpfs mounted for
 the case (root only), fills it with a filler file to leave ``level`` bytes free (a sweep of levels
 makes ENOSPC strike at different points of the command), or remounts it read-only, or takes away the
-write permission (the child then runs without ``CAP_DAC_OVERRIDE``, so root obeys it too). After
+write permission (of the directory, of the files only, or of the history book only) (the child then runs without ``CAP_DAC_OVERRIDE``, so root obeys it too). After
 the faulted run the fault is lifted and the same command runs again. A case is judged on real
 outcomes:
 
@@ -16,6 +16,8 @@ outcomes:
   missing or short;
 * ``unfinished``: the rerun with the fault lifted does not end bit-exact (a half-written file it
   cannot finish);
+* ``failed_at_target``: an apply or sync that exited non-zero although the checkpoint holds its
+  target, verified (a step after the apply failed: the history book, the version record);
 * ``peak_rss``: the faulted child's peak resident memory (its VmHWM).
 
 Used by ``bench.hostile`` (the "filesystem faults" section) and by ``tests/test_fs_faults.py``.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -39,9 +42,10 @@ from .relay import ENV, write_checkpoint
 
 MIB = 1 << 20
 CKPT_MIB = 2.0  # two 1 MiB chunks: an apply writes in more than one place
-# "sync" follows a delta from the version before the head; "sync-new" installs a keyframe, then a delta.
-COMMANDS = ("apply", "encode", "sync", "sync-new", "publish", "retain")
-FAULTS = ("full", "read-only", "denied", "file-denied")
+# "sync" follows a delta from the version before the head; "sync-new" installs a keyframe, then a delta;
+# "sync-history" follows a delta coded with history, its book beside the checkpoint.
+COMMANDS = ("apply", "encode", "sync", "sync-new", "sync-history", "publish", "retain")
+FAULTS = ("full", "read-only", "denied", "file-denied", "book-denied")  # book-denied: sync-history only
 # Free bytes left on the tmpfs, as fractions of a checkpoint: from nothing to enough for most steps.
 LEVELS = (0.0, 0.01, 0.05, 0.25, 0.5, 1.0, 1.5, 2.5)
 
@@ -184,13 +188,15 @@ def sha_or_none(path: str) -> str | None:
 
 @dataclass
 class Fixture:
-    """Three checkpoints (v0, v1, v2), the delta v1 -> v2, and a store on plain disk holding them as
-    versions 1 (keyframe), 2 (keyframe) and 3 (delta)."""
+    """Three checkpoints (v0, v1, v2), the delta v1 -> v2, and two stores on plain disk holding them
+    as versions 1, 2, 3: ``store`` as a keyframe, a keyframe and a delta, ``history_store`` as a
+    keyframe and two deltas coded with history."""
 
     root: str
     steps: list[str]
     delta: str
     store: str
+    history_store: str
 
     @property
     def size(self) -> int:
@@ -214,7 +220,11 @@ def make_fixture(root: str) -> Fixture:
     pub = Publisher(store, os.path.join(root, "publisher"), keyframe_every=2)
     for p in steps:
         pub.publish(p)
-    return Fixture(root, steps, delta, store)
+    history_store = os.path.join(root, "store-history")
+    pub = Publisher(history_store, os.path.join(root, "publisher-history"), history=True)
+    for p in steps:
+        pub.publish(p)
+    return Fixture(root, steps, delta, store, history_store)
 
 
 # ------------------------------------------------------------------------------------ the cases
@@ -242,6 +252,7 @@ class Outcome:
     false_verified: bool = False
     missing_parts: int = 0
     unfinished: str = ""  # why the rerun did not end bit-exact, or ""
+    failed_at_target: bool = False  # exited non-zero with the checkpoint verified at its target
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -291,6 +302,10 @@ class _Plan:
             from ...stream.subscriber import sync
 
             sync(fx.store, os.path.join(fs, "ckpt.safetensors"), to_version=2)
+        elif self.command == "sync-history":
+            from ...stream.subscriber import sync
+
+            sync(fx.history_store, os.path.join(fs, "ckpt.safetensors"), to_version=2)
         elif self.command == "publish":
             from ...stream.publisher import Publisher
 
@@ -309,14 +324,16 @@ class _Plan:
             "encode": ["encode", fx.steps[1], fx.steps[2], "-o", os.path.join(fs, "out.delta")],
             "sync": ["sync", fx.store, ck],
             "sync-new": ["sync", fx.store, ck],
+            "sync-history": ["sync", fx.history_store, ck],
             "publish": ["publish", os.path.join(fs, "store"), fx.steps[2]],
             "retain": ["retain", os.path.join(fs, "store"), "--orphan-grace", "0"],
         }[self.command]
 
-    def check(self, fs: str) -> str:
-        """Why what the command wrote is not the version ("" when it is)."""
+    def check(self, fs: str, *, rerun: bool = True) -> str:
+        """Why what the command wrote is not the version ("" when it is). The publisher's own state is
+        judged after the rerun only: a publish that committed may leave it to the next run."""
         fx = self.fx
-        if self.command in ("apply", "sync", "sync-new"):
+        if self.command.startswith(("apply", "sync")):
             got = sha_or_none(os.path.join(fs, "ckpt.safetensors"))
             return "" if got == self.want else "the checkpoint is not the target"
         if self.command == "encode":
@@ -339,6 +356,15 @@ class _Plan:
         store = os.path.join(fs, "store")
         if missing_parts(store):
             return "a committed version has missing parts"
+        if self.command == "publish" and rerun:  # the publisher's state followed (the next publish builds on it)
+            state = os.path.join(store, ".publisher")
+            try:
+                with open(os.path.join(state, "publisher.json")) as f:
+                    version = json.load(f)["version"]
+            except (OSError, ValueError, KeyError) as e:
+                return f"no publisher state ({e})"
+            if version != 3 or sha_or_none(os.path.join(state, "baseline.safetensors")) != self.want:
+                return f"the publisher's state is at version {version}, its baseline not the version"
         # What a new subscriber gets from the store is the version (publish: v2's bytes; retain: the head).
         sub = os.path.join(self.work, f"check-{self.command}.safetensors")
         from ...stream.subscriber import sync
@@ -356,7 +382,7 @@ class _Plan:
 
     def verified_claim_false(self, run: Run, fs: str) -> bool:
         """The run said "verified" while the bytes it names are not the version."""
-        return "verified" in run.stdout and self.command in ("apply", "sync", "sync-new") and self.check(fs) != ""
+        return "verified" in run.stdout and self.command.startswith(("apply", "sync")) and self.check(fs) != ""
 
 
 def _one_line(run: Run) -> bool:
@@ -382,9 +408,11 @@ def run_case(fx: Fixture, case: Case, work: str, *, budget: int | None = None) -
             filler = fill(fs, int((case.level or 0.0) * fx.size))
         elif case.fault == "read-only":
             remount(fs, "ro")
+        elif case.fault == "book-denied":  # only the history book beside the checkpoint
+            modes = deny(os.path.join(fs, "ckpt.safetensors.deltarefit-history"))
         else:
             modes = deny(fs, files_only=case.fault == "file-denied")
-        run = cli(plan.args(fs), unprivileged=case.fault in ("denied", "file-denied"))
+        run = cli(plan.args(fs), unprivileged=case.fault.endswith("denied"))
         out = Outcome(case, run.rc, run.stderr.strip(), run.peak_rss)
         out.traceback = "Traceback" in run.stderr
         if run.rc != 0:
@@ -393,10 +421,11 @@ def run_case(fx: Fixture, case: Case, work: str, *, budget: int | None = None) -
         if case.fault == "read-only":
             remount(fs, "rw")
         out.false_verified = plan.verified_claim_false(run, fs)
+        out.failed_at_target = run.rc != 0 and case.command.startswith(("apply", "sync")) and plan.check(fs) == ""
         if case.command in ("publish", "retain"):
             out.missing_parts = missing_parts(os.path.join(fs, "store"))
-        if run.rc == 0 and not out.unfinished:
-            why = plan.check(fs)
+        if run.rc == 0:
+            why = plan.check(fs, rerun=False)
             if why:
                 out.unfinished = f"exit 0, but {why}"
         # The fault lifted: a rerun must finish the job.
@@ -421,6 +450,8 @@ def cases(commands=COMMANDS, faults=FAULTS, levels=LEVELS) -> list[Case]:
     out = []
     for c in commands:
         for f in faults:
+            if f == "book-denied" and c != "sync-history":
+                continue
             for lv in (levels if f == "full" else (None,)):
                 out.append(Case(c, f, lv))
     return out
@@ -446,6 +477,7 @@ def summary(outs: list[Outcome]) -> dict[str, int]:
     return {
         "cases": len(outs),
         "failed runs": sum(o.rc != 0 for o in outs),
+        "failed with the target reached": sum(o.failed_at_target for o in outs),
         "false verified": sum(o.false_verified for o in outs),
         "committed versions with missing parts": sum(o.missing_parts > 0 for o in outs),
         "tracebacks": sum(o.traceback for o in outs),
@@ -461,9 +493,9 @@ def summary(outs: list[Outcome]) -> dict[str, int]:
 def table(outs: list[Outcome]) -> list[str]:
     """The section's rows: one per command and fault (the fill levels of "full" counted together),
     then the totals; every figure counted from ``outs``."""
-    cols = ("cases", "failed runs", "false verified", "committed versions with missing parts", "tracebacks",
+    cols = ("cases", "failed runs", "failed with the target reached", "false verified", "committed versions with missing parts", "tracebacks",
             "errors not one line", "half-written, rerun cannot finish", "peak RSS (MiB)")
-    short = ("cases", "failed", "false verified", "missing parts", "tracebacks", "not 1 line", "unfinished",
+    short = ("cases", "failed", "at target", "false verified", "missing parts", "tracebacks", "not 1 line", "unfinished",
              "peak MiB")
     lines = [f"{'command':<10} {'fault':<12} " + " ".join(f"{h:>{max(len(h), 5)}}" for h in short)]
     groups: dict[tuple[str, str], list[Outcome]] = {}
