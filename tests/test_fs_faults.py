@@ -195,6 +195,15 @@ def test_every_command_fault_and_fill_level(fx, tmp_path):
     assert s["peak RSS (MiB)"] < 256
 
 
+def test_a_reader_that_closed_stdout_is_one_line(fx):
+    # `deltarefit log STORE | head -1`: the write to the closed pipe was a BrokenPipeError traceback.
+    p = subprocess.Popen([sys.executable, "-m", "deltarefit", "log", fx.store, "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=F.ENV)
+    p.stdout.close()  # long before the child has imported anything
+    err = p.stderr.read().decode()
+    assert p.wait(60) == 12 and err == "deltarefit: error: log: stdout (Broken pipe)\n", err
+
+
 # ------------------------------------------------------------------------------------ names that are not UTF-8
 
 

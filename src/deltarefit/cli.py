@@ -132,7 +132,11 @@ def _os_error(e: OSError, where: str | None) -> FileSystemError:
     ctx = click.get_current_context(silent=True)
     op = ctx.command_path.removeprefix("deltarefit ") if ctx is not None else "deltarefit"
     paths = [os.fsdecode(p) for p in (e.filename, e.filename2) if p is not None]
-    if not paths and where is not None:
+    if not paths and isinstance(e, BrokenPipeError):  # `deltarefit log | head`: the reader left
+        # What is still buffered for stdout would fail again at exit, as a second message.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        paths = ["stdout"]
+    elif not paths and where is not None:
         paths = [f"writing {where}"]
     return FileSystemError.of(f"{op}: {' -> '.join(paths) or '(no path given)'}", e)
 
