@@ -113,6 +113,41 @@ def test_a_committed_publish_whose_state_cannot_follow_exits_0_with_one_warning(
     assert len(lines) == 1 and "version 3 is committed" in lines[0] and "No space left" in lines[0], o.stderr
 
 
+@needs_mount
+def test_a_key_that_does_not_fit_is_not_left_half_written(tmp_path):
+    # The key file was created, then its write failed: an empty key that every rerun refused as existing.
+    fs = str(tmp_path / "fs")
+    with F.tmpfs(fs, 1 << 20):
+        filler = F.fill(fs, 0)
+        keys = [(["keygen", f"{fs}/key"], f"{fs}/key"), (["relay", "keygen", f"{fs}/rkey"], f"{fs}/rkey")]
+        for args, key in keys:
+            r = F.cli(args)
+            lines = r.stderr.splitlines()
+            assert r.rc == 12 and len(lines) == 1 and key in lines[0] and "No space left" in lines[0], r.stderr
+            assert not os.path.exists(key) and not os.path.exists(key + ".pub")
+        os.unlink(filler)
+        for args, key in keys:
+            assert F.cli(args).rc == 0 and os.path.getsize(key) > 0
+
+
+@needs_mount
+def test_a_file_written_whole_names_itself_when_it_does_not_fit(fx, tmp_path):
+    # A sync at the head rewrites its version record; the write failed with no path, at the close.
+    fs = str(tmp_path / "fs")
+    with F.tmpfs(fs, 8 * fx.size):
+        from deltarefit.stream.subscriber import sync
+
+        ck = f"{fs}/ckpt.safetensors"
+        sync(fx.store, ck)
+        filler = F.fill(fs, 0)
+        r = F.cli(["sync", fx.store, ck])
+        assert r.rc != 0 and r.stderr == f"deltarefit: error: {ck}.deltarefit-version.json: cannot write (No space " \
+                                          "left on device)\n", r.stderr
+        os.unlink(filler)
+        r = F.cli(["sync", fx.store, ck])
+        assert r.rc == 0 and F.sha(ck) == F.sha(fx.steps[2]), r.stderr
+
+
 # ------------------------------------------------------------------------------------ read-only
 
 

@@ -126,7 +126,7 @@ def _ckpt_bytes(path: str) -> int:
 
 def _os_error(e: OSError, where: str | None) -> FileSystemError:
     """A filesystem fault no layer below named (disk full, read-only, permission denied, ...) as the
-    one-line error of the command running: ``sync: PATH: No space left on device``. The path is the
+    one-line error of the command running: ``sync: PATH (No space left on device)``. The path is the
     error's own (both, for a copy or a rename); an error without one (a write to an open file) names
     ``where``, what the command writes."""
     ctx = click.get_current_context(silent=True)
