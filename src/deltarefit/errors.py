@@ -52,7 +52,8 @@ class FileSystemError(DeltaRefitError, OSError):
     missing directory, a path that is not what it must be (a directory, a loop of links).
 
     The message names the operation and the path, and the system's reason (:meth:`of`). Also an
-    ``OSError`` carrying the cause's ``errno``, so that code which handles ``OSError`` still does."""
+    ``OSError`` carrying the cause's ``errno`` and ``strerror``, so that code which handles ``OSError``
+    still does (not its subclasses: a missing directory is no longer a ``FileNotFoundError``)."""
 
     exit_code = 12
 
@@ -62,8 +63,11 @@ class FileSystemError(DeltaRefitError, OSError):
         if isinstance(e, FileSystemError):
             return e
         err = cls(f"{what} ({e.strerror or e})")
-        err.errno = e.errno
+        err.errno, err.strerror = e.errno, e.strerror  # for code that reads them off any OSError
         return err
+
+    def __str__(self) -> str:  # the message, not OSError's "[Errno N] strerror"
+        return str(self.args[0]) if self.args else ""
 
 
 class BaseMismatchError(DeltaRefitError):
