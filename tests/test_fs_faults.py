@@ -35,8 +35,9 @@ def _deny_refusal() -> str | None:
     capabilities in the child."""
     if os.geteuid() != 0:
         return None
+    argv, pre = F.unprivileged_argv([sys.executable, "-c", "pass"])
     try:
-        subprocess.run([sys.executable, "-c", "pass"], preexec_fn=F._drop_dac, check=True, capture_output=True)
+        subprocess.run(argv, preexec_fn=pre, check=True, capture_output=True)
         return None
     except (subprocess.SubprocessError, OSError) as e:
         return f"root cannot drop CAP_DAC_OVERRIDE in a child here ({e})"

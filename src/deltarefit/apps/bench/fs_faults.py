@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from .hostile import _MEASURED  # the child reports its own peak (VmHWM)
 from .relay import ENV, write_checkpoint
 
 MIB = 1 << 20
@@ -48,20 +49,6 @@ COMMANDS = ("apply", "encode", "sync", "sync-new", "sync-history", "publish", "r
 FAULTS = ("full", "read-only", "denied", "file-denied", "book-denied")  # book-denied: sync-history only
 # Free bytes left on the tmpfs, as fractions of a checkpoint: from nothing to enough for most steps.
 LEVELS = (0.0, 0.01, 0.05, 0.25, 0.5, 1.0, 1.5, 2.5)
-
-# The child reports its own peak (VmHWM), as in bench.hostile.measure.
-_MEASURED = """import atexit, runpy, sys
-out = sys.argv.pop(1)
-def report():
-    with open('/proc/self/status') as f:
-        hwm = next(int(line.split()[1]) for line in f if line.startswith('VmHWM:'))
-    with open(out, 'w') as f:
-        f.write(str(hwm * 1024))
-atexit.register(report)
-sys.argv[0] = 'deltarefit'
-runpy.run_module('deltarefit', run_name='__main__', alter_sys=True)
-"""
-
 
 # ------------------------------------------------------------------------------------ the machinery
 
@@ -116,13 +103,27 @@ def fill(path: str, leave: int) -> str:
     return filler
 
 
+_DAC_CAPS = ("dac_override", "dac_read_search", "fowner")  # capability numbers 1, 2, 3
+
+
 def _drop_dac() -> None:
     """In the child, before exec: drop the capabilities that let root ignore file permissions, so a
-    directory without its write bit refuses root too (EACCES, as for any other user)."""
+    directory without its write bit refuses root too (EACCES, as for any other user). Used where
+    ``setpriv`` is missing (a ``preexec_fn`` is not safe in a parent with threads)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2, 3):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+    for cap in (1, 2, 3):
         if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def unprivileged_argv(argv: list[str]) -> tuple[list[str], Callable[[], None] | None]:
+    """``argv`` run without the DAC capabilities when this process is root: (argv, preexec_fn)."""
+    if os.geteuid() != 0:
+        return argv, None
+    setpriv = shutil.which("setpriv")
+    if setpriv:
+        return [setpriv, "--bounding-set", ",".join(f"-{c}" for c in _DAC_CAPS), "--", *argv], None
+    return argv, _drop_dac
 
 
 def deny(path: str, *, files_only: bool = False) -> list[tuple[str, int]]:
@@ -149,13 +150,14 @@ class Run:
 def cli(args: list[str], *, unprivileged: bool = False, timeout: float = 120.0) -> Run:
     """``python -m deltarefit ARGS`` in a child (without DAC capabilities if ``unprivileged`` and root):
     exit code, output, its peak RSS and wall time."""
-    pre = _drop_dac if unprivileged and os.geteuid() == 0 else None
     with tempfile.TemporaryDirectory(prefix="deltarefit-measure-") as d:
         peak_file = os.path.join(d, "peak")
+        argv, pre = [sys.executable, "-c", _MEASURED, peak_file, *args], None
+        if unprivileged:
+            argv, pre = unprivileged_argv(argv)
         t0 = time.perf_counter()
         try:
-            p = subprocess.run([sys.executable, "-c", _MEASURED, peak_file, *args], capture_output=True, env=ENV,
-                               timeout=timeout, preexec_fn=pre, check=False)
+            p = subprocess.run(argv, capture_output=True, env=ENV, timeout=timeout, preexec_fn=pre, check=False)
             rc, out, err = p.returncode, p.stdout, p.stderr
         except subprocess.TimeoutExpired as e:
             rc, out, err = -9, e.stdout or b"", e.stderr or b""
