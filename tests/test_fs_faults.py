@@ -308,3 +308,20 @@ def test_a_delta_naming_a_tensor_with_an_unpaired_surrogate_is_one_line(tmp_path
         lines = r.stderr.splitlines()
         assert r.rc == 3 and len(lines) == 1 and "is not Unicode text" in lines[0], (args, r.stderr)
     assert F.sha(base) == before
+
+
+def test_the_bench_section_counts_each_figure_from_the_outcomes():
+    def out(command, fault, **kw):
+        return F.Outcome(F.Case(command, fault), kw.pop("rc", 1), "x", kw.pop("peak", 1 << 20), **kw)
+
+    outs = [out("apply", "denied"), out("apply", "denied", traceback=True, not_one_line=True),
+            out("sync", "denied", rc=0, false_verified=True), out("publish", "denied", missing_parts=2),
+            out("sync", "denied", unfinished="after the rerun the checkpoint is not the target", peak=300 << 20),
+            out("sync", "book-denied", failed_at_target=True)]
+    s = F.summary(outs)
+    assert s == {"cases": 6, "failed runs": 5, "failed with the target reached": 1, "false verified": 1,
+                 "committed versions with missing parts": 1, "tracebacks": 1, "errors not one line": 0,
+                 "half-written, rerun cannot finish": 1, "peak RSS (MiB)": 300}
+    rows = F.table(outs)
+    assert rows[-1].split() == ["all", "6", "5", "1", "1", "1", "1", "0", "1", "300"]
+    assert rows[1].split() == ["apply", "denied", "2", "2", "0", "0", "0", "1", "0", "0", "1"]

@@ -499,13 +499,13 @@ def table(outs: list[Outcome]) -> list[str]:
             "errors not one line", "half-written, rerun cannot finish", "peak RSS (MiB)")
     short = ("cases", "failed", "at target", "false verified", "missing parts", "tracebacks", "not 1 line", "unfinished",
              "peak MiB")
-    lines = [f"{'command':<10} {'fault':<12} " + " ".join(f"{h:>{max(len(h), 5)}}" for h in short)]
+    lines = [f"{'command':<13} {'fault':<12} " + " ".join(f"{h:>{max(len(h), 5)}}" for h in short)]
     groups: dict[tuple[str, str], list[Outcome]] = {}
     for o in outs:
         groups.setdefault((o.case.command, o.case.fault), []).append(o)
     for (cmd, fault), got in [*groups.items(), (("all", ""), outs)]:
         s = summary(got)
-        lines.append(f"{cmd:<10} {fault:<12} " + " ".join(f"{s[c]:>{max(len(h), 5)}}" for c, h in zip(cols, short,
+        lines.append(f"{cmd:<13} {fault:<12} " + " ".join(f"{s[c]:>{max(len(h), 5)}}" for c, h in zip(cols, short,
                                                                                                   strict=True)))
     return lines
 
