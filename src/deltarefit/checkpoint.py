@@ -102,11 +102,22 @@ def _is_count(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0
 
 
+class _NotText(ValueError):
+    """A string of the JSON that is no Unicode text: a ``\\ud800`` escape without its pair."""
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
             raise ValueError(f"duplicate key {brief(k)}")
+        # JSON escapes can spell a lone surrogate; such a name cannot be hashed, written to a manifest
+        # or rewritten (UTF-8 has no encoding for it), so it is refused here, once, with its name.
+        for s in (k, v) if isinstance(v, str) else (k,):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _NotText(f"{ascii(s)[:80]} is not Unicode text (an unpaired surrogate escape)") from None
         out[k] = v
     return out
 
@@ -120,8 +131,15 @@ def _load_json(raw: bytes, what: str, max_depth: int, *, arrays_of_numbers: bool
     if problem:
         raise CheckpointError(f"{what} {problem}")
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{what} is not valid JSON: not UTF-8 text (byte {raw[e.start]:#04x} at offset "
+                              f"{e.start})") from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _NotText as e:
+        raise CheckpointError(f"{what}: {e}") from None
+    except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{what} is not valid JSON: {e}") from None
 
 

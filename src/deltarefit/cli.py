@@ -19,6 +19,9 @@ parentheses). Usage errors too are one line, exit 2, click's own included.
                              (AuthError, BadPartError)
     11   LockedError         locked: another run holds the checkpoint or the publisher state (the
                              message names its pid)
+    12   FileSystemError     filesystem: a local file could not be written or read (disk full, read-only,
+                             permission denied, a missing directory); the line names the operation and
+                             the path
     130  interrupted
 """
 
@@ -34,7 +37,7 @@ from contextlib import contextmanager
 import click
 
 from . import __version__
-from .errors import DeltaRefitError
+from .errors import DeltaRefitError, FileSystemError
 
 log = logging.getLogger("deltarefit")
 
@@ -121,9 +124,35 @@ def _ckpt_bytes(path: str) -> int:
         return sum(t.nbytes for t in ck.tensors.values())
 
 
-def _run(fn: Callable[[], None]) -> None:
+def _os_error(e: OSError, where: str | None) -> FileSystemError:
+    """A filesystem fault no layer below named (disk full, read-only, permission denied, ...) as the
+    one-line error of the command running: ``sync: PATH (No space left on device)``. The path is the
+    error's own (both, for a copy or a rename); an error without one (a write to an open file) names
+    ``where``, what the command writes."""
+    ctx = click.get_current_context(silent=True)
+    op = ctx.command_path.removeprefix("deltarefit ") if ctx is not None else "deltarefit"
+    paths = [os.fsdecode(p) for p in (e.filename, e.filename2) if p is not None]
+    if not paths and isinstance(e, BrokenPipeError):  # `deltarefit log | head`: the reader left
+        # What is still buffered for stdout would fail again at exit, as a second message.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        paths = ["stdout"]
+    elif not paths and where is not None:
+        paths = [f"writing {where}"]
+    return FileSystemError.of(f"{op}: {' -> '.join(paths) or '(no path given)'}", e)
+
+
+def _run(fn: Callable[[], None], *, where: str | None = None) -> None:
+    """Run a command's body: its errors as one line ``deltarefit: error: ...`` and their exit codes.
+    ``where``: the path the command writes, named by a filesystem error that names none."""
     try:
-        fn()
+        try:
+            fn()
+        except OSError as e:
+            if isinstance(e, DeltaRefitError):
+                raise
+            # Not a traceback: the operator can act on "disk full at PATH" (and nothing was called
+            # verified that was not: each layer verifies before it reports).
+            raise _os_error(e, where) from None
     except DeltaRefitError as e:
         click.echo(f"deltarefit: error: {e}", err=True)
         sys.exit(e.exit_code)
@@ -211,7 +240,7 @@ def encode(base: str, target: str, output: str, history_dir: str | None, threads
                        f"{rep.seconds:.2f} s")
             click.echo(f"target fingerprint {rep.target_fingerprint}")
 
-    _run(go)
+    _run(go, where=output)
 
 
 @main.command(epilog=APPLY_EXAMPLES)
@@ -253,7 +282,7 @@ def apply(delta: str, checkpoint: str, history_dir: str | None, threads: int | N
                        f"{rep.chunks_recovered} recovered){tensors} in {rep.seconds:.2f} s; "
                        f"fingerprint {rep.target_fingerprint} verified")
 
-    _run(go)
+    _run(go, where=checkpoint)
 
 
 @main.command()
@@ -357,7 +386,7 @@ def compose(deltas, output, base, quiet) -> None:
         click.echo(f"{output}: {rep.delta_bytes:,} bytes, {len(deltas)} deltas composed, target "
                    f"{rep.target_fingerprint}")
 
-    _run(go)
+    _run(go, where=output)
 
 
 

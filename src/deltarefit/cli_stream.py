@@ -122,7 +122,7 @@ def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, full
             click.echo(f"{checkpoint}: version {rep.version} up to date (files unchanged since verified at version "
                        f"{rep.version}; --verify hashes them) fingerprint {rep.fingerprint}")
 
-    _run(go)
+    _run(go, where=checkpoint)
 
 
 @main.command("log")

@@ -47,6 +47,29 @@ class CheckpointError(DeltaRefitError):
     exit_code = 4
 
 
+class FileSystemError(DeltaRefitError, OSError):
+    """A local file operation failed: no space left, a read-only filesystem, permission denied, a
+    missing directory, a path that is not what it must be (a directory, a loop of links).
+
+    The message names the operation and the path, and the system's reason (:meth:`of`). Also an
+    ``OSError`` carrying the cause's ``errno`` and ``strerror``, so that code which handles ``OSError``
+    still does (not its subclasses: a missing directory is no longer a ``FileNotFoundError``)."""
+
+    exit_code = 12
+
+    @classmethod
+    def of(cls, what: str, e: OSError) -> FileSystemError:
+        """``what`` (``"PATH: cannot write the delta"``) failed with ``e``: one line, its errno kept."""
+        if isinstance(e, FileSystemError):
+            return e
+        err = cls(f"{what} ({e.strerror or e})")
+        err.errno, err.strerror = e.errno, e.strerror  # for code that reads them off any OSError
+        return err
+
+    def __str__(self) -> str:  # the message, not OSError's "[Errno N] strerror"
+        return str(self.args[0]) if self.args else ""
+
+
 class BaseMismatchError(DeltaRefitError):
     """The checkpoint is not the base this delta applies to (wrong tensor, dtype, shape or bytes).
 

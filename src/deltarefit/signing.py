@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from .errors import SignatureError, UsageError
+from .fsutil import write_new
 
 
 class SignableRecord:
@@ -46,11 +47,12 @@ def keygen(private_path: str) -> str:
     priv = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
     pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(priv)
-    with open(private_path + ".pub", "wb") as f:
-        f.write(pub)
+    write_new(private_path, priv)
+    try:
+        write_new(private_path + ".pub", pub, mode=0o644)
+    except OSError:
+        os.unlink(private_path)  # a key without its public half: none, so that a rerun makes both
+        raise
     return private_path + ".pub"
 
 

@@ -112,7 +112,9 @@ class DeltaReader:
         if problem:
             raise LimitError(f"{p}: manifest {problem}")
         try:
-            man = json.loads(man_raw.decode("utf-8"))
+            man = json.loads(man_raw.decode("utf-8"), object_pairs_hook=_text_only)
+        except _NotText as e:
+            raise FormatError(f"{p}: manifest: {e}") from None
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             # ValueError covers JSONDecodeError and integers past Python's digit limit; RecursionError
             # deep nesting. Hostile manifests must fail as format errors, not crash the reader.
@@ -302,3 +304,20 @@ def _tensor_entry(t: Any, where: str) -> TensorEntry:
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 for x in ints):
         raise FormatError(f"{where}: changed/first/count must be non-negative integers below 2**62, got {brief(ints)}")
     return TensorEntry(t["name"], op, base, target, *ints)
+
+
+class _NotText(ValueError):
+    pass
+
+
+def _text_only(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A manifest object, refused where a key or a string holds an unpaired surrogate escape: JSON
+    can spell one, UTF-8 cannot encode it, so a tensor so named could be neither hashed, looked up
+    in a checkpoint, nor written."""
+    for k, v in pairs:
+        for s in (k, v) if isinstance(v, str) else (k,):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _NotText(f"{ascii(s)[:80]} is not Unicode text (an unpaired surrogate escape)") from None
+    return dict(pairs)

@@ -16,7 +16,7 @@ from typing import Any
 
 import zstandard
 
-from ..errors import LimitError
+from ..errors import FileSystemError, LimitError
 from ..fsutil import fsync_dir
 from ..integrity import seg_hash
 from ..jsonlimits import json_shape_problem
@@ -46,8 +46,11 @@ class DeltaWriter:
         self.tmp = f"{path}.tmp-{os.getpid()}"
         _remove_stale_temps(path)
         # Payloads average a few KiB: a 1 MiB buffer makes their writes a few large system calls.
-        self._f = open(self.tmp, "wb", buffering=1 << 20)
-        self._f.write(bytes(HEADER_SIZE))
+        try:
+            self._f = open(self.tmp, "wb", buffering=1 << 20)
+            self._f.write(bytes(HEADER_SIZE))
+        except OSError as e:
+            raise FileSystemError.of(f"{self.tmp}: cannot write the delta", e) from None
         self._off = 0
         # Records go straight into the packed table: the encoder adds one per changed MiB, on the thread
         # that also feeds its workers, so a record costs one struct.pack and no object.
@@ -56,7 +59,10 @@ class DeltaWriter:
 
     def add_chunk(self, tensor_index: int, chunk_index: int, encoding: int, n_changed: int, payload: bytes,
                   decoded_len: int, pre_hash: bytes, post_hash: bytes) -> None:
-        self._f.write(payload)
+        try:
+            self._f.write(payload)
+        except OSError as e:
+            raise FileSystemError.of(f"{self.tmp}: cannot write the delta", e) from None
         self._table += _pack_record(tensor_index, chunk_index, encoding, n_changed, self._off, len(payload),
                                     decoded_len, seg_hash(payload), pre_hash, post_hash)
         self.n_records += 1
@@ -82,31 +88,38 @@ class DeltaWriter:
             raise LimitError(f"{self.path}: manifest of {raw_len} bytes compresses to {len(man)}, past the "
                              f"expansion readers accept ({manifest_limit(len(man))} bytes)")
         table = bytes(self._table)
-        self._f.write(man)
-        self._f.write(table)
         payload_off = HEADER_SIZE
         man_off = payload_off + self._off
         head = HEADER.pack(MAGIC, VERSION, FLAG_MANIFEST_ZSTD, HEADER_SIZE, payload_off, self._off, man_off, len(man),
                            man_off + len(man), len(table), seg_hash(man + table), ZERO_HASH)
         head = head[:-16] + seg_hash(head[:-16])
-        self._f.seek(0)
-        self._f.write(head)
-        self._f.flush()
-        if self.durable:
-            os.fsync(self._f.fileno())
         size = man_off + len(man) + len(table)
-        self._f.close()
-        os.replace(self.tmp, self.path)
+        try:
+            self._f.write(man)
+            self._f.write(table)
+            self._f.seek(0)
+            self._f.write(head)
+            self._f.flush()
+            if self.durable:
+                os.fsync(self._f.fileno())
+            self._f.close()
+        except OSError as e:
+            raise FileSystemError.of(f"{self.tmp}: cannot write the delta", e) from None
+        try:
+            os.replace(self.tmp, self.path)
+        except OSError as e:
+            raise FileSystemError.of(f"{self.path}: cannot rename the delta into place from {self.tmp}", e) from None
         if self.durable:
             fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         return size
 
     def abort(self) -> None:
-        try:
+        # The close flushes bytes that are being thrown away: its failure (the disk that filled up and
+        # made the encode abort) must not replace the error that aborted it.
+        with contextlib.suppress(OSError):
             self._f.close()
-        finally:
-            if os.path.exists(self.tmp):
-                os.unlink(self.tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tmp)
 
 
 def _remove_stale_temps(path: str) -> None:

@@ -33,7 +33,7 @@ def run_root(store: str, *, listen: str, key_file: str, fanout: int = 2, rate: s
     key = load_key(key_file)
     origin = open_store(store)
     if mirror is None:
-        h = hashlib.sha256(f"{origin.url}|{listen}".encode()).hexdigest()[:12]
+        h = hashlib.sha256(os.fsencode(f"{origin.url}|{listen}")).hexdigest()[:12]
         mirror = os.path.join(os.path.expanduser("~"), ".cache", "deltarefit", f"relay-root-{h}")
     relay = Relay(key=key, listen=listen, mirror=mirror, node_id=node_id, fanout=fanout, rate=parse_rate(rate),
                   origin=origin, poll=poll)

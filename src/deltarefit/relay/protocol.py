@@ -45,6 +45,7 @@ import blake3
 
 from ..errors import AuthError, DeltaRefitError, ProtocolError, UsageError
 from ..errors import BadPartError as BadPartError  # defined there, re-exported
+from ..fsutil import write_new
 from ..transport.ratelimit import TokenBucket
 
 MAGIC = b"DRRELAY1"
@@ -81,9 +82,7 @@ def load_key(path: str) -> bytes:
 
 def write_key(path: str) -> None:
     """Write a new random key (64 hex digits) to ``path``, readable by its owner only."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(os.urandom(32).hex())
+    write_new(path, os.urandom(32).hex().encode())
 
 
 def _session_keys(key: bytes, nc: bytes, ns: bytes) -> tuple[bytes, bytes]:

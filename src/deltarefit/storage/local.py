@@ -217,8 +217,13 @@ class LocalStore(StoreBase):
         return sorted(removed)
 
     def delete(self, key: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path(key))
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StoreError(f"{path}: delete failed ({e.strerror})") from None
 
 
 def _write_file(path: str, data: bytes) -> None:

@@ -21,6 +21,7 @@ passes is renamed to its staged name by ``ArrivingPart.verified``, where a rerun
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 from collections import deque
@@ -28,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import blake3
 
+from ..errors import FileSystemError
 from ..format import (
     HEADER,
     HEADER_SIZE,
@@ -115,7 +117,10 @@ class ArrivingPart:
 
     def _stream(self, pool: ThreadPoolExecutor, cancel: threading.Event) -> None:
         size = self.part.bytes
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as e:
+            raise FileSystemError.of(f"{self.path}: cannot stage the part {self.part.key}", e) from None
         try:
             os.ftruncate(fd, size)
             h = blake3.blake3()
@@ -162,7 +167,7 @@ class ArrivingPart:
                 if len(data) != n:
                     raise StreamError(f"{self.where}: part does not match its commit record (the object is "
                                       f"{'longer' if len(data) > n else 'shorter'} than its {size} bytes)")
-                os.pwrite(fd, data, off)
+                _pwrite_all(fd, data, off, self.path)
                 if h is not None:
                     h.update(data)
                 if off == start:
@@ -259,3 +264,17 @@ class PartDownloads:
         """Stop at the next read (the sync is unwinding) and wait for the thread."""
         self._cancel.set()
         self._thread.join()
+
+
+def _pwrite_all(fd: int, data: bytes, off: int, path: str) -> None:
+    """All of ``data`` at ``off``: a full disk may take part of a write and report no error (a short
+    write), and the bytes not written would read back as zeros."""
+    view = memoryview(data)
+    try:
+        while view:
+            n = os.pwrite(fd, view, off)
+            if n == 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            view, off = view[n:], off + n
+    except OSError as e:
+        raise FileSystemError.of(f"{path}: cannot write the staged part", e) from None

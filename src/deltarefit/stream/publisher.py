@@ -33,7 +33,7 @@ import blake3
 from ..checkpoint import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
 from ..encode import encode as encode_delta
-from ..errors import PublishError, UsageError
+from ..errors import DeltaRefitError, PublishError, UsageError
 from ..fsutil import write_atomic
 from ..history_book import HistoryBook
 from ..locks import lock_path_beside, locked_method
@@ -311,7 +311,14 @@ class Publisher(BaselineMixin, AttemptsMixin):
             start_over(self.staged_moves_path)
             HistoryBook(self.staged_moves_path).commit(fp, rep.moves, parent=None)
         pending = self._upload_and_commit(rec, attempt, checkpoint)
-        self._after_commit(rec, checkpoint, rep, pending)
+        try:
+            self._after_commit(rec, checkpoint, rep, pending)
+        except (OSError, DeltaRefitError) as e:
+            # The version is committed (subscribers sync to it): this publish succeeded, and failing it
+            # would have a caller publish again what is out already. What did not follow is local
+            # state that ``recover`` finishes from pending.json on the next run (a full disk freed).
+            log.warning("%s: version %d is committed, but the publisher state in %s could not follow it (%s); "
+                        "the next publish finishes that first", self.store.url, version, self.state_dir, e)
         log.info("published version %d (%s, %d bytes)", version, rec.kind, rec.part_bytes)
         return rec
 
@@ -476,4 +483,4 @@ def default_state_dir(store: str) -> str:
     if "://" not in store or store.startswith("file://"):
         return os.path.join(os.path.abspath(store.removeprefix("file://")), ".publisher")
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "deltarefit", "publisher-" + blake3.blake3(store.encode()).hexdigest(8))
+    return os.path.join(cache, "deltarefit", "publisher-" + blake3.blake3(os.fsencode(store)).hexdigest(8))

@@ -154,7 +154,7 @@ class Subscriber:
         self.checkpoint = os.path.abspath(checkpoint)
         import blake3
 
-        self.id = subscriber_id or f"{os.uname().nodename}-{blake3.blake3(self.checkpoint.encode()).hexdigest(4)}"
+        self.id = subscriber_id or f"{os.uname().nodename}-{blake3.blake3(os.fsencode(self.checkpoint)).hexdigest(4)}"
         if not self.id.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise UsageError(f"subscriber id {self.id!r}: use letters, digits, '-', '_' and '.' only")
         self.verifier = Verifier(public_key) if public_key else None

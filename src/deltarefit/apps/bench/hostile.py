@@ -17,7 +17,13 @@ wall time.
 Then it starts a ``deltarefit relay root`` on an empty store, opens ``--connections`` connections to
 it on loopback that never authenticate (each completes the handshake, declares the largest frame
 and floods bytes for ``--seconds``), and prints the root's RSS before and its peak after, and how many
-connections it answered BUSY. Figures are printed, never asserted; the tests assert generous bounds
+connections it answered BUSY.
+Then the "filesystem faults" section (``fs_faults``, ``--no-fs-faults`` skips it): ``apply``,
+``encode``, ``sync``, ``publish`` and ``retain`` on a full tmpfs (a sweep of fill levels), a
+read-only one and a directory they may not write, each rerun with the fault lifted; by command and
+fault, the cases, false "verified", committed versions with missing parts, tracebacks, half-written
+results a rerun cannot finish and the peak memory (root mounts the tmpfs; other users get the
+permission cases only). Figures are printed, never asserted; the tests assert generous bounds
 with the same helpers.
 """
 
@@ -305,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--connections", type=int, default=40)
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--no-fs-faults", action="store_true", help="Skip the filesystem-faults section.")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="deltarefit-hostile-") as tmp:
         print(f"{'case':<44} {'input':>10} {'rc':>3} {'peak RSS':>10} {'time':>7}  refusal")
@@ -330,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{f['rss_before'] / MIB:.0f} MiB before, peak {f['hwm_after'] / MIB:.0f} MiB after "
               f"(+{(f['hwm_after'] - f['rss_before']) / MIB:.0f} MiB); {f['hello']} got a handshake, "
               f"{f['busy']} were answered BUSY; {f['sent'] / MIB:.1f} MiB sent to it")
+        if not a.no_fs_faults:
+            from .fs_faults import section
+
+            section()
         print(f"machine: {os.cpu_count()} cores, python {sys.version.split()[0]}")
     return 0
 
