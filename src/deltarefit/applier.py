@@ -96,6 +96,9 @@ class ApplyReport:
     # them this process decoded for the group (``HeldPlans._plan_split``).
     split_chunks: int = 0
     split_decoded: int = 0
+    # The checkpoint files' identity (``Checkpoint.identity``) from the handles the apply verified
+    # through, taken after its last write; empty where the target has no files (set by ``apply``).
+    identity: tuple = ()
 
 
 def _matches(info: object, meta: TensorMeta) -> bool:

@@ -20,7 +20,14 @@ import numpy as np
 
 # The protocol's names, re-exported for callers that import them from here.
 from .applier import DEFAULT_CACHE_BYTES, Applier, ApplyReport, _ChunkPlan, _TensorPlan, run_apply  # noqa: F401
-from .checkpoint import INDEX_NAME, Checkpoint, TensorSource, open_checkpoint, write_safetensors
+from .checkpoint import (
+    INDEX_NAME,
+    Checkpoint,
+    TensorSource,
+    check_not_replaced,
+    open_checkpoint,
+    write_safetensors,
+)
 from .errors import UsageError, VerificationError
 from .format import DeltaReader, TensorEntry, TensorMeta
 from .history_book import HistoryBook, MovesRecorder
@@ -259,7 +266,20 @@ def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None,
                             before_write=before_write, history=history, moves=moves)
             rep.structural_ops = {n: ops[n] for n in rep.structural if n in ops}
             ck.flush()
+            # The identity of what was verified: the handles written through, not what the path
+            # names after the fact (another process may have renamed a file over it meanwhile).
+            ident = None if rep.structural else ck.identity()
         journal.remove()
+        if ident is None:
+            # A structural rewrite renamed new files in, which ``ck`` never opened: hash them as they
+            # are now, their identity taken before the hash from the handles hashed.
+            with open_checkpoint(checkpoint_path) as again:
+                got, _, ident = again.hash_with_identity(threads=threads)
+            if got != d.target_fingerprint:
+                raise VerificationError(f"{checkpoint_path}: fingerprint after the rewrite {got[:16]}… is not the "
+                                        f"delta's target {d.target_fingerprint[:16]}… (changed by another process?)")
+        check_not_replaced(ident, f"applied and verified {os.path.basename(delta_path)}")
+        rep.identity = ident
         if history is not None and moves is not None:
             history.advance(d, moves)
     log.info("applied %s to %s: %d chunks (%d skipped, %d recovered), %d tensors added/removed/replaced in %.2f s",

@@ -58,6 +58,7 @@ __all__ = [
     "fingerprint_checkpoint",
     "is_checkpoint",
     "open_checkpoint",
+    "replaced_since",
     "write_safetensors",
 ]
 
@@ -289,6 +290,14 @@ class Checkpoint:
             out.append((path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         return tuple(out)
 
+    def hash_with_identity(self, *, threads: int | None = None) -> tuple[str, dict[str, bytes], tuple]:
+        """``fingerprint_checkpoint`` of this checkpoint, and its ``identity`` taken before the hash from
+        the handles that were hashed: a write during the hash changes the identity, so it is never
+        recorded for bytes the hash did not see."""
+        ident = self.identity()
+        fp, digests = fingerprint_checkpoint(self, threads=threads)
+        return fp, digests, ident
+
     def files(self) -> list[str]:
         """Absolute paths of the safetensors files, in shard order."""
         return list(self._files)
@@ -325,6 +334,31 @@ class Checkpoint:
     def __repr__(self) -> str:
         mode = "rw" if self.writable else "r"
         return f"Checkpoint({self.path!r}, {len(self.tensors)} tensors, {len(self._files)} files, {mode})"
+
+
+def replaced_since(identity: tuple) -> str | None:
+    """The first file of ``identity`` (``Checkpoint.identity``) whose path no longer names the inode
+    that was opened (renamed over, deleted, replaced by a copy), or None. Bytes verified through an
+    open handle are the path's only while this holds: check it before calling them the path's."""
+    for path, dev, ino, *_ in identity:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return path
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            return path
+    return None
+
+
+def check_not_replaced(identity: tuple, what: str) -> None:
+    """Raise ``VerificationError`` (one line, naming the file) if ``replaced_since(identity)``."""
+    gone = replaced_since(identity)
+    if gone is not None:
+        from .errors import VerificationError
+
+        raise VerificationError(f"{gone}: {what}, but the path no longer names the file that was verified "
+                                "(replaced or removed meanwhile by another process); nothing recorded, run "
+                                "again")
 
 
 # A plan: (absolute file, label for messages, names the index maps to it or None for "all").

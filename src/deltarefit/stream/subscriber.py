@@ -55,11 +55,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..api import fingerprint as fingerprint_of
 from ..apply import ApplyReport
 from ..apply import apply as apply_delta
 from ..apply import check as check_delta
-from ..checkpoint import open_checkpoint
+from ..checkpoint import check_not_replaced, open_checkpoint
 from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationError
 from ..format import DeltaReader
 from ..history_book import HistoryBook
@@ -185,6 +184,13 @@ class Subscriber:
     def _files_identity(self) -> tuple:
         with open_checkpoint(self.checkpoint) as ck:
             return ck.identity()
+
+    def _hash_identity(self) -> tuple[str, tuple]:
+        """The checkpoint's fingerprint and the identity of the files hashed (taken before the hash, from
+        the same handles: ``Checkpoint.hash_with_identity``)."""
+        with open_checkpoint(self.checkpoint) as ck:
+            fp, _, ident = ck.hash_with_identity(threads=self.threads)
+        return fp, ident
 
     def _keeps_book(self) -> bool:
         """Whether this subscriber's applies decode against, and advance, its history book."""
@@ -423,15 +429,16 @@ class Subscriber:
             rec = recs[st.version]
             book = self._book_for(st, rec)
             try:
+                ident: tuple = ()
                 if st.kind == "keyframe":
                     install_keyframe(rec, local, self.staging, self.checkpoint)
-                    got = fingerprint_of(self.checkpoint, threads=self.threads)
+                    got, ident = self._hash_identity()
                     if self.keyframe_hook is not None and got == st.fingerprint:
                         self.keyframe_hook()
                 elif self.apply_hook is not None and not (i == 0 and first_apply is not None):
                     if self.hook_keeps_book:
                         rep = self.apply_hook(local[st.parts[0].key], book)
-                        got = rep.target_fingerprint
+                        got, ident = rep.target_fingerprint, getattr(rep, "identity", ())
                         if book is not None:
                             settle(self.book_path, rep)
                     else:
@@ -441,7 +448,7 @@ class Subscriber:
                     # record must name that same fingerprint (an edited record must not be believed).
                     rep = first_apply(book) if i == 0 and first_apply is not None else apply_delta(
                         local[st.parts[0].key], self.checkpoint, threads=self.threads, history=book)
-                    got = rep.target_fingerprint
+                    got, ident = rep.target_fingerprint, rep.identity
                     if book is not None:
                         settle(self.book_path, rep)
             except DecodeError as e:
@@ -455,7 +462,10 @@ class Subscriber:
             if st.kind != "delta" or resets(rec) or not self._keeps_book():
                 start_over(self.book_path)  # a keyframe, a catch-up, a version without history: no history
             version, fp = st.version, st.fingerprint
-            self._record(version, fp, self._files_identity())
+            # Hazard: an engine's hook that reports no identity leaves only the path's, taken after the fact.
+            ident = ident or self._files_identity()
+            check_not_replaced(ident, f"synced to version {version}")
+            self._record(version, fp, ident)
             applied.append(version)
         return applied, version, fp
 
@@ -483,10 +493,11 @@ class Subscriber:
         ident = self._files_identity()
         if not verify and identity_unchanged(held_state(state_path(self.checkpoint)) or {}, ident):
             return SyncReport(start, version, fp, "none", 0, [], time.perf_counter() - t0, verified=False)
-        got = fingerprint_of(self.checkpoint, threads=self.threads)
+        got, ident = self._hash_identity()
         if got != fp:
             raise VerificationError(f"{self.checkpoint}: fingerprint {got[:16]}… is not version {version}'s "
                                     f"{fp[:16]}… (changed since it was synced){REPAIR_FIX}")
+        check_not_replaced(ident, f"verified at version {version}")
         self._record(version, fp, ident)
         return SyncReport(start, version, fp, "none", 0, [], time.perf_counter() - t0, verified=True)
 
@@ -511,10 +522,10 @@ class Subscriber:
     def _adopt_by_fingerprint(self, *, above: int) -> tuple[int | None, str]:
         """The newest version after ``above`` whose fingerprint the checkpoint has (recorded as held),
         or None; and the checkpoint's fingerprint."""
-        ident = self._files_identity()  # before the hash: a write during it changes the identity
-        fp = fingerprint_of(self.checkpoint, threads=self.threads)
+        fp, ident = self._hash_identity()  # identity before the hash: a write during it changes it
         for v in range(head(self.store), above, -1):
             if self._commit(v).fingerprint == fp:
+                check_not_replaced(ident, f"verified at version {v}")
                 self._record(v, fp, ident)
                 self._hashed_at = v
                 return v, fp

@@ -1,0 +1,109 @@
+"""File identity on the checkpoint/apply/sync side (issue 34): "verified" means the bytes the path names
+now; locks by device and inode; no output that is an input; files opened by another local user's
+planted symlink or FIFO refused; filesystem faults as one line.
+
+Small synthetic checkpoints (a few float32 tensors, a few elements changed per version), real stores
+on disk, real renames, symlinks, hard links, FIFOs and second processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import deltarefit
+from deltarefit.checkpoint import TensorSource, write_safetensors
+from deltarefit.errors import VerificationError
+from deltarefit.stream import Publisher, Subscriber
+from deltarefit.stream import subscriber as subscriber_mod
+from deltarefit.stream.subscriber import state_path
+
+ENV = dict(os.environ, DELTAREFIT_NO_PROGRESS="1")
+TIMEOUT = 60
+
+
+def cli(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deltarefit", *args], capture_output=True, text=True,
+                          env=ENV, timeout=timeout)
+
+
+def one_line(r: subprocess.CompletedProcess, *words: str) -> str:
+    """``r`` failed with one line on stderr, no traceback, naming each of ``words``."""
+    err = r.stderr.strip()
+    assert r.returncode != 0, (r.stdout, r.stderr)
+    assert err.count("\n") == 0 and "Traceback" not in r.stderr, r.stderr
+    for w in words:
+        assert w in err, (w, err)
+    return err
+
+
+def write_ck(path: str, arrays: dict[str, np.ndarray]) -> str:
+    write_safetensors(path, [TensorSource(n, "F32", a.shape, a.nbytes, lambda a=a: [a.tobytes()])
+                             for n, a in arrays.items()])
+    return path
+
+
+def versions(d: str, n: int, *, size: int = 1 << 16) -> list[str]:
+    """``n`` checkpoint files ``v0..v{n-1}`` in ``d``: two float32 tensors, a few elements changed each step."""
+    rng = np.random.default_rng(0)
+    a = {"w": rng.standard_normal(size).astype(np.float32), "b": rng.standard_normal(size // 4).astype(np.float32)}
+    out = []
+    for i in range(n):
+        out.append(write_ck(os.path.join(d, f"v{i}.safetensors"), a))
+        a = {k: v.copy() for k, v in a.items()}
+        for v in a.values():
+            idx = rng.integers(0, v.size, 16)
+            v[idx] += np.float32(0.5)
+    return out
+
+
+@pytest.fixture
+def stream(tmp_path):
+    """(store dir, [checkpoint files]): versions 1..3 published from v0..v2 (v1 a keyframe)."""
+    os.makedirs(tmp_path / "src")
+    vs = versions(str(tmp_path / "src"), 4)
+    store = str(tmp_path / "store")
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=50, keyframe_ratio=1000.0)
+    for v in vs[:3]:
+        pub.publish(v)
+    return store, vs, pub
+
+
+# --------------------------------------------------------------- item 1: verified is the path's inode
+
+
+def test_checkpoint_renamed_over_during_sync_is_refused_not_verified(tmp_path, stream, monkeypatch):
+    """A file renamed over the checkpoint after the apply opened it: the apply verifies the inode it
+    opened, which the path no longer names; the sync refuses (nothing recorded) and the next sync
+    hashes instead of calling the old identity "unchanged"."""
+    store, vs, _ = stream
+    ck = str(tmp_path / "r.safetensors")
+    sub = Subscriber(store, ck)
+    assert sub.sync(to_version=2).version == 2
+    real = subscriber_mod.apply_delta
+    impostor = str(tmp_path / "impostor.safetensors")
+
+    def apply_then_replace(*a, before_write=None, **kw):
+        def hook():
+            if before_write is not None:
+                before_write()
+            with open(vs[0], "rb") as f, open(impostor, "wb") as g:
+                g.write(f.read())
+            os.rename(impostor, ck)  # real rename, after the plan, before the first write
+
+        return real(*a, before_write=hook, **kw)
+
+    monkeypatch.setattr(subscriber_mod, "apply_delta", apply_then_replace)
+    with pytest.raises(VerificationError, match="no longer"):
+        Subscriber(store, ck).sync(to_version=3)
+    monkeypatch.setattr(subscriber_mod, "apply_delta", real)
+    assert json.loads(open(state_path(ck)).read())["version"] == 2  # nothing recorded
+    assert deltarefit.fingerprint(ck) == deltarefit.fingerprint(vs[0])
+    # The next sync hashes: it never says "unchanged since verified" for a file it did not verify.
+    rep = Subscriber(store, ck).sync(repair=True)
+    assert rep.verified and rep.version == 3 and deltarefit.fingerprint(ck) == deltarefit.fingerprint(vs[2])
