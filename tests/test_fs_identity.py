@@ -18,7 +18,7 @@ import pytest
 
 import deltarefit
 from deltarefit.checkpoint import TensorSource, write_safetensors
-from deltarefit.errors import VerificationError
+from deltarefit.errors import CheckpointError, LockedError, VerificationError
 from deltarefit.stream import Publisher, Subscriber
 from deltarefit.stream import subscriber as subscriber_mod
 from deltarefit.stream.subscriber import state_path
@@ -107,3 +107,103 @@ def test_checkpoint_renamed_over_during_sync_is_refused_not_verified(tmp_path, s
     # The next sync hashes: it never says "unchanged since verified" for a file it did not verify.
     rep = Subscriber(store, ck).sync(repair=True)
     assert rep.verified and rep.version == 3 and deltarefit.fingerprint(ck) == deltarefit.fingerprint(vs[2])
+
+
+# ------------------------------------------------------------------- item 2: locks by device and inode
+
+_HOLD = r"""
+import sys, time
+from deltarefit.apply import checkpoint_lock
+with checkpoint_lock(sys.argv[1]):
+    print("HOLDING", flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.fixture
+def holder():
+    """``hold(path)``: a second process holding ``path``'s checkpoint lock; returns its Popen."""
+    procs: list[subprocess.Popen] = []
+
+    def hold(path: str) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", _HOLD, path], stdout=subprocess.PIPE, text=True, env=ENV)
+        procs.append(p)
+        assert p.stdout.readline().strip() == "HOLDING"
+        return p
+
+    yield hold
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """(base checkpoint, delta to its next version) in ``tmp_path``."""
+    os.makedirs(tmp_path / "src")
+    vs = versions(str(tmp_path / "src"), 2)
+    base = str(tmp_path / "ck.safetensors")
+    with open(vs[0], "rb") as f, open(base, "wb") as g:
+        g.write(f.read())
+    delta = str(tmp_path / "d.delta")
+    deltarefit.encode(base, vs[1], delta)
+    return base, delta, vs
+
+
+@pytest.mark.parametrize("alias", ["symlink", "hardlink", "symlinked-dir"])
+def test_apply_through_another_name_of_a_locked_checkpoint_is_refused_naming_the_pid(tmp_path, pair, holder,
+                                                                                     alias):
+    base, delta, vs = pair
+    if alias == "symlink":
+        other = str(tmp_path / "alias.safetensors")
+        os.symlink(base, other)
+    elif alias == "hardlink":
+        os.makedirs(tmp_path / "elsewhere")
+        other = str(tmp_path / "elsewhere" / "ck.safetensors")
+        os.link(base, other)
+    else:
+        os.symlink(str(tmp_path), str(tmp_path.parent / f"{tmp_path.name}-link"))
+        other = str(tmp_path.parent / f"{tmp_path.name}-link" / "ck.safetensors")
+    before = open(base, "rb").read()
+    p = holder(base)
+    r = cli("apply", delta, other)
+    assert r.returncode == 11
+    one_line(r, f"pid {p.pid}")
+    assert open(base, "rb").read() == before  # nothing written
+    # and the other way round: holding the alias refuses the real name
+    p.kill()
+    p.wait()
+    q = holder(other)
+    r = cli("apply", delta, base)
+    assert r.returncode == 11
+    one_line(r, f"pid {q.pid}")
+    q.kill()
+    q.wait()
+    cli_ok = cli("apply", delta, other)
+    assert cli_ok.returncode == 0, cli_ok.stderr
+    assert deltarefit.fingerprint(base) == deltarefit.fingerprint(vs[1])
+
+
+def test_the_same_thread_reenters_and_another_thread_is_refused(pair):
+    import threading
+
+    from deltarefit.apply import checkpoint_lock
+
+    base, _, _ = pair
+    alias = base + ".alias"
+    os.link(base, alias)
+    errs: list[BaseException] = []
+    with checkpoint_lock(base), checkpoint_lock(alias):  # one thread, two names: re-entered
+        t = threading.Thread(target=lambda: _try(lambda: checkpoint_lock(base).__enter__(), errs))
+        t.start()
+        t.join()
+    assert len(errs) == 1 and isinstance(errs[0], LockedError)
+    with checkpoint_lock(alias):  # released
+        pass
+
+
+def _try(fn, errs):
+    try:
+        fn()
+    except BaseException as e:
+        errs.append(e)

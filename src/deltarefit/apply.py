@@ -196,9 +196,9 @@ def _metadata_of(file: str) -> dict[str, str] | None:
 def checkpoint_lock(checkpoint_path: str) -> contextlib.AbstractContextManager[None]:
     """The exclusive lock of a checkpoint (file or directory) that apply, check and sync hold: a second
     run on it is refused with ``LockedError`` instead of racing the first one's journal and temps."""
-    from .locks import exclusive, lock_path_beside
+    from .locks import checkpoint_lock as lock
 
-    return exclusive(lock_path_beside(checkpoint_path), f"checkpoint {checkpoint_path}")
+    return lock(checkpoint_path)
 
 
 # Temp files the structural rewrite leaves when killed (write_safetensors / write_atomic naming), and

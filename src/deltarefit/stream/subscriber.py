@@ -47,6 +47,7 @@ local checkpoint without writing it, and acknowledges it in the store.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -62,7 +63,7 @@ from ..checkpoint import check_not_replaced, open_checkpoint
 from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationError
 from ..format import DeltaReader
 from ..history_book import HistoryBook
-from ..locks import lock_path_beside, locked_method
+from ..locks import checkpoint_lock, locked_method
 from ..signing import SignatureError, Verifier, check_record_signature
 from ..storage.base import GET_RANGE, Store, open_store
 from .arriving import ArrivingReader, PartDownloads
@@ -114,9 +115,9 @@ class SyncReport:
     early_reads: int = 0
 
 
-def _checkpoint_lock_of(checkpoint: str) -> tuple[str, str]:
+def _checkpoint_lock_of(checkpoint: str) -> contextlib.AbstractContextManager[None]:
     # The same lock apply takes (apply.checkpoint_lock): sync and prepare hold it, and apply re-enters it.
-    return lock_path_beside(checkpoint), f"checkpoint {checkpoint}"
+    return checkpoint_lock(checkpoint)
 
 
 def state_path(checkpoint: str) -> str:
