@@ -65,7 +65,7 @@ def versions(d: str, n: int, *, size: int = 1 << 16) -> list[str]:
 @pytest.fixture
 def stream(tmp_path):
     """(store dir, [checkpoint files]): versions 1..3 published from v0..v2 (v1 a keyframe)."""
-    os.makedirs(tmp_path / "src")
+    os.makedirs(tmp_path / "src", exist_ok=True)
     vs = versions(str(tmp_path / "src"), 4)
     store = str(tmp_path / "store")
     pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=50, keyframe_ratio=1000.0)
@@ -140,8 +140,8 @@ def holder():
 @pytest.fixture
 def pair(tmp_path):
     """(base checkpoint, delta to its next version) in ``tmp_path``."""
-    os.makedirs(tmp_path / "src")
-    vs = versions(str(tmp_path / "src"), 2)
+    os.makedirs(tmp_path / "src2")
+    vs = versions(str(tmp_path / "src2"), 2)
     base = str(tmp_path / "ck.safetensors")
     with open(vs[0], "rb") as f, open(base, "wb") as g:
         g.write(f.read())
@@ -207,3 +207,51 @@ def _try(fn, errs):
         fn()
     except BaseException as e:
         errs.append(e)
+
+
+# --------------------------------------------------------------------- item 5: no output is an input
+
+
+@pytest.mark.parametrize("how", ["same", "symlink", "hardlink", "dot-path"])
+def test_encode_refuses_an_output_that_is_its_base(tmp_path, pair, how):
+    base, _, vs = pair
+    if how == "same":
+        out = base
+    elif how == "symlink":
+        out = str(tmp_path / "out.delta")
+        os.symlink(base, out)
+    elif how == "hardlink":
+        out = str(tmp_path / "out.delta")
+        os.link(base, out)
+    else:
+        out = os.path.join(str(tmp_path), ".", "ck.safetensors")
+    before = open(base, "rb").read()
+    names = sorted(os.listdir(tmp_path))
+    r = cli("encode", base, vs[1], "-o", out)
+    assert r.returncode == 2
+    one_line(r, out, "input")
+    assert open(base, "rb").read() == before and sorted(os.listdir(tmp_path)) == names  # nothing written
+    r = cli("encode", vs[1], base, "-o", out)  # the target too
+    assert r.returncode == 2 and open(base, "rb").read() == before
+
+
+def test_commands_that_write_refuse_their_inputs_as_outputs(tmp_path, pair, stream):
+    base, delta, _ = pair
+    d_before = open(delta, "rb").read()
+    r = cli("compose", delta, "-o", delta, "--base", base)
+    assert r.returncode == 2 and open(delta, "rb").read() == d_before
+    one_line(r, "input")
+    os.link(delta, str(tmp_path / "d2.delta"))
+    r = cli("apply", str(tmp_path / "d2.delta"), delta)
+    assert r.returncode == 2 and open(delta, "rb").read() == d_before
+    one_line(r, "input")
+    store, _, _ = stream
+    listing = sorted(os.listdir(store))
+    r = cli("sync", store, store)  # a checkpoint that is the store itself
+    one_line(r, "input", store)
+    assert sorted(os.listdir(store)) == listing
+    r = cli("sync", store, os.path.join(store, "inside.safetensors"))
+    one_line(r, "input")
+    assert sorted(os.listdir(store)) == listing
+    r = cli("publish", store, base, "--state", os.path.dirname(base) + "/./" + os.path.basename(base))
+    one_line(r, "input")

@@ -103,6 +103,18 @@ def _output_dir(output: str) -> None:
         raise UsageError(f"{output}: directory {d} does not exist")
 
 
+def _not_an_input(output: str, *inputs: str | None, what: str = "output") -> None:
+    """Refuse, before any work, an ``output`` that is one of ``inputs`` (same path, symlink, hard link)
+    or lies inside an input directory: writing it would destroy the input it was computed from."""
+    from .errors import UsageError
+    from .fsutil import output_is_input
+
+    hit = output_is_input(output, inputs)
+    if hit is not None:
+        raise UsageError(f"{output}: the {what} is the input {hit} (same file, a link to it, or inside it); "
+                         f"write the {what} elsewhere")
+
+
 def _names(names: list[str], most: int = 4) -> str:
     shown = ", ".join(names[:most])
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
@@ -189,6 +201,7 @@ def encode(base: str, target: str, output: str, history_dir: str | None, threads
         from .encode import encode as enc
 
         _output_dir(output)
+        _not_an_input(output, base, target, history_dir)
         book = None
         if history_dir is not None:
             from .history_book import HistoryBook
@@ -234,6 +247,8 @@ def apply(delta: str, checkpoint: str, history_dir: str | None, threads: int | N
     def go() -> None:
         from .apply import apply as ap
 
+        _not_an_input(checkpoint, delta, history_dir, what="checkpoint")
+        _not_an_input(delta, checkpoint, what="delta")  # a delta inside the checkpoint directory it writes
         book = None
         if history_dir is not None:
             from .history_book import HistoryBook
@@ -352,6 +367,7 @@ def compose(deltas, output, base, quiet) -> None:
         from .compose import compose as comp
 
         _output_dir(output)
+        _not_an_input(output, base, *deltas)
         with _progress("compose", _ckpt_bytes(base) if _progress_enabled(quiet) else 0, quiet) as cb:
             rep = comp(list(deltas), output, base=base, progress=cb)
         click.echo(f"{output}: {rep.delta_bytes:,} bytes, {len(deltas)} deltas composed, target "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 
 def fsync_dir(d: str) -> None:
@@ -35,3 +36,26 @@ def write_atomic(path: str, data: bytes, *, durable: bool = True, mode: int | No
         raise
     if durable:
         fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def output_is_input(output: str, inputs: Iterable[str | None]) -> str | None:
+    """The input that writing ``output`` would overwrite, or None: an input ``output`` names by the same
+    path, a symlink or a hard link (same device and inode, when ``output`` exists), or an input
+    directory (a checkpoint's, a history book's) ``output`` lies inside. ``None`` inputs are skipped."""
+    try:
+        out = os.stat(output)
+    except OSError:
+        out = None
+    real_out = os.path.realpath(output)
+    for i in inputs:
+        if i is None:
+            continue
+        try:
+            st = os.stat(i)
+        except OSError:
+            continue
+        if out is not None and (out.st_dev, out.st_ino) == (st.st_dev, st.st_ino):
+            return i
+        if os.path.isdir(i) and real_out.startswith(os.path.realpath(i).rstrip(os.sep) + os.sep):
+            return i
+    return None
