@@ -18,7 +18,7 @@ import pytest
 
 import deltarefit
 from deltarefit.checkpoint import TensorSource, write_safetensors
-from deltarefit.errors import CheckpointError, LockedError, VerificationError
+from deltarefit.errors import LockedError, VerificationError
 from deltarefit.stream import Publisher, Subscriber
 from deltarefit.stream import subscriber as subscriber_mod
 from deltarefit.stream.subscriber import state_path
@@ -255,3 +255,77 @@ def test_commands_that_write_refuse_their_inputs_as_outputs(tmp_path, pair, stre
     assert sorted(os.listdir(store)) == listing
     r = cli("publish", store, base, "--state", os.path.dirname(base) + "/./" + os.path.basename(base))
     one_line(r, "input")
+
+
+# ------------------------------------------------------- item 8: what another local user plants there
+
+
+@pytest.mark.parametrize("planted", ["lock", "journal"])
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_planted_lock_or_journal_is_refused_and_never_written_through(tmp_path, pair, planted, kind):
+    base, delta, _ = pair
+    victim = str(tmp_path / "victim")
+    with open(victim, "wb") as f:
+        f.write(b"precious")
+    at = base + (".deltarefit-lock" if planted == "lock" else ".deltarefit-journal")
+    if kind == "symlink":
+        os.symlink(victim, at)
+    else:
+        os.mkfifo(at)
+    before = open(base, "rb").read()
+    r = cli("apply", delta, base, timeout=30)  # a FIFO opened blocking would hang here
+    one_line(r, at)
+    assert open(victim, "rb").read() == b"precious" and open(base, "rb").read() == before
+    assert os.path.islink(at) if kind == "symlink" else os.path.exists(at)
+
+
+def test_a_symlink_planted_at_a_temp_name_is_replaced_not_written_through(tmp_path):
+    from deltarefit.fsutil import write_atomic
+
+    victim = str(tmp_path / "victim")
+    with open(victim, "wb") as f:
+        f.write(b"precious")
+    target = str(tmp_path / "ck.safetensors.deltarefit-version.json")
+    os.symlink(victim, f"{target}.tmp-{os.getpid()}")  # the pid of a root sync is easy to guess
+    write_atomic(target, b"{}")
+    assert open(victim, "rb").read() == b"precious" and open(target, "rb").read() == b"{}"
+    assert not os.path.islink(target)
+    os.symlink(victim, f"{target[:-len('.deltarefit-version.json')]}.tmp-{os.getpid()}")
+    write_ck(target[:-len(".deltarefit-version.json")], {"w": np.zeros(4, np.float32)})
+    assert open(victim, "rb").read() == b"precious"
+
+
+_SWEEP = r"""
+import sys
+from deltarefit.locks import owned_temp
+path, fd = owned_temp(sys.argv[2], sys.argv[1], directory=sys.argv[3] == "dir")
+print(path)
+"""
+
+# vllm_backend.SCRATCH_PREFIX and vllm_live.SHM_PREFIX (those modules import vllm, which the default
+# suite need not have): the engine's scratch directory, a tensor-parallel group's shared-memory file.
+ENGINE_PREFIXES = [("deltarefit-engine-", "dir"), ("deltarefit-tp-", "file")]
+
+
+@pytest.mark.parametrize(("prefix", "kind"), ENGINE_PREFIXES)
+def test_a_fifo_with_the_engine_scratch_prefix_does_not_hang_an_engine_start(tmp_path, prefix, kind):
+    """An engine's scratch (``owned_temp``, in /tmp and /dev/shm) sweeps what dead engines left by
+    opening each entry of its prefix: a FIFO there (as a file, or as a directory's owner file) must
+    neither hang it nor be taken for one of ours."""
+    parent = str(tmp_path)
+    os.mkfifo(os.path.join(parent, prefix + "fifo"))
+    os.makedirs(os.path.join(parent, prefix + "dir"))
+    os.mkfifo(os.path.join(parent, prefix + "dir", ".owner"))
+    r = subprocess.run([sys.executable, "-c", _SWEEP, parent, prefix, kind], capture_output=True, text=True,
+                       env=ENV, timeout=30)
+    assert r.returncode == 0, r.stderr
+    made = r.stdout.strip().splitlines()[-1]
+    assert os.path.dirname(made) == parent and os.path.basename(made).startswith(prefix)
+    assert os.path.exists(os.path.join(parent, prefix + "fifo"))  # not ours: left alone
+    assert os.path.exists(os.path.join(parent, prefix + "dir", ".owner"))
+
+
+def test_the_engine_prefixes_are_the_engines():
+    src = os.path.join(os.path.dirname(deltarefit.__file__), "engines")
+    assert 'SCRATCH_PREFIX = "deltarefit-engine-"' in open(os.path.join(src, "vllm_backend.py")).read()
+    assert 'SHM_PREFIX = "deltarefit-tp-"' in open(os.path.join(src, "vllm_live.py")).read()

@@ -10,6 +10,7 @@ import numpy as np
 
 from .codec.chunk import Patch
 from .dtypes import dtype
+from .fsutil import open_regular
 from .integrity import SEGMENT_BYTES, seg_hash
 from .regions import _post_image
 
@@ -35,9 +36,9 @@ class Journal:
     def read(self) -> dict[tuple[int, int], tuple[bytes, int, int, bytes]]:
         """Complete records for this delta's target: (tensor idx, chunk idx) -> (post hash, kind, n, body)."""
         out: dict[tuple[int, int], tuple[bytes, int, int, bytes]] = {}
-        if not os.path.exists(self.path):
+        if not os.path.lexists(self.path):
             return out
-        with open(self.path, "rb") as f:
+        with os.fdopen(open_regular(self.path, os.O_RDONLY, what="apply journal"), "rb") as f:
             while True:
                 head = f.read(SLOT_BYTES)
                 if len(head) < _JHEAD.size:
@@ -50,7 +51,9 @@ class Journal:
         return out
 
     def open_for_write(self, slots: int) -> None:
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Not through a symlink, and only a regular file: another local user's planted link would make
+        # this run (root, perhaps) overwrite whatever it points to.
+        self._fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, what="apply journal")
         self.slots = slots
 
     @staticmethod
@@ -77,7 +80,7 @@ class Journal:
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
             self._fd = None
-        if os.path.exists(self.path):
+        if os.path.lexists(self.path):
             os.unlink(self.path)
 
 

@@ -327,7 +327,8 @@ def owned_temp(prefix: str, parent: str | None = None, *, directory: bool = True
         log.info("removed %s, left by an owner that died", gone)
     if directory:
         hidden = tempfile.mkdtemp(prefix="." + prefix, dir=parent)
-        fd = os.open(os.path.join(hidden, OWNER), os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(os.path.join(hidden, OWNER), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
     else:
         fd, hidden = tempfile.mkstemp(prefix="." + prefix, dir=parent)
     try:
@@ -363,10 +364,16 @@ def sweep_abandoned(parent: str, prefix: str) -> list[str]:
         p = os.path.join(parent, name)
         is_dir = os.path.isdir(p) and not os.path.islink(p)
         try:
-            fd = os.open(os.path.join(p, OWNER) if is_dir else p, os.O_RDONLY | os.O_NOFOLLOW)
+            # Non-blocking: a FIFO of the prefix (anyone can make one in /tmp or /dev/shm) must not hang
+            # the open; only a regular file can be one of ours.
+            fd = os.open(os.path.join(p, OWNER) if is_dir else p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC)
         except OSError:
             continue
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
