@@ -329,3 +329,102 @@ def test_the_engine_prefixes_are_the_engines():
     src = os.path.join(os.path.dirname(deltarefit.__file__), "engines")
     assert 'SCRATCH_PREFIX = "deltarefit-engine-"' in open(os.path.join(src, "vllm_backend.py")).read()
     assert 'SHM_PREFIX = "deltarefit-tp-"' in open(os.path.join(src, "vllm_live.py")).read()
+
+
+# ----------------------------------------------------------------- item 7: a full disk during apply
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``mount(size)``: a real tmpfs of ``size`` mounted in ``tmp_path`` (skipped where mounting is not
+    permitted: not root, or no CAP_SYS_ADMIN in a container)."""
+    mounted: list[str] = []
+
+    def mount(size: str) -> str:
+        d = str(tmp_path / f"tmpfs{len(mounted)}")
+        os.makedirs(d)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", d], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or 'mount failed'}); needs root")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", d], check=False)
+
+
+def fill(directory: str, leave: int) -> str:
+    """Fill the filesystem of ``directory`` up to ``leave`` free bytes (a page or so more); the filler's path."""
+    filler = os.path.join(directory, "filler")
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        while os.write(fd, b"\xff" * 4096) > 0:
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    size = os.path.getsize(filler)
+    os.truncate(filler, max(0, size - leave))
+    return filler
+
+
+def test_a_full_disk_during_apply_is_refused_before_any_byte_changes_and_a_rerun_finishes(tmp_path, tmpfs):
+    """The journal is allocated before the first write: a disk with room for a few records but not for
+    a dense chunk's is refused up front (one line naming the journal), the checkpoint as it was; once
+    there is room a rerun applies it."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal(1 << 19).astype(np.float32)  # two 1 MiB segments
+    base = {"w": w, "b": rng.standard_normal(64).astype(np.float32)}
+    nxt = {"w": w.copy(), "b": base["b"] + np.float32(1)}
+    nxt["w"][:16] += np.float32(0.5)  # segment 0: a few elements (a small journal record)
+    nxt["w"][1 << 18:] += np.float32(0.25)  # segment 1: every element (a whole-segment record)
+    os.makedirs(tmp_path / "src")
+    write_ck(str(tmp_path / "src" / "t.safetensors"), nxt)
+    d = tmpfs("5m")
+    ck = write_ck(os.path.join(d, "ck.safetensors"), base)
+    delta = str(tmp_path / "d.delta")
+    deltarefit.encode(ck, str(tmp_path / "src" / "t.safetensors"), delta)
+    before = open(ck, "rb").read()
+    filler = fill(d, 256 << 10)
+    r = cli("apply", delta, ck, "--threads", "1")
+    one_line(r, ck + ".deltarefit-journal", "No space left")
+    assert open(ck, "rb").read() == before
+    assert not os.path.exists(ck + ".deltarefit-journal")
+    os.unlink(filler)
+    r = cli("apply", delta, ck, "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert deltarefit.fingerprint(ck) == deltarefit.fingerprint(str(tmp_path / "src" / "t.safetensors"))
+
+
+@pytest.mark.parametrize("leave", [0, 64 << 10])
+def test_a_full_disk_during_sync_is_one_line_naming_the_file_and_a_rerun_finishes(tmp_path, stream, tmpfs, leave):
+    store, vs, _ = stream
+    d = tmpfs("2m")
+    ck = os.path.join(d, "ck.safetensors")
+    r = cli("sync", store, ck, "--to", "2")
+    assert r.returncode == 0, r.stderr
+    before = open(ck, "rb").read()
+    filler = fill(d, leave)
+    r = cli("sync", store, ck)
+    one_line(r, d, "No space left on device")
+    assert open(ck, "rb").read() == before
+    assert json.loads(open(state_path(ck)).read())["version"] == 2
+    os.unlink(filler)
+    r = cli("sync", store, ck)
+    assert r.returncode == 0 and "verified" in r.stdout, r.stderr
+    assert deltarefit.fingerprint(ck) == deltarefit.fingerprint(vs[2])
+
+
+def test_apply_on_a_read_only_filesystem_is_one_line(tmp_path, pair, tmpfs):
+    base, delta, _ = pair
+    d = tmpfs("2m")
+    ck = os.path.join(d, "ck.safetensors")
+    with open(base, "rb") as f, open(ck, "wb") as g:
+        g.write(f.read())
+    subprocess.run(["mount", "-o", "remount,ro", d], check=True)
+    r = cli("apply", delta, ck)
+    one_line(r, d, "Read-only file system")
+    assert open(ck, "rb").read() == open(base, "rb").read()

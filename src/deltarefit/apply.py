@@ -30,6 +30,7 @@ from .checkpoint import (
 )
 from .errors import UsageError, VerificationError
 from .format import DeltaReader, TensorEntry, TensorMeta
+from .fsutil import fs_error
 from .history_book import HistoryBook, MovesRecorder
 from .integrity import SEGMENT_BYTES, seg_hash
 from .journal import JOURNAL_MAGIC, SLOT_BYTES, Journal, _journal_patch, journal_path  # noqa: F401
@@ -234,9 +235,12 @@ def apply(delta_path: str, checkpoint_path: str, *, threads: int | None = None,
     it on this one's behalf (an engine's workers apply while their driver holds it, see
     ``engines.vllm.refit_engine``) and serializes the appliers itself. ``reader``: an open reader of
     ``delta_path`` to apply through (closed at the end), and ``before_write``: as in ``run_apply``."""
-    with checkpoint_lock(checkpoint_path) if lock else contextlib.nullcontext():
-        return _apply_locked(delta_path, checkpoint_path, threads=threads, cache_bytes=cache_bytes,
-                             progress=progress, reader=reader, before_write=before_write, history=history)
+    try:
+        with checkpoint_lock(checkpoint_path) if lock else contextlib.nullcontext():
+            return _apply_locked(delta_path, checkpoint_path, threads=threads, cache_bytes=cache_bytes,
+                                 progress=progress, reader=reader, before_write=before_write, history=history)
+    except OSError as e:  # a full disk, a read-only or forbidden file: one line, the apply resumable
+        raise fs_error(e, checkpoint_path, "apply failed (rerun once fixed: it resumes)") from None
 
 
 def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None, cache_bytes: int,

@@ -15,6 +15,14 @@ def fsync_dir(d: str) -> None:
         os.close(fd)
 
 
+def fs_error(e: OSError, where: str, doing: str):
+    """A filesystem fault (full disk, read-only, permission denied...) as the one-line ``CheckpointError``
+    the CLI prints: the file it hit (``where`` when the error names none), what was being done, why."""
+    from .errors import CheckpointError
+
+    return CheckpointError(f"{e.filename or where}: {doing}: {e.strerror or e}")
+
+
 def open_regular(path: str, flags: int, mode: int = 0o644, *, what: str = "") -> int:
     """``os.open`` of a file deltarefit owns beside a checkpoint or in a shared directory, refusing what
     another local user may have planted there: never through a symlink (``O_NOFOLLOW``), and only a
@@ -75,9 +83,11 @@ def write_atomic(path: str, data: bytes, *, durable: bool = True, mode: int | No
             if durable:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.lexists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:  # a write or fsync: name the file it was for
+            raise OSError(e.errno, e.strerror, path) from None
         raise
     if durable:
         fsync_dir(os.path.dirname(os.path.abspath(path)))

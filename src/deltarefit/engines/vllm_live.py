@@ -101,7 +101,7 @@ class MemoryJournal(Journal):
                           patch.positions.astype("<u4").tobytes() + patch.values.tobytes())
         return out
 
-    def open_for_write(self, slots: int) -> None:
+    def open_for_write(self, slots: int, *, record_bytes: int = 0) -> None:
         pass
 
     def write(self, slot: int, ti: int, ci: int, post: bytes, patch: Patch, pre: np.ndarray) -> None:

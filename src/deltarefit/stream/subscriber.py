@@ -62,6 +62,7 @@ from ..apply import check as check_delta
 from ..checkpoint import check_not_replaced, open_checkpoint
 from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationError
 from ..format import DeltaReader
+from ..fsutil import fs_error
 from ..history_book import HistoryBook
 from ..locks import checkpoint_lock, locked_method
 from ..signing import SignatureError, Verifier, check_record_signature
@@ -242,6 +243,13 @@ class Subscriber:
         recorded version and stream: a checkpoint whose fingerprint is a version of the store's stream
         is adopted at it, any other is replaced from the newest keyframe (the way out of an edited
         checkpoint, a store wiped and republished, or a checkpoint of another stream)."""
+        try:
+            return self._sync_adopting(to_version, verify, repair)
+        except OSError as e:  # a full disk, a read-only or forbidden file: one line, the sync resumable
+            raise fs_error(e, self.checkpoint, "sync failed (nothing recorded past the last verified version; "
+                           "rerun once fixed)") from None
+
+    def _sync_adopting(self, to_version: int | None, verify: bool, repair: bool) -> SyncReport:
         for p in remove_keyframe_leftovers(self.checkpoint):
             log.info("removed %s, left by a killed sync", p)
         try:
