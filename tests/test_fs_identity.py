@@ -428,3 +428,84 @@ def test_apply_on_a_read_only_filesystem_is_one_line(tmp_path, pair, tmpfs):
     r = cli("apply", delta, ck)
     one_line(r, d, "Read-only file system")
     assert open(ck, "rb").read() == open(base, "rb").read()
+
+
+# ------------------------------------------------------------------------------ item 10: small ones
+
+
+def test_a_file_that_is_not_a_checkpoint_is_named_so(tmp_path, pair):
+    _, delta, _ = pair
+    notes = str(tmp_path / "notes.safetensors")
+    with open(notes, "wb") as f:
+        f.write(b"PK\x03\x04 this is a zip, not a checkpoint" * 4)
+    for r in (cli("fingerprint", notes), cli("apply", delta, notes)):
+        err = one_line(r, f"not a safetensors file: {notes}")
+        assert "header length 18" not in err.split("(")[0]
+    with open(notes, "wb") as f:
+        f.write((16).to_bytes(8, "little") + b"[1, 2, 3, 4, 5, 6]")
+    one_line(cli("fingerprint", notes), f"not a safetensors file: {notes}")
+
+
+def test_sync_into_a_missing_directory_names_the_directory(tmp_path, stream):
+    store, _, _ = stream
+    missing = str(tmp_path / "no" / "such")
+    r = cli("sync", store, os.path.join(missing, "ck.safetensors"))
+    err = one_line(r, missing, "does not exist")
+    assert "lock" not in err
+    assert not os.path.exists(missing)
+
+
+def test_a_keyframe_install_needs_the_checkpoints_size_free_once(tmp_path, stream, tmpfs):
+    """The keyframe is staged beside the checkpoint and renamed in: a filesystem with room for one copy
+    (and a half) installs it, where a copy needed two."""
+    store, vs, _ = stream
+    size = os.path.getsize(vs[0])
+    d = tmpfs(str(size * 3 // 2 // 4096 * 4096))
+    ck = os.path.join(d, "ck.safetensors")
+    r = cli("sync", store, ck, "--to", "1")
+    assert r.returncode == 0, r.stderr
+    assert deltarefit.fingerprint(ck) == deltarefit.fingerprint(vs[0])
+    assert oct(os.stat(ck).st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+_PAUSE_PLAN = r"""
+import sys
+import deltarefit.applier as applier
+from deltarefit.cli import main
+orig = applier.Applier.plan
+def plan(self, *a, **k):
+    print("MAPPED", flush=True)
+    sys.stdin.readline()  # the parent truncates the checkpoint meanwhile
+    return orig(self, *a, **k)
+applier.Applier.plan = plan
+main(sys.argv[1:])
+"""
+
+
+def test_a_checkpoint_truncated_by_another_process_mid_apply_is_one_line_not_a_crash(tmp_path, pair):
+    pytest.importorskip("deltarefit._sigbus", reason="the optional SIGBUS extension is not built "
+                        "(python setup.py build_ext --inplace)")
+    base, delta, vs = pair
+    before = open(base, "rb").read()
+    p = subprocess.Popen([sys.executable, "-c", _PAUSE_PLAN, "apply", delta, base, "--threads", "1"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert p.stdout.readline().strip() == "MAPPED"
+        os.truncate(base, 4096)  # a real second process's truncate (this one): the pages past it are gone
+        out, err = p.communicate("go\n", timeout=TIMEOUT)
+    finally:
+        p.kill()
+    r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    assert r.returncode == 4, (r.returncode, err)
+    one_line(r, base, "truncated by another process")
+    with open(base, "wb") as f:
+        f.write(before)
+    r = cli("apply", delta, base)
+    assert r.returncode == 0, r.stderr
+    assert deltarefit.fingerprint(base) == deltarefit.fingerprint(vs[1])

@@ -135,12 +135,24 @@ def _read_header(f: BinaryIO, label: str, file: str) -> list[TensorInfo]:
     if size < 8:
         raise CheckpointError(f"{label}: truncated: {size} bytes, too short for the 8-byte header length")
     (hlen,) = struct.unpack("<Q", f.read(8))
+    # What other files' first bytes give is a header length no checkpoint has, or a header that is not a
+    # JSON object: such a file is named for what it is, not for its "header length".
     if hlen > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{label}: header length {hlen} exceeds the {MAX_HEADER_BYTES >> 20} MiB limit")
-    raw = f.read(hlen) if 8 + hlen <= size else b""
+        raise CheckpointError(f"not a safetensors file: {label} (its first 8 bytes give a header length of {hlen}, "
+                              f"which exceeds the {MAX_HEADER_BYTES >> 20} MiB limit)")
+    first = f.read(1)
+    if hlen < 2 or first != b"{":
+        raise CheckpointError(f"not a safetensors file: {label} (its header is not a JSON object: it must start "
+                              "with '{')")
+    raw = first + f.read(hlen - 1) if 8 + hlen <= size else b""
     if len(raw) != hlen:
         raise CheckpointError(f"{label}: header length {hlen} runs past the end of the file ({size} bytes)")
-    header = _load_json(raw, f"{label}: header", HEADER_MAX_DEPTH, arrays_of_numbers=True)
+    try:
+        header = _load_json(raw, f"{label}: header", HEADER_MAX_DEPTH, arrays_of_numbers=True)
+    except CheckpointError as e:
+        if " is not valid JSON" in str(e):
+            raise CheckpointError(f"not a safetensors file: {e}") from None
+        raise
     if not isinstance(header, dict):
         raise CheckpointError(f"{label}: header is not a JSON object")
     meta = header.pop("__metadata__", None)

@@ -133,6 +133,18 @@ def _ckpt_bytes(path: str) -> int:
         return sum(t.nbytes for t in ck.tensors.values())
 
 
+def _sigbus_as_one_line() -> None:
+    """Checkpoints are read through mmap: a file another process truncates meanwhile raises SIGBUS, which
+    Python cannot catch. In the CLI process it ends the run with one line naming the file, exit 4, as a
+    kill would (an apply resumes on a rerun); where the optional extension was not built, SIGBUS stays
+    the kernel's (the process dies by the signal)."""
+    try:
+        from . import _sigbus
+    except ImportError:
+        return
+    _sigbus.install()
+
+
 def _run(fn: Callable[[], None]) -> None:
     try:
         fn()
@@ -172,6 +184,7 @@ class _Group(click.Group):
 @click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr.")
 def main(verbose: bool) -> None:
     """Bit-exact compressed weight deltas for RL refit: encode, apply in place, verify."""
+    _sigbus_as_one_line()
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
 
