@@ -11,6 +11,12 @@ file, and starts again on the new one: two runs never hold two different files o
 Within one process the lock is re-entrant for the thread that holds it (a sync holds the checkpoint
 and calls apply on it); another thread of the same process is refused like another process.
 
+A checkpoint is locked under every name that reaches it (``checkpoint_lock``): the lock file beside
+the path given, the one beside the path it resolves to, and a flock on its inode (``exclusive_file``),
+so that a symlink alias or a hard link of a checkpoint in use is refused too, naming the holder's pid.
+Lock files are opened without following symlinks and must be regular files (another local user may
+plant a symlink or a FIFO at the name).
+
 Leftovers: a run killed mid-write leaves ``NAME.tmp-PID`` temp files (``fsutil.write_atomic``,
 ``checkpoint.write_safetensors``). ``remove_dead_temps`` removes those of a naming pattern whose PID
 is not a live process; it is called by a run that holds the lock of the place they are in. Scratch
