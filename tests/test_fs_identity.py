@@ -109,6 +109,36 @@ def test_checkpoint_renamed_over_during_sync_is_refused_not_verified(tmp_path, s
     assert rep.verified and rep.version == 3 and deltarefit.fingerprint(ck) == deltarefit.fingerprint(vs[2])
 
 
+def test_checkpoint_copied_over_in_place_during_sync_is_refused_not_verified(tmp_path, stream, monkeypatch):
+    """``cp`` over the checkpoint (same inode, truncated and rewritten) after the plan read it: the apply
+    refuses before its first write (the file's size or times changed since it was opened), records
+    nothing, and the next sync hashes."""
+    store, vs, _ = stream
+    ck = str(tmp_path / "r.safetensors")
+    assert Subscriber(store, ck).sync(to_version=2).version == 2
+    ino = os.stat(ck).st_ino
+    real = subscriber_mod.apply_delta
+
+    def apply_then_copy_over(*a, before_write=None, **kw):
+        def hook():
+            if before_write is not None:
+                before_write()
+            subprocess.run(["cp", vs[0], ck], check=True)  # a real cp, into the same inode
+
+        return real(*a, before_write=hook, **kw)
+
+    monkeypatch.setattr(subscriber_mod, "apply_delta", apply_then_copy_over)
+    with pytest.raises(VerificationError, match="modified by another process"):
+        Subscriber(store, ck).sync(to_version=3)
+    monkeypatch.setattr(subscriber_mod, "apply_delta", real)
+    assert os.stat(ck).st_ino == ino and open(ck, "rb").read() == open(vs[0], "rb").read()  # nothing written
+    assert json.loads(open(state_path(ck)).read())["version"] == 2
+    with pytest.raises(VerificationError, match="changed since it was synced"):  # hashed, never "unchanged"
+        Subscriber(store, ck).sync(to_version=2)
+    rep = Subscriber(store, ck).sync(repair=True)
+    assert rep.verified and rep.version == 3 and deltarefit.fingerprint(ck) == deltarefit.fingerprint(vs[2])
+
+
 # ------------------------------------------------------------------- item 2: locks by device and inode
 
 _HOLD = r"""

@@ -264,10 +264,23 @@ def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None,
                 structural_done.extend(rewrite(ck, delta, plans))
                 return structural_done
 
+            opened = ck.identity()  # before the plan reads a byte
+
+            def unchanged_then_write() -> None:
+                if before_write is not None:
+                    before_write()
+                # The plan checked the bytes it read; another process that wrote, truncated or renamed
+                # over the files meanwhile (a ``cp`` over it, which no lock stops) leaves other bytes.
+                check_not_replaced(opened, f"read to apply {os.path.basename(delta_path)}")
+                if ck.identity() != opened:
+                    raise VerificationError(f"{checkpoint_path}: modified by another process while the apply read it "
+                                            "(size or times changed; nothing written); stop that process and run "
+                                            "again")
+
             moves = MovesRecorder() if history is not None else None
             rep = run_apply(d, ck, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
                             structural=structural, structural_check=lambda todo: _check_structural(ck, todo),
-                            before_write=before_write, history=history, moves=moves)
+                            before_write=unchanged_then_write, history=history, moves=moves)
             rep.structural_ops = {n: ops[n] for n in rep.structural if n in ops}
             ck.flush()
             # The identity of what was verified: the handles written through, not what the path
