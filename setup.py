@@ -13,6 +13,9 @@ setup(
             ["src/deltarefit/codec/_native.c"],
             extra_compile_args=["-O3", "-std=gnu11", "-fno-strict-overflow"],
             optional=True,
-        )
+        ),
+        # The CLI's SIGBUS handler: a checkpoint truncated by another process while mapped ends the run
+        # with one line naming it (``deltarefit.cli``); optional like the kernels.
+        Extension("deltarefit._sigbus", ["src/deltarefit/_sigbus.c"], extra_compile_args=["-O2"], optional=True),
     ]
 )

@@ -48,7 +48,13 @@ from .errors import BaseMismatchError, DecodeError, UsageError, VerificationErro
 from .format import ChunkRecord, DeltaReader, TensorEntry, TensorMeta
 from .held import GROUP_DECODE_REFUSED, GROUP_REFUSED, HeldPlans, in_step
 from .history_book import HistoryBook, MovesRecorder
-from .integrity import fingerprint_from_digests, n_segments, seg_hash, tensor_digest_from_segments
+from .integrity import (
+    SEGMENT_BYTES,
+    fingerprint_from_digests,
+    n_segments,
+    seg_hash,
+    tensor_digest_from_segments,
+)
 from .journal import Journal, _journal_patch
 from .plans import _ChunkPlan, _TensorPlan
 from .regions import (
@@ -96,6 +102,9 @@ class ApplyReport:
     # them this process decoded for the group (``HeldPlans._plan_split``).
     split_chunks: int = 0
     split_decoded: int = 0
+    # The checkpoint files' identity (``Checkpoint.identity``) from the handles the apply verified
+    # through, taken after its last write; empty where the target has no files (set by ``apply``).
+    identity: tuple = ()
 
 
 def _matches(info: object, meta: TensorMeta) -> bool:
@@ -416,7 +425,15 @@ class Applier(HeldPlans):
                 return slots.setdefault(tid, len(slots))
 
         if self.journal:
-            self.journal.open_for_write(self.threads)
+            # A slot per writer thread (the torn chunks' one thread, then the pool's, or this thread), each
+            # allocated for the largest record a chunk to write can need (a record never outgrows its chunk).
+            sizes = [SEGMENT_BYTES if c.split else _seg_len(tp.entry.base.nbytes, c.rec.chunk_index)
+                     for tp in plans if tp.state in ("patch", "held") for c in tp.chunks
+                     if c.state in ("todo", "torn")]
+            if sizes:
+                self.journal.open_for_write(min(self.threads, len(sizes)) + 1, record_bytes=max(sizes))
+            else:
+                self.journal.open_for_write(self.threads + 1, record_bytes=0)
 
         def do(tp: _TensorPlan, ti: int, c: _ChunkPlan) -> int:
             e, r = tp.entry, c.rec

@@ -20,9 +20,17 @@ import numpy as np
 
 # The protocol's names, re-exported for callers that import them from here.
 from .applier import DEFAULT_CACHE_BYTES, Applier, ApplyReport, _ChunkPlan, _TensorPlan, run_apply  # noqa: F401
-from .checkpoint import INDEX_NAME, Checkpoint, TensorSource, open_checkpoint, write_safetensors
+from .checkpoint import (
+    INDEX_NAME,
+    Checkpoint,
+    TensorSource,
+    check_not_replaced,
+    open_checkpoint,
+    write_safetensors,
+)
 from .errors import UsageError, VerificationError
 from .format import DeltaReader, TensorEntry, TensorMeta
+from .fsutil import fs_error
 from .history_book import HistoryBook, MovesRecorder
 from .integrity import SEGMENT_BYTES, seg_hash
 from .journal import JOURNAL_MAGIC, SLOT_BYTES, Journal, _journal_patch, journal_path  # noqa: F401
@@ -189,9 +197,9 @@ def _metadata_of(file: str) -> dict[str, str] | None:
 def checkpoint_lock(checkpoint_path: str) -> contextlib.AbstractContextManager[None]:
     """The exclusive lock of a checkpoint (file or directory) that apply, check and sync hold: a second
     run on it is refused with ``LockedError`` instead of racing the first one's journal and temps."""
-    from .locks import exclusive, lock_path_beside
+    from .locks import checkpoint_lock as lock
 
-    return exclusive(lock_path_beside(checkpoint_path), f"checkpoint {checkpoint_path}")
+    return lock(checkpoint_path)
 
 
 # Temp files the structural rewrite leaves when killed (write_safetensors / write_atomic naming), and
@@ -227,9 +235,12 @@ def apply(delta_path: str, checkpoint_path: str, *, threads: int | None = None,
     it on this one's behalf (an engine's workers apply while their driver holds it, see
     ``engines.vllm.refit_engine``) and serializes the appliers itself. ``reader``: an open reader of
     ``delta_path`` to apply through (closed at the end), and ``before_write``: as in ``run_apply``."""
-    with checkpoint_lock(checkpoint_path) if lock else contextlib.nullcontext():
-        return _apply_locked(delta_path, checkpoint_path, threads=threads, cache_bytes=cache_bytes,
-                             progress=progress, reader=reader, before_write=before_write, history=history)
+    try:
+        with checkpoint_lock(checkpoint_path) if lock else contextlib.nullcontext():
+            return _apply_locked(delta_path, checkpoint_path, threads=threads, cache_bytes=cache_bytes,
+                                 progress=progress, reader=reader, before_write=before_write, history=history)
+    except OSError as e:  # a full disk, a read-only or forbidden file: one line, the apply resumable
+        raise fs_error(e, checkpoint_path, "apply failed (rerun once fixed: it resumes)") from None
 
 
 def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None, cache_bytes: int,
@@ -253,13 +264,39 @@ def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None,
                 structural_done.extend(rewrite(ck, delta, plans))
                 return structural_done
 
+            opened = ck.identity()  # before the plan reads a byte
+
+            def unchanged_then_write() -> None:
+                if before_write is not None:
+                    before_write()
+                # The plan checked the bytes it read; another process that wrote, truncated or renamed
+                # over the files meanwhile (a ``cp`` over it, which no lock stops) leaves other bytes.
+                check_not_replaced(opened, f"read to apply {os.path.basename(delta_path)}")
+                if ck.identity() != opened:
+                    raise VerificationError(f"{checkpoint_path}: modified by another process while the apply read it "
+                                            "(size or times changed; nothing written); stop that process and run "
+                                            "again")
+
             moves = MovesRecorder() if history is not None else None
             rep = run_apply(d, ck, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
                             structural=structural, structural_check=lambda todo: _check_structural(ck, todo),
-                            before_write=before_write, history=history, moves=moves)
+                            before_write=unchanged_then_write, history=history, moves=moves)
             rep.structural_ops = {n: ops[n] for n in rep.structural if n in ops}
             ck.flush()
+            # The identity of what was verified: the handles written through, not what the path
+            # names after the fact (another process may have renamed a file over it meanwhile).
+            ident = None if rep.structural else ck.identity()
         journal.remove()
+        if ident is None:
+            # A structural rewrite renamed new files in, which ``ck`` never opened: hash them as they
+            # are now, their identity taken before the hash from the handles hashed.
+            with open_checkpoint(checkpoint_path) as again:
+                got, _, ident = again.hash_with_identity(threads=threads)
+            if got != d.target_fingerprint:
+                raise VerificationError(f"{checkpoint_path}: fingerprint after the rewrite {got[:16]}… is not the "
+                                        f"delta's target {d.target_fingerprint[:16]}… (changed by another process?)")
+        check_not_replaced(ident, f"applied and verified {os.path.basename(delta_path)}")
+        rep.identity = ident
         if history is not None and moves is not None:
             history.advance(d, moves)
     log.info("applied %s to %s: %d chunks (%d skipped, %d recovered), %d tensors added/removed/replaced in %.2f s",

@@ -58,6 +58,7 @@ __all__ = [
     "fingerprint_checkpoint",
     "is_checkpoint",
     "open_checkpoint",
+    "replaced_since",
     "write_safetensors",
 ]
 
@@ -152,12 +153,24 @@ def _read_header(f: BinaryIO, label: str, file: str) -> list[TensorInfo]:
     if size < 8:
         raise CheckpointError(f"{label}: truncated: {size} bytes, too short for the 8-byte header length")
     (hlen,) = struct.unpack("<Q", f.read(8))
+    # What other files' first bytes give is a header length no checkpoint has, or a header that is not a
+    # JSON object: such a file is named for what it is, not for its "header length".
     if hlen > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{label}: header length {hlen} exceeds the {MAX_HEADER_BYTES >> 20} MiB limit")
-    raw = f.read(hlen) if 8 + hlen <= size else b""
+        raise CheckpointError(f"not a safetensors file: {label} (its first 8 bytes give a header length of {hlen}, "
+                              f"which exceeds the {MAX_HEADER_BYTES >> 20} MiB limit)")
+    first = f.read(1)
+    if hlen < 2 or first != b"{":
+        raise CheckpointError(f"not a safetensors file: {label} (its header is not a JSON object: it must start "
+                              "with '{')")
+    raw = first + f.read(hlen - 1) if 8 + hlen <= size else b""
     if len(raw) != hlen:
         raise CheckpointError(f"{label}: header length {hlen} runs past the end of the file ({size} bytes)")
-    header = _load_json(raw, f"{label}: header", HEADER_MAX_DEPTH, arrays_of_numbers=True)
+    try:
+        header = _load_json(raw, f"{label}: header", HEADER_MAX_DEPTH, arrays_of_numbers=True)
+    except CheckpointError as e:
+        if " is not valid JSON" in str(e):
+            raise CheckpointError(f"not a safetensors file: {e}") from None
+        raise
     if not isinstance(header, dict):
         raise CheckpointError(f"{label}: header is not a JSON object")
     meta = header.pop("__metadata__", None)
@@ -307,6 +320,14 @@ class Checkpoint:
             out.append((path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         return tuple(out)
 
+    def hash_with_identity(self, *, threads: int | None = None) -> tuple[str, dict[str, bytes], tuple]:
+        """``fingerprint_checkpoint`` of this checkpoint, and its ``identity`` taken before the hash from
+        the handles that were hashed: a write during the hash changes the identity, so it is never
+        recorded for bytes the hash did not see."""
+        ident = self.identity()
+        fp, digests = fingerprint_checkpoint(self, threads=threads)
+        return fp, digests, ident
+
     def files(self) -> list[str]:
         """Absolute paths of the safetensors files, in shard order."""
         return list(self._files)
@@ -343,6 +364,31 @@ class Checkpoint:
     def __repr__(self) -> str:
         mode = "rw" if self.writable else "r"
         return f"Checkpoint({self.path!r}, {len(self.tensors)} tensors, {len(self._files)} files, {mode})"
+
+
+def replaced_since(identity: tuple) -> str | None:
+    """The first file of ``identity`` (``Checkpoint.identity``) whose path no longer names the inode
+    that was opened (renamed over, deleted, replaced by a copy), or None. Bytes verified through an
+    open handle are the path's only while this holds: check it before calling them the path's."""
+    for path, dev, ino, *_ in identity:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return path
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            return path
+    return None
+
+
+def check_not_replaced(identity: tuple, what: str) -> None:
+    """Raise ``VerificationError`` (one line, naming the file) if ``replaced_since(identity)``."""
+    gone = replaced_since(identity)
+    if gone is not None:
+        from .errors import VerificationError
+
+        raise VerificationError(f"{gone}: {what}, but the path no longer names the file that was verified "
+                                "(replaced or removed meanwhile by another process); nothing recorded, run "
+                                "again")
 
 
 # A plan: (absolute file, label for messages, names the index maps to it or None for "all").

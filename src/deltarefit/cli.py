@@ -106,6 +106,18 @@ def _output_dir(output: str) -> None:
         raise UsageError(f"{output}: directory {d} does not exist")
 
 
+def _not_an_input(output: str, *inputs: str | None, what: str = "output") -> None:
+    """Refuse, before any work, an ``output`` that is one of ``inputs`` (same path, symlink, hard link)
+    or lies inside an input directory: writing it would destroy the input it was computed from."""
+    from .errors import UsageError
+    from .fsutil import output_is_input
+
+    hit = output_is_input(output, inputs)
+    if hit is not None:
+        raise UsageError(f"{output}: the {what} is the input {hit} (same file, a link to it, or inside it); "
+                         f"write the {what} elsewhere")
+
+
 def _names(names: list[str], most: int = 4) -> str:
     shown = ", ".join(names[:most])
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
@@ -139,6 +151,18 @@ def _os_error(e: OSError, where: str | None) -> FileSystemError:
     elif not paths and where is not None:
         paths = [f"writing {where}"]
     return FileSystemError.of(f"{op}: {' -> '.join(paths) or '(no path given)'}", e)
+
+
+def _sigbus_as_one_line() -> None:
+    """Checkpoints are read through mmap: a file another process truncates meanwhile raises SIGBUS, which
+    Python cannot catch. In the CLI process it ends the run with one line naming the file, exit 4, as a
+    kill would (an apply resumes on a rerun); where the optional extension was not built, SIGBUS stays
+    the kernel's (the process dies by the signal)."""
+    try:
+        from . import _sigbus
+    except ImportError:
+        return
+    _sigbus.install()
 
 
 def _run(fn: Callable[[], None], *, where: str | None = None) -> None:
@@ -189,6 +213,7 @@ class _Group(click.Group):
 @click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr.")
 def main(verbose: bool) -> None:
     """Bit-exact compressed weight deltas for RL refit: encode, apply in place, verify."""
+    _sigbus_as_one_line()
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
 
@@ -218,6 +243,7 @@ def encode(base: str, target: str, output: str, history_dir: str | None, threads
         from .encode import encode as enc
 
         _output_dir(output)
+        _not_an_input(output, base, target, history_dir)
         book = None
         if history_dir is not None:
             from .history_book import HistoryBook
@@ -263,6 +289,8 @@ def apply(delta: str, checkpoint: str, history_dir: str | None, threads: int | N
     def go() -> None:
         from .apply import apply as ap
 
+        _not_an_input(checkpoint, delta, history_dir, what="checkpoint")
+        _not_an_input(delta, checkpoint, what="delta")  # a delta inside the checkpoint directory it writes
         book = None
         if history_dir is not None:
             from .history_book import HistoryBook
@@ -381,6 +409,7 @@ def compose(deltas, output, base, quiet) -> None:
         from .compose import compose as comp
 
         _output_dir(output)
+        _not_an_input(output, base, *deltas)
         with _progress("compose", _ckpt_bytes(base) if _progress_enabled(quiet) else 0, quiet) as cb:
             rep = comp(list(deltas), output, base=base, progress=cb)
         click.echo(f"{output}: {rep.delta_bytes:,} bytes, {len(deltas)} deltas composed, target "

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from .cli import _json, _quiet, _run, _threads, _transfer_progress, main
+from .cli import _json, _not_an_input, _quiet, _run, _threads, _transfer_progress, main
 
 
 @main.command()
@@ -62,6 +62,9 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
         from .stream.publisher import default_state_dir
 
         sd = state_dir or default_state_dir(store)
+        _not_an_input(sd, checkpoint, signing_key, what="state directory")
+        if "://" not in store:
+            _not_an_input(store, checkpoint, signing_key, what="store")
         st = open_store(store)
         pub = Publisher(st, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=q,
                         ack_timeout=ack_timeout, signing_key=signing_key, threads=threads,
@@ -104,6 +107,7 @@ def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, full
         from .storage.base import open_store
         from .stream.subscriber import Subscriber
 
+        _not_an_input(checkpoint, None if "://" in store else store, public_key, what="checkpoint")
         st = open_store(store, create=False)
         sub = Subscriber(st, checkpoint, subscriber_id=subscriber_id, public_key=public_key, threads=threads,
                          stream_id=stream_id)
@@ -268,6 +272,7 @@ def relay_node(checkpoint, join, listen, key_file, fanout, rate, mirror, node_id
     """Keep CHECKPOINT in sync from a relay tree and forward the stream to children."""
     from .relay import run_node
 
+    _run(lambda: _not_an_input(checkpoint, key_file, mirror, what="checkpoint"))
     _run(lambda: sys.exit(run_node(checkpoint, join=join, listen=listen, key_file=key_file, fanout=fanout,
                                    rate=rate, mirror=mirror, node_id=node_id, until=until_version)))
 

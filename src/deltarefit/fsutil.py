@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 from .errors import FileSystemError
 
@@ -16,6 +17,59 @@ def fsync_dir(d: str) -> None:
         os.close(fd)
 
 
+def fs_error(e: OSError, where: str, doing: str):
+    """A filesystem fault (full disk, read-only, permission denied...) as the one-line ``CheckpointError``
+    the CLI prints: the file it hit (``where`` when the error names none), what was being done, why."""
+    from .errors import CheckpointError
+
+    return CheckpointError(f"{e.filename or where}: {doing}: {e.strerror or e}")
+
+
+def open_regular(path: str, flags: int, mode: int = 0o644, *, what: str = "") -> int:
+    """``os.open`` of a file deltarefit owns beside a checkpoint or in a shared directory, refusing what
+    another local user may have planted there: never through a symlink (``O_NOFOLLOW``), and only a
+    regular file (opened ``O_NONBLOCK``, so that a FIFO cannot hang the open, then checked by
+    ``fstat``). Raises ``CheckpointError`` naming the path (``what``: what the file is, for the
+    message); other ``OSError`` pass through."""
+    import errno
+    import fcntl
+    import stat
+
+    from .errors import CheckpointError
+
+    label = f"{what} {path}" if what else path
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{label} is a symbolic link (planted by another user?); remove it and run "
+                                  "again") from None
+        if e.errno == errno.ENXIO:  # a FIFO without a reader, opened for writing
+            raise CheckpointError(f"{label} is not a regular file (a FIFO?); remove it and run again") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{label} is not a regular file; remove it and run again")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)  # regular: moot, but plain
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def create_temp(tmp: str, mode: int = 0o644) -> int:
+    """Create the temp file ``tmp`` (``NAME.tmp-PID``) for writing, exclusively and without following
+    a symlink: one left by a dead run of this pid, or planted there, is removed (the name, never what it
+    points to) and the file made afresh; a name that is taken again meanwhile is refused."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(tmp, flags, mode)
+    except FileExistsError:
+        os.unlink(tmp)
+        return os.open(tmp, flags, mode)
+
+
 def write_atomic(path: str, data: bytes, *, durable: bool = True, mode: int | None = None) -> None:
     """Write ``data`` to ``path`` whole or not at all: temp file, fsync, rename, fsync the directory.
     Never truncates the old file (a reader may have it mapped). ``durable=False`` skips the fsyncs, for
@@ -23,7 +77,7 @@ def write_atomic(path: str, data: bytes, *, durable: bool = True, mode: int | No
     (default: as the umask gives)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(create_temp(tmp), "wb") as f:
             if mode is not None:
                 os.fchmod(f.fileno(), mode)
             f.write(data)
@@ -32,7 +86,7 @@ def write_atomic(path: str, data: bytes, *, durable: bool = True, mode: int | No
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
         if isinstance(e, OSError):  # a full disk fails the write or the close, with no path
             raise FileSystemError.of(f"{path}: cannot write", e) from None
@@ -51,3 +105,26 @@ def write_new(path: str, data: bytes, *, mode: int = 0o600) -> None:
     except OSError as e:
         os.unlink(path)
         raise FileSystemError.of(f"{path}: cannot write", e) from None
+
+
+def output_is_input(output: str, inputs: Iterable[str | None]) -> str | None:
+    """The input that writing ``output`` would overwrite, or None: an input ``output`` names by the same
+    path, a symlink or a hard link (same device and inode, when ``output`` exists), or an input
+    directory (a checkpoint's, a history book's) ``output`` lies inside. ``None`` inputs are skipped."""
+    try:
+        out = os.stat(output)
+    except OSError:
+        out = None
+    real_out = os.path.realpath(output)
+    for i in inputs:
+        if i is None:
+            continue
+        try:
+            st = os.stat(i)
+        except OSError:
+            continue
+        if out is not None and (out.st_dev, out.st_ino) == (st.st_dev, st.st_ino):
+            return i
+        if os.path.isdir(i) and real_out.startswith(os.path.realpath(i).rstrip(os.sep) + os.sep):
+            return i
+    return None

@@ -3,6 +3,7 @@ writing, so that a chunk torn by a kill mid-write is restored by the next run (F
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 
@@ -10,6 +11,8 @@ import numpy as np
 
 from .codec.chunk import Patch
 from .dtypes import dtype
+from .errors import CheckpointError
+from .fsutil import open_regular
 from .integrity import SEGMENT_BYTES, seg_hash
 from .regions import _post_image
 
@@ -35,9 +38,9 @@ class Journal:
     def read(self) -> dict[tuple[int, int], tuple[bytes, int, int, bytes]]:
         """Complete records for this delta's target: (tensor idx, chunk idx) -> (post hash, kind, n, body)."""
         out: dict[tuple[int, int], tuple[bytes, int, int, bytes]] = {}
-        if not os.path.exists(self.path):
+        if not os.path.lexists(self.path):
             return out
-        with open(self.path, "rb") as f:
+        with os.fdopen(open_regular(self.path, os.O_RDONLY, what="apply journal"), "rb") as f:
             while True:
                 head = f.read(SLOT_BYTES)
                 if len(head) < _JHEAD.size:
@@ -49,9 +52,34 @@ class Journal:
                 out[(ti, ci)] = (post, kind, n, body)
         return out
 
-    def open_for_write(self, slots: int) -> None:
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    def open_for_write(self, slots: int, *, record_bytes: int = SEGMENT_BYTES) -> None:
+        """Open the journal for ``slots`` writer threads and allocate their slots on disk (room for a record
+        of ``record_bytes`` in each) before the first write into the checkpoint: a full disk (or quota)
+        is then refused here, with every byte of the checkpoint as it was, rather than after some chunks
+        were written. Raises ``CheckpointError`` (one line naming the journal) on any filesystem fault."""
+        existed = os.path.lexists(self.path)
+        try:
+            # Not through a symlink, and only a regular file: another local user's planted link would make
+            # this run (root, perhaps) overwrite whatever it points to.
+            self._fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, what="apply journal")
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot create the apply journal ({e.strerror}); nothing "
+                                  "written to the checkpoint") from None
         self.slots = slots
+        need = _JHEAD.size + min(record_bytes, SEGMENT_BYTES)
+        try:
+            for i in range(slots):
+                os.posix_fallocate(self._fd, i * SLOT_BYTES, need)
+            os.fsync(self._fd)
+        except OSError as e:
+            os.close(self._fd)
+            self._fd = None
+            if not existed:  # an older journal may hold records a torn chunk needs: kept
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+            raise CheckpointError(f"{self.path}: cannot allocate the apply journal ({slots * need:,} bytes: "
+                                  f"{e.strerror}); nothing written to the checkpoint, free space and run again") \
+                from None
 
     @staticmethod
     def record(patch: Patch, pre: np.ndarray) -> tuple[int, int, bytes]:
@@ -71,13 +99,22 @@ class Journal:
         if len(body) > SEGMENT_BYTES:
             raise AssertionError(f"journal record of {len(body)} bytes exceeds its slot")  # a bug, not bad input
         head = _JHEAD.pack(JOURNAL_MAGIC, self.fp, ti, ci, kind, n, len(body), post, seg_hash(body))
-        os.pwrite(self._fd, head + body, slot * SLOT_BYTES)
+        rec = head + body
+        try:
+            n = os.pwrite(self._fd, rec, slot * SLOT_BYTES)
+        except OSError as e:
+            n, why = -1, e.strerror
+        else:
+            why = "short write"
+        if n != len(rec):  # the chunk is not written without its whole record
+            raise CheckpointError(f"{self.path}: cannot write the apply journal ({why}); the checkpoint holds "
+                                  "whole chunks only, run again once this is fixed")
 
     def remove(self) -> None:
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
             self._fd = None
-        if os.path.exists(self.path):
+        if os.path.lexists(self.path):
             os.unlink(self.path)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from .checkpoint import MAX_HEADER_BYTES, TensorSource, _is_count, _shape_str
 from .dtypes import DTYPES
 from .errors import CheckpointError
-from .fsutil import fsync_dir
+from .fsutil import create_temp, fsync_dir
 
 
 def _sorted_sources(path: str, sources: list[TensorSource]) -> list[TensorSource]:
@@ -100,7 +100,7 @@ def write_safetensors(
     header = _header_bytes(p, sources, metadata)
     tmp = p + f".tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(create_temp(tmp), "wb") as f:
             if mode is not None:
                 os.fchmod(f.fileno(), mode)
             f.write(header)

@@ -36,6 +36,7 @@ from ..apply import apply as apply_delta_to_checkpoint
 from ..checkpoint import open_checkpoint
 from ..errors import DeltaRefitError, UsageError
 from ..format import DeltaReader
+from ..fsutil import open_regular
 from . import kernels
 from .kernels import bits_digest, is_linear, kernel_digest, verify_layers
 
@@ -137,7 +138,9 @@ class DeltaRefitWorkerExtension:
             # The engine has no way to drop a parameter; refusing here keeps files and engine in step.
             raise UsageError(f"{delta_path}: removes tensors {removed[:5]}; a running engine cannot drop "
                              "parameters, restart it from the target checkpoint instead")
-        with open(os.path.join(ckpt, LOCK_NAME), "a+") as lock:
+        # Never through a planted symlink, never hung on a planted FIFO (``open_regular``).
+        with os.fdopen(open_regular(os.path.join(ckpt, LOCK_NAME), os.O_RDWR | os.O_CREAT, what="engine lock"),
+                       "r+b") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one writer per directory; later workers re-verify
             # The driver holds the checkpoint's own lock for this refit (refit_engine); the workers
             # take turns on the engine lock above.

@@ -58,6 +58,7 @@ from ..checkpoint import fingerprint_checkpoint, open_checkpoint
 from ..codec.chunk import Patch
 from ..errors import BaseMismatchError, DeltaRefitError, UsageError, VerificationError
 from ..format import DeltaReader
+from ..fsutil import open_regular
 from ..history_book import HistoryBook, MovesRecorder
 from ..integrity import fingerprint_from_digests
 from ..journal import Journal
@@ -100,7 +101,7 @@ class MemoryJournal(Journal):
                           patch.positions.astype("<u4").tobytes() + patch.values.tobytes())
         return out
 
-    def open_for_write(self, slots: int) -> None:
+    def open_for_write(self, slots: int, *, record_bytes: int = 0) -> None:
         pass
 
     def write(self, slot: int, ti: int, ci: int, post: bytes, patch: Patch, pre: np.ndarray) -> None:
@@ -317,9 +318,9 @@ class _Group:
                     if self.rank != 0:
                         try:
                             path = bytes(token[1:1 + int(token[0])]).decode()
-                            fd = os.open(path, os.O_RDWR)
+                            fd = open_regular(path, os.O_RDWR, what="shared buffer")
                             ok = os.fstat(fd).st_size >= nbytes and os.pread(fd, 16, 0) == token[240:].tobytes()
-                        except (OSError, UnicodeDecodeError):
+                        except (OSError, UnicodeDecodeError, DeltaRefitError):
                             ok = False
                     ok = self.agree(ok)
             finally:  # every worker has it open, or nobody will use it (a peer failed): no name is left behind

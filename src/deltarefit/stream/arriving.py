@@ -106,6 +106,8 @@ class ArrivingPart:
                 self.fetched = self.part.bytes
         except BaseException as e:  # kept for the waiters, raised on the sync's thread
             error = e
+            if isinstance(e, OSError) and e.filename is None:  # a write into staging: name the file
+                error = OSError(e.errno, e.strerror, self.path)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         with self._cv:

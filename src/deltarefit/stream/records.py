@@ -27,7 +27,7 @@ from typing import Any
 import blake3
 
 from ..errors import MalformedRecordError, StreamError, StreamIdentityError
-from ..fsutil import write_atomic
+from ..fsutil import open_regular, write_atomic
 from ..jsonlimits import brief
 from ..signing import SignableRecord
 from ..storage.base import Store
@@ -283,7 +283,8 @@ def now() -> float:
 def held_state(state_path: str) -> dict | None:
     """What a subscriber recorded at ``state_path`` after a verified apply (``record_version``), or None."""
     try:
-        with open(state_path) as f:
+        # A regular file only, never through a symlink: a FIFO planted there must not hang the sync.
+        with os.fdopen(open_regular(state_path, os.O_RDONLY, what="version state"), encoding="utf-8") as f:
             d = json.load(f)
         d["version"], d["fingerprint"] = int(d["version"]), str(d["fingerprint"])
         return d

@@ -4,8 +4,10 @@ cheapest of the routes the records allow, and installing a keyframe step into a 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -155,6 +157,19 @@ def remove_keyframe_leftovers(checkpoint: str) -> list[str]:
     return gone
 
 
+def _new_file_mode(path: str) -> int:
+    """The permission bits a checkpoint installed at ``path`` gets: those of the file it replaces, else
+    what a new file gets (0666 less the umask, read without changing it)."""
+    with contextlib.suppress(OSError):
+        return stat.S_IMODE(os.stat(path).st_mode)
+    umask = 0o022
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                umask = int(line.split()[1], 8)
+    return 0o666 & ~umask
+
+
 def install_keyframe(rec: CommitRecord, local: dict[str, str], staging: str, checkpoint: str) -> None:
     """Replace the checkpoint by a keyframe's files, built aside and renamed into place.
 
@@ -172,6 +187,16 @@ def install_keyframe(rec: CommitRecord, local: dict[str, str], staging: str, che
         not os.path.exists(checkpoint) and not checkpoint.endswith(".safetensors"))
     if not as_dir:
         src = kdir if len(rec.keyframe) > 1 else os.path.join(kdir, rec.keyframe[0][0])
+        if os.path.isfile(src):
+            # One file, staged beside the checkpoint: renamed in, never copied (a copy needs the
+            # checkpoint's size free a second time); copied only across filesystems.
+            try:
+                os.chmod(src, _new_file_mode(checkpoint))  # the staged part's own mode is 0600
+                os.replace(src, checkpoint)
+                return
+            except OSError as e:
+                if e.errno != errno.EXDEV:
+                    raise
         _copy_checkpoint(src, tmp)
         os.replace(tmp, checkpoint)
         return

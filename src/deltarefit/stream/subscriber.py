@@ -47,6 +47,7 @@ local checkpoint without writing it, and acknowledges it in the store.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -55,15 +56,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..api import fingerprint as fingerprint_of
 from ..apply import ApplyReport
 from ..apply import apply as apply_delta
 from ..apply import check as check_delta
-from ..checkpoint import open_checkpoint
+from ..checkpoint import check_not_replaced, open_checkpoint
 from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationError
 from ..format import DeltaReader
+from ..fsutil import fs_error
 from ..history_book import HistoryBook
-from ..locks import lock_path_beside, locked_method
+from ..locks import checkpoint_lock, locked_method
 from ..signing import SignatureError, Verifier, check_record_signature
 from ..storage.base import GET_RANGE, Store, open_store
 from .arriving import ArrivingReader, PartDownloads
@@ -115,9 +116,9 @@ class SyncReport:
     early_reads: int = 0
 
 
-def _checkpoint_lock_of(checkpoint: str) -> tuple[str, str]:
+def _checkpoint_lock_of(checkpoint: str) -> contextlib.AbstractContextManager[None]:
     # The same lock apply takes (apply.checkpoint_lock): sync and prepare hold it, and apply re-enters it.
-    return lock_path_beside(checkpoint), f"checkpoint {checkpoint}"
+    return checkpoint_lock(checkpoint)
 
 
 def state_path(checkpoint: str) -> str:
@@ -186,6 +187,13 @@ class Subscriber:
         with open_checkpoint(self.checkpoint) as ck:
             return ck.identity()
 
+    def _hash_identity(self) -> tuple[str, tuple]:
+        """The checkpoint's fingerprint and the identity of the files hashed (taken before the hash, from
+        the same handles: ``Checkpoint.hash_with_identity``)."""
+        with open_checkpoint(self.checkpoint) as ck:
+            fp, _, ident = ck.hash_with_identity(threads=self.threads)
+        return fp, ident
+
     def _keeps_book(self) -> bool:
         """Whether this subscriber's applies decode against, and advance, its history book."""
         return self.apply_hook is None or self.hook_keeps_book
@@ -235,6 +243,13 @@ class Subscriber:
         recorded version and stream: a checkpoint whose fingerprint is a version of the store's stream
         is adopted at it, any other is replaced from the newest keyframe (the way out of an edited
         checkpoint, a store wiped and republished, or a checkpoint of another stream)."""
+        try:
+            return self._sync_adopting(to_version, verify, repair)
+        except OSError as e:  # a full disk, a read-only or forbidden file: one line, the sync resumable
+            raise fs_error(e, self.checkpoint, "sync failed (nothing recorded past the last verified version; "
+                           "rerun once fixed)") from None
+
+    def _sync_adopting(self, to_version: int | None, verify: bool, repair: bool) -> SyncReport:
         for p in remove_keyframe_leftovers(self.checkpoint):
             log.info("removed %s, left by a killed sync", p)
         try:
@@ -423,15 +438,16 @@ class Subscriber:
             rec = recs[st.version]
             book = self._book_for(st, rec)
             try:
+                ident: tuple = ()
                 if st.kind == "keyframe":
                     install_keyframe(rec, local, self.staging, self.checkpoint)
-                    got = fingerprint_of(self.checkpoint, threads=self.threads)
+                    got, ident = self._hash_identity()
                     if self.keyframe_hook is not None and got == st.fingerprint:
                         self.keyframe_hook()
                 elif self.apply_hook is not None and not (i == 0 and first_apply is not None):
                     if self.hook_keeps_book:
                         rep = self.apply_hook(local[st.parts[0].key], book)
-                        got = rep.target_fingerprint
+                        got, ident = rep.target_fingerprint, getattr(rep, "identity", ())
                         if book is not None:
                             settle(self.book_path, rep)
                     else:
@@ -441,7 +457,7 @@ class Subscriber:
                     # record must name that same fingerprint (an edited record must not be believed).
                     rep = first_apply(book) if i == 0 and first_apply is not None else apply_delta(
                         local[st.parts[0].key], self.checkpoint, threads=self.threads, history=book)
-                    got = rep.target_fingerprint
+                    got, ident = rep.target_fingerprint, rep.identity
                     if book is not None:
                         settle(self.book_path, rep)
             except DecodeError as e:
@@ -455,7 +471,10 @@ class Subscriber:
             if st.kind != "delta" or resets(rec) or not self._keeps_book():
                 start_over(self.book_path)  # a keyframe, a catch-up, a version without history: no history
             version, fp = st.version, st.fingerprint
-            self._record(version, fp, self._files_identity())
+            # Hazard: an engine's hook that reports no identity leaves only the path's, taken after the fact.
+            ident = ident or self._files_identity()
+            check_not_replaced(ident, f"synced to version {version}")
+            self._record(version, fp, ident)
             applied.append(version)
         return applied, version, fp
 
@@ -483,10 +502,11 @@ class Subscriber:
         ident = self._files_identity()
         if not verify and identity_unchanged(held_state(state_path(self.checkpoint)) or {}, ident):
             return SyncReport(start, version, fp, "none", 0, [], time.perf_counter() - t0, verified=False)
-        got = fingerprint_of(self.checkpoint, threads=self.threads)
+        got, ident = self._hash_identity()
         if got != fp:
             raise VerificationError(f"{self.checkpoint}: fingerprint {got[:16]}… is not version {version}'s "
                                     f"{fp[:16]}… (changed since it was synced){REPAIR_FIX}")
+        check_not_replaced(ident, f"verified at version {version}")
         self._record(version, fp, ident)
         return SyncReport(start, version, fp, "none", 0, [], time.perf_counter() - t0, verified=True)
 
@@ -511,10 +531,10 @@ class Subscriber:
     def _adopt_by_fingerprint(self, *, above: int) -> tuple[int | None, str]:
         """The newest version after ``above`` whose fingerprint the checkpoint has (recorded as held),
         or None; and the checkpoint's fingerprint."""
-        ident = self._files_identity()  # before the hash: a write during it changes the identity
-        fp = fingerprint_of(self.checkpoint, threads=self.threads)
+        fp, ident = self._hash_identity()  # identity before the hash: a write during it changes it
         for v in range(head(self.store), above, -1):
             if self._commit(v).fingerprint == fp:
+                check_not_replaced(ident, f"verified at version {v}")
                 self._record(v, fp, ident)
                 self._hashed_at = v
                 return v, fp
