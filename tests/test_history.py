@@ -252,9 +252,17 @@ def test_a_rerun_of_a_finished_apply_starts_the_book_over(tmp_path):
     ckpt = str(shutil.copy(paths[0], tmp_path / "r.safetensors"))
     deltas = [out for out, _, _ in deltas_with_history(paths, str(tmp_path))]
     apply_mod.apply(deltas[0], ckpt, history=rollout)
+    kept = shutil.copytree(tmp_path / "rbook", tmp_path / "kept")
     apply_mod.apply(deltas[1], ckpt, history=rollout)
     assert len(rollout.versions()) == 2
-    # as after a kill between the apply and the book's commit: the chunks are found applied
+    # a rerun after the book's commit leaves it as it is (it holds this version's moves)
+    apply_mod.apply(deltas[1], ckpt, history=rollout)
+    assert len(rollout.versions()) == 2
+    # as after a kill between the apply and the book's commit (the book still at the base): the
+    # chunks are found applied, their moves are gone
+    shutil.rmtree(tmp_path / "rbook")
+    shutil.copytree(kept, tmp_path / "rbook")
+    rollout = HistoryBook(tmp_path / "rbook")
     apply_mod.apply(deltas[1], ckpt, history=rollout)
     assert rollout.versions() == [rollout.tip]
     before = sha(ckpt)

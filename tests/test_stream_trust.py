@@ -518,3 +518,55 @@ def test_quarantine_never_touches_the_publishers_own_history(tmp_path, chain, ke
     LocalStore(store).put(commit_key(4), b"garbage")
     assert _publisher(store, str(tmp_path / "none-pub")).quarantine_head() == [4]
     assert list_versions(LocalStore(store)) == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------------------------ issue 34
+# Structural versions with history, retention racing a publish, history books that cannot lie or be
+# written, memory before trust for every store object, version directory names.
+
+
+def _structural_chain(d: str) -> list[str]:
+    """Four checkpoints along a momentum chain (``_chains.write_chain``); the last two are structural
+    versions of the first two: ``count`` removed, ``extra`` added and ``small`` re-typed to float16."""
+    import safetensors.torch
+    import torch
+    from _chains import write_chain
+
+    paths = write_chain(d, 3, n=(1 << 16) + 300, seed=5, prefix="s")
+    for i in (2, 3):
+        t = safetensors.torch.load_file(paths[i])
+        del t["count"]
+        t["small"] = t["small"].to(torch.float16)
+        t["extra"] = torch.full((300,), float(i), dtype=torch.bfloat16)
+        safetensors.torch.save_file(t, paths[i])
+    return paths
+
+
+def test_structural_versions_with_history_publish_encode_and_apply(tmp_path):
+    """Issue 34 item 4: a version that adds, removes and re-types a tensor, published, encoded and
+    applied with history (``MovesRecorder.reset``), to the target's fingerprint (a structural apply lays
+    the file out its own way), and an apply rerun changes nothing."""
+    paths = _structural_chain(str(tmp_path / "c"))
+    store, state = str(tmp_path / "store"), str(tmp_path / "pub")
+    ck = str(tmp_path / "rollout.safetensors")
+    for i, p in enumerate(paths):
+        run_ok("publish", store, p, "--step", str(i), "--state", state, "--history", *KF, "-q")
+        run_ok("sync", store, ck, "-q")
+        assert deltarefit.fingerprint(ck) == deltarefit.fingerprint(p)
+    from _chains import encodings
+
+    # the last delta (structural version to structural version) was coded against the history
+    assert encodings(os.path.join(store, *load_commit(LocalStore(store), 4).delta.key.split("/"))).get(5)
+
+    book, abook = str(tmp_path / "enc.history"), str(tmp_path / "app.history")
+    target = str(tmp_path / "applied.safetensors")
+    shutil.copyfile(paths[0], target)
+    for i in range(1, len(paths)):
+        delta = str(tmp_path / f"d{i}.delta")
+        run_ok("encode", paths[i - 1], paths[i], "-o", delta, "--history", book, "-q")
+        run_ok("apply", delta, target, "--history", abook, "-q")
+        assert deltarefit.fingerprint(target) == deltarefit.fingerprint(paths[i])
+        if i == 3:
+            assert encodings(delta).get(5)
+        r = run_ok("apply", delta, target, "--history", abook, "-q")  # a rerun: already the target
+        assert "verified" in r.stdout and deltarefit.fingerprint(target) == deltarefit.fingerprint(paths[i])

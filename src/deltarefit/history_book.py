@@ -64,6 +64,11 @@ class MovesRecorder:
                 self.moves[(name, ci)] = moves
                 self.blobs[(name, ci)] = blob
 
+    def reset(self, name: str) -> None:
+        """Start ``name``'s history over at this version (added, removed or re-typed)."""
+        with self._lock:
+            self.resets.add(name)
+
 
 def _compress(moves: Moves) -> bytes:
     """A chunk's record as a moves file stores it (one compressor per thread)."""
@@ -71,10 +76,6 @@ def _compress(moves: Moves) -> bytes:
     if zc is None:
         zc = _tls.zc = zstandard.ZstdCompressor(level=3)
     return zc.compress(moves.to_bytes())
-
-    def reset(self, name: str) -> None:
-        with self._lock:
-            self.resets.add(name)
 
 
 _tls = threading.local()
