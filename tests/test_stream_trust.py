@@ -570,3 +570,58 @@ def test_structural_versions_with_history_publish_encode_and_apply(tmp_path):
             assert encodings(delta).get(5)
         r = run_ok("apply", delta, target, "--history", abook, "-q")  # a rerun: already the target
         assert "verified" in r.stdout and deltarefit.fingerprint(target) == deltarefit.fingerprint(paths[i])
+
+
+
+_RETAIN_LOOP = """
+import sys, time
+from deltarefit.storage import LocalStore
+from deltarefit.stream.retention import retain
+store = LocalStore(sys.argv[1])
+while time.monotonic() < float(sys.argv[2]):
+    retain(store, orphan_grace=float(sys.argv[3]))
+"""
+
+# A publisher on a slow link (100 KB/s): each version's delta part is uploaded first, then its
+# keyframe files for ~3 s, so the finished delta waits beside them for longer than the grace.
+_SLOW_PUBLISH = """
+import sys
+from deltarefit.storage import LocalStore
+from deltarefit.stream import Publisher
+pub = Publisher(LocalStore(sys.argv[1], rate=100_000), sys.argv[2], keyframe_every=1)
+for p in sys.argv[3:]:
+    rec = pub.publish(p)
+    # at the head, with a subscriber at version 1: retention keeps every part of this record
+    missing = [q.key for q in [rec.delta] + [q for _, q in rec.keyframe] if not pub.store.exists(q.key)]
+    print(rec.version, "missing:", *missing, flush=True)
+"""
+
+
+def test_retain_racing_a_slow_publish_never_leaves_a_commit_naming_missing_parts(tmp_path, chain, fps):
+    """Issue 34 item 3: ``retain`` with a 1.5 s grace in a tight loop in another process while a
+    publisher on a slow link uploads parts for longer than that (real processes, a local-directory
+    store): every commit's parts exist and hash to the record, and a new subscriber reaches the head."""
+    import subprocess
+    import sys
+    import time
+
+    from _stream_util import ENV
+
+    store, state = str(tmp_path / "store"), str(tmp_path / "pub")
+    run_ok("publish", store, chain[0], "--state", state, *KF, "-q")
+    # a live subscriber at version 1: retention keeps every later delta (and the newest keyframe)
+    LocalStore(store).put("subs/watcher.json", json.dumps({"version": 1, "updated": time.time() + 600}).encode())
+    loop = subprocess.Popen([sys.executable, "-c", _RETAIN_LOOP, store, str(time.monotonic() + 600), "1.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        pub = subprocess.run([sys.executable, "-c", _SLOW_PUBLISH, store, state, *chain[1:4]],
+                             capture_output=True, text=True, env=ENV, timeout=120, check=False)
+    finally:
+        loop.kill()
+        _, err = loop.communicate(timeout=60)
+    assert "Traceback" not in err, err
+    assert pub.returncode == 0, pub.stderr
+    assert pub.stdout.split("\n")[:3] == [f"{v} missing:" for v in (2, 3, 4)], pub.stdout
+    ck = str(tmp_path / "late.safetensors")
+    run_ok("sync", store, ck, "-q")
+    assert deltarefit.fingerprint(ck) == fps[3]
