@@ -279,11 +279,8 @@ def test_a_malformed_book_is_refused_by_name(tmp_path):
     f = next(p for p in (tmp_path / "b").iterdir() if p.suffix == ".moves")
     data = f.read_bytes()
     f.write_bytes(data[: len(data) // 2])
-    book2 = HistoryBook(tmp_path / "b")  # the index is whole, an entry is cut
-    with pytest.raises(DecodeError, match=str(f.name)):
-        for name in ("w", "small"):
-            for ci in range(4):
-                book2.history(name, ci, 1 << 19)
+    with pytest.raises(DecodeError, match=str(f.name)):  # the index is whole, an entry is cut: its digest
+        HistoryBook(tmp_path / "b")
     f.write_bytes(b"garbage")
     with pytest.raises(DecodeError, match="not a moves file"):
         HistoryBook(tmp_path / "b")

@@ -625,3 +625,56 @@ def test_retain_racing_a_slow_publish_never_leaves_a_commit_naming_missing_parts
     ck = str(tmp_path / "late.safetensors")
     run_ok("sync", store, ck, "-q")
     assert deltarefit.fingerprint(ck) == fps[3]
+
+
+def test_bit_flips_in_the_publishers_history_book_are_detected_or_harmless(tmp_path):
+    """Issue 34 item 6: 200 random single-bit flips over the publisher's history book (its moves files
+    and HEAD). Each is either detected when the book is opened (``open_book`` starts the book over, so
+    the next version goes out without history), or harmless: the next delta coded against the flipped
+    book is byte-identical to the one coded against the intact book, which the subscriber decodes."""
+    import random
+
+    from _chains import write_chain
+
+    from deltarefit.encode import encode
+    from deltarefit.stream.history import open_book
+
+    paths = write_chain(str(tmp_path / "c"), 5, n=(1 << 16) + 300, seed=9, prefix="h")
+    store = LocalStore(str(tmp_path / "store"))
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=1000, keyframe_ratio=1000.0, history=True)
+    ck = str(tmp_path / "rollout.safetensors")
+    for i, p in enumerate(paths[:5]):
+        pub.publish(p, step=i)
+        Subscriber(store, ck).sync()
+    book = pub.book_path
+    files = sorted(os.listdir(book))
+    assert len(files) == 4 and "HEAD.json" in files  # HEAD and the last three versions' moves
+    pristine = str(tmp_path / "pristine")
+    shutil.copytree(book, pristine)
+    want = encode(pub.baseline, paths[5], str(tmp_path / "want.delta"), history=open_book(book))
+    want_bytes = read_bytes(want.path)
+    rng = random.Random(34)
+    detected = harmless = 0
+    for trial in range(200):
+        shutil.rmtree(book, ignore_errors=True)
+        shutil.copytree(pristine, book)
+        f = os.path.join(book, rng.choice(files))
+        data = bytearray(read_bytes(f))
+        bit = rng.randrange(8 * len(data))
+        data[bit // 8] ^= 1 << (bit % 8)
+        with open(f, "wb") as fh:
+            fh.write(data)
+        opened = open_book(book)
+        if opened.versions() == [] and not os.path.exists(os.path.join(book, "HEAD.json")):
+            detected += 1  # started over: never trusted
+            continue
+        got = encode(pub.baseline, paths[5], str(tmp_path / "got.delta"), history=opened)
+        assert read_bytes(got.path) == want_bytes, f"trial {trial}: flip of bit {bit} of {f} went undetected"
+        harmless += 1
+    assert detected + harmless == 200 and detected >= 190, (detected, harmless)
+    # and the intact book's next delta decodes bit-exact for the subscriber
+    shutil.rmtree(book, ignore_errors=True)
+    shutil.copytree(pristine, book)
+    pub.publish(paths[5], step=5)
+    Subscriber(store, ck).sync()
+    assert deltarefit.fingerprint(ck) == deltarefit.fingerprint(paths[5])
