@@ -789,8 +789,10 @@ def test_orphan_parts_removed_only_after_grace(stream, tmp_path, chain):
     for k in (dead, loser):
         os.utime(stream.path(k), (old, old))
     r = json.loads(run_ok("retain", stream.url, "--orphan-grace", "3600", "--json").stdout)
-    assert dead in r["deleted"] and loser in r["deleted"]
-    assert not store.exists(dead) and not store.exists(loser)
+    # an orphan of the next version may be a publish still uploading: kept until that version is
+    # committed (issue 34: a retain deleted the parts of a slow publish, which then committed them)
+    assert dead not in r["deleted"] and loser in r["deleted"]
+    assert store.exists(dead) and not store.exists(loser)
     assert list_versions(store) == list(range(1, HEAD + 1))
 
 

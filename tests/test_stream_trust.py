@@ -518,3 +518,163 @@ def test_quarantine_never_touches_the_publishers_own_history(tmp_path, chain, ke
     LocalStore(store).put(commit_key(4), b"garbage")
     assert _publisher(store, str(tmp_path / "none-pub")).quarantine_head() == [4]
     assert list_versions(LocalStore(store)) == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------------------------ issue 34
+# Structural versions with history, retention racing a publish, history books that cannot lie or be
+# written, memory before trust for every store object, version directory names.
+
+
+def _structural_chain(d: str) -> list[str]:
+    """Four checkpoints along a momentum chain (``_chains.write_chain``); the last two are structural
+    versions of the first two: ``count`` removed, ``extra`` added and ``small`` re-typed to float16."""
+    import safetensors.torch
+    import torch
+    from _chains import write_chain
+
+    paths = write_chain(d, 3, n=(1 << 16) + 300, seed=5, prefix="s")
+    for i in (2, 3):
+        t = safetensors.torch.load_file(paths[i])
+        del t["count"]
+        t["small"] = t["small"].to(torch.float16)
+        t["extra"] = torch.full((300,), float(i), dtype=torch.bfloat16)
+        safetensors.torch.save_file(t, paths[i])
+    return paths
+
+
+def test_structural_versions_with_history_publish_encode_and_apply(tmp_path):
+    """Issue 34 item 4: a version that adds, removes and re-types a tensor, published, encoded and
+    applied with history (``MovesRecorder.reset``), to the target's fingerprint (a structural apply lays
+    the file out its own way), and an apply rerun changes nothing."""
+    paths = _structural_chain(str(tmp_path / "c"))
+    store, state = str(tmp_path / "store"), str(tmp_path / "pub")
+    ck = str(tmp_path / "rollout.safetensors")
+    for i, p in enumerate(paths):
+        run_ok("publish", store, p, "--step", str(i), "--state", state, "--history", *KF, "-q")
+        run_ok("sync", store, ck, "-q")
+        assert deltarefit.fingerprint(ck) == deltarefit.fingerprint(p)
+    from _chains import encodings
+
+    # the last delta (structural version to structural version) was coded against the history
+    assert encodings(os.path.join(store, *load_commit(LocalStore(store), 4).delta.key.split("/"))).get(5)
+
+    book, abook = str(tmp_path / "enc.history"), str(tmp_path / "app.history")
+    target = str(tmp_path / "applied.safetensors")
+    shutil.copyfile(paths[0], target)
+    for i in range(1, len(paths)):
+        delta = str(tmp_path / f"d{i}.delta")
+        run_ok("encode", paths[i - 1], paths[i], "-o", delta, "--history", book, "-q")
+        run_ok("apply", delta, target, "--history", abook, "-q")
+        assert deltarefit.fingerprint(target) == deltarefit.fingerprint(paths[i])
+        if i == 3:
+            assert encodings(delta).get(5)
+        r = run_ok("apply", delta, target, "--history", abook, "-q")  # a rerun: already the target
+        assert "verified" in r.stdout and deltarefit.fingerprint(target) == deltarefit.fingerprint(paths[i])
+
+
+
+_RETAIN_LOOP = """
+import sys, time
+from deltarefit.storage import LocalStore
+from deltarefit.stream.retention import retain
+store = LocalStore(sys.argv[1])
+while time.monotonic() < float(sys.argv[2]):
+    retain(store, orphan_grace=float(sys.argv[3]))
+"""
+
+# A publisher on a slow link (100 KB/s): each version's delta part is uploaded first, then its
+# keyframe files for ~3 s, so the finished delta waits beside them for longer than the grace.
+_SLOW_PUBLISH = """
+import sys
+from deltarefit.storage import LocalStore
+from deltarefit.stream import Publisher
+pub = Publisher(LocalStore(sys.argv[1], rate=100_000), sys.argv[2], keyframe_every=1)
+for p in sys.argv[3:]:
+    rec = pub.publish(p)
+    # at the head, with a subscriber at version 1: retention keeps every part of this record
+    missing = [q.key for q in [rec.delta] + [q for _, q in rec.keyframe] if not pub.store.exists(q.key)]
+    print(rec.version, "missing:", *missing, flush=True)
+"""
+
+
+def test_retain_racing_a_slow_publish_never_leaves_a_commit_naming_missing_parts(tmp_path, chain, fps):
+    """Issue 34 item 3: ``retain`` with a 1.5 s grace in a tight loop in another process while a
+    publisher on a slow link uploads parts for longer than that (real processes, a local-directory
+    store): every commit's parts exist and hash to the record, and a new subscriber reaches the head."""
+    import subprocess
+    import sys
+    import time
+
+    from _stream_util import ENV
+
+    store, state = str(tmp_path / "store"), str(tmp_path / "pub")
+    run_ok("publish", store, chain[0], "--state", state, *KF, "-q")
+    # a live subscriber at version 1: retention keeps every later delta (and the newest keyframe)
+    LocalStore(store).put("subs/watcher.json", json.dumps({"version": 1, "updated": time.time() + 600}).encode())
+    loop = subprocess.Popen([sys.executable, "-c", _RETAIN_LOOP, store, str(time.monotonic() + 600), "1.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        pub = subprocess.run([sys.executable, "-c", _SLOW_PUBLISH, store, state, *chain[1:4]],
+                             capture_output=True, text=True, env=ENV, timeout=120, check=False)
+    finally:
+        loop.kill()
+        _, err = loop.communicate(timeout=60)
+    assert "Traceback" not in err, err
+    assert pub.returncode == 0, pub.stderr
+    assert pub.stdout.split("\n")[:3] == [f"{v} missing:" for v in (2, 3, 4)], pub.stdout
+    ck = str(tmp_path / "late.safetensors")
+    run_ok("sync", store, ck, "-q")
+    assert deltarefit.fingerprint(ck) == fps[3]
+
+
+def test_bit_flips_in_the_publishers_history_book_are_detected_or_harmless(tmp_path):
+    """Issue 34 item 6: 200 random single-bit flips over the publisher's history book (its moves files
+    and HEAD). Each is either detected when the book is opened (``open_book`` starts the book over, so
+    the next version goes out without history), or harmless: the next delta coded against the flipped
+    book is byte-identical to the one coded against the intact book, which the subscriber decodes."""
+    import random
+
+    from _chains import write_chain
+
+    from deltarefit.encode import encode
+    from deltarefit.stream.history import open_book
+
+    paths = write_chain(str(tmp_path / "c"), 5, n=(1 << 16) + 300, seed=9, prefix="h")
+    store = LocalStore(str(tmp_path / "store"))
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=1000, keyframe_ratio=1000.0, history=True)
+    ck = str(tmp_path / "rollout.safetensors")
+    for i, p in enumerate(paths[:5]):
+        pub.publish(p, step=i)
+        Subscriber(store, ck).sync()
+    book = pub.book_path
+    files = sorted(os.listdir(book))
+    assert len(files) == 4 and "HEAD.json" in files  # HEAD and the last three versions' moves
+    pristine = str(tmp_path / "pristine")
+    shutil.copytree(book, pristine)
+    want = encode(pub.baseline, paths[5], str(tmp_path / "want.delta"), history=open_book(book))
+    want_bytes = read_bytes(want.path)
+    rng = random.Random(34)
+    detected = harmless = 0
+    for trial in range(200):
+        shutil.rmtree(book, ignore_errors=True)
+        shutil.copytree(pristine, book)
+        f = os.path.join(book, rng.choice(files))
+        data = bytearray(read_bytes(f))
+        bit = rng.randrange(8 * len(data))
+        data[bit // 8] ^= 1 << (bit % 8)
+        with open(f, "wb") as fh:
+            fh.write(data)
+        opened = open_book(book)
+        if opened.versions() == [] and not os.path.exists(os.path.join(book, "HEAD.json")):
+            detected += 1  # started over: never trusted
+            continue
+        got = encode(pub.baseline, paths[5], str(tmp_path / "got.delta"), history=opened)
+        assert read_bytes(got.path) == want_bytes, f"trial {trial}: flip of bit {bit} of {f} went undetected"
+        harmless += 1
+    assert detected + harmless == 200 and detected >= 190, (detected, harmless)
+    # and the intact book's next delta decodes bit-exact for the subscriber
+    shutil.rmtree(book, ignore_errors=True)
+    shutil.copytree(pristine, book)
+    pub.publish(paths[5], step=5)
+    Subscriber(store, ck).sync()
+    assert deltarefit.fingerprint(ck) == deltarefit.fingerprint(paths[5])

@@ -17,7 +17,10 @@ Contract:
   A process killed at any point leaves the old HEAD (and at worst an orphan moves file, removed by
   the next commit) or the new one, never a mixture.
 * Trust: a book is local state, but it is read as untrusted input: a malformed file raises
-  ``DecodeError`` naming it. A wrong book cannot make a decoder accept wrong bytes: every
+  ``DecodeError`` naming it. Every moves file ends in the BLAKE3 digest of the bytes before it, and
+  HEAD carries the digest of the versions it names; both are checked when the book is opened (a
+  stream's ``open_book`` starts a book that fails over, and never codes against it): a bit-rotted
+  book is refused whole, not trusted until a chunk's coded history happens to disagree. A wrong book cannot make a decoder accept wrong bytes: every
   ``ulp_hist`` chunk names the id of the history it was coded against, and a decoder whose book
   gives another refuses the chunk before anything is written.
 """
@@ -30,6 +33,7 @@ import os
 import re
 import threading
 
+import blake3
 import zstandard
 
 from .codec.history import DEPTH, History, Moves
@@ -37,7 +41,8 @@ from .errors import DecodeError
 from .fsutil import fsync_dir, write_atomic
 from .locks import remove_dead_temps, temp_pattern
 
-MAGIC = b"DRMOVES1"
+MAGIC = b"DRMOVES2"  # DRMOVES1 files had no digest: refused, so such a book starts over
+DIGEST = 32  # the trailing BLAKE3 digest of a moves file
 HEAD = "HEAD.json"
 _TEMPS = temp_pattern(r".+\.moves", re.escape(HEAD))  # what write_atomic leaves when killed
 MAX_INDEX_BYTES = 64 << 20
@@ -64,6 +69,11 @@ class MovesRecorder:
                 self.moves[(name, ci)] = moves
                 self.blobs[(name, ci)] = blob
 
+    def reset(self, name: str) -> None:
+        """Start ``name``'s history over at this version (added, removed or re-typed)."""
+        with self._lock:
+            self.resets.add(name)
+
 
 def _compress(moves: Moves) -> bytes:
     """A chunk's record as a moves file stores it (one compressor per thread)."""
@@ -72,27 +82,39 @@ def _compress(moves: Moves) -> bytes:
         zc = _tls.zc = zstandard.ZstdCompressor(level=3)
     return zc.compress(moves.to_bytes())
 
-    def reset(self, name: str) -> None:
-        with self._lock:
-            self.resets.add(name)
-
 
 _tls = threading.local()
+
+
+def _head_digest(fps: list[str]) -> str:
+    return blake3.blake3("\n".join(fps).encode()).hexdigest()
 
 
 class _MovesFile:
     def __init__(self, path: str) -> None:
         self.path = path
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(16)
-            if len(head) != 16 or head[:8] != MAGIC:
+            if len(head) != 16 or head[:8] != MAGIC or size < 16 + DIGEST:
                 raise DecodeError(f"{path}: not a moves file")
             n = int.from_bytes(head[8:], "little")
-            if n > MAX_INDEX_BYTES:
-                raise DecodeError(f"{path}: index of {n} bytes exceeds {MAX_INDEX_BYTES}")
+            if n > MAX_INDEX_BYTES or 16 + n > size - DIGEST:
+                raise DecodeError(f"{path}: index of {n} bytes exceeds {min(MAX_INDEX_BYTES, size - DIGEST - 16)}")
+            # The whole file against its digest first (streamed), so that no byte of it is trusted
+            # before it is known to be the bytes the commit wrote.
+            h, left = blake3.blake3(head), size - DIGEST - 16
+            f.seek(16)
+            while left > 0:
+                b = f.read(min(left, 1 << 20))
+                if not b:
+                    raise DecodeError(f"{path}: truncated")
+                h.update(b)
+                left -= len(b)
+            if f.read(DIGEST) != h.digest():
+                raise DecodeError(f"{path}: digest mismatch (the moves file is damaged)")
+            f.seek(16)
             raw = f.read(n)
-            if len(raw) != n:
-                raise DecodeError(f"{path}: truncated index")
         try:
             idx = json.loads(raw)
             self.fingerprint = str(idx["fingerprint"])
@@ -102,7 +124,7 @@ class _MovesFile:
         except (ValueError, KeyError, TypeError) as e:
             raise DecodeError(f"{path}: malformed index ({e})") from None
         self.base = 16 + n
-        self.size = os.path.getsize(path)
+        self.size = size - DIGEST  # where the blobs end
         self._map: mmap.mmap | None = None  # opened on first lookup; the file is replaced, never truncated
 
     def _blob(self, off: int, ln: int) -> bytes:
@@ -152,9 +174,12 @@ class HistoryBook:
         if os.path.exists(head):
             try:
                 with open(head, "rb") as f:
-                    fps = json.loads(f.read(1 << 16))["versions"]
+                    d = json.loads(f.read(1 << 16))
+                fps = d["versions"]
                 if not isinstance(fps, list) or len(fps) > DEPTH or not all(isinstance(x, str) for x in fps):
                     raise ValueError("versions must be a list of at most 3 fingerprints")
+                if d.get("blake3") != _head_digest(fps):
+                    raise ValueError("digest mismatch")
             except (ValueError, KeyError, TypeError) as e:
                 raise DecodeError(f"{head}: malformed ({e})") from None
             for fp in fps:
@@ -230,10 +255,11 @@ class HistoryBook:
             off += len(b)
         idx = json.dumps({"fingerprint": fingerprint, "reset": sorted(rec.resets), "entries": entries},
                          separators=(",", ":")).encode()
-        write_atomic(self._moves_path(fingerprint), MAGIC + len(idx).to_bytes(8, "little") + idx + b"".join(blobs),
-                     durable=durable)
+        body = MAGIC + len(idx).to_bytes(8, "little") + idx + b"".join(blobs)
+        write_atomic(self._moves_path(fingerprint), body + blake3.blake3(body).digest(), durable=durable)
         fps = [fingerprint] + [f.fingerprint for f in keep]
-        write_atomic(os.path.join(self.path, HEAD), json.dumps({"versions": fps}).encode(), durable=durable)
+        write_atomic(os.path.join(self.path, HEAD), json.dumps({"versions": fps, "blake3": _head_digest(fps)}).encode(),
+                     durable=durable)
         for fn in os.listdir(self.path):  # older versions' files, and orphans of killed commits
             if fn.endswith(".moves") and fn[:-6] not in fps:
                 os.unlink(os.path.join(self.path, fn))

@@ -152,7 +152,9 @@ def plan_retention(store: Store, h: int, recs: Mapping[int, Any], kind: RecordKi
     Every object of an ``unreadable`` version (its parts cannot be told from orphans) and every orphan
     of an ``open_versions`` one (a proposal still waiting) stays; other orphans go once older than
     ``orphan_grace`` seconds (``older_than``), or at once under a committed version when the kind says
-    so."""
+    so. An orphan of a version after ``h`` is never deleted, whatever its age: it may be a part of a
+    publish still in progress, which commits it next (a dead publish's go once its version is
+    committed by another, or its rerun drops them)."""
     k = max((v for v, r in recs.items() if r.keyframe), default=0)
     cut = min(h if keep_from is None else keep_from, k)
     keep = {p.key for r in recs.values() for p in kind.needed(r, cut, k)}
@@ -166,7 +168,7 @@ def plan_retention(store: Store, h: int, recs: Mapping[int, Any], kind: RecordKi
         v = int(parts[1])
         if key in keep or v in unreadable:
             plan.keep.append(key)
-        elif key in referenced or (v not in open_versions and (
+        elif key in referenced or (v <= h and v not in open_versions and (
                 (kind.committed_orphans_expire and v <= h) or older_than(store, key, orphan_grace))):
             plan.delete.append(key)
     return plan

@@ -404,9 +404,37 @@ class Publisher(BaselineMixin, AttemptsMixin):
             if not self.store.exists(commit_key(version)) or self.store.get(commit_key(version)) != rec.to_bytes():
                 self._drop_attempt(rec)
             raise
+        self._restore_parts(rec, checkpoint)
         # A proposal for this version (ours, or a joint publish that died waiting) is settled now.
         self.store.delete(prepared_key(version))
         return pending
+
+    def _restore_parts(self, rec: CommitRecord, checkpoint: str) -> None:
+        """Committed: every part ``rec`` names must exist. One deleted meanwhile (a retention run older
+        than this one's rule, which deleted parts of a version after the head it read) is uploaded
+        again from its local copy, checked against the record first; refused (``PublishError``, the
+        version is committed with a part missing) where that copy no longer matches."""
+        local = []
+        if rec.delta:
+            local.append((rec.delta, os.path.join(self.staging, "delta")))
+        if rec.catchup:
+            local.append((rec.catchup, os.path.join(self.staging, "catchup")))
+        if rec.keyframe:
+            local += [(part, path) for (_, part), (_, path) in zip(rec.keyframe, _checkpoint_files(checkpoint),
+                                                                   strict=True)]
+        for part, path in local:
+            try:
+                if self.store.size(part.key) == part.bytes:
+                    continue
+            except KeyError:
+                pass
+            log.warning("%s/%s: part of committed version %d was deleted while it uploaded; uploading it again",
+                        self.store.url, part.key, rec.version)
+            if os.path.getsize(path) != part.bytes or file_hash(path) != part.blake3:
+                raise PublishError(f"{self.store.url}/{part.key}: part of committed version {rec.version} was "
+                                   f"deleted during the publish and {path} no longer holds it; publish the "
+                                   "next version as a keyframe")
+            self.store.put_file(part.key, path)
 
     def _after_commit(self, rec: CommitRecord, checkpoint: str, rep: EncodeReport | None, pending: str) -> None:
         """Committed: advance the baseline (and the keyframe copy), then the history book, save the

@@ -12,7 +12,9 @@ for longer than ``ttl`` seconds is not live):
   orphans; ``deltarefit publish --quarantine-head`` sets such a record aside, and its parts then go).
 
 Deleted: other keyframe parts, delta parts of versions up to ``min(s, k)``, acks of versions that
-are no longer proposed, and orphan parts (a publish that died before committing, or lost a race) and
+are no longer proposed, and orphan parts of committed versions (a publish that died before
+committing, or lost a race; an orphan of a version after the head may be a publish in progress and
+is never deleted, ``chain.plan_retention``) and
 unfinished uploads (the store's ``sweep_temps``: temp files, multipart uploads of killed writers)
 older than ``orphan_grace`` seconds. A store that keeps no timestamps (memory) keeps every orphan:
 its age is unknown, and it may be an upload in progress (``chain.older_than``). A dry run reports
