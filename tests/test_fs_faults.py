@@ -88,10 +88,12 @@ def test_disk_full_is_one_line_and_a_rerun_finishes(fx, tmp_path, command, level
 
 
 @needs_mount
-def test_an_error_without_a_path_names_the_command_and_what_it_writes(fx, tmp_path):
+def test_a_disk_full_before_the_first_write_names_the_journal_and_writes_nothing(fx, tmp_path):
+    # The journal is allocated before the checkpoint's first byte changes: a full disk fails there.
     o = run(fx, tmp_path, "apply", "full", 0.0)
     assert o.rc == 12, o.stderr  # FileSystemError
-    assert o.stderr.startswith("deltarefit: error: apply: writing ") and "ckpt.safetensors" in o.stderr, o.stderr
+    assert o.stderr.startswith("deltarefit: error: ") and "ckpt.safetensors.deltarefit-journal" in o.stderr, o.stderr
+    assert "nothing written to the checkpoint" in o.stderr and "No space left on device" in o.stderr, o.stderr
 
 
 @needs_mount

@@ -11,7 +11,7 @@ import numpy as np
 
 from .codec.chunk import Patch
 from .dtypes import dtype
-from .errors import CheckpointError
+from .errors import CheckpointError, FileSystemError
 from .fsutil import open_regular
 from .integrity import SEGMENT_BYTES, seg_hash
 from .regions import _post_image
@@ -56,7 +56,8 @@ class Journal:
         """Open the journal for ``slots`` writer threads and allocate their slots on disk (room for a record
         of ``record_bytes`` in each) before the first write into the checkpoint: a full disk (or quota)
         is then refused here, with every byte of the checkpoint as it was, rather than after some chunks
-        were written. Raises ``CheckpointError`` (one line naming the journal) on any filesystem fault."""
+        were written. Raises ``CheckpointError`` where the journal cannot be created (a planted link, a
+        missing directory), ``FileSystemError`` where it cannot be allocated (disk full): one line naming it."""
         existed = os.path.lexists(self.path)
         try:
             # Not through a symlink, and only a regular file: another local user's planted link would make
@@ -77,9 +78,8 @@ class Journal:
             if not existed:  # an older journal may hold records a torn chunk needs: kept
                 with contextlib.suppress(OSError):
                     os.unlink(self.path)
-            raise CheckpointError(f"{self.path}: cannot allocate the apply journal ({slots * need:,} bytes: "
-                                  f"{e.strerror}); nothing written to the checkpoint, free space and run again") \
-                from None
+            raise FileSystemError.of(f"{self.path}: cannot allocate the apply journal ({slots * need:,} bytes); "
+                                     "nothing written to the checkpoint, free space and run again", e) from None
 
     @staticmethod
     def record(patch: Patch, pre: np.ndarray) -> tuple[int, int, bytes]:
