@@ -17,12 +17,13 @@ def fsync_dir(d: str) -> None:
         os.close(fd)
 
 
-def fs_error(e: OSError, where: str, doing: str):
-    """A filesystem fault (full disk, read-only, permission denied...) as the one-line ``CheckpointError``
-    the CLI prints: the file it hit (``where`` when the error names none), what was being done, why."""
-    from .errors import CheckpointError
-
-    return CheckpointError(f"{e.filename or where}: {doing}: {e.strerror or e}")
+def fs_error(e: OSError, where: str, doing: str) -> FileSystemError:
+    """A filesystem fault (full disk, read-only, permission denied...) as the one-line ``FileSystemError``
+    the CLI prints: the file it hit (``where`` when the error names none), what was being done, why. One
+    that a lower layer already named (the journal, a staged part, a version record) is kept as it is."""
+    if isinstance(e, FileSystemError):
+        return e
+    return FileSystemError.of(f"{os.fsdecode(e.filename) if e.filename else where}: {doing}", e)
 
 
 def open_regular(path: str, flags: int, mode: int = 0o644, *, what: str = "") -> int:
