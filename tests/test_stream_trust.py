@@ -678,3 +678,92 @@ def test_bit_flips_in_the_publishers_history_book_are_detected_or_harmless(tmp_p
     pub.publish(paths[5], step=5)
     Subscriber(store, ck).sync()
     assert deltarefit.fingerprint(ck) == deltarefit.fingerprint(paths[5])
+
+
+_PEAK = ("import resource, subprocess, sys\n"
+         "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+         "sys.stderr.write(r.stderr)\n"
+         "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n")
+
+
+def _peak(*args: str) -> tuple[int, float, str]:
+    """(exit status, peak RSS in MiB, stderr) of ``deltarefit *args`` in a process of its own."""
+    import subprocess
+    import sys
+
+    from _stream_util import ENV, cmd
+
+    r = subprocess.run([sys.executable, "-c", _PEAK, *cmd(*args)], capture_output=True, text=True, env=ENV,
+                       timeout=120, check=False)
+    rc, kib = r.stdout.split()
+    return int(rc), int(kib) / 1024, r.stderr
+
+
+def _one_line(err: str) -> None:
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 3, err
+
+
+@pytest.fixture
+def small_stream(tmp_path, chain):
+    store, state = str(tmp_path / "store"), str(tmp_path / "pub")
+    for i in range(2):
+        run_ok("publish", store, chain[i], "--state", state, *KF, "-q")
+    return store
+
+
+def test_version_directory_names_that_are_no_version_are_ignored(small_stream):
+    """Issue 34 item 10: ``v/²/`` and a 13-digit version directory (and their parts) crash neither
+    ``log`` nor ``retain``: they are no version of the stream, skipped with a warning."""
+    for name in ("²", "0000000000001", "-00000000001", "00000000000x"):
+        d = os.path.join(small_stream, "v", name)
+        os.makedirs(os.path.join(d, "attempt"), exist_ok=True)
+        with open(os.path.join(d, "commit.json"), "wb") as f:
+            f.write(b"{}")
+        with open(os.path.join(d, "attempt", "delta"), "wb") as f:
+            f.write(b"x")
+    r = run("log", small_stream)
+    assert r.returncode == 0, r.stderr
+    _one_line(r.stderr)
+    assert "v1" in r.stdout and "v2" in r.stdout
+    r = run("retain", small_stream, "--orphan-grace", "0")
+    assert r.returncode == 0, r.stderr
+    _one_line(r.stderr)
+    assert os.path.exists(os.path.join(small_stream, "v", "²", "attempt", "delta"))  # not ours: kept
+
+
+def _sparse(path: str, size: int, head: bytes = b"") -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(size)
+
+
+@pytest.mark.parametrize("case", ["head-300MB", "commit-600MB", "commit-nested-15MB", "subs-nested",
+                                  "subs-overflow"])
+def test_store_objects_cost_bounded_memory_before_trust(small_stream, case):
+    """Issue 34 item 9: a huge ``HEAD`` or ``commit.json``, a record of nested lists, and malformed
+    subscriber objects: ``log`` and ``retain`` stay under 256 MiB (peak RSS of the process), refuse or
+    skip in one line, and retention is never stopped by a subscriber's object."""
+    s = small_stream
+    if case == "head-300MB":
+        _sparse(os.path.join(s, "HEAD"), 300 << 20, b"2")
+    elif case == "commit-600MB":
+        _sparse(os.path.join(s, "v", "000000000003", "commit.json"), 600 << 20, b"{")
+    elif case == "commit-nested-15MB":
+        os.makedirs(os.path.join(s, "v", "000000000003"))
+        with open(os.path.join(s, "v", "000000000003", "commit.json"), "wb") as f:
+            f.write(b"[" * (15 << 20))
+    elif case == "subs-nested":
+        os.makedirs(os.path.join(s, "subs"), exist_ok=True)
+        with open(os.path.join(s, "subs", "evil.json"), "wb") as f:
+            f.write(b"[" * 60_000 + b"]" * 60_000)
+    else:
+        os.makedirs(os.path.join(s, "subs"), exist_ok=True)
+        with open(os.path.join(s, "subs", "evil.json"), "wb") as f:
+            f.write(b'{"version": 1e400, "updated": 1e400}')
+    for args in (("log", s), ("retain", s)):
+        rc, mib, err = _peak(*args)
+        assert mib < 256, f"{args[0]} ({case}): peak RSS {mib:.0f} MiB"
+        _one_line(err)
+        if case.startswith(("subs", "head")):
+            assert rc == 0, err

@@ -149,8 +149,15 @@ class _MovesFile:
         dctx = getattr(_tls, "dctx", None)
         if dctx is None:  # one per thread (a context per call cost a third of the decompression)
             dctx = _tls.dctx = zstandard.ZstdDecompressor()
+        cap = 16 + 5 * n + 8
         try:
-            return dctx.decompress(blob, max_output_size=16 + 5 * n + 8)
+            # A frame that declares its content size is decompressed into that many bytes whatever
+            # max_output_size says: the declaration is checked first (memory before trust).
+            declared = zstandard.frame_content_size(blob)
+            if declared > cap:
+                raise DecodeError(f"{self.where(name, ci)} declares {declared} bytes, more than its chunk's "
+                                  f"moves can take ({cap})")
+            return dctx.decompress(blob, max_output_size=cap)
         except zstandard.ZstdError as e:
             raise DecodeError(f"{self.where(name, ci)} does not decompress ({e})") from None
 

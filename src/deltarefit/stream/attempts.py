@@ -26,6 +26,7 @@ from .records import (
     prepared_key,
     proposal_bytes,
     stream_identity,
+    subscriber_json,
     vkey,
 )
 
@@ -96,11 +97,10 @@ class AttemptsMixin:
             acks = [k for k in self.store.list(f"acks/{rec.version:012d}/") if k.endswith(".json")]
             ok = 0
             for k in acks:
-                try:
-                    a = json.loads(self.store.get(k))
-                except (KeyError, ValueError):
+                a = subscriber_json(self.store, k)
+                if a is None:
                     continue
-                ok += bool(a.get("ok")) and a.get("fingerprint") == rec.fingerprint
+                ok += a.get("ok") is True and a.get("fingerprint") == rec.fingerprint
             if ok >= need:
                 return
             if time.monotonic() > deadline:

@@ -17,13 +17,32 @@ Keys (every kind)::
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import MalformedRecordError, StreamError
-from ..storage.base import MTIME, Store
+from ..storage.base import GET_RANGE, MTIME, Store
+
+log = logging.getLogger(__name__)
+
+MAX_RECORD_BYTES = 16 << 20  # a commit record (``records.MAX_RECORD_BYTES``)
+MAX_HEAD_BYTES = 64  # the HEAD hint: a version number
+
+
+def get_capped(store: Store, key: str, limit: int) -> bytes | None:
+    """Object ``key`` if it holds at most ``limit`` bytes; None if it holds more (never read whole:
+    a ranged read of ``limit + 1`` bytes where the store has one, else its size first); ``KeyError``
+    if absent. Memory before trust: a store object is bounded before it is read."""
+    if GET_RANGE in store.capabilities:
+        data = store.get_range(key, 0, limit + 1)
+    else:
+        if store.size(key) > limit:
+            return None
+        data = store.get(key)
+    return data if len(data) <= limit else None
 
 
 def vkey(version: int) -> str:
@@ -34,13 +53,26 @@ def commit_key(version: int) -> str:
     return f"{vkey(version)}/commit.json"
 
 
+def version_of(name: str) -> int | None:
+    """The version a directory name under ``v/`` stands for: exactly ``vkey``'s 12 ASCII digits; None
+    for any other name (``²``, 13 digits, ``-1``: not a version of this stream, whoever wrote it)."""
+    return int(name) if len(name) == 12 and name.isascii() and name.isdigit() else None
+
+
 def list_versions(store: Store) -> list[int]:
-    """Committed version numbers, ascending."""
-    out = []
+    """Committed version numbers, ascending (names under ``v/`` that are no version are skipped,
+    logged once per listing)."""
+    out, odd = [], set()
     for k in store.list("v/"):
         parts = k.split("/")
-        if len(parts) == 3 and parts[2] == "commit.json" and parts[1].isdigit():
-            out.append(int(parts[1]))
+        v = version_of(parts[1]) if len(parts) >= 2 else None
+        if v is None:
+            odd.add(parts[1] if len(parts) >= 2 else k)
+        elif len(parts) == 3 and parts[2] == "commit.json":
+            out.append(v)
+    if odd:
+        log.warning("%s: ignoring %d names under v/ that are no version (%s)", store.url, len(odd),
+                    ", ".join(repr(x) for x in sorted(odd)[:3]))
     return sorted(out)
 
 
@@ -48,7 +80,10 @@ def head(store: Store) -> int:
     """The newest committed version (0 for an empty stream): the HEAD hint, probed forward, since a
     publisher killed between its commit and the hint leaves the hint one behind."""
     try:
-        h = int(store.get("HEAD").decode().strip())
+        raw = get_capped(store, "HEAD", MAX_HEAD_BYTES)
+        if raw is None or not raw.strip().isdigit() or not raw.strip().isascii():
+            raise ValueError("HEAD is no version number")  # a hint only: the commits are listed instead
+        h = int(raw.decode().strip())
     except (KeyError, ValueError):
         vs = list_versions(store)
         return vs[-1] if vs else 0
@@ -72,9 +107,12 @@ def load_record(store: Store, version: int, parse: Callable[[bytes, str], Any]):
     """The commit record of ``version``, parsed by ``parse(data, where)`` (plain or sharded records),
     refused unless it says it is that version."""
     try:
-        data = store.get(commit_key(version))
+        data = get_capped(store, commit_key(version), MAX_RECORD_BYTES)
     except KeyError:
         raise StreamError(f"{store.url}: version {version} is not committed") from None
+    if data is None:
+        raise MalformedRecordError(f"{store.url}/{commit_key(version)}: commit record exceeds the limit "
+                                   f"({MAX_RECORD_BYTES >> 20} MiB)")
     rec = parse(data, f"{store.url}/{commit_key(version)}")
     if rec.version != version:
         raise MalformedRecordError(f"{store.url}/{commit_key(version)}: record says version {rec.version}")
@@ -163,9 +201,9 @@ def plan_retention(store: Store, h: int, recs: Mapping[int, Any], kind: RecordKi
     plan = RetentionPlan(h, k)
     for key in store.list("v/"):
         parts = key.split("/")
-        if len(parts) < 4 or not parts[1].isdigit():
-            continue  # commit and prepared records
-        v = int(parts[1])
+        v = version_of(parts[1]) if len(parts) >= 4 else None
+        if v is None:
+            continue  # commit and prepared records; names that are no version stay (not ours)
         if key in keep or v in unreadable:
             plan.keep.append(key)
         elif key in referenced or (v <= h and v not in open_versions and (

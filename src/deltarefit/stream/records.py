@@ -17,6 +17,7 @@ parts; only the winner's commit record points at its parts.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -28,16 +29,18 @@ import blake3
 
 from ..errors import MalformedRecordError, StreamError, StreamIdentityError
 from ..fsutil import open_regular, write_atomic
-from ..jsonlimits import brief
+from ..jsonlimits import brief, json_shape_problem
 from ..signing import SignableRecord
 from ..storage.base import Store
 
 # The chain layer owns the keys, the head and loading a record; re-exported here for their callers.
-from .chain import commit_key, head, list_versions, load_record, vkey  # noqa: F401
+from .chain import MAX_RECORD_BYTES, commit_key, get_capped, head, list_versions, load_record, vkey  # noqa: F401
+
+log = logging.getLogger(__name__)
 
 COMMIT_FORMAT = "deltarefit.commit"
 COMMIT_VERSION = 1
-MAX_RECORD_BYTES = 16 << 20
+MAX_SUBSCRIBER_BYTES = 64 << 10  # a subscriber's report (subs/) or acknowledgement (acks/): a few fields
 
 
 STREAM_ID_PATTERN = re.compile(r"^(legacy-)?[0-9a-f]{32}$")
@@ -109,10 +112,38 @@ def record_json(data: bytes, where: str) -> Any:
     if len(data) > MAX_RECORD_BYTES:
         raise MalformedRecordError(f"{where}: commit record of {len(data)} bytes exceeds the limit "
                                    f"({MAX_RECORD_BYTES >> 20} MiB)")
+    # Nesting and containers bounded before parsing (a 15 MB record of nested lists cost 430 MB):
+    # a real record nests 4 levels, and holds one container per ~100 bytes at most.
+    why = json_shape_problem(data, max_depth=8, bytes_per_container=32)
+    if why is not None:
+        raise MalformedRecordError(f"{where}: commit record {why}")
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise MalformedRecordError(f"{where}: commit record is not valid JSON ({type(e).__name__})") from None
+
+
+def subscriber_json(store: Store, key: str) -> dict | None:
+    """An object a subscriber wrote (``subs/<id>.json``, ``acks/<v>/<id>.json``) as a JSON object, or
+    None where it is absent, larger than ``MAX_SUBSCRIBER_BYTES``, nested or not JSON (logged in one
+    line): any subscriber credential can write these, and none may stop retention or a publish."""
+    try:
+        data = get_capped(store, key, MAX_SUBSCRIBER_BYTES)
+    except KeyError:
+        return None
+    why = None if data is not None else f"larger than {MAX_SUBSCRIBER_BYTES} bytes"
+    if why is None:
+        why = json_shape_problem(data, max_depth=4, bytes_per_container=16)
+    if why is None:
+        try:
+            d = json.loads(data.decode("utf-8"))
+            why = None if isinstance(d, dict) else "not a JSON object"
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            why = f"not valid JSON ({type(e).__name__})"
+    if why is not None:
+        log.warning("%s/%s: ignoring malformed subscriber object (%s)", store.url, key, why)
+        return None
+    return d
 
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -210,10 +241,10 @@ def proposal_bytes(rec: CommitRecord, deadline: float) -> bytes:
 
 
 def parse_proposal(data: bytes, where: str) -> tuple[CommitRecord, float]:
+    d = record_json(data, where)
     try:
-        d = json.loads(data.decode("utf-8"))
         deadline, record = float(d["deadline"]), d["record"]
-    except (UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         raise StreamError(f"{where}: malformed proposal ({type(e).__name__})") from None
     return parse_commit(json.dumps(record).encode(), where), deadline
 

@@ -27,22 +27,24 @@ joint-commit proposals and acks, and the store's unfinished uploads.
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 from ..storage.base import SWEEP_TEMPS, Store
-from .chain import RecordKind, plan_retention
+from .chain import MAX_RECORD_BYTES, RecordKind, get_capped, plan_retention, version_of
 from .records import (
     CommitRecord,
     MalformedRecordError,
     StreamError,
     head,
+    is_int,
     list_versions,
     load_commit,
     parse_proposal,
     record_parts,
+    subscriber_json,
 )
 
 log = logging.getLogger(__name__)
@@ -62,12 +64,16 @@ def live_subscribers(store: Store, ttl: float) -> dict[str, int]:
     out: dict[str, int] = {}
     cutoff = time.time() - ttl
     for k in store.list("subs/"):
-        try:
-            d = json.loads(store.get(k))
-            if float(d["updated"]) >= cutoff:
-                out[k[len("subs/"):-len(".json")]] = int(d["version"])
-        except (KeyError, ValueError, TypeError):
-            log.warning("ignoring unreadable subscriber record %s", k)
+        d = subscriber_json(store, k)
+        if d is None:
+            continue
+        v, t = d.get("version"), d.get("updated")
+        if not (is_int(v) and v >= 0 and isinstance(t, (int, float)) and not isinstance(t, bool)
+                and math.isfinite(t)):
+            log.warning("%s/%s: ignoring subscriber record without a version and a time", store.url, k)
+            continue
+        if t >= cutoff:
+            out[k[len("subs/"):-len(".json")]] = v
     return out
 
 
@@ -100,7 +106,8 @@ def retain(store: Store, *, ttl: float = 24 * 3600, orphan_grace: float = 3600, 
     rep.deleted += settled + plan.delete
     rep.kept_bytes = sum(store.size(key) for key in plan.keep)
     for key in store.list("acks/"):
-        if int(key.split("/")[1]) not in proposals:
+        v = version_of(key.split("/")[1]) if key.count("/") >= 2 else None
+        if v is None or v not in proposals:  # a name that is no version acknowledges nothing
             rep.deleted.append(key)
     if not dry_run:
         for key in rep.deleted:
@@ -119,10 +126,13 @@ def _open_proposals(store: Store, h: int, orphan_grace: float) -> tuple[set[int]
     settled: list[str] = []
     for key in store.list("v/"):
         parts = key.split("/")
-        if len(parts) == 3 and parts[2] == "prepared.json":
-            v = int(parts[1])
+        if len(parts) == 3 and parts[2] == "prepared.json" and version_of(parts[1]) is not None:
+            v = version_of(parts[1])
             try:
-                _, deadline = parse_proposal(store.get(key), key)
+                data = get_capped(store, key, MAX_RECORD_BYTES)
+                if data is None:
+                    raise StreamError(f"{key}: proposal too large")
+                _, deadline = parse_proposal(data, key)
             except (KeyError, StreamError):
                 deadline = 0.0  # unreadable: treat as dead
             if v > h and time.time() < deadline + orphan_grace:
