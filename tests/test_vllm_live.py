@@ -476,7 +476,7 @@ def test_backend_tensor_parallel_engine_follows_a_stream_coded_with_history(tmp_
         llm.collective_rpc(_fail_split_write)
         client.start_weight_update()
         # both workers' failures: the plugin hook read every reply (module docstring of deltarefit_vllm_plugin)
-        with pytest.raises(Exception, match=r"another process of the group refused .*; injected failure mid-write"):
+        with pytest.raises(Exception, match=r"another process of the group refused .*injected failure mid-write"):
             client.update_weights({"version": last})
         llm.collective_rpc(_heal_split_write)  # (every worker's reply to the failed update was read)
         client.start_weight_update()

@@ -439,11 +439,16 @@ class Subscriber:
             book = self._book_for(st, rec)
             try:
                 ident: tuple = ()
+                consumed = False
                 if st.kind == "keyframe":
                     install_keyframe(rec, local, self.staging, self.checkpoint)
                     got, ident = self._hash_identity()
                     if self.keyframe_hook is not None and got == st.fingerprint:
+                        # The hook consumes the installed files (an engine reloads them, then removes its
+                        # scratch copy): they are checked to be the ones hashed before it reads them.
+                        check_not_replaced(ident, f"installed version {st.version}")
                         self.keyframe_hook()
+                        consumed = True
                 elif self.apply_hook is not None and not (i == 0 and first_apply is not None):
                     if self.hook_keeps_book:
                         rep = self.apply_hook(local[st.parts[0].key], book)
@@ -473,7 +478,8 @@ class Subscriber:
             version, fp = st.version, st.fingerprint
             # Hazard: an engine's hook that reports no identity leaves only the path's, taken after the fact.
             ident = ident or self._files_identity()
-            check_not_replaced(ident, f"synced to version {version}")
+            if not consumed:
+                check_not_replaced(ident, f"synced to version {version}")
             self._record(version, fp, ident)
             applied.append(version)
         return applied, version, fp
