@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .hostile import _MEASURED  # the child reports its own peak (VmHWM)
+from .hostile import _MEASURED, read_peak  # the child reports its own peak (VmHWM)
 from .relay import ENV, write_checkpoint
 
 MIB = 1 << 20
@@ -162,11 +162,7 @@ def cli(args: list[str], *, unprivileged: bool = False, timeout: float = 120.0) 
         except subprocess.TimeoutExpired as e:
             rc, out, err = -9, e.stdout or b"", e.stderr or b""
         seconds = time.perf_counter() - t0
-        try:
-            with open(peak_file) as f:
-                peak = int(f.read())
-        except (OSError, ValueError):
-            peak = 0
+        peak = read_peak(peak_file)
     return Run(rc, out.decode(errors="replace"), err.decode(errors="replace"), peak, seconds)
 
 

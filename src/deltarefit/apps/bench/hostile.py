@@ -168,6 +168,15 @@ runpy.run_module('deltarefit', run_name='__main__', alter_sys=True)
 """
 
 
+def read_peak(peak_file: str) -> int:
+    """The peak RSS a ``_MEASURED`` child wrote to ``peak_file`` at exit; 0 where it wrote none (killed)."""
+    try:
+        with open(peak_file) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
 def measure(args: list[str], timeout: float = 120.0) -> Run:
     """Run ``python -m deltarefit ARGS`` in a child; its exit code, peak RSS, wall time and the last line
     it wrote to stderr. A child killed at ``timeout`` reports a peak of 0."""
@@ -181,11 +190,7 @@ def measure(args: list[str], timeout: float = 120.0) -> Run:
         except subprocess.TimeoutExpired as e:
             rc, err = -9, e.stderr or b""
         seconds = time.perf_counter() - t0
-        try:
-            with open(peak_file) as f:
-                peak = int(f.read())
-        except (OSError, ValueError):
-            peak = 0
+        peak = read_peak(peak_file)
     lines = err.decode(errors="replace").strip().splitlines()
     return Run(rc, peak, seconds, lines[-1] if lines else "")
 
