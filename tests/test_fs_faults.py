@@ -184,8 +184,6 @@ def test_a_history_book_that_cannot_be_written_is_one_line_and_a_rerun_finishes(
 
 
 @needs_deny
-@pytest.mark.xfail(strict=False, reason="issue 34 item 7, the history-book part (another engineer's): a book that "
-                                        "cannot be written must start over without failing a verified apply")
 def test_a_history_book_that_cannot_be_written_does_not_fail_a_verified_sync(fx, tmp_path):
     o = F.run_case(fx, F.Case("sync-history", "book-denied"), str(tmp_path))
     assert o.rc == 0 and not o.failed_at_target, o.stderr

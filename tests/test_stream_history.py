@@ -330,3 +330,90 @@ def test_joint_commit_checks_a_history_delta_against_each_subscribers_book(chain
     assert {s.id: sha(s.checkpoint) for s in subs} == before  # prepare never writes
     for s in subs:
         assert s.sync().version == 5 and sha(s.checkpoint) == sha(chain[4])
+
+
+# --------------------------------------------------------------- a book that cannot be written (issue 34, item 7)
+
+
+@pytest.mark.parametrize("planted", ["dangling", "to-a-directory"])
+def test_a_symlink_at_the_book_is_removed_and_the_checkpoint_never_goes_back(chain, tmp_path, planted):
+    """A symlink where the book goes (dangling, or to another user's directory) is never read nor written
+    through: the sync removes the link, and ends at the head bit-exact (the book lost, by the keyframe route)."""
+    store, pub = _publish_all(chain, tmp_path, 5)
+    ckpt = str(tmp_path / "s.safetensors")
+    sub = Subscriber(store, ckpt, subscriber_id="s")
+    sub.sync(to_version=3)
+    assert sha(ckpt) == sha(chain[2])
+    victim = tmp_path / "victim"
+    if planted == "to-a-directory":
+        victim.mkdir()
+        (victim / "keep").write_bytes(b"precious")
+    shutil.rmtree(history_path(ckpt))
+    os.symlink(victim, history_path(ckpt))
+    pub.publish(chain[5])
+    rep = sub.sync()
+    assert rep.version == 6 and sha(ckpt) == sha(chain[5]), rep
+    assert not os.path.islink(history_path(ckpt))
+    if planted == "to-a-directory":
+        assert os.listdir(victim) == ["keep"] and (victim / "keep").read_bytes() == b"precious"
+    else:
+        assert not os.path.lexists(victim)
+    pub.publish(chain[6])
+    assert _delta_encodings(store, 7).get(C.ULP_HIST, 0) > 0
+    rep = sub.sync()
+    assert (rep.route, rep.versions_applied) == ("chain", [7]) and sha(ckpt) == sha(chain[6])
+    _assert_books_agree(store, pub, ckpt)
+
+
+def _unprivileged_sync(store: str, ckpt: str, *extra: str):
+    from deltarefit.apps.bench import fs_faults as F
+
+    return F.cli(["sync", store, ckpt, *extra], unprivileged=True)
+
+
+def _can_deny() -> bool:
+    from deltarefit.apps.bench import fs_faults as F
+
+    if os.geteuid() != 0:
+        return True
+    argv, pre = F.unprivileged_argv([sys.executable, "-c", "pass"])
+    try:
+        subprocess.run(argv, preexec_fn=pre, check=True, capture_output=True, timeout=60)
+        return True
+    except (subprocess.SubprocessError, OSError):
+        return False
+
+
+@pytest.mark.skipif(not _can_deny(), reason="root cannot drop CAP_DAC_OVERRIDE in a child here")
+def test_an_unwritable_book_goes_forward_where_it_decodes_and_never_back(chain, tmp_path):
+    """The book's directory without the write bit: a sync whose delta the held book decodes goes forward
+    and is verified (the book is left behind, not advanced); the next one, coded against the version the
+    book could not take, refuses in one line with the checkpoint where it was (never back to the older
+    keyframe it could not go forward from); once the book is writable, the sync ends at the head."""
+    store, pub = _publish_all(chain, tmp_path, 3)
+    ckpt = str(tmp_path / "u.safetensors")
+    sub = Subscriber(store, ckpt, subscriber_id="u")
+    sub.sync()
+    pub.publish(chain[3])
+    book = history_path(ckpt)
+    modes = [(p, os.stat(p).st_mode) for p in [book, *(os.path.join(book, f) for f in os.listdir(book))]]
+    for p, m in modes:
+        os.chmod(p, m & ~0o222)
+    try:
+        r = _unprivileged_sync(store.url, ckpt)
+        assert r.rc == 0 and "verified" in r.stdout and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+        assert sha(ckpt) == sha(chain[3])
+        pub.publish(chain[4])
+        pub.publish(chain[5])
+        assert _delta_encodings(store, 5).get(C.ULP_HIST, 0) > 0
+        r = _unprivileged_sync(store.url, ckpt)
+        lines = r.stderr.strip().splitlines()
+        assert r.rc != 0 and len(lines) == 1 and "history book cannot be written" in lines[0], r.stderr
+        assert book in lines[0] and "stays at version 4" in lines[0]
+        assert sha(ckpt) == sha(chain[3])
+    finally:
+        for p, m in modes:
+            os.chmod(p, m)
+    rep = Subscriber(store, ckpt, subscriber_id="u").sync()
+    assert rep.version == 6 and sha(ckpt) == sha(chain[5])
+    _assert_books_agree(store, pub, ckpt)

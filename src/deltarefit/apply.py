@@ -31,7 +31,7 @@ from .checkpoint import (
 from .errors import UsageError, VerificationError
 from .format import DeltaReader, TensorEntry, TensorMeta
 from .fsutil import fs_error
-from .history_book import HistoryBook, MovesRecorder
+from .history_book import HistoryBook, MovesRecorder, advance_or_start_over
 from .integrity import SEGMENT_BYTES, seg_hash
 from .journal import JOURNAL_MAGIC, SLOT_BYTES, Journal, _journal_patch, journal_path  # noqa: F401
 from .regions import (  # noqa: F401
@@ -300,8 +300,8 @@ def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None,
         if history is not None and moves is not None:
             if moves.incomplete and history.tip == d.target_fingerprint:
                 pass  # a rerun after the book's commit: it already holds this version's moves
-            else:
-                history.advance(d, moves)
+            else:  # a book that cannot be written does not fail the verified apply: it starts over
+                advance_or_start_over(history, d, moves)
     log.info("applied %s to %s: %d chunks (%d skipped, %d recovered), %d tensors added/removed/replaced in %.2f s",
              delta_path, checkpoint_path, rep.chunks_applied, rep.chunks_skipped, rep.chunks_recovered,
              len(rep.structural), rep.seconds)

@@ -27,18 +27,23 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
 import mmap
 import os
 import re
+import shutil
+import stat
 import threading
 
 import blake3
 import zstandard
 
 from .codec.history import DEPTH, History, Moves
-from .errors import DecodeError
-from .fsutil import fsync_dir, write_atomic
+from .errors import CheckpointError, DecodeError
+from .fsutil import fsync_dir, open_regular, write_atomic
 from .locks import remove_dead_temps, temp_pattern
 
 MAGIC = b"DRMOVES2"  # DRMOVES1 files had no digest: refused, so such a book starts over
@@ -46,6 +51,17 @@ DIGEST = 32  # the trailing BLAKE3 digest of a moves file
 HEAD = "HEAD.json"
 _TEMPS = temp_pattern(r".+\.moves", re.escape(HEAD))  # what write_atomic leaves when killed
 MAX_INDEX_BYTES = 64 << 20
+
+log = logging.getLogger(__name__)
+
+
+def _open_file(path: str) -> int:
+    """A book's file, opened to read: a regular file only, never through a symlink, and a FIFO
+    planted there cannot hang the open (``open_regular``); anything else is a malformed book."""
+    try:
+        return open_regular(path, os.O_RDONLY, what="history book file")
+    except CheckpointError as e:
+        raise DecodeError(str(e)) from None
 
 
 class MovesRecorder:
@@ -93,7 +109,7 @@ def _head_digest(fps: list[str]) -> str:
 class _MovesFile:
     def __init__(self, path: str) -> None:
         self.path = path
-        with open(path, "rb") as f:
+        with open(_open_file(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(16)
             if len(head) != 16 or head[:8] != MAGIC or size < 16 + DIGEST:
@@ -129,7 +145,7 @@ class _MovesFile:
 
     def _blob(self, off: int, ln: int) -> bytes:
         if self._map is None:
-            with open(self.path, "rb") as f:
+            with open(_open_file(self.path), "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         return self._map[self.base + off:self.base + off + ln]
 
@@ -178,9 +194,12 @@ class HistoryBook:
         self.path = os.fspath(path)
         self._files: list[_MovesFile] = []
         head = os.path.join(self.path, HEAD)
-        if os.path.exists(head):
+        if os.path.islink(self.path) or (os.path.lexists(self.path) and not os.path.isdir(self.path)):
+            # Planted by another user, or left by one: never read (or written) through.
+            raise DecodeError(f"{self.path}: not a directory (a symbolic link, or another file)")
+        if os.path.lexists(head):
             try:
-                with open(head, "rb") as f:
+                with open(_open_file(head), "rb") as f:
                     d = json.loads(f.read(1 << 16))
                 fps = d["versions"]
                 if not isinstance(fps, list) or len(fps) > DEPTH or not all(isinstance(x, str) for x in fps):
@@ -194,6 +213,14 @@ class HistoryBook:
                 if mf.fingerprint != fp:
                     raise DecodeError(f"{mf.path}: holds the moves of {mf.fingerprint}, HEAD names {fp}")
                 self._files.append(mf)
+
+    @classmethod
+    def empty(cls, path: str | os.PathLike[str]) -> HistoryBook:
+        """The empty book at ``path``, whatever lies there (not read): one that could not be started
+        over is used as this, and never decoded against."""
+        book = cls.__new__(cls)
+        book.path, book._files = os.fspath(path), []
+        return book
 
     def _moves_path(self, fp: str) -> str:
         if not fp or any(c not in "0123456789abcdef" for c in fp):
@@ -245,7 +272,10 @@ class HistoryBook:
     def commit(self, fingerprint: str, rec: MovesRecorder, *, parent: str | None, durable: bool = True) -> None:
         """Advance the book to the version ``fingerprint`` with that version's moves. ``parent``: the
         fingerprint the version was applied to; a book whose tip is another starts over from this
-        version (its older moves describe another checkpoint)."""
+        version (its older moves describe another checkpoint). Raises ``OSError`` where the book
+        cannot be written (``advance_or_start_over`` is the caller that must not fail)."""
+        if os.path.islink(self.path):  # never written through a link another user may have planted
+            raise OSError(errno.ELOOP, "a symbolic link, not a history book's directory", self.path)
         os.makedirs(self.path, exist_ok=True)
         if rec.incomplete:
             rec = MovesRecorder()
@@ -274,3 +304,52 @@ class HistoryBook:
         if durable:
             fsync_dir(self.path)
         self.__init__(self.path)
+
+
+def start_over(path: str) -> None:
+    """Empty the book at ``path``: HEAD goes first (from then on the book is empty), then its files.
+    Whatever else lies at ``path`` (a symlink, dangling or not, a FIFO, a file) is unlinked, never
+    followed. Raises ``OSError`` where the book cannot be emptied (its directory not writable)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(path)
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(path, HEAD))
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def writable(path: str) -> bool:
+    """Whether the book at ``path`` can be started over and written: its directory, or the directory
+    it goes in when there is none, is writable by this process (no write is made to find out). A
+    full disk is not seen here; a commit that fails on one is ``advance_or_start_over``'s case."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        where = os.path.dirname(os.path.abspath(path))  # start_over unlinks it there
+    elif os.path.isdir(path):
+        where = path
+    else:
+        where = os.path.dirname(os.path.abspath(path))
+    return os.access(where, os.W_OK | os.X_OK)
+
+
+def advance_or_start_over(book: HistoryBook, delta, rec: MovesRecorder, *, durable: bool = True) -> bool:
+    """``book.advance(delta, rec)`` after a verified apply, which a book that cannot be written
+    (disk full, read-only, permission denied) must not fail: the book is then started over where it
+    can be (a version's history unknown is an empty book, which never lies), and left as it was where
+    it cannot (its tip then names an older version, so it follows no lineage and decodes nothing of
+    the next delta: the decoder refuses such a chunk by its history id before anything is written).
+    Returns whether the book advanced."""
+    try:
+        book.advance(delta, rec, durable=durable)
+        return True
+    except OSError as e:
+        log.warning("%s: history book cannot be written (%s); starting it over", book.path, e.strerror or e)
+    try:
+        start_over(book.path)
+    except OSError as e:
+        log.warning("%s: history book cannot be started over either (%s); it is left behind the checkpoint, "
+                    "which the next sync sees", book.path, e.strerror or e)
+    return False

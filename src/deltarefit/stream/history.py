@@ -22,16 +22,14 @@ A book that does not follow the lineage makes a flagged delta's ``ulp_hist`` chu
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import shutil
 from collections.abc import Callable
 
 from ..applier import ApplyReport
 from ..codec.history import DEPTH
 from ..errors import DecodeError
-from ..history_book import HEAD, HistoryBook
+from ..history_book import HistoryBook
+from ..history_book import start_over as book_start_over
 from .records import CommitRecord
 
 log = logging.getLogger(__name__)
@@ -70,7 +68,8 @@ def open_book(path: str) -> HistoryBook:
         return HistoryBook(path)
     except (DecodeError, OSError) as e:
         log.warning("%s: history book unreadable (%s); starting it over", path, e)
-        start_over(path)
+        if not start_over(path):
+            return HistoryBook.empty(path)  # never read again; a commit to it fails, and is caught
         return HistoryBook(path)
 
 
@@ -83,8 +82,15 @@ def settle(path: str, report: ApplyReport) -> None:
         start_over(path)
 
 
-def start_over(path: str) -> None:
-    """Empty the book at ``path``: HEAD goes first (from then on the book is empty), then its files."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(path, HEAD))
-    shutil.rmtree(path, ignore_errors=True)
+def start_over(path: str) -> bool:
+    """Empty the book at ``path`` (``history_book.start_over``: HEAD first, a symlink or other file
+    there unlinked, never followed). A book that cannot be emptied (its directory not writable) is
+    logged, not raised: it is left as it was, where its tip names an older version, which follows
+    no lineage (``follows``) and decodes no chunk of a later delta (refused by its history id).
+    Returns whether the book is empty now."""
+    try:
+        book_start_over(path)
+        return True
+    except OSError as e:
+        log.warning("%s: history book cannot be started over (%s)", path, e.strerror or e)
+        return False

@@ -31,7 +31,7 @@ class Step:
 
 def cheapest_route(store: Store, cur: tuple[int, str] | None, recs: dict[int, CommitRecord], *,
                    book_follows: Callable[[], bool] = lambda: True, keeps_book: bool = True,
-                   or_none: bool = False) -> tuple[str, list[Step]] | None:
+                   book_writable: bool = True, or_none: bool = False) -> tuple[str, list[Step]] | None:
     """Cheapest in bytes among: the chain of deltas; a keyframe and the deltas after it; a catch-up
     delta (one delta from a keyframe's version, composed by the publisher) and the deltas after it,
     from that keyframe's version or from a keyframe installed first. Parts retention pruned are skipped.
@@ -39,7 +39,8 @@ def cheapest_route(store: Store, cur: tuple[int, str] | None, recs: dict[int, Co
     Only routes the subscriber can decode are taken (``decodable``): ``book_follows()`` says whether
     its history book follows the stream's lineage at ``cur`` (asked only when the chain from ``cur``
     starts with a delta coded with history); ``keeps_book``: whether its applies advance the book (an
-    engine's apply hook does not). ``or_none``: None, instead of the refusal, where routes exist but
+    engine's apply hook does not); ``book_writable``: whether the book can be started over and
+    advanced at all (``decodable``). ``or_none``: None, instead of the refusal, where routes exist but
     none of them is decodable."""
     versions = sorted(recs)
     last = versions[-1]
@@ -93,43 +94,50 @@ def cheapest_route(store: Store, cur: tuple[int, str] | None, recs: dict[int, Co
             asked.append(book_follows())
         return asked[0]
 
-    usable = [r for r in routes if decodable(r[1], recs, follows, keeps_book)]
+    usable = [r for r in routes if decodable(r[1], recs, follows, keeps_book, book_writable)]
     if not usable:
         if or_none:
             return None
         raise StreamError(f"{store.url}: no route to version {last} from "
                           f"{'version ' + str(cur[0]) if cur else 'nothing'} that this subscriber can decode: "
                           "the deltas are coded against a history book it does not hold"
-                          + ("" if keeps_book else " (an engine's apply hook keeps none)"))
+                          + ("" if keeps_book else " (an engine's apply hook keeps none)")
+                          + ("" if book_writable else " (its history book cannot be written: make its directory "
+                                                      "writable, and sync again)"))
     return min(usable, key=lambda r: sum(p.bytes for s in r[1] for p in s.parts))
 
 
 def decodable(steps: list[Step], recs: dict[int, CommitRecord], book_follows: Callable[[], bool],
-              keeps_book: bool = True) -> bool:
+              keeps_book: bool = True, book_writable: bool = True) -> bool:
     """Whether a route's deltas coded with history (record ``history``) all meet the book they were
     coded against, and the route leaves a book that follows the stream (so that the next sync can go
     on by the chain). Follows the lineage (``stream.history``): a keyframe install, and a version that
     resets, leave a book that follows; a catch-up step leaves an empty one, which follows only where
     its version resets; a delta coded with history needs a book that follows, and keeps it following
     (where the subscriber keeps a book). ``book_follows()``: whether the book held before the first
-    step follows."""
+    step follows. ``book_writable`` false (a book that cannot be started over nor advanced): the
+    book stays what it was at every step, so only the held book, where it follows, decodes the
+    route's first delta coded with history and none after it; and such a route is taken even where
+    it leaves a book that does not follow (the checkpoint goes forward, and the next sync needs a
+    keyframe ahead or a writable book; a route that installs an older keyframe is never decodable,
+    so a checkpoint never goes back to one it cannot go forward from)."""
     ok: bool | None = None  # None: the held book, not asked yet
     for s in steps:
         rec = recs[s.version]
         if s.kind == "keyframe":
-            ok = True
+            ok = book_writable
         elif s.kind == "catchup":
-            ok = resets(rec)
+            ok = resets(rec) and book_writable
         else:
             if rec.history:
                 if ok is None:
                     ok = book_follows()
                 if not ok:
                     return False
-                ok = keeps_book
+                ok = keeps_book and book_writable
             if resets(rec):
-                ok = True
-    return ok is not False
+                ok = book_writable
+    return ok is not False or not book_writable
 
 
 def _keyframe_temps(checkpoint: str) -> tuple[str, str]:

@@ -64,6 +64,7 @@ from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationErr
 from ..format import DeltaReader
 from ..fsutil import fs_error
 from ..history_book import HistoryBook
+from ..history_book import writable as book_writable
 from ..locks import checkpoint_lock, locked_method
 from ..signing import SignatureError, Verifier, check_record_signature
 from ..storage.base import GET_RANGE, Store, open_store
@@ -294,6 +295,14 @@ class Subscriber:
             start_over(self.book_path)
             return self._sync_once(to_version, verify, repair)
 
+    def _book_writable(self) -> bool:
+        """Whether the history book can be started over and advanced. Whatever else lies at its path
+        (a symlink, dangling or planted, a FIFO, a file) is removed first, never followed."""
+        p = self.book_path
+        if os.path.lexists(p) and (os.path.islink(p) or not os.path.isdir(p)):
+            start_over(p)
+        return book_writable(p)
+
     def _book_follows(self, cur: tuple[int, str] | None) -> bool:
         """Whether the history book follows the stream's lineage at the held version."""
         return cur is not None and follows(open_book(self.book_path), lineage(self._commit, cur[0]))
@@ -315,18 +324,25 @@ class Subscriber:
         recs = {v: self._commit(v) for v in range(first, target + 1)}
         check_links(recs, cur, self.store.url, REPAIR_FIX)  # the chain links up, from what we hold
         keeps_book = self._keeps_book()
+        writable = not keeps_book or self._book_writable()
         best = cheapest_route(self.store, cur, recs, book_follows=lambda: self._book_follows(cur),
-                              keeps_book=keeps_book, or_none=cur is not None)
+                              keeps_book=keeps_book, book_writable=writable, or_none=cur is not None)
         if best is None:
             # The held book cannot decode the chain and no keyframe lies ahead: go back to the newest
-            # keyframe (at or before the held version), which starts the book over.
+            # keyframe (at or before the held version), which starts the book over. A book that cannot
+            # be written would not follow after that keyframe either: the checkpoint stays where it is.
+            if not writable:
+                raise StreamError(f"{self.book_path}: history book cannot be written, and version {cur[0] + 1}'s "
+                                  f"delta is coded against it; {self.checkpoint} stays at version {cur[0]} (make the "
+                                  "book's directory writable, and sync again)")
             k = newest_keyframe(self._load, target)
             if k <= cur[0]:
                 recs = {**{v: self._commit(v) for v in range(k, cur[0] + 1)}, **recs}
                 check_links(recs, None, self.store.url, REPAIR_FIX)
-                best = cheapest_route(self.store, None, recs, keeps_book=keeps_book)
+                best = cheapest_route(self.store, None, recs, keeps_book=keeps_book, book_writable=writable)
             else:
-                best = cheapest_route(self.store, cur, recs, book_follows=lambda: False, keeps_book=keeps_book)
+                best = cheapest_route(self.store, cur, recs, book_follows=lambda: False, keeps_book=keeps_book,
+                                      book_writable=writable)
         route, steps = best
         staging = self._staging_for(steps)
         os.makedirs(staging, exist_ok=True)
