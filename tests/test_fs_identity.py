@@ -539,3 +539,84 @@ def test_a_checkpoint_truncated_by_another_process_mid_apply_is_one_line_not_a_c
     r = cli("apply", delta, base)
     assert r.returncode == 0, r.stderr
     assert deltarefit.fingerprint(base) == deltarefit.fingerprint(vs[1])
+
+
+# --------------------------------------------------------------- item 8: FIFOs where a store or a book keeps files
+
+
+def _fifo_at(path: str) -> None:
+    if os.path.lexists(path):
+        os.unlink(path)
+    os.mkfifo(path)
+
+
+def _subscribed(tmp_path, stream) -> str:
+    store, _vs, _ = stream
+    ck = str(tmp_path / "ck.safetensors")
+    Subscriber(store, ck, subscriber_id="one").sync()
+    return ck
+
+
+@pytest.mark.parametrize("planted", ["HEAD", "v/000000000002/commit.json"])
+@pytest.mark.parametrize("command", ["sync", "log", "retain", "publish"])
+def test_a_fifo_planted_at_a_store_object_is_one_line_not_a_hang(tmp_path, stream, planted, command):
+    """A FIFO at the stream's HEAD or at a commit record (written by another local user): every command
+    that reads it ends in one line naming it, within the timeout (a blocking open would hang forever)."""
+    store, vs, _ = stream
+    ck = str(tmp_path / "new.safetensors")
+    at = os.path.join(store, *planted.split("/"))
+    _fifo_at(at)
+    args = {"sync": ["sync", store, ck], "log": ["log", store], "retain": ["retain", store, "--orphan-grace", "0"],
+            "publish": ["publish", store, vs[3], "--state", str(tmp_path / "pub")]}[command]
+    r = cli(*args)
+    if command == "log" and planted == "HEAD":
+        assert r.returncode == 0 and "v3" in r.stdout, r.stderr  # the listing does not read HEAD
+    else:
+        one_line(r, at, "not a regular file")
+    assert not os.path.exists(ck)
+    assert os.path.exists(at) and not os.path.isfile(at)  # not ours to remove
+
+
+@pytest.mark.parametrize("planted", ["subs", "acks"])
+def test_a_fifo_planted_as_a_subscriber_object_is_ignored(tmp_path, stream, planted):
+    """``subs/`` and ``acks/`` take any subscriber credential's writes: a FIFO there is skipped like a
+    malformed object (logged), and neither retention nor a joint commit stops or hangs on it."""
+    store, vs, _ = stream
+    _subscribed(tmp_path, stream)
+    d = os.path.join(store, "subs") if planted == "subs" else os.path.join(store, "acks", "000000000004")
+    os.makedirs(d, exist_ok=True)
+    _fifo_at(os.path.join(d, "evil.json"))
+    if planted == "subs":
+        r = cli("retain", store, "--orphan-grace", "0", "--json")
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        assert "evil.json" in r.stderr and "unreadable subscriber object" in r.stderr
+    else:
+        r = cli("publish", store, vs[3], "--state", str(tmp_path / "pub"), "--quorum", "1", "--ack-timeout", "2")
+        assert r.returncode != 0 and "Traceback" not in r.stderr and "acknowledged" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("planted", ["HEAD.json", "moves"])
+def test_a_fifo_planted_in_a_history_book_is_started_over_not_a_hang(tmp_path, planted):
+    """A FIFO at a history book's HEAD or at one of its moves files: the sync starts the book over (a
+    book is local state the stream rebuilds) and ends verified, within the timeout."""
+    from deltarefit.history_book import HistoryBook
+    from deltarefit.stream.subscriber import history_path
+
+    os.makedirs(tmp_path / "src", exist_ok=True)
+    vs = versions(str(tmp_path / "src"), 4)
+    store = str(tmp_path / "store")
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=50, keyframe_ratio=1000.0, history=True)
+    for v in vs[:3]:
+        pub.publish(v)
+    ck = str(tmp_path / "ck.safetensors")
+    Subscriber(store, ck, subscriber_id="b").sync()
+    book = history_path(ck)
+    assert HistoryBook(book).tip is not None
+    at = os.path.join(book, "HEAD.json") if planted == "HEAD.json" else \
+        os.path.join(book, HistoryBook(book).versions()[0] + ".moves")
+    _fifo_at(at)
+    pub.publish(vs[3])
+    r = cli("sync", store, ck)
+    assert r.returncode == 0 and "verified" in r.stdout and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+    assert open(ck, "rb").read() == open(vs[3], "rb").read()
+    assert not os.path.exists(at) or os.path.isfile(at)

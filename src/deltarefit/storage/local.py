@@ -127,28 +127,46 @@ class LocalStore(StoreBase):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
 
-    def get(self, key: str) -> bytes:
+    def _open_object(self, key: str):
+        """The file of ``key``, opened to read; ``KeyError`` if there is none (a directory is a prefix
+        of keys, not an object). Anything but a regular file is refused naming it: a FIFO another
+        local user planted at a key (a stream's ``HEAD``, a commit record) is opened non-blocking, so
+        it cannot hang the reader, and is never read."""
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
-                return f.read()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):  # a directory is a prefix of keys
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise KeyError(key) from None
         except OSError as e:
             raise StoreError(f"{path}: read failed ({e.strerror})") from None
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            os.close(fd)
+            raise KeyError(key)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise StoreError(f"{path}: not a regular file (a FIFO or a device, planted by another user?); "
+                             "remove it")
+        return os.fdopen(fd, "rb")
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        with self._open_object(key) as f:
+            try:
+                return f.read()
+            except OSError as e:
+                raise StoreError(f"{path}: read failed ({e.strerror})") from None
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """``length`` bytes of ``key`` from ``start`` (fewer at the end of the object), paced like the
         other transfers when the store emulates a link."""
         path = self._path(key)
         check_range(key, start, length)
-        try:
-            with open(path, "rb") as f:
+        with self._open_object(key) as f:
+            try:
                 data = os.pread(f.fileno(), length, start)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise KeyError(key) from None
-        except OSError as e:
-            raise StoreError(f"{path}: read failed ({e.strerror})") from None
+            except OSError as e:
+                raise StoreError(f"{path}: read failed ({e.strerror})") from None
         if self._bucket is not None:
             self._bucket.take(len(data))
         return data

@@ -27,7 +27,7 @@ from typing import Any
 
 import blake3
 
-from ..errors import MalformedRecordError, StreamError, StreamIdentityError
+from ..errors import MalformedRecordError, StoreError, StreamError, StreamIdentityError
 from ..fsutil import open_regular, write_atomic
 from ..jsonlimits import brief, json_shape_problem
 from ..signing import SignableRecord
@@ -130,6 +130,9 @@ def subscriber_json(store: Store, key: str) -> dict | None:
     try:
         data = get_capped(store, key, MAX_SUBSCRIBER_BYTES)
     except KeyError:
+        return None
+    except StoreError as e:  # not a regular file (a FIFO planted there): as malformed as any
+        log.warning("%s/%s: ignoring unreadable subscriber object (%s)", store.url, key, e)
         return None
     why = None if data is not None else f"larger than {MAX_SUBSCRIBER_BYTES} bytes"
     if why is None:
