@@ -107,7 +107,7 @@ def test_the_set_of_commands_and_flags_is_deliberate():
         "sync": ["as_json", "checkpoint", "full_verify", "prepare", "public_key", "quiet", "repair", "store",
                  "stream_id", "subscriber_id", "threads", "to_version"],
         "log": ["as_json", "public_key", "store"],
-        "retain": ["as_json", "dry_run", "orphan_grace", "store", "ttl"],
+        "retain": ["as_json", "dry_run", "orphan_grace", "store", "ttl", "unsafe_short_grace"],
         "keygen": ["private_key"],
         "compose": ["base", "deltas", "output", "quiet"],
         "demo": ["lr", "out", "rollouts", "s3_url", "steps", "transport"],

@@ -566,7 +566,7 @@ def test_a_fifo_planted_at_a_store_object_is_one_line_not_a_hang(tmp_path, strea
     ck = str(tmp_path / "new.safetensors")
     at = os.path.join(store, *planted.split("/"))
     _fifo_at(at)
-    args = {"sync": ["sync", store, ck], "log": ["log", store], "retain": ["retain", store, "--orphan-grace", "0"],
+    args = {"sync": ["sync", store, ck], "log": ["log", store], "retain": ["retain", store, "--orphan-grace", "0", "--unsafe-short-grace"],
             "publish": ["publish", store, vs[3], "--state", str(tmp_path / "pub")]}[command]
     r = cli(*args)
     if command == "log" and planted == "HEAD":
@@ -587,7 +587,7 @@ def test_a_fifo_planted_as_a_subscriber_object_is_ignored(tmp_path, stream, plan
     os.makedirs(d, exist_ok=True)
     _fifo_at(os.path.join(d, "evil.json"))
     if planted == "subs":
-        r = cli("retain", store, "--orphan-grace", "0", "--json")
+        r = cli("retain", store, "--orphan-grace", "0", "--unsafe-short-grace", "--json")
         assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
         assert "evil.json" in r.stderr and "unreadable subscriber object" in r.stderr
     else:

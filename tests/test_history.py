@@ -322,3 +322,40 @@ def test_the_chain_benchmark_measures_both_codings_on_a_real_chain_dir(tmp_path)
     assert all(0 < s.bound_hist_bytes <= s.bound_v1_bytes for s in res.steps[1:])
     md = bench_chain.markdown([res], "cmd", "here")
     assert "| 3+ (sum) |" in md
+
+
+def test_a_moves_index_of_empty_lists_is_refused_before_it_is_built(tmp_path):
+    """A moves file's index is checked for shape before ``json.loads`` builds it: 60 MiB of ``[],``
+    (under the 64 MiB index limit, with a valid digest, as anyone who can write the book can make)
+    is refused naming the file, with the peak memory of its read bounded (measured in a child)."""
+    import subprocess
+    import sys
+
+    import blake3
+
+    from deltarefit.history_book import MAGIC
+
+    p = str(tmp_path / "bomb.moves")
+    idx = b'{"fingerprint":"ab","reset":[],"entries":[' + b"[]," * (20 << 20) + b'[]]}'
+    with open(p, "wb") as f:
+        body = MAGIC + len(idx).to_bytes(8, "little") + idx
+        f.write(body + blake3.blake3(body).digest())
+    del idx, body
+    script = r"""
+import sys
+from deltarefit.history_book import _MovesFile
+from deltarefit.errors import DecodeError
+try:
+    _MovesFile(sys.argv[1])
+    print("accepted")
+except DecodeError as e:
+    print("refused", e)
+# VmHWM, not ru_maxrss: the latter keeps the parent's peak across fork and exec
+print(next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:")) // 1024)
+"""
+    r = subprocess.run([sys.executable, "-c", script, p], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    verdict, peak = r.stdout.strip().splitlines()
+    assert verdict.startswith(f"refused {p}: malformed index") and "JSON arrays" in verdict, verdict
+    assert int(peak) < 256, f"peak {peak} MiB reading a 60 MiB index"  # building it cost 1.7 GiB

@@ -284,15 +284,42 @@ def test_retain_dry_run_lists_the_upload_temp_a_killed_publish_left(pair, tmp_pa
     kill_at("kill-after-half", "deltarefit.storage.local:LocalStore._copy", "publish", store, pair["base"])
     temps = _store_temps(store)
     assert len(temps) == 1, temps
-    r = run("retain", store, "--orphan-grace", "0", "--dry-run", "--json")
+    r = run("retain", store, "--orphan-grace", "0", "--unsafe-short-grace", "--dry-run", "--json")
     assert r.returncode == 0, r.stderr
     would = sorted(json.loads(r.stdout)["deleted"])
     assert temps[0] in would
     assert _store_temps(store) == temps  # a dry run deletes nothing
-    r = run("retain", store, "--orphan-grace", "0", "--json")
+    r = run("retain", store, "--orphan-grace", "0", "--unsafe-short-grace", "--json")
     assert r.returncode == 0, r.stderr
     assert sorted(json.loads(r.stdout)["deleted"]) == would  # exactly what the dry run said
     assert _store_temps(store) == []
+
+
+@pytest.mark.parametrize("grace", ["0", "599", "-1", "nan"])
+def test_a_grace_under_the_floor_is_refused_and_nothing_is_deleted(pair, tmp_path, grace):
+    """``--orphan-grace`` under ``MIN_ORPHAN_GRACE`` would delete the upload of a publish still running
+    (the temp a slow upload is filling): refused in one line before the store is touched, unless
+    ``--unsafe-short-grace`` says no publish runs meanwhile. The library refuses the same way."""
+    from deltarefit.errors import UsageError
+    from deltarefit.shard.retention import retain_sharded
+    from deltarefit.storage import LocalStore
+    from deltarefit.stream.retention import retain
+
+    store = str(tmp_path / "store")
+    kill_at("kill-after-half", "deltarefit.storage.local:LocalStore._copy", "publish", store, pair["base"])
+    temps = _store_temps(store)
+    assert len(temps) == 1, temps
+    r = run("retain", store, "--orphan-grace", grace)
+    err = r.stderr.strip()
+    assert r.returncode != 0 and "\n" not in err and "Traceback" not in err, r.stderr
+    assert ("600 s floor" in err and "--unsafe-short-grace" in err) if grace in ("0", "599") else "seconds" in err
+    assert _store_temps(store) == temps
+    with pytest.raises(UsageError, match="floor"):
+        retain(LocalStore(store), orphan_grace=float(grace) if grace in ("0", "599") else 0.0)
+    with pytest.raises(UsageError, match="floor"):
+        retain_sharded(LocalStore(store), orphan_grace=5)
+    assert _store_temps(store) == temps
+    assert retain(LocalStore(store), orphan_grace=600.0, dry_run=True).deleted == []  # the floor itself: fine
 
 
 def test_the_next_publish_removes_what_its_killed_upload_left(pair, tmp_path):

@@ -811,7 +811,7 @@ def test_proposed_parts_survive_retention(stream, tmp_path, chain):
         old = time.time() - 7200
         for k in parts:  # uploaded long ago (a slow upload), proposed just now
             os.utime(stream.path(k), (old, old))
-        rep = retain(LocalStore(stream.url), orphan_grace=60)
+        rep = retain(LocalStore(stream.url), orphan_grace=60, unsafe_short_grace=True)
         assert not [k for k in rep.deleted if k.startswith(vkey(HEAD + 1))]
         assert parts and all(stream.store.exists(k) for k in parts)
         assert stream.store.exists(prepared_key(HEAD + 1))
@@ -1115,12 +1115,12 @@ def test_retention_keeps_orphans_of_unknown_age(stream):
     mem = MemoryStore(f"no-mtime-{os.path.basename(os.path.dirname(stream.root))}")
     for k in [*stream.store.list("v/"), *stream.store.list("subs/"), "HEAD"]:
         mem.put(k, stream.store.get(k))
-    expected = set(retain(stream.store, orphan_grace=0, dry_run=True).deleted)
+    expected = set(retain(stream.store, orphan_grace=0, dry_run=True, unsafe_short_grace=True).deleted)
     assert expected, "the stream has parts the policy drops"
     dead = f"{vkey(HEAD + 1)}/deadbeef0001/delta"  # a publish still uploading, or one that died
     loser = f"{vkey(HEAD)}/deadbeef0002/delta"  # a losing attempt on a committed version
     mem.put(dead, b"partial upload")
     mem.put(loser, b"losing attempt")
-    rep = retain(mem, orphan_grace=0)
+    rep = retain(mem, orphan_grace=0, unsafe_short_grace=True)
     assert set(rep.deleted) == expected
     assert mem.exists(dead) and mem.exists(loser)

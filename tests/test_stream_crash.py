@@ -161,7 +161,7 @@ def test_publish_killed_then_rerun(big, tmp_path):
     recs = check_stream_whole(store)
     assert recs[max(recs)].fingerprint == fps[0]
     # Orphans of the killed attempts go with retention (grace 0); committed parts stay.
-    retain(store, orphan_grace=0)
+    retain(store, orphan_grace=0, unsafe_short_grace=True)
     recs = check_stream_whole(store)
     referenced = {p.key for r in recs.values() for p in ([r.delta] if r.delta else []) + [q for _, q in r.keyframe]}
     assert {k for k in store.list("v/") if len(k.split("/")) >= 4} == referenced
@@ -273,7 +273,7 @@ def test_publish_killed_mid_upload_leaves_nothing_after_retention(big, tmp_path)
         os.makedirs(os.path.join(vdir, "deadbeef0000"), exist_ok=True)
         with open(os.path.join(vdir, "deadbeef0000", "delta.tmp-999999-0123456789ab"), "wb") as f:
             f.write(b"half a delta")
-    retain(store, orphan_grace=0)
+    retain(store, orphan_grace=0, unsafe_short_grace=True)
     left = [os.path.relpath(p, store.url) for p in glob.glob(os.path.join(store.url, "v", "**", "*"), recursive=True)
             if os.path.isfile(p) and ".tmp-" in p]
     assert left == []
@@ -296,7 +296,7 @@ def test_killed_joint_publish_leaves_no_immortal_orphans(chain, tmp_path):
     assert dead and not store.exists(f"{vkey(3)}/commit.json")
     rec = _pub(store, pub_dir).publish(chain[3])  # the operator publishes again, without quorum
     assert rec.version == 3
-    retain(store, orphan_grace=0)
+    retain(store, orphan_grace=0, unsafe_short_grace=True)
     mine = {p.key for p in ([rec.delta] if rec.delta else []) + [p for _, p in rec.keyframe]}
     assert {k for k in store.list(vkey(3) + "/") if len(k.split("/")) >= 4} == mine
     assert not store.exists(prepared_key(3))

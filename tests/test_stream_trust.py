@@ -407,7 +407,7 @@ def test_bad_record_at_the_next_version_of_a_signed_stream(tmp_path, chain, fps,
         rows = json.loads(run("log", store, "--json").stdout)
         assert [row["version"] for row in rows] == [1, 2, 3, 4] and "malformed" in rows[3]
         # retain: goes on, keeps the version's objects, says so.
-        rep = retain(st, orphan_grace=0)
+        rep = retain(st, orphan_grace=0, unsafe_short_grace=True)
         assert 4 in rep.malformed and rep.head == 4
         r = run_ok("retain", store, "--dry-run")
         assert "version 4: malformed record" in r.stdout
@@ -579,7 +579,7 @@ from deltarefit.storage import LocalStore
 from deltarefit.stream.retention import retain
 store = LocalStore(sys.argv[1])
 while time.monotonic() < float(sys.argv[2]):
-    retain(store, orphan_grace=float(sys.argv[3]))
+    retain(store, orphan_grace=float(sys.argv[3]), unsafe_short_grace=True)
 """
 
 # A publisher on a slow link (100 KB/s): each version's delta part is uploaded first, then its
@@ -725,7 +725,7 @@ def test_version_directory_names_that_are_no_version_are_ignored(small_stream):
     assert r.returncode == 0, r.stderr
     _one_line(r.stderr)
     assert "v1" in r.stdout and "v2" in r.stdout
-    r = run("retain", small_stream, "--orphan-grace", "0")
+    r = run("retain", small_stream, "--orphan-grace", "0", "--unsafe-short-grace")
     assert r.returncode == 0, r.stderr
     _one_line(r.stderr)
     assert os.path.exists(os.path.join(small_stream, "v", "²", "attempt", "delta"))  # not ours: kept
@@ -767,3 +767,45 @@ def test_store_objects_cost_bounded_memory_before_trust(small_stream, case):
         _one_line(err)
         if case.startswith(("subs", "head")):
             assert rc == 0, err
+
+
+def test_an_oversized_head_record_is_quarantined_without_being_read(tmp_path, chain):
+    """A 600 MB "commit record" at the head (no record: over ``MAX_RECORD_BYTES``) is set aside by
+    ``publish --quarantine-head`` without reading it whole: peak RSS under 256 MiB, and the next
+    version is published after the one before it."""
+    store, state = str(tmp_path / "store"), str(tmp_path / "pub")
+    for i in range(2):
+        run_ok("publish", store, chain[i], "--state", state, *KF, "-q")
+    _sparse(os.path.join(store, "v", "000000000003", "commit.json"), 600 << 20, b"{")
+    with open(os.path.join(store, "HEAD"), "w") as f:
+        f.write("3\n")
+    rc, mib, err = _peak("publish", store, chain[2], "--state", state, *KF, "-q", "--quarantine-head")
+    assert rc == 0 and mib < 256, (rc, mib, err)
+    q = os.listdir(os.path.join(store, "quarantine"))
+    assert len(q) == 1 and os.path.getsize(os.path.join(store, "quarantine", q[0])) < 4096
+    assert "larger than" in open(os.path.join(store, "quarantine", q[0])).read()
+    assert json.loads(open(os.path.join(store, "v", "000000000003", "commit.json"), "rb").read())["version"] == 3
+
+
+def test_store_reads_of_shard_objects_and_proposals_stop_at_the_declared_size(tmp_path):
+    """Objects whose size a record declares (a shard's manifest and parts), proposals and part
+    descriptors are read no further than that size (``stream.chain.get_capped``): a 300 MB object
+    where a record says 10 bytes is refused without reading it."""
+    from deltarefit.errors import StreamError
+    from deltarefit.shard.records import _get_checked, get_descriptor
+    from deltarefit.storage import LocalStore
+    from deltarefit.stream.chain import get_bounded, holds
+    from deltarefit.stream.records import Part
+
+    st = LocalStore(str(tmp_path / "s"))
+    _sparse(os.path.join(st.root, "big"), 300 << 20, b"x")
+    st.put("small", b"0123456789")
+    with pytest.raises(StreamError, match="does not match its commit record"):
+        _get_checked(st, Part("big", 10, "0" * 64), "manifest")
+    assert not holds(st, "big", b"x" + b"\0" * 9) and holds(st, "small", b"0123456789")
+    assert not holds(st, "absent", b"")
+    with pytest.raises(StreamError, match="larger than"):
+        get_bounded(st, "big", 1 << 20, "proposal")
+    with pytest.raises(StreamError, match="part descriptor is larger than"):
+        get_descriptor(st, "big")
+

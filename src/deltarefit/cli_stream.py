@@ -202,18 +202,24 @@ def log_cmd(store, public_key, as_json) -> None:
 @click.option("--ttl", type=float, default=24 * 3600.0, show_default=True,
               help="Seconds since its last sync after which a subscriber no longer holds back retention.")
 @click.option("--orphan-grace", type=float, default=3600.0, show_default=True,
-              help="Seconds before uncommitted parts (dead or losing publishes) may be deleted.")
+              help="Seconds before uncommitted parts (dead or losing publishes) may be deleted; at least 600, "
+                   "and longer than the stream's longest part upload.")
+@click.option("--unsafe-short-grace", is_flag=True,
+              help="Allow an --orphan-grace under 600 s: only where no publish runs on the stream meanwhile.")
 @click.option("--dry-run", is_flag=True, help="List what would be deleted (unfinished uploads too), delete nothing.")
 @_json
-def retain(store, ttl, orphan_grace, dry_run, as_json) -> None:
+def retain(store, ttl, orphan_grace, unsafe_short_grace, dry_run, as_json) -> None:
     """Delete parts of STORE (a directory, or s3://bucket/prefix) that no live subscriber or late joiner
     can need, and unfinished uploads of killed publishers."""
 
     def go() -> None:
         from .storage.base import open_store
+        from .stream.chain import check_orphan_grace
         from .stream.retention import retain as ret
 
-        rep = ret(open_store(store, create=False), ttl=ttl, orphan_grace=orphan_grace, dry_run=dry_run)
+        check_orphan_grace(orphan_grace, unsafe_short_grace)  # before the store is opened
+        rep = ret(open_store(store, create=False), ttl=ttl, orphan_grace=orphan_grace, dry_run=dry_run,
+                  unsafe_short_grace=unsafe_short_grace)
         if as_json:
             click.echo(json.dumps(rep.__dict__, indent=2))
         else:

@@ -44,6 +44,7 @@ import zstandard
 from .codec.history import DEPTH, History, Moves
 from .errors import CheckpointError, DecodeError
 from .fsutil import fsync_dir, open_regular, write_atomic
+from .jsonlimits import json_shape_problem
 from .locks import remove_dead_temps, temp_pattern
 
 MAGIC = b"DRMOVES2"  # DRMOVES1 files had no digest: refused, so such a book starts over
@@ -131,6 +132,11 @@ class _MovesFile:
                 raise DecodeError(f"{path}: digest mismatch (the moves file is damaged)")
             f.seek(16)
             raw = f.read(n)
+        # Digest or not, whoever can write the book can write any index: its shape is checked before
+        # it is built (an entry ``["name",chunk,n,offset,length]`` takes at least 13 bytes of text).
+        why = json_shape_problem(raw, max_depth=3, bytes_per_container=12)
+        if why is not None:
+            raise DecodeError(f"{path}: malformed index ({why})")
         try:
             idx = json.loads(raw)
             self.fingerprint = str(idx["fingerprint"])

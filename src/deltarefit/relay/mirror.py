@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import blake3
 
 from ..storage.local import LocalStore
+from ..stream.chain import MAX_RECORD_BYTES, get_bounded
 from ..stream.records import CommitRecord, Part, commit_key, list_versions, load_commit, parse_commit
 from .protocol import BadPartError, ProtocolError
 
@@ -74,7 +75,8 @@ class Mirror:
         for v in list_versions(self.store):  # committed earlier: forwardable as they are
             rec = load_commit(self.store, v)
             keys = [k for k in parts_of(rec) if self.store.exists(k)]
-            self.versions[v] = VersionState(v, self.store.get(commit_key(v)), rec, keys, committed=True)
+            raw = get_bounded(self.store, commit_key(v), MAX_RECORD_BYTES, "commit record")
+            self.versions[v] = VersionState(v, raw, rec, keys, committed=True)
             for k in keys:
                 p = parts_of(rec)[k]
                 self.parts[k] = PartState(p, self.store._path(k), p.bytes, True)

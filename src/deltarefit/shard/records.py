@@ -28,7 +28,7 @@ import blake3
 from ..errors import UsageError
 from ..signing import SignableRecord
 from ..storage.base import Store
-from ..stream.chain import commit_key, load_record, vkey
+from ..stream.chain import MAX_RECORD_BYTES, commit_key, get_bounded, get_capped, holds, load_record, vkey
 from ..stream.records import (
     BOOL,
     HEX64,
@@ -66,6 +66,11 @@ def _descriptor(key: str, blob: bytes) -> bytes:
     ref = _ref(key, blob)
     return json.dumps({"key": ref.key, "bytes": ref.bytes, "blake3": ref.blake3,
                        "head": base64.b64encode(part_head(blob)).decode()}, sort_keys=True).encode()
+
+
+def get_descriptor(store: Store, key: str) -> tuple[Part, bytes]:
+    """A rank's part descriptor (``head_key``), read no further than a record's size."""
+    return _parse_descriptor(get_bounded(store, key, MAX_RECORD_BYTES, "part descriptor"), f"{store.url}/{key}")
 
 
 def _parse_descriptor(data: bytes, where: str) -> tuple[Part, bytes]:
@@ -207,10 +212,10 @@ def _ref(key: str, data: bytes | memoryview) -> Part:
 def _get_checked(store: Store, ref: Part, what: str) -> bytes:
     """The object ``ref`` names, refused unless it has the record's size and BLAKE3."""
     try:
-        data = store.get(ref.key)
+        data = get_capped(store, ref.key, ref.bytes)  # never more than the record says (memory before trust)
     except KeyError:
         raise StreamError(f"{store.url}/{ref.key}: {what} is missing (pruned, or never uploaded)") from None
-    if len(data) != ref.bytes or blake3.blake3(data).hexdigest() != ref.blake3:
+    if data is None or len(data) != ref.bytes or blake3.blake3(data).hexdigest() != ref.blake3:
         raise StreamError(f"{store.url}/{ref.key}: {what} does not match its commit record (size/BLAKE3)")
     return data
 
@@ -219,11 +224,7 @@ def _put_once(store: Store, key: str, data: bytes) -> None:
     """Create ``key``; an existing object must hold the same bytes (an idempotent rerun of this attempt)."""
     if store.create(key, data):
         return
-    try:
-        old = store.get(key)
-    except KeyError:
-        old = None
-    if old != data:
+    if not holds(store, key, data):
         raise StreamError(f"{store.url}/{key}: already holds other bytes (an attempt id reused across runs?); "
                           "publish under a fresh attempt id")
 

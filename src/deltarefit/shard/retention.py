@@ -4,7 +4,7 @@ sharded records."""
 from __future__ import annotations
 
 from ..storage.base import Store, open_store
-from ..stream.chain import RecordKind, head, list_versions, plan_retention
+from ..stream.chain import RecordKind, check_orphan_grace, head, list_versions, plan_retention
 from .records import ShardCommit, load_shard_commit
 
 
@@ -19,7 +19,7 @@ SHARDED = RecordKind(parts=_parts, needed=lambda r, cut, k: _parts(r) if r.versi
 
 
 def retain_sharded(store: Store | str, *, keep_from: int | None = None, orphan_grace: float = 3600.0,
-                   dry_run: bool = False) -> list[str]:
+                   dry_run: bool = False, unsafe_short_grace: bool = False) -> list[str]:
     """Delete objects of a sharded stream nobody can need; returns the keys deleted.
 
     Kept: every commit record; the manifest and parts of every version from ``min(keep_from, newest
@@ -28,7 +28,9 @@ def retain_sharded(store: Store | str, *, keep_from: int | None = None, orphan_g
     Deleted: older committed objects, and objects of attempts no record names (dead or losing publishes,
     and the part descriptors the committer read) for versions already committed, or, for later
     versions, once older than ``orphan_grace`` seconds (a store without timestamps keeps those: they
-    may be an upload in progress)."""
+    may be an upload in progress). A grace under ``MIN_ORPHAN_GRACE`` is refused unless
+    ``unsafe_short_grace`` (``stream.chain.check_orphan_grace``)."""
+    check_orphan_grace(orphan_grace, unsafe_short_grace)
     store = open_store(store) if isinstance(store, str) else store
     h = head(store)
     recs = {v: load_shard_commit(store, v) for v in list_versions(store)}

@@ -54,9 +54,9 @@ from .records import (
     _check_attempt,
     _descriptor,
     _get_checked,
-    _parse_descriptor,
     _put_once,
     _ref,
+    get_descriptor,
     head_key,
     load_shard_commit,
     manifest_key,
@@ -276,7 +276,7 @@ class ShardStreamPublisher:
                     continue
                 hk = head_key(version, attempt, r)
                 try:
-                    descs[r] = _parse_descriptor(self.store.get(hk), f"{self.store.url}/{hk}")
+                    descs[r] = get_descriptor(self.store, hk)
                 except KeyError:
                     continue
                 if descs[r][0].key != k or (refs is not None and refs[r] != descs[r][0]):

@@ -13,6 +13,7 @@ import uuid
 from ..errors import DeltaRefitError, PublishError
 from ..signing import SignatureError
 from ..storage.base import SWEEP_TEMPS
+from .chain import MAX_RECORD_BYTES, get_capped
 from .publish_state import ALL, ATTEMPT_NAME
 from .records import (
     CommitRecord,
@@ -49,7 +50,12 @@ class AttemptsMixin:
         floor = st.version if st is not None else 0
         out = []
         while (h := head(self.store)) > floor and (why := self._unusable(h, strict=st is not None)) is not None:
-            data = self.store.get(commit_key(h))
+            # Set aside whole where it is a record's size; a larger object is no record, and is not read
+            # (memory before trust): what it was is noted in its place.
+            data = get_capped(self.store, commit_key(h), MAX_RECORD_BYTES)
+            if data is None:
+                data = json.dumps({"set_aside": commit_key(h), "why": f"larger than {MAX_RECORD_BYTES} bytes, "
+                                   "not kept"}).encode()
             qkey = f"quarantine/{h:012d}-{uuid.uuid4().hex[:8]}.json"
             self.store.put(qkey, data)
             self.store.delete(commit_key(h))

@@ -16,6 +16,7 @@ from ..encode import EncodeReport, KnownHashes
 from ..errors import DecodeError
 from ..fsutil import write_atomic
 from ..history_book import HistoryBook, MovesRecorder
+from .chain import holds
 from .history import open_book, resets, settle, start_over
 from .publish_state import _TEMP_SUFFIX, RESET_FIX, PublishState
 from .records import (
@@ -47,11 +48,7 @@ class BaselineMixin:
                 mine = f.read()
             with contextlib.suppress(StreamError):
                 rec = parse_commit(mine, pending)
-                try:
-                    theirs = self.store.get(commit_key(rec.version))
-                except KeyError:
-                    theirs = None
-                if theirs != mine:
+                if not holds(self.store, commit_key(rec.version), mine):
                     self._drop_attempt(rec)
             os.unlink(pending)
         for p in (self.state_path, self.known_path, self.keyframe_copy, self.keyframe_copy + ".json"):

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import MalformedRecordError, StreamError
+from ..errors import MalformedRecordError, StreamError, UsageError
 from ..storage.base import GET_RANGE, MTIME, Store
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,24 @@ def get_capped(store: Store, key: str, limit: int) -> bytes | None:
             return None
         data = store.get(key)
     return data if len(data) <= limit else None
+
+
+def get_bounded(store: Store, key: str, limit: int, what: str) -> bytes:
+    """Object ``key`` (``get_capped``), refused (``StreamError`` naming it) where it holds more than
+    ``limit`` bytes; ``KeyError`` if absent."""
+    data = get_capped(store, key, limit)
+    if data is None:
+        raise StreamError(f"{store.url}/{key}: {what} is larger than {limit} bytes")
+    return data
+
+
+def holds(store: Store, key: str, expected: bytes) -> bool:
+    """Whether object ``key`` holds exactly ``expected`` (read no further than one byte past it);
+    False where it is absent."""
+    try:
+        return get_capped(store, key, len(expected)) == expected
+    except KeyError:
+        return False
 
 
 def vkey(version: int) -> str:
@@ -168,6 +186,25 @@ class RetentionPlan:
     keyframe: int  # the newest keyframe (0: none)
     delete: list[str] = field(default_factory=list)
     keep: list[str] = field(default_factory=list)  # objects kept because a reader needs them
+
+
+# The shortest ``orphan_grace`` retention takes: an unfinished upload (a temp file, a multipart upload)
+# or a joint commit's proposal younger than the grace is kept, and one of a publish still running is
+# younger than that publish's longest upload. Ten minutes is a floor, not a fit: a grace must exceed the
+# longest part upload and ack wait of the stream's publishes (a keyframe of a large model takes longer).
+MIN_ORPHAN_GRACE = 600.0
+
+
+def check_orphan_grace(orphan_grace: float, unsafe_short_grace: bool = False) -> None:
+    """Refuse (``UsageError``) a grace under ``MIN_ORPHAN_GRACE``, or one that is no number of seconds,
+    unless ``unsafe_short_grace``: the caller knows that no publish runs on the stream meanwhile (tests,
+    a stream whose publisher is stopped)."""
+    if not orphan_grace >= 0 or orphan_grace != orphan_grace:
+        raise UsageError(f"orphan grace must be a number of seconds, not {orphan_grace!r}")
+    if orphan_grace < MIN_ORPHAN_GRACE and not unsafe_short_grace:
+        raise UsageError(f"orphan grace {orphan_grace:g} s is under the {MIN_ORPHAN_GRACE:g} s floor: the parts "
+                         "and proposals of a publish still uploading would be deleted (use "
+                         "--unsafe-short-grace / unsafe_short_grace=True only where no publish runs meanwhile)")
 
 
 def older_than(store: Store, key: str, seconds: float) -> bool:

@@ -41,6 +41,7 @@ from ..signing import SignatureError, Signer, check_record_signature, record_sig
 from ..storage.base import Store, open_store
 from .attempts import AttemptsMixin
 from .baseline import BaselineMixin, _copy_checkpoint, _temp_beside
+from .chain import MAX_RECORD_BYTES, get_bounded, holds
 from .history import follows, lineage, open_book, resets, start_over
 from .publish_state import _TEMP_SUFFIX, ALL, ATTEMPT_NAME, QUARANTINE_FIX, RESET_FIX, PublishState
 from .records import (
@@ -190,16 +191,13 @@ class Publisher(BaselineMixin, AttemptsMixin):
             with open(pending, "rb") as f:
                 mine = f.read()
             rec = parse_commit(mine, pending)
-            try:
-                theirs = self.store.get(commit_key(rec.version))
-            except KeyError:
-                theirs = None
-            if theirs == mine:
+            if holds(self.store, commit_key(rec.version), mine):
                 st = self._advance(st, rec)
             else:  # never committed, or another publisher's record won: our parts are orphans
                 self._drop_attempt(rec)
                 with contextlib.suppress(KeyError, StreamError):
-                    if parse_proposal(self.store.get(prepared_key(rec.version)), pending)[0] == rec:
+                    if parse_proposal(get_bounded(self.store, prepared_key(rec.version), MAX_RECORD_BYTES,
+                                                  "proposal"), pending)[0] == rec:
                         self.store.delete(prepared_key(rec.version))  # our dead joint proposal
             os.unlink(pending)
         self._drop_dead_attempt()
@@ -401,7 +399,7 @@ class Publisher(BaselineMixin, AttemptsMixin):
                 os.unlink(pending)
                 raise PublishError(f"{self.store.url}: version {version} was committed by another publisher first")
         except BaseException:
-            if not self.store.exists(commit_key(version)) or self.store.get(commit_key(version)) != rec.to_bytes():
+            if not holds(self.store, commit_key(version), rec.to_bytes()):
                 self._drop_attempt(rec)
             raise
         self._restore_parts(rec, checkpoint)

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..storage.base import SWEEP_TEMPS, Store
-from .chain import MAX_RECORD_BYTES, RecordKind, get_capped, plan_retention, version_of
+from .chain import MAX_RECORD_BYTES, RecordKind, check_orphan_grace, get_capped, plan_retention, version_of
 from .records import (
     CommitRecord,
     MalformedRecordError,
@@ -88,7 +88,11 @@ def _needed(r: CommitRecord, cut: int, k: int) -> list:
 PLAIN = RecordKind(parts=record_parts, needed=_needed)
 
 
-def retain(store: Store, *, ttl: float = 24 * 3600, orphan_grace: float = 3600, dry_run: bool = False) -> RetentionReport:
+def retain(store: Store, *, ttl: float = 24 * 3600, orphan_grace: float = 3600, dry_run: bool = False,
+           unsafe_short_grace: bool = False) -> RetentionReport:
+    """Apply the policy above. ``orphan_grace`` under ``chain.MIN_ORPHAN_GRACE`` is refused unless
+    ``unsafe_short_grace`` (no publish runs on the stream meanwhile)."""
+    check_orphan_grace(orphan_grace, unsafe_short_grace)
     h = head(store)
     recs = {}
     malformed: dict[int, str] = {}

@@ -69,7 +69,7 @@ from ..locks import checkpoint_lock, locked_method
 from ..signing import SignatureError, Verifier, check_record_signature
 from ..storage.base import GET_RANGE, Store, open_store
 from .arriving import ArrivingReader, PartDownloads
-from .chain import check_links, newest_keyframe, sync_target
+from .chain import MAX_RECORD_BYTES, check_links, get_bounded, newest_keyframe, sync_target
 from .history import follows, lineage, open_book, resets, settle, start_over
 from .records import (
     CommitRecord,
@@ -573,7 +573,7 @@ class Subscriber:
             return None
         v = cur[0] + 1
         try:
-            data = self.store.get(prepared_key(v))
+            data = get_bounded(self.store, prepared_key(v), MAX_RECORD_BYTES, "proposal")
         except KeyError:
             return None
         rec, _ = parse_proposal(data, f"{self.store.url}/{prepared_key(v)}")

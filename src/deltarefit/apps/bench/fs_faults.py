@@ -324,7 +324,7 @@ class _Plan:
             "sync-new": ["sync", fx.store, ck],
             "sync-history": ["sync", fx.history_store, ck],
             "publish": ["publish", os.path.join(fs, "store"), fx.steps[2]],
-            "retain": ["retain", os.path.join(fs, "store"), "--orphan-grace", "0"],
+            "retain": ["retain", os.path.join(fs, "store"), "--orphan-grace", "0", "--unsafe-short-grace"],
         }[self.command]
 
     def check(self, fs: str, *, rerun: bool = True) -> str:
