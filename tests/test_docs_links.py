@@ -40,3 +40,10 @@ def test_every_relative_link_resolves(page):
         if not path.exists() and path not in PENDING:
             broken.append(target)
     assert not broken, f"{page.relative_to(ROOT)}: links to missing files: {broken}"
+
+
+def test_the_docs_table_of_contents_lists_every_page():
+    toc = ROOT / "docs" / "README.md"
+    listed = {(toc.parent / t).resolve() for t in relative_links(toc.read_text())}
+    pages = {p.resolve() for p in (ROOT / "docs").glob("*.md")} - {toc}
+    assert not pages - listed, f"docs/README.md does not list: {sorted(p.name for p in pages - listed)}"
