@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine: `make demo` and `make test`. Both create .venv first.
+# Two entry points for a fresh machine: `make demo` and `make test`. Both create .venv first (so does `make lint`).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml setup.py src/deltarefit/codec/_native.c
 	$(PIP) install -q --upgrade pip
 	# The pin matters: torch 2.13.0 is a CPU build on disk here; anything else downloads a CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,bench]'
+	$(PIP) install -q -e '.[test,bench,lint]'
 	touch $@
 
 demo: $(VENV)/.installed
@@ -27,6 +27,10 @@ bench: $(VENV)/.installed
 	-$(PIP) install -q zipnn
 	$(VENV)/bin/python -m deltarefit.apps.bench --out /tmp/benchout --synthetic-params 1e8 --synthetic-change-rate cal 0.035 \
 		--threads 2 --markdown docs/BENCHMARKS.md
+
+# ruff (pinned by the lint extra) with the rules in pyproject.toml; CI runs it before the tests.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests scripts examples
 
 bench-quick: $(VENV)/.installed
 	$(VENV)/bin/deltarefit bench --quick

@@ -319,7 +319,7 @@ def test_change_rates_parse_cal_and_fractions_and_refuse_the_rest() -> None:
 
 
 def test_kernel_timings_print_every_step(capsys):
-    # The per-MiB figures the README quotes: every kernel row is there with a positive time, and the
+    # The per-MiB figures docs/PERFORMANCE.md quotes: every kernel row is there with a positive time, and the
     # native rows appear exactly when the extension was built.
     from deltarefit.apps.bench import kernels
     from deltarefit.codec import chunk

@@ -1,5 +1,5 @@
 """The error hierarchy: one closed set in ``deltarefit.errors``, re-exported where each is raised, its
-exit codes listed (and checked here) in README.md and the CLI's docstring, and a worker's error
+exit codes listed (and checked here) in docs/COMMAND-LINE.md and the CLI's docstring, and a worker's error
 rebuilt on the driver as its own class from its name alone."""
 
 from __future__ import annotations
@@ -92,10 +92,10 @@ def _check_table(rows: dict[int, set[str]], where: str) -> None:
     assert set(rows) - set(got) <= {0, 130}, f"{where}: rows without a class: {sorted(set(rows) - set(got))}"
 
 
-def test_readme_exit_code_table_matches_the_classes():
-    rows = _table_rows((ROOT / "README.md").read_text(), re.compile(r"^\| (\d+) \| "))
+def test_docs_exit_code_table_matches_the_classes():
+    rows = _table_rows((ROOT / "docs" / "COMMAND-LINE.md").read_text(), re.compile(r"^\| (\d+) \| "))
     assert len(rows) >= len({c.exit_code for c in errors.ERRORS.values()})
-    _check_table(rows, "README.md")
+    _check_table(rows, "docs/COMMAND-LINE.md")
 
 
 def test_cli_docstring_exit_code_table_matches_the_classes():

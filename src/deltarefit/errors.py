@@ -7,7 +7,7 @@ closed: :data:`ERRORS` names each, and :func:`error_from_name` rebuilds one from
 unpickling anything (a worker's error that crossed a process boundary as ``(name, message)``).
 
 Each class's ``exit_code`` is what the CLI returns for it (a subclass shares its parent's); the CLI's
-module docstring and README.md list them.
+module docstring and docs/COMMAND-LINE.md list them.
 """
 
 from __future__ import annotations
