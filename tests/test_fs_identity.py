@@ -506,7 +506,7 @@ def _umask() -> int:
 
 _PAUSE_PLAN = r"""
 import sys
-import deltarefit.applier as applier
+import deltarefit.apply.protocol as applier
 from deltarefit.cli import main
 orig = applier.Applier.plan
 def plan(self, *a, **k):

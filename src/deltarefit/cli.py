@@ -287,7 +287,7 @@ def apply(delta: str, checkpoint: str, history_dir: str | None, threads: int | N
     """
 
     def go() -> None:
-        from .apply import apply as ap
+        from .apply.files import apply as ap
 
         _not_an_input(checkpoint, delta, history_dir, what="checkpoint")
         _not_an_input(delta, checkpoint, what="delta")  # a delta inside the checkpoint directory it writes

@@ -598,7 +598,7 @@ class TargetUnion:
     tensors an engine reloads), each tensor read and written through the target that holds it."""
 
     def __init__(self, *targets: object) -> None:
-        from ..regions import segments_of
+        from ..apply.targets import segments_of
 
         self.tensors: dict = {}
         self._of: dict[str, object] = {}
@@ -682,8 +682,8 @@ def state_through(target: object, name: str) -> tuple[bytes, bytes]:
     """(tensor digest, additive digest) of ``name`` as a ``SegmentTarget`` reads it, in one pass over
     its segments: what a held-digest apply (``applier.run_apply(held=)``) is given, taken together with
     the full check it rests on."""
+    from ..apply.targets import segments_of
     from ..integrity import n_segments, seg_hash, tensor_digest_from_segments
-    from ..regions import segments_of
     from ..shard import digest as additive
 
     target = segments_of(target)
@@ -704,7 +704,7 @@ def apply_live(delta_path: str, target: object, *, threads: int | None = None):
     base verified, every post-image checked, then only changed elements written, then verified. No
     journal: the target is memory, and a rerun after any failure completes it (chunks already at their
     post-image are skipped). Deltas that add, remove or re-type tensors are refused before any write."""
-    from ..applier import run_apply
+    from ..apply.protocol import run_apply
     from ..format import DeltaReader
 
     with DeltaReader(delta_path) as d:

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .. import errors
-from ..apply import apply as apply_delta_to_checkpoint
+from ..apply.files import apply as apply_delta_to_checkpoint
 from ..checkpoint import open_checkpoint
 from ..errors import DeltaRefitError, UsageError
 from ..format import DeltaReader

@@ -47,7 +47,7 @@ def refit_engine(llm: Any, delta_path: str, checkpoint_dir: str, *, verify: bool
     afterwards: its blocks were computed with the old weights.
     """
     t0 = time.perf_counter()
-    from ..apply import checkpoint_lock
+    from ..apply.files import checkpoint_lock
 
     # The checkpoint's lock, held here for the workers' applies (they run in other processes): another
     # sync or apply of this checkpoint is refused meanwhile. Re-entered inside sync_engine's sync.

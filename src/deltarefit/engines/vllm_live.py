@@ -53,7 +53,8 @@ from typing import Any
 
 import numpy as np
 
-from ..applier import PreparedApply, commit, plan_apply
+from ..apply.journal import Journal
+from ..apply.protocol import PreparedApply, commit, plan_apply
 from ..checkpoint import fingerprint_checkpoint, open_checkpoint
 from ..codec.chunk import Patch
 from ..errors import BaseMismatchError, DeltaRefitError, UsageError, VerificationError
@@ -61,7 +62,6 @@ from ..format import DeltaReader
 from ..fsutil import open_regular
 from ..history_book import HistoryBook, MovesRecorder
 from ..integrity import fingerprint_from_digests
-from ..journal import Journal
 from ..locks import owned_temp
 from . import kernels
 from .capture import capture_layout, placed_params, sub_param
@@ -204,7 +204,7 @@ def _check_name(held: int, n: int) -> str:
 
 
 def _torch_dtype(name: str):
-    from ..torch_api import torch_dtype
+    from ..apply.tensors import torch_dtype
 
     return torch_dtype(name)
 
@@ -541,7 +541,7 @@ class LiveEngine:
                              + ("its weights were put back" if back else "restart it: its weights may be wrong now"))
 
     def _build_target(self) -> None:
-        from ..torch_api import _TorchTarget
+        from ..apply.tensors import _TorchTarget
 
         # Split segments in flight per worker: as many as the group's fewest apply threads can decode at
         # once (the same number in every worker: it fixes the order of the group's collective calls).

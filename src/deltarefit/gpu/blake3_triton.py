@@ -166,7 +166,7 @@ def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def tensor_digest_gpu(t: torch.Tensor, *, impl: str = "auto") -> bytes:
     """``integrity.tensor_digest`` of a torch tensor (dtype named as in safetensors), hashed on its device."""
-    from ..torch_api import safetensors_dtype
+    from ..apply.tensors import safetensors_dtype
 
     dtype = safetensors_dtype(t.dtype)
     raw = _raw_bytes(t)

@@ -58,7 +58,7 @@ def bits_view(t) -> np.ndarray:
         import torch
 
         if isinstance(t, torch.Tensor):
-            from ..torch_api import _check_tensor, _raw_view
+            from ..apply.tensors import _check_tensor, _raw_view
 
             _check_tensor("tensor", t)
             raw = _raw_view(t)

@@ -10,7 +10,7 @@ import os
 import shutil
 from dataclasses import replace
 
-from ..apply import apply as apply_delta
+from ..apply.files import apply as apply_delta
 from ..checkpoint import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
 from ..errors import DecodeError

@@ -28,7 +28,7 @@ import os
 import shutil
 from collections.abc import Callable
 
-from ..applier import ApplyReport
+from ..apply.protocol import ApplyReport
 from ..codec.history import DEPTH
 from ..errors import DecodeError
 from ..history_book import HEAD, HistoryBook

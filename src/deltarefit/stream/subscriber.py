@@ -56,9 +56,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..apply import ApplyReport
-from ..apply import apply as apply_delta
-from ..apply import check as check_delta
+from ..apply.files import ApplyReport
+from ..apply.files import apply as apply_delta
+from ..apply.files import check as check_delta
 from ..checkpoint import check_not_replaced, open_checkpoint
 from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationError
 from ..format import DeltaReader

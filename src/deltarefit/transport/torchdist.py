@@ -298,7 +298,7 @@ def _fail_together(failure: str, version: int | None, fp: str, target: CommitRec
 
 
 def _apply_tensors(mstore: Store, recs: list[CommitRecord], mine, tensors: dict, threads, history):
-    from ..torch_api import apply_to_tensors
+    from ..apply.tensors import apply_to_tensors
 
     if mine is None:
         raise UsageError("broadcast_sync: a tensors= target must say which version it holds (held=)")

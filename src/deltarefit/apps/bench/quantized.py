@@ -83,7 +83,7 @@ def measure(base: dict[str, Any], target: dict[str, Any], work: str, threads: in
     """One step's figures (see the module docstring); ``base``/``target``: served bf16 state dicts."""
     from safetensors.torch import save_file
 
-    from ...apply import apply
+    from ...apply.files import apply
     from ...encode import encode
 
     names = quantized_names(base)

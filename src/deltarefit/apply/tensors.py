@@ -32,19 +32,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .applier import ApplyReport, _TensorPlan, run_apply
-from .apply import _new_tensor_chunks
-from .dtypes import DTYPES
-from .encode import default_threads
-from .errors import UsageError, VerificationError
-from .format import ChunkRecord, DeltaReader, TensorEntry
-from .history_book import HistoryBook, MovesRecorder
-from .integrity import (
+from ..dtypes import DTYPES
+from ..encode import default_threads
+from ..errors import UsageError, VerificationError
+from ..format import ChunkRecord, DeltaReader, TensorEntry
+from ..history_book import HistoryBook, MovesRecorder
+from ..integrity import (
     SEGMENT_BYTES,
     fingerprint_from_digests,
     segment_hashes,
     tensor_digest_from_segments,
 )
+from .files import _new_tensor_chunks
+from .protocol import ApplyReport, _TensorPlan, run_apply
 
 __all__ = ["TORCH_DTYPES", "apply_to_module", "apply_to_tensors", "safetensors_dtype", "state_dict_fingerprint",
            "torch_dtype"]

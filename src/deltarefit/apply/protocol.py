@@ -40,26 +40,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import elements, regions
-from .codec.chunk import Patch, moves_of_patch
-from .dtypes import dtype
-from .encode import default_threads, uint_view
-from .errors import BaseMismatchError, DecodeError, UsageError, VerificationError
-from .format import ChunkRecord, DeltaReader, TensorEntry, TensorMeta
-from .held import GROUP_DECODE_REFUSED, GROUP_REFUSED, HeldPlans, in_step
-from .history_book import HistoryBook, MovesRecorder
-from .integrity import (
+from .. import elements
+from ..codec.chunk import Patch, moves_of_patch
+from ..dtypes import dtype
+from ..encode import default_threads, uint_view
+from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationError
+from ..format import ChunkRecord, DeltaReader, TensorEntry, TensorMeta
+from ..history_book import HistoryBook, MovesRecorder
+from ..integrity import (
     SEGMENT_BYTES,
     fingerprint_from_digests,
     n_segments,
     seg_hash,
     tensor_digest_from_segments,
 )
-from .journal import Journal, _journal_patch
-from .plans import _ChunkPlan, _TensorPlan
-from .regions import (
+from . import host as regions
+from .held import GROUP_DECODE_REFUSED, GROUP_REFUSED, HeldPlans, in_step
+from .host import (
     HOST_REGIONS,
-    TensorTarget,
     _changes,
     _decode,
     _moved,
@@ -68,8 +66,10 @@ from .regions import (
     _post_image_hash,
     _seg_len,
     _where,
-    segments_of,
 )
+from .journal import Journal, _journal_patch
+from .plans import _ChunkPlan, _TensorPlan
+from .targets import TensorTarget, segments_of
 
 log = logging.getLogger(__name__)
 
