@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from deltarefit.engines.capture import capture_layout
 from deltarefit.engines.live import apply_live
-from deltarefit.engines.vllm_live import _Group
+from deltarefit.engines.vllm.worker import _Group
 from deltarefit.errors import DeltaRefitError
 
 a = json.loads(sys.argv[1])
@@ -103,7 +103,7 @@ def _chain() -> dict:
     from deltarefit.apply import run_apply
     from deltarefit.apply.tensors import _TorchTarget
     from deltarefit.engines.live import TargetUnion, state_through
-    from deltarefit.engines.vllm_live import MemoryJournal
+    from deltarefit.engines.vllm.worker import MemoryJournal
     from deltarefit.format import DeltaReader
     from deltarefit.history_book import HistoryBook, MovesRecorder
 
@@ -152,7 +152,7 @@ try:
             from deltarefit.apply import run_apply
             from deltarefit.apply.tensors import _TorchTarget
             from deltarefit.engines.live import TargetUnion, state_through
-            from deltarefit.engines.vllm_live import MemoryJournal
+            from deltarefit.engines.vllm.worker import MemoryJournal
             from deltarefit.format import DeltaReader
 
             # as LiveEngine holds it: live placements beside host copies

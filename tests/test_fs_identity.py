@@ -357,8 +357,8 @@ def test_a_fifo_with_the_engine_scratch_prefix_does_not_hang_an_engine_start(tmp
 
 def test_the_engine_prefixes_are_the_engines():
     src = os.path.join(os.path.dirname(deltarefit.__file__), "engines")
-    assert 'SCRATCH_PREFIX = "deltarefit-engine-"' in open(os.path.join(src, "vllm_backend.py")).read()
-    assert 'SHM_PREFIX = "deltarefit-tp-"' in open(os.path.join(src, "vllm_live.py")).read()
+    assert 'SCRATCH_PREFIX = "deltarefit-engine-"' in open(os.path.join(src, "vllm", "backend.py")).read()
+    assert 'SHM_PREFIX = "deltarefit-tp-"' in open(os.path.join(src, "vllm", "worker.py")).read()
 
 
 # ----------------------------------------------------------------- item 7: a full disk during apply

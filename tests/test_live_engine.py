@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from deltarefit.encode import encode
 from deltarefit.engines.capture import capture_layout
 from deltarefit.engines.live import LiveTarget, Placement, apply_live, row_local, row_runs
-from deltarefit.engines.vllm_live import LiveEngine
+from deltarefit.engines.vllm.worker import LiveEngine
 from deltarefit.errors import BaseMismatchError, DeltaRefitError
 from deltarefit.shard.projection import Axis, Piece
 
@@ -225,7 +225,7 @@ def test_a_wrong_map_is_refused_before_any_write(chain):
 
 
 def test_live_engine_refuses_a_captured_map_that_misses_the_checkpoints_digest(chain, monkeypatch):
-    import deltarefit.engines.vllm_live as vl
+    import deltarefit.engines.vllm.worker as vl
 
     real = vl.capture_layout
 

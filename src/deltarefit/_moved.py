@@ -22,6 +22,11 @@ MOVED = {
     "deltarefit.plans": "deltarefit.apply.plans",
     "deltarefit.journal": "deltarefit.apply.journal",
     "deltarefit.torch_api": "deltarefit.apply.tensors",
+    "deltarefit.cli_stream": "deltarefit.cli.stream",
+    "deltarefit.apps.cli": "deltarefit.cli.apps",
+    "deltarefit.engines.vllm_driver": "deltarefit.engines.vllm.driver",
+    "deltarefit.engines.vllm_live": "deltarefit.engines.vllm.worker",
+    "deltarefit.engines.vllm_backend": "deltarefit.engines.vllm.backend",
 }
 
 

@@ -273,7 +273,7 @@ def verify_layers(model: Any, names: Iterable[str], packed: dict[str, list[str]]
     ``sharded`` engines, or a layout ``compare_kernel`` cannot read); returns ``out``."""
     import torch
 
-    from .vllm import layer_key
+    from .vllm.layers import layer_key
 
     groups: dict[str, list[str]] = {}
     for n in names:

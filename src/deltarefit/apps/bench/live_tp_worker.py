@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     from ...apply.tensors import _TorchTarget
     from ...engines.capture import capture_layout, placed_params
     from ...engines.live import TargetUnion, state_through
-    from ...engines.vllm_live import _Group
+    from ...engines.vllm.worker import _Group
     from ...format import DeltaReader
 
     a = json.loads(argv[1])

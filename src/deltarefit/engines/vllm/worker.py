@@ -53,20 +53,20 @@ from typing import Any
 
 import numpy as np
 
-from ..apply.journal import Journal
-from ..apply.protocol import PreparedApply, commit, plan_apply
-from ..checkpoint import fingerprint_checkpoint, open_checkpoint
-from ..codec.chunk import Patch
-from ..errors import BaseMismatchError, DeltaRefitError, UsageError, VerificationError
-from ..format import DeltaReader
-from ..fsutil import open_regular
-from ..history_book import HistoryBook, MovesRecorder
-from ..integrity import fingerprint_from_digests
-from ..locks import owned_temp
-from . import kernels
-from .capture import capture_layout, placed_params, sub_param
-from .kernels import kernel_reads as _kernel_reads
-from .live import SPLIT_AHEAD, LiveTarget, Placement, TargetUnion, digest_through, state_through
+from ...apply.journal import Journal
+from ...apply.protocol import PreparedApply, commit, plan_apply
+from ...checkpoint import fingerprint_checkpoint, open_checkpoint
+from ...codec.chunk import Patch
+from ...errors import BaseMismatchError, DeltaRefitError, UsageError, VerificationError
+from ...format import DeltaReader
+from ...fsutil import open_regular
+from ...history_book import HistoryBook, MovesRecorder
+from ...integrity import fingerprint_from_digests
+from ...locks import owned_temp
+from .. import kernels
+from ..capture import capture_layout, placed_params, sub_param
+from ..kernels import kernel_reads as _kernel_reads
+from ..live import SPLIT_AHEAD, LiveTarget, Placement, TargetUnion, digest_through, state_through
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def _check_name(held: int, n: int) -> str:
 
 
 def _torch_dtype(name: str):
-    from ..apply.tensors import torch_dtype
+    from ...apply.tensors import torch_dtype
 
     return torch_dtype(name)
 
@@ -541,7 +541,7 @@ class LiveEngine:
                              + ("its weights were put back" if back else "restart it: its weights may be wrong now"))
 
     def _build_target(self) -> None:
-        from ..apply.tensors import _TorchTarget
+        from ...apply.tensors import _TorchTarget
 
         # Split segments in flight per worker: as many as the group's fewest apply threads can decode at
         # once (the same number in every worker: it fixes the order of the group's collective calls).
@@ -695,7 +695,7 @@ class LiveEngine:
         try:
             history.advance(d, moves, durable=False)
         except (OSError, DeltaRefitError) as e:
-            from ..stream.history import start_over
+            from ...stream.history import start_over
 
             log.warning("%s: history book not advanced (%s); starting it over", history.path, e)
             start_over(history.path)
@@ -707,7 +707,7 @@ class LiveEngine:
         some of its experts is finished by vLLM with the others unset)."""
         key = self._layers.get(name)
         if key is None:
-            from .vllm import layer_key
+            from .layers import layer_key
 
             key = layer_key(name, self.packed)
             found = kernels.nearest_module(self.model, key)

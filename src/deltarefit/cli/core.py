@@ -1,29 +1,5 @@
-"""Command line: parse, call one library function, render errors as one line with an exit code.
-
-Exit codes: each error's ``exit_code`` (``deltarefit.errors``; a subclass exits as its parent, named in
-parentheses). Usage errors too are one line, exit 2, click's own included.
-
-    0    ok
-    1    DeltaRefitError     unexpected
-    2    UsageError          usage: an option combination or argument that cannot work
-    3    FormatError         bad delta: malformed or corrupt (UnsupportedVersionError, IntegrityError,
-                             LimitError, DecodeError)
-    4    CheckpointError     bad checkpoint: unreadable, or cannot be written
-    5    BaseMismatchError   wrong base: the checkpoint is not the delta's base (nothing written)
-    6    VerificationError   verification: a result does not match its fingerprint or digest
-    7    StoreError          storage: I/O, permissions, a lost connection
-    8    SignatureError      signature: a commit record unsigned, or its signature does not verify
-    9    StreamError         version stream: broken chain, lost publish race, no route, another stream
-                             (MalformedRecordError, StreamIdentityError, PublishError, BroadcastError)
-    10   ProtocolError       relay: failed authentication, a bad frame or part, a relay not reached
-                             (AuthError, BadPartError)
-    11   LockedError         locked: another run holds the checkpoint or the publisher state (the
-                             message names its pid)
-    12   FileSystemError     filesystem: a local file could not be written or read (disk full, read-only,
-                             permission denied, a missing directory); the line names the operation and
-                             the path
-    130  interrupted
-"""
+"""The command line's core commands (encode, apply, inspect, fingerprint, verify, keygen, compose), with the
+group ``main`` and the helpers the other command modules share (``deltarefit.cli`` lists the exit codes)."""
 
 from __future__ import annotations
 
@@ -36,8 +12,8 @@ from contextlib import contextmanager
 
 import click
 
-from . import __version__
-from .errors import DeltaRefitError, FileSystemError
+from .. import __version__
+from ..errors import DeltaRefitError, FileSystemError
 
 log = logging.getLogger("deltarefit")
 
@@ -80,7 +56,7 @@ def _transfer_progress(store, label: str, quiet: bool) -> Iterator[None]:
     """Bytes moved in or out of ``store`` (a Store) as a progress bar on stderr, for the duration;
     nothing when stderr is not a terminal or --quiet. The total is not known ahead (the route and
     the parts are chosen inside), so the bar shows bytes and speed."""
-    from .storage.base import SET_PROGRESS
+    from ..storage.base import SET_PROGRESS
 
     if not _progress_enabled(quiet) or SET_PROGRESS not in store.capabilities:
         yield
@@ -99,7 +75,7 @@ def _transfer_progress(store, label: str, quiet: bool) -> Iterator[None]:
 
 def _output_dir(output: str) -> None:
     """Refuse an output path whose directory does not exist, before any work."""
-    from .errors import UsageError
+    from ..errors import UsageError
 
     d = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(d):
@@ -109,8 +85,8 @@ def _output_dir(output: str) -> None:
 def _not_an_input(output: str, *inputs: str | None, what: str = "output") -> None:
     """Refuse, before any work, an ``output`` that is one of ``inputs`` (same path, symlink, hard link)
     or lies inside an input directory: writing it would destroy the input it was computed from."""
-    from .errors import UsageError
-    from .fsutil import output_is_input
+    from ..errors import UsageError
+    from ..fsutil import output_is_input
 
     hit = output_is_input(output, inputs)
     if hit is not None:
@@ -130,7 +106,7 @@ def _stderr_console():
 
 
 def _ckpt_bytes(path: str) -> int:
-    from .checkpoint import open_checkpoint
+    from ..checkpoint import open_checkpoint
 
     with open_checkpoint(path) as ck:
         return sum(t.nbytes for t in ck.tensors.values())
@@ -159,7 +135,7 @@ def _sigbus_as_one_line() -> None:
     kill would (an apply resumes on a rerun); where the optional extension was not built, SIGBUS stays
     the kernel's (the process dies by the signal)."""
     try:
-        from . import _sigbus
+        from .. import _sigbus
     except ImportError:
         return
     _sigbus.install()
@@ -240,13 +216,13 @@ def encode(base: str, target: str, output: str, history_dir: str | None, threads
     """Encode the delta taking checkpoint BASE to checkpoint TARGET (a .safetensors file or HF directory)."""
 
     def go() -> None:
-        from .encode import encode as enc
+        from ..encode import encode as enc
 
         _output_dir(output)
         _not_an_input(output, base, target, history_dir)
         book = None
         if history_dir is not None:
-            from .history_book import HistoryBook
+            from ..history_book import HistoryBook
 
             book = HistoryBook(history_dir)
         with _progress("encode", _ckpt_bytes(target) if _progress_enabled(quiet) else 0, quiet) as cb:
@@ -287,13 +263,13 @@ def apply(delta: str, checkpoint: str, history_dir: str | None, threads: int | N
     """
 
     def go() -> None:
-        from .apply.files import apply as ap
+        from ..apply.files import apply as ap
 
         _not_an_input(checkpoint, delta, history_dir, what="checkpoint")
         _not_an_input(delta, checkpoint, what="delta")  # a delta inside the checkpoint directory it writes
         book = None
         if history_dir is not None:
-            from .history_book import HistoryBook
+            from ..history_book import HistoryBook
 
             book = HistoryBook(history_dir)
         with _progress("apply", _ckpt_bytes(checkpoint) if _progress_enabled(quiet) else 0, quiet) as cb:
@@ -321,7 +297,7 @@ def inspect(delta: str, as_json: bool, show_all: bool) -> None:
     """Show what DELTA changes: per tensor elements, changed fraction, encodings and bytes; totals and ratio."""
 
     def go() -> None:
-        from .api import inspect as ins
+        from ..api import inspect as ins
 
         info = ins(delta)
         if as_json:
@@ -356,7 +332,7 @@ def fingerprint(checkpoint: str, threads: int | None, as_json: bool) -> None:
     """Print the layout-independent fingerprint of CHECKPOINT (file or directory)."""
 
     def go() -> None:
-        from .checkpoint import fingerprint_checkpoint, open_checkpoint
+        from ..checkpoint import fingerprint_checkpoint, open_checkpoint
 
         with open_checkpoint(checkpoint) as ck:
             fp, digests = fingerprint_checkpoint(ck, threads=threads)
@@ -376,7 +352,7 @@ def verify(checkpoint: str, expected: str, threads: int | None) -> None:
     """Exit 0 if CHECKPOINT's fingerprint is EXPECTED, else 6 with a one-line error."""
 
     def go() -> None:
-        from .api import verify as ver
+        from ..api import verify as ver
 
         click.echo(f"{checkpoint}: fingerprint {ver(checkpoint, expected, threads=threads)} verified")
 
@@ -389,7 +365,7 @@ def keygen(private_key) -> None:
     """Write a new Ed25519 signing key to PRIVATE_KEY and its public key to PRIVATE_KEY.pub."""
 
     def go() -> None:
-        from .signing import keygen as kg
+        from ..signing import keygen as kg
 
         click.echo(f"wrote {private_key} (keep it secret) and {kg(private_key)}")
 
@@ -406,7 +382,7 @@ def compose(deltas, output, base, quiet) -> None:
     """Compose DELTAS (applied in order) into one delta equal to them bit for bit."""
 
     def go() -> None:
-        from .compose import compose as comp
+        from ..compose import compose as comp
 
         _output_dir(output)
         _not_an_input(output, base, *deltas)
@@ -420,8 +396,5 @@ def compose(deltas, output, base, quiet) -> None:
 
 
 # The stream and relay commands, and the apps' (demo, simulate, bench), register themselves on ``main``.
-from . import cli_stream  # noqa: E402, F401
-from .apps import cli as _apps_cli  # noqa: E402, F401
-
-if __name__ == "__main__":
-    main()
+from . import apps as _apps  # noqa: E402, F401
+from . import stream as _stream  # noqa: E402, F401
