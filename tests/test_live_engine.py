@@ -21,7 +21,7 @@ from deltarefit.engines.capture import capture_layout
 from deltarefit.engines.live import LiveTarget, Placement, apply_live, row_local, row_runs
 from deltarefit.engines.vllm.worker import LiveEngine
 from deltarefit.errors import BaseMismatchError, DeltaRefitError
-from deltarefit.shard.projection import Axis, Piece
+from deltarefit.geometry.projection import Axis, Piece
 
 H, V, F = 64, 50, 96  # hidden, vocab (padded to 56), ffn
 

@@ -246,7 +246,7 @@ def _try(path: str, got: list[BaseException]) -> None:
 def test_a_killed_structural_apply_leaves_no_temp_after_the_next_run(pair, tmp_path):
     work = str(tmp_path / "work.safetensors")
     shutil.copyfile(pair["base"], work)
-    kill_at("kill-after-first", "deltarefit.safetensors_write:_stream", "apply", pair["struct_delta"], work, "-q")
+    kill_at("kill-after-first", "deltarefit.checkpoint.write:_stream", "apply", pair["struct_delta"], work, "-q")
     left = glob.glob(work + ".tmp-*")
     assert len(left) == 1 and os.path.getsize(left[0]) > 1 << 20, left  # a shard-sized temp of a dead pid
     live = f"{work}.tmp-{os.getpid()}"  # a temp of a live process (this one) must stay
@@ -265,7 +265,7 @@ def test_a_killed_structural_apply_of_an_indexed_directory_leaves_no_temp(pair, 
     with open(d / "model.safetensors.index.json", "w") as f:
         json.dump({"metadata": {}, "weight_map": {"a.weight": "model-00001.safetensors",
                                                   "b.weight": "model-00001.safetensors"}}, f)
-    kill_at("kill-after-first", "deltarefit.safetensors_write:_stream", "apply", pair["struct_delta"], str(d), "-q")
+    kill_at("kill-after-first", "deltarefit.checkpoint.write:_stream", "apply", pair["struct_delta"], str(d), "-q")
     assert len(glob.glob(str(d / "*.tmp-*"))) == 1
     r = run("apply", pair["struct_delta"], str(d), "-q")
     assert r.returncode == 0, r.stderr

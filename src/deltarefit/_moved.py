@@ -27,6 +27,11 @@ MOVED = {
     "deltarefit.engines.vllm_driver": "deltarefit.engines.vllm.driver",
     "deltarefit.engines.vllm_live": "deltarefit.engines.vllm.worker",
     "deltarefit.engines.vllm_backend": "deltarefit.engines.vllm.backend",
+    "deltarefit.safetensors_write": "deltarefit.checkpoint.write",
+    "deltarefit.elements": "deltarefit.codec.elements",
+    "deltarefit.shard.digest": "deltarefit.integrity.additive",
+    "deltarefit.shard._digest_numba": "deltarefit.integrity._additive_numba",
+    "deltarefit.shard.projection": "deltarefit.geometry.projection",
 }
 
 

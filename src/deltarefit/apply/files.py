@@ -17,14 +17,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from ..checkpoint import (
-    INDEX_NAME,
-    Checkpoint,
-    TensorSource,
-    check_not_replaced,
-    open_checkpoint,
-    write_safetensors,
-)
+from ..checkpoint.header import TensorSource
+from ..checkpoint.read import INDEX_NAME, Checkpoint, check_not_replaced, open_checkpoint
+from ..checkpoint.write import write_safetensors
 from ..errors import UsageError, VerificationError
 from ..format import DeltaReader, TensorEntry, TensorMeta
 from ..fsutil import fs_error

@@ -59,7 +59,7 @@ class HeldPlans:
     def _plan_held(self, pool, e: TensorEntry, held: bytes) -> _TensorPlan:
         """The held-digest plan of a ``same``/``patch`` tensor (module docstring): decode every chunk
         against the segment as it is, and require the digest moved by the changes to be the target's."""
-        from ..shard import digest as additive
+        from ..integrity import additive
 
         if held == e.target.sum and held != e.base.sum:  # already at the target (a rerun)
             if self.moves is not None:  # its moves are not known here
@@ -105,7 +105,7 @@ class HeldPlans:
         the chunks split between processes are decoded by each on this thread, in one order (their
         segments are assembled over the group). A failure in a chunk held whole does not change which
         collective calls a process makes: the group sum carries it, and every process refuses."""
-        from ..shard import digest as additive
+        from ..integrity import additive
 
         recs = self.d.chunks(e)
         futs = {r.chunk_index: self._own_pool.submit(chunk, r, True) for r in recs if roles[r.chunk_index] == "mine"}

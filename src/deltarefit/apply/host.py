@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import elements
+from ..codec import elements
 from ..codec.chunk import ULP_HIST, Patch, decode_chunk, decode_new, scratch_array
 from ..dtypes import dtype
 from ..encode import uint_view
@@ -60,7 +60,7 @@ def _patched_copy(view: np.ndarray, patch: Patch) -> np.ndarray:
 def _moved(e: TensorEntry, r: ChunkRecord, view: np.ndarray, pos: np.ndarray, new: np.ndarray) -> np.ndarray:
     """How chunk ``r``'s changes (``pos`` in it, from ``view[pos]`` to ``new``) move tensor ``e``'s
     additive digest."""
-    from ..shard import digest as additive
+    from ..integrity import additive
 
     seed = additive.seeds(e.name, e.base.dtype, e.base.shape)
     return additive.move(seed, r.chunk_index * (SEGMENT_BYTES // view.itemsize), view, pos, new)

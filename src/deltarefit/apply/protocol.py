@@ -19,7 +19,7 @@ Structural changes (added, removed, re-typed tensors) rewrite the file holding t
 file and an atomic rename; in-place patching covers everything else.
 
 **Held digests** (``held=``, FORMAT.md "Held digests"): a target that keeps, for each tensor, the
-additive digest (``shard.digest``) of exactly what it holds (a live engine, which computed it when
+additive digest (``integrity.additive``) of exactly what it holds (a live engine, which computed it when
 it last verified in full and moved it with every verified patch since) lets the plan skip the hashes.
 A tensor is then checked in O(changed elements): each chunk is decoded against the segment as it is,
 the digest moved by every change (old bits read from the target, new bits decoded) must give the
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import elements
+from ..codec import elements
 from ..codec.chunk import Patch, moves_of_patch
 from ..dtypes import dtype
 from ..encode import default_threads, uint_view

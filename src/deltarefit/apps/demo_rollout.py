@@ -94,7 +94,8 @@ def warm_kernels(work: str) -> float:
     import numpy as np
 
     from ..apply.files import apply
-    from ..checkpoint import TensorSource, write_safetensors
+    from ..checkpoint.header import TensorSource
+    from ..checkpoint.write import write_safetensors
     from ..encode import encode
 
     t0 = time.perf_counter()

@@ -26,11 +26,14 @@ parentheses). Usage errors too are one line, exit 2, click's own included.
 
 Modules:
 
-* ``core``    the group ``main``, its shared helpers, and the core commands (encode, apply, inspect, ...)
+* ``common``  the group ``main``, ``_run`` (errors as one line and an exit code), progress, shared options
+* ``core``    encode, apply, inspect, fingerprint, verify, keygen, compose
 * ``stream``  the version-stream commands (publish, sync, log, retain, relay)
 * ``apps``    demo, simulate and bench (their modules are imported only when the command runs)
 """
 
-from .core import main
+# Each command module registers its commands on ``main`` when imported.
+from . import apps, core, stream  # noqa: F401
+from .common import main
 
 __all__ = ["main"]

@@ -1,5 +1,5 @@
 """``python -m deltarefit.cli``: the command line."""
 
-from .core import main
+from . import main
 
 main()

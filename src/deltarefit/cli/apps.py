@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .core import _run, main
+from .common import _run, main
 
 
 @main.command()

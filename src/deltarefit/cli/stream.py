@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from .core import _json, _not_an_input, _quiet, _run, _threads, _transfer_progress, main
+from .common import _json, _not_an_input, _quiet, _run, _threads, _transfer_progress, main
 
 
 @main.command()

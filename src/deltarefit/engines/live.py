@@ -3,7 +3,7 @@
 An inference engine does not hold checkpoint tensors as they are on disk. A ``q_proj`` is rows of a
 fused ``qkv_proj``, a weight may be stored transposed, an embedding padded to a multiple of 64 rows.
 ``LiveTarget`` is the ``apply.SegmentTarget`` over such a layout: for every checkpoint tensor, a list of
-``Placement`` (a parameter and a ``shard.projection.Piece`` saying which elements of the checkpoint
+``Placement`` (a parameter and a ``geometry.projection.Piece`` saying which elements of the checkpoint
 tensor live where in it). The applier then runs its one protocol over it unchanged:
 
 * a segment is read by gathering its elements from the parameters (a slice where the piece is a
@@ -45,12 +45,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import elements
+from ..codec import elements
 from ..codec.chunk import Patch
 from ..dtypes import dtype as lookup_dtype
 from ..errors import UsageError
+from ..geometry.projection import Piece, intersect_boxes
 from ..integrity import SEGMENT_BYTES, n_segments
-from ..shard.projection import Piece, intersect_boxes
 
 # Split segments in flight per process of a group, unless its caller says (``LiveTarget.split_window``),
 # and in all (their slots cost 2 MiB each of shared memory).
@@ -683,8 +683,7 @@ def state_through(target: object, name: str) -> tuple[bytes, bytes]:
     its segments: what a held-digest apply (``applier.run_apply(held=)``) is given, taken together with
     the full check it rests on."""
     from ..apply.targets import segments_of
-    from ..integrity import n_segments, seg_hash, tensor_digest_from_segments
-    from ..shard import digest as additive
+    from ..integrity import additive, n_segments, seg_hash, tensor_digest_from_segments
 
     target = segments_of(target)
     info = target.tensors[name]

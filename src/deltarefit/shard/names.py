@@ -23,7 +23,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UsageError
-from .projection import Axis, Piece, chunk_range, fused_pieces, placement_box, shard_pieces, whole_piece
+from ..geometry.projection import (
+    Axis,
+    Piece,
+    chunk_range,
+    fused_pieces,
+    placement_box,
+    shard_pieces,
+    whole_piece,
+)
 from .tables import TABLES
 
 __all__ = ["LocalTensor", "cuts_from_layouts", "fused_params", "identity_layout", "llama_shapes", "load_table",

@@ -11,7 +11,7 @@ import shutil
 from dataclasses import replace
 
 from ..apply.files import apply as apply_delta
-from ..checkpoint import open_checkpoint
+from ..checkpoint.read import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
 from ..errors import DecodeError
 from ..fsutil import write_atomic
@@ -230,7 +230,8 @@ def _copy_checkpoint(src: str, dest: str) -> None:
     if os.path.isfile(src):
         shutil.copyfile(src, dest)
         return
-    from ..checkpoint import TensorSource, write_safetensors
+    from ..checkpoint.header import TensorSource
+    from ..checkpoint.write import write_safetensors
     from ..integrity import SEGMENT_BYTES
 
     with open_checkpoint(src) as ck:

@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import blake3
 
-from ..checkpoint import open_checkpoint
+from ..checkpoint.read import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
 from ..encode import encode as encode_delta
 from ..errors import DeltaRefitError, PublishError, UsageError

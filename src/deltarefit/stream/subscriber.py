@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from ..apply.files import ApplyReport
 from ..apply.files import apply as apply_delta
 from ..apply.files import check as check_delta
-from ..checkpoint import check_not_replaced, open_checkpoint
+from ..checkpoint.read import check_not_replaced, open_checkpoint
 from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationError
 from ..format import DeltaReader
 from ..fsutil import fs_error

@@ -33,7 +33,7 @@ from typing import Any
 
 from ... import errors
 from ...apply.files import apply as apply_delta_to_checkpoint
-from ...checkpoint import open_checkpoint
+from ...checkpoint.read import open_checkpoint
 from ...errors import DeltaRefitError, UsageError
 from ...format import DeltaReader
 from ...fsutil import open_regular
@@ -213,7 +213,7 @@ class DeltaRefitWorkerExtension:
         try:
             with open_checkpoint(checkpoint_dir) as ck:
                 names = list(ck.tensors)
-                from ...checkpoint import fingerprint_checkpoint
+                from ...checkpoint.read import fingerprint_checkpoint
 
                 fp = fingerprint_checkpoint(ck)[0]
             fed, nbytes, _ = self._deltarefit_reload(checkpoint_dir, names)

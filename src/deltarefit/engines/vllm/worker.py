@@ -55,7 +55,7 @@ import numpy as np
 
 from ...apply.journal import Journal
 from ...apply.protocol import PreparedApply, commit, plan_apply
-from ...checkpoint import fingerprint_checkpoint, open_checkpoint
+from ...checkpoint.read import fingerprint_checkpoint, open_checkpoint
 from ...codec.chunk import Patch
 from ...errors import BaseMismatchError, DeltaRefitError, UsageError, VerificationError
 from ...format import DeltaReader
