@@ -310,7 +310,7 @@ def test_a_planted_lock_or_journal_is_refused_and_never_written_through(tmp_path
 
 
 def test_a_symlink_planted_at_a_temp_name_is_replaced_not_written_through(tmp_path):
-    from deltarefit.fsutil import write_atomic
+    from deltarefit.io.fsutil import write_atomic
 
     victim = str(tmp_path / "victim")
     with open(victim, "wb") as f:

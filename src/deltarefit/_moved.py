@@ -32,6 +32,8 @@ MOVED = {
     "deltarefit.shard.digest": "deltarefit.integrity.additive",
     "deltarefit.shard._digest_numba": "deltarefit.integrity._additive_numba",
     "deltarefit.shard.projection": "deltarefit.geometry.projection",
+    "deltarefit.fsutil": "deltarefit.io.fsutil",
+    "deltarefit.jsonlimits": "deltarefit.io.jsonlimits",
 }
 
 

@@ -22,9 +22,9 @@ from ..checkpoint.read import INDEX_NAME, Checkpoint, check_not_replaced, open_c
 from ..checkpoint.write import write_safetensors
 from ..errors import UsageError, VerificationError
 from ..format import DeltaReader, TensorEntry, TensorMeta
-from ..fsutil import fs_error
 from ..history_book import HistoryBook, MovesRecorder
 from ..integrity import SEGMENT_BYTES, seg_hash
+from ..io.fsutil import fs_error
 from .host import (  # noqa: F401
     HOST_REGIONS,
     HostRegions,
@@ -81,7 +81,7 @@ def _rewrite_indexed_dir(ck: Checkpoint, delta: DeltaReader, plans: list[_Tensor
     commit and the deletes leaves them listed in ``.deltarefit-replaced.json`` for the next run."""
     import json
 
-    from ..fsutil import write_atomic
+    from ..io.fsutil import write_atomic
 
     idx_path = _indexed(ck)
     with open(idx_path) as f:

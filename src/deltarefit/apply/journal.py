@@ -12,8 +12,8 @@ import numpy as np
 from ..codec.chunk import Patch
 from ..dtypes import dtype
 from ..errors import CheckpointError, FileSystemError
-from ..fsutil import open_regular
 from ..integrity import SEGMENT_BYTES, seg_hash
+from ..io.fsutil import open_regular
 from .host import _post_image
 
 JOURNAL_MAGIC = b"DRJRNL01"

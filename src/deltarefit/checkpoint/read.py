@@ -46,7 +46,7 @@ import numpy as np
 from ..dtypes import DTYPES
 from ..errors import CheckpointError, UsageError
 from ..integrity import SEGMENT_BYTES, fingerprint_from_digests, segment_hashes, tensor_digest_from_segments
-from ..jsonlimits import brief, json_shape_problem
+from ..io.jsonlimits import brief, json_shape_problem
 from .header import MAX_HEADER_BYTES, _shape_str
 
 # A header nests 3 levels (the object, a tensor's entry, its shape), holds 3 arrays/objects per tensor

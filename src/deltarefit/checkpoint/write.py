@@ -16,7 +16,7 @@ import numpy as np
 
 from ..dtypes import DTYPES
 from ..errors import CheckpointError
-from ..fsutil import create_temp, fsync_dir
+from ..io.fsutil import create_temp, fsync_dir
 from .header import MAX_HEADER_BYTES, TensorSource, _is_count, _shape_str
 
 

@@ -69,7 +69,7 @@ def _not_an_input(output: str, *inputs: str | None, what: str = "output") -> Non
     """Refuse, before any work, an ``output`` that is one of ``inputs`` (same path, symlink, hard link)
     or lies inside an input directory: writing it would destroy the input it was computed from."""
     from ..errors import UsageError
-    from ..fsutil import output_is_input
+    from ..io.fsutil import output_is_input
 
     hit = output_is_input(output, inputs)
     if hit is not None:

@@ -14,8 +14,8 @@ from ..apply.files import apply as apply_delta
 from ..checkpoint.read import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
 from ..errors import DecodeError
-from ..fsutil import write_atomic
 from ..history_book import HistoryBook, MovesRecorder
+from ..io.fsutil import write_atomic
 from .history import open_book, resets, settle, start_over
 from .publish_state import _TEMP_SUFFIX, RESET_FIX, PublishState
 from .records import (

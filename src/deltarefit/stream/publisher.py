@@ -34,8 +34,8 @@ from ..checkpoint.read import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
 from ..encode import encode as encode_delta
 from ..errors import DeltaRefitError, PublishError, UsageError
-from ..fsutil import write_atomic
 from ..history_book import HistoryBook
+from ..io.fsutil import write_atomic
 from ..locks import lock_path_beside, locked_method
 from ..signing import SignatureError, Signer, check_record_signature, record_signature
 from ..storage.base import Store, open_store

@@ -62,8 +62,8 @@ from ..apply.files import check as check_delta
 from ..checkpoint.read import check_not_replaced, open_checkpoint
 from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationError
 from ..format import DeltaReader
-from ..fsutil import fs_error
 from ..history_book import HistoryBook
+from ..io.fsutil import fs_error
 from ..locks import checkpoint_lock, locked_method
 from ..signing import SignatureError, Verifier, check_record_signature
 from ..storage.base import GET_RANGE, Store, open_store

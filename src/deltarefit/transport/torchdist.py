@@ -34,7 +34,7 @@ import numpy as np
 
 from ..codec.history import DEPTH as HISTORY_DEPTH
 from ..errors import BroadcastError, DeltaRefitError, UsageError
-from ..fsutil import fsync_dir
+from ..io.fsutil import fsync_dir
 from ..storage.base import PATH_OF, Store, open_store
 from ..storage.local import LocalStore
 from ..stream.chain import newest_keyframe, sync_target

@@ -409,7 +409,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
 def _write(res: dict[str, Any], args: argparse.Namespace) -> None:
     if args.markdown:
-        from ...fsutil import write_atomic
+        from ...io.fsutil import write_atomic
 
         write_atomic(args.markdown, markdown(res).encode())
         print(f"wrote {args.markdown}")

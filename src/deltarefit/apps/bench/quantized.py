@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"({r['int8']['ratio']:.1f}x, rows rescaled {r['int8']['rows_rescaled']:.2%}); bit-exact: "
                   + ", ".join(f"{f} {r[f]['bit_exact']}" for f in ("bf16", "fp8", "int8")), flush=True)
     if args.markdown:
-        from ...fsutil import write_atomic
+        from ...io.fsutil import write_atomic
 
         cmd = "python -m deltarefit.apps.bench.quantized " + " ".join(sys.argv[1:] if argv is None else argv)
         write_atomic(args.markdown, markdown(rows, cmd.strip(), _machine()).encode())

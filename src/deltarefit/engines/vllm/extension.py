@@ -36,7 +36,7 @@ from ...apply.files import apply as apply_delta_to_checkpoint
 from ...checkpoint.read import open_checkpoint
 from ...errors import DeltaRefitError, UsageError
 from ...format import DeltaReader
-from ...fsutil import open_regular
+from ...io.fsutil import open_regular
 from .. import kernels
 from ..kernels import bits_digest, is_linear, kernel_digest, verify_layers
 from .layers import _packed_mapping, layer_key, reload_set

@@ -59,9 +59,9 @@ from ...checkpoint.read import fingerprint_checkpoint, open_checkpoint
 from ...codec.chunk import Patch
 from ...errors import BaseMismatchError, DeltaRefitError, UsageError, VerificationError
 from ...format import DeltaReader
-from ...fsutil import open_regular
 from ...history_book import HistoryBook, MovesRecorder
 from ...integrity import fingerprint_from_digests
+from ...io.fsutil import open_regular
 from ...locks import owned_temp
 from .. import kernels
 from ..capture import capture_layout, placed_params, sub_param
