@@ -327,7 +327,7 @@ def test_a_symlink_planted_at_a_temp_name_is_replaced_not_written_through(tmp_pa
 
 _SWEEP = r"""
 import sys
-from deltarefit.locks import owned_temp
+from deltarefit.io.locks import owned_temp
 path, fd = owned_temp(sys.argv[2], sys.argv[1], directory=sys.argv[3] == "dir")
 print(path)
 """

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 import deltarefit
 from deltarefit.errors import LockedError
-from deltarefit.locks import exclusive, lock_path_beside
+from deltarefit.io.locks import exclusive, lock_path_beside
 
 TIMEOUT = 120  # seconds, for any one subprocess
 ENV = dict(os.environ, DELTAREFIT_NO_PROGRESS="1")
@@ -366,7 +366,7 @@ def test_an_engine_sync_holds_the_lock_for_its_workers_in_other_processes(pair, 
 
 _OWNER = """
 import sys, time
-from deltarefit.locks import owned_temp
+from deltarefit.io.locks import owned_temp
 path, fd = owned_temp(sys.argv[1], sys.argv[2], directory=sys.argv[3] == "dir")
 if sys.argv[3] == "dir":
     open(path + "/staged.delta", "wb").write(b"x" * 4096)
@@ -380,7 +380,7 @@ def test_scratch_of_an_owner_killed_by_sigkill_is_swept_and_a_live_owners_is_kep
     """An engine's scratch directory (or a group's shared-memory file) is locked by its owner for its
     life: a sweep leaves it while the owner runs (another process here), removes it once the owner is
     killed with SIGKILL, and leaves alone what carries no owner's lock."""
-    from deltarefit.locks import owned_temp, sweep_abandoned
+    from deltarefit.io.locks import owned_temp, sweep_abandoned
 
     parent = str(tmp_path)
     p = subprocess.Popen([sys.executable, "-c", _OWNER, "scratch-", parent, kind], stdout=subprocess.PIPE, text=True)

@@ -34,6 +34,7 @@ MOVED = {
     "deltarefit.shard.projection": "deltarefit.geometry.projection",
     "deltarefit.fsutil": "deltarefit.io.fsutil",
     "deltarefit.jsonlimits": "deltarefit.io.jsonlimits",
+    "deltarefit.locks": "deltarefit.io.locks",
 }
 
 

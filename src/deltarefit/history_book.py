@@ -39,7 +39,7 @@ import zstandard
 from .codec.history import DEPTH, History, Moves
 from .errors import DecodeError
 from .io.fsutil import fsync_dir, write_atomic
-from .locks import remove_dead_temps, temp_pattern
+from .io.locks import remove_dead_temps, temp_pattern
 
 MAGIC = b"DRMOVES2"  # DRMOVES1 files had no digest: refused, so such a book starts over
 DIGEST = 32  # the trailing BLAKE3 digest of a moves file

@@ -189,7 +189,7 @@ def _metadata_of(file: str) -> dict[str, str] | None:
 def checkpoint_lock(checkpoint_path: str) -> contextlib.AbstractContextManager[None]:
     """The exclusive lock of a checkpoint (file or directory) that apply, check and sync hold: a second
     run on it is refused with ``LockedError`` instead of racing the first one's journal and temps."""
-    from ..locks import checkpoint_lock as lock
+    from ..io.locks import checkpoint_lock as lock
 
     return lock(checkpoint_path)
 
@@ -203,7 +203,7 @@ _DIR_TEMPS = (r".+\.safetensors", re.escape(INDEX_NAME), re.escape(REPLACED_LIST
 def remove_dead_temps_of(checkpoint_path: str) -> list[str]:
     """Remove temp files a killed apply left in or beside the checkpoint (a shard-sized
     ``NAME.tmp-PID`` of a structural rewrite), those whose writer is dead. Call under its lock."""
-    from ..locks import remove_dead_temps, remove_dead_temps_beside, temp_pattern
+    from ..io.locks import remove_dead_temps, remove_dead_temps_beside, temp_pattern
 
     p = os.path.abspath(checkpoint_path)
     if os.path.isdir(p):

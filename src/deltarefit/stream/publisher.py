@@ -36,7 +36,7 @@ from ..encode import encode as encode_delta
 from ..errors import DeltaRefitError, PublishError, UsageError
 from ..history_book import HistoryBook
 from ..io.fsutil import write_atomic
-from ..locks import lock_path_beside, locked_method
+from ..io.locks import lock_path_beside, locked_method
 from ..signing import SignatureError, Signer, check_record_signature, record_signature
 from ..storage.base import Store, open_store
 from .attempts import AttemptsMixin

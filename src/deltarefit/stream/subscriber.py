@@ -64,7 +64,7 @@ from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationErr
 from ..format import DeltaReader
 from ..history_book import HistoryBook
 from ..io.fsutil import fs_error
-from ..locks import checkpoint_lock, locked_method
+from ..io.locks import checkpoint_lock, locked_method
 from ..signing import SignatureError, Verifier, check_record_signature
 from ..storage.base import GET_RANGE, Store, open_store
 from .arriving import ArrivingReader, PartDownloads

@@ -61,7 +61,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ...errors import UsageError
-from ...locks import owned_temp
+from ...io.locks import owned_temp
 from ...storage.base import open_store
 from ...stream.records import StreamError, head, load_commit
 from ...stream.subscriber import Subscriber, SyncReport

@@ -62,7 +62,7 @@ from ...format import DeltaReader
 from ...history_book import HistoryBook, MovesRecorder
 from ...integrity import fingerprint_from_digests
 from ...io.fsutil import open_regular
-from ...locks import owned_temp
+from ...io.locks import owned_temp
 from .. import kernels
 from ..capture import capture_layout, placed_params, sub_param
 from ..kernels import kernel_reads as _kernel_reads
