@@ -68,12 +68,15 @@ def edges(mods: dict[str, str]) -> dict[str, set[str]]:
                     base = node.module or ""
                 for a in node.names:
                     sub = f"{base}.{a.name}"
-                    targets.append(sub if sub in mods else base)
+                    # a submodule, or the module named; nothing for a namespace package or an extension
+                    targets.append(sub if sub in mods else base if base in mods else "")
             for name in targets:
                 t = name
-                while t and t not in mods:  # ``import a.b.c`` of a non-module attribute path
+                while t and t not in mods and isinstance(node, ast.Import):  # ``import a.b`` loads ``a`` too
                     t = t.rpartition(".")[0]
-                if not t or t == m:
+                if t not in mods:
+                    continue
+                if t == m:
                     continue
                 if fn is not None and (m, fn) in FACTORIES and t.rpartition(".")[0] == m.rpartition(".")[0]:
                     continue

@@ -2,7 +2,7 @@
 the same errors, and a refused apply writes nothing, on each of them.
 
 Targets: a safetensors checkpoint file and a sharded directory with an index (``deltarefit.apply``),
-CPU tensors (``torch_api.apply_to_tensors``), a module (``torch_api.apply_to_module``), device tensors
+CPU tensors (``apply.tensors.apply_to_tensors``), a module (``apply.tensors.apply_to_module``), device tensors
 (``gpu.apply.apply_to_device_tensors`` on CPU tensors through the device code path; on CUDA with
 ``-m gpu``) and a live engine (``engines.live.LiveTarget`` over the parameters of a small engine whose
 loader fuses checkpoint tensors into parameters with ``narrow(...).copy_``, stores one transposed and

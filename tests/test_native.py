@@ -246,7 +246,7 @@ def test_the_additive_digest_is_native_and_importing_it_loads_no_numba(simd):
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
 def test_elements_at_positions_agree_with_numpy_and_refuse_a_bad_position_unwritten(simd, native, monkeypatch):
-    """``elements.put`` / ``equal_at`` and ``integrity.additive.move`` (the per-chunk element work of an apply,
+    """``codec.elements.put`` / ``equal_at`` and ``integrity.additive.move`` (the per-chunk element work of an apply,
     native without the GIL): numpy's results on every item size and block boundary of the digest move, on
     the native kernels and on the numpy fallback; a position outside the array (one past the end, or
     negative, which numpy would wrap) raises IndexError with nothing written."""

@@ -1,4 +1,4 @@
-"""The held-digest plan of the one apply protocol (``applier``; FORMAT.md "Held digests"): a tensor whose
+"""The held-digest plan of the one apply protocol (``apply.protocol``; FORMAT.md "Held digests"): a tensor whose
 target holds the additive digest of what it holds is checked in O(changed elements), each chunk decoded
 against its segment as it is and the digest moved by every change compared with the delta's; on a
 collective target, a segment one process holds whole is decoded there alone, and a segment split

@@ -8,7 +8,7 @@
   parameters cannot appear or change type without the module's code.
 * ``state_dict_fingerprint(tensors)`` is ``deltarefit.fingerprint`` of a safetensors file holding them.
 
-The full apply protocol runs unchanged (``applier.run_apply``): every tensor is checked against the delta's
+The full apply protocol runs unchanged (``apply.protocol.run_apply``): every tensor is checked against the delta's
 base before any byte is written, every written chunk is re-hashed, and the result must hash to the
 delta's target fingerprint. There is no journal: a crash mid-apply loses the process's memory anyway.
 

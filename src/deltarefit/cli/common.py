@@ -16,6 +16,7 @@ from ..errors import DeltaRefitError, FileSystemError
 
 log = logging.getLogger("deltarefit")
 
+
 def _progress_enabled(quiet: bool) -> bool:
     return not quiet and sys.stderr.isatty() and os.environ.get("DELTAREFIT_NO_PROGRESS", "") in ("", "0")
 

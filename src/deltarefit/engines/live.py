@@ -29,7 +29,7 @@ they share a host, else by a sum to that process), decoded and its digest move t
 changes are sent to the group (``share_window``), where each process writes and reads back its own
 elements (``write_split``).
 
-``group`` (``vllm_live._Group``): ``rank`` and ``size``, and the collective calls ``reduce_in_place(a)``
+``group`` (``vllm.worker._Group``): ``rank`` and ``size``, and the collective calls ``reduce_in_place(a)``
 (a sum over the group), ``sum_to(a, dst)``, ``broadcast(a, src)``, ``agree(ok)`` and optionally
 ``shared_buffer(nbytes)`` (memory every process maps, or None).
 

@@ -1,7 +1,7 @@
 """Parameter names -> checkpoint names, as data (``tables.py``), and the layouts built from them.
 
 A **layout** is ``{local parameter name: LocalTensor}``: for each tensor a rank holds, its local shape
-and the pieces (``projection.Piece``) saying where it lives in checkpoint tensors. Layouts are built
+and the pieces (``geometry.projection.Piece``) saying where it lives in checkpoint tensors. Layouts are built
 from the checkpoint's shapes (``{name: shape}``, e.g. from a safetensors header or ``llama_shapes``)
 plus the name table:
 

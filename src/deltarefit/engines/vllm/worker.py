@@ -18,7 +18,7 @@ was loaded from (read once, at init; never written):
 4. **Host copies** of the reload set are kept in memory (the only bit-exact base a prepacked kernel
    leaves), read from the checkpoint.
 
-``apply(delta)`` then runs the one apply protocol (``applier.run_apply``) over live placements and host
+``apply(delta)`` then runs the one apply protocol (``apply.protocol.run_apply``) over live placements and host
 copies together: everything checked before any write, only changed elements scattered into the live
 parameters and read back, the fingerprint verified. The check costs O(changed elements) when the
 delta carries additive target digests (a ``Publisher``'s do): the engine holds the additive digest of
@@ -32,7 +32,7 @@ vLLM's own layerwise reload (``reload_weights``), so their post-load processing 
 An in-memory journal holds the patch of each chunk while it is written, so an exception anywhere leaves
 the worker either untouched (refused in the plan) or completable by calling ``apply`` again.
 
-``prepare(delta)`` runs the plan alone (``applier.plan_apply``: read-only) while the engine serves, and
+``prepare(delta)`` runs the plan alone (``apply.protocol.plan_apply``: read-only) while the engine serves, and
 ``apply(delta, prepared=...)`` writes it: the changed elements are read again first and must hold the bits
 the plan read (refused with nothing written otherwise), so the pause of an in-flight update is the writes
 and their checks. A plan made before another apply (or a rebuild) began is stale, dropped, and the delta
@@ -569,7 +569,7 @@ class LiveEngine:
     @property
     def keeps_history(self) -> bool:
         """Whether ``apply`` takes a history book: always. In a tensor-parallel group each worker keeps
-        its own, of the segments it decodes (``applier``: the held-digest plan gives every segment one
+        its own, of the segments it decodes (``apply.protocol``: the held-digest plan gives every segment one
         decoder, the same at every version), and the group agrees on whether the books follow a stream
         (``agree``) before a route through them is taken."""
         return True
@@ -586,7 +586,7 @@ class LiveEngine:
         return not getattr(self.target, "collective", False)
 
     def prepare(self, delta_path: str, history: HistoryBook | None = None) -> PreparedRefit:
-        """Plan ``delta_path`` against the weights as they are, read-only (``applier.plan_apply``): every
+        """Plan ``delta_path`` against the weights as they are, read-only (``apply.protocol.plan_apply``): every
         check the apply makes before its first write, and the decoded patches its memory budget keeps.
         The engine may go on serving meanwhile (nothing is written); ``apply(delta_path, prepared=...)``
         then only writes, reads back and reloads. Refused like ``apply``, with nothing written."""
