@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deltarefit.errors import BaseMismatchError
-from deltarefit.shard import digest as D
+from deltarefit.integrity import additive as D
 from deltarefit.shard.convert import export_full
 from deltarefit.shard.names import cuts_from_layouts, llama_shapes, local_from_full, tp_layout, trainer_layout
 from deltarefit.shard.rollout import group_check, slice_digests
@@ -72,8 +72,8 @@ def engine_slices(full: dict[str, np.ndarray], tp: int, r: int) -> dict[str, np.
 
 def wrong_map(layout):
     """A deliberately wrong fused-qkv map (k and v rows swapped), for --wrong-map."""
+    from deltarefit.geometry.projection import Piece
     from deltarefit.shard.names import LocalTensor
-    from deltarefit.shard.projection import Piece
 
     out = dict(layout)
     for n, lt in layout.items():

@@ -63,8 +63,8 @@ import deltarefit  # noqa: E402
 from deltarefit.codec import chunk as C  # noqa: E402
 from deltarefit.dtypes import DTYPES  # noqa: E402
 from deltarefit.format import DeltaReader  # noqa: E402
+from deltarefit.integrity import additive as additive  # noqa: E402
 from deltarefit.integrity import fingerprint_from_digests, tensor_digest  # noqa: E402
-from deltarefit.shard import digest as additive  # noqa: E402
 
 Tensors = V.Tensors
 FLOATS = ["BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2"]

@@ -4,7 +4,7 @@ It lives outside the ``deltarefit`` package on purpose. vLLM runs general plugin
 before it patches its Triton kernels, a pass over every loaded module's namespace; importing
 ``deltarefit`` there would load numba's llvmlite, whose library wrapper answers any attribute and
 breaks that pass (the worker dies at start). Registration is by module path, so the backend module
-(``deltarefit.engines.vllm_backend``) is imported only when vLLM creates the engine.
+(``deltarefit.engines.vllm.backend``) is imported only when vLLM creates the engine.
 
 In the engine-core process (the one that loads plugins from ``vllm.v1.engine.core``), it also wraps
 ``EngineCore.collective_rpc`` so that while a ``deltarefit`` ``update_weights`` call runs in the
@@ -29,7 +29,7 @@ call raises as vLLM does (``Worker failed with error '...'``), naming each disti
 import sys
 
 BACKEND = "deltarefit"
-MODULE = "deltarefit.engines.vllm_backend"
+MODULE = "deltarefit.engines.vllm.backend"
 # The engine core's calls into the weight-transfer engine: every worker's reply is read when one fails.
 WEIGHT_TRANSFER_CALLS = frozenset({"init_weight_transfer_engine", "start_weight_update", "update_weights",
                                    "finish_weight_update", "shutdown_weight_transfer_engine"})

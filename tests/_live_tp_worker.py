@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from deltarefit.engines.capture import capture_layout
 from deltarefit.engines.live import apply_live
-from deltarefit.engines.vllm_live import _Group
+from deltarefit.engines.vllm.worker import _Group
 from deltarefit.errors import DeltaRefitError
 
 a = json.loads(sys.argv[1])
@@ -101,11 +101,11 @@ def _untouched(ref: dict) -> bool:
 def _chain() -> dict:
     """``chain`` mode (module docstring): each delta applied with held digests and this rank's book."""
     from deltarefit.apply import run_apply
+    from deltarefit.apply.tensors import _TorchTarget
     from deltarefit.engines.live import TargetUnion, state_through
-    from deltarefit.engines.vllm_live import MemoryJournal
+    from deltarefit.engines.vllm.worker import MemoryJournal
     from deltarefit.format import DeltaReader
     from deltarefit.history_book import HistoryBook, MovesRecorder
-    from deltarefit.torch_api import _TorchTarget
 
     union = TargetUnion(live, _TorchTarget({}))
     book = HistoryBook(os.path.join(a["book"], f"rank{rank}"))
@@ -150,17 +150,17 @@ try:
     else:
         if a.get("held"):  # held digests, taken as LiveEngine takes them (a collective pass for shared tensors)
             from deltarefit.apply import run_apply
+            from deltarefit.apply.tensors import _TorchTarget
             from deltarefit.engines.live import TargetUnion, state_through
-            from deltarefit.engines.vllm_live import MemoryJournal
+            from deltarefit.engines.vllm.worker import MemoryJournal
             from deltarefit.format import DeltaReader
-            from deltarefit.torch_api import _TorchTarget
 
             # as LiveEngine holds it: live placements beside host copies
             union = TargetUnion(live, _TorchTarget({}))
             sums = {n: state_through(union, n)[1] for n in names}
             journal = MemoryJournal()
             if a.get("file_journal"):  # one that keeps pre-images: every worker decodes every split segment
-                from deltarefit.journal import Journal
+                from deltarefit.apply.journal import Journal
 
                 path = a["out"] + ".journal"
                 journal.bind = lambda fp: Journal(path, fp)

@@ -2,7 +2,7 @@
 the same errors, and a refused apply writes nothing, on each of them.
 
 Targets: a safetensors checkpoint file and a sharded directory with an index (``deltarefit.apply``),
-CPU tensors (``torch_api.apply_to_tensors``), a module (``torch_api.apply_to_module``), device tensors
+CPU tensors (``apply.tensors.apply_to_tensors``), a module (``apply.tensors.apply_to_module``), device tensors
 (``gpu.apply.apply_to_device_tensors`` on CPU tensors through the device code path; on CUDA with
 ``-m gpu``) and a live engine (``engines.live.LiveTarget`` over the parameters of a small engine whose
 loader fuses checkpoint tensors into parameters with ``narrow(...).copy_``, stores one transposed and
@@ -45,7 +45,7 @@ def _bytes_of(t: torch.Tensor) -> bytes:
 
 
 def _st(t: torch.Tensor) -> str:
-    from deltarefit.torch_api import safetensors_dtype
+    from deltarefit.apply.tensors import safetensors_dtype
 
     return safetensors_dtype(t.dtype)
 
@@ -95,7 +95,7 @@ class _Dict:
 
     def apply(self, delta: str):
         if self.how == "tensors":
-            from deltarefit.torch_api import apply_to_tensors
+            from deltarefit.apply.tensors import apply_to_tensors
 
             return apply_to_tensors(delta, self.d)
         from deltarefit.gpu.apply import apply_to_device_tensors
@@ -124,7 +124,7 @@ class _Module:
             mod.register_parameter(leaf, torch.nn.Parameter(t.clone(), requires_grad=False))
 
     def apply(self, delta: str):
-        from deltarefit.torch_api import apply_to_module
+        from deltarefit.apply.tensors import apply_to_module
 
         return apply_to_module(delta, self.m)
 

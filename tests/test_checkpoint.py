@@ -13,7 +13,6 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from deltarefit import checkpoint as ckmod
 from deltarefit.checkpoint import (
     TensorSource,
     fingerprint_checkpoint,
@@ -21,6 +20,7 @@ from deltarefit.checkpoint import (
     open_checkpoint,
     write_safetensors,
 )
+from deltarefit.checkpoint import read as ckmod
 from deltarefit.dtypes import DTYPES
 from deltarefit.errors import CheckpointError
 from deltarefit.integrity import tensor_digest

@@ -310,7 +310,7 @@ def test_a_planted_lock_or_journal_is_refused_and_never_written_through(tmp_path
 
 
 def test_a_symlink_planted_at_a_temp_name_is_replaced_not_written_through(tmp_path):
-    from deltarefit.fsutil import write_atomic
+    from deltarefit.io.fsutil import write_atomic
 
     victim = str(tmp_path / "victim")
     with open(victim, "wb") as f:
@@ -327,7 +327,7 @@ def test_a_symlink_planted_at_a_temp_name_is_replaced_not_written_through(tmp_pa
 
 _SWEEP = r"""
 import sys
-from deltarefit.locks import owned_temp
+from deltarefit.io.locks import owned_temp
 path, fd = owned_temp(sys.argv[2], sys.argv[1], directory=sys.argv[3] == "dir")
 print(path)
 """
@@ -357,8 +357,8 @@ def test_a_fifo_with_the_engine_scratch_prefix_does_not_hang_an_engine_start(tmp
 
 def test_the_engine_prefixes_are_the_engines():
     src = os.path.join(os.path.dirname(deltarefit.__file__), "engines")
-    assert 'SCRATCH_PREFIX = "deltarefit-engine-"' in open(os.path.join(src, "vllm_backend.py")).read()
-    assert 'SHM_PREFIX = "deltarefit-tp-"' in open(os.path.join(src, "vllm_live.py")).read()
+    assert 'SCRATCH_PREFIX = "deltarefit-engine-"' in open(os.path.join(src, "vllm", "backend.py")).read()
+    assert 'SHM_PREFIX = "deltarefit-tp-"' in open(os.path.join(src, "vllm", "worker.py")).read()
 
 
 # ----------------------------------------------------------------- item 7: a full disk during apply
@@ -506,7 +506,7 @@ def _umask() -> int:
 
 _PAUSE_PLAN = r"""
 import sys
-import deltarefit.applier as applier
+import deltarefit.apply.protocol as applier
 from deltarefit.cli import main
 orig = applier.Applier.plan
 def plan(self, *a, **k):

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from test_gpu_encode import _bits, _pair  # noqa: E402
 
 import deltarefit  # noqa: E402
+from deltarefit.apply.tensors import state_dict_fingerprint  # noqa: E402
 from deltarefit.errors import BaseMismatchError, DecodeError, UsageError, VerificationError  # noqa: E402
 from deltarefit.gpu.apply import apply_to_device_tensors  # noqa: E402
-from deltarefit.torch_api import state_dict_fingerprint  # noqa: E402
 
 
 def _patch_only_pair(seed: int = 0):

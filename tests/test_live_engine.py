@@ -19,9 +19,9 @@ from safetensors.torch import save_file
 from deltarefit.encode import encode
 from deltarefit.engines.capture import capture_layout
 from deltarefit.engines.live import LiveTarget, Placement, apply_live, row_local, row_runs
-from deltarefit.engines.vllm_live import LiveEngine
+from deltarefit.engines.vllm.worker import LiveEngine
 from deltarefit.errors import BaseMismatchError, DeltaRefitError
-from deltarefit.shard.projection import Axis, Piece
+from deltarefit.geometry.projection import Axis, Piece
 
 H, V, F = 64, 50, 96  # hidden, vocab (padded to 56), ffn
 
@@ -225,7 +225,7 @@ def test_a_wrong_map_is_refused_before_any_write(chain):
 
 
 def test_live_engine_refuses_a_captured_map_that_misses_the_checkpoints_digest(chain, monkeypatch):
-    import deltarefit.engines.vllm_live as vl
+    import deltarefit.engines.vllm.worker as vl
 
     real = vl.capture_layout
 
@@ -326,8 +326,8 @@ def test_a_failed_held_apply_is_completed_by_segments_and_held_digests_resume(ch
 def test_a_union_with_a_collective_part_is_collective():
     """The applier drives a collective target in one order on one thread; a union holding one (a live
     engine's placements beside its host copies) must say so, or the group's collectives interleave."""
+    from deltarefit.apply.tensors import _TorchTarget
     from deltarefit.engines.live import TargetUnion
-    from deltarefit.torch_api import _TorchTarget
 
     class Group:
         collective = True
@@ -502,7 +502,7 @@ def test_patches_beyond_the_memory_budget_are_decoded_again_when_written(chain, 
     """With no memory budget for decoded patches (``cache_bytes=0``), every chunk is decoded again when
     written (held-digest plans: checked to move the digest exactly as its plan did), and the refit
     ends bit-exact as with the budget."""
-    from deltarefit.applier import run_apply
+    from deltarefit.apply.protocol import run_apply
     from deltarefit.engines.live import state_through
     from deltarefit.format import DeltaReader
 

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 import deltarefit
 from deltarefit.errors import LockedError
-from deltarefit.locks import exclusive, lock_path_beside
+from deltarefit.io.locks import exclusive, lock_path_beside
 
 TIMEOUT = 120  # seconds, for any one subprocess
 ENV = dict(os.environ, DELTAREFIT_NO_PROGRESS="1")
@@ -246,7 +246,7 @@ def _try(path: str, got: list[BaseException]) -> None:
 def test_a_killed_structural_apply_leaves_no_temp_after_the_next_run(pair, tmp_path):
     work = str(tmp_path / "work.safetensors")
     shutil.copyfile(pair["base"], work)
-    kill_at("kill-after-first", "deltarefit.safetensors_write:_stream", "apply", pair["struct_delta"], work, "-q")
+    kill_at("kill-after-first", "deltarefit.checkpoint.write:_stream", "apply", pair["struct_delta"], work, "-q")
     left = glob.glob(work + ".tmp-*")
     assert len(left) == 1 and os.path.getsize(left[0]) > 1 << 20, left  # a shard-sized temp of a dead pid
     live = f"{work}.tmp-{os.getpid()}"  # a temp of a live process (this one) must stay
@@ -265,7 +265,7 @@ def test_a_killed_structural_apply_of_an_indexed_directory_leaves_no_temp(pair, 
     with open(d / "model.safetensors.index.json", "w") as f:
         json.dump({"metadata": {}, "weight_map": {"a.weight": "model-00001.safetensors",
                                                   "b.weight": "model-00001.safetensors"}}, f)
-    kill_at("kill-after-first", "deltarefit.safetensors_write:_stream", "apply", pair["struct_delta"], str(d), "-q")
+    kill_at("kill-after-first", "deltarefit.checkpoint.write:_stream", "apply", pair["struct_delta"], str(d), "-q")
     assert len(glob.glob(str(d / "*.tmp-*"))) == 1
     r = run("apply", pair["struct_delta"], str(d), "-q")
     assert r.returncode == 0, r.stderr
@@ -393,7 +393,7 @@ def test_an_engine_sync_holds_the_lock_for_its_workers_in_other_processes(pair, 
 
 _OWNER = """
 import sys, time
-from deltarefit.locks import owned_temp
+from deltarefit.io.locks import owned_temp
 path, fd = owned_temp(sys.argv[1], sys.argv[2], directory=sys.argv[3] == "dir")
 if sys.argv[3] == "dir":
     open(path + "/staged.delta", "wb").write(b"x" * 4096)
@@ -407,7 +407,7 @@ def test_scratch_of_an_owner_killed_by_sigkill_is_swept_and_a_live_owners_is_kep
     """An engine's scratch directory (or a group's shared-memory file) is locked by its owner for its
     life: a sweep leaves it while the owner runs (another process here), removes it once the owner is
     killed with SIGKILL, and leaves alone what carries no owner's lock."""
-    from deltarefit.locks import owned_temp, sweep_abandoned
+    from deltarefit.io.locks import owned_temp, sweep_abandoned
 
     parent = str(tmp_path)
     p = subprocess.Popen([sys.executable, "-c", _OWNER, "scratch-", parent, kind], stdout=subprocess.PIPE, text=True)

@@ -212,12 +212,12 @@ def test_the_encoder_writes_the_same_delta_with_either_kernels(tmp_path, monkeyp
 
 
 def test_the_additive_digest_is_native_and_importing_it_loads_no_numba(simd):
-    """``shard.digest`` runs the native kernel where it was built (each SIMD path: the numba kernel's sums),
+    """``integrity.additive`` runs the native kernel where it was built (each SIMD path: the numba kernel's sums),
     and importing it (as every live engine and publisher does) costs no numba import."""
     import subprocess
     import sys
 
-    from deltarefit.shard import digest
+    from deltarefit.integrity import additive as digest
 
     assert digest._native() is not None
     rng = np.random.default_rng(5)
@@ -237,7 +237,7 @@ def test_the_additive_digest_is_native_and_importing_it_loads_no_numba(simd):
         oddf = rawf[1:].view(np.int64)
         assert dt == np.uint8 or not odd.flags.aligned
         np.testing.assert_array_equal(digest._sums(oddf, 0, odd, seed), digest._sums(flat, 0, bits, seed))
-    code = ("import sys; from deltarefit.shard import digest; import numpy as np; "
+    code = ("import sys; from deltarefit.integrity import additive as digest; import numpy as np; "
             "digest.partial_run(digest.seeds('t', 'BF16', (3,)), 0, np.arange(3, dtype=np.uint16)); "
             "print('numba' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -246,12 +246,12 @@ def test_the_additive_digest_is_native_and_importing_it_loads_no_numba(simd):
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
 def test_elements_at_positions_agree_with_numpy_and_refuse_a_bad_position_unwritten(simd, native, monkeypatch):
-    """``elements.put`` / ``equal_at`` and ``shard.digest.move`` (the per-chunk element work of an apply,
+    """``codec.elements.put`` / ``equal_at`` and ``integrity.additive.move`` (the per-chunk element work of an apply,
     native without the GIL): numpy's results on every item size and block boundary of the digest move, on
     the native kernels and on the numpy fallback; a position outside the array (one past the end, or
     negative, which numpy would wrap) raises IndexError with nothing written."""
     from deltarefit import elements
-    from deltarefit.shard import digest
+    from deltarefit.integrity import additive as digest
 
     monkeypatch.setattr(C, "USE_NATIVE", native)
     rng = np.random.default_rng(11)

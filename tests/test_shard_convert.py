@@ -127,7 +127,7 @@ def test_residual_stays_in_master_and_shows_up_later():
 @given(st.sampled_from([np.uint8, np.uint16, np.uint32, np.uint64]), st.integers(0, 3000), st.integers(0, 2**32))
 def test_additive_digest_kernel_and_partitions(dt, n, seed):
     # the compiled kernel equals the numpy reference, and any partition sums to the whole
-    from deltarefit.shard import digest as D
+    from deltarefit.integrity import additive as D
 
     rng = np.random.default_rng(seed)
     s = D.seeds("t", "BF16", (n,))

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltarefit.errors import UsageError
-from deltarefit.shard.projection import (
+from deltarefit.geometry.projection import (
     AP,
     Axis,
     Piece,
@@ -227,7 +227,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from deltarefit.shard.projection import placement_box
+from deltarefit.geometry.projection import placement_box
 bad = []
 for mesh in [(2,), (3,), (2, 2), (2, 3)]:
     world = 1
@@ -259,7 +259,7 @@ def test_placements_match_dtensor():
 @given(st.lists(st.integers(1, 10), min_size=1, max_size=3).map(tuple).flatmap(
     lambda s: st.tuples(random_piece(s), st.data())))
 def test_box_indices_match_generic_maps(pd):
-    from deltarefit.shard.projection import box_indices
+    from deltarefit.geometry.projection import box_indices
 
     p, data = pd
     box = p.box()

@@ -14,7 +14,8 @@ import torch
 from _shard_util import CFG, SHAPES, masters, step
 
 from deltarefit.errors import BaseMismatchError, FormatError, IntegrityError, UsageError
-from deltarefit.shard import digest as D
+from deltarefit.geometry.projection import Piece
+from deltarefit.integrity import additive as D
 from deltarefit.shard.convert import export_full, to_bf16_bits
 from deltarefit.shard.names import (
     LocalTensor,
@@ -27,7 +28,6 @@ from deltarefit.shard.names import (
     trainer_layout,
 )
 from deltarefit.shard.part import join, read_part, write_part
-from deltarefit.shard.projection import Piece
 from deltarefit.shard.publish import ShardPublisher
 from deltarefit.shard.rollout import apply_version, apply_version_to_module, group_check, slice_digests
 

@@ -16,7 +16,7 @@ import torch
 from _shard_util import SHAPES, masters, step
 
 from deltarefit.errors import BaseMismatchError
-from deltarefit.shard import digest as D
+from deltarefit.integrity import additive as D
 from deltarefit.shard import stream as S
 from deltarefit.shard import sync as shard_sync
 from deltarefit.shard.convert import to_bf16_bits

@@ -320,7 +320,9 @@ def test_journal_records_fit_their_slots(tmp_path):
     """
     import inspect
 
-    from deltarefit.apply import SLOT_BYTES, Applier, Journal, _journal_patch, _post_image
+    from deltarefit.apply.host import _post_image
+    from deltarefit.apply.journal import SLOT_BYTES, Journal, _journal_patch
+    from deltarefit.apply.protocol import Applier
     from deltarefit.checkpoint import open_checkpoint
     from deltarefit.encode import uint_view
     from deltarefit.format import DeltaReader

@@ -14,8 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import deltarefit
 import deltarefit.format
-from deltarefit.errors import BaseMismatchError, UsageError
-from deltarefit.torch_api import (
+from deltarefit.apply.tensors import (
     TORCH_DTYPES,
     apply_to_module,
     apply_to_tensors,
@@ -23,6 +22,7 @@ from deltarefit.torch_api import (
     state_dict_fingerprint,
     torch_dtype,
 )
+from deltarefit.errors import BaseMismatchError, UsageError
 
 CFG = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128,
        "vocab_size": 1000}

@@ -13,7 +13,7 @@ every chunk record. These tests hold every implementation of the format to those
 (c) the device-split encoder (``deltarefit.gpu.encode`` on CPU tensors) writes the stored delta, for
     every vector it can write (it takes no ``sums``);
 (d) the stored fingerprints, tensor digests and additive digests are what ``deltarefit.integrity`` and
-    ``deltarefit.shard.digest`` compute from the bits, and what the delta's manifest says;
+    ``deltarefit.integrity.additive`` compute from the bits, and what the delta's manifest says;
 (e) the stored deltas parse (``DeltaReader``) to the stored ops and per-chunk encodings, and the vectors
     together cover every encoding, op and dtype, a multi-segment tensor, and special float values in
     ulp chunks, so a vector that silently stopped exercising what it is for fails.
@@ -50,8 +50,8 @@ from deltarefit.dtypes import DTYPES
 from deltarefit.encode import additive_digests
 from deltarefit.errors import DeltaRefitError
 from deltarefit.format import HEADER, OPS, DeltaReader
+from deltarefit.integrity import additive as additive
 from deltarefit.integrity import fingerprint_from_digests, tensor_digest
-from deltarefit.shard import digest as additive
 
 NAMES = vector_names()
 N = C._native

@@ -125,7 +125,7 @@ def _models(tmp_path):
 def _refit_and_compare(tmp_path, *, in_place_linear: bool):
     from deltarefit.encode import encode
     from deltarefit.engines.vllm import engine_digests, prepare_refit_in_place, refit_engine_in_place
-    from deltarefit.engines.vllm_backend import LLMClient
+    from deltarefit.engines.vllm.backend import LLMClient
     from deltarefit.errors import BaseMismatchError, DeltaRefitError
     from deltarefit.stream.publisher import Publisher
 
@@ -241,7 +241,7 @@ def _completions(url: str, model: str) -> list[str]:
 def test_vllm_serve_refit_through_http_routes_by_the_trainer_engine(tmp_path):
     from vllm import SamplingParams
 
-    from deltarefit.engines.vllm_backend import (
+    from deltarefit.engines.vllm.backend import (
         DeltaRefitTrainerInitInfo,
         DeltaRefitTrainerWeightTransferEngine,
         HTTPClient,
@@ -308,7 +308,7 @@ def test_backend_refits_a_tensor_parallel_engine_in_place(tmp_path, monkeypatch)
     there once, and each worker writes only its own elements. Compared with a fresh TP=2 engine on the
     target, worker by worker."""
     from deltarefit.engines.vllm import engine_digests
-    from deltarefit.engines.vllm_backend import LLMClient
+    from deltarefit.engines.vllm.backend import LLMClient
     from deltarefit.stream.publisher import Publisher
 
     if (os.cpu_count() or 1) < 2:
@@ -402,7 +402,7 @@ def test_backend_follows_a_stream_coded_with_history_by_the_chain(tmp_path, monk
     deltas decoded in place against the book; weights and generations equal a fresh engine's on the
     last version. (Without the rollout's book its first update would take the keyframe route.)"""
     from deltarefit.engines.vllm import engine_digests
-    from deltarefit.engines.vllm_backend import LLMClient
+    from deltarefit.engines.vllm.backend import LLMClient
     from deltarefit.storage.local import LocalStore
     from deltarefit.stream import Subscriber
     from deltarefit.stream.records import load_commit
@@ -447,7 +447,7 @@ def test_backend_tensor_parallel_engine_follows_a_stream_coded_with_history(tmp_
 
     from deltarefit.codec.chunk import ULP_HIST
     from deltarefit.engines.vllm import engine_digests
-    from deltarefit.engines.vllm_backend import LLMClient
+    from deltarefit.engines.vllm.backend import LLMClient
     from deltarefit.storage.local import LocalStore
     from deltarefit.stream.records import load_commit
 

@@ -110,7 +110,7 @@ def _differ(got: list[dict[str, str]], want: list[dict[str, str]]) -> list[str]:
 
 @pytest.mark.parametrize(("family", "layout", "tp"), CASES, ids=[f"{f}-{lay}-tp{tp}" for f, lay, tp in CASES])
 def test_family_refits_bit_exact_at_every_version_or_is_refused_at_init(family, layout, tp, tmp_path, monkeypatch):
-    from deltarefit.engines.vllm_backend import LLMClient
+    from deltarefit.engines.vllm.backend import LLMClient
     from deltarefit.stream.publisher import Publisher
 
     if layout == "gpu":

@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 # ``apply`` and ``encode`` are the modules, each callable as its function of that name (``_callable``): both
 # ``deltarefit.apply(delta, ckpt)`` and ``deltarefit.apply.Journal`` work.
-from . import apply, encode
+from . import _moved, apply, encode
 from .api import fingerprint, inspect, verify
 from .apply import ApplyReport
 from .encode import EncodeReport, KnownHashes, known_hashes
@@ -35,6 +35,8 @@ from .errors import (
     UsageError,
     VerificationError,
 )
+
+_moved.install()  # the old module paths (``deltarefit.applier``, ...), for one release
 
 __all__ = [
     "ApplyReport",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .checkpoint import fingerprint_checkpoint, open_checkpoint
+from .checkpoint.read import fingerprint_checkpoint, open_checkpoint
 from .codec.chunk import ENCODING_NAMES
 from .dtypes import dtype
 from .errors import UsageError, VerificationError

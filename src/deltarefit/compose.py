@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from . import __version__
-from .checkpoint import open_checkpoint
+from .checkpoint.read import open_checkpoint
 from .codec.chunk import ENCODING_NAMES, decode_chunk, encode_chunk
 from .dtypes import dtype
 from .encode import EncodeReport, tensor_meta, uint_view

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from . import __version__
-from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
+from .checkpoint.read import Checkpoint, TensorInfo, open_checkpoint
 from .codec.chunk import (
     ENCODING_NAMES,
     ULP_HIST,
@@ -99,7 +99,7 @@ Work = Callable[[], tuple[bytes, bytes, EncodedChunk | None]]
 
 class _SumMoves:
     """How each patched tensor's additive digest moves, chunk by chunk, as the host scan finds its
-    changes: the target's digest is then the base's moved by them (``shard.digest`` is additive), in
+    changes: the target's digest is then the base's moved by them (``integrity.additive`` is additive), in
     O(changed elements), instead of a pass over the target. A tensor is listed once its jobs are made,
     so a listed tensor's every changed chunk adds its move (from the pool's threads)."""
 
@@ -107,19 +107,19 @@ class _SumMoves:
         self.moved: dict[str, list[np.ndarray]] = {}
 
     def start(self, name: str, dt_name: str, shape: tuple[int, ...]) -> tuple[_SumMoves, str, np.ndarray]:
-        from .shard import digest as additive
+        from .integrity import additive
 
         self.moved[name] = []
         return self, name, additive.seeds(name, dt_name, shape)
 
     def add(self, name: str, seed: np.ndarray, start: int, bu: np.ndarray, pos: np.ndarray,
             new: np.ndarray) -> None:
-        from .shard import digest as additive
+        from .integrity import additive
 
         self.moved[name].append(additive.move(seed, start, bu, pos.astype(np.int64), new))
 
     def target_sum(self, name: str, base_sum: bytes) -> bytes:
-        from .shard import digest as additive
+        from .integrity import additive
 
         total = np.frombuffer(base_sum, "<u8").astype(np.uint64)
         for m in self.moved[name]:
@@ -516,9 +516,9 @@ def _with_sums(entries: list[TensorEntry], base: Checkpoint, target: Checkpoint,
 
 
 def additive_digests(tensors: list[tuple[Checkpoint, str]], *, threads: int | None = None) -> list[bytes]:
-    """The additive digest (``shard.digest``, 16 bytes) of each (checkpoint, tensor name), one
+    """The additive digest (``integrity.additive``, 16 bytes) of each (checkpoint, tensor name), one
     segment per pool task."""
-    from .shard import digest as additive
+    from .integrity import additive
 
     items = []
     for k, (ck, name) in enumerate(tensors):

@@ -43,9 +43,9 @@ import zstandard
 
 from .codec.history import DEPTH, History, Moves
 from .errors import CheckpointError, DecodeError
-from .fsutil import fsync_dir, open_regular, write_atomic
-from .jsonlimits import json_shape_problem
-from .locks import remove_dead_temps, temp_pattern
+from .io.fsutil import fsync_dir, open_regular, write_atomic
+from .io.jsonlimits import json_shape_problem
+from .io.locks import remove_dead_temps, temp_pattern
 
 MAGIC = b"DRMOVES2"  # DRMOVES1 files had no digest: refused, so such a book starts over
 DIGEST = 32  # the trailing BLAKE3 digest of a moves file

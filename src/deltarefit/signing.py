@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from .errors import SignatureError, UsageError
-from .fsutil import write_new
+from .io.fsutil import write_new
 
 
 class SignableRecord:

@@ -97,7 +97,7 @@ def test_kernel_schedule_is_the_spec() -> None:
 
 
 def test_fingerprint_torch_impl_matches_state_dict_fingerprint() -> None:
-    from deltarefit.torch_api import state_dict_fingerprint
+    from deltarefit.apply.tensors import state_dict_fingerprint
 
     g = torch.Generator().manual_seed(3)
     tensors = {
@@ -188,7 +188,7 @@ def test_cuda_unaligned_and_whole_message() -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_fingerprint_matches_state_dict_fingerprint() -> None:
-    from deltarefit.torch_api import state_dict_fingerprint
+    from deltarefit.apply.tensors import state_dict_fingerprint
 
     g = torch.Generator().manual_seed(5)
     cpu = {"w": torch.randn(1500, 1000, generator=g).to(torch.bfloat16), "b": torch.randn(7, generator=g),

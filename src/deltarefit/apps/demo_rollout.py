@@ -93,8 +93,9 @@ def warm_kernels(work: str) -> float:
 
     import numpy as np
 
-    from ..apply import apply
-    from ..checkpoint import TensorSource, write_safetensors
+    from ..apply.files import apply
+    from ..checkpoint.header import TensorSource
+    from ..checkpoint.write import write_safetensors
     from ..encode import encode
 
     t0 = time.perf_counter()
@@ -141,8 +142,8 @@ def _rollout_step(a, msg: dict, sub, model, ids, head, target, fault: str) -> di
     from safetensors.torch import load_file
 
     from ..api import fingerprint
+    from ..apply.tensors import state_dict_fingerprint
     from ..stream.records import load_commit
-    from ..torch_api import state_dict_fingerprint
 
     want_version, want_fp = int(msg["version"]), str(msg["fingerprint"])
     t0 = time.perf_counter()

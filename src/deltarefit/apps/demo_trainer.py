@@ -108,7 +108,7 @@ def _publish(pol: _Policy, row: StepResult, step: int):
     the export, its fingerprint computed from memory)."""
     from safetensors.torch import save_file
 
-    from ..torch_api import state_dict_fingerprint
+    from ..apply.tensors import state_dict_fingerprint
 
     export = _export(pol.master)
     save_file(export, pol.export_path, metadata={"format": "pt"})

@@ -91,7 +91,7 @@ def calibrate(*, change: float = 0.03, elements: int = 32 << 20, seed: int = 0) 
     bf16 pair: N(0, 0.02) weights, ``change`` of them moved by +-1 ulp (90%) or +-2..4 ulp."""
     import numpy as np
 
-    from ..apply import apply
+    from ..apply.files import apply
     from ..encode import encode
 
     rng = np.random.default_rng(seed)

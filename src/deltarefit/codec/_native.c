@@ -2384,7 +2384,7 @@ static PyObject *py_simd(PyObject *self, PyObject *noargs)
 /* ------------------------------------------------------------------------------------------------
  * digest(flat, start, bits, itemsize, s0, s1) -> (a0, a1)
  *
- * shard.digest's additive digest of some elements of a tensor (its module docstring defines it):
+ * integrity.additive's additive digest of some elements of a tensor (its module docstring defines it):
  * sum_i mix(mix(f_i ^ s) ^ (b_i * golden)) mod 2^64 per lane, f_i = flat[i] (an int64 array) or, with
  * flat None, start + i. The same sums as its numba kernels and its numpy reference.
  * ------------------------------------------------------------------------------------------------ */
@@ -2811,7 +2811,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"digest", py_digest, METH_VARARGS,
-     "digest(flat, start, bits, itemsize, s0, s1) -> (a0, a1): shard.digest's additive sums of the elements "
+     "digest(flat, start, bits, itemsize, s0, s1) -> (a0, a1): integrity.additive's additive sums of the elements "
      "``bits`` at checkpoint flat indices ``flat`` (int64), or start, start + 1, ... when flat is None."},
     {"put", py_put, METH_VARARGS,
      "put(dst, pos, vals, itemsize): dst[pos[j]] = vals[j] (pos int64, every one checked first: IndexError, nothing "

@@ -151,7 +151,7 @@ class Patch:
         if self.dense is not None:
             view[:] = self.dense
         elif self.positions is not None and self.positions.size:
-            from .. import elements  # the native scatter, without the GIL (numpy's holds it)
+            from . import elements  # the native scatter, without the GIL (numpy's holds it)
 
             elements.put(view, self.positions, self.values)
 

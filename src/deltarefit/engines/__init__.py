@@ -4,11 +4,8 @@
   without writing a byte.
 * ``live``: engine parameters as an apply target (``LiveTarget``), read and written through those pieces;
   tensors split across a tensor-parallel group are assembled over the group.
-* ``vllm_live``: one vLLM worker's live refit state (``LiveEngine``): layout captured and checked, host
-  copies of what must go through vLLM's reload, ``apply(delta)``.
-* ``vllm_backend``: the ``deltarefit`` vLLM weight-transfer backend (worker and trainer engines).
-* ``vllm``: the worker extension (``worker_extension_cls``): in-place refit, or apply to the on-disk
-  checkpoint and reload the touched layers.
+* ``vllm``: vLLM (``vllm/``): the worker extension (``worker_extension_cls``), the driver calls, one worker's
+  live refit state (``LiveEngine``) and the ``deltarefit`` weight-transfer backend.
 
 Importing this package imports no engine.
 """

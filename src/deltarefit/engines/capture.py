@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
-from ..shard.projection import Axis, Piece
+from ..geometry.projection import Axis, Piece
 from .live import Placement
 
 log = logging.getLogger(__name__)

@@ -134,7 +134,7 @@ def kernel_matches(module: Any, param: Any) -> bool | None:
 
 
 def kernel_reads(module: Any, pname: str, param: Any) -> bool:
-    """Whether the layer's kernel computes with ``param``'s storage (``vllm_live``'s module docstring, step 2)."""
+    """Whether the layer's kernel computes with ``param``'s storage (``vllm.worker``'s module docstring, step 2)."""
     import torch
 
     qm = getattr(module, "quant_method", None)
@@ -273,7 +273,7 @@ def verify_layers(model: Any, names: Iterable[str], packed: dict[str, list[str]]
     ``sharded`` engines, or a layout ``compare_kernel`` cannot read); returns ``out``."""
     import torch
 
-    from .vllm import layer_key
+    from .vllm.layers import layer_key
 
     groups: dict[str, list[str]] = {}
     for n in names:

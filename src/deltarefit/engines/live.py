@@ -3,7 +3,7 @@
 An inference engine does not hold checkpoint tensors as they are on disk. A ``q_proj`` is rows of a
 fused ``qkv_proj``, a weight may be stored transposed, an embedding padded to a multiple of 64 rows.
 ``LiveTarget`` is the ``apply.SegmentTarget`` over such a layout: for every checkpoint tensor, a list of
-``Placement`` (a parameter and a ``shard.projection.Piece`` saying which elements of the checkpoint
+``Placement`` (a parameter and a ``geometry.projection.Piece`` saying which elements of the checkpoint
 tensor live where in it). The applier then runs its one protocol over it unchanged:
 
 * a segment is read by gathering its elements from the parameters (a slice where the piece is a
@@ -29,7 +29,7 @@ they share a host, else by a sum to that process), decoded and its digest move t
 changes are sent to the group (``share_window``), where each process writes and reads back its own
 elements (``write_split``).
 
-``group`` (``vllm_live._Group``): ``rank`` and ``size``, and the collective calls ``reduce_in_place(a)``
+``group`` (``vllm.worker._Group``): ``rank`` and ``size``, and the collective calls ``reduce_in_place(a)``
 (a sum over the group), ``sum_to(a, dst)``, ``broadcast(a, src)``, ``agree(ok)`` and optionally
 ``shared_buffer(nbytes)`` (memory every process maps, or None).
 
@@ -45,12 +45,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import elements
+from ..codec import elements
 from ..codec.chunk import Patch
 from ..dtypes import dtype as lookup_dtype
 from ..errors import UsageError
+from ..geometry.projection import Piece, intersect_boxes
 from ..integrity import SEGMENT_BYTES, n_segments
-from ..shard.projection import Piece, intersect_boxes
 
 # Split segments in flight per process of a group, unless its caller says (``LiveTarget.split_window``),
 # and in all (their slots cost 2 MiB each of shared memory).
@@ -598,7 +598,7 @@ class TargetUnion:
     tensors an engine reloads), each tensor read and written through the target that holds it."""
 
     def __init__(self, *targets: object) -> None:
-        from ..regions import segments_of
+        from ..apply.targets import segments_of
 
         self.tensors: dict = {}
         self._of: dict[str, object] = {}
@@ -682,9 +682,8 @@ def state_through(target: object, name: str) -> tuple[bytes, bytes]:
     """(tensor digest, additive digest) of ``name`` as a ``SegmentTarget`` reads it, in one pass over
     its segments: what a held-digest apply (``applier.run_apply(held=)``) is given, taken together with
     the full check it rests on."""
-    from ..integrity import n_segments, seg_hash, tensor_digest_from_segments
-    from ..regions import segments_of
-    from ..shard import digest as additive
+    from ..apply.targets import segments_of
+    from ..integrity import additive, n_segments, seg_hash, tensor_digest_from_segments
 
     target = segments_of(target)
     info = target.tensors[name]
@@ -704,7 +703,7 @@ def apply_live(delta_path: str, target: object, *, threads: int | None = None):
     base verified, every post-image checked, then only changed elements written, then verified. No
     journal: the target is memory, and a rerun after any failure completes it (chunks already at their
     post-image are skipped). Deltas that add, remove or re-type tensors are refused before any write."""
-    from ..applier import run_apply
+    from ..apply.protocol import run_apply
     from ..format import DeltaReader
 
     with DeltaReader(delta_path) as d:

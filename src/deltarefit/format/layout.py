@@ -22,7 +22,7 @@ HEADER = struct.Struct("<8sHHIQQQQQQ16s16s")
 HEADER_SIZE = HEADER.size  # 96
 RECORD = struct.Struct("<IIBBHIQII16s16s16s")
 RECORD_SIZE = RECORD.size  # 80
-SUM_BYTES = 16  # an additive digest (shard.digest): two 64-bit lanes
+SUM_BYTES = 16  # an additive digest (integrity.additive): two 64-bit lanes
 MAX_MANIFEST_BYTES = 256 << 20
 # A manifest's expanded size is also bounded by its compressed size: at most 1 MiB + 1024 times it.
 # Real manifests expand 5-10x (each tensor has a digest of 32 random bytes), and about 220x at worst
@@ -70,7 +70,7 @@ class TensorMeta:
     dtype: str
     shape: tuple[int, ...]
     digest: bytes
-    # Optional additive digest (``shard.digest``, 16 bytes) of the same bits: lets a target that tracks
+    # Optional additive digest (``integrity.additive``, 16 bytes) of the same bits: lets a target that tracks
     # the digest of what it holds check a patch in O(changed elements) (FORMAT.md, "Held digests").
     sum: bytes | None = None
 

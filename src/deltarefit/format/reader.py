@@ -26,7 +26,7 @@ from ..integrity import (
     seg_hash,
     tensor_digest_from_segments,
 )
-from ..jsonlimits import brief, json_shape_problem
+from ..io.jsonlimits import brief, json_shape_problem
 from .layout import (
     FLAG_MANIFEST_ZSTD,
     HEADER,

@@ -17,9 +17,9 @@ from typing import Any
 import zstandard
 
 from ..errors import FileSystemError, LimitError
-from ..fsutil import fsync_dir
 from ..integrity import seg_hash
-from ..jsonlimits import json_shape_problem
+from ..io.fsutil import fsync_dir
+from ..io.jsonlimits import json_shape_problem
 from .layout import (
     FLAG_MANIFEST_ZSTD,
     HEADER,

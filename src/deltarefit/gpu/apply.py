@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..applier import ApplyReport, run_apply
+from ..apply.protocol import ApplyReport, run_apply
+from ..apply.tensors import safetensors_dtype
 from ..codec import kernels as K
 from ..codec.chunk import ULP, ULP_HIST, _ctx, _kind, decode_chunk
 from ..codec.history import moves_of_changes
@@ -48,7 +49,6 @@ from ..errors import DecodeError, UsageError
 from ..format import ChunkRecord, DeltaReader, TensorEntry
 from ..history_book import HistoryBook, MovesRecorder
 from ..integrity import SEGMENT_BYTES
-from ..torch_api import safetensors_dtype
 from . import scan as device_scan
 from .encode import _SCANS, _Info, _ints, _scan_mode, _seg_hashes
 

@@ -10,7 +10,7 @@ Contracts:
   temporary device memory: 32 bytes per KiB of input (the chunk chaining values, ~3%).
 * ``blake3_gpu(raw, out_len)``: plain BLAKE3 of the whole input (``out_len <= 32``), empty included.
 * ``tensor_digest_gpu(t)`` / ``fingerprint_gpu(tensors)``: ``integrity.tensor_digest_from_segments`` /
-  ``fingerprint_from_digests`` over these hashes; equal to ``torch_api.state_dict_fingerprint`` of
+  ``fingerprint_from_digests`` over these hashes; equal to ``apply.tensors.state_dict_fingerprint`` of
   the same tensors. Only the 16-byte segment hashes (16 bytes per MiB) are copied to the host.
 * ``segment_hashes(raw, impl="auto")``: Triton when it is importable and ``raw`` is on CUDA, else
   ``blake3_torch``'s reference.
@@ -166,7 +166,7 @@ def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def tensor_digest_gpu(t: torch.Tensor, *, impl: str = "auto") -> bytes:
     """``integrity.tensor_digest`` of a torch tensor (dtype named as in safetensors), hashed on its device."""
-    from ..torch_api import safetensors_dtype
+    from ..apply.tensors import safetensors_dtype
 
     dtype = safetensors_dtype(t.dtype)
     raw = _raw_bytes(t)
@@ -176,5 +176,5 @@ def tensor_digest_gpu(t: torch.Tensor, *, impl: str = "auto") -> bytes:
 
 
 def fingerprint_gpu(tensors: Mapping[str, torch.Tensor], *, impl: str = "auto") -> str:
-    """The checkpoint fingerprint (hex) of ``{name: tensor}``; equals ``torch_api.state_dict_fingerprint``."""
+    """The checkpoint fingerprint (hex) of ``{name: tensor}``; equals ``apply.tensors.state_dict_fingerprint``."""
     return fingerprint_from_digests({name: tensor_digest_gpu(t, impl=impl) for name, t in tensors.items()})

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..apply.tensors import safetensors_dtype
 from ..codec.chunk import Changes, _ctx, encode_changes
 from ..dtypes import dtype
 from ..encode import EncodeReport, Work, encode_checkpoints
 from ..errors import UsageError
 from ..integrity import SEGMENT_BYTES, seg_hash
-from ..torch_api import safetensors_dtype
 from . import scan as device_scan
 
 # Signed views of each width: torch compares and shifts these; numpy reinterprets them as unsigned.

@@ -32,7 +32,7 @@ import shutil
 import socket
 import time
 
-from ..checkpoint import carry_non_weights
+from ..checkpoint.read import carry_non_weights
 from ..errors import DeltaRefitError
 from ..storage.base import Store
 from . import plan

@@ -45,7 +45,7 @@ import blake3
 
 from ..errors import AuthError, DeltaRefitError, ProtocolError, UsageError
 from ..errors import BadPartError as BadPartError  # defined there, re-exported
-from ..fsutil import write_new
+from ..io.fsutil import write_new
 from ..transport.ratelimit import TokenBucket
 
 MAGIC = b"DRRELAY1"

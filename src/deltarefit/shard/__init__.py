@@ -1,9 +1,8 @@
-"""Sharded trainers and tensor-parallel rollouts (docs/SHARDING.md).
+"""Sharded trainers and tensor-parallel rollouts (docs/SHARDING.md). The piece geometry they use is
+``geometry.projection``; the additive digests, ``integrity.additive``.
 
 * ``convert``     the one fp32 master -> served bits function (bf16, fp16, block-scaled fp8)
-* ``projection``  affine maps local shard <-> checkpoint tensor, DTensor placements, intersections
 * ``names``       name tables (``tables.py``) -> trainer / tensor-parallel rollout layouts
-* ``digest``      additive per-tensor digests, combinable across any partition
 * ``part``        the part format (JSON header + codec payloads) and the version manifest (``join``)
 * ``publish``     ``ShardPublisher``: each trainer rank diffs its own shard into its part
 * ``rollout``     ``apply_version``: in place into a rank's slices, pre-image checked, O(chunk) memory
@@ -14,8 +13,8 @@
 
 import importlib
 
-# Imported on first use (``deltarefit.shard.X``): ``from deltarefit.shard import digest`` then loads the
-# digest alone, not numba and the part format with it.
+# Imported on first use (``deltarefit.shard.X``): ``from deltarefit.shard import names`` then loads the
+# name tables alone, not numba and the part format with it.
 _FROM = {"export_full": "convert", "to_served_bits": "convert", "cuts_from_layouts": "names",
          "identity_layout": "names", "llama_shapes": "names", "tp_layout": "names", "trainer_layout": "names",
          "join": "part", "read_part": "part", "PartStats": "publish", "ShardPublisher": "publish",
@@ -24,7 +23,7 @@ _FROM = {"export_full": "convert", "to_served_bits": "convert", "cuts_from_layou
          "retain_sharded": "stream", "sync_sharded": "stream"}
 
 
-_SUBMODULES = {'_digest_numba', 'convert', 'digest', 'group', 'names', 'part', 'projection', 'publish', 'records', 'retention', 'rollout', 'stream', 'sync', 'tables', 'trainer'}
+_SUBMODULES = {'convert', 'group', 'names', 'part', 'publish', 'records', 'retention', 'rollout', 'stream', 'sync', 'tables', 'trainer'}
 
 
 def __getattr__(name: str):

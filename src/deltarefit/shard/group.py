@@ -43,7 +43,7 @@ class TPGroup:
         import torch
         import torch.distributed as dist
 
-        from . import digest as D
+        from ..integrity import additive as D
 
         names = sorted(man["tensors"])
         mine = slice_digests(tensors, layout, man["tensors"])

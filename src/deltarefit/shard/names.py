@@ -1,7 +1,7 @@
 """Parameter names -> checkpoint names, as data (``tables.py``), and the layouts built from them.
 
 A **layout** is ``{local parameter name: LocalTensor}``: for each tensor a rank holds, its local shape
-and the pieces (``projection.Piece``) saying where it lives in checkpoint tensors. Layouts are built
+and the pieces (``geometry.projection.Piece``) saying where it lives in checkpoint tensors. Layouts are built
 from the checkpoint's shapes (``{name: shape}``, e.g. from a safetensors header or ``llama_shapes``)
 plus the name table:
 
@@ -23,7 +23,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UsageError
-from .projection import Axis, Piece, chunk_range, fused_pieces, placement_box, shard_pieces, whole_piece
+from ..geometry.projection import (
+    Axis,
+    Piece,
+    chunk_range,
+    fused_pieces,
+    placement_box,
+    shard_pieces,
+    whole_piece,
+)
 from .tables import TABLES
 
 __all__ = ["LocalTensor", "cuts_from_layouts", "fused_params", "identity_layout", "llama_shapes", "load_table",

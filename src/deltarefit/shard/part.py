@@ -49,8 +49,8 @@ from ..codec.chunk import ENCODING_NAMES, OVERWRITE, max_payload_len
 from ..dtypes import DType
 from ..dtypes import dtype as lookup_dtype
 from ..errors import FormatError, IntegrityError, LimitError
-from . import digest as D
-from .projection import Box, intersect_boxes
+from ..geometry.projection import Box, intersect_boxes
+from ..integrity import additive as D
 
 MAGIC = b"DRSHPART"
 FORMAT_VERSION = 1

@@ -29,12 +29,12 @@ import numpy as np
 from ..codec.chunk import encode_chunk, encode_overwrite
 from ..dtypes import dtype as lookup_dtype
 from ..errors import UsageError
+from ..geometry.projection import AP, INDEX_BLOCK, Axis, Box, Piece, box_indices
 from ..integrity import SEGMENT_BYTES
-from . import digest as D
+from ..integrity import additive as D
 from .convert import FP8_BLOCK, FP8_MAX, SCALE_SUFFIX, _f32, e4m3fn_bits, fp8_block_shape, to_served_bits
 from .names import Layout, LocalTensor
 from .part import Part, read_part, write_part
-from .projection import AP, INDEX_BLOCK, Axis, Box, Piece, box_indices
 
 __all__ = ["PartStats", "ShardPublisher", "cells_of"]
 

@@ -35,10 +35,10 @@ import numpy as np
 from ..codec.chunk import decode_chunk, decode_new
 from ..dtypes import dtype as lookup_dtype
 from ..errors import BaseMismatchError, UsageError, VerificationError
-from . import digest as D
+from ..geometry.projection import Piece, box_indices, intersect_boxes
+from ..integrity import additive as D
 from .names import Layout
 from .part import Cell, Part, TensorPart, check_blob, parts_needed, read_part
-from .projection import Piece, box_indices, intersect_boxes
 
 __all__ = ["ApplyStats", "apply_parts", "apply_version", "apply_version_to_module", "bits_view", "group_check",
            "needed_ranks", "slice_digests"]
@@ -58,7 +58,7 @@ def bits_view(t) -> np.ndarray:
         import torch
 
         if isinstance(t, torch.Tensor):
-            from ..torch_api import _check_tensor, _raw_view
+            from ..apply.tensors import _check_tensor, _raw_view
 
             _check_tensor("tensor", t)
             raw = _raw_view(t)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import BaseMismatchError, DeltaRefitError, FormatError, UsageError, VerificationError
-from ..locks import remove_dead_temps_beside
+from ..io.locks import remove_dead_temps_beside
 from ..signing import Verifier, check_record_signature
 from ..storage.base import Store, open_store
 from ..stream.chain import check_links, commit_key, head, newest_keyframe, sync_target

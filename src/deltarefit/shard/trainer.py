@@ -38,9 +38,9 @@ import numpy as np
 
 from ..dtypes import dtype as lookup_dtype
 from ..errors import DeltaRefitError, PublishError, UsageError
-from ..fsutil import write_atomic
 from ..integrity import SEGMENT_BYTES
-from ..locks import remove_dead_temps_beside
+from ..io.fsutil import write_atomic
+from ..io.locks import remove_dead_temps_beside
 from ..signing import Signer, record_signature
 from ..storage.base import Store, open_store
 from ..stream.chain import commit_key, head, newest_keyframe

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from ..fsutil import fsync_dir
+from ..io.fsutil import fsync_dir
 from ..transport.ratelimit import TokenBucket
 from .base import (
     GET_RANGE,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 
-from ..fsutil import write_atomic
+from ..io.fsutil import write_atomic
 from .base import GET_RANGE, StoreBase, StoreError, check_key, check_range
 
 _NAMED: dict[str, MemoryStore] = {}

@@ -10,12 +10,12 @@ import os
 import shutil
 from dataclasses import replace
 
-from ..apply import apply as apply_delta
-from ..checkpoint import open_checkpoint
+from ..apply.files import apply as apply_delta
+from ..checkpoint.read import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
 from ..errors import DecodeError
-from ..fsutil import write_atomic
 from ..history_book import HistoryBook, MovesRecorder
+from ..io.fsutil import write_atomic
 from .chain import holds
 from .history import open_book, resets, settle, start_over
 from .publish_state import _TEMP_SUFFIX, RESET_FIX, PublishState
@@ -227,7 +227,8 @@ def _copy_checkpoint(src: str, dest: str) -> None:
     if os.path.isfile(src):
         shutil.copyfile(src, dest)
         return
-    from ..checkpoint import TensorSource, write_safetensors
+    from ..checkpoint.header import TensorSource
+    from ..checkpoint.write import write_safetensors
     from ..integrity import SEGMENT_BYTES
 
     with open_checkpoint(src) as ck:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ..applier import ApplyReport
+from ..apply.protocol import ApplyReport
 from ..codec.history import DEPTH
 from ..errors import DecodeError
 from ..history_book import HistoryBook

@@ -30,13 +30,13 @@ from dataclasses import replace
 
 import blake3
 
-from ..checkpoint import open_checkpoint
+from ..checkpoint.read import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
 from ..encode import encode as encode_delta
 from ..errors import DeltaRefitError, PublishError, UsageError
-from ..fsutil import write_atomic
 from ..history_book import HistoryBook
-from ..locks import lock_path_beside, locked_method
+from ..io.fsutil import write_atomic
+from ..io.locks import lock_path_beside, locked_method
 from ..signing import SignatureError, Signer, check_record_signature, record_signature
 from ..storage.base import Store, open_store
 from .attempts import AttemptsMixin

@@ -28,8 +28,8 @@ from typing import Any
 import blake3
 
 from ..errors import MalformedRecordError, StoreError, StreamError, StreamIdentityError
-from ..fsutil import open_regular, write_atomic
-from ..jsonlimits import brief, json_shape_problem
+from ..io.fsutil import open_regular, write_atomic
+from ..io.jsonlimits import brief, json_shape_problem
 from ..signing import SignableRecord
 from ..storage.base import Store
 

@@ -11,7 +11,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..checkpoint import carry_non_weights
+from ..checkpoint.read import carry_non_weights
 from ..storage.base import Store
 from .history import resets
 from .publisher import _copy_checkpoint

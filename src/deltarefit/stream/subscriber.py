@@ -56,16 +56,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..apply import ApplyReport
-from ..apply import apply as apply_delta
-from ..apply import check as check_delta
-from ..checkpoint import check_not_replaced, open_checkpoint
+from ..apply.files import ApplyReport
+from ..apply.files import apply as apply_delta
+from ..apply.files import check as check_delta
+from ..checkpoint.read import check_not_replaced, open_checkpoint
 from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationError
 from ..format import DeltaReader
-from ..fsutil import fs_error
 from ..history_book import HistoryBook
 from ..history_book import writable as book_writable
-from ..locks import checkpoint_lock, locked_method
+from ..io.fsutil import fs_error
+from ..io.locks import checkpoint_lock, locked_method
 from ..signing import SignatureError, Verifier, check_record_signature
 from ..storage.base import GET_RANGE, Store, open_store
 from .arriving import ArrivingReader, PartDownloads

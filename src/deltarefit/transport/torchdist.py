@@ -34,7 +34,7 @@ import numpy as np
 
 from ..codec.history import DEPTH as HISTORY_DEPTH
 from ..errors import BroadcastError, DeltaRefitError, UsageError
-from ..fsutil import fsync_dir
+from ..io.fsutil import fsync_dir
 from ..storage.base import PATH_OF, Store, open_store
 from ..storage.local import LocalStore
 from ..stream.chain import newest_keyframe, sync_target
@@ -298,7 +298,7 @@ def _fail_together(failure: str, version: int | None, fp: str, target: CommitRec
 
 
 def _apply_tensors(mstore: Store, recs: list[CommitRecord], mine, tensors: dict, threads, history):
-    from ..torch_api import apply_to_tensors
+    from ..apply.tensors import apply_to_tensors
 
     if mine is None:
         raise UsageError("broadcast_sync: a tensors= target must say which version it holds (held=)")

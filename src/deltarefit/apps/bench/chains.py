@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DeltaRefitError, UsageError
-from ...fsutil import write_atomic
+from ...io.fsutil import write_atomic
 from .pairs import _n_changed, _served_bf16, adamw_run
 
 log = logging.getLogger(__name__)

@@ -101,7 +101,7 @@ def run_layout(prep: dict[str, Any], layout: str, work: str, log=print) -> dict[
     """One engine, every path, every rate (runs in the child interpreter; see :func:`run_layout_main`)."""
     from vllm import LLM
 
-    from ...engines.vllm import EXTENSION
+    from ...engines.vllm.extension import EXTENSION
 
     t = time.perf_counter()
     llm = LLM(model=prep["checkpoints"]["base"], dtype="bfloat16", enforce_eager=True, max_model_len=256,
@@ -119,7 +119,7 @@ def run_layout(prep: dict[str, Any], layout: str, work: str, log=print) -> dict[
 def _run_paths(llm: Any, prep: dict[str, Any], layout: str, work: str, t_start: float, log) -> dict[str, Any]:
     """Every path in this engine, in order (in place, disk + reload, full reload), each over every step
     of the version plan; then the per-rate summaries and the line through the in-place applies."""
-    from ...engines.vllm_backend import LLMClient
+    from ...engines.vllm.backend import LLMClient
 
     plan = prep["plan"]
     names = ["warm"] + [f"r{i}" for i in range(len(prep["rates"]))]
@@ -224,7 +224,7 @@ def _inplace_path(run: _PathRun, client: Any, plan: dict[str, Any], steps: list[
 
 def _disk_path(run: _PathRun, prep: dict[str, Any], work: str, steps: list[tuple[str, str, int]]) -> None:
     """(b) disk + reload: each delta applied to a copy of the base checkpoint, the touched layers reloaded."""
-    from ...engines.vllm import refit_engine
+    from ...engines.vllm.driver import refit_engine
 
     engine_ck = os.path.join(work, "engine", "ckpt")
     shutil.rmtree(engine_ck, ignore_errors=True)
@@ -243,7 +243,7 @@ def _disk_path(run: _PathRun, prep: dict[str, Any], work: str, steps: list[tuple
 
 def _full_path(run: _PathRun, ck: dict[str, str], steps: list[tuple[str, str, int]]) -> None:
     """(c) full reload of the target's (or the base's) whole checkpoint."""
-    from ...engines.vllm import reload_engine
+    from ...engines.vllm.driver import reload_engine
 
     for n, way, _ in steps:
         src = ck[n] if way == "fwd" else ck["base"]
@@ -409,7 +409,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
 def _write(res: dict[str, Any], args: argparse.Namespace) -> None:
     if args.markdown:
-        from ...fsutil import write_atomic
+        from ...io.fsutil import write_atomic
 
         write_atomic(args.markdown, markdown(res).encode())
         print(f"wrote {args.markdown}")

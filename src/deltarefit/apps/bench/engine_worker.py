@@ -37,8 +37,8 @@ def _timed(key: str, fn):
 
 def worker_instrument(worker: Any) -> bool:
     """Timers around the apply protocol's phases and per-segment calls (benchmark only, idempotent)."""
-    from ... import applier as ap
-    from ... import regions
+    from ...apply import host as regions
+    from ...apply import protocol as ap
     from ...engines import live
 
     if getattr(ap.Applier.plan, "__wrapped__", None) is not None:

@@ -338,7 +338,7 @@ class _Plan:
             out = os.path.join(fs, "out.delta")
             if not os.path.exists(out):
                 return "no delta written"
-            from ...apply import apply
+            from ...apply.files import apply
 
             ck = os.path.join(self.work, "encode-check.safetensors")
             shutil.copyfile(fx.steps[1], ck)

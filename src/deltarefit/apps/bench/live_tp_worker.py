@@ -34,12 +34,12 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from ...applier import commit, plan_apply, run_apply
+    from ...apply.protocol import commit, plan_apply, run_apply
+    from ...apply.tensors import _TorchTarget
     from ...engines.capture import capture_layout, placed_params
     from ...engines.live import TargetUnion, state_through
-    from ...engines.vllm_live import _Group
+    from ...engines.vllm.worker import _Group
     from ...format import DeltaReader
-    from ...torch_api import _TorchTarget
 
     a = json.loads(argv[1])
     rank, world = a["rank"], a["world"]

@@ -83,7 +83,7 @@ def measure(base: dict[str, Any], target: dict[str, Any], work: str, threads: in
     """One step's figures (see the module docstring); ``base``/``target``: served bf16 state dicts."""
     from safetensors.torch import save_file
 
-    from ...apply import apply
+    from ...apply.files import apply
     from ...encode import encode
 
     names = quantized_names(base)
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"({r['int8']['ratio']:.1f}x, rows rescaled {r['int8']['rows_rescaled']:.2%}); bit-exact: "
                   + ", ".join(f"{f} {r[f]['bit_exact']}" for f in ("bf16", "fp8", "int8")), flush=True)
     if args.markdown:
-        from ...fsutil import write_atomic
+        from ...io.fsutil import write_atomic
 
         cmd = "python -m deltarefit.apps.bench.quantized " + " ".join(sys.argv[1:] if argv is None else argv)
         write_atomic(args.markdown, markdown(rows, cmd.strip(), _machine()).encode())

@@ -9,12 +9,12 @@ import struct
 
 import numpy as np
 
-from .codec.chunk import Patch
-from .dtypes import dtype
-from .errors import CheckpointError, FileSystemError
-from .fsutil import open_regular
-from .integrity import SEGMENT_BYTES, seg_hash
-from .regions import _post_image
+from ..codec.chunk import Patch
+from ..dtypes import dtype
+from ..errors import CheckpointError, FileSystemError
+from ..integrity import SEGMENT_BYTES, seg_hash
+from ..io.fsutil import open_regular
+from .host import _post_image
 
 JOURNAL_MAGIC = b"DRJRNL01"
 _JHEAD = struct.Struct("<8s32sIIBIQ16s16s")  # magic, target fp, tensor idx, chunk idx, kind, n, len, post, hash

@@ -1,4 +1,4 @@
-"""The held-digest plan of the one apply protocol (``applier``; FORMAT.md "Held digests"): a tensor whose
+"""The held-digest plan of the one apply protocol (``apply.protocol``; FORMAT.md "Held digests"): a tensor whose
 target holds the additive digest of what it holds is checked in O(changed elements), each chunk decoded
 against its segment as it is and the digest moved by every change compared with the delta's; on a
 collective target, a segment one process holds whole is decoded there alone, and a segment split
@@ -11,17 +11,17 @@ from typing import TypeVar
 
 import numpy as np
 
-from .codec.chunk import Patch
-from .errors import BaseMismatchError, VerificationError
-from .format import ChunkRecord, TensorEntry
-from .plans import _ChunkPlan, _TensorPlan
-from .regions import (
+from ..codec.chunk import Patch
+from ..errors import BaseMismatchError, VerificationError
+from ..format import ChunkRecord, TensorEntry
+from .host import (
     _changes,
     _moved,
     _patch_bytes,
     _seg_len,
     _where,
 )
+from .plans import _ChunkPlan, _TensorPlan
 
 # What a process of a group raises when another one refused or failed at the same step.
 GROUP_REFUSED = "another process of the group refused or failed at the same step of this apply (see its log)"
@@ -59,7 +59,7 @@ class HeldPlans:
     def _plan_held(self, pool, e: TensorEntry, held: bytes) -> _TensorPlan:
         """The held-digest plan of a ``same``/``patch`` tensor (module docstring): decode every chunk
         against the segment as it is, and require the digest moved by the changes to be the target's."""
-        from .shard import digest as additive
+        from ..integrity import additive
 
         if held == e.target.sum and held != e.base.sum:  # already at the target (a rerun)
             if self.moves is not None:  # its moves are not known here
@@ -105,7 +105,7 @@ class HeldPlans:
         the chunks split between processes are decoded by each on this thread, in one order (their
         segments are assembled over the group). A failure in a chunk held whole does not change which
         collective calls a process makes: the group sum carries it, and every process refuses."""
-        from .shard import digest as additive
+        from ..integrity import additive
 
         recs = self.d.chunks(e)
         futs = {r.chunk_index: self._own_pool.submit(chunk, r, True) for r in recs if roles[r.chunk_index] == "mine"}

@@ -60,11 +60,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ..errors import UsageError
-from ..locks import owned_temp
-from ..storage.base import open_store
-from ..stream.records import StreamError, head, load_commit
-from ..stream.subscriber import Subscriber, SyncReport
+from ...errors import UsageError
+from ...io.locks import owned_temp
+from ...storage.base import open_store
+from ...stream.records import StreamError, head, load_commit
+from ...stream.subscriber import Subscriber, SyncReport
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class _EngineSubscriber(Subscriber):
         try:  # a heartbeat for retention; losing it costs nothing but an earlier prune
             import json
 
-            from ..stream.records import now
+            from ...stream.records import now
 
             self.store.put(f"subs/{self.id}.json", json.dumps({"version": version, "updated": now()}).encode())
         except Exception as e:
@@ -248,7 +248,7 @@ def seed_book(sub: _EngineSubscriber, checkpoint: str) -> bool:
     and one that holds other moves is refused by name (the route falls back). Whether it was copied."""
     import shutil
 
-    from ..stream.subscriber import history_path
+    from ...stream.subscriber import history_path
 
     src = history_path(checkpoint)
     if not sub.hook_keeps_book or not os.path.isdir(src):
@@ -274,7 +274,7 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
         self.prepare_error: BaseException | None = None
 
     def init_transfer_engine(self, init_info: DeltaRefitInitInfo) -> None:
-        from .vllm_live import LiveEngine
+        from .worker import LiveEngine
 
         self.shutdown()  # a second init replaces the first
         ckpt = init_info.checkpoint or self.model_config.model
@@ -461,7 +461,7 @@ class DeltaRefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaRef
 
     @classmethod
     def trainer_init(cls, init_info: DeltaRefitTrainerInitInfo, *, client: Any, source: Any = None):
-        from ..stream.publisher import Publisher
+        from ...stream.publisher import Publisher
 
         self = cls(client=client, source=source, is_sender=init_info.is_sender)
         self.init_info = init_info

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from .errors import CheckpointError, LockedError
+from ..errors import CheckpointError, LockedError
 
 log = logging.getLogger(__name__)
 

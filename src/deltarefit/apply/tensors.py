@@ -8,7 +8,7 @@
   parameters cannot appear or change type without the module's code.
 * ``state_dict_fingerprint(tensors)`` is ``deltarefit.fingerprint`` of a safetensors file holding them.
 
-The full apply protocol runs unchanged (``applier.run_apply``): every tensor is checked against the delta's
+The full apply protocol runs unchanged (``apply.protocol.run_apply``): every tensor is checked against the delta's
 base before any byte is written, every written chunk is re-hashed, and the result must hash to the
 delta's target fingerprint. There is no journal: a crash mid-apply loses the process's memory anyway.
 
@@ -32,19 +32,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .applier import ApplyReport, _TensorPlan, run_apply
-from .apply import _new_tensor_chunks
-from .dtypes import DTYPES
-from .encode import default_threads
-from .errors import UsageError, VerificationError
-from .format import ChunkRecord, DeltaReader, TensorEntry
-from .history_book import HistoryBook, MovesRecorder
-from .integrity import (
+from ..dtypes import DTYPES
+from ..encode import default_threads
+from ..errors import UsageError, VerificationError
+from ..format import ChunkRecord, DeltaReader, TensorEntry
+from ..history_book import HistoryBook, MovesRecorder
+from ..integrity import (
     SEGMENT_BYTES,
     fingerprint_from_digests,
     segment_hashes,
     tensor_digest_from_segments,
 )
+from .files import _new_tensor_chunks
+from .protocol import ApplyReport, _TensorPlan, run_apply
 
 __all__ = ["TORCH_DTYPES", "apply_to_module", "apply_to_tensors", "safetensors_dtype", "state_dict_fingerprint",
            "torch_dtype"]

@@ -28,50 +28,23 @@ import fcntl
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from .. import errors
-from ..apply import apply as apply_delta_to_checkpoint
-from ..checkpoint import open_checkpoint
-from ..errors import DeltaRefitError, UsageError
-from ..format import DeltaReader
-from ..fsutil import open_regular
-from . import kernels
-from .kernels import bits_digest, is_linear, kernel_digest, verify_layers
+from ... import errors
+from ...apply.files import apply as apply_delta_to_checkpoint
+from ...checkpoint.read import open_checkpoint
+from ...errors import DeltaRefitError, UsageError
+from ...format import DeltaReader
+from ...io.fsutil import open_regular
+from .. import kernels
+from ..kernels import bits_digest, is_linear, kernel_digest, verify_layers
+from .layers import _packed_mapping, layer_key, reload_set
 
 log = logging.getLogger(__name__)
 
 EXTENSION = "deltarefit.engines.vllm.DeltaRefitWorkerExtension"
 LOCK_NAME = ".deltarefit-engine.lock"  # serializes apply between workers sharing one checkpoint directory
-
-
-# ------------------------------------------------------------------------------------ name grouping
-
-
-def layer_key(name: str, packed: dict[str, list[str]]) -> str:
-    """The engine layer a checkpoint tensor loads into: its module path, fused siblings renamed.
-
-    ``model.layers.0.self_attn.k_proj.weight`` -> ``model.layers.0.self_attn.qkv_proj`` when ``packed`` (the
-    model's ``packed_modules_mapping``) has ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``.
-    """
-    module = name.rpartition(".")[0]
-    parent, _, last = module.rpartition(".")
-    for fused, parts in packed.items():
-        if last in parts:
-            return f"{parent}.{fused}" if parent else fused
-    return module
-
-
-def reload_set(changed: Iterable[str], names: Iterable[str], packed: dict[str, list[str]]) -> list[str]:
-    """Checkpoint tensors (in ``names`` order) to feed so every layer ``changed`` touches loads whole."""
-    touched = {layer_key(n, packed) for n in changed}
-    return [n for n in names if layer_key(n, packed) in touched]
-
-
-def _packed_mapping(model: Any) -> dict[str, list[str]]:
-    mapping = getattr(model, "packed_modules_mapping", None) or {}
-    return {str(k): [str(p) for p in v] for k, v in dict(mapping).items()}
 
 
 def _delta_names(delta_path: str) -> tuple[str, str, list[str], list[str]]:
@@ -240,7 +213,7 @@ class DeltaRefitWorkerExtension:
         try:
             with open_checkpoint(checkpoint_dir) as ck:
                 names = list(ck.tensors)
-                from ..checkpoint import fingerprint_checkpoint
+                from ...checkpoint.read import fingerprint_checkpoint
 
                 fp = fingerprint_checkpoint(ck)[0]
             fed, nbytes, _ = self._deltarefit_reload(checkpoint_dir, names)
@@ -257,7 +230,7 @@ class DeltaRefitWorkerExtension:
         wte = getattr(self, "weight_transfer_engine", None)
         live = getattr(wte, "live", None) or getattr(self, "_deltarefit_live_engine", None)
         if live is None:
-            from .vllm_live import LiveEngine
+            from .worker import LiveEngine
 
             if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
                 raise UsageError(f"{checkpoint_dir}: the checkpoint the engine was loaded from is needed once, to "
@@ -370,14 +343,3 @@ class DeltaRefitWorkerExtension:
             if is_linear(module):
                 out[f"{name}#kernel"] = kernel_digest(module)
         return out
-
-
-# The driver side (what the process holding the ``LLM`` calls) lives in ``vllm_driver``; re-exported here.
-from .vllm_driver import (  # noqa: E402, F401
-    engine_digests,
-    prepare_refit_in_place,
-    refit_engine,
-    refit_engine_in_place,
-    reload_engine,
-    sync_engine,
-)

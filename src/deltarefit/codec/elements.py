@@ -16,7 +16,7 @@ import numpy as np
 def native_for(*arrays: np.ndarray):
     """The native module when ``(view, pos, vals)`` qualify for its element calls (C-contiguous; one
     unsigned or signed item size; aligned int64 positions), else None (the numpy fallback)."""
-    from .codec import chunk
+    from . import chunk
 
     if not chunk.USE_NATIVE or chunk._native is None or not hasattr(chunk._native, "put"):
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from .errors import FileSystemError
+from ..errors import FileSystemError
 
 
 def fsync_dir(d: str) -> None:
@@ -36,7 +36,7 @@ def open_regular(path: str, flags: int, mode: int = 0o644, *, what: str = "") ->
     import fcntl
     import stat
 
-    from .errors import CheckpointError
+    from ..errors import CheckpointError
 
     label = f"{what} {path}" if what else path
     try:

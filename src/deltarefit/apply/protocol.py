@@ -19,7 +19,7 @@ Structural changes (added, removed, re-typed tensors) rewrite the file holding t
 file and an atomic rename; in-place patching covers everything else.
 
 **Held digests** (``held=``, FORMAT.md "Held digests"): a target that keeps, for each tensor, the
-additive digest (``shard.digest``) of exactly what it holds (a live engine, which computed it when
+additive digest (``integrity.additive``) of exactly what it holds (a live engine, which computed it when
 it last verified in full and moved it with every verified patch since) lets the plan skip the hashes.
 A tensor is then checked in O(changed elements): each chunk is decoded against the segment as it is,
 the digest moved by every change (old bits read from the target, new bits decoded) must give the
@@ -40,26 +40,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import elements, regions
-from .codec.chunk import Patch, moves_of_patch
-from .dtypes import dtype
-from .encode import default_threads, uint_view
-from .errors import BaseMismatchError, DecodeError, UsageError, VerificationError
-from .format import ChunkRecord, DeltaReader, TensorEntry, TensorMeta
-from .held import GROUP_DECODE_REFUSED, GROUP_REFUSED, HeldPlans, in_step
-from .history_book import HistoryBook, MovesRecorder
-from .integrity import (
+from ..codec import elements
+from ..codec.chunk import Patch, moves_of_patch
+from ..dtypes import dtype
+from ..encode import default_threads, uint_view
+from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationError
+from ..format import ChunkRecord, DeltaReader, TensorEntry, TensorMeta
+from ..history_book import HistoryBook, MovesRecorder
+from ..integrity import (
     SEGMENT_BYTES,
     fingerprint_from_digests,
     n_segments,
     seg_hash,
     tensor_digest_from_segments,
 )
-from .journal import Journal, _journal_patch
-from .plans import _ChunkPlan, _TensorPlan
-from .regions import (
+from . import host as regions
+from .held import GROUP_DECODE_REFUSED, GROUP_REFUSED, HeldPlans, in_step
+from .host import (
     HOST_REGIONS,
-    TensorTarget,
     _changes,
     _decode,
     _moved,
@@ -68,8 +66,10 @@ from .regions import (
     _post_image_hash,
     _seg_len,
     _where,
-    segments_of,
 )
+from .journal import Journal, _journal_patch
+from .plans import _ChunkPlan, _TensorPlan
+from .targets import TensorTarget, segments_of
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from ..cli import _run, main
+from .common import _run, main
 
 
 @main.command()
@@ -26,7 +26,7 @@ def demo(out: str, steps: int, lr: float, rollouts: int, transport: str, s3_url:
     verify bit for bit, and generate stamped rollouts; a table and OUT/refit.png at the end."""
 
     def go() -> None:
-        from .demo import run_demo
+        from ..apps.demo import run_demo
 
         if not run_demo(out, steps=steps, lr=lr, rollouts=rollouts, transport=transport, s3_url=s3_url):
             sys.exit(6)
@@ -75,8 +75,8 @@ def simulate(params, change_pct, ratio, codec, link_gbps, store_gbps, fabric_gbp
     """Model refit time at scale: full checkpoint vs delta, via object storage or a relay tree."""
 
     def go() -> None:
+        from ..apps import simulate as sim
         from ..errors import UsageError
-        from . import simulate as sim
 
         try:
             sizes = [sim.parse_params(p) for p in params] or [8e9, 70e9, 235e9, 1e12]
@@ -99,7 +99,7 @@ def bench(ctx: click.Context) -> None:
     """Codec benchmark against peers and the entropy bound (--quick, --out, --markdown; --help for all)."""
 
     def go() -> None:
-        from .bench.report import main as bench_main
+        from ..apps.bench.report import main as bench_main
 
         sys.exit(bench_main(list(ctx.args)) or 0)
 

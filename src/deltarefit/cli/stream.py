@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from .cli import _json, _not_an_input, _quiet, _run, _threads, _transfer_progress, main
+from .common import _json, _not_an_input, _quiet, _run, _threads, _transfer_progress, main
 
 
 @main.command()
@@ -52,14 +52,14 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
     One publisher per state directory at a time: a second one exits 11 naming the first."""
 
     def go() -> None:
-        from .errors import UsageError
-        from .stream.publisher import ALL, Publisher
+        from ..errors import UsageError
+        from ..stream.publisher import ALL, Publisher
 
         if quorum != "all" and not quorum.isdigit():
             raise UsageError(f"--quorum must be a number or 'all', not {quorum!r}")
         q = ALL if quorum == "all" else int(quorum)
-        from .storage.base import open_store
-        from .stream.publisher import default_state_dir
+        from ..storage.base import open_store
+        from ..stream.publisher import default_state_dir
 
         sd = state_dir or default_state_dir(store)
         _not_an_input(sd, checkpoint, signing_key, what="state directory")
@@ -104,8 +104,8 @@ def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, full
     second one exits 11 naming the first."""
 
     def go() -> None:
-        from .storage.base import open_store
-        from .stream.subscriber import Subscriber
+        from ..storage.base import open_store
+        from ..stream.subscriber import Subscriber
 
         _not_an_input(checkpoint, None if "://" in store else store, public_key, what="checkpoint")
         st = open_store(store, create=False)
@@ -141,9 +141,9 @@ def log_cmd(store, public_key, as_json) -> None:
     """
 
     def go() -> None:
-        from .signing import SignatureError, Verifier, check_record_signature
-        from .storage.base import open_store
-        from .stream.records import MalformedRecordError, StreamError, list_versions, load_commit
+        from ..signing import SignatureError, Verifier, check_record_signature
+        from ..storage.base import open_store
+        from ..stream.records import MalformedRecordError, StreamError, list_versions, load_commit
 
         st = open_store(store, create=False)
         verifier = Verifier(public_key) if public_key else None
@@ -213,9 +213,9 @@ def retain(store, ttl, orphan_grace, unsafe_short_grace, dry_run, as_json) -> No
     can need, and unfinished uploads of killed publishers."""
 
     def go() -> None:
-        from .storage.base import open_store
-        from .stream.chain import check_orphan_grace
-        from .stream.retention import retain as ret
+        from ..storage.base import open_store
+        from ..stream.chain import check_orphan_grace
+        from ..stream.retention import retain as ret
 
         check_orphan_grace(orphan_grace, unsafe_short_grace)  # before the store is opened
         rep = ret(open_store(store, create=False), ttl=ttl, orphan_grace=orphan_grace, dry_run=dry_run,
@@ -262,7 +262,7 @@ def _relay_opts(f):
 @click.option("--poll", type=float, default=1.0, show_default=True, help="Seconds between looks at the head.")
 def relay_root(store, listen, key_file, fanout, rate, mirror, node_id, poll) -> None:
     """Serve the version stream in STORE (a directory or s3://bucket/prefix) to a relay tree."""
-    from .relay import run_root
+    from ..relay import run_root
 
     _run(lambda: sys.exit(run_root(store, listen=listen, key_file=key_file, fanout=fanout, rate=rate,
                                    mirror=mirror, node_id=node_id, poll=poll)))
@@ -276,7 +276,7 @@ def relay_root(store, listen, key_file, fanout, rate, mirror, node_id, poll) -> 
               help="Exit 0 once the checkpoint is verified at this version (and the children are done too).")
 def relay_node(checkpoint, join, listen, key_file, fanout, rate, mirror, node_id, until_version) -> None:
     """Keep CHECKPOINT in sync from a relay tree and forward the stream to children."""
-    from .relay import run_node
+    from ..relay import run_node
 
     _run(lambda: _not_an_input(checkpoint, key_file, mirror, what="checkpoint"))
     _run(lambda: sys.exit(run_node(checkpoint, join=join, listen=listen, key_file=key_file, fanout=fanout,
@@ -289,12 +289,12 @@ def relay_keygen(key_file) -> None:
     """Write a new random shared key (64 hex digits, mode 0600) to KEY_FILE."""
 
     def go() -> None:
-        from .relay.protocol import write_key
+        from ..relay.protocol import write_key
 
         try:
             write_key(key_file)
         except FileExistsError:
-            from .errors import UsageError
+            from ..errors import UsageError
 
             raise UsageError(f"{key_file} exists; not overwriting a key") from None
         click.echo(f"wrote {key_file} (copy it to every relay; keep it secret)")

@@ -18,7 +18,7 @@ was loaded from (read once, at init; never written):
 4. **Host copies** of the reload set are kept in memory (the only bit-exact base a prepacked kernel
    leaves), read from the checkpoint.
 
-``apply(delta)`` then runs the one apply protocol (``applier.run_apply``) over live placements and host
+``apply(delta)`` then runs the one apply protocol (``apply.protocol.run_apply``) over live placements and host
 copies together: everything checked before any write, only changed elements scattered into the live
 parameters and read back, the fingerprint verified. The check costs O(changed elements) when the
 delta carries additive target digests (a ``Publisher``'s do): the engine holds the additive digest of
@@ -32,7 +32,7 @@ vLLM's own layerwise reload (``reload_weights``), so their post-load processing 
 An in-memory journal holds the patch of each chunk while it is written, so an exception anywhere leaves
 the worker either untouched (refused in the plan) or completable by calling ``apply`` again.
 
-``prepare(delta)`` runs the plan alone (``applier.plan_apply``: read-only) while the engine serves, and
+``prepare(delta)`` runs the plan alone (``apply.protocol.plan_apply``: read-only) while the engine serves, and
 ``apply(delta, prepared=...)`` writes it: the changed elements are read again first and must hold the bits
 the plan read (refused with nothing written otherwise), so the pause of an in-flight update is the writes
 and their checks. A plan made before another apply (or a rebuild) began is stale, dropped, and the delta
@@ -53,20 +53,20 @@ from typing import Any
 
 import numpy as np
 
-from ..applier import PreparedApply, commit, plan_apply
-from ..checkpoint import fingerprint_checkpoint, open_checkpoint
-from ..codec.chunk import Patch
-from ..errors import BaseMismatchError, DeltaRefitError, UsageError, VerificationError
-from ..format import DeltaReader
-from ..fsutil import open_regular
-from ..history_book import HistoryBook, MovesRecorder
-from ..integrity import fingerprint_from_digests
-from ..journal import Journal
-from ..locks import owned_temp
-from . import kernels
-from .capture import capture_layout, placed_params, sub_param
-from .kernels import kernel_reads as _kernel_reads
-from .live import SPLIT_AHEAD, LiveTarget, Placement, TargetUnion, digest_through, state_through
+from ...apply.journal import Journal
+from ...apply.protocol import PreparedApply, commit, plan_apply
+from ...checkpoint.read import fingerprint_checkpoint, open_checkpoint
+from ...codec.chunk import Patch
+from ...errors import BaseMismatchError, DeltaRefitError, UsageError, VerificationError
+from ...format import DeltaReader
+from ...history_book import HistoryBook, MovesRecorder
+from ...integrity import fingerprint_from_digests
+from ...io.fsutil import open_regular
+from ...io.locks import owned_temp
+from .. import kernels
+from ..capture import capture_layout, placed_params, sub_param
+from ..kernels import kernel_reads as _kernel_reads
+from ..live import SPLIT_AHEAD, LiveTarget, Placement, TargetUnion, digest_through, state_through
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def _check_name(held: int, n: int) -> str:
 
 
 def _torch_dtype(name: str):
-    from ..torch_api import torch_dtype
+    from ...apply.tensors import torch_dtype
 
     return torch_dtype(name)
 
@@ -541,7 +541,7 @@ class LiveEngine:
                              + ("its weights were put back" if back else "restart it: its weights may be wrong now"))
 
     def _build_target(self) -> None:
-        from ..torch_api import _TorchTarget
+        from ...apply.tensors import _TorchTarget
 
         # Split segments in flight per worker: as many as the group's fewest apply threads can decode at
         # once (the same number in every worker: it fixes the order of the group's collective calls).
@@ -569,7 +569,7 @@ class LiveEngine:
     @property
     def keeps_history(self) -> bool:
         """Whether ``apply`` takes a history book: always. In a tensor-parallel group each worker keeps
-        its own, of the segments it decodes (``applier``: the held-digest plan gives every segment one
+        its own, of the segments it decodes (``apply.protocol``: the held-digest plan gives every segment one
         decoder, the same at every version), and the group agrees on whether the books follow a stream
         (``agree``) before a route through them is taken."""
         return True
@@ -586,7 +586,7 @@ class LiveEngine:
         return not getattr(self.target, "collective", False)
 
     def prepare(self, delta_path: str, history: HistoryBook | None = None) -> PreparedRefit:
-        """Plan ``delta_path`` against the weights as they are, read-only (``applier.plan_apply``): every
+        """Plan ``delta_path`` against the weights as they are, read-only (``apply.protocol.plan_apply``): every
         check the apply makes before its first write, and the decoded patches its memory budget keeps.
         The engine may go on serving meanwhile (nothing is written); ``apply(delta_path, prepared=...)``
         then only writes, reads back and reloads. Refused like ``apply``, with nothing written."""
@@ -695,7 +695,7 @@ class LiveEngine:
         try:
             history.advance(d, moves, durable=False)
         except (OSError, DeltaRefitError) as e:
-            from ..stream.history import start_over
+            from ...stream.history import start_over
 
             log.warning("%s: history book not advanced (%s); starting it over", history.path, e)
             start_over(history.path)
@@ -707,7 +707,7 @@ class LiveEngine:
         some of its experts is finished by vLLM with the others unset)."""
         key = self._layers.get(name)
         if key is None:
-            from .vllm import layer_key
+            from .layers import layer_key
 
             key = layer_key(name, self.packed)
             found = kernels.nearest_module(self.model, key)

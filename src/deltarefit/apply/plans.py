@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .codec.chunk import Patch
-from .format import ChunkRecord, TensorEntry
+from ..codec.chunk import Patch
+from ..format import ChunkRecord, TensorEntry
 
 
 @dataclass

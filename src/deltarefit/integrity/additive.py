@@ -79,11 +79,11 @@ def _native():
 
 
 def _numba_kernels():
-    """(partial kernel, run kernel) in numba (``_digest_numba``): the fallback where no native kernel was
+    """(partial kernel, run kernel) in numba (``_additive_numba``): the fallback where no native kernel was
     built, imported on first use so that importing this module never imports numba."""
-    from . import _digest_numba
+    from . import _additive_numba
 
-    return _digest_numba.partial_kernel, _digest_numba.run_kernel
+    return _additive_numba.partial_kernel, _additive_numba.run_kernel
 
 
 def _sums(flat: np.ndarray | None, start: int, bits: np.ndarray, seed: np.ndarray, force_numba: bool = False
@@ -116,7 +116,7 @@ def move(seed: np.ndarray, start: int, view: np.ndarray, pos: np.ndarray, new: n
     """``change(seed, start + pos, view[pos], new)``: how the digest moves when the elements at ``pos`` of
     ``view`` (a flat unsigned array whose element 0 is checkpoint flat index ``start``) become ``new``.
     One native call without the GIL where it was built (no gathered copies), else ``change``."""
-    from .. import elements
+    from ..codec import elements
 
     nat = elements.native_for(view, pos, new)
     if nat is not None:

@@ -20,7 +20,7 @@ Contract
   ``Checkpoint.raw(name)`` is a 1-D ``uint8`` view of the tensor's bytes over that map, writable iff the
   checkpoint is. ``flush()`` makes writes durable (msync + fsync); ``close()`` is idempotent and views
   taken before it must not be used after it. Files are never truncated or rewritten in place.
-* ``write_safetensors`` (``safetensors_write``) streams ``TensorSource`` chunks into a standard safetensors file (readable by
+* ``write_safetensors`` (``checkpoint.write``) streams ``TensorSource`` chunks into a standard safetensors file (readable by
   ``safetensors`` itself), data aligned to each tensor's itemsize, written to a temp file in the same
   directory and atomically renamed onto the target; memory stays O(one chunk).
 * ``fingerprint_checkpoint`` returns ``(fingerprint hex, {name: tensor digest})`` as defined in
@@ -37,32 +37,18 @@ import mmap
 import os
 import shutil
 import struct
-from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Self
 
 import numpy as np
 
-from .dtypes import DTYPES
-from .errors import CheckpointError, UsageError
-from .integrity import SEGMENT_BYTES, fingerprint_from_digests, segment_hashes, tensor_digest_from_segments
-from .jsonlimits import brief, json_shape_problem
+from ..dtypes import DTYPES
+from ..errors import CheckpointError, UsageError
+from ..integrity import SEGMENT_BYTES, fingerprint_from_digests, segment_hashes, tensor_digest_from_segments
+from ..io.jsonlimits import brief, json_shape_problem
+from .header import MAX_HEADER_BYTES, _shape_str
 
-__all__ = [
-    "INDEX_NAME",
-    "MAX_HEADER_BYTES",
-    "Checkpoint",
-    "TensorInfo",
-    "TensorSource",
-    "fingerprint_checkpoint",
-    "is_checkpoint",
-    "open_checkpoint",
-    "replaced_since",
-    "write_safetensors",
-]
-
-MAX_HEADER_BYTES = 100 << 20
 # A header nests 3 levels (the object, a tensor's entry, its shape), holds 3 arrays/objects per tensor
 # in at least 48 bytes, and its arrays hold numbers only; an index nests 2-3. Past these bounds a file
 # is refused before json.loads.
@@ -84,23 +70,6 @@ class TensorInfo:
     nbytes: int
     file: str  # absolute path of the .safetensors file holding it
     offset: int  # absolute byte offset of the tensor data within that file
-
-
-@dataclass(frozen=True)
-class TensorSource:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    chunks: Callable[[], Iterable[bytes | memoryview | np.ndarray]]  # the raw bytes, in order, in pieces
-
-
-def _shape_str(dt: str, shape: Sequence[int]) -> str:
-    return f"{dt}[{','.join(str(int(d)) for d in shape)}]"
-
-
-def _is_count(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0
 
 
 class _NotText(ValueError):
@@ -384,7 +353,7 @@ def check_not_replaced(identity: tuple, what: str) -> None:
     """Raise ``VerificationError`` (one line, naming the file) if ``replaced_since(identity)``."""
     gone = replaced_since(identity)
     if gone is not None:
-        from .errors import VerificationError
+        from ..errors import VerificationError
 
         raise VerificationError(f"{gone}: {what}, but the path no longer names the file that was verified "
                                 "(replaced or removed meanwhile by another process); nothing recorded, run "
@@ -528,8 +497,3 @@ def carry_non_weights(src_dir: str, dst_dir: str) -> None:
                 or not os.path.isfile(src) or os.path.exists(os.path.join(dst_dir, name))):
             continue
         shutil.copy2(src, os.path.join(dst_dir, name))
-
-
-# Writing lives in ``safetensors_write`` (it needs ``TensorSource`` from here); its entry point is
-# re-exported, after everything it imports from this module is defined.
-from .safetensors_write import write_safetensors  # noqa: E402

@@ -1,9 +1,8 @@
 """Apply a delta to a safetensors checkpoint (a file, or a directory of shards) in place: the checkpoint
-target of the one apply protocol (``applier``), with its lock, journal, and the structural rewrites
+target of the one apply protocol (``protocol``), with its lock, journal, and the structural rewrites
 (added, removed, re-typed tensors) through a temp file and an atomic rename.
 
-The protocol's names are re-exported here: ``from deltarefit.apply import run_apply, Journal`` keeps
-working.
+The package ``deltarefit.apply`` exports this target's functions with the protocol's names.
 """
 
 from __future__ import annotations
@@ -18,28 +17,17 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-# The protocol's names, re-exported for callers that import them from here.
-from .applier import DEFAULT_CACHE_BYTES, Applier, ApplyReport, _ChunkPlan, _TensorPlan, run_apply  # noqa: F401
-from .checkpoint import (
-    INDEX_NAME,
-    Checkpoint,
-    TensorSource,
-    check_not_replaced,
-    open_checkpoint,
-    write_safetensors,
-)
-from .errors import UsageError, VerificationError
-from .format import DeltaReader, TensorEntry, TensorMeta
-from .fsutil import fs_error
-from .history_book import HistoryBook, MovesRecorder, advance_or_start_over
-from .integrity import SEGMENT_BYTES, seg_hash
-from .journal import JOURNAL_MAGIC, SLOT_BYTES, Journal, _journal_patch, journal_path  # noqa: F401
-from .regions import (  # noqa: F401
+from ..checkpoint.header import TensorSource
+from ..checkpoint.read import INDEX_NAME, Checkpoint, check_not_replaced, open_checkpoint
+from ..checkpoint.write import write_safetensors
+from ..errors import UsageError, VerificationError
+from ..format import DeltaReader, TensorEntry, TensorMeta
+from ..history_book import HistoryBook, MovesRecorder, advance_or_start_over
+from ..integrity import SEGMENT_BYTES, seg_hash
+from ..io.fsutil import fs_error
+from .host import (  # noqa: F401
     HOST_REGIONS,
     HostRegions,
-    RawSegments,
-    SegmentTarget,
-    TensorTarget,
     _changes,
     _decode,
     _moved,
@@ -47,8 +35,12 @@ from .regions import (  # noqa: F401
     _post_image,
     _post_image_hash,
     _where,
-    segments_of,
 )
+from .journal import JOURNAL_MAGIC, SLOT_BYTES, Journal, _journal_patch, journal_path  # noqa: F401
+
+# The protocol's names, re-exported for callers that import them from here.
+from .protocol import DEFAULT_CACHE_BYTES, Applier, ApplyReport, _ChunkPlan, _TensorPlan, run_apply  # noqa: F401
+from .targets import RawSegments, SegmentTarget, TensorTarget, segments_of  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +81,7 @@ def _rewrite_indexed_dir(ck: Checkpoint, delta: DeltaReader, plans: list[_Tensor
     commit and the deletes leaves them listed in ``.deltarefit-replaced.json`` for the next run."""
     import json
 
-    from .fsutil import write_atomic
+    from ..io.fsutil import write_atomic
 
     idx_path = _indexed(ck)
     with open(idx_path) as f:
@@ -197,7 +189,7 @@ def _metadata_of(file: str) -> dict[str, str] | None:
 def checkpoint_lock(checkpoint_path: str) -> contextlib.AbstractContextManager[None]:
     """The exclusive lock of a checkpoint (file or directory) that apply, check and sync hold: a second
     run on it is refused with ``LockedError`` instead of racing the first one's journal and temps."""
-    from .locks import checkpoint_lock as lock
+    from ..io.locks import checkpoint_lock as lock
 
     return lock(checkpoint_path)
 
@@ -211,7 +203,7 @@ _DIR_TEMPS = (r".+\.safetensors", re.escape(INDEX_NAME), re.escape(REPLACED_LIST
 def remove_dead_temps_of(checkpoint_path: str) -> list[str]:
     """Remove temp files a killed apply left in or beside the checkpoint (a shard-sized
     ``NAME.tmp-PID`` of a structural rewrite), those whose writer is dead. Call under its lock."""
-    from .locks import remove_dead_temps, remove_dead_temps_beside, temp_pattern
+    from ..io.locks import remove_dead_temps, remove_dead_temps_beside, temp_pattern
 
     p = os.path.abspath(checkpoint_path)
     if os.path.isdir(p):
@@ -316,8 +308,3 @@ def check(delta_path: str, checkpoint_path: str, *, threads: int | None = None,
     with checkpoint_lock(checkpoint_path), DeltaReader(delta_path) as d, open_checkpoint(checkpoint_path) as ck:
         Applier(d, ck, journal=None, threads=threads, cache_bytes=0, history=history).plan()
 
-
-# ``deltarefit.apply`` is this module and, called, ``apply`` (``_callable``).
-from ._callable import make_callable  # noqa: E402
-
-make_callable(__name__, "apply")

@@ -14,10 +14,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .checkpoint import MAX_HEADER_BYTES, TensorSource, _is_count, _shape_str
-from .dtypes import DTYPES
-from .errors import CheckpointError
-from .fsutil import create_temp, fsync_dir
+from ..dtypes import DTYPES
+from ..errors import CheckpointError
+from ..io.fsutil import create_temp, fsync_dir
+from .header import MAX_HEADER_BYTES, TensorSource, _is_count, _shape_str
 
 
 def _sorted_sources(path: str, sources: list[TensorSource]) -> list[TensorSource]:

@@ -10,7 +10,7 @@ import os
 import time
 from typing import Any
 
-from .. import errors
+from ... import errors
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def refit_engine(llm: Any, delta_path: str, checkpoint_dir: str, *, verify: bool
     afterwards: its blocks were computed with the old weights.
     """
     t0 = time.perf_counter()
-    from ..apply import checkpoint_lock
+    from ...apply.files import checkpoint_lock
 
     # The checkpoint's lock, held here for the workers' applies (they run in other processes): another
     # sync or apply of this checkpoint is refused meanwhile. Re-entered inside sync_engine's sync.
@@ -80,7 +80,7 @@ def refit_engine(llm: Any, delta_path: str, checkpoint_dir: str, *, verify: bool
 
 def refit_engine_in_place(llm: Any, delta_path: str, checkpoint_dir: str | None = None, *,
                           timeout: float | None = None) -> dict[str, Any]:
-    """Refit a running ``vllm.LLM`` in place (``deltarefit.engines.vllm_live``): only changed elements are
+    """Refit a running ``vllm.LLM`` in place (``deltarefit.engines.vllm.worker``): only changed elements are
     written into its parameters, tensors whose kernel keeps its own copy are reloaded through vLLM's loader
     from host copies, and nothing is written to disk. ``checkpoint_dir``: what the engine was loaded from,
     read once per worker to capture and check the layout (not needed with the weight-transfer backend
@@ -129,7 +129,7 @@ def sync_engine(llm: Any, store: Any, checkpoint_dir: str, *, to_version: int | 
     ``Subscriber(store, checkpoint_dir)`` gives the version to stamp rollouts with. Safe to rerun after
     any failure: a version is recorded only after the engine took it.
     """
-    from ..stream.subscriber import Subscriber
+    from ...stream.subscriber import Subscriber
 
     ck = os.path.abspath(checkpoint_dir)
     sub = Subscriber(store, ck, subscriber_id=subscriber_id, public_key=public_key,

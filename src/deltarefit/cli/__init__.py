@@ -1,0 +1,39 @@
+"""Command line (``deltarefit``): parse, call one library function, render errors as one line with an exit code.
+
+Exit codes: each error's ``exit_code`` (``deltarefit.errors``; a subclass exits as its parent, named in
+parentheses). Usage errors too are one line, exit 2, click's own included.
+
+    0    ok
+    1    DeltaRefitError     unexpected
+    2    UsageError          usage: an option combination or argument that cannot work
+    3    FormatError         bad delta: malformed or corrupt (UnsupportedVersionError, IntegrityError,
+                             LimitError, DecodeError)
+    4    CheckpointError     bad checkpoint: unreadable, or cannot be written
+    5    BaseMismatchError   wrong base: the checkpoint is not the delta's base (nothing written)
+    6    VerificationError   verification: a result does not match its fingerprint or digest
+    7    StoreError          storage: I/O, permissions, a lost connection
+    8    SignatureError      signature: a commit record unsigned, or its signature does not verify
+    9    StreamError         version stream: broken chain, lost publish race, no route, another stream
+                             (MalformedRecordError, StreamIdentityError, PublishError, BroadcastError)
+    10   ProtocolError       relay: failed authentication, a bad frame or part, a relay not reached
+                             (AuthError, BadPartError)
+    11   LockedError         locked: another run holds the checkpoint or the publisher state (the
+                             message names its pid)
+    12   FileSystemError     filesystem: a local file could not be written or read (disk full, read-only,
+                             permission denied, a missing directory); the line names the operation and
+                             the path
+    130  interrupted
+
+Modules:
+
+* ``common``  the group ``main``, ``_run`` (errors as one line and an exit code), progress, shared options
+* ``core``    encode, apply, inspect, fingerprint, verify, keygen, compose
+* ``stream``  the version-stream commands (publish, sync, log, retain, relay)
+* ``apps``    demo, simulate and bench (their modules are imported only when the command runs)
+"""
+
+# Each command module registers its commands on ``main`` when imported.
+from . import apps, core, stream  # noqa: F401
+from .common import main
+
+__all__ = ["main"]

@@ -1,0 +1,5 @@
+"""``python -m deltarefit.cli``: the command line."""
+
+from . import main
+
+main()

@@ -1,0 +1,184 @@
+"""What the command modules share: the group ``main`` (errors rendered as one line with an exit code, the
+CLI's SIGBUS handler), ``_run``, the progress bars, and the common options."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import click
+
+from .. import __version__
+from ..errors import DeltaRefitError, FileSystemError
+
+log = logging.getLogger("deltarefit")
+
+
+def _progress_enabled(quiet: bool) -> bool:
+    return not quiet and sys.stderr.isatty() and os.environ.get("DELTAREFIT_NO_PROGRESS", "") in ("", "0")
+
+
+@contextmanager
+def _progress(label: str, total: int, quiet: bool) -> Iterator[Callable[[int], None] | None]:
+    """A rich progress bar on stderr over ``total`` bytes; None when stderr is not a terminal or --quiet."""
+    if not _progress_enabled(quiet) or total <= 0:
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), transient=True, console=_stderr_console()) as p:
+        task = p.add_task(label, total=total)
+        yield lambda n: p.update(task, advance=n)
+
+
+@contextmanager
+def _transfer_progress(store, label: str, quiet: bool) -> Iterator[None]:
+    """Bytes moved in or out of ``store`` (a Store) as a progress bar on stderr, for the duration;
+    nothing when stderr is not a terminal or --quiet. The total is not known ahead (the route and
+    the parts are chosen inside), so the bar shows bytes and speed."""
+    from ..storage.base import SET_PROGRESS
+
+    if not _progress_enabled(quiet) or SET_PROGRESS not in store.capabilities:
+        yield
+        return
+    from rich.progress import DownloadColumn, Progress, SpinnerColumn, TransferSpeedColumn
+
+    with Progress(SpinnerColumn(), "[progress.description]{task.description}", DownloadColumn(),
+                  TransferSpeedColumn(), transient=True, console=_stderr_console()) as p:
+        task = p.add_task(label, total=None)
+        store.set_progress(lambda n: p.update(task, advance=n))
+        try:
+            yield
+        finally:
+            store.set_progress(None)
+
+
+def _output_dir(output: str) -> None:
+    """Refuse an output path whose directory does not exist, before any work."""
+    from ..errors import UsageError
+
+    d = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(d):
+        raise UsageError(f"{output}: directory {d} does not exist")
+
+
+def _not_an_input(output: str, *inputs: str | None, what: str = "output") -> None:
+    """Refuse, before any work, an ``output`` that is one of ``inputs`` (same path, symlink, hard link)
+    or lies inside an input directory: writing it would destroy the input it was computed from."""
+    from ..errors import UsageError
+    from ..io.fsutil import output_is_input
+
+    hit = output_is_input(output, inputs)
+    if hit is not None:
+        raise UsageError(f"{output}: the {what} is the input {hit} (same file, a link to it, or inside it); "
+                         f"write the {what} elsewhere")
+
+
+def _names(names: list[str], most: int = 4) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _ckpt_bytes(path: str) -> int:
+    from ..checkpoint.read import open_checkpoint
+
+    with open_checkpoint(path) as ck:
+        return sum(t.nbytes for t in ck.tensors.values())
+
+
+def _os_error(e: OSError, where: str | None) -> FileSystemError:
+    """A filesystem fault no layer below named (disk full, read-only, permission denied, ...) as the
+    one-line error of the command running: ``sync: PATH (No space left on device)``. The path is the
+    error's own (both, for a copy or a rename); an error without one (a write to an open file) names
+    ``where``, what the command writes."""
+    ctx = click.get_current_context(silent=True)
+    op = ctx.command_path.removeprefix("deltarefit ") if ctx is not None else "deltarefit"
+    paths = [os.fsdecode(p) for p in (e.filename, e.filename2) if p is not None]
+    if not paths and isinstance(e, BrokenPipeError):  # `deltarefit log | head`: the reader left
+        # What is still buffered for stdout would fail again at exit, as a second message.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        paths = ["stdout"]
+    elif not paths and where is not None:
+        paths = [f"writing {where}"]
+    return FileSystemError.of(f"{op}: {' -> '.join(paths) or '(no path given)'}", e)
+
+
+def _sigbus_as_one_line() -> None:
+    """Checkpoints are read through mmap: a file another process truncates meanwhile raises SIGBUS, which
+    Python cannot catch. In the CLI process it ends the run with one line naming the file, exit 4, as a
+    kill would (an apply resumes on a rerun); where the optional extension was not built, SIGBUS stays
+    the kernel's (the process dies by the signal)."""
+    try:
+        from .. import _sigbus
+    except ImportError:
+        return
+    _sigbus.install()
+
+
+def _run(fn: Callable[[], None], *, where: str | None = None) -> None:
+    """Run a command's body: its errors as one line ``deltarefit: error: ...`` and their exit codes.
+    ``where``: the path the command writes, named by a filesystem error that names none."""
+    try:
+        try:
+            fn()
+        except OSError as e:
+            if isinstance(e, DeltaRefitError):
+                raise
+            # Not a traceback: the operator can act on "disk full at PATH" (and nothing was called
+            # verified that was not: each layer verifies before it reports).
+            raise _os_error(e, where) from None
+    except DeltaRefitError as e:
+        click.echo(f"deltarefit: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("deltarefit: interrupted", err=True)
+        sys.exit(130)
+
+
+class _Group(click.Group):
+    """click's group, with its usage errors (unknown option, missing argument) as one line and exit 2,
+    like every other error, instead of a usage block."""
+
+    def main(self, *args, **kwargs):
+        kwargs["standalone_mode"] = False
+        kwargs.setdefault("prog_name", "deltarefit")  # not "python -m deltarefit"
+        try:
+            rv = super().main(*args, **kwargs)
+        except click.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else "deltarefit"
+            msg = " ".join(e.format_message().split())
+            click.echo(f"deltarefit: error: {where}: {msg} (see '{where} --help')", err=True)
+            sys.exit(2)
+        except click.ClickException as e:
+            click.echo(f"deltarefit: error: {' '.join(e.format_message().split())}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("deltarefit: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="deltarefit")
+@click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr.")
+def main(verbose: bool) -> None:
+    """Bit-exact compressed weight deltas for RL refit: encode, apply in place, verify."""
+    _sigbus_as_one_line()
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+
+_threads = click.option("--threads", type=click.IntRange(min=1), default=None,
+                        help="Worker threads (default: available cores, at most 8).")
+_quiet = click.option("-q", "--quiet", is_flag=True, help="No progress bar (also off when stderr is not a tty).")
+_json = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")

@@ -1,0 +1,234 @@
+"""The command line's core commands: encode, apply, inspect, fingerprint, verify, keygen, compose."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from .common import (
+    _ckpt_bytes,
+    _json,
+    _names,
+    _not_an_input,
+    _output_dir,
+    _progress,
+    _progress_enabled,
+    _quiet,
+    _run,
+    _threads,
+    main,
+)
+
+ENCODE_EXAMPLES = """
+\b
+Examples:
+  deltarefit encode base.safetensors new.safetensors -o step42.delta
+  deltarefit encode ckpt/step41 ckpt/step42 -o step42.delta --threads 8
+  deltarefit encode ckpt/step42 ckpt/step43 -o step43.delta --history trainer.history
+"""
+APPLY_EXAMPLES = """
+\b
+Examples:
+  deltarefit apply step42.delta rollout/model.safetensors
+  deltarefit apply step42.delta rollout/ --quiet
+  deltarefit apply step43.delta rollout/model.safetensors --history rollout/model.history
+"""
+
+
+@main.command(epilog=ENCODE_EXAMPLES)
+@click.argument("base", type=click.Path(exists=True))
+@click.argument("target", type=click.Path(exists=True))
+@click.option("-o", "--output", required=True, type=click.Path(), help="Delta file to write (atomically).")
+@click.option("--history", "history_dir", type=click.Path(file_okay=False), default=None,
+              help="History book of BASE (a directory, created if missing): code against its last three "
+                   "versions' moves too (encoding 5), then advance it to TARGET. For a chain whose every delta "
+                   "is delivered in order; the rollout applies with its own --history.")
+@_threads
+@_quiet
+@_json
+def encode(base: str, target: str, output: str, history_dir: str | None, threads: int | None, quiet: bool,
+           as_json: bool) -> None:
+    """Encode the delta taking checkpoint BASE to checkpoint TARGET (a .safetensors file or HF directory)."""
+
+    def go() -> None:
+        from ..encode import encode as enc
+
+        _output_dir(output)
+        _not_an_input(output, base, target, history_dir)
+        book = None
+        if history_dir is not None:
+            from ..history_book import HistoryBook
+
+            book = HistoryBook(history_dir)
+        with _progress("encode", _ckpt_bytes(target) if _progress_enabled(quiet) else 0, quiet) as cb:
+            rep = enc(base, target, output, threads=threads, progress=cb, history=book)
+        if book is not None and rep.moves is not None:
+            book.commit(rep.target_fingerprint, rep.moves, parent=rep.base_fingerprint)
+        summary = {
+            "delta": output, "delta_bytes": rep.delta_bytes, "full_bytes": rep.full_bytes, "ratio": rep.ratio,
+            "changed_fraction": rep.changed_fraction, "seconds": rep.seconds,
+            "base_fingerprint": rep.base_fingerprint, "target_fingerprint": rep.target_fingerprint,
+        }
+        if as_json:
+            click.echo(json.dumps(summary, indent=2))
+        else:
+            click.echo(f"{output}: {rep.delta_bytes:,} bytes, {rep.ratio:.1f}x smaller than the full checkpoint "
+                       f"({rep.full_bytes:,} bytes), {100 * rep.changed_fraction:.3f}% of elements changed, "
+                       f"{rep.seconds:.2f} s")
+            click.echo(f"target fingerprint {rep.target_fingerprint}")
+
+    _run(go, where=output)
+
+
+@main.command(epilog=APPLY_EXAMPLES)
+@click.argument("delta", type=click.Path())
+@click.argument("checkpoint", type=click.Path())
+@click.option("--history", "history_dir", type=click.Path(file_okay=False), default=None,
+              help="History book of CHECKPOINT (a directory, created if missing): decode encoding-5 chunks "
+                   "against it, and advance it once the apply is verified.")
+@_threads
+@_quiet
+@_json
+def apply(delta: str, checkpoint: str, history_dir: str | None, threads: int | None, quiet: bool,
+          as_json: bool) -> None:
+    """Apply DELTA to CHECKPOINT in place. Verifies the base first and the target fingerprint last.
+
+    Idempotent and crash-safe: running it again after an interruption finishes the job; running it on
+    a checkpoint that already is the target changes nothing.
+    """
+
+    def go() -> None:
+        from ..apply.files import apply as ap
+
+        _not_an_input(checkpoint, delta, history_dir, what="checkpoint")
+        _not_an_input(delta, checkpoint, what="delta")  # a delta inside the checkpoint directory it writes
+        book = None
+        if history_dir is not None:
+            from ..history_book import HistoryBook
+
+            book = HistoryBook(history_dir)
+        with _progress("apply", _ckpt_bytes(checkpoint) if _progress_enabled(quiet) else 0, quiet) as cb:
+            rep = ap(delta, checkpoint, threads=threads, progress=cb, history=book)
+        if as_json:
+            click.echo(json.dumps(rep.__dict__, indent=2))
+        else:
+            tensors = ""
+            for op, verb in (("add", "added"), ("remove", "removed"), ("replace", "replaced")):
+                names = [n for n in rep.structural if rep.structural_ops.get(n) == op]
+                if names:
+                    tensors += f"; {verb} {len(names)} tensor{'s' * (len(names) != 1)} ({_names(names)})"
+            click.echo(f"{checkpoint}: applied {rep.chunks_applied} chunks ({rep.chunks_skipped} already done, "
+                       f"{rep.chunks_recovered} recovered){tensors} in {rep.seconds:.2f} s; "
+                       f"fingerprint {rep.target_fingerprint} verified")
+
+    _run(go, where=checkpoint)
+
+
+@main.command()
+@click.argument("delta", type=click.Path())
+@_json
+@click.option("--all", "show_all", is_flag=True, help="List unchanged tensors too.")
+def inspect(delta: str, as_json: bool, show_all: bool) -> None:
+    """Show what DELTA changes: per tensor elements, changed fraction, encodings and bytes; totals and ratio."""
+
+    def go() -> None:
+        from ..api import inspect as ins
+
+        info = ins(delta)
+        if as_json:
+            click.echo(json.dumps(info, indent=2))
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"{delta}  ({info['delta_bytes']:,} bytes, {info['ratio']:.1f}x)")
+        for col in ("tensor", "op", "dtype", "elements", "changed", "bytes", "encodings"):
+            table.add_column(col, justify="right" if col in ("elements", "changed", "bytes") else "left")
+        for t in info["tensors"]:
+            if t["op"] == "same" and not show_all:
+                continue
+            enc = " ".join(f"{k}:{v}" for k, v in sorted(t["encodings"].items()))
+            table.add_row(t["name"], t["op"], t["dtype"], f"{t['elements']:,}",
+                          f"{100 * t['changed_fraction']:.3f}%", f"{t['bytes']:,}", enc)
+        Console(width=160).print(table)
+        click.echo(f"total: {info['changed_elements']:,} of {info['total_elements']:,} elements changed "
+                   f"({100 * info['changed_fraction']:.3f}%); delta {info['delta_bytes']:,} bytes vs full "
+                   f"{info['full_bytes']:,} bytes: {info['ratio']:.1f}x")
+        click.echo(f"base   {info['base_fingerprint']}\ntarget {info['target_fingerprint']}")
+
+    _run(go)
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path())
+@_threads
+@_json
+def fingerprint(checkpoint: str, threads: int | None, as_json: bool) -> None:
+    """Print the layout-independent fingerprint of CHECKPOINT (file or directory)."""
+
+    def go() -> None:
+        from ..checkpoint.read import fingerprint_checkpoint, open_checkpoint
+
+        with open_checkpoint(checkpoint) as ck:
+            fp, digests = fingerprint_checkpoint(ck, threads=threads)
+        if as_json:
+            click.echo(json.dumps({"fingerprint": fp, "tensors": {k: v.hex() for k, v in digests.items()}}, indent=2))
+        else:
+            click.echo(fp)
+
+    _run(go)
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path())
+@click.argument("expected")
+@_threads
+def verify(checkpoint: str, expected: str, threads: int | None) -> None:
+    """Exit 0 if CHECKPOINT's fingerprint is EXPECTED, else 6 with a one-line error."""
+
+    def go() -> None:
+        from ..api import verify as ver
+
+        click.echo(f"{checkpoint}: fingerprint {ver(checkpoint, expected, threads=threads)} verified")
+
+    _run(go)
+
+
+@main.command()
+@click.argument("private_key", type=click.Path())
+def keygen(private_key) -> None:
+    """Write a new Ed25519 signing key to PRIVATE_KEY and its public key to PRIVATE_KEY.pub."""
+
+    def go() -> None:
+        from ..signing import keygen as kg
+
+        click.echo(f"wrote {private_key} (keep it secret) and {kg(private_key)}")
+
+    _run(go)
+
+
+@main.command()
+@click.argument("deltas", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("-o", "--output", required=True, type=click.Path(), help="Composed delta to write.")
+@click.option("--base", required=True, type=click.Path(exists=True),
+              help="The checkpoint the first delta applies to (read only; chunk contexts come from it).")
+@_quiet
+def compose(deltas, output, base, quiet) -> None:
+    """Compose DELTAS (applied in order) into one delta equal to them bit for bit."""
+
+    def go() -> None:
+        from ..compose import compose as comp
+
+        _output_dir(output)
+        _not_an_input(output, base, *deltas)
+        with _progress("compose", _ckpt_bytes(base) if _progress_enabled(quiet) else 0, quiet) as cb:
+            rep = comp(list(deltas), output, base=base, progress=cb)
+        click.echo(f"{output}: {rep.delta_bytes:,} bytes, {len(deltas)} deltas composed, target "
+                   f"{rep.target_fingerprint}")
+
+    _run(go, where=output)
+
+
+
+# The stream and relay commands, and the apps' (demo, simulate, bench), register themselves on ``main``.

@@ -1,0 +1,29 @@
+"""vLLM: refit a running engine in place from deltarefit deltas.
+
+* ``extension``  the worker extension ``DeltaRefitWorkerExtension`` (``worker_extension_cls``, by its path
+                 ``deltarefit.engines.vllm.DeltaRefitWorkerExtension``): in-place refit, or apply to the
+                 on-disk checkpoint and reload the touched layers
+* ``driver``     what the process holding the ``LLM`` calls: ``refit_engine``, ``refit_engine_in_place``,
+                 ``prepare_refit_in_place``, ``reload_engine``, ``sync_engine``, ``engine_digests``
+* ``worker``     one worker's live refit state (``LiveEngine``): layout captured and checked, host copies of
+                 what must go through vLLM's reload, ``apply(delta)``
+* ``backend``    the ``deltarefit`` weight-transfer backend (worker and trainer engines); imports vLLM
+* ``layers``     checkpoint tensor names grouped by the engine layer they load into
+
+Importing this package imports neither vLLM nor torch.
+"""
+
+from .driver import (
+    engine_digests,
+    prepare_refit_in_place,
+    refit_engine,
+    refit_engine_in_place,
+    reload_engine,
+    sync_engine,
+)
+from .extension import EXTENSION, LOCK_NAME, DeltaRefitWorkerExtension
+from .layers import layer_key, reload_set
+
+__all__ = ["EXTENSION", "LOCK_NAME", "DeltaRefitWorkerExtension", "engine_digests", "layer_key",
+           "prepare_refit_in_place", "refit_engine", "refit_engine_in_place", "reload_engine", "reload_set",
+           "sync_engine"]

@@ -1,0 +1,8 @@
+"""The local filesystem and untrusted input, for every layer above.
+
+* ``fsutil``      durable writes (fsync, atomic rename), files opened without following planted links or
+                  hanging on FIFOs, filesystem errors as one line
+* ``locks``       exclusive access to what a run writes (a checkpoint, a publisher's state) and what dead
+                  runs leave behind
+* ``jsonlimits``  cheap bounds on untrusted JSON text before ``json.loads`` builds it
+"""

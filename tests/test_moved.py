@@ -1,0 +1,82 @@
+"""Old module paths keep working for one release (``deltarefit._moved``): each imports as the very module at
+its new path, with a DeprecationWarning naming it; the paths users pass by name keep resolving."""
+
+import importlib
+import importlib.util
+import sys
+import warnings
+
+import pytest
+
+from deltarefit._moved import MOVED
+
+NEEDS = {"deltarefit.engines.vllm.backend": "vllm", "deltarefit.apply.tensors": "torch"}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_old_path_is_the_new_module(old):
+    new = MOVED[old]
+    if new in NEEDS and importlib.util.find_spec(NEEDS[new]) is None:
+        pytest.skip(f"{new} needs {NEEDS[new]}")
+    mod = importlib.import_module(new)
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
+        got = importlib.import_module(old)
+    assert got is mod and sys.modules[old] is mod
+    parent, _, last = old.rpartition(".")
+    assert getattr(sys.modules[parent], last) is mod
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert importlib.import_module(old) is mod  # imported once: no second warning
+
+
+def test_from_old_path_import_name():
+    sys.modules.pop("deltarefit.applier", None)
+    with pytest.warns(DeprecationWarning):
+        from deltarefit.applier import run_apply
+    from deltarefit.apply.protocol import run_apply as new
+
+    assert run_apply is new
+
+
+def test_unknown_names_are_still_missing():
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("deltarefit.no_such_module")
+
+
+def test_worker_extension_by_its_dotted_path():
+    """vLLM resolves ``worker_extension_cls`` by module path and attribute, as here; neither vLLM nor torch is
+    imported by it."""
+    from deltarefit.engines.vllm import EXTENSION
+    from deltarefit.engines.vllm.extension import DeltaRefitWorkerExtension
+
+    assert EXTENSION == "deltarefit.engines.vllm.DeltaRefitWorkerExtension"
+    module, _, name = EXTENSION.rpartition(".")
+    assert getattr(importlib.import_module(module), name) is DeltaRefitWorkerExtension
+
+
+def test_the_plugin_names_the_backend_module():
+    import deltarefit_vllm_plugin as plugin
+
+    assert plugin.MODULE == "deltarefit.engines.vllm.backend"
+    assert importlib.util.find_spec(plugin.MODULE) is not None
+
+
+def test_packages_keep_the_old_modules_names():
+    """``deltarefit.apply``, ``deltarefit.cli`` and ``deltarefit.engines.vllm`` were modules and are packages:
+    each still has the names callers used, and ``deltarefit.apply`` is still callable."""
+    import deltarefit.apply
+    import deltarefit.cli
+    import deltarefit.engines.vllm
+    from deltarefit.apply import files, journal, protocol
+
+    assert callable(deltarefit.apply) and deltarefit.apply.apply is files.apply
+    assert deltarefit.apply.Journal is journal.Journal and deltarefit.apply.run_apply is protocol.run_apply
+    assert deltarefit.apply.ApplyReport is deltarefit.ApplyReport
+    with pytest.warns(DeprecationWarning):
+        assert deltarefit.apply._new_tensor_chunks is files._new_tensor_chunks
+    assert callable(deltarefit.cli.main)
+    for name in ("refit_engine", "refit_engine_in_place", "prepare_refit_in_place", "reload_engine",
+                 "sync_engine", "engine_digests", "layer_key", "reload_set"):
+        assert callable(getattr(deltarefit.engines.vllm, name)), name
+    assert deltarefit.__version__
