@@ -78,15 +78,16 @@ def start_cluster(object_store_mb: int = 128) -> Any:
     return cluster
 
 
-def build_base(out: str, seed: int = 0) -> str:
-    """A random-init tiny Llama, served in bf16 (safetensors, config and a word-level tokenizer)."""
+def build_base(out: str, seed: int = 0, config: dict | None = None) -> str:
+    """A random-init Llama (``CONFIG`` by default: tiny), served in bf16 (safetensors, config and a
+    word-level tokenizer)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from deltarefit.apps.bench.engine_model import build_tokenizer
 
     torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(**CONFIG)).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    LlamaForCausalLM(LlamaConfig(**(config or CONFIG))).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     build_tokenizer(out)
     return out
 
@@ -101,12 +102,14 @@ class TinyTrainer:
     what it wrote (the publisher returns the version it already is, or finishes or drops a publish
     cut short)."""
 
-    def __init__(self, root: str, stream: str, base: str, engines: list[str], *, lr: float = 1e-4) -> None:
+    def __init__(self, root: str, stream: str, base: str, engines: list[str], *, lr: float = 1e-4,
+                 config: dict | None = None) -> None:
         import ray
 
         from deltarefit.integrations.ray import RefitTrainer
 
         self.root, self.stream, self.base, self.lr = root, stream, base, lr
+        self.config = config or CONFIG
         self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self.refit = RefitTrainer(engines, stream, os.path.join(root, "trainer"), engine_version=1)
 
@@ -134,7 +137,7 @@ class TinyTrainer:
         done = os.path.join(self.root, "steps", f"step{step}")
         if os.path.isdir(done):
             return self._served(step)
-        model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+        model = LlamaForCausalLM(LlamaConfig(**self.config))
         opt = torch.optim.AdamW(model.parameters(), lr=self.lr)
         if step == 1:
             model = LlamaForCausalLM.from_pretrained(self.base, torch_dtype=torch.float32)
@@ -188,54 +191,71 @@ class TinyTrainer:
         return time.perf_counter() - t
 
 
-def start(root: str, *, max_restarts: int = 3) -> tuple[Any, list[Any], str]:
+def start(root: str, *, max_restarts: int = 3, config: dict | None = None) -> tuple[Any, list[Any], str]:
     """Base checkpoint, the trainer actor (version 1 published), the engines; (trainer, engines, base)."""
     import ray
 
     from deltarefit.integrations.ray import start_engines
 
-    base = build_base(os.path.join(root, "base"))
+    base = build_base(os.path.join(root, "base"), config=config)
     stream = os.path.join(root, "stream")
     trainer = ray.remote(TinyTrainer).options(resources={"trainer": 1.0}, num_cpus=1, max_restarts=max_restarts,
                                               max_task_retries=0, name="trainer").remote(
-        root, stream, base, list(ENGINES))
+        root, stream, base, list(ENGINES), config=config)
     assert ray.get(trainer.publish_base.remote(), timeout=300) == 1
     engines = start_engines(base, list(ENGINES.values()), names=list(ENGINES), init_info={"stream": stream, "version": 1},
                             llm_kwargs=LLM_KWARGS, max_restarts=max_restarts)
     return trainer, engines, base
 
 
+def _parameters(path: str) -> int:
+    import math
+
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4, help="training steps (versions after the first)")
     ap.add_argument("--root", default=None, help="working directory (default: a new temporary one, removed)")
+    ap.add_argument("--hidden", type=int, default=CONFIG["hidden_size"], help="model width (heads of 64)")
+    ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"], help="decoder layers")
     args = ap.parse_args(argv)
     root = args.root or tempfile.mkdtemp(prefix="deltarefit-ray-")
     os.environ.update(cluster_env(root))
     sys.path[:0] = [SRC]
     import ray
 
+    config = dict(CONFIG, hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+                  num_attention_heads=max(args.hidden // 64, 1), num_key_value_heads=max(args.hidden // 128, 1))
     cluster = start_cluster()
     try:
         t = time.perf_counter()
-        trainer, engines, _ = start(root)
+        trainer, engines, _ = start(root, config=config)
         print(f"cluster of 3 nodes and 2 engines up in {time.perf_counter() - t:.1f} s")
-        print("version  kind      delta KB  publish s  update s  rounds  every engine = trainer's fingerprint")
+        params = _parameters(os.path.join(root, "base", "model.safetensors"))
+        print(f"model: Llama, {params / 1e6:.1f}M parameters (bf16 served), {args.layers} layers, width {args.hidden}")
+        print("version  kind      delta KB  ratio  publish s  update s  rounds  every engine = trainer's fingerprint")
         ok = True
         for step in range(1, args.steps + 1):
             r = ray.get(trainer.step.remote(step), timeout=900)
             rep = r["refit"]
             same = all(fp == rep["fingerprint"] for e in rep["engines"] for fp in e["fingerprints"])
             ok &= same
-            print(f"{r['version']:>7}  {r['kind']:<8}  {r['delta_bytes'] / 1e3:>8.0f}  {r['seconds_publish']:>9.2f}"
+            print(f"{r['version']:>7}  {r['kind']:<8}  {r['delta_bytes'] / 1e3:>8.0f}  {2 * params / r['delta_bytes']:>5.1f}"
+                  f"  {r['seconds_publish']:>9.2f}"
                   f"  {rep['seconds_round']:>8.2f}  {rep['rounds']:>6}  {'yes' if same else 'NO'}")
         noop = sorted(ray.get(trainer.noop_round.remote(), timeout=300) for _ in range(5))
         print(f"update with nothing to apply (control plane): median {noop[2] * 1e3:.0f} ms "
               f"(min {noop[0] * 1e3:.0f}, max {noop[-1] * 1e3:.0f}; 5 rounds)")
         head = os.path.join(root, "steps", f"step{args.steps}", "served")
+        t = time.perf_counter()
         reloads = ray.get([e.full_reload.remote(head) for e in engines], timeout=600)
-        print("full reload of the same engines from the head's checkpoint: "
-              + ", ".join(f"{s:.2f} s" for s in reloads))
+        print(f"full reload of the same engines from the head's checkpoint (already on disk): {time.perf_counter() - t:.2f} s "
+              f"for both through Ray ({', '.join(f'{s:.2f}' for s in reloads)} s in each engine)")
         return 0 if ok else 1
     finally:
         ray.shutdown()

@@ -108,6 +108,7 @@ class EngineActor:
         self.seconds_start = time.perf_counter() - t0
         self.init_info: dict[str, Any] | None = None
         self._wrote = False  # an update since the last start wrote weights (not a plan-ahead)
+        self._open = False  # started and not finished
         self.caught_up: dict[str, Any] | None = None
         if init_info is not None:
             self.init_weight_transfer_engine({"init_info": init_info})
@@ -144,8 +145,16 @@ class EngineActor:
         self.init_info = None
 
     def start_weight_update(self) -> None:
+        """As ``LLM.start_weight_update``. An update left open here by a round that failed elsewhere
+        (another engine died mid-round, so the trainer never sent this one its finish) is finished
+        first: vLLM refuses a start while one is open, and the round is driven again from its start.
+        The backend writes nothing at finish, and no version is stamped."""
+        if self._open:
+            log.warning("[%s] finishing the update a failed round left open", self.name)
+            self.llm.finish_weight_update(None)
         self._wrote = False
         self.llm.start_weight_update()
+        self._open = True
 
     def update_weights(self, request: Any) -> None:
         info = request["update_info"] if isinstance(request, dict) else request.update_info
@@ -157,6 +166,7 @@ class EngineActor:
         ``update_weight_version``); the prefix cache is reset after an update that wrote weights: its
         blocks were computed with the old ones."""
         self.llm.finish_weight_update(weight_version)
+        self._open = False
         if self._wrote:
             self.llm.reset_prefix_cache()
             self._wrote = False
@@ -358,9 +368,25 @@ class RefitTrainer:
         raise AssertionError("unreachable")
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Wait until every engine answers (a restarted one has caught up with the stream by then)."""
+        """Wait until every engine answers (a restarted one has caught up with the stream by then). Ray
+        answers a call to a restarting actor with ``ActorUnavailableError`` at once, so this asks again
+        until ``timeout``; an actor Ray gave up on (``ActorDiedError``) fails it at once."""
         ray = require_ray()
-        ray.get([h.ready.remote() for h in self.engines], timeout=timeout or self.ready_timeout)
+        deadline = time.monotonic() + (timeout or self.ready_timeout)
+        pending = list(self.engines)
+        while pending:
+            waiting = []
+            for h in pending:
+                try:
+                    ray.get(h.ready.remote(), timeout=self._left(deadline))
+                except ray.exceptions.ActorUnavailableError:
+                    waiting.append(h)
+            if waiting and time.monotonic() >= deadline:
+                raise DeltaRefitError(f"{len(waiting)} engines did not come back within "
+                                      f"{timeout or self.ready_timeout:.0f} s")
+            if waiting:
+                time.sleep(0.5)
+            pending = waiting
 
     def _left(self, deadline: float) -> float:
         return max(1.0, deadline - time.monotonic())
