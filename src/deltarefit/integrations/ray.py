@@ -232,21 +232,30 @@ def start_engines(model: str, resources: list[dict[str, float]], *, init_info: d
     In-flight calls are not retried (``max_task_retries=0``): a round an engine died in fails, and the
     trainer drives it again (``RefitTrainer.refit``)."""
     ray = require_ray()
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     names = names or [f"engine-{i}" for i in range(len(resources))]
     handles = []
     for name, res in zip(names, resources, strict=True):
-        pg = placement_group([{"CPU": num_cpus, **res}], strategy="STRICT_PACK", name=f"deltarefit-{name}")
-        ray.get(pg.ready(), timeout=timeout)
-        actor = ray.remote(EngineActor).options(
-            num_cpus=num_cpus, resources=dict(res), max_restarts=max_restarts, max_task_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            runtime_env=runtime_env, name=name)
+        actor = ray.remote(EngineActor).options(**placed(res, name, num_cpus=num_cpus, max_restarts=max_restarts,
+                                                         runtime_env=runtime_env, timeout=timeout))
         handles.append(actor.remote(model, init_info=init_info, llm_kwargs=llm_kwargs, name=name))
     ray.get([h.ready.remote() for h in handles], timeout=timeout)
     return handles
+
+
+def placed(resources: dict[str, float], name: str, *, num_cpus: float = 1, max_restarts: int = 3,
+           runtime_env: dict[str, Any] | None = None, timeout: float = READY_TIMEOUT) -> dict[str, Any]:
+    """Actor options for one engine: its own placement group (one ``STRICT_PACK`` bundle of ``num_cpus``
+    CPUs and the node's ``resources``), named ``name``, restarted up to ``max_restarts`` times, in-flight
+    calls not retried."""
+    ray = require_ray()
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = placement_group([{"CPU": num_cpus, **resources}], strategy="STRICT_PACK", name=f"deltarefit-{name}")
+    ray.get(pg.ready(), timeout=timeout)
+    return dict(num_cpus=num_cpus, resources=dict(resources), max_restarts=max_restarts, max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+                runtime_env=runtime_env, name=name)
 
 
 @dataclass
@@ -277,12 +286,16 @@ class RefitTrainer:
 
     def __init__(self, engines: list[Any], stream: str, state_dir: str, *, engine_version: int | None = None,
                  keyframe_every: int = 20, publish_rate: float | None = None, max_rounds: int = 3,
-                 round_timeout: float = ROUND_TIMEOUT, ready_timeout: float = READY_TIMEOUT) -> None:
+                 round_timeout: float = ROUND_TIMEOUT, ready_timeout: float = READY_TIMEOUT,
+                 transport: str = "ray") -> None:
         require_ray()
         from ..engines.vllm_backend import DeltaRefitTrainerInitInfo, DeltaRefitTrainerWeightTransferEngine
 
         if max_rounds < 1:
             raise UsageError(f"max_rounds must be >= 1, got {max_rounds}")
+        if transport not in ("ray", "http"):
+            raise UsageError(f"transport must be 'ray' (EngineActor) or 'http' (ray_http.ServerActor), not {transport!r}")
+        self.transport = transport
         self._engines = list(engines)
         self.state_dir = os.path.abspath(state_dir)
         os.makedirs(self.state_dir, exist_ok=True)
@@ -304,8 +317,17 @@ class RefitTrainer:
         if any(isinstance(e, str) for e in self._engines):
             ray = require_ray()
             self._engines = [ray.get_actor(e) if isinstance(e, str) else e for e in self._engines]
-        if self.transfer.client is None:
+        if self.transfer.client is None and self.transport == "ray":
             self.transfer.client = ray_client(self._engines)
+        elif self.transfer.client is None:
+            from .ray_http import HTTPFanOut
+
+            ray = require_ray()
+            self.transfer.client = HTTPFanOut(ray.get([h.get_url.remote() for h in self._engines],
+                                                      timeout=self.ready_timeout))
+            # A ServerActor initializes the backend itself at every start (and follows the stream from
+            # there): a second init from here would name the version it started from, not the one it holds.
+            self.transfer.engines_ready = True
         return self._engines
 
     @property
@@ -355,7 +377,7 @@ class RefitTrainer:
                 if wrong:
                     raise DeltaRefitError(f"engines not at version {version} ({fp[:16]}…) after its round: "
                                           + ", ".join(f"{s['name']} at {s['weight_version']}" for s in wrong))
-            except (ray.exceptions.RayError, DeltaRefitError) as e:
+            except (ray.exceptions.RayError, DeltaRefitError, OSError) as e:  # OSError: an HTTP call
                 failures.append(f"round {rounds}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
                 log.warning("refit to version %d: %s", version, failures[-1])
                 if rounds == self.max_rounds or time.monotonic() >= deadline:
