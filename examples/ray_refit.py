@@ -190,14 +190,16 @@ class TinyTrainer:
         return time.perf_counter() - t
 
 
-def start(root: str, *, max_restarts: int = 3, config: dict | None = None) -> tuple[Any, list[Any], str]:
-    """Base checkpoint, the trainer actor (version 1 published), the engines; (trainer, engines, base)."""
+def start(root: str, *, max_restarts: int = 3, config: dict | None = None,
+          stream: str | None = None) -> tuple[Any, list[Any], str]:
+    """Base checkpoint, the trainer actor (version 1 published), the engines; (trainer, engines, base).
+    ``stream``: the store URL (default: ``ROOT/stream``, a directory)."""
     import ray
 
     from deltarefit.integrations.ray import start_engines
 
     base = build_base(os.path.join(root, "base"), config=config)
-    stream = os.path.join(root, "stream")
+    stream = stream or os.path.join(root, "stream")
     trainer = ray.remote(TinyTrainer).options(resources={"trainer": 1.0}, num_cpus=1, max_restarts=max_restarts,
                                               max_task_retries=0, name="trainer").remote(
         root, stream, base, list(ENGINES), config=config)

@@ -36,6 +36,8 @@ import ray_refit  # noqa: E402  (examples/ray_refit.py)
 from _ray_faults import stall_mid_write  # noqa: E402
 from _vllm_env import vllm_processes_env  # noqa: E402
 
+pytest_plugins = ["conftest_s3"]  # the SeaweedFS S3 server (s3_server, s3_env)
+
 WAIT = 900  # seconds: the bound of any wait for an actor call (an engine's start on 2 busy cores included)
 
 
@@ -297,3 +299,41 @@ def test_vllm_serve_actors_follow_the_trainer_through_vllms_http_client(cluster,
             differing[(v, n)] = sorted(k for k in want if snap["digests"][0].get(k) != want[k])
     assert all(d == [] for d in differing.values()), differing
     print(json.dumps({"http_failures": r["refit"]["failures"]}))
+
+
+def test_engines_follow_a_stream_in_s3(s3_env, cluster, tmp_path):
+    """The loop with the stream in S3 (the SeaweedFS server on loopback; every node of the cluster gets its
+    endpoint and credentials from the environment): 2 real AdamW steps, each engine fetches its deltas
+    from S3 itself (bytes fetched > 0, the chain route), and at versions 2 and 3 every engine equals a
+    fresh engine bit for bit."""
+    import uuid
+
+    from deltarefit.integrations.ray import EngineActor
+
+    root = str(tmp_path / "run")
+    os.makedirs(root)
+    stream = s3_env.url(f"ray-{uuid.uuid4().hex[:8]}")
+    assert stream.startswith("s3://")
+    trainer, handles, _base = ray_refit.start(root, stream=stream)
+    engines = dict(zip(ray_refit.ENGINES, handles, strict=True))
+    at, served = {}, {}
+    for k in (1, 2):
+        r = ray.get(trainer.step.remote(k), timeout=WAIT)
+        served[r["version"]] = r["served"]
+        at[r["version"]] = snap = _snapshot(engines)
+        _check_acked(r, snap, r["version"])
+        for name, e in engines.items():
+            last = ray.get(e.last_update.remote(), timeout=WAIT)
+            assert last["route"] == "chain" and last["bytes_fetched"] > 0, (name, last)
+    for h in handles:
+        ray.kill(h, no_restart=True)
+    ray.kill(trainer, no_restart=True)
+    fresh_cls = ray.remote(EngineActor).options(resources={"trainer": 1.0}, num_cpus=1)
+    for v in (2, 3):
+        ref_engine = fresh_cls.remote(served[v], llm_kwargs=ray_refit.LLM_KWARGS, weight_transfer=False)
+        want_d, want_t = ray.get([ref_engine.digests.remote(), ref_engine.generate.remote(ray_refit.PROMPTS)],
+                                 timeout=WAIT)
+        ray.kill(ref_engine)
+        for name, s in at[v].items():
+            assert s["tokens"] == want_t, (v, name)
+            assert sorted(k for k in want_d[0] if s["digests"][0].get(k) != want_d[0][k]) == [], (v, name)
