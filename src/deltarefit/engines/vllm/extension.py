@@ -293,6 +293,13 @@ class DeltaRefitWorkerExtension:
             return {"ok": False, "rank": rank, "error_type": type(e).__name__, "error": str(e)}
         return {"ok": True, "rank": rank, **vars(rep)}
 
+    def deltarefit_last_update(self) -> dict[str, Any]:
+        """The weight-transfer backend's last update on this worker: version, fingerprint, route, versions
+        applied, bytes fetched (empty before the first)."""
+        last = getattr(getattr(self, "weight_transfer_engine", None), "last", None) or {}
+        return {k: last[k] for k in ("version", "fingerprint", "route", "versions_applied", "bytes_fetched",
+                                     "verified") if k in last}
+
     def deltarefit_live_describe(self, checkpoint_dir: str | None = None) -> dict[str, Any]:
         """What this worker writes in place and what it reloads (and why)."""
         return self._deltarefit_live(checkpoint_dir).describe()

