@@ -119,7 +119,7 @@ class TinyTrainer:
         return self.refit.publish(self.base, step=0).version
 
     def _phase(self, step: int, phase: str) -> None:
-        from deltarefit.fsutil import write_atomic
+        from deltarefit.io.fsutil import write_atomic
 
         write_atomic(os.path.join(self.root, "phase.json"), json.dumps({"step": step, "phase": phase}).encode())
 

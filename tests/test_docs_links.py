@@ -7,9 +7,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", ROOT / "FORMAT.md", *(ROOT / "docs").glob("*.md")])
-# Pages that docs/README.md lists and that other work items of issue 35 and 36 write (the architecture, the Ray
-# integration). A link to one is accepted while the page is absent; once both exist, empty this set.
-PENDING = {ROOT / "docs" / "ARCHITECTURE.md", ROOT / "docs" / "RAY.md"}
 
 _FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 _CODE = re.compile(r"`[^`\n]*`")
@@ -37,7 +34,7 @@ def test_every_relative_link_resolves(page):
     broken = []
     for target in relative_links(page.read_text()):
         path = (page.parent / target).resolve()
-        if not path.exists() and path not in PENDING:
+        if not path.exists():
             broken.append(target)
     assert not broken, f"{page.relative_to(ROOT)}: links to missing files: {broken}"
 

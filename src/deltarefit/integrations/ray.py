@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DeltaRefitError, UsageError
-from ..fsutil import write_atomic
+from ..io.fsutil import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class EngineActor:
     def full_reload(self, checkpoint: str) -> float:
         """Reload every weight from ``checkpoint`` (vLLM's loader; the figure a delta refit is compared
         with): seconds."""
-        from ..engines.vllm_driver import reload_engine
+        from ..engines.vllm.driver import reload_engine
 
         return reload_engine(self.llm, checkpoint)["seconds"]
 
@@ -289,7 +289,7 @@ class RefitTrainer:
                  round_timeout: float = ROUND_TIMEOUT, ready_timeout: float = READY_TIMEOUT,
                  transport: str = "ray") -> None:
         require_ray()
-        from ..engines.vllm_backend import DeltaRefitTrainerInitInfo, DeltaRefitTrainerWeightTransferEngine
+        from ..engines.vllm.backend import DeltaRefitTrainerInitInfo, DeltaRefitTrainerWeightTransferEngine
 
         if max_rounds < 1:
             raise UsageError(f"max_rounds must be >= 1, got {max_rounds}")

@@ -6,7 +6,7 @@
   kernel sends it SIGKILL when the actor's process ends), so a restarted actor starts a new server on
   the same port, initializes the backend and catches up through the stream, as ``EngineActor`` does.
 * ``HTTPFanOut``: the trainer's client over several servers: for each, vLLM's
-  ``HTTPVLLMWeightSyncClient`` inside ``deltarefit.engines.vllm_backend.HTTPClient`` (``/pause`` before
+  ``HTTPVLLMWeightSyncClient`` inside ``deltarefit.engines.vllm.backend.HTTPClient`` (``/pause`` before
   the update, ``/resume`` after). A round that fails on one server finishes and resumes the others at
   once, so they go on serving while the trainer waits to drive it again.
 
@@ -54,7 +54,7 @@ class ServerActor:
                  serve_args: list[str] | None = None, name: str = "server", timeout: float = READY_TIMEOUT) -> None:
         ray = require_ray()
         from ..engines.vllm import EXTENSION
-        from ..engines.vllm_backend import HTTPClient
+        from ..engines.vllm.backend import HTTPClient
 
         self.name = name
         ctx = ray.get_runtime_context()
@@ -162,7 +162,7 @@ class HTTPFanOut:
     """The client protocol vLLM's trainer engines drive, over several servers (module docstring)."""
 
     def __init__(self, urls: list[str], timeout: float = 300.0) -> None:
-        from ..engines.vllm_backend import HTTPClient
+        from ..engines.vllm.backend import HTTPClient
 
         self.clients = [HTTPClient(u, timeout) for u in urls]
         self.open = [False] * len(urls)
