@@ -40,24 +40,14 @@ from typing import Any
 
 from ..errors import DeltaRefitError, UsageError
 from ..io.fsutil import write_atomic
+from .placement import BACKEND, READY_TIMEOUT, placed, require_ray
 
 log = logging.getLogger(__name__)
 
-BACKEND = "deltarefit"
 # Bounded waits: an engine or trainer that does not answer fails the call instead of blocking it.
-READY_TIMEOUT = 900.0  # a vLLM engine's start (and a restarted one's catch-up) on a slow CPU host
 ROUND_TIMEOUT = 600.0  # a whole refit round, retries included
 
 __all__ = ["EngineActor", "RefitReport", "RefitTrainer", "ray_client", "require_ray", "start_engines"]
-
-
-def require_ray() -> Any:
-    """The ``ray`` module, or ``UsageError`` saying how to install it."""
-    try:
-        import ray
-    except ImportError as e:
-        raise UsageError(f"deltarefit.integrations.ray needs Ray ({e}): pip install 'ray>=2.40,<3'") from None
-    return ray
 
 
 def ray_client(handles: list[Any]) -> Any:
@@ -240,22 +230,6 @@ def start_engines(model: str, resources: list[dict[str, float]], *, init_info: d
         handles.append(actor.remote(model, init_info=init_info, llm_kwargs=llm_kwargs, name=name))
     ray.get([h.ready.remote() for h in handles], timeout=timeout)
     return handles
-
-
-def placed(resources: dict[str, float], name: str, *, num_cpus: float = 1, max_restarts: int = 3,
-           runtime_env: dict[str, Any] | None = None, timeout: float = READY_TIMEOUT) -> dict[str, Any]:
-    """Actor options for one engine: its own placement group (one ``STRICT_PACK`` bundle of ``num_cpus``
-    CPUs and the node's ``resources``), named ``name``, restarted up to ``max_restarts`` times, in-flight
-    calls not retried."""
-    ray = require_ray()
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    pg = placement_group([{"CPU": num_cpus, **resources}], strategy="STRICT_PACK", name=f"deltarefit-{name}")
-    ray.get(pg.ready(), timeout=timeout)
-    return dict(num_cpus=num_cpus, resources=dict(resources), max_restarts=max_restarts, max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-                runtime_env=runtime_env, name=name)
 
 
 @dataclass

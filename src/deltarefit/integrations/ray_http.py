@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from ..errors import DeltaRefitError
-from .ray import BACKEND, READY_TIMEOUT, placed, require_ray
+from .placement import BACKEND, READY_TIMEOUT, placed, require_ray
 
 log = logging.getLogger(__name__)
 
