@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .hostile import _MEASURED, read_peak  # the child reports its own peak (VmHWM)
+from .peak import _MEASURED, read_peak  # the child reports its own peak (VmHWM)
 from .relay import ENV, write_checkpoint
 
 MIB = 1 << 20
