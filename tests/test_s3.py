@@ -507,3 +507,49 @@ def test_racing_publishers_then_subscriber_during_publish(s3_env, s3_stream, tmp
     assert deltarefit.fingerprint(sub) == fps[nxt]
     with contextlib.suppress(FileNotFoundError):
         assert not any(".tmp-" in f for f in os.listdir(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------ faults (issue 34)
+
+
+def _fault_env(srv, fault: str) -> dict[str, str]:
+    from conftest_s3 import _free_ports
+
+    if fault == "credentials":
+        return subprocess_env(srv, AWS_SECRET_ACCESS_KEY="wrong-secret")
+    return subprocess_env(srv, AWS_ENDPOINT_URL=f"http://127.0.0.1:{_free_ports(1)[0]}", AWS_MAX_ATTEMPTS="1")
+
+
+@pytest.mark.parametrize("fault", ["credentials", "endpoint"])
+@pytest.mark.parametrize("command", ["publish", "sync", "retain"])
+def test_s3_faults_are_one_line_and_a_rerun_finishes(s3_env, s3_stream, tmp_path, command, fault):
+    """An S3 store that refuses the credentials, or an endpoint nothing listens on: publish, sync and
+    retain end in one line naming the store (no traceback, nothing written locally, nothing committed),
+    and the same command rerun against the working server finishes bit-exact."""
+    ck = s3_stream["ck"]
+    if command == "publish":
+        url, state = s3_env.url(f"faults-{fault}"), str(tmp_path / "state")
+        _cli_ok(s3_env, "publish", url, ck[0], "--state", state)
+        args = ["publish", url, ck[1], "--state", state]
+    elif command == "sync":
+        url = s3_stream["url"]
+        args = ["sync", url, str(tmp_path / "ck.safetensors")]
+    else:
+        url = s3_stream["url"]
+        args = ["retain", url, "--dry-run"]
+    r = subprocess.run([sys.executable, "-m", "deltarefit", *args], capture_output=True, text=True,
+                       timeout=TIMEOUT, env=_fault_env(s3_env, fault), check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("deltarefit: error: ") and url.split("://", 1)[1].split("/", 1)[0] in lines[0], lines
+    assert ("credentials" in lines[0]) if fault == "credentials" else ("cannot reach" in lines[0]), lines
+    assert not os.path.exists(tmp_path / "ck.safetensors")
+    if command == "publish":
+        assert head(open_store(url)) == 1  # nothing committed
+    _cli_ok(s3_env, *args)
+    if command == "publish":
+        assert head(open_store(url)) == 2
+        _cli_ok(s3_env, "sync", url, str(tmp_path / "new.safetensors"))
+        assert _sha(str(tmp_path / "new.safetensors")) == _sha(ck[1])
+    elif command == "sync":
+        assert _sha(str(tmp_path / "ck.safetensors")) == _sha(ck[3])
