@@ -520,8 +520,13 @@ def _fault_env(srv, fault: str) -> dict[str, str]:
     return subprocess_env(srv, AWS_ENDPOINT_URL=f"http://127.0.0.1:{_free_ports(1)[0]}", AWS_MAX_ATTEMPTS="1")
 
 
-@pytest.mark.parametrize("fault", ["credentials", "endpoint"])
-@pytest.mark.parametrize("command", ["publish", "sync", "retain"])
+# Each fault once in the default suite; every pair under `make test-slow`.
+@pytest.mark.parametrize(("command", "fault"), [
+    ("publish", "credentials"), ("sync", "endpoint"), ("retain", "credentials"),
+    pytest.param("publish", "endpoint", marks=pytest.mark.slow),
+    pytest.param("sync", "credentials", marks=pytest.mark.slow),
+    pytest.param("retain", "endpoint", marks=pytest.mark.slow),
+])
 def test_s3_faults_are_one_line_and_a_rerun_finishes(s3_env, s3_stream, tmp_path, command, fault):
     """An S3 store that refuses the credentials, or an endpoint nothing listens on: publish, sync and
     retain end in one line naming the store (no traceback, nothing written locally, nothing committed),
@@ -551,5 +556,8 @@ def test_s3_faults_are_one_line_and_a_rerun_finishes(s3_env, s3_stream, tmp_path
         assert head(open_store(url)) == 2
         _cli_ok(s3_env, "sync", url, str(tmp_path / "new.safetensors"))
         assert _sha(str(tmp_path / "new.safetensors")) == _sha(ck[1])
-    elif command == "sync":
-        assert _sha(str(tmp_path / "ck.safetensors")) == _sha(ck[3])
+    elif command == "sync":  # the module's stream: other tests may have published after version 4
+        from deltarefit.stream.records import load_commit
+
+        st = open_store(url)
+        assert deltarefit.fingerprint(str(tmp_path / "ck.safetensors")) == load_commit(st, head(st)).fingerprint
