@@ -200,8 +200,7 @@ class HistoryBook:
         self.path = os.fspath(path)
         self._files: list[_MovesFile] = []
         head = os.path.join(self.path, HEAD)
-        if os.path.islink(self.path) or (os.path.lexists(self.path) and not os.path.isdir(self.path)):
-            # Planted by another user, or left by one: never read (or written) through.
+        if planted(self.path):  # by another user, or left by one: never read (or written) through
             raise DecodeError(f"{self.path}: not a directory (a symbolic link, or another file)")
         if os.path.lexists(head):
             try:
@@ -328,31 +327,36 @@ def start_over(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def planted(path: str) -> bool:
+    """Whether something other than a book's directory lies at ``path``: a symlink (dangling or not),
+    a FIFO, a file."""
+    return os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path))
+
+
 def writable(path: str) -> bool:
     """Whether the book at ``path`` can be started over and written: its directory, or the directory
-    it goes in when there is none, is writable by this process (no write is made to find out). A
-    full disk is not seen here; a commit that fails on one is ``advance_or_start_over``'s case."""
-    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
-        where = os.path.dirname(os.path.abspath(path))  # start_over unlinks it there
-    elif os.path.isdir(path):
-        where = path
-    else:
-        where = os.path.dirname(os.path.abspath(path))
+    it goes in when there is none (or where ``start_over`` unlinks what is ``planted`` there), is
+    writable by this process (no write is made to find out). A full disk is not seen here; a commit
+    that fails on one is ``advance_or_start_over``'s case."""
+    where = path if os.path.isdir(path) and not os.path.islink(path) else os.path.dirname(os.path.abspath(path))
     return os.access(where, os.W_OK | os.X_OK)
 
 
-def advance_or_start_over(book: HistoryBook, delta, rec: MovesRecorder, *, durable: bool = True) -> bool:
+def advance_or_start_over(book: HistoryBook, delta, rec: MovesRecorder, *, durable: bool = True,
+                          tolerate: tuple[type[BaseException], ...] = (OSError,)) -> bool:
     """``book.advance(delta, rec)`` after a verified apply, which a book that cannot be written
     (disk full, read-only, permission denied) must not fail: the book is then started over where it
     can be (a version's history unknown is an empty book, which never lies), and left as it was where
     it cannot (its tip then names an older version, so it follows no lineage and decodes nothing of
     the next delta: the decoder refuses such a chunk by its history id before anything is written).
+    ``tolerate``: the failures of the advance taken so (a live engine adds ``DeltaRefitError``).
     Returns whether the book advanced."""
     try:
         book.advance(delta, rec, durable=durable)
         return True
-    except OSError as e:
-        log.warning("%s: history book cannot be written (%s); starting it over", book.path, e.strerror or e)
+    except tolerate as e:
+        log.warning("%s: history book cannot be written (%s); starting it over", book.path,
+                    getattr(e, "strerror", None) or e)
     try:
         start_over(book.path)
     except OSError as e:

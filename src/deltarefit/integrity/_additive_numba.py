@@ -28,7 +28,7 @@ def _h(f, b, s):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def partial_kernel(flat, bits, s0, s1):  # pragma: no cover - compiled
-    # The same function as digest._partial_numpy (the reference), one pass, no temporaries; uint64 wraps.
+    # The same function as additive._partial_numpy (the reference), one pass, no temporaries; uint64 wraps.
     g = np.uint64(0x9E3779B97F4A7C15)
     a0 = np.uint64(0)
     a1 = np.uint64(0)

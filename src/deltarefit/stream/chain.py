@@ -199,7 +199,7 @@ def check_orphan_grace(orphan_grace: float, unsafe_short_grace: bool = False) ->
     """Refuse (``UsageError``) a grace under ``MIN_ORPHAN_GRACE``, or one that is no number of seconds,
     unless ``unsafe_short_grace``: the caller knows that no publish runs on the stream meanwhile (tests,
     a stream whose publisher is stopped)."""
-    if not orphan_grace >= 0 or orphan_grace != orphan_grace:
+    if not orphan_grace >= 0:  # NaN too
         raise UsageError(f"orphan grace must be a number of seconds, not {orphan_grace!r}")
     if orphan_grace < MIN_ORPHAN_GRACE and not unsafe_short_grace:
         raise UsageError(f"orphan grace {orphan_grace:g} s is under the {MIN_ORPHAN_GRACE:g} s floor: the parts "

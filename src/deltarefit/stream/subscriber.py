@@ -63,6 +63,7 @@ from ..checkpoint.read import check_not_replaced, open_checkpoint
 from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationError
 from ..format import DeltaReader
 from ..history_book import HistoryBook
+from ..history_book import planted as book_planted
 from ..history_book import writable as book_writable
 from ..io.fsutil import fs_error
 from ..io.locks import checkpoint_lock, locked_method
@@ -298,10 +299,9 @@ class Subscriber:
     def _book_writable(self) -> bool:
         """Whether the history book can be started over and advanced. Whatever else lies at its path
         (a symlink, dangling or planted, a FIFO, a file) is removed first, never followed."""
-        p = self.book_path
-        if os.path.lexists(p) and (os.path.islink(p) or not os.path.isdir(p)):
-            start_over(p)
-        return book_writable(p)
+        if book_planted(self.book_path):
+            start_over(self.book_path)
+        return book_writable(self.book_path)
 
     def _book_follows(self, cur: tuple[int, str] | None) -> bool:
         """Whether the history book follows the stream's lineage at the held version."""

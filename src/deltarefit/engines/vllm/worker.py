@@ -59,7 +59,7 @@ from ...checkpoint.read import fingerprint_checkpoint, open_checkpoint
 from ...codec.chunk import Patch
 from ...errors import BaseMismatchError, DeltaRefitError, UsageError, VerificationError
 from ...format import DeltaReader
-from ...history_book import HistoryBook, MovesRecorder
+from ...history_book import HistoryBook, MovesRecorder, advance_or_start_over
 from ...integrity import fingerprint_from_digests
 from ...io.fsutil import open_regular
 from ...io.locks import owned_temp
@@ -692,13 +692,7 @@ class LiveEngine:
         over instead of failing the refit: the weights are at the target, and in a tensor-parallel group a
         failure in one worker alone would leave it a version behind the others. An empty book costs the
         next delta coded with history a keyframe route (the group agrees on it), never bytes."""
-        try:
-            history.advance(d, moves, durable=False)
-        except (OSError, DeltaRefitError) as e:
-            from ...stream.history import start_over
-
-            log.warning("%s: history book not advanced (%s); starting it over", history.path, e)
-            start_over(history.path)
+        advance_or_start_over(history, d, moves, durable=False, tolerate=(OSError, DeltaRefitError))
 
     def _layer(self, name: str) -> str:
         """The engine module checkpoint tensor ``name`` loads into: its layer by name (fused siblings
