@@ -150,3 +150,26 @@ def test_a_chain_coded_with_history_is_applied_and_the_wrong_book_refused(tmp_pa
     follow_with_book(paths, str(tmp_path), lambda out, book: apply_to_device_tensors(out, live, history=book),
                      lambda: {k: v.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                               for k, v in live.items()})
+
+
+def test_a_book_that_cannot_be_written_is_started_over_and_the_verified_apply_stands(tmp_path, device):
+    """A verified ``apply_to_device_tensors(..., history=book)`` whose book cannot be written (a file
+    planted where its directory goes) ends verified with the tensors at the target: the book is started
+    over (the file removed), not the apply failed."""
+    import os
+
+    from _chains import checkpoint_bits, deltas_with_history, write_chain
+
+    from deltarefit.history_book import HistoryBook
+
+    paths = write_chain(str(tmp_path / "chain"), 1, n=(1 << 19) + 3000, seed=8, rate=0.05, prefix="c")
+    live = _on(load_file(paths[0]), device)
+    (out, enc, _), = deltas_with_history(paths, str(tmp_path))
+    at = tmp_path / "book"
+    book = HistoryBook(str(at))
+    at.write_bytes(b"not a book")
+    rep = apply_to_device_tensors(out, live, history=book)
+    assert rep.target_fingerprint == enc.target_fingerprint == state_dict_fingerprint(_on(live, "cpu"))
+    assert {k: v.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for k, v in live.items()} == \
+        checkpoint_bits(paths[1])
+    assert not os.path.lexists(at)

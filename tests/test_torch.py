@@ -394,3 +394,28 @@ def test_tensors_follow_a_chain_coded_with_history_and_refuse_the_wrong_book(tmp
     tensors = load_file(paths[0])
     follow_with_book(paths, str(tmp_path), lambda out, book: apply_to_tensors(out, tensors, history=book),
                      lambda: {n: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for n, t in tensors.items()})
+
+
+@pytest.mark.parametrize("planted", ["file", "dangling-symlink"])
+def test_a_book_that_cannot_be_written_is_started_over_and_the_verified_apply_stands(tmp_path, planted):
+    """A verified ``apply_to_tensors(..., history=book)`` whose book cannot be written (a file, or a
+    dangling symlink, planted where its directory goes) ends verified with the tensors at the target:
+    the book is started over (what was planted removed, never written through), not the apply failed."""
+    from _chains import checkpoint_bits, deltas_with_history, write_chain
+
+    from deltarefit.history_book import HistoryBook
+
+    paths = write_chain(str(tmp_path / "chain"), 1, n=(1 << 19) + 3000, seed=6, rate=0.05, prefix="c")
+    tensors = load_file(paths[0])
+    (out, enc, _), = deltas_with_history(paths, str(tmp_path))
+    at = tmp_path / "book"
+    book = HistoryBook(str(at))
+    if planted == "file":
+        at.write_bytes(b"not a book")
+    else:
+        os.symlink(tmp_path / "nowhere", at)
+    rep = apply_to_tensors(out, tensors, history=book)
+    assert rep.target_fingerprint == enc.target_fingerprint == state_dict_fingerprint(tensors)
+    assert {n: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for n, t in tensors.items()} == \
+        checkpoint_bits(paths[1])
+    assert not os.path.lexists(at) and not os.path.lexists(tmp_path / "nowhere")

@@ -34,9 +34,9 @@ import torch
 
 from ..dtypes import DTYPES
 from ..encode import default_threads
-from ..errors import UsageError, VerificationError
+from ..errors import DeltaRefitError, UsageError, VerificationError
 from ..format import ChunkRecord, DeltaReader, TensorEntry
-from ..history_book import HistoryBook, MovesRecorder
+from ..history_book import HistoryBook, MovesRecorder, advance_or_start_over
 from ..integrity import (
     SEGMENT_BYTES,
     fingerprint_from_digests,
@@ -280,7 +280,9 @@ def _apply(delta_path: str, tensors: dict[str, torch.Tensor], *, threads: int | 
                                         f"{d.target_fingerprint[:16]}…")
             rep = dataclasses.replace(rep, target_fingerprint=fp)
         if history is not None and moves is not None:
-            history.advance(d, moves)
+            # The tensors are verified at the target: a book that cannot be written (a full disk,
+            # something planted at its path) is started over instead of failing the apply.
+            advance_or_start_over(history, d, moves, tolerate=(OSError, DeltaRefitError))
     return rep
 
 
@@ -311,7 +313,7 @@ def apply_to_tensors(delta_path: str, tensors: dict[str, torch.Tensor], *,
     tensors are refused before any byte is written. Idempotent: applying again changes nothing.
     ``history``: the tensors' history book (as ``deltarefit.apply``'s): ``ulp_hist`` chunks decode
     against it (refused by name, nothing written, where it is not theirs), and it advances once the
-    apply is verified.
+    apply is verified (one that cannot be written is started over: the verified apply stands).
     """
     if not isinstance(tensors, dict):
         raise UsageError(f"tensors must be a dict of name -> torch.Tensor, got {type(tensors).__name__}")

@@ -45,9 +45,9 @@ from ..codec import kernels as K
 from ..codec.chunk import ULP, ULP_HIST, _ctx, _kind, decode_chunk
 from ..codec.history import moves_of_changes
 from ..dtypes import dtype
-from ..errors import DecodeError, UsageError
+from ..errors import DecodeError, DeltaRefitError, UsageError
 from ..format import ChunkRecord, DeltaReader, TensorEntry
-from ..history_book import HistoryBook, MovesRecorder
+from ..history_book import HistoryBook, MovesRecorder, advance_or_start_over
 from ..integrity import SEGMENT_BYTES
 from . import scan as device_scan
 from .encode import _SCANS, _Info, _ints, _scan_mode, _seg_hashes
@@ -239,12 +239,15 @@ def apply_to_device_tensors(delta_path: str, tensors: dict[str, torch.Tensor], *
     kernels of ``gpu.scan``; "torch": a stable sort; "auto": Triton wherever it can run).
     ``history``: the tensors' history book (as ``deltarefit.apply``'s): ``ulp_hist`` chunks decode
     against it on the host from a copy of their segment (refused by name, nothing written, where it is
-    not theirs), and it advances once the apply is verified."""
+    not theirs), and it advances once the apply is verified (one that cannot be written is started
+    over: the verified apply stands)."""
     with DeltaReader(delta_path) as d, torch.no_grad():
         _refuse_structural(d)
         moves = MovesRecorder() if history is not None else None
         rep = run_apply(d, DeviceTensors(tensors, impl, scan, history=history, moves=moves), journal=None,
                         moves=moves)
         if history is not None and moves is not None:
-            history.advance(d, moves)
+            # The tensors are verified at the target: a book that cannot be written (a full disk,
+            # something planted at its path) is started over instead of failing the apply.
+            advance_or_start_over(history, d, moves, tolerate=(OSError, DeltaRefitError))
         return rep
