@@ -57,7 +57,6 @@ from ..integrity import (
 from . import host as regions
 from .held import GROUP_DECODE_REFUSED, GROUP_REFUSED, HeldPlans, in_step
 from .host import (
-    HOST_REGIONS,
     _changes,
     _decode,
     _moved,
@@ -69,7 +68,7 @@ from .host import (
 )
 from .journal import Journal, _journal_patch
 from .plans import _ChunkPlan, _TensorPlan
-from .targets import TensorTarget, segments_of
+from .targets import TensorTarget, capabilities, segments_of
 
 log = logging.getLogger(__name__)
 
@@ -165,14 +164,12 @@ class Applier(HeldPlans):
         self.ahead = ahead
         self.t = target
         self.segs = segments_of(target)
-        hooks = ("hash_region", "region_view", "decode_region", "post_image_hash")
+        # What the target can do, found once (``targets.Capabilities``); refused here what it cannot.
+        self.caps = caps = capabilities(self.segs, journal=journal, held=held is not None,
+                                        history=history is not None or moves is not None)
         self._hash, self._view, self._decode, self._post_hash = (
-            getattr(self.segs, h, getattr(HOST_REGIONS, h)) for h in hooks)
-        self._hash_all = getattr(self.segs, "hash_segments", None)
-        if journal is not None and any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")):
-            raise UsageError("a journal needs a target with host regions (journal records are host patches)")
-        if held is not None and any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")):
-            raise UsageError("held digests need a target with host regions")
+            caps.hash_region, caps.region_view, caps.decode_region, caps.post_image_hash)
+        self._hash_all = caps.hash_segments
         self.held = held
         # A history book: ulp_hist chunks decode against it, and every chunk decoded here records its
         # moves into ``moves`` (host regions only: the moves come from the host patch and base). In a
@@ -182,34 +179,31 @@ class Applier(HeldPlans):
         self.moves = moves
         # A target with region hooks that decodes against a book itself (``decodes_history``: it was
         # given the book, and records each decoded chunk's moves into ``moves``).
-        self._target_moves = bool(getattr(self.segs, "decodes_history", False))
+        self._target_moves = caps.decodes_history
         if (history is not None or moves is not None) and not self._target_moves:
-            if any(hasattr(self.segs, h) for h in (*hooks, "hash_segments")):
-                raise UsageError("a history book needs a target with host regions")
             self._decode = functools.partial(regions._decode, history=history)
         # Host regions are confirmed after a write by comparing them with the post-image the plan hashed,
         # built again from the patch (FORMAT.md, "Applying", step 2); a target with its own region hooks
         # (a device) re-hashes the region there.
-        self._read_back = not any(hasattr(self.segs, h) for h in (*hooks, "hash_segments"))
+        self._read_back = caps.host
         # ... and such a post-image is written whole where the target writes through its file
         # (``RawSegments.write_image``: cheaper than patching pages the plan mapped read-only).
-        self._writes_images = self._read_back and getattr(self.segs, "writes_images", False)
+        self._writes_images = caps.writes_images
         self.journal = journal
         self.threads = threads or default_threads()
         self.cache_left = cache_bytes
         self._cache_lock = threading.Lock()  # tensors are planned on several threads
         self.progress = progress
         self.recovered = journal.read() if journal else {}
-        self.collective = bool(getattr(self.segs, "collective", False))
+        self.collective = caps.collective
         self._pool = _Inline if self.collective else ThreadPoolExecutor
-        self._roles = getattr(self.segs, "chunk_roles", None) if self.collective else None
+        self._roles = caps.chunk_roles
         self._own_pool: ThreadPoolExecutor | None = None
         # Held-digest plans decode a segment split between the group's processes in one of them, which
         # sends the others its changes (``HeldPlans._plan_split``). Those processes journal the changes
         # without the segment, so a journal that needs pre-images (a file journal) keeps the older way:
         # every process assembles and decodes the whole segment.
-        self._split = (self._roles is not None and hasattr(self.segs, "split_owner")
-                       and (journal is None or not getattr(journal, "needs_pre", True)))
+        self._split = caps.split
 
     def _record_moves(self, e: TensorEntry, ci: int, view, patch) -> None:
         """Record a chunk's moves, decoded in the plan against its base ``view`` (host regions), where a
@@ -234,9 +228,8 @@ class Applier(HeldPlans):
         refused to decode (``DecodeError``: a corrupt payload, or a history its book does not hold),
         every process raises ``DecodeError``, so that all of them take the same way out (a subscriber
         starts its book over and plans again on that error alone)."""
-        agree_each = getattr(self.segs, "agree_each", None)
-        if agree_each is not None:
-            ok, decodes = (bool(x) for x in agree_each(np.array([err is None, not isinstance(err, DecodeError)])))
+        if self.caps.agree_each is not None:
+            ok, decodes = (bool(x) for x in self.caps.agree_each(np.array([err is None, not isinstance(err, DecodeError)])))
         else:
             ok, decodes = self.segs.agree(err is None), True
         if err is not None and (decodes or isinstance(err, DecodeError)):
