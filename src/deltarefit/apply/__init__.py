@@ -1,7 +1,11 @@
 """The one apply protocol and its targets.
 
 * ``protocol``  ``Applier``, ``run_apply``: plan (every check, nothing written), then write, against any target
-* ``targets``   the ``TensorTarget`` and ``SegmentTarget`` protocols a target implements, ``RawSegments``
+* ``write``     ``ChunkWriter``: the protocol's write step (journal, write, read back, per chunk)
+* ``verify``    the checks after the plan: a prepared plan rechecked, chunks read back, digests, fingerprint
+* ``collective`` a collective target's agreements (one order, every process stops at the same step)
+* ``targets``   the ``TensorTarget`` and ``SegmentTarget`` protocols a target implements, its optional
+                capabilities, ``Capabilities`` (found once per apply), ``RawSegments``
 * ``host``      the region operations on host memory (decode, post-image, hash, additive digest moves)
 * ``plans``     the per-tensor and per-chunk plans the protocol builds
 * ``held``      ``HeldPlans``: plans checked by a held additive digest (a live engine's tensors)

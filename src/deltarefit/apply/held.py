@@ -6,14 +6,14 @@ between processes is decoded by one of them, which sends its changes to the othe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TypeVar
+from collections.abc import Callable
 
 import numpy as np
 
 from ..codec.chunk import Patch
 from ..errors import BaseMismatchError, VerificationError
 from ..format import ChunkRecord, TensorEntry
+from .collective import GROUP_DECODE_REFUSED, GROUP_REFUSED, in_step  # noqa: F401 (their old home)
 from .host import (
     _changes,
     _moved,
@@ -22,35 +22,6 @@ from .host import (
     _where,
 )
 from .plans import _ChunkPlan, _TensorPlan
-
-# What a process of a group raises when another one refused or failed at the same step.
-GROUP_REFUSED = "another process of the group refused or failed at the same step of this apply (see its log)"
-GROUP_DECODE_REFUSED = ("another process of the group refused to decode a chunk at the same step of this apply "
-                        "(a corrupt payload, or a history its book does not hold; see its log)")
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-def in_step(fn: Callable[[T], R], calls: Callable[[T], object], items: Iterable[T]) -> list[R]:
-    """``[fn(i) for i in items]`` on a collective target, where ``fn(i)`` makes the group's call for item
-    ``i`` (``calls(i)``: a segment assembled over the group) and then local work that may fail in one
-    process alone (a chunk whose history only some books hold): after the first failure the remaining
-    items make their group call only, so that every process makes the same calls in the same order,
-    and the failure is raised at the end (the group agrees on it next)."""
-    out: list[R] = []
-    err: Exception | None = None
-    for i in items:
-        if err is not None:
-            calls(i)
-            continue
-        try:
-            out.append(fn(i))
-        except Exception as ex:
-            err = ex
-    if err is not None:
-        raise err
-    return out
 
 
 class HeldPlans:

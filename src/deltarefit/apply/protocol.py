@@ -15,6 +15,10 @@ Protocol (the crash-safety argument is in FORMAT.md, "Applying"):
 3. **Verify.** Every tensor's digest and the checkpoint fingerprint must equal the delta's target;
    then the maps are flushed and the journal removed.
 
+This module plans (``Applier.plan``) and runs the steps (``plan_apply``, ``commit``, ``run_apply``); the
+write is ``write.ChunkWriter``, the checks after the plan ``verify``, a collective target's agreements
+``collective``, held-digest plans ``held``, and what a target must and may implement ``targets``.
+
 Structural changes (added, removed, re-typed tensors) rewrite the file holding them through a temp
 file and an atomic rename; in-place patching covers everything else.
 
@@ -35,49 +39,34 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..codec import elements
-from ..codec.chunk import Patch, moves_of_patch
+from ..codec.chunk import moves_of_patch
 from ..dtypes import dtype
 from ..encode import default_threads, uint_view
-from ..errors import BaseMismatchError, DecodeError, UsageError, VerificationError
+from ..errors import BaseMismatchError, UsageError, VerificationError
 from ..format import ChunkRecord, DeltaReader, TensorEntry, TensorMeta
 from ..history_book import HistoryBook, MovesRecorder
-from ..integrity import (
-    SEGMENT_BYTES,
-    fingerprint_from_digests,
-    n_segments,
-    seg_hash,
-    tensor_digest_from_segments,
-)
+from ..integrity import n_segments, seg_hash, tensor_digest_from_segments
 from . import host as regions
-from .held import GROUP_DECODE_REFUSED, GROUP_REFUSED, HeldPlans, in_step
-from .host import (
-    _changes,
-    _decode,
-    _moved,
-    _patch_bytes,
-    _patched_copy,
-    _post_image_hash,
-    _seg_len,
-    _where,
-)
+from . import verify
+from .collective import Inline, agreed, in_step
+from .collective import Inline as _Inline  # noqa: F401 (its old name here)
+from .held import HeldPlans
+from .host import _decode, _patch_bytes, _post_image_hash, _seg_len, _where
 from .journal import Journal, _journal_patch
 from .plans import _ChunkPlan, _TensorPlan
 from .targets import TensorTarget, capabilities, segments_of
+from .verify import _digest
+from .write import WRITE_AGREE_EVERY, ChunkWriter, chunk_counts  # noqa: F401 (WRITE_AGREE_EVERY: its old home)
 
 log = logging.getLogger(__name__)
 
-
-
 # Decoded patches kept from the plan phase for the write phase, so most chunks decode once.
 DEFAULT_CACHE_BYTES = 512 << 20
-# A collective target's write: chunks written between two agreements of the group, at most.
-WRITE_AGREE_EVERY = 256
 
 
 @dataclass
@@ -110,45 +99,13 @@ def _matches(info: object, meta: TensorMeta) -> bool:
     return (info.dtype, tuple(info.shape)) == (meta.dtype, meta.shape)
 
 
-def _digest(meta: TensorMeta, segs: list[bytes]) -> bytes:
-    return tensor_digest_from_segments(meta.dtype, meta.shape, meta.nbytes, segs)
-
-
-class _Inline:
-    """A stand-in for a thread pool that runs each task at once, on the calling thread, in order."""
-
-    def __init__(self, *_a, **_k) -> None:
-        self.failed: BaseException | None = None
-
-    def __enter__(self) -> _Inline:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def map(self, fn, it):
-        return [fn(x) for x in it]
-
-    def submit(self, fn, *args):
-        f: Future = Future()
-        if self.failed is not None:  # after a failure the rest is not run (results are taken in order)
-            f.set_exception(self.failed)
-            return f
-        try:
-            f.set_result(fn(*args))
-        except BaseException as e:  # delivered by result(), as a pool would
-            self.failed = e
-            f.set_exception(e)
-        return f
-
-
 class Applier(HeldPlans):
     """One application of one delta to one ``TensorTarget`` or ``SegmentTarget``: ``plan``, then
     ``write``, then ``target_digests``.
 
     A target with ``collective = True`` (segments assembled from the parts several processes hold) is
     driven in one fixed order on the calling thread, so that every process reads and writes the same
-    segments in the same order; after each tensor's plan and each run of chunk writes (``_write_in_step``)
+    segments in the same order; after each tensor's plan and each run of chunk writes (``ChunkWriter.write_in_step``)
     the target's ``agree(ok)`` tells whether every process succeeded, so that a refusal in one stops all
     of them at the same point, a refusal in the plan before any write.
     """
@@ -182,13 +139,6 @@ class Applier(HeldPlans):
         self._target_moves = caps.decodes_history
         if (history is not None or moves is not None) and not self._target_moves:
             self._decode = functools.partial(regions._decode, history=history)
-        # Host regions are confirmed after a write by comparing them with the post-image the plan hashed,
-        # built again from the patch (FORMAT.md, "Applying", step 2); a target with its own region hooks
-        # (a device) re-hashes the region there.
-        self._read_back = caps.host
-        # ... and such a post-image is written whole where the target writes through its file
-        # (``RawSegments.write_image``: cheaper than patching pages the plan mapped read-only).
-        self._writes_images = caps.writes_images
         self.journal = journal
         self.threads = threads or default_threads()
         self.cache_left = cache_bytes
@@ -196,7 +146,7 @@ class Applier(HeldPlans):
         self.progress = progress
         self.recovered = journal.read() if journal else {}
         self.collective = caps.collective
-        self._pool = _Inline if self.collective else ThreadPoolExecutor
+        self._pool = Inline if self.collective else ThreadPoolExecutor
         self._roles = caps.chunk_roles
         self._own_pool: ThreadPoolExecutor | None = None
         # Held-digest plans decode a segment split between the group's processes in one of them, which
@@ -212,32 +162,9 @@ class Applier(HeldPlans):
             self.moves.add(e.name, ci, moves_of_patch(dtype(e.base.dtype), view, patch))
 
     def _agreed(self, fn, *args):
-        """``fn(*args)``; for a collective target, also the group's agreement that nobody failed."""
-        if not self.collective:
-            return fn(*args)
-        try:
-            out = fn(*args)
-        except Exception as ex:
-            self._settle(ex)
-        self._settle(None)
-        return out
-
-    def _settle(self, err: BaseException | None) -> None:
-        """The group's agreement on whether every process got here without a failure (``err``): raises
-        ``err`` where it failed, ``VerificationError`` in the others, when any did. Where one process
-        refused to decode (``DecodeError``: a corrupt payload, or a history its book does not hold),
-        every process raises ``DecodeError``, so that all of them take the same way out (a subscriber
-        starts its book over and plans again on that error alone)."""
-        if self.caps.agree_each is not None:
-            ok, decodes = (bool(x) for x in self.caps.agree_each(np.array([err is None, not isinstance(err, DecodeError)])))
-        else:
-            ok, decodes = self.segs.agree(err is None), True
-        if err is not None and (decodes or isinstance(err, DecodeError)):
-            raise err
-        if not decodes:
-            raise DecodeError(GROUP_DECODE_REFUSED + (f": {err}" if err is not None else "")) from err
-        if not ok:
-            raise VerificationError(GROUP_REFUSED)
+        """``fn(*args)``; for a collective target, also the group's agreement that nobody failed
+        (``collective.agreed``)."""
+        return agreed(self.caps, self.segs, fn, *args)
 
     # -- plan ------------------------------------------------------------------------------------
 
@@ -408,220 +335,23 @@ class Applier(HeldPlans):
     # -- write -----------------------------------------------------------------------------------
 
     def write(self, plans: list[_TensorPlan]) -> tuple[int, int, int, int]:
-        applied = skipped = recovered = written = 0
-        slots: dict[int, int] = {}
-        lock = threading.Lock()
-
-        def slot() -> int:
-            tid = threading.get_ident()
-            with lock:
-                return slots.setdefault(tid, len(slots))
-
-        if self.journal:
-            # A slot per writer thread (the torn chunks' one thread, then the pool's, or this thread), each
-            # allocated for the largest record a chunk to write can need (a record never outgrows its chunk).
-            sizes = [SEGMENT_BYTES if c.split else _seg_len(tp.entry.base.nbytes, c.rec.chunk_index)
-                     for tp in plans if tp.state in ("patch", "held") for c in tp.chunks
-                     if c.state in ("todo", "torn")]
-            if sizes:
-                self.journal.open_for_write(min(self.threads, len(sizes)) + 1, record_bytes=max(sizes))
-            else:
-                self.journal.open_for_write(self.threads + 1, record_bytes=0)
-
-        def do(tp: _TensorPlan, ti: int, c: _ChunkPlan) -> int:
-            e, r = tp.entry, c.rec
-            if c.state == "other":  # held whole, and written, by another process of the group
-                return 0
-            if c.split:
-                return write_split(tp, ti, c)
-            region = (self.segs.read_own if c.own else self.segs.read_segment)(e.name, r.chunk_index)
-            view = self._view(region, e.base.dtype)
-            patch = c.patch or self._decode(self.d, e, r, view)
-            img = None
-            if tp.state == "held":
-                pos, new = _changes(patch, view)  # before the write: ``view`` may be the target's memory
-                # decoded again (outside the memory budget): it must move the digest as the checked plan did
-                if c.patch is None and not np.array_equal(_moved(e, r, view, pos, new), c.moved):
-                    raise VerificationError(f"{_where(e, r)}: decodes differently from its checked plan")
-            elif self._read_back:  # the post-image the plan checked, built again (a copy, not a hash)
-                img = _patched_copy(view, patch)
-            if c.state == "todo" and self.journal:
-                self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch, view)
-            if img is not None and self._writes_images:  # the checked post-image, written whole
-                region = self.segs.write_image(e.name, r.chunk_index, region, img)
-            else:
-                region = (self.segs.write_own if c.own else self.segs.write_segment)(e.name, r.chunk_index, region,
-                                                                                     view, patch)
-            if tp.state == "held":  # O(changed elements): what was written is read back
-                if not elements.equal_at(self._view(region, e.base.dtype), pos, new):
-                    raise VerificationError(f"{_where(e, r)}: changed elements read back differ from the patch "
-                                            "after writing")
-            elif self._read_back:
-                # What landed must be the post-image the plan hashed: compared with it, byte for byte.
-                if not np.array_equal(self._view(region, e.base.dtype), img):
-                    raise VerificationError(f"{_where(e, r)}: region differs from its checked post-image after "
-                                            "writing")
-            elif self._hash(region) != r.post_hash:
-                raise VerificationError(f"{_where(e, r)}: region does not hash to the post-image after writing")
-            if tp.state != "held":
-                tp.segs[r.chunk_index] = r.post_hash
-            c.patch = None
-            return _seg_len(e.base.nbytes, r.chunk_index)
-
-        def write_split(tp: _TensorPlan, ti: int, c: _ChunkPlan, journal_only: bool = False) -> int:
-            e, r = tp.entry, c.rec
-            patch = c.patch or self._split_again(e, c)
-            if self.journal:
-                self.journal.write(slot(), ti, r.chunk_index, r.post_hash, patch, None)
-            if journal_only:
-                return 0
-            if not self.segs.write_split(e.name, r.chunk_index, patch.positions, patch.values):
-                raise VerificationError(f"{_where(e, r)}: changed elements read back differ from the patch after "
-                                        "writing")
-            c.patch = None
-            return _seg_len(e.base.nbytes, r.chunk_index)
-
-        for state in ("torn", "todo"):
-            # Torn chunks go first and alone: their only copy is a journal slot that the next new
-            # chunk written by the same slot number would overwrite.
-            # Another process's chunks take their turn here too (doing nothing), so that every process
-            # of a group agrees after the same steps.
-            todo = [(ti, tp, c) for ti, tp in enumerate(plans) if tp.state in ("patch", "held") for c in tp.chunks
-                    if c.state == state or (state == "todo" and c.state == "other")]
-            if self.collective:
-                written += self._write_in_step(do, todo, functools.partial(write_split, journal_only=True))
-                continue
-            with ThreadPoolExecutor(self.threads if state == "todo" else 1, thread_name_prefix="apply") as pool:
-                futs = [pool.submit(do, tp, ti, c) for ti, tp, c in todo]
-                try:
-                    for f in futs:
-                        written += f.result()
-                finally:
-                    for f in futs:
-                        f.cancel()
-        for tp in (tp for tp in plans if tp.state in ("patch", "held")):
-            applied += sum(1 for c in tp.chunks if c.state == "todo")
-            skipped += sum(1 for c in tp.chunks if c.state == "done")
-            recovered += sum(1 for c in tp.chunks if c.state == "torn")
-        return applied, skipped, recovered, written
+        """Step 2 (module docstring; ``write.ChunkWriter``): a journal slot per writer thread, then the torn
+        chunks, alone and first, then the chunks to do, each journaled, written and read back.
+        (chunks applied, skipped, recovered; bytes written)."""
+        w = ChunkWriter(self, plans)
+        w.open_journal()
+        written = w.write_run("torn") + w.write_run("todo")
+        return (*chunk_counts(plans), written)
 
     def recheck_held(self, plans: list[_TensorPlan]) -> None:
-        """Before the first write of a plan made ahead of time: the elements each held-digest chunk whose
-        patch the plan kept changes must hold the bits they held when planned (compared bit for bit where
-        the plan kept them, ``ahead``; else the digest they move must be the one planned), so that the
-        digest moves as checked (O(changed elements); refused with nothing written otherwise). Chunks the
-        plan did not keep are checked so when decoded again for the write."""
-        def check(e: TensorEntry, c: _ChunkPlan) -> None:
-            view = self._view(self.segs.read_segment(e.name, c.rec.chunk_index), e.base.dtype)
-            pos, new = _changes(c.patch, view)
-            same = (elements.equal_at(view, pos, c.old) if c.old is not None and c.patch.dense is None
-                    else np.array_equal(_moved(e, c.rec, view, pos, new), c.moved))
-            if not same:
-                raise VerificationError(f"{_where(e, c.rec)}: an element it changes no longer holds the bits "
-                                        "the prepared plan read (modified since; nothing written)")
-
-        todo = [(tp.entry, c) for tp in plans if tp.state == "held" for c in tp.chunks
-                if c.state == "todo" and c.patch is not None and not c.own and not c.split and c.moved is not None]
-        if self.collective or self.threads == 1:
-            for e, c in todo:
-                check(e, c)
-            return
-        # (one pass over each touched cache line of the weights: memory-bound, so spread over the threads)
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="recheck") as pool:
-            for f in [pool.submit(check, e, c) for e, c in todo]:
-                f.result()
-
-    def _write_in_step(self, do: Callable[[_TensorPlan, int, _ChunkPlan], int],
-                       todo: list[tuple[int, _TensorPlan, _ChunkPlan]],
-                       journal_split: Callable[[_TensorPlan, int, _ChunkPlan], int]) -> int:
-        """Write a collective target's chunks ``todo`` on this thread, in their order (the same in every
-        process of the group); the bytes written. The group agrees after each tensor's run of chunks that
-        one process writes alone (at most ``WRITE_AGREE_EVERY`` of them): one collective call per run, not
-        per chunk. A process that fails writes nothing more, and every process stops at the same
-        agreement; the others may have written the rest of the run, each chunk checked by its writer's
-        plan and journaled by it, so a rerun completes it, as after any failure mid-write. A split chunk
-        (every process writes its part) may then be torn across processes, and each needs a journal record
-        of it: a process that failed still journals the run's split chunks (``journal_split``), without
-        writing them. A chunk whose write makes collective calls (its segment read over the group, or
-        its changes sent again) gets an agreement of its own."""
-        written, run, err = 0, 0, None
-        prev = -1
-
-        def settle() -> None:
-            nonlocal run
-            if run:
-                run = 0
-                self._settle(err)
-
-        for ti, tp, c in todo:
-            if self._writes_collectively(tp, c):
-                settle()
-                written += self._agreed(do, tp, ti, c)
-                continue
-            if ti != prev:
-                settle()
-                prev = ti
-            if err is None:
-                try:
-                    written += do(tp, ti, c)
-                except Exception as ex:
-                    err = ex
-            elif c.split:
-                journal_split(tp, ti, c)
-            run += 1
-            if run >= WRITE_AGREE_EVERY:
-                settle()
-        settle()
-        return written
-
-    def _writes_collectively(self, tp: _TensorPlan, c: _ChunkPlan) -> bool:
-        """Whether writing chunk ``c`` makes collective calls: a segment of a shared tensor read and written
-        over the group, or a split chunk's changes decoded and sent again. The same answer in every
-        process: roles, and which split chunks keep their changes, are the group's."""
-        if self._roles is None or self._roles(tp.entry.name) is None:
-            return False
-        return not (c.own or c.state == "other" or (c.split and c.patch is not None))
-
-    def _split_again(self, e: TensorEntry, c: _ChunkPlan) -> Patch:
-        """A split chunk's changes, dropped after its plan (the memory budget), decoded again by the same
-        process and sent again (collective calls, at the same chunk in every process); the decoder
-        refuses them unless they move the digest exactly as the checked plan did."""
-        r = c.rec
-        owner = self.segs.split_owner(e.name, r.chunk_index)
-        region = self.segs.assemble_window(e.name, [(r.chunk_index, owner)])[0]
-        got, err = None, None
-        if region is not None:
-            try:
-                pos, new, moved = self._split_changes(e, r, region)
-                if not np.array_equal(moved, c.moved):
-                    raise VerificationError(f"{_where(e, r)}: decodes differently from its checked plan")
-                got = (pos, new)
-            except Exception as ex:
-                err = ex
-        shared = self.segs.share_window(e.name, [(r.chunk_index, owner, got)])[0]
-        if err is not None:
-            raise err
-        if shared is None:
-            raise VerificationError(f"{_where(e, r)}: the process of the group that decodes it refused or failed "
-                                    "(see its log)")
-        return Patch(shared[0], shared[1], None)
+        """A plan made ahead of time, checked again before its first write (``verify.recheck_held``)."""
+        verify.recheck_held(self, plans)
 
     # -- verify ----------------------------------------------------------------------------------
 
     def target_digests(self, plans: list[_TensorPlan]) -> dict[str, bytes]:
-        out: dict[str, bytes] = {}
-        for tp in plans:
-            e = tp.entry
-            if e.target is None:
-                continue
-            if tp.state == "patch":
-                got = _digest(e.target, tp.segs)
-                if got != e.target.digest:
-                    raise VerificationError(f"{_where(e)}: digest after apply does not match the delta's target")
-            # "held": checked through its additive digest in the plan, and each changed element read
-            # back after the write (``_plan_held``, ``write``)
-            out[e.name] = e.target.digest
-        return out
+        """Step 3: every tensor's digest after the write, checked (``verify.target_digests``)."""
+        return verify.target_digests(plans)
 
 
 @dataclass
@@ -678,11 +408,7 @@ def commit(prep: PreparedApply, *, before_write: Callable[[], None] | None = Non
     applied, skipped, recovered, written = ap.write(plans)
     struct_todo = any(tp.state in ("add", "remove", "replace") for tp in plans)
     names = prep.structural(delta, plans) if struct_todo and prep.structural is not None else []
-    digests = ap.target_digests(plans)
-    fp = fingerprint_from_digests(digests)
-    if fp != delta.target_fingerprint:
-        raise VerificationError(f"fingerprint after apply {fp[:16]}… is not the delta's target "
-                                f"{delta.target_fingerprint[:16]}…")
+    fp = verify.check_fingerprint(ap.target_digests(plans), delta)
     held_plans = [tp for tp in plans if tp.state == "held"]
     return ApplyReport(fp, applied, skipped, recovered, written, time.perf_counter() - prep.t0, names,
                        held=len(held_plans),
