@@ -12,7 +12,7 @@ gives the target bit for bit. Encodings (numbers are part of the format, see FOR
 * ``OVERWRITE``   zstd( target ) over the whole chunk; also used for added or re-typed tensors.
 
 Decoding an ``ULP`` chunk runs the native decoder (``_native.decode_ulp``) where the extension was
-built, and numba's ``kernels.ulp_decode`` otherwise or under ``DELTAREFIT_KERNELS=numba``. The two give
+built (and is in use: ``codec.native.USE_NATIVE``), and numba's ``kernels.ulp_decode`` otherwise or under ``DELTAREFIT_KERNELS=numba``. The two give
 the same positions and values and refuse the same payloads with the same status (so the same
 ``DecodeError`` message); tests hold them equal on valid, truncated and fuzzed payloads. Native, because
 decoding is the rollout side's step: its rank-to-position pass over the base compares blocks of 64
@@ -23,7 +23,6 @@ of counting elements one by one, which was over half of numba's decode of a bf16
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import zstandard
 
 from ..dtypes import DType
 from ..errors import DecodeError, LimitError
+from . import native
 from .constants import KIND_FLOAT, KIND_INT, KIND_UINT, STATUS
 from .history import (
     HIST_ID_BYTES,
@@ -44,6 +44,7 @@ from .history import (
     moves_of_changes,
     moves_of_images,
 )
+from .native import kernels_in_use as kernels_in_use  # (its earlier home)
 
 
 class _Numba:
@@ -57,11 +58,6 @@ class _Numba:
 
 
 K = _Numba()
-
-try:
-    from . import _native
-except ImportError:  # not compiled on this machine (setup.py makes it optional): numba writes the same bytes
-    _native = None
 
 ULP = 1
 SPARSE_XOR = 2
@@ -83,21 +79,6 @@ ZSTD_LEVEL = 1
 
 _tls = threading.local()
 
-# The native kernels (``_native.c``) are used when they were built, unless DELTAREFIT_KERNELS=numba.
-# Both write the same bytes (and decode the same patches); tests compare them, and benchmarks can time
-# one against the other. The
-# native scan needs AVX-512 to beat numba's (its portable path is for correctness, not speed); the
-# native coder is faster everywhere.
-USE_NATIVE = _native is not None and os.environ.get("DELTAREFIT_KERNELS", "") != "numba"
-_NATIVE_SCAN = _native is not None and _native.simd() == "avx512"
-
-
-def kernels_in_use() -> str:
-    """Which codec kernels run here, for reports: the encoder's scan and coder, and the decoder."""
-    if not (USE_NATIVE and _native is not None):
-        return "numba scan, coder and decoder"
-    scan = "native scan (AVX-512)" if _NATIVE_SCAN else "numba scan"
-    return f"{scan}, native coder and decoder (positions: {_native.decode_kernel()})"
 
 
 def _zc() -> zstandard.ZstdCompressor:
@@ -213,7 +194,7 @@ def _scan_buffers(n: int, udt: np.dtype, scratch: bool) -> tuple[np.ndarray, ...
 
 
 def _native16(dt: DType) -> bool:
-    return USE_NATIVE and _NATIVE_SCAN and dt.itemsize == 2
+    return native.USE_NATIVE and native.SCAN_AVX512 and dt.itemsize == 2
 
 
 def scan_chunk(dt: DType, base: np.ndarray, target: np.ndarray, *, scratch: bool = False) -> Changes:
@@ -225,7 +206,7 @@ def scan_chunk(dt: DType, base: np.ndarray, target: np.ndarray, *, scratch: bool
     m = -1
     if _native16(dt):
         with contextlib.suppress(BufferError):  # an unaligned view: numba takes it
-            m = _native.scan16(base, target, shift, mask, nctx, *bufs)
+            m = native.ext.scan16(base, target, shift, mask, nctx, *bufs)
     if m < 0:
         m = K.ulp_scan(base, target, shift, mask, nctx, *bufs)
     pos, ectx, rank, bvals, tvals = bufs
@@ -303,11 +284,11 @@ def encode_hist(dt: DType, base: np.ndarray, target: np.ndarray, history: Histor
     states = history.states()
     out = scratch_array("payload", max_payload_len(dt, n) + 64, np.uint8)
     m = -1
-    if USE_NATIVE and _native is not None and dt.itemsize == 2:  # scan and code in one call, the same bytes
+    if native.USE_NATIVE and native.ext is not None and dt.itemsize == 2:  # scan and code in one call, the same bytes
         with contextlib.suppress(BufferError):  # an unaligned view: numba takes it
-            m, nbytes = _native.encode_hist16(base, target, states, cmap, shift, mask, n_exp, cstate.size, pos, ectx,
-                                              rank, bvals, tvals, flip, dt.bits, _kind(dt), cstate, N_STATES, QDEPTH,
-                                              out)
+            m, nbytes = native.ext.encode_hist16(base, target, states, cmap, shift, mask, n_exp, cstate.size, pos,
+                                                 ectx, rank, bvals, tvals, flip, dt.bits, _kind(dt), cstate, N_STATES,
+                                                 QDEPTH, out)
     if m < 0:
         m = K.hist_scan(base, target, states, cmap, shift, mask, n_exp, cstate.size, pos, ectx, rank, bvals, tvals,
                         flip)
@@ -351,7 +332,7 @@ def _encode_native16(dt: DType, base: np.ndarray, target: np.ndarray) -> Encoded
     bufs = _scan_buffers(n, np.dtype(np.uint16), True)
     # The numba coder's limit (encode_changes): both reject the same chunks.
     out = scratch_array("payload", max_payload_len(dt, n) + 64, np.uint8)
-    m, nbytes = _native.scan16(base, target, shift, mask, nctx, *bufs, dt.bits, _kind(dt), out)
+    m, nbytes = native.ext.scan16(base, target, shift, mask, nctx, *bufs, dt.bits, _kind(dt), out)
     if m == 0:
         return None
     if nbytes >= 0 and not _try_dense(n, m, nbytes) and not _try_sparse(dt, m, nbytes):
@@ -374,9 +355,9 @@ def encode_changes(dt: DType, ch: Changes, dense) -> EncodedChunk | None:
         return None
     _, _, nctx = _ctx(dt)
     out = scratch_array("payload", max_payload_len(dt, ch.n) + 64, np.uint8)  # copied out by tobytes()
-    if USE_NATIVE and _native is not None:
-        nbytes = _native.encode_changes(ch.ectx, ch.rank, ch.bvals, ch.tvals, dt.itemsize, dt.bits, _kind(dt),
-                                        nctx, out)
+    if native.USE_NATIVE and native.ext is not None:
+        nbytes = native.ext.encode_changes(ch.ectx, ch.rank, ch.bvals, ch.tvals, dt.itemsize, dt.bits, _kind(dt),
+                                           nctx, out)
     else:
         nbytes = K.ulp_encode_changes(ch.ectx, ch.rank, ch.bvals, ch.tvals, dt.bits, _kind(dt), nctx, out)
     return _choose(dt, ch, dense, _ulp_candidate(ch, out, nbytes))
@@ -461,9 +442,9 @@ def decode_chunk(
         pos = np.empty(n_changed, np.int64)
         val = np.empty(n_changed, dt.uint)
         shift, mask, nctx = _ctx(dt)
-        if USE_NATIVE and _native is not None and base.flags.c_contiguous:  # (any alignment)
-            st = _native.decode_ulp(base, payload, n_changed, dt.itemsize, dt.bits, _kind(dt), shift, mask, nctx,
-                                    pos, val)
+        if native.USE_NATIVE and native.ext is not None and base.flags.c_contiguous:  # (any alignment)
+            st = native.ext.decode_ulp(base, payload, n_changed, dt.itemsize, dt.bits, _kind(dt), shift, mask,
+                                       nctx, pos, val)
         else:
             buf = np.frombuffer(payload, np.uint8)
             st = K.ulp_decode(base, buf, n_changed, dt.bits, _kind(dt), shift, mask, nctx, pos, val)
@@ -520,10 +501,11 @@ def _decode_hist(dt: DType, base: np.ndarray, payload: bytes, n_changed: int, de
     cmap, cstate = context_map(n_exp)
     states = history.states()
     st = None
-    if USE_NATIVE and _native is not None and base.flags.c_contiguous:  # (any alignment of the base)
+    if native.USE_NATIVE and native.ext is not None and base.flags.c_contiguous:  # (any alignment of the base)
         with contextlib.suppress(BufferError):
-            st = _native.decode_hist(base, states, memoryview(payload)[HIST_ID_BYTES:], n_changed, dt.itemsize,
-                                     dt.bits, _kind(dt), shift, mask, n_exp, cmap, cstate, N_STATES, QDEPTH, pos, val)
+            st = native.ext.decode_hist(base, states, memoryview(payload)[HIST_ID_BYTES:], n_changed, dt.itemsize,
+                                        dt.bits, _kind(dt), shift, mask, n_exp, cmap, cstate, N_STATES, QDEPTH, pos,
+                                        val)
     if st is None:
         buf = np.frombuffer(payload, np.uint8, offset=HIST_ID_BYTES)
         st = K.hist_decode(base, states, buf, n_changed, dt.bits, _kind(dt), shift, mask, n_exp, cmap, cstate,
