@@ -61,6 +61,7 @@ import zstandard  # noqa: E402
 
 import deltarefit  # noqa: E402
 from deltarefit.codec import chunk as C  # noqa: E402
+from deltarefit.codec import native as NAT  # noqa: E402
 from deltarefit.dtypes import DTYPES  # noqa: E402
 from deltarefit.format import DeltaReader  # noqa: E402
 from deltarefit.integrity import additive as additive  # noqa: E402
@@ -309,12 +310,12 @@ def _meta(name: str, t: tuple[str, tuple[int, ...], np.ndarray] | None) -> dict[
 
 
 def _encode(base: str, target: str, out: str, sums: bool, native: bool) -> bytes:
-    was = C.USE_NATIVE
-    C.USE_NATIVE = native
+    was = NAT.USE_NATIVE
+    NAT.USE_NATIVE = native
     try:
         deltarefit.encode(base, target, out, threads=2, sums=sums, durable=False)
     finally:
-        C.USE_NATIVE = was
+        NAT.USE_NATIVE = was
     return Path(out).read_bytes()
 
 
@@ -325,7 +326,7 @@ def build(name: str, fn, sums: bool, recipe: dict | None, work: Path) -> None:
     tmp.mkdir(parents=True)
     bpath = V.write_checkpoint(tmp / "base.safetensors", base)
     tpath = V.write_checkpoint(tmp / "target.safetensors", target)
-    delta = _encode(bpath, tpath, str(tmp / V.DELTA), sums, native=C._native is not None)
+    delta = _encode(bpath, tpath, str(tmp / V.DELTA), sums, native=NAT.ext is not None)
     if _encode(bpath, tpath, str(tmp / "numba.drd"), sums, native=False) != delta:
         raise SystemExit(f"{name}: the numba kernels write other bytes than the native ones")
     os.unlink(tmp / "numba.drd")
@@ -405,9 +406,9 @@ def write_hist_chunks(out: Path) -> None:
         vs = _momentum_chain(rng, dt, 6_000, 4)
         moves = [H.moves_of_images(d, a, b) for a, b in itertools.pairwise(vs[:4])][::-1]
         hist = H.History.from_moves(vs[3].size, moves)
-        C.USE_NATIVE = False
+        NAT.USE_NATIVE = False
         want = C.encode_hist(d, vs[3], vs[4], hist)
-        C.USE_NATIVE = C._native is not None
+        NAT.USE_NATIVE = NAT.ext is not None
         got = C.encode_hist(d, vs[3], vs[4], hist)
         assert got == want, f"{dt}: the native and numba encoders disagree"
         for i, v in enumerate(vs):

@@ -322,16 +322,16 @@ def test_kernel_timings_print_every_step(capsys):
     # The per-MiB figures docs/PERFORMANCE.md quotes: every kernel row is there with a positive time, and the
     # native rows appear exactly when the extension was built.
     from deltarefit.apps.bench import kernels
-    from deltarefit.codec import chunk
+    from deltarefit.codec import native
 
     assert kernels.main(["--reps", "1", "--rate", "0.02"]) == 0
     out = capsys.readouterr().out
     rows = {m[1]: float(m[2]) for m in re.finditer(r"^  (.+?)\s+([0-9.]+) ms  \(", out, re.M)}
     want = {"encode: scan, numba", "encode: code the changes, numba", "BLAKE3 segment hash (one)",
             "decode: all (ulp_decode)", "scatter"}
-    if chunk._native is not None:
-        want |= {f"encode: scan, native ({chunk._native.simd()})", "encode: code the changes, native",
-                 f"decode: all, native ({chunk._native.decode_kernel()}, in use)", "decode: all, native (scalar)"}
+    if native.ext is not None:
+        want |= {f"encode: scan, native ({native.ext.simd()})", "encode: code the changes, native",
+                 f"decode: all, native ({native.ext.decode_kernel()}, in use)", "decode: all, native (scalar)"}
     assert want <= set(rows), rows
     assert all(ms > 0 for ms in rows.values())
-    assert any("native" in r for r in rows) == (chunk._native is not None)
+    assert any("native" in r for r in rows) == (native.ext is not None)

@@ -291,7 +291,7 @@ def test_a_store_that_does_not_exist_is_an_error_not_a_new_directory(files, tmp_
 def test_apply_of_bf16_weights_starts_without_numba_or_the_sharded_layer(files, tmp_path):
     """Start-up: ``deltarefit apply`` of bf16 weights runs on the native kernels alone, so it imports
     neither numba (about 0.2 s, and its kernels' first calls) nor the sharded layer."""
-    from deltarefit.codec.chunk import USE_NATIVE
+    from deltarefit.codec.native import USE_NATIVE
 
     if not USE_NATIVE:
         pytest.skip("the native kernels are not built here (numba is their fallback)")

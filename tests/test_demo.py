@@ -151,7 +151,7 @@ def test_the_rollouts_warm_up_compiles_every_kernel_a_sync_then_needs(tmp_path, 
     warm-up compiles those the applies use."""
     import json
 
-    from deltarefit.codec.chunk import USE_NATIVE
+    from deltarefit.codec.native import USE_NATIVE
 
     if kernels == "native" and not USE_NATIVE:
         pytest.skip("the native kernels are not built here")

@@ -80,3 +80,17 @@ def test_packages_keep_the_old_modules_names():
                  "sync_engine", "engine_digests", "layer_key", "reload_set"):
         assert callable(getattr(deltarefit.engines.vllm, name)), name
     assert deltarefit.__version__
+
+
+def test_release_has_one_spelling_below_the_package():
+    """``deltarefit.__version__`` is ``format.RELEASE`` (what encode and compose name in a manifest's
+    ``encoder``, importable without the package's ``__init__``), and pyproject.toml's version."""
+    import tomllib
+    from pathlib import Path
+
+    import deltarefit
+    from deltarefit.format import RELEASE
+
+    assert deltarefit.__version__ is RELEASE
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    assert tomllib.loads(pyproject.read_text())["project"]["version"] == RELEASE

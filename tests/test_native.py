@@ -14,14 +14,15 @@ from hypothesis import strategies as st
 
 from deltarefit.codec import chunk as C
 from deltarefit.codec import kernels as K
+from deltarefit.codec import native as NAT
 from deltarefit.dtypes import DTYPES, dtype
 
-if C._native is None:
+if NAT.ext is None:
     if os.environ.get("CI"):  # CI installs with a compiler: a missing extension there is a broken build
         raise RuntimeError("deltarefit.codec._native was not built")
     pytest.skip("the native kernels were not built here", allow_module_level=True)
 
-N = C._native
+N = NAT.ext
 SIMD = ["portable", "avx512"] if N.simd() == "avx512" else ["portable"]
 
 
@@ -143,9 +144,9 @@ def test_chunks_encode_the_same_with_either_kernels(monkeypatch):
     for name, rate, steps in cases:
         dt = dtype(name)
         base, target = _pair(dt, 70_001, 11, rate, steps)
-        monkeypatch.setattr(C, "USE_NATIVE", True)
+        monkeypatch.setattr(NAT, "USE_NATIVE", True)
         nat = C.encode_chunk(dt, base, target), C.encode_raw(dt, base.view(np.uint8), target.view(np.uint8))
-        monkeypatch.setattr(C, "USE_NATIVE", False)
+        monkeypatch.setattr(NAT, "USE_NATIVE", False)
         ref = C.encode_chunk(dt, base, target)
         assert nat[0] == ref and nat[1] == ref, name
 
@@ -203,7 +204,7 @@ def test_the_encoder_writes_the_same_delta_with_either_kernels(tmp_path, monkeyp
     for i, (bp, tp) in enumerate(pairs):
         outs = {}
         for native in (True, False):
-            monkeypatch.setattr(C, "USE_NATIVE", native)
+            monkeypatch.setattr(NAT, "USE_NATIVE", native)
             out = tmp_path / f"{i}-{native}.delta"
             rep = encode(bp, tp, str(out), threads=2)
             assert rep.changed_elements > 0
@@ -244,6 +245,27 @@ def test_the_additive_digest_is_native_and_importing_it_loads_no_numba(simd):
     assert out.stdout.strip() == "False"
 
 
+def test_one_switch_turns_every_native_kernel_on_and_off(monkeypatch):
+    """``codec.native.USE_NATIVE`` is the one switch: flipped off, the scan, coder and decoder (``chunk``), the
+    element calls (``elements``), the history merge (``history``) and the additive digest all take their
+    numba or numpy paths; flipped on, each finds its native kernel. No module keeps a copy of it."""
+    from deltarefit.codec import elements, history
+    from deltarefit.integrity import additive
+
+    view, pos = np.zeros(8, np.uint16), np.arange(3, dtype=np.int64)
+    monkeypatch.setattr(NAT, "USE_NATIVE", False)
+    assert C.kernels_in_use() == "numba scan, coder and decoder"
+    assert elements.native_for(view, pos, view[:3]) is None and additive._native() is None
+    assert history._merge_kernel() is not N.merge_records
+    monkeypatch.setattr(NAT, "USE_NATIVE", True)
+    assert "native coder and decoder" in C.kernels_in_use()
+    assert elements.native_for(view, pos, view[:3]) is N and additive._native() is N.digest
+    assert history._merge_kernel() is N.merge_records
+    for mod in (C, elements, history, additive):
+        assert not hasattr(mod, "USE_NATIVE"), mod.__name__
+    assert not hasattr(C, "_native")  # the extension, too, is reached through codec.native alone
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
 def test_elements_at_positions_agree_with_numpy_and_refuse_a_bad_position_unwritten(simd, native, monkeypatch):
     """``codec.elements.put`` / ``equal_at`` and ``integrity.additive.move`` (the per-chunk element work of an apply,
@@ -253,7 +275,7 @@ def test_elements_at_positions_agree_with_numpy_and_refuse_a_bad_position_unwrit
     from deltarefit import elements
     from deltarefit.integrity import additive as digest
 
-    monkeypatch.setattr(C, "USE_NATIVE", native)
+    monkeypatch.setattr(NAT, "USE_NATIVE", native)
     rng = np.random.default_rng(11)
     seed = digest.seeds("t", "BF16", (9,))
     for dt in (np.uint8, np.uint16, np.uint32, np.uint64):

@@ -17,15 +17,16 @@ from _fuzz import mutate
 
 from deltarefit.codec import chunk as C
 from deltarefit.codec import kernels as K
+from deltarefit.codec import native as NAT
 from deltarefit.dtypes import DTYPES, dtype
 from deltarefit.errors import DecodeError
 
-if C._native is None:
+if NAT.ext is None:
     if os.environ.get("CI"):  # CI installs with a compiler: a missing extension there is a broken build
         raise RuntimeError("deltarefit.codec._native was not built")
     pytest.skip("the native kernels were not built here", allow_module_level=True)
 
-N = C._native
+N = NAT.ext
 KERNELS = N.decode_kernels()
 
 
@@ -335,20 +336,20 @@ def test_decode_chunk_uses_native_and_raises_numba_messages(monkeypatch):
         for case in (payload, payload[:-1], payload + b"\x01", payload[:5]):
             got = {}
             for native in (True, False):
-                monkeypatch.setattr(C, "USE_NATIVE", native)
+                monkeypatch.setattr(NAT, "USE_NATIVE", native)
                 try:
                     p = C.decode_chunk(dt, base, C.ULP, case, m, 0, "t.w chunk 0")
                     got[native] = (p.positions.tolist(), p.values.tolist())
                 except DecodeError as e:
                     got[native] = str(e)
             assert got[True] == got[False]
-    monkeypatch.setattr(C, "USE_NATIVE", True)
+    monkeypatch.setattr(NAT, "USE_NATIVE", True)
     assert "native coder and decoder" in C.kernels_in_use()
 
 
 def test_numba_is_forced_by_the_environment():
-    code = ("from deltarefit.codec import chunk as C; "
-            "print(C.USE_NATIVE, C.kernels_in_use())")
+    code = ("from deltarefit.codec import chunk as C; from deltarefit.codec import native as NAT; "
+            "print(NAT.USE_NATIVE, C.kernels_in_use())")
     env = dict(os.environ, DELTAREFIT_KERNELS="numba")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False numba scan, coder and decoder"

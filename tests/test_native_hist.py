@@ -14,6 +14,7 @@ from test_native_decode import _base, _guarded, _target  # (skips this module to
 
 from deltarefit.codec import chunk as C
 from deltarefit.codec import kernels as K
+from deltarefit.codec import native as NAT
 from deltarefit.codec.history import (
     N_STATES,
     QDEPTH,
@@ -27,7 +28,7 @@ from deltarefit.codec.history import (
 from deltarefit.dtypes import dtype
 from deltarefit.errors import DecodeError
 
-N = C._native
+N = NAT.ext
 FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 WIDTH16 = ("BF16", "F16", "I16", "U16")
 
@@ -340,7 +341,7 @@ def _chunk_history(dt, base, rng, rate: float) -> History:
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("name", (*FLOATS, "I16"))
 def test_chunk_round_trip_with_history(monkeypatch, name, native):
-    monkeypatch.setattr(C, "USE_NATIVE", native)
+    monkeypatch.setattr(NAT, "USE_NATIVE", native)
     rng = np.random.default_rng(10)
     dt = dtype(name)
     kinds = set()
@@ -381,7 +382,7 @@ def test_chunk_paths_write_the_same_bytes_and_messages(monkeypatch, name):
     hist = _chunk_history(dt, base, rng, 0.03)
     got = {}
     for native in (True, False):
-        monkeypatch.setattr(C, "USE_NATIVE", native)
+        monkeypatch.setattr(NAT, "USE_NATIVE", native)
         h = C.encode_hist(dt, base, target, hist)
         bad = bytearray(h.payload)
         bad[len(bad) // 2] ^= 0x10
@@ -654,7 +655,7 @@ def test_histories_from_records_are_the_same_on_both_kernels(monkeypatch):
     moves = [Moves(n, np.flatnonzero(rng.random(n) < 0.04), None) for _ in range(3)]
     moves = [Moves(n, mv.pos, rng.random(mv.pos.size) < 0.5) for mv in moves]
     native = History.from_moves(n, moves)
-    monkeypatch.setattr(C, "USE_NATIVE", False)
+    monkeypatch.setattr(NAT, "USE_NATIVE", False)
     numba = History.from_moves(n, moves)
     assert native.id == numba.id and native.m == numba.m
     np.testing.assert_array_equal(native.pos, numba.pos)

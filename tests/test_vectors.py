@@ -46,6 +46,7 @@ from _vectors import DELTA, VECTORS_DIR, checkpoints, load, vector_names
 import deltarefit
 from deltarefit.checkpoint import open_checkpoint
 from deltarefit.codec import chunk as C
+from deltarefit.codec import native as NAT
 from deltarefit.dtypes import DTYPES
 from deltarefit.encode import additive_digests
 from deltarefit.errors import DeltaRefitError
@@ -54,7 +55,7 @@ from deltarefit.integrity import additive as additive
 from deltarefit.integrity import fingerprint_from_digests, tensor_digest
 
 NAMES = vector_names()
-N = C._native
+N = NAT.ext
 REGENERATE = "an intended format change? regenerate with PYTHONPATH=src python scripts/make_vectors.py (FORMAT.md)"
 
 
@@ -128,12 +129,12 @@ def kernels(request, monkeypatch):
     if request.param.startswith("native"):
         if N is None:
             pytest.skip("the native kernels were not built here")
-        monkeypatch.setattr(C, "USE_NATIVE", True)
+        monkeypatch.setattr(NAT, "USE_NATIVE", True)
         was = N.use_simd(request.param == "native")
         yield request.param
         N.use_simd(was)
     else:
-        monkeypatch.setattr(C, "USE_NATIVE", False)
+        monkeypatch.setattr(NAT, "USE_NATIVE", False)
         yield request.param
 
 
@@ -144,10 +145,10 @@ DECODERS = ["numba"] + ([f"native-{k}" for k in N.decode_kernels()] if N is not 
 def decoder(request, monkeypatch):
     """The ulp decoder an apply runs with: numba's, or the native one with a given positions pass."""
     if request.param == "numba":
-        monkeypatch.setattr(C, "USE_NATIVE", False)
+        monkeypatch.setattr(NAT, "USE_NATIVE", False)
         yield request.param
         return
-    monkeypatch.setattr(C, "USE_NATIVE", True)
+    monkeypatch.setattr(NAT, "USE_NATIVE", True)
     N.decode_kernel(request.param.removeprefix("native-"))
     yield request.param
     N.decode_kernel("auto")  # the default: the fastest this machine runs
@@ -171,9 +172,9 @@ def test_encoding_writes_the_stored_delta(name, pairs, kernels, tmp_path):
 
 _SUBPROCESS = r"""
 import hashlib, json, os, shutil, sys
-from deltarefit.codec import chunk as C
+from deltarefit.codec import native as NAT
 import deltarefit
-assert not C.USE_NATIVE, "DELTAREFIT_KERNELS=numba did not switch the native kernels off"
+assert not NAT.USE_NATIVE, "DELTAREFIT_KERNELS=numba did not switch the native kernels off"
 out = {}
 for name, base, target, sums, work in json.loads(sys.argv[1]):
     d = os.path.join(work, "numba.drd")
@@ -249,7 +250,7 @@ def test_the_device_split_writes_the_stored_delta(name, native, pairs, monkeypat
 
     if native and N is None:
         pytest.skip("the native kernels were not built here")
-    monkeypatch.setattr(C, "USE_NATIVE", native)
+    monkeypatch.setattr(NAT, "USE_NATIVE", native)
     base, target = (load_file(p) for p in pairs[name])
     out = tmp_path / "dev.drd"
     encode_tensors(base, target, str(out), threads=2, batch_segments=2)
@@ -465,7 +466,7 @@ def _hist_vector():
 def test_the_ulp_hist_vector_encodes_and_decodes_byte_for_byte(kernels, monkeypatch):
     if kernels == "native" and N is None:
         pytest.skip("native kernels not built here")
-    monkeypatch.setattr(C, "USE_NATIVE", kernels == "native")
+    monkeypatch.setattr(NAT, "USE_NATIVE", kernels == "native")
     for dt_name, dt, vs, payload, m, hist in _hist_vector():
         assert hist.id.hex() == m["history_id"], (dt_name, REGENERATE)
         enc = C.encode_hist(dt, vs[3], vs[4], hist)

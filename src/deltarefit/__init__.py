@@ -3,8 +3,6 @@
 Encode the change between two checkpoints, ship it, apply it in place, verify the fingerprint.
 """
 
-__version__ = "0.1.0"
-
 # ``apply`` and ``encode`` are the modules, each callable as its function of that name (``_callable``): both
 # ``deltarefit.apply(delta, ckpt)`` and ``deltarefit.apply.Journal`` work.
 from . import _moved, apply, encode
@@ -35,6 +33,7 @@ from .errors import (
     UsageError,
     VerificationError,
 )
+from .format.layout import RELEASE as __version__  # one spelling of the release, below this package
 
 _moved.install()  # the old module paths (``deltarefit.applier``, ...), for one release
 

@@ -15,13 +15,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import __version__
 from .checkpoint.read import open_checkpoint
 from .codec.chunk import ENCODING_NAMES, decode_chunk, encode_chunk
 from .dtypes import dtype
 from .encode import EncodeReport, tensor_meta, uint_view
 from .errors import BaseMismatchError, UsageError, VerificationError
-from .format import VERSION, DeltaReader, DeltaWriter, TensorEntry
+from .format import RELEASE, VERSION, DeltaReader, DeltaWriter, TensorEntry
 from .integrity import SEGMENT_BYTES, fingerprint_from_digests, seg_hash
 
 
@@ -63,7 +62,7 @@ def compose(deltas: list[str], out: str, *, base: str, progress: Callable[[int],
                 "hash": "blake3-128", "base_fingerprint": first.base_fingerprint,
                 "target_fingerprint": last.target_fingerprint, "tensors": [e.to_json() for e in entries],
                 "stats": {"changed_elements": changed_total, "target_elements": total, "target_bytes": full,
-                          "encoder": f"deltarefit {__version__} compose of {len(readers)}"},
+                          "encoder": f"deltarefit {RELEASE} compose of {len(readers)}"},
             })
         except BaseException:
             writer.abort()

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from . import __version__
 from .checkpoint.read import Checkpoint, TensorInfo, open_checkpoint
 from .codec.chunk import (
     ENCODING_NAMES,
@@ -34,7 +33,7 @@ from .codec.chunk import (
 from .codec.chunk import uint_view as chunk_uint_view
 from .dtypes import dtype
 from .errors import UsageError
-from .format import VERSION, ZERO_HASH, DeltaWriter, TensorEntry, TensorMeta
+from .format import RELEASE, VERSION, ZERO_HASH, DeltaWriter, TensorEntry, TensorMeta
 from .history_book import HistoryBook, MovesRecorder
 from .integrity import (
     SEG_HASH_BYTES,
@@ -411,7 +410,7 @@ def encode_checkpoints(
             "base_fingerprint": bfp, "target_fingerprint": tfp,
             "tensors": [e.to_json() for e in entries],
             "stats": {"changed_elements": got.changed, "target_elements": total_elems,
-                      "target_bytes": full_bytes, "encoder": f"deltarefit {__version__}"},
+                      "target_bytes": full_bytes, "encoder": f"deltarefit {RELEASE}"},
         }
         size = writer.finish(manifest)
     except BaseException:

@@ -1,29 +1,18 @@
-"""Encode and decode one chunk: pure functions from (base bits, target bits) to bytes and back.
+"""Encode one chunk: a pure function from (base bits, target bits) to the smallest bit-exact payload.
 
 A chunk is one segment of a tensor (``integrity.SEGMENT_BYTES`` of raw bytes, the last one shorter).
 ``encode_chunk`` tries the encodings that can win for the chunk's change density and keeps the
-smallest; ``decode_chunk`` turns a payload back into a ``Patch`` that, scattered over the base,
-gives the target bit for bit. Encodings (numbers are part of the format, see FORMAT.md):
+smallest (the encodings are listed in ``codec.encodings``). The scan and the coder of 16-bit chunks run
+in the native extension where it was built and is in use (``codec.native``), in numba otherwise; both
+write the same bytes.
 
-* ``ULP``         positions grouped by the base's exponent, rice-coded gaps per group, signed ulp
-                  distances, all through an adaptive binary range coder (primitives.py; the kernels in encode_kernels.py and decode_kernels.py).
-* ``SPARSE_XOR``  zstd( u8 width | position gaps as uint{8,16,32} | XOR values ) (the NeMo-RL layout).
-* ``DENSE_XOR``   zstd( base XOR target ) over the whole chunk.
-* ``OVERWRITE``   zstd( target ) over the whole chunk; also used for added or re-typed tensors.
-
-Decoding an ``ULP`` chunk runs the native decoder (``_native.decode_ulp``) where the extension was
-built, and numba's ``kernels.ulp_decode`` otherwise or under ``DELTAREFIT_KERNELS=numba``. The two give
-the same positions and values and refuse the same payloads with the same status (so the same
-``DecodeError`` message); tests hold them equal on valid, truncated and fuzzed payloads. Native, because
-decoding is the rollout side's step: its rank-to-position pass over the base compares blocks of 64
-elements with the contexts that still hold changes (SSE2, AVX2 or AVX-512, chosen at run time) instead
-of counting elements one by one, which was over half of numba's decode of a bf16 chunk.
+The import path of the chunk codec: what ``codec.encodings`` (the encodings' numbers and values) and
+``codec.decode`` (``decode_chunk``, ``decode_new``, ``moves_of_patch``) hold is importable from here too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,44 +21,34 @@ import numpy as np
 import zstandard
 
 from ..dtypes import DType
-from ..errors import DecodeError, LimitError
-from .constants import KIND_FLOAT, KIND_INT, KIND_UINT, STATUS
-from .history import (
-    HIST_ID_BYTES,
-    N_STATES,
-    QDEPTH,
-    History,
-    Moves,
-    context_map,
-    moves_of_changes,
-    moves_of_images,
+from . import native
+from .decode import decode_chunk as decode_chunk
+from .decode import decode_new as decode_new
+from .decode import moves_of_patch as moves_of_patch
+from .encodings import (
+    DENSE_XOR,
+    ENCODING_NAMES,
+    OVERWRITE,
+    SPARSE_XOR,
+    ULP,
+    ULP_HIST,
+    EncodedChunk,
+    K,
+    Patch,
+    _ctx,
+    _kind,
+    max_payload_len,
+    scratch_array,
 )
+from .history import N_STATES, QDEPTH, History, Moves, context_map, moves_of_changes
+from .native import kernels_in_use as kernels_in_use  # (its earlier home)
 
-
-class _Numba:
-    """``codec.kernels`` (numba), imported on first use: a process whose chunks all run on the native
-    kernels (a CLI apply of bf16 weights) never pays numba's import and its kernels' first calls."""
-
-    def __getattr__(self, name: str):
-        from . import kernels
-
-        return getattr(kernels, name)
-
-
-K = _Numba()
-
-try:
-    from . import _native
-except ImportError:  # not compiled on this machine (setup.py makes it optional): numba writes the same bytes
-    _native = None
-
-ULP = 1
-SPARSE_XOR = 2
-DENSE_XOR = 3
-OVERWRITE = 4
-ULP_HIST = 5
-ENCODING_NAMES = {ULP: "ulp", SPARSE_XOR: "sparse_xor", DENSE_XOR: "dense_xor", OVERWRITE: "overwrite",
-                  ULP_HIST: "ulp_hist"}
+__all__ = [
+    "DENSE_XOR", "ENCODING_NAMES", "OVERWRITE", "SPARSE_XOR", "ULP", "ULP_HIST", "Changes", "EncodedChunk",
+    "Patch", "decode_chunk", "decode_new", "encode_changes", "encode_chunk", "encode_hist", "encode_overwrite",
+    "encode_raw", "encode_with_changes", "encode_with_moves", "kernels_in_use", "max_payload_len",
+    "moves_of_patch", "scan_chunk", "scratch_array", "uint_view",
+]
 
 # Dense encodings are only worth trying once this fraction of a chunk changed and the ulp coding spends
 # more than DENSE_TRY_BITS bits per element of the chunk: below that, zstd of a whole chunk never came
@@ -83,22 +62,6 @@ ZSTD_LEVEL = 1
 
 _tls = threading.local()
 
-# The native kernels (``_native.c``) are used when they were built, unless DELTAREFIT_KERNELS=numba.
-# Both write the same bytes (and decode the same patches); tests compare them, and benchmarks can time
-# one against the other. The
-# native scan needs AVX-512 to beat numba's (its portable path is for correctness, not speed); the
-# native coder is faster everywhere.
-USE_NATIVE = _native is not None and os.environ.get("DELTAREFIT_KERNELS", "") != "numba"
-_NATIVE_SCAN = _native is not None and _native.simd() == "avx512"
-
-
-def kernels_in_use() -> str:
-    """Which codec kernels run here, for reports: the encoder's scan and coder, and the decoder."""
-    if not (USE_NATIVE and _native is not None):
-        return "numba scan, coder and decoder"
-    scan = "native scan (AVX-512)" if _NATIVE_SCAN else "numba scan"
-    return f"{scan}, native coder and decoder (positions: {_native.decode_kernel()})"
-
 
 def _zc() -> zstandard.ZstdCompressor:
     # One compressor per thread: zstandard's objects are not safe to share between threads.
@@ -106,70 +69,6 @@ def _zc() -> zstandard.ZstdCompressor:
     if c is None:
         c = _tls.zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
     return c
-
-
-def scratch_array(name: str, n: int, dt: np.dtype) -> np.ndarray:
-    """A per-thread reusable array of at least ``n`` entries (its first ``n`` returned). Hazard: the
-    next call with the same name on the same thread reuses the memory, so results in it must be used
-    or copied first. Fresh multi-MiB arrays per chunk cost a page fault per touched page and an unmap
-    (about 20% of the scan over a real pair)."""
-    key = (name, np.dtype(dt).str)
-    bufs = getattr(_tls, "scratch", None)
-    if bufs is None:
-        bufs = _tls.scratch = {}
-    a = bufs.get(key)
-    if a is None or a.size < n:
-        a = bufs[key] = np.empty(max(n, 1), dt)
-    return a[:n]
-
-
-def _zd() -> zstandard.ZstdDecompressor:
-    d = getattr(_tls, "zd", None)
-    if d is None:
-        d = _tls.zd = zstandard.ZstdDecompressor()
-    return d
-
-
-@dataclass(frozen=True)
-class EncodedChunk:
-    encoding: int
-    payload: bytes
-    n_changed: int
-    decoded_len: int  # bytes the zstd stage expands to (0 for ULP)
-
-
-@dataclass(frozen=True)
-class Patch:
-    """Decoded chunk: either sparse (positions, values) or a full dense image of the chunk."""
-
-    positions: np.ndarray | None  # sorted int64 element indices
-    values: np.ndarray | None  # target bits at those positions (uint view of the dtype)
-    dense: np.ndarray | None  # the whole target chunk (uint view)
-
-    def apply_to(self, view: np.ndarray) -> None:
-        """Write the target bits into ``view`` (the chunk's elements, same uint dtype). Idempotent."""
-        if self.dense is not None:
-            view[:] = self.dense
-        elif self.positions is not None and self.positions.size:
-            from . import elements  # the native scatter, without the GIL (numpy's holds it)
-
-            elements.put(view, self.positions, self.values)
-
-
-def _kind(dt: DType) -> int:
-    return {"float": KIND_FLOAT, "int": KIND_INT}.get(dt.kind, KIND_UINT)
-
-
-def _ctx(dt: DType) -> tuple[int, int, int]:
-    """(shift, mask, n_contexts) selecting a float's exponent field; a single context otherwise."""
-    if dt.kind == "float":
-        return dt.man_bits, (1 << dt.exp_bits) - 1, 1 << dt.exp_bits
-    return 0, 0, 1
-
-
-def max_payload_len(dt: DType, n: int) -> int:
-    """Hard limit on one chunk's payload: never more than a zstd'd overwrite could need, plus slack."""
-    return n * dt.itemsize + n * dt.itemsize // 64 + 4096
 
 
 def _width_code(max_gap: int) -> int:
@@ -213,7 +112,7 @@ def _scan_buffers(n: int, udt: np.dtype, scratch: bool) -> tuple[np.ndarray, ...
 
 
 def _native16(dt: DType) -> bool:
-    return USE_NATIVE and _NATIVE_SCAN and dt.itemsize == 2
+    return native.USE_NATIVE and native.SCAN_AVX512 and dt.itemsize == 2
 
 
 def scan_chunk(dt: DType, base: np.ndarray, target: np.ndarray, *, scratch: bool = False) -> Changes:
@@ -225,7 +124,7 @@ def scan_chunk(dt: DType, base: np.ndarray, target: np.ndarray, *, scratch: bool
     m = -1
     if _native16(dt):
         with contextlib.suppress(BufferError):  # an unaligned view: numba takes it
-            m = _native.scan16(base, target, shift, mask, nctx, *bufs)
+            m = native.ext.scan16(base, target, shift, mask, nctx, *bufs)
     if m < 0:
         m = K.ulp_scan(base, target, shift, mask, nctx, *bufs)
     pos, ectx, rank, bvals, tvals = bufs
@@ -280,15 +179,6 @@ def encode_with_moves(dt: DType, base: np.ndarray, target: np.ndarray, history: 
     return (hist if hist is not None and len(hist.payload) < len(got.payload) else got), moves
 
 
-def moves_of_patch(dt: DType, base: np.ndarray, patch: Patch) -> Moves:
-    """A decoded chunk's moves (its changes and their directions) against its base (uint view)."""
-    if patch.dense is not None:
-        return moves_of_images(dt, base, patch.dense)
-    if patch.positions is None or not patch.positions.size:
-        return Moves(base.size, np.empty(0, np.int64), np.empty(0, np.bool_))
-    return moves_of_changes(dt, base.size, patch.positions, base[patch.positions], patch.values)
-
-
 def encode_hist(dt: DType, base: np.ndarray, target: np.ndarray, history: History) -> EncodedChunk | None:
     """The ``ULP_HIST`` coding of a chunk against ``history`` (FORMAT.md, "Encoding 5: ulp_hist"), or
     None when nothing changed or it does not fit. Payload: the history's id, then the ulp bitstream
@@ -303,11 +193,11 @@ def encode_hist(dt: DType, base: np.ndarray, target: np.ndarray, history: Histor
     states = history.states()
     out = scratch_array("payload", max_payload_len(dt, n) + 64, np.uint8)
     m = -1
-    if USE_NATIVE and _native is not None and dt.itemsize == 2:  # scan and code in one call, the same bytes
+    if native.USE_NATIVE and native.ext is not None and dt.itemsize == 2:  # scan and code in one call, the same bytes
         with contextlib.suppress(BufferError):  # an unaligned view: numba takes it
-            m, nbytes = _native.encode_hist16(base, target, states, cmap, shift, mask, n_exp, cstate.size, pos, ectx,
-                                              rank, bvals, tvals, flip, dt.bits, _kind(dt), cstate, N_STATES, QDEPTH,
-                                              out)
+            m, nbytes = native.ext.encode_hist16(base, target, states, cmap, shift, mask, n_exp, cstate.size, pos,
+                                                 ectx, rank, bvals, tvals, flip, dt.bits, _kind(dt), cstate, N_STATES,
+                                                 QDEPTH, out)
     if m < 0:
         m = K.hist_scan(base, target, states, cmap, shift, mask, n_exp, cstate.size, pos, ectx, rank, bvals, tvals,
                         flip)
@@ -351,7 +241,7 @@ def _encode_native16(dt: DType, base: np.ndarray, target: np.ndarray) -> Encoded
     bufs = _scan_buffers(n, np.dtype(np.uint16), True)
     # The numba coder's limit (encode_changes): both reject the same chunks.
     out = scratch_array("payload", max_payload_len(dt, n) + 64, np.uint8)
-    m, nbytes = _native.scan16(base, target, shift, mask, nctx, *bufs, dt.bits, _kind(dt), out)
+    m, nbytes = native.ext.scan16(base, target, shift, mask, nctx, *bufs, dt.bits, _kind(dt), out)
     if m == 0:
         return None
     if nbytes >= 0 and not _try_dense(n, m, nbytes) and not _try_sparse(dt, m, nbytes):
@@ -374,9 +264,9 @@ def encode_changes(dt: DType, ch: Changes, dense) -> EncodedChunk | None:
         return None
     _, _, nctx = _ctx(dt)
     out = scratch_array("payload", max_payload_len(dt, ch.n) + 64, np.uint8)  # copied out by tobytes()
-    if USE_NATIVE and _native is not None:
-        nbytes = _native.encode_changes(ch.ectx, ch.rank, ch.bvals, ch.tvals, dt.itemsize, dt.bits, _kind(dt),
-                                        nctx, out)
+    if native.USE_NATIVE and native.ext is not None:
+        nbytes = native.ext.encode_changes(ch.ectx, ch.rank, ch.bvals, ch.tvals, dt.itemsize, dt.bits, _kind(dt),
+                                           nctx, out)
     else:
         nbytes = K.ulp_encode_changes(ch.ectx, ch.rank, ch.bvals, ch.tvals, dt.bits, _kind(dt), nctx, out)
     return _choose(dt, ch, dense, _ulp_candidate(ch, out, nbytes))
@@ -421,113 +311,3 @@ def encode_overwrite(target: np.ndarray) -> EncodedChunk:
     return EncodedChunk(OVERWRITE, _zc().compress(raw), target.size, len(raw))
 
 
-def _unzstd(payload: bytes, expected: int, where: str) -> bytes:
-    try:
-        params = zstandard.get_frame_parameters(payload)
-    except zstandard.ZstdError as e:
-        raise DecodeError(f"{where}: not a zstd frame ({e})") from None
-    if params.content_size != expected:
-        raise LimitError(f"{where}: zstd frame declares {params.content_size} bytes, expected {expected}")
-    try:
-        raw = _zd().decompress(payload, max_output_size=expected)
-    except zstandard.ZstdError as e:
-        raise DecodeError(f"{where}: zstd frame does not decode ({e})") from None
-    if len(raw) != expected:
-        raise DecodeError(f"{where}: zstd frame holds {len(raw)} bytes, expected {expected}")
-    return raw
-
-
-def decode_new(dt: DType, n: int, encoding: int, payload: bytes, where: str) -> np.ndarray:
-    """The ``n`` elements of a chunk of a tensor with no base (added or re-typed): OVERWRITE only."""
-    if encoding != OVERWRITE:
-        raise DecodeError(f"{where}: a new tensor's chunk must be an overwrite, not encoding {encoding}")
-    return np.frombuffer(_unzstd(payload, n * dt.itemsize, where), dt.uint)
-
-
-def decode_chunk(
-    dt: DType, base: np.ndarray, encoding: int, payload: bytes, n_changed: int, decoded_len: int, where: str,
-    history: History | None = None,
-) -> Patch:
-    """Decode a chunk payload against its base (uint view). Raises DecodeError/LimitError on bad input.
-    A ``ULP_HIST`` chunk needs ``history``, the one its payload names (refused otherwise)."""
-    n = base.size
-    if not 0 <= n_changed <= n:
-        raise DecodeError(f"{where}: record claims {n_changed} changed elements in a chunk of {n}")
-    if encoding == ULP_HIST:
-        return _decode_hist(dt, base, payload, n_changed, decoded_len, where, history)
-    if encoding == ULP:
-        if decoded_len != 0:
-            raise DecodeError(f"{where}: ulp chunk declares a decoded length")
-        pos = np.empty(n_changed, np.int64)
-        val = np.empty(n_changed, dt.uint)
-        shift, mask, nctx = _ctx(dt)
-        if USE_NATIVE and _native is not None and base.flags.c_contiguous:  # (any alignment)
-            st = _native.decode_ulp(base, payload, n_changed, dt.itemsize, dt.bits, _kind(dt), shift, mask, nctx,
-                                    pos, val)
-        else:
-            buf = np.frombuffer(payload, np.uint8)
-            st = K.ulp_decode(base, buf, n_changed, dt.bits, _kind(dt), shift, mask, nctx, pos, val)
-        if st != 0:
-            raise DecodeError(f"{where}: {STATUS.get(st, f'status {st}')}")
-        return Patch(pos, val, None)
-    if encoding in (DENSE_XOR, OVERWRITE):
-        raw = _unzstd(payload, n * dt.itemsize, where)
-        arr = np.frombuffer(raw, dt.uint)
-        if encoding == DENSE_XOR:
-            arr = np.bitwise_xor(base, arr)
-        changed = int(np.count_nonzero(arr != base))
-        if changed != n_changed:
-            raise DecodeError(f"{where}: decodes to {changed} changed elements, record says {n_changed}")
-        return Patch(None, None, arr)
-    if encoding == SPARSE_XOR:
-        if decoded_len < 1:
-            raise DecodeError(f"{where}: sparse chunk declares {decoded_len} decoded bytes")
-        limit = 1 + n_changed * (4 + dt.itemsize)
-        if decoded_len > limit:
-            raise LimitError(f"{where}: sparse chunk declares {decoded_len} decoded bytes, limit {limit}")
-        raw = _unzstd(payload, decoded_len, where)
-        w = raw[0]
-        if w not in (1, 2, 4) or len(raw) != 1 + n_changed * (w + dt.itemsize):
-            raise DecodeError(f"{where}: sparse chunk layout does not match its {n_changed} changes")
-        gaps = np.frombuffer(raw, f"<u{w}", n_changed, 1).astype(np.int64)
-        pos = np.cumsum(gaps + 1) - 1
-        if n_changed and pos[-1] >= n:
-            raise DecodeError(f"{where}: position {int(pos[-1])} lies beyond the chunk's {n} elements")
-        xor = np.frombuffer(raw, dt.uint, n_changed, 1 + n_changed * w)
-        val = np.bitwise_xor(base[pos], xor)
-        if np.any(val == base[pos]):
-            raise DecodeError(f"{where}: sparse chunk lists an unchanged element")
-        return Patch(pos, val, None)
-    raise DecodeError(f"{where}: unknown encoding {encoding}")
-
-
-def _decode_hist(dt: DType, base: np.ndarray, payload: bytes, n_changed: int, decoded_len: int, where: str,
-                 history: History | None) -> Patch:
-    n = base.size
-    if decoded_len != 0:
-        raise DecodeError(f"{where}: ulp_hist chunk declares a decoded length")
-    if len(payload) < HIST_ID_BYTES:
-        raise DecodeError(f"{where}: ulp_hist chunk is too short to name its history")
-    want = payload[:HIST_ID_BYTES]
-    if history is None:
-        raise DecodeError(f"{where}: chunk is coded against history {want.hex()}, and none is held here")
-    if history.n != n or history.id != want:
-        raise DecodeError(f"{where}: chunk is coded against history {want.hex()}, this decoder holds "
-                          f"{history.id.hex()} (a {history.n}-element chunk)")
-    pos = np.empty(n_changed, np.int64)
-    val = np.empty(n_changed, dt.uint)
-    shift, mask, n_exp = _ctx(dt)
-    cmap, cstate = context_map(n_exp)
-    states = history.states()
-    st = None
-    if USE_NATIVE and _native is not None and base.flags.c_contiguous:  # (any alignment of the base)
-        with contextlib.suppress(BufferError):
-            st = _native.decode_hist(base, states, memoryview(payload)[HIST_ID_BYTES:], n_changed, dt.itemsize,
-                                     dt.bits, _kind(dt), shift, mask, n_exp, cmap, cstate, N_STATES, QDEPTH, pos, val)
-    if st is None:
-        buf = np.frombuffer(payload, np.uint8, offset=HIST_ID_BYTES)
-        st = K.hist_decode(base, states, buf, n_changed, dt.bits, _kind(dt), shift, mask, n_exp, cmap, cstate,
-                           N_STATES, QDEPTH, pos, val)
-    if st != 0:
-        raise DecodeError(f"{where}: {STATUS.get(st, f'status {st}')}")
-    return Patch(pos, val, None)

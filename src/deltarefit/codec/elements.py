@@ -2,7 +2,7 @@
 what it wrote (``equal_at``).
 
 Both run in the native extension, without the GIL, where it was built and is in use
-(``codec.chunk.USE_NATIVE``), and in numpy otherwise, with the same results. numpy's fancy indexing
+(``codec.native.USE_NATIVE``), and in numpy otherwise, with the same results. numpy's fancy indexing
 holds the GIL, so an apply's threads took turns at this per-chunk work while their decodes ran
 in parallel. Positions are int64. A position outside the array raises ``IndexError`` with nothing
 written, on either path.
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import native
+
 
 def native_for(*arrays: np.ndarray):
     """The native module when ``(view, pos, vals)`` qualify for its element calls (C-contiguous; one
     unsigned or signed item size; aligned int64 positions), else None (the numpy fallback)."""
-    from . import chunk
-
-    if not chunk.USE_NATIVE or chunk._native is None or not hasattr(chunk._native, "put"):
+    if not native.USE_NATIVE or native.ext is None or not hasattr(native.ext, "put"):
         return None
     view, pos, vals = arrays
     # (flags.aligned: an int64 array's address is a multiple of 8; cheaper than building .ctypes, which
@@ -27,7 +27,7 @@ def native_for(*arrays: np.ndarray):
             or vals.dtype.kind not in "ui" or not view.flags.c_contiguous or not pos.flags.c_contiguous
             or not vals.flags.c_contiguous or not pos.flags.aligned):
         return None
-    return chunk._native
+    return native.ext
 
 
 def put(dst: np.ndarray, pos: np.ndarray, vals: np.ndarray) -> None:

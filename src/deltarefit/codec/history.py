@@ -23,6 +23,7 @@ import blake3
 import numpy as np
 
 from ..dtypes import DType
+from . import native
 
 HIST_ID_BYTES = 16
 QDEPTH = 8  # gap-quotient decisions through the range coder, per state (encoding 1 takes 2)
@@ -99,13 +100,11 @@ def _record_size(r: bytes | None, n: int) -> int:
 
 
 def _merge_kernel():
-    """``merge_records``: the native kernel where the extension was built (and is in use: ``chunk.USE_NATIVE``),
+    """``merge_records``: the native kernel where the extension was built (and is in use: ``native.USE_NATIVE``),
     else numba's, the same outputs. The native one keeps numba out of a process that decodes or encodes
     with history (its import and compilation cost about half a second in every ``deltarefit apply
     --history``)."""
-    from . import chunk
-
-    kern = getattr(chunk._native, "merge_records", None) if chunk.USE_NATIVE else None
+    kern = native.kernel("merge_records")
     if kern is None:
         from .history_kernels import merge_records as kern
     return kern

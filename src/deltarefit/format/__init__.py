@@ -24,6 +24,7 @@ from .layout import (
     OPS,
     RECORD,
     RECORD_SIZE,
+    RELEASE,
     SUM_BYTES,
     VERSION,
     ZERO_HASH,
@@ -47,6 +48,6 @@ from .writer import _remove_stale_temps as _remove_stale_temps
 __all__ = [
     "FLAG_MANIFEST_ZSTD", "HEADER", "HEADER_SIZE", "MAGIC", "MANIFEST_BYTES_PER_CONTAINER", "MANIFEST_EXPANSION",
     "MANIFEST_FLOOR", "MANIFEST_MAX_DEPTH", "MAX_MANIFEST_BYTES", "MAX_NDIM", "MAX_RECORDS", "OPS", "RECORD",
-    "RECORD_SIZE", "SUM_BYTES", "VERSION", "ZERO_HASH", "ChunkRecord", "DeltaReader", "DeltaWriter", "TensorEntry",
-    "TensorMeta", "manifest_limit",
+    "RECORD_SIZE", "RELEASE", "SUM_BYTES", "VERSION", "ZERO_HASH", "ChunkRecord", "DeltaReader", "DeltaWriter",
+    "TensorEntry", "TensorMeta", "manifest_limit",
 ]

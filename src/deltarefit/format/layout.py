@@ -16,8 +16,12 @@ from typing import Any
 from ..dtypes import DTYPES
 from ..integrity import SEG_HASH_BYTES
 
+# The library's release (``deltarefit.__version__``, pyproject.toml's ``version``), which every delta names
+# in its manifest's ``encoder``. It lives here, below the package's ``__init__``, so that the encoder
+# (``encode``, ``compose``) names it without importing the package that imports the encoder.
+RELEASE = "0.1.0"
 MAGIC = b"DRDELTA\x00"
-VERSION = 1
+VERSION = 1  # the container format's version (the header's), not the release
 HEADER = struct.Struct("<8sHHIQQQQQQ16s16s")
 HEADER_SIZE = HEADER.size  # 96
 RECORD = struct.Struct("<IIBBHIQII16s16s16s")

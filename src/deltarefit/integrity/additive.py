@@ -73,9 +73,9 @@ def _mix(x: np.ndarray) -> np.ndarray:
 def _native():
     """The native kernel (``codec._native.digest``) where it was built and is not switched off
     (``DELTAREFIT_KERNELS=numba``); None otherwise."""
-    from ..codec import chunk
+    from ..codec import native
 
-    return getattr(chunk._native, "digest", None) if chunk.USE_NATIVE else None
+    return native.kernel("digest")
 
 
 def _numba_kernels():

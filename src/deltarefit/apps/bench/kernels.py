@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=50, help="calls per timing (default 50)")
     a = ap.parse_args(argv)
     from deltarefit.codec import kernels as K
-    from deltarefit.codec.chunk import _ctx, _kind, _native, encode_changes, max_payload_len, scan_chunk
+    from deltarefit.codec.chunk import _ctx, _kind, encode_changes, max_payload_len, scan_chunk
+    from deltarefit.codec.native import ext as _native
     from deltarefit.dtypes import dtype
     from deltarefit.integrity import SEGMENT_BYTES, seg_hash
 

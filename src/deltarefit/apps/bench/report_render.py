@@ -95,7 +95,7 @@ def machine_info(threads: int | None = None) -> dict[str, str]:
     if threads is not None:
         info["threads"] = str(threads)
     try:
-        from deltarefit.codec.chunk import kernels_in_use
+        from deltarefit.codec.native import kernels_in_use
 
         info["deltarefit kernels"] = kernels_in_use()
     except ImportError:
