@@ -99,7 +99,7 @@ def _matches(info: object, meta: TensorMeta) -> bool:
     return (info.dtype, tuple(info.shape)) == (meta.dtype, meta.shape)
 
 
-class Applier(HeldPlans):
+class Applier:
     """One application of one delta to one ``TensorTarget`` or ``SegmentTarget``: ``plan``, then
     ``write``, then ``target_digests``.
 
@@ -154,6 +154,8 @@ class Applier(HeldPlans):
         # without the segment, so a journal that needs pre-images (a file journal) keeps the older way:
         # every process assembles and decodes the whole segment.
         self._split = caps.split
+        # The held-digest plans: an object this applier holds, which uses its state (``held.HeldPlans``).
+        self.held_plans = HeldPlans(self)
 
     def _record_moves(self, e: TensorEntry, ci: int, view, patch) -> None:
         """Record a chunk's moves, decoded in the plan against its base ``view`` (host regions), where a
@@ -178,7 +180,7 @@ class Applier(HeldPlans):
         # checkpoint of many one-segment tensors still keeps every core busy. Results are taken in
         # tensor order, so the error reported is the first bad tensor's, whatever the timing.
         # A collective target is planned on this thread, in one order; the segments a process holds
-        # whole (held-digest plans) are decoded on its own threads meanwhile (``_plan_held_shared``).
+        # whole (held-digest plans) are decoded on its own threads meanwhile (``HeldPlans._plan_shared``).
         own = ThreadPoolExecutor(self.threads, thread_name_prefix="plan-own") if self._roles is not None else None
         self._own_pool = own
         with self._pool(self.threads, thread_name_prefix="plan") as pool, \
@@ -203,7 +205,7 @@ class Applier(HeldPlans):
                                         "(wrong base checkpoint?)")
             held = self.held.get(e.name) if self.held is not None else None
             if held is not None and e.base.sum is not None and e.target.sum is not None:
-                return self._plan_held(pool, e, held)
+                return self.held_plans.plan(pool, e, held)
             return self._plan_patch(pool, ti, e)
         if e.op == "add":
             if info is None:

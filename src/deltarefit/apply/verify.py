@@ -84,7 +84,7 @@ def target_digests(plans: list[_TensorPlan]) -> dict[str, bytes]:
             if got != e.target.digest:
                 raise VerificationError(f"{_where(e)}: digest after apply does not match the delta's target")
         # "held": checked through its additive digest in the plan, and each changed element read
-        # back after the write (``HeldPlans.plan_held``, ``check_written``)
+        # back after the write (``HeldPlans.plan``, ``check_written``)
         out[e.name] = e.target.digest
     return out
 

@@ -226,7 +226,7 @@ class ChunkWriter:
         got, err = None, None
         if region is not None:
             try:
-                pos, new, moved = ap._split_changes(e, r, region)
+                pos, new, moved = ap.held_plans.split_changes(e, r, region)
                 if not np.array_equal(moved, c.moved):
                     raise VerificationError(f"{_where(e, r)}: decodes differently from its checked plan")
                 got = (pos, new)
