@@ -266,7 +266,7 @@ def test_publisher_reuses_its_baselines_additive_digests(tmp_path, spy, monkeypa
         summed.append(len(tensors))
         return real(tensors, **kw)
 
-    monkeypatch.setattr(E, "additive_digests", counting)
+    monkeypatch.setattr(E.encoder, "additive_digests", counting)  # the module whose encode calls it
     steps = _steps(tmp_path, 4)
     store = LocalStore(str(tmp_path / "store"))
     pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=100, keyframe_ratio=1000.0)

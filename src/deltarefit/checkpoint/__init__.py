@@ -2,6 +2,7 @@
 
 * ``read``    open and validate a file or directory checkpoint over mmap, view and patch tensors in place,
               fingerprint it
+* ``parse``   a file's header, parsed strictly into ``TensorInfo``
 * ``write``   ``write_safetensors``: stream tensors into a new file, atomically
 * ``header``  what both share: the header size limit, ``TensorSource``, the entry checks
 """

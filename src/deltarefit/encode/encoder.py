@@ -3,6 +3,11 @@
 Memory beyond the mapped checkpoints is O(threads x chunk). Tensors are visited in sorted name order
 and chunks are written in order whatever the thread count, so the same pair always gives the same
 bytes, whether the checkpoints are single files or sharded directories.
+
+This module drives an encode (``encode``, ``encode_checkpoints``): it makes the works (``encode.work``),
+runs them on the pool (``encode.pipeline``), writes each chunk's record as its result arrives and each
+tensor's manifest entry after its last, and reports. ``known_hashes`` and ``additive_digests`` take a
+checkpoint's segment hashes and additive digests on the same pool.
 """
 
 from __future__ import annotations
@@ -10,43 +15,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .checkpoint.read import Checkpoint, TensorInfo, open_checkpoint
-from .codec.chunk import (
-    ENCODING_NAMES,
-    ULP_HIST,
-    EncodedChunk,
-    encode_overwrite,
-    encode_raw,
-    encode_with_changes,
-    encode_with_moves,
-)
-from .codec.chunk import uint_view as chunk_uint_view
-from .dtypes import dtype
-from .errors import UsageError
-from .format import RELEASE, VERSION, ZERO_HASH, DeltaWriter, TensorEntry, TensorMeta
-from .history_book import HistoryBook, MovesRecorder
-from .integrity import (
-    SEG_HASH_BYTES,
-    SEGMENT_BYTES,
-    fingerprint_from_digests,
-    n_segments,
-    seg_hash,
-    segment_hashes,
-    tensor_digest_from_segments,
-)
-from .known import KnownHashes
+from ..checkpoint.read import Checkpoint, open_checkpoint
+from ..codec.chunk import ENCODING_NAMES, ULP_HIST
+from ..errors import UsageError
+from ..format import RELEASE, VERSION, ZERO_HASH, DeltaWriter, TensorEntry
+from ..history_book import HistoryBook, MovesRecorder
+from ..integrity import SEGMENT_BYTES, fingerprint_from_digests, segment_hashes
+from ..known import KnownHashes
+from .pipeline import _ordered, _pools, default_threads
+from .work import PatchWorks, _host_patch_works, _Job, _jobs, _SumMoves, tensor_meta, uint_view
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__package__)  # "deltarefit.encode", as before the package
 
 
 @dataclass
@@ -79,134 +64,6 @@ class EncodeReport:
         return self.changed_elements / max(self.total_elements, 1)
 
 
-def default_threads() -> int:
-    return max(1, min(8, len(os.sched_getaffinity(0))))
-
-
-def uint_view(raw: np.ndarray, dt_name: str) -> np.ndarray:
-    """View raw bytes as unsigned integers of the dtype's width (copying only if misaligned)."""
-    return chunk_uint_view(raw, dtype(dt_name))
-
-
-def _segments(nbytes: int) -> Iterator[tuple[int, int]]:
-    yield from enumerate(range(0, nbytes, SEGMENT_BYTES))
-
-
-# A work item returns (pre_hash, post_hash, encoded chunk or None).
-Work = Callable[[], tuple[bytes, bytes, EncodedChunk | None]]
-
-
-class _SumMoves:
-    """How each patched tensor's additive digest moves, chunk by chunk, as the host scan finds its
-    changes: the target's digest is then the base's moved by them (``integrity.additive`` is additive), in
-    O(changed elements), instead of a pass over the target. A tensor is listed once its jobs are made,
-    so a listed tensor's every changed chunk adds its move (from the pool's threads)."""
-
-    def __init__(self) -> None:
-        self.moved: dict[str, list[np.ndarray]] = {}
-
-    def start(self, name: str, dt_name: str, shape: tuple[int, ...]) -> tuple[_SumMoves, str, np.ndarray]:
-        from .integrity import additive
-
-        self.moved[name] = []
-        return self, name, additive.seeds(name, dt_name, shape)
-
-    def add(self, name: str, seed: np.ndarray, start: int, bu: np.ndarray, pos: np.ndarray,
-            new: np.ndarray) -> None:
-        from .integrity import additive
-
-        self.moved[name].append(additive.move(seed, start, bu, pos.astype(np.int64), new))
-
-    def target_sum(self, name: str, base_sum: bytes) -> bytes:
-        from .integrity import additive
-
-        total = np.frombuffer(base_sum, "<u8").astype(np.uint64)
-        for m in self.moved[name]:
-            total = additive.add(total, m)
-        return np.asarray(total, "<u8").tobytes()
-
-
-def _patch_work(dt_name: str, b: np.ndarray, t: np.ndarray, known_pre: bytes | None = None,
-                hist: tuple[HistoryBook, MovesRecorder, str, int] | None = None,
-                sums: tuple[_SumMoves, str, np.ndarray, int] | None = None) -> Work:
-    """One segment of a tensor in both checkpoints; ``known_pre``: the base segment's hash, if known;
-    ``hist``: (book, recorder, tensor name, chunk index) to code against the book's history of the
-    segment and record its moves; ``sums``: (recorder, tensor name, digest seed, the segment's first
-    flat index) to record how the segment's changes move the tensor's additive digest."""
-    dt = dtype(dt_name)
-
-    def run() -> tuple[bytes, bytes, EncodedChunk | None]:
-        # The scan goes first: it is compute-bound, so it hides the reads of the two segments from main
-        # memory, and the hashes after it read them from cache (scan then hash took 31 ms on the real
-        # 3.5% pair where hash then scan took 36, one thread). A segment with no change is hashed once,
-        # or not at all when its base hash is known.
-        if hist is None and sums is None:
-            enc = encode_raw(dt, b, t)
-        else:
-            bu, tu = uint_view(b, dt_name), uint_view(t, dt_name)
-            seen = None if sums is None else (lambda pos, _old, new: sums[0].add(*sums[1:], bu, pos, new))
-            if hist is None:
-                enc, pos, old, new = encode_with_changes(dt, bu, tu)
-                if enc is not None and seen is not None:
-                    seen(pos, old, new)
-            else:
-                book, rec, name, ci = hist
-                enc, moves = encode_with_moves(dt, bu, tu, book.history(name, ci, bu.size), seen)
-                rec.add(name, ci, moves)
-        pre = seg_hash(b) if known_pre is None else known_pre
-        return pre, pre if enc is None else seg_hash(t), enc
-
-    return run
-
-
-def _overwrite_work(dt_name: str, t: np.ndarray) -> Work:
-    def run() -> tuple[bytes, bytes, EncodedChunk | None]:
-        return ZERO_HASH, seg_hash(t), encode_overwrite(uint_view(t, dt_name))
-
-    return run
-
-
-def _known_work(h: bytes) -> Work:
-    def run() -> tuple[bytes, bytes, EncodedChunk | None]:
-        return h, h, None
-
-    return run
-
-
-def _hash_work(b: np.ndarray) -> Work:
-    def run() -> tuple[bytes, bytes, EncodedChunk | None]:
-        h = seg_hash(b)
-        return h, h, None
-
-    return run
-
-
-def tensor_meta(info: TensorInfo, segs: list[bytes]) -> TensorMeta:
-    """A tensor's manifest entry (dtype, shape, digest) from its segment hashes."""
-    return TensorMeta(info.dtype, info.shape, tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, segs))
-
-
-@dataclass
-class _Job:
-    """One tensor's share of the work; results arrive in order and are folded in by ``_fold``."""
-
-    ti: int
-    name: str
-    op: str
-    base: TensorInfo | None
-    target: TensorInfo | None
-    works: list[Work]
-    n_base: int = 0  # for add/remove/replace: how many leading works hash base segments
-    pre: list[bytes] = field(default_factory=list)
-    post: list[bytes] = field(default_factory=list)
-    changed: int = 0
-    first: int = 0
-
-
-# Per tensor present in both checkpoints with the same dtype and shape: one work item per segment.
-PatchWorks = Callable[[str, TensorInfo, TensorInfo], list[Work]]
-
-
 def known_hashes(path: str, *, threads: int | None = None) -> KnownHashes:
     """Hash every segment of the checkpoint at ``path`` (a full read) into a ``KnownHashes``."""
     with open_checkpoint(path) as ck:
@@ -214,129 +71,6 @@ def known_hashes(path: str, *, threads: int | None = None) -> KnownHashes:
         names = list(ck.tensors)
         hashes = _pools.get(threads or default_threads()).map(lambda n: b"".join(segment_hashes(ck.raw(n))), names)
         return KnownHashes(identity, dict(zip(names, hashes, strict=True)))
-
-
-def _known_segments(known: Mapping[str, bytes] | None, name: str, info: TensorInfo) -> list[bytes] | None:
-    segs = known.get(name) if known is not None else None
-    if segs is None:
-        return None
-    n = n_segments(info.nbytes)
-    if len(segs) != n * SEG_HASH_BYTES:
-        raise UsageError(f"known base hashes of tensor {name!r}: {len(segs) / SEG_HASH_BYTES:g} segments, the base "
-                         f"holds {n}")
-    return [segs[i:i + SEG_HASH_BYTES] for i in range(0, len(segs), SEG_HASH_BYTES)]
-
-
-def _host_patch_works(base: Checkpoint, target: Checkpoint, known: Mapping[str, bytes] | None,
-                      hist: tuple[HistoryBook, MovesRecorder] | None = None,
-                      sums: _SumMoves | None = None) -> PatchWorks:
-    def works(name: str, bi: TensorInfo, tinfo: TensorInfo) -> list[Work]:
-        braw, traw = base.raw(name), target.raw(name)
-        pre = _known_segments(known, name, bi)
-        per = SEGMENT_BYTES // dtype(bi.dtype).itemsize
-        s = None if sums is None else sums.start(name, bi.dtype, bi.shape)
-        return [_patch_work(bi.dtype, braw[o:o + SEGMENT_BYTES], traw[o:o + SEGMENT_BYTES],
-                            None if pre is None else pre[ci], None if hist is None else (*hist, name, ci),
-                            None if s is None else (*s, ci * per))
-                for ci, o in _segments(bi.nbytes)]
-
-    return works
-
-
-def _jobs(base: Checkpoint, target: Checkpoint, names: list[str], patch_works: PatchWorks,
-          known: Mapping[str, bytes] | None = None) -> Iterator[_Job]:
-    for ti, name in enumerate(names):
-        bi, tinfo = base.tensors.get(name), target.tensors.get(name)
-        if bi is not None and tinfo is not None and (bi.dtype, bi.shape) == (tinfo.dtype, tinfo.shape):
-            yield _Job(ti, name, "patch", bi, tinfo, patch_works(name, bi, tinfo))
-            continue
-        op = "replace" if bi is not None and tinfo is not None else "add" if tinfo is not None else "remove"
-        works = []
-        if bi is not None:
-            pre = _known_segments(known, name, bi)
-            if pre is not None:
-                works += [_known_work(h) for h in pre]
-            else:
-                braw = base.raw(name)
-                works += [_hash_work(braw[o:o + SEGMENT_BYTES]) for _, o in _segments(bi.nbytes)]
-        n_base = len(works)
-        if tinfo is not None:
-            traw = target.raw(name)
-            works += [_overwrite_work(tinfo.dtype, traw[o:o + SEGMENT_BYTES]) for _, o in _segments(tinfo.nbytes)]
-        yield _Job(ti, name, op, bi, tinfo, works, n_base)
-
-
-# Works are batched up to this many checkpoint bytes per pool task: a task costs two thread wake-ups
-# and a few lock round trips, as much as hashing and coding a few KiB, and real checkpoints hold many
-# tiny tensors (biases, norms). Full segments still go one per task.
-BATCH_BYTES = 1 << 20
-
-
-def _seg_sizes(nbytes: int) -> list[int]:
-    n, last = divmod(nbytes, SEGMENT_BYTES)
-    return [SEGMENT_BYTES] * n + ([last] if last else [])
-
-
-def _work_sizes(job: _Job) -> list[int]:
-    """Checkpoint bytes behind each of ``job``'s works (segments of the base, then of the target)."""
-    if job.op == "patch":
-        return _seg_sizes(job.target.nbytes)
-    return (_seg_sizes(job.base.nbytes) if job.base is not None else []) + \
-        (_seg_sizes(job.target.nbytes) if job.target is not None else [])
-
-
-def _run_batch(items: list[tuple[_Job, int, Work | None]]) -> list[tuple[_Job, int, object]]:
-    return [(job, k, w() if w is not None else None) for job, k, w in items]
-
-
-def _ordered(pool: ThreadPoolExecutor, jobs: Iterator[_Job], window: int) -> Iterator[tuple[_Job, int, object]]:
-    """Run every job's works on the pool in batches (``BATCH_BYTES``), at most ``window`` batches in
-    flight, yielding ``(job, k, result)`` in order; a job with no works yields ``(job, -1, None)`` once.
-    A failing work raises from here, in order, and ends the iteration. However the iteration ends, no
-    batch of it is left running (the pool outlives the encode, the checkpoints it reads may not)."""
-    batches: deque[Future] = deque()
-    cur: list[tuple[_Job, int, Work | None]] = []
-    cur_bytes = 0
-    try:
-        for job in jobs:
-            items = list(zip(range(len(job.works)), job.works, _work_sizes(job), strict=True)) or [(-1, None, 0)]
-            for k, w, size in items:
-                cur.append((job, k, w))
-                cur_bytes += size
-                if cur_bytes >= BATCH_BYTES:
-                    batches.append(pool.submit(_run_batch, cur))
-                    cur, cur_bytes = [], 0
-                    while len(batches) >= window:
-                        yield from batches.popleft().result()
-        if cur:
-            batches.append(pool.submit(_run_batch, cur))
-        while batches:
-            yield from batches.popleft().result()
-    finally:
-        for f in batches:
-            f.cancel()
-        wait(batches)
-
-
-# The encoder's worker threads live between encodes, one pool per thread count: a fresh pool per encode
-# cost 2 ms of a 34 ms encode of the real 3.5% pair (thread start-up, and each thread's scratch buffers
-# faulted in again). Each thread keeps its scratch buffers, O(chunk), for the life of the process.
-class _Pools:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.by_threads: dict[int, ThreadPoolExecutor] = {}
-
-    def get(self, threads: int) -> ThreadPoolExecutor:
-        with self.lock:
-            pool = self.by_threads.get(threads)
-            if pool is None:
-                pool = self.by_threads[threads] = ThreadPoolExecutor(threads, thread_name_prefix=f"encode-{threads}")
-            return pool
-
-
-_pools = _Pools()
-# A forked child has none of the parent's threads (and maybe a lock held by one): it starts afresh.
-os.register_at_fork(after_in_child=_pools.__init__)
 
 
 def encode_checkpoints(
@@ -517,7 +251,7 @@ def _with_sums(entries: list[TensorEntry], base: Checkpoint, target: Checkpoint,
 def additive_digests(tensors: list[tuple[Checkpoint, str]], *, threads: int | None = None) -> list[bytes]:
     """The additive digest (``integrity.additive``, 16 bytes) of each (checkpoint, tensor name), one
     segment per pool task."""
-    from .integrity import additive
+    from ..integrity import additive
 
     items = []
     for k, (ck, name) in enumerate(tensors):
@@ -552,7 +286,3 @@ def encode(base: str, target: str, out: str, *, threads: int | None = None,
                                   history=history)
 
 
-# ``deltarefit.encode`` is this module and, called, ``encode`` (``_callable``).
-from ._callable import make_callable  # noqa: E402
-
-make_callable(__name__, "encode")
