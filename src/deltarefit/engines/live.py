@@ -29,9 +29,9 @@ they share a host, else by a sum to that process), decoded and its digest move t
 changes are sent to the group (``share_window``), where each process writes and reads back its own
 elements (``write_split``).
 
-``group`` (``vllm.worker._Group``): ``rank`` and ``size``, and the collective calls ``reduce_in_place(a)``
-(a sum over the group), ``sum_to(a, dst)``, ``broadcast(a, src)``, ``agree(ok)`` and optionally
-``shared_buffer(nbytes)`` (memory every process maps, or None).
+``group``: a ``shard.group.Group`` (a vLLM worker's is ``engines.vllm.group.WorkerGroup``): ``rank`` and
+``size``, and the collective calls ``reduce_in_place(a)`` (a sum over the group), ``sum_to(a, dst)``,
+``broadcast(a, src)``, ``agree(ok)`` and ``shared_buffer(nbytes)`` (memory every process maps, or None).
 
 Parameters may be on any torch device; CPU parameters are read and written through numpy views of
 their memory, others through torch indexing (one gathered segment crosses to the host per read).
@@ -51,6 +51,7 @@ from ..dtypes import dtype as lookup_dtype
 from ..errors import UsageError
 from ..geometry.projection import Piece, intersect_boxes
 from ..integrity import SEGMENT_BYTES, n_segments
+from ..shard.group import ALONE, Group, agree_each, sum_and_agree
 
 # Split segments in flight per process of a group, unless its caller says (``LiveTarget.split_window``),
 # and in all (their slots cost 2 MiB each of shared memory).
@@ -220,7 +221,7 @@ class LiveTarget:
             raise UsageError("shared tensors need their group (module docstring)")
         self.shared = set(shared)
         self.collective = bool(self.shared)
-        self._group = group
+        self._group: Group = group if group is not None else ALONE
         self._ahead = split_ahead or SPLIT_AHEAD
         self.tensors: dict[str, _Info] = {}
         self._flat: dict[str, _Flat] = {}
@@ -312,14 +313,7 @@ class LiveTarget:
     def group_sum(self, moved: np.ndarray, ok: bool) -> tuple[np.ndarray, bool]:
         """(the sum over the group of ``moved``, two uint64 lanes added modulo 2**64; whether every
         process reported ``ok``): a collective call."""
-        v = np.asarray(moved, np.uint64).reshape(-1)
-        # Summed as 32-bit halves in int64, which no group of fewer than 2**31 processes overflows.
-        acc = np.concatenate([(v & np.uint64(0xFFFFFFFF)).astype(np.int64), (v >> np.uint64(32)).astype(np.int64),
-                              np.array([0 if ok else 1], np.int64)])
-        self._group.reduce_in_place(acc)
-        n = v.size
-        lo, hi = acc[:n].astype(np.uint64), acc[n:2 * n].astype(np.uint64)
-        return (lo + (hi << np.uint64(32))).astype(np.uint64), bool(acc[-1] == 0)
+        return sum_and_agree(self._group, moved, ok)
 
     def _range(self, name: str, ci: int) -> tuple[int, int, np.dtype]:
         info = self.tensors[name]
@@ -330,25 +324,22 @@ class LiveTarget:
 
     def agree(self, ok: bool) -> bool:
         """Whether every process of the group reports ``ok`` (a collective call)."""
-        return self._group.agree(ok) if self._group is not None else ok
+        return self._group.agree(ok)
 
     def agree_each(self, flags: np.ndarray) -> np.ndarray:
         """Per entry of ``flags`` (bools, the same length in every process), whether every process of the
         group reports it true (one collective call)."""
-        acc = (~np.asarray(flags, bool)).astype(np.int64)
-        if acc.size:
-            self._group.reduce_in_place(acc)
-        return acc == 0
+        return agree_each(self._group, flags)
 
     @property
     def rank(self) -> int:
         """This process's rank in its group (0 without one)."""
-        return self._group.rank if self._group is not None else 0
+        return self._group.rank
 
     @property
     def size(self) -> int:
         """How many processes its group has (1 without one)."""
-        return self._group.size if self._group is not None else 1
+        return self._group.size
 
     @property
     def split_window(self) -> int:
@@ -645,7 +636,7 @@ class TargetUnion:
         return self._group[0].size if self._group else 1
 
     def agree_each(self, flags: np.ndarray) -> np.ndarray:
-        return self._group[0].agree_each(flags) if self._group else np.asarray(flags, bool)
+        return self._group[0].agree_each(flags) if self._group else agree_each(ALONE, flags)
 
     @property
     def split_window(self) -> int:
@@ -669,7 +660,7 @@ class TargetUnion:
     def group_sum(self, moved: np.ndarray, ok: bool) -> tuple[np.ndarray, bool]:
         """The collective part's ``LiveTarget.group_sum``."""
         if not self._group:
-            return np.asarray(moved, np.uint64), ok
+            return sum_and_agree(ALONE, moved, ok)
         return self._group[0].group_sum(moved, ok)
 
 

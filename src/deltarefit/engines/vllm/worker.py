@@ -61,18 +61,18 @@ from ...errors import BaseMismatchError, DeltaRefitError, UsageError, Verificati
 from ...format import DeltaReader
 from ...history_book import HistoryBook, MovesRecorder, advance_or_start_over
 from ...integrity import fingerprint_from_digests
-from ...io.fsutil import open_regular
-from ...io.locks import owned_temp
 from .. import kernels
 from ..capture import capture_layout, placed_params, sub_param
 from ..kernels import kernel_reads as _kernel_reads
-from ..live import SPLIT_AHEAD, LiveTarget, Placement, TargetUnion, digest_through, state_through
+from ..live import SPLIT_AHEAD, Placement, TargetUnion, digest_through, state_through
+from .group import SHM_PREFIX, WorkerGroup  # noqa: F401  (SHM_PREFIX: its earlier home)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LiveEngine", "LiveRefitReport", "MemoryJournal"]
 
-SHM_PREFIX = "deltarefit-tp-"  # a tensor-parallel group's shared-memory file (``_Group.shared_buffer``)
+# The worker's tensor-parallel group, under its earlier name too (``tests/_live_tp_worker.py``, the bench).
+_Group = WorkerGroup
 
 
 class MemoryJournal(Journal):
@@ -220,131 +220,6 @@ def _whole_layers(reload: dict[str, str], names: list[str], layer: Any) -> dict[
     return {**{n: "its layer is reloaded" for n in names if layer(n) in layers}, **reload}
 
 
-class _Group:
-    """The worker's tensor-parallel group as the live target needs it (``live.LiveTarget``'s ``group``):
-    sums, minima, agreement, a sum to one worker and a broadcast from one (gloo, on the CPU group vLLM
-    keeps beside the device one). One worker: every call is the identity."""
-
-    def __init__(self, cpu_group: Any | None) -> None:
-        self.pg = cpu_group
-        if cpu_group is None:
-            self.rank, self.size = 0, 1
-        else:
-            import torch.distributed as dist
-
-            self.rank, self.size = dist.get_rank(cpu_group), dist.get_world_size(cpu_group)
-
-    @classmethod
-    def of_tp(cls) -> _Group:
-        try:
-            from vllm.distributed.parallel_state import get_tp_group
-
-            g = get_tp_group()
-        except (ImportError, AssertionError):  # not vLLM, or no group initialized: one worker
-            return cls(None)
-        return cls(g.cpu_group if g.world_size > 1 else None)
-
-    def _reduce(self, a: np.ndarray, op: str) -> np.ndarray:
-        if self.pg is None:
-            return a
-        import torch
-        import torch.distributed as dist
-
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=self.pg)
-        return t.numpy()
-
-    def sum(self, a: np.ndarray) -> np.ndarray:
-        return self._reduce(a.copy(), "SUM")
-
-    def min(self, a: np.ndarray) -> np.ndarray:
-        return self._reduce(a.copy(), "MIN")
-
-    def reduce_in_place(self, a: np.ndarray) -> None:
-        if self.pg is not None:
-            a[:] = self._reduce(a, "SUM")
-
-    def sum_to(self, a: np.ndarray, dst: int) -> None:
-        """``a`` (contiguous) summed over the group into worker ``dst``'s ``a``; the others' are left as
-        they are or used as scratch."""
-        if self.pg is None:
-            return
-        import torch
-        import torch.distributed as dist
-
-        dist.reduce(torch.from_numpy(a), dst=dist.get_global_rank(self.pg, dst), op=dist.ReduceOp.SUM, group=self.pg)
-
-    def broadcast(self, a: np.ndarray, src: int) -> None:
-        """Worker ``src``'s ``a`` (contiguous) copied into every worker's ``a``."""
-        if self.pg is None:
-            return
-        import torch
-        import torch.distributed as dist
-
-        dist.broadcast(torch.from_numpy(a), src=dist.get_global_rank(self.pg, src), group=self.pg)
-
-    def agree(self, ok: bool) -> bool:
-        return bool(self._reduce(np.array([0 if ok else 1], np.int64), "MAX")[0] == 0)
-
-    def shared_buffer(self, nbytes: int) -> np.ndarray | None:
-        """``nbytes`` of memory that every worker of the group maps (a file in ``/dev/shm``, its pages
-        reserved up front, so a full tmpfs refuses here instead of faulting later; its name removed once
-        every worker has it open), or None in every worker where any of them cannot map it (no
-        ``/dev/shm``, or workers on different hosts). A collective call."""
-        import mmap
-
-        if self.pg is None:
-            return None
-        token = np.zeros(256, np.uint8)  # path length, path, 16 check bytes at the end
-        fd, path, ok = -1, "", True
-        if self.rank == 0:
-            try:
-                # Locked while this worker lives: a worker killed before the unlink below leaves the
-                # file (and its memory), which the next group's first worker removes.
-                path, fd = owned_temp(SHM_PREFIX, "/dev/shm", directory=False)
-                os.posix_fallocate(fd, 0, nbytes)
-                check = os.urandom(16)
-                os.pwrite(fd, check, 0)
-                raw = path.encode()
-                token[0], token[1:1 + len(raw)], token[240:] = len(raw), np.frombuffer(raw, np.uint8), \
-                    np.frombuffer(check, np.uint8)
-            except OSError:
-                ok = False
-        try:
-            try:
-                ok = self.agree(ok)
-                if ok:
-                    self.broadcast(token, 0)
-                    if self.rank != 0:
-                        try:
-                            path = bytes(token[1:1 + int(token[0])]).decode()
-                            fd = open_regular(path, os.O_RDWR, what="shared buffer")
-                            ok = os.fstat(fd).st_size >= nbytes and os.pread(fd, 16, 0) == token[240:].tobytes()
-                        except (OSError, UnicodeDecodeError, DeltaRefitError):
-                            ok = False
-                    ok = self.agree(ok)
-            finally:  # every worker has it open, or nobody will use it (a peer failed): no name is left behind
-                if self.rank == 0 and path:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
-            return np.frombuffer(mmap.mmap(fd, nbytes), np.uint8) if ok else None
-        finally:
-            if fd >= 0:
-                os.close(fd)  # the mapping keeps the memory
-
-    def union(self, reasons: dict[str, str], names: list[str]) -> dict[str, str]:
-        """``reasons`` extended by every name another worker of the group has reasons for."""
-        flags = self._reduce(np.array([n in reasons for n in names], np.int64), "MAX")
-        return {n: reasons.get(n, "another worker of its tensor-parallel group reloads it")
-                for n, f in zip(names, flags, strict=True) if f}
-
-    def target(self, params: Any, placed: dict, specs: dict, shared: set[str], split_ahead: int = SPLIT_AHEAD
-               ) -> LiveTarget:
-        if not shared:
-            return LiveTarget(params, placed, specs)
-        return LiveTarget(params, placed, specs, shared=sorted(shared), group=self, split_ahead=split_ahead)
-
-
 class LiveEngine:
     """One vLLM worker's live refit state (see the module docstring). ``model``: the worker's model;
     ``vllm_config`` for reloads; ``checkpoint``: the directory the engine was loaded from."""
@@ -379,7 +254,7 @@ class LiveEngine:
             params = dict(model.named_parameters())
             cap = capture_layout(model.load_weights, params,
                                  {n: (_torch_dtype(d), s) for n, (d, s) in self.specs.items()})
-            group = _Group.of_tp()
+            group = WorkerGroup.of_tp()
             names = sorted(self.specs)
             held = np.array([sum(pl.piece.count for pl in cap.placements.get(n, ()) if pl.piece.owner)
                              for n in names], np.int64)
