@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import time
 
+from deltarefit.engines.vllm import DeltaRefitWorkerExtension
+
 
 def stall_mid_write(worker, marker: str, seconds: float = 600.0) -> None:
     """In the worker: the next segment write writes half its changes, then the worker writes ``marker`` and
@@ -25,3 +27,14 @@ def stall_mid_write(worker, marker: str, seconds: float = 600.0) -> None:
             raise TimeoutError("stalled write was not killed")
 
         tgt.write_segment = stalled
+
+
+STALLING_EXTENSION = "_ray_faults.StallingExtension"  # importable where tests/ is on PYTHONPATH
+
+
+class StallingExtension(DeltaRefitWorkerExtension):
+    """deltarefit's worker extension plus ``deltarefit_test_stall(marker)``: ``stall_mid_write`` by name,
+    for a server whose ``POST /collective_rpc`` takes a method's name and string arguments only."""
+
+    def deltarefit_test_stall(self, marker: str) -> None:
+        stall_mid_write(self, marker)

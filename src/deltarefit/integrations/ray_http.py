@@ -48,10 +48,13 @@ class ServerActor:
     """``vllm serve MODEL`` with the deltarefit backend, as a Ray actor's child process (module docstring).
 
     ``serve_args``: more arguments for the server (``--dtype bfloat16`` ...). ``init_info``: the backend's
-    init; given, the actor initializes it and syncs to the stream's head at every start."""
+    init; given, the actor initializes it and syncs to the stream's head at every start. ``extension``: the
+    workers' extension class (``--worker-extension-cls``); deltarefit's by default, a subclass of it to add
+    worker methods that ``collective_rpc`` calls."""
 
     def __init__(self, model: str, *, port: int, init_info: dict[str, Any] | None = None,
-                 serve_args: list[str] | None = None, name: str = "server", timeout: float = READY_TIMEOUT) -> None:
+                 serve_args: list[str] | None = None, name: str = "server", timeout: float = READY_TIMEOUT,
+                 extension: str | None = None) -> None:
         ray = require_ray()
         from ..engines.vllm import EXTENSION
         from ..engines.vllm.backend import HTTPClient
@@ -64,7 +67,7 @@ class ServerActor:
         self.url = f"http://{host}:{port}"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
                "--port", str(port), "--weight-transfer-config", json.dumps({"backend": BACKEND}),
-               "--worker-extension-cls", EXTENSION, *(serve_args or [])]  # the extension: state() and digests()
+               "--worker-extension-cls", extension or EXTENSION, *(serve_args or [])]  # the extension: state() and digests()
         fd, self.log_path = tempfile.mkstemp(prefix=f"deltarefit-{name}-", suffix=".log")
         t0 = time.perf_counter()
         with os.fdopen(fd, "wb") as out:
@@ -110,12 +113,17 @@ class ServerActor:
         self.client.finish_weight_update(str(version))
         return {"version": version, "seconds": time.perf_counter() - t0}
 
-    def _rpc(self, method: str) -> list[Any]:
+    def _rpc(self, method: str, args: tuple[str, ...] = ()) -> list[Any]:
         import requests
 
-        r = requests.post(f"{self.url}/collective_rpc", json={"method": method}, timeout=300)
+        r = requests.post(f"{self.url}/collective_rpc", json={"method": method, "args": list(args)}, timeout=300)
         r.raise_for_status()
         return r.json()["results"]
+
+    def collective_rpc(self, method: str, args: tuple[str, ...] = ()) -> list[Any]:
+        """A worker method by name on every worker of the server (vLLM's dev route ``POST /collective_rpc``:
+        string arguments only); each worker's result."""
+        return self._rpc(method, args)
 
     def get_url(self) -> str:
         return self.url
@@ -133,15 +141,15 @@ class ServerActor:
     def digests(self) -> list[dict[str, str]]:
         return self._rpc("deltarefit_digests")
 
-    def generate(self, prompts: list[str], max_tokens: int = 16) -> list[str]:
-        """Greedy completions (text) per prompt."""
+    def generate(self, prompts: list[str], max_tokens: int = 16) -> list[list[int]]:
+        """Greedy token ids per prompt (``/v1/completions`` with ``return_token_ids``), as ``EngineActor``'s."""
         import requests
 
         r = requests.post(f"{self.url}/v1/completions", timeout=300, json={
             "model": self._model(), "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True})
+            "ignore_eos": True, "return_token_ids": True})
         r.raise_for_status()
-        return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+        return [list(c["token_ids"]) for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
 
     def _model(self) -> str:
         import requests
@@ -214,7 +222,8 @@ class HTTPFanOut:
 def start_servers(model: str, resources: list[dict[str, float]], ports: list[int], *,
                   init_info: dict[str, Any] | None = None, serve_args: list[str] | None = None,
                   names: list[str] | None = None, max_restarts: int = 3, num_cpus: float = 1,
-                  runtime_env: dict[str, Any] | None = None, timeout: float = READY_TIMEOUT) -> list[Any]:
+                  runtime_env: dict[str, Any] | None = None, timeout: float = READY_TIMEOUT,
+                  extension: str | None = None) -> list[Any]:
     """One ``ServerActor`` per entry of ``resources``, each on ``ports[i]`` of its node, placed and restarted
     as ``start_engines`` does; the handles once every server answers."""
     ray = require_ray()
@@ -223,6 +232,7 @@ def start_servers(model: str, resources: list[dict[str, float]], ports: list[int
     for name, res, port in zip(names, resources, ports, strict=True):
         actor = ray.remote(ServerActor).options(**placed(res, name, num_cpus=num_cpus, max_restarts=max_restarts,
                                                          runtime_env=runtime_env, timeout=timeout))
-        handles.append(actor.remote(model, port=port, init_info=init_info, serve_args=serve_args, name=name))
+        handles.append(actor.remote(model, port=port, init_info=init_info, serve_args=serve_args, name=name,
+                                    extension=extension))
     ray.get([h.ready.remote() for h in handles], timeout=timeout)
     return handles
