@@ -105,9 +105,9 @@ class Applier:
 
     A target with ``collective = True`` (segments assembled from the parts several processes hold) is
     driven in one fixed order on the calling thread, so that every process reads and writes the same
-    segments in the same order; after each tensor's plan and each run of chunk writes (``ChunkWriter.write_in_step``)
-    the target's ``agree(ok)`` tells whether every process succeeded, so that a refusal in one stops all
-    of them at the same point, a refusal in the plan before any write.
+    segments in the same order; after each tensor's plan and each run of chunk writes
+    (``ChunkWriter.write_in_step``) the target's ``agree(ok)`` tells whether every process succeeded, so
+    that a refusal in one stops all of them at the same point, a refusal in the plan before any write.
     """
 
     def __init__(self, delta: DeltaReader, target: TensorTarget, *, journal: Journal | None,
