@@ -415,6 +415,7 @@ def test_capabilities_are_found_once_and_what_needs_host_regions_is_refused(pair
     have their region hooks and decode against a history book only where given one. On device tensors a
     journal, held digests and a history book they were not given are refused (``UsageError``), nothing
     written; the same apply with the book given to them goes through."""
+    from deltarefit.apply.host import HOST_REGIONS
     from deltarefit.apply.journal import Journal
     from deltarefit.apply.protocol import run_apply
     from deltarefit.apply.targets import capabilities, segments_of
@@ -426,13 +427,13 @@ def test_capabilities_are_found_once_and_what_needs_host_regions_is_refused(pair
     from deltarefit.history_book import HistoryBook, MovesRecorder
 
     with open_checkpoint(pair["base"]) as ck:
-        caps = capabilities(segments_of(ck))
+        caps = capabilities(segments_of(ck), HOST_REGIONS)
         assert (caps.host, caps.writes_images, caps.collective, caps.hash_segments) == (True, True, False, None)
-    caps = capabilities(segments_of(_TorchTarget(pair["tensors"])))
+    caps = capabilities(segments_of(_TorchTarget(pair["tensors"])), HOST_REGIONS)
     assert (caps.host, caps.writes_images, caps.decodes_history, caps.chunk_roles) == (True, False, False, None)
     live = {n: t.clone() for n, t in pair["tensors"].items()}
     before = {n: _bytes_of(t) for n, t in live.items()}
-    caps = capabilities(DeviceTensors(live))
+    caps = capabilities(DeviceTensors(live), HOST_REGIONS)
     assert not caps.host and caps.hash_segments is not None and not caps.decodes_history
     book = HistoryBook(str(tmp_path / "book"))
     with DeltaReader(pair["delta"]) as d:

@@ -122,8 +122,8 @@ class Applier:
         self.t = target
         self.segs = segments_of(target)
         # What the target can do, found once (``targets.Capabilities``); refused here what it cannot.
-        self.caps = caps = capabilities(self.segs, journal=journal, held=held is not None,
-                                        history=history is not None or moves is not None)
+        self.caps = caps = capabilities(self.segs, regions.HOST_REGIONS, journal=journal,
+                                        held=held is not None, history=history is not None or moves is not None)
         self._hash, self._view, self._decode, self._post_hash = (
             caps.hash_region, caps.region_view, caps.decode_region, caps.post_image_hash)
         self._hash_all = caps.hash_segments
