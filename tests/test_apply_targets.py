@@ -407,3 +407,45 @@ def test_exception_mid_write_then_rerun_completes(pair, tmp_path, monkeypatch, h
     assert rep.chunks_skipped == k and rep.chunks_applied > 0
     assert rep.target_fingerprint == deltarefit.fingerprint(pair["target"])
     assert_same_bits(t.tensors(), pair["target_tensors"])
+
+
+def test_capabilities_are_found_once_and_what_needs_host_regions_is_refused(pair, tmp_path):
+    """``targets.capabilities``, what the applier reads instead of asking its target: a checkpoint writes
+    whole post-images through its file, torch tensors are host regions patched in place, device tensors
+    have their region hooks and decode against a history book only where given one. On device tensors a
+    journal, held digests and a history book they were not given are refused (``UsageError``), nothing
+    written; the same apply with the book given to them goes through."""
+    from deltarefit.apply.host import HOST_REGIONS
+    from deltarefit.apply.journal import Journal
+    from deltarefit.apply.protocol import run_apply
+    from deltarefit.apply.targets import capabilities, segments_of
+    from deltarefit.apply.tensors import _TorchTarget
+    from deltarefit.checkpoint.read import open_checkpoint
+    from deltarefit.errors import UsageError
+    from deltarefit.format import DeltaReader
+    from deltarefit.gpu.apply import DeviceTensors
+    from deltarefit.history_book import HistoryBook, MovesRecorder
+
+    with open_checkpoint(pair["base"]) as ck:
+        caps = capabilities(segments_of(ck), HOST_REGIONS)
+        assert (caps.host, caps.writes_images, caps.collective, caps.hash_segments) == (True, True, False, None)
+    caps = capabilities(segments_of(_TorchTarget(pair["tensors"])), HOST_REGIONS)
+    assert (caps.host, caps.writes_images, caps.decodes_history, caps.chunk_roles) == (True, False, False, None)
+    live = {n: t.clone() for n, t in pair["tensors"].items()}
+    before = {n: _bytes_of(t) for n, t in live.items()}
+    caps = capabilities(DeviceTensors(live), HOST_REGIONS)
+    assert not caps.host and caps.hash_segments is not None and not caps.decodes_history
+    book = HistoryBook(str(tmp_path / "book"))
+    with DeltaReader(pair["delta"]) as d:
+        held = {e.name: e.base.sum for e in d.tensors if e.base is not None}
+        for kw, what in ((dict(journal=Journal(str(tmp_path / "j"), d.target_fingerprint)), "a journal"),
+                         (dict(journal=None, held=held), "held digests"),
+                         (dict(journal=None, history=book), "a history book")):
+            with pytest.raises(UsageError, match=f"^{what} needs? a target with host regions"):
+                run_apply(d, DeviceTensors(live), **kw)
+        assert {n: _bytes_of(t) for n, t in live.items()} == before
+        assert not os.path.lexists(tmp_path / "j")
+        moves = MovesRecorder()
+        rep = run_apply(d, DeviceTensors(live, history=book, moves=moves), journal=None, moves=moves)
+        assert rep.target_fingerprint == d.target_fingerprint
+    assert {n: _bytes_of(t) for n, t in live.items()} == {n: _bytes_of(t) for n, t in pair["target_tensors"].items()}

@@ -7,7 +7,7 @@ between processes is decoded by one of them, which sends its changes to the othe
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -24,15 +24,13 @@ from .host import (
 )
 from .plans import _ChunkPlan, _TensorPlan
 
-if TYPE_CHECKING:
-    from .protocol import Applier
-
+# ``ap`` below is a ``protocol.Applier``, typed ``Any``: protocol imports this module.
 
 class HeldPlans:
     """The held-digest plans of one ``Applier``, which holds this object (``Applier.held_plans``): they
     use its delta, target, capabilities, pools and memory budget."""
 
-    def __init__(self, ap: Applier) -> None:
+    def __init__(self, ap: Any) -> None:
         self.ap = ap
 
     def plan(self, pool, e: TensorEntry, held: bytes) -> _TensorPlan:

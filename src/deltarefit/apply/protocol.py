@@ -105,9 +105,9 @@ class Applier:
 
     A target with ``collective = True`` (segments assembled from the parts several processes hold) is
     driven in one fixed order on the calling thread, so that every process reads and writes the same
-    segments in the same order; after each tensor's plan and each run of chunk writes (``ChunkWriter.write_in_step``)
-    the target's ``agree(ok)`` tells whether every process succeeded, so that a refusal in one stops all
-    of them at the same point, a refusal in the plan before any write.
+    segments in the same order; after each tensor's plan and each run of chunk writes
+    (``ChunkWriter.write_in_step``) the target's ``agree(ok)`` tells whether every process succeeded, so
+    that a refusal in one stops all of them at the same point, a refusal in the plan before any write.
     """
 
     def __init__(self, delta: DeltaReader, target: TensorTarget, *, journal: Journal | None,
@@ -122,8 +122,8 @@ class Applier:
         self.t = target
         self.segs = segments_of(target)
         # What the target can do, found once (``targets.Capabilities``); refused here what it cannot.
-        self.caps = caps = capabilities(self.segs, journal=journal, held=held is not None,
-                                        history=history is not None or moves is not None)
+        self.caps = caps = capabilities(self.segs, regions.HOST_REGIONS, journal=journal,
+                                        held=held is not None, history=history is not None or moves is not None)
         self._hash, self._view, self._decode, self._post_hash = (
             caps.hash_region, caps.region_view, caps.decode_region, caps.post_image_hash)
         self._hash_all = caps.hash_segments

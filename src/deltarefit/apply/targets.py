@@ -225,13 +225,12 @@ class Capabilities:
     split: bool
 
 
-def capabilities(segs: SegmentTarget, *, journal: object | None = None, held: bool = False,
-                 history: bool = False) -> Capabilities:
+def capabilities(segs: SegmentTarget, host_regions: object, *, journal: object | None = None,
+                 held: bool = False, history: bool = False) -> Capabilities:
     """``segs``' capabilities, and the refusals of what it cannot do (``UsageError``, before anything is
     read): a ``journal``, ``held`` digests and a ``history`` book kept by the applier all need host
-    regions. ``history`` is not refused where the target decodes against the book itself."""
-    from .host import HOST_REGIONS
-
+    regions. ``history`` is not refused where the target decodes against the book itself. The region
+    operations ``segs`` lacks are ``host_regions``' (``host.HOST_REGIONS``, which imports this module)."""
     hooks = [getattr(segs, h, None) for h in REGION_HOOKS]
     hash_segments = getattr(segs, "hash_segments", None)
     host = all(h is None for h in hooks) and hash_segments is None
@@ -248,7 +247,7 @@ def capabilities(segs: SegmentTarget, *, journal: object | None = None, held: bo
     split = (roles is not None and hasattr(segs, "split_owner")
              and (journal is None or not getattr(journal, "needs_pre", True)))
     hash_region, region_view, decode_region, post_image_hash = (
-        h if h is not None else getattr(HOST_REGIONS, name) for h, name in zip(hooks, REGION_HOOKS, strict=True))
+        h if h is not None else getattr(host_regions, name) for h, name in zip(hooks, REGION_HOOKS, strict=True))
     return Capabilities(hash_region, region_view, decode_region, post_image_hash, hash_segments, host,
                         host and bool(getattr(segs, "writes_images", False)), decodes_history, collective,
                         getattr(segs, "agree_each", None), roles, split)

@@ -6,7 +6,7 @@ fingerprint against the delta's target (``target_digests``, ``check_fingerprint`
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -17,15 +17,14 @@ from ..integrity import fingerprint_from_digests, tensor_digest_from_segments
 from .host import _changes, _moved, _where
 from .plans import _ChunkPlan, _TensorPlan
 
-if TYPE_CHECKING:
-    from .protocol import Applier
+# ``ap`` below is a ``protocol.Applier``, typed ``Any``: protocol imports this module.
 
 
 def _digest(meta: TensorMeta, segs: list[bytes]) -> bytes:
     return tensor_digest_from_segments(meta.dtype, meta.shape, meta.nbytes, segs)
 
 
-def recheck_held(ap: Applier, plans: list[_TensorPlan]) -> None:
+def recheck_held(ap: Any, plans: list[_TensorPlan]) -> None:
     """Before the first write of a plan made ahead of time: the elements each held-digest chunk whose
     patch the plan kept changes must hold the bits they held when planned (compared bit for bit where
     the plan kept them, ``ahead``; else the digest they move must be the one planned), so that the
@@ -52,7 +51,7 @@ def recheck_held(ap: Applier, plans: list[_TensorPlan]) -> None:
             f.result()
 
 
-def check_written(ap: Applier, tp: _TensorPlan, c: _ChunkPlan, region: Any,
+def check_written(ap: Any, tp: _TensorPlan, c: _ChunkPlan, region: Any,
                   changes: tuple[np.ndarray, np.ndarray] | None, image: np.ndarray | None) -> None:
     """Chunk ``c`` of ``tp`` as it landed (``region``, read back from the target after its write): a
     held-digest chunk's ``changes`` (positions, target bits) must read back as written (O(changed

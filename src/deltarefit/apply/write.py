@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -23,8 +23,7 @@ from .host import _changes, _moved, _patched_copy, _seg_len, _where
 from .plans import _ChunkPlan, _TensorPlan
 from .verify import check_written
 
-if TYPE_CHECKING:
-    from .protocol import Applier
+# ``ap`` below is a ``protocol.Applier``, typed ``Any``: protocol imports this module.
 
 # A collective target's write: chunks written between two agreements of the group, at most.
 WRITE_AGREE_EVERY = 256
@@ -46,7 +45,7 @@ class ChunkWriter:
     """The write of one ``Applier``'s checked plan ``plans`` (it uses the applier's delta, target,
     capabilities, journal and threads)."""
 
-    def __init__(self, ap: Applier, plans: list[_TensorPlan]) -> None:
+    def __init__(self, ap: Any, plans: list[_TensorPlan]) -> None:
         self.ap = ap
         self.plans = plans
         self._slots: dict[int, int] = {}
