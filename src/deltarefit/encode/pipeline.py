@@ -16,8 +16,8 @@ from .work import Work, _Job
 
 
 def default_threads() -> int:
+    """The encoder's (and an apply's) thread count when none is given: the CPUs this process may use, 1 to 8."""
     return max(1, min(8, len(os.sched_getaffinity(0))))
-
 
 
 # Works are batched up to this many checkpoint bytes per pool task: a task costs two thread wake-ups
