@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import UsageError
 from ..geometry.projection import Axis, Piece
-from .live import Placement
+from .placement import Placement
 
 log = logging.getLogger(__name__)
 

@@ -33,6 +33,9 @@ elements (``write_split``).
 ``size``, and the collective calls ``reduce_in_place(a)`` (a sum over the group), ``sum_to(a, dst)``,
 ``broadcast(a, src)``, ``agree(ok)`` and ``shared_buffer(nbytes)`` (memory every process maps, or None).
 
+``Placement`` and the runs a piece maps are ``engines.placement``; ``TargetUnion``, ``state_through`` and
+``apply_live``, ``engines.union`` (both answered here too).
+
 Parameters may be on any torch device; CPU parameters are read and written through numpy views of
 their memory, others through torch indexing (one gathered segment crosses to the host per read).
 """
@@ -41,7 +44,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -49,159 +51,26 @@ from ..codec import elements
 from ..codec.chunk import Patch
 from ..dtypes import dtype as lookup_dtype
 from ..errors import UsageError
-from ..geometry.projection import Piece, intersect_boxes
+from ..geometry.projection import intersect_boxes
 from ..integrity import SEGMENT_BYTES, n_segments
 from ..shard.group import ALONE, Group, agree_each, sum_and_agree
-
-# Split segments in flight per process of a group, unless its caller says (``LiveTarget.split_window``),
-# and in all (their slots cost 2 MiB each of shared memory).
-SPLIT_AHEAD = 4
-SPLIT_WINDOW_MAX = 32
-# Bytes of a split segment's decoded changes sent through a group's shared memory (more go by broadcast).
-RESULT_BYTES = 1 << 20
+from .placement import (
+    RESULT_BYTES,
+    SPLIT_AHEAD,
+    SPLIT_WINDOW_MAX,
+    Placement,
+    _Flat,
+    _Info,
+    _pack_changes,
+    _unpack_changes,
+    contiguous_run,
+    owned_in,
+    row_local,
+    row_runs,
+)
+from .union import TargetUnion, apply_live, digest_through, state_through
 
 __all__ = ["LiveTarget", "Placement", "TargetUnion", "apply_live", "contiguous_run", "digest_through", "state_through"]
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a box of checkpoint tensor ``piece.name`` lives: in parameter ``param`` (``piece.local_shape``)."""
-
-    param: str
-    piece: Piece
-
-
-@dataclass(frozen=True)
-class _Info:
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-def contiguous_run(p: Piece) -> tuple[int, int, int] | None:
-    """(checkpoint flat start, local flat start, count) when the piece maps a run of consecutive checkpoint
-    elements onto a run of consecutive local ones in the same order; None otherwise."""
-
-    def run(shape: Sequence[int], coords: Sequence[tuple[int, int]]) -> int | None:
-        # A box (per dim: start, length) is one run iff the dims after the first with length > 1 are full.
-        seen = False
-        for n, (off, ln) in zip(shape, coords, strict=True):
-            if seen and (off != 0 or ln != n):
-                return None
-            if ln > 1:
-                seen = True
-        return int(np.ravel_multi_index([off for off, _ in coords], shape)) if all(n for n in shape) else 0
-
-    axes = sorted(p.axes, key=lambda a: a.dst_dim)
-    if any(a.length > 1 and (a.dst_stride != 1 or a.src_stride != 1) for a in p.axes) or p.count == 0:
-        return None
-    # Same element order on both sides: the local dims, in order, must run along checkpoint dims in order.
-    moving = [a.dst_dim for a in p.axes if a.length > 1]
-    if moving != sorted(moving):
-        return None
-    c0 = run(p.shape, [(a.dst_off, a.length) for a in axes])
-    l0 = run(p.local_shape, [(a.src_off, a.length) for a in p.axes])
-    if c0 is None or l0 is None:
-        return None
-    return c0, l0, p.count
-
-
-def _row_axis(p: Piece):
-    """The piece's last axis when it runs along the checkpoint's last dimension in order with stride 1
-    on both sides (each checkpoint row of its box is one local run), else None."""
-    last = p.axes[-1]
-    return last if last.dst_dim == len(p.shape) - 1 and last.dst_stride == 1 and last.src_stride == 1 else None
-
-
-def row_runs(p: Piece, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The piece's elements among checkpoint flat elements ``[a, b)`` as runs (checkpoint start, local
-    start, length: int64 arrays), one per checkpoint row of its box (the rows of the last dimension),
-    when its last local axis runs along the checkpoint's last dimension in order with stride 1 on both
-    sides (a TP column slice, a fused row block); None otherwise. Costs O(rows), not O(elements)."""
-    last = _row_axis(p)
-    if last is None or b <= a:
-        return None
-    width = p.shape[-1]
-    starts = np.arange(a // width, (b - 1) // width + 1, dtype=np.int64) * width + last.dst_off
-    loc = p.to_local(starts)
-    keep = loc >= 0
-    starts, loc = starts[keep], loc[keep]
-    lo, hi = np.maximum(starts, a), np.minimum(starts + last.length, b)
-    keep = lo < hi
-    return lo[keep], (loc + lo - starts)[keep], (hi - lo)[keep]
-
-
-def row_local(p: Piece, ck: np.ndarray) -> np.ndarray | None:
-    """``p.to_local(ck)`` (-1 outside the piece) for a piece ``row_runs`` takes, with ``to_local`` run once
-    per run of equal checkpoint rows in ``ck`` instead of once per element (sorted positions, the
-    changes of a patch, have few rows); None for another piece."""
-    last = _row_axis(p)
-    if last is None:
-        return None
-    ck = np.asarray(ck, np.int64)
-    if ck.size == 0:
-        return np.empty(0, np.int64)
-    width = p.shape[-1]
-    rows = ck // width
-    first = np.flatnonzero(np.diff(rows, prepend=rows[0] - 1))
-    at = np.repeat(p.to_local(rows[first] * width + last.dst_off), np.diff(np.append(first, ck.size)))
-    d = ck - rows * width - last.dst_off
-    return np.where((at >= 0) & (d >= 0) & (d < last.length), at + d, -1)
-
-
-def _pack_changes(buf: np.ndarray, pos: np.ndarray, vals: np.ndarray) -> None:
-    """A segment's changes into bytes ``buf`` (exactly their size): ``u32 positions ‖ target bits``."""
-    n = pos.size
-    buf[:4 * n] = np.asarray(pos, "<u4").view(np.uint8)
-    buf[4 * n:] = np.ascontiguousarray(vals).view(np.uint8)
-
-
-def _unpack_changes(buf: np.ndarray, n: int, uint: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """``_pack_changes``'s ``n`` changes from ``buf``: (int64 positions, target bits), copies."""
-    return buf[:4 * n].view("<u4").astype(np.int64), buf[4 * n:n * (4 + uint.itemsize)].view(uint).copy()
-
-
-class _Flat:
-    """A parameter's elements as one flat array of the dtype's unsigned integers."""
-
-    def __init__(self, name: str, t, uint: np.dtype) -> None:
-        import torch
-
-        if not t.is_contiguous():
-            raise UsageError(f"parameter {name!r} is not contiguous; live apply needs contiguous parameters")
-        self.t = t
-        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-        flat = t.detach().reshape(-1).view(ints)
-        self.cpu = t.device.type == "cpu"
-        self.np = flat.numpy().view(uint) if self.cpu else None
-        self.torch = flat
-        self.uint = uint
-
-    def take(self, idx: np.ndarray) -> np.ndarray:
-        if self.cpu:
-            return self.np[idx]
-        import torch
-
-        return self.torch[torch.from_numpy(idx).to(self.torch.device)].cpu().numpy().view(self.uint)
-
-    def put(self, idx: np.ndarray, vals: np.ndarray) -> None:
-        if self.cpu:
-            self.np[idx] = vals
-            return
-        import torch
-
-        dev = self.torch.device
-        signed = np.ascontiguousarray(vals).view(_signed(np.dtype(vals.dtype)))
-        self.torch[torch.from_numpy(idx).to(dev)] = torch.from_numpy(signed).to(dev)
-
-    def read_run(self, l0: int, n: int) -> np.ndarray:
-        if self.cpu:
-            return self.np[l0:l0 + n]
-        return self.torch[l0:l0 + n].cpu().numpy().view(self.uint)
-
-
-def _signed(u: np.dtype) -> np.dtype:
-    return np.dtype(np.uint8) if u.itemsize == 1 else np.dtype(f"<i{u.itemsize}")
 
 
 class LiveTarget:
@@ -272,23 +141,11 @@ class LiveTarget:
                 self._slots = mem[:w * SEGMENT_BYTES]
                 self._results = mem[w * SEGMENT_BYTES:]
 
-    def _owned_in(self, name: str, a: int, b: int) -> int:
-        """How many of checkpoint elements ``[a, b)`` of ``name`` this process owns."""
-        n = 0
-        for pl, run in self._place[name]:
-            if not pl.piece.owner:
-                continue
-            if run is not None:
-                n += max(0, min(b, run[0] + run[2]) - max(a, run[0]))
-            else:
-                n += int(np.count_nonzero(pl.piece.to_local(np.arange(a, b, dtype=np.int64)) >= 0))
-        return n
-
     def _whole_holders(self) -> dict[str, list[str]]:
         """Per shared tensor, per segment: "mine" (this process owns every element), "other" (another
         process does) or "group" (split between processes). One collective call, at construction."""
         names = sorted(self.shared)
-        mine = [[self._owned_in(name, a, b) == b - a for a, b in self._ranges(name)] for name in names]
+        mine = [[owned_in(self._place[name], a, b) == b - a for a, b in self._ranges(name)] for name in names]
         flags = np.array([m for per in mine for m in per], np.int64)
         if flags.size:  # the same size in every process: the same shared tensors
             self._group.reduce_in_place(flags)  # each element has exactly one owner: at most one process holds a segment whole
@@ -582,120 +439,3 @@ class LiveTarget:
                 loc = loc[sel]
             if loc.size:
                 yield self._flat[pl.param], sel, loc
-
-
-class TargetUnion:
-    """One ``SegmentTarget`` over several disjoint ones (live placements beside host copies of the
-    tensors an engine reloads), each tensor read and written through the target that holds it."""
-
-    def __init__(self, *targets: object) -> None:
-        from ..apply.targets import segments_of
-
-        self.tensors: dict = {}
-        self._of: dict[str, object] = {}
-        for t in targets:
-            seg = segments_of(t)
-            for n, info in t.tensors.items():
-                if n in self.tensors:
-                    raise UsageError(f"tensor {n!r} is held by two targets")
-                self.tensors[n] = info
-                self._of[n] = seg
-        # A union with a collective part is collective: the applier must drive it in one order on one
-        # thread, or the group's processes issue their collectives in different orders and hang.
-        self._group = [seg for seg in map(segments_of, targets) if getattr(seg, "collective", False)]
-        if len(self._group) > 1:
-            raise UsageError("a target union may hold one collective target at most")
-        self.collective = bool(self._group)
-
-    def agree(self, ok: bool) -> bool:
-        """The collective part's agreement (``LiveTarget.agree``); ``ok`` itself without one."""
-        return self._group[0].agree(ok) if self._group else ok
-
-    def read_segment(self, name: str, ci: int) -> np.ndarray:
-        return self._of[name].read_segment(name, ci)
-
-    def write_segment(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray:
-        return self._of[name].write_segment(name, ci, region, view, patch)
-
-    def chunk_roles(self, name: str) -> list[str] | None:
-        """The collective part's ``LiveTarget.chunk_roles`` for the tensors it holds; None for the others."""
-        roles = getattr(self._of[name], "chunk_roles", None)
-        return roles(name) if roles is not None else None
-
-    def read_own(self, name: str, ci: int) -> np.ndarray:
-        return self._of[name].read_own(name, ci)
-
-    # The collective part's calls for segments split between its processes (``LiveTarget``; a union
-    # holds at most one collective target, and only its tensors have split segments).
-    @property
-    def rank(self) -> int:
-        return self._group[0].rank if self._group else 0
-
-    @property
-    def size(self) -> int:
-        return self._group[0].size if self._group else 1
-
-    def agree_each(self, flags: np.ndarray) -> np.ndarray:
-        return self._group[0].agree_each(flags) if self._group else agree_each(ALONE, flags)
-
-    @property
-    def split_window(self) -> int:
-        return self._group[0].split_window if self._group else SPLIT_AHEAD
-
-    def split_owner(self, name: str, ci: int) -> int:
-        return self._of[name].split_owner(name, ci)
-
-    def assemble_window(self, name: str, items) -> list:
-        return self._of[name].assemble_window(name, items)
-
-    def share_window(self, name: str, items) -> list:
-        return self._of[name].share_window(name, items)
-
-    def write_split(self, name: str, ci: int, pos: np.ndarray, new: np.ndarray) -> bool:
-        return self._of[name].write_split(name, ci, pos, new)
-
-    def write_own(self, name: str, ci: int, region: np.ndarray, view: np.ndarray, patch: Patch) -> np.ndarray:
-        return self._of[name].write_own(name, ci, region, view, patch)
-
-    def group_sum(self, moved: np.ndarray, ok: bool) -> tuple[np.ndarray, bool]:
-        """The collective part's ``LiveTarget.group_sum``."""
-        if not self._group:
-            return sum_and_agree(ALONE, moved, ok)
-        return self._group[0].group_sum(moved, ok)
-
-
-def digest_through(target: object, name: str) -> bytes:
-    """Tensor digest of ``name`` as a ``SegmentTarget`` reads it (every segment hashed)."""
-    return state_through(target, name)[0]
-
-
-def state_through(target: object, name: str) -> tuple[bytes, bytes]:
-    """(tensor digest, additive digest) of ``name`` as a ``SegmentTarget`` reads it, in one pass over
-    its segments: what a held-digest apply (``applier.run_apply(held=)``) is given, taken together with
-    the full check it rests on."""
-    from ..apply.targets import segments_of
-    from ..integrity import additive, n_segments, seg_hash, tensor_digest_from_segments
-
-    target = segments_of(target)
-    info = target.tensors[name]
-    dt = lookup_dtype(info.dtype)
-    seed = additive.seeds(name, info.dtype, info.shape)
-    per = SEGMENT_BYTES // dt.itemsize
-    segs, acc = [], additive.ZERO.copy()
-    for ci in range(n_segments(info.nbytes)):
-        region = target.read_segment(name, ci)
-        segs.append(seg_hash(region))
-        acc = additive.add(acc, additive.partial_run(seed, ci * per, region.view(dt.uint)))
-    return tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, segs), np.asarray(acc, "<u8").tobytes()
-
-
-def apply_live(delta_path: str, target: object, *, threads: int | None = None):
-    """Apply a delta into a live target (``LiveTarget``, ``TargetUnion``) through the one apply protocol:
-    base verified, every post-image checked, then only changed elements written, then verified. No
-    journal: the target is memory, and a rerun after any failure completes it (chunks already at their
-    post-image are skipped). Deltas that add, remove or re-type tensors are refused before any write."""
-    from ..apply.protocol import run_apply
-    from ..format import DeltaReader
-
-    with DeltaReader(delta_path) as d:
-        return run_apply(d, target, journal=None, threads=threads)

@@ -7,6 +7,10 @@
                  ``prepare_refit_in_place``, ``reload_engine``, ``sync_engine``, ``engine_digests``
 * ``worker``     one worker's live refit state (``LiveEngine``): layout captured and checked, host copies of
                  what must go through vLLM's reload, ``apply(delta)``
+* ``build``      the steps that build a ``LiveEngine`` (partition over the group, kernel checks, host
+                 copies, the proof that vLLM's reload takes them)
+* ``refit``      what an apply keeps and returns: ``MemoryJournal``, ``LiveRefitReport``, ``PreparedRefit``
+* ``group``      the worker's tensor-parallel group (``WorkerGroup``, a ``shard.group.Group``)
 * ``backend``    the ``deltarefit`` weight-transfer backend (worker and trainer engines); imports vLLM
 * ``layers``     checkpoint tensor names grouped by the engine layer they load into
 
