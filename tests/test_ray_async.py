@@ -4,8 +4,11 @@
 The trainer actor is the same (a tiny Llama, a real AdamW step per version), and so is the client: vLLM's
 ``RayVLLMWeightSyncClient`` through ``RefitTrainer``. Version 2 is one round; version 3 is planned by the
 engines while they serve (``prepare``: the async actors answer ``generate`` calls meanwhile), then written in
-the pause. At both versions each engine acknowledges the version's fingerprint and equals a fresh ``LLM``
-engine started from that version's checkpoint, bit for bit (digests and greedy tokens). Versions lost: 0.
+the pause. Before version 4, engine-a's actor process is killed (SIGKILL): Ray restarts it, and its first
+call builds the ``AsyncLLM`` from its checkpoint and catches up through the stream before it answers; the
+round is acknowledged by both, engine-b never restarted. At every version each engine acknowledges the
+version's fingerprint and equals a fresh ``LLM`` engine started from that version's checkpoint, bit for
+bit (digests and greedy tokens). Versions lost: 0.
 Marked ``slow`` and ``ray`` (``make test-ray``).
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 
@@ -20,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ray = pytest.importorskip("ray", reason="Ray is not installed here (make test-ray installs it)")
 pytest.importorskip("vllm", reason="vLLM is not installed here (make test-vllm builds a venv with it)")
 
-from test_ray import WAIT, _check_acked, _snapshot, cluster  # noqa: E402, F401, I001
+from test_ray import WAIT, _alive, _check_acked, _poll, _snapshot, cluster  # noqa: E402, F401, I001
 
 import ray_refit  # noqa: E402  (examples/ray_refit.py: test_ray put examples/ on sys.path)
 from test_ray_heal import _differing, _fresh_digests  # noqa: E402
@@ -52,8 +56,21 @@ def test_asyncllm_engine_actors_follow_the_trainer_bit_exact(cluster, tmp_path):
             last = ray.get(e.last_update.remote(), timeout=WAIT)
             assert last["route"] == "chain" and last["versions_applied"] == [r["version"]], (name, last)
             assert (last["bytes_fetched"] > 0) != prepare, (name, last)  # a planned version was fetched before
+    # version 4: engine-a's actor process killed (SIGKILL) before the step; Ray restarts it, its first call
+    # builds the AsyncLLM from its checkpoint and catches up through the stream before it answers
+    pids_a = ray.get(engines["engine-a"].pids.remote(), timeout=WAIT)
+    pid_b = at[3]["engine-b"]["state"]["pid"]
+    os.kill(pids_a[0], signal.SIGKILL)
+    _poll("engine-a's processes gone", lambda: not any(_alive(p) for p in pids_a), timeout=120)
+    r = ray.get(trainer.step.remote(3), timeout=WAIT)
+    served[4], rounds[4] = r["served"], r["refit"]["rounds"]
+    at[4] = _snapshot(engines)
+    _check_acked(r, at[4], 4)
+    sa, sb = at[4]["engine-a"]["state"], at[4]["engine-b"]["state"]
+    assert sa["restarted"] and sa["pid"] != pids_a[0] and sa["caught_up"]["version"] in (3, 4), sa
+    assert not sb["restarted"] and sb["pid"] == pid_b, sb  # no other engine restarted
     store = LocalStore(os.path.join(root, "stream"))
-    assert [load_commit(store, v).step for v in range(1, head(store) + 1)] == [0, 1, 2]  # 0 lost
+    assert [load_commit(store, v).step for v in range(1, head(store) + 1)] == [0, 1, 2, 3]  # 0 lost
 
     for h in handles:
         ray.kill(h, no_restart=True)
@@ -65,4 +82,4 @@ def test_asyncllm_engine_actors_follow_the_trainer_bit_exact(cluster, tmp_path):
         for name, s in at[v].items():
             assert s["tokens"] == want_t, (v, name)
             assert _differing(want_d[0], s["digests"][0]) == [], (v, name)
-    print(json.dumps({"async_rounds": rounds}))
+    print(json.dumps({"async_rounds": rounds, "caught_up_after_kill": sa["caught_up"]}))
