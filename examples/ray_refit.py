@@ -191,9 +191,10 @@ class TinyTrainer:
 
 
 def start(root: str, *, max_restarts: int = 3, config: dict | None = None,
-          stream: str | None = None) -> tuple[Any, list[Any], str]:
+          stream: str | None = None, actor_cls: type | None = None) -> tuple[Any, list[Any], str]:
     """Base checkpoint, the trainer actor (version 1 published), the engines; (trainer, engines, base).
-    ``stream``: the store URL (default: ``ROOT/stream``, a directory)."""
+    ``stream``: the store URL (default: ``ROOT/stream``, a directory). ``actor_cls``: the engines' actor
+    (``EngineActor``, an ``LLM``, by default; ``AsyncEngineActor`` for ``AsyncLLM``)."""
     import ray
 
     from deltarefit.integrations.ray import start_engines
@@ -205,7 +206,7 @@ def start(root: str, *, max_restarts: int = 3, config: dict | None = None,
         root, stream, base, list(ENGINES), config=config)
     assert ray.get(trainer.publish_base.remote(), timeout=300) == 1
     engines = start_engines(base, list(ENGINES.values()), names=list(ENGINES), init_info={"stream": stream, "version": 1},
-                            llm_kwargs=LLM_KWARGS, max_restarts=max_restarts)
+                            llm_kwargs=LLM_KWARGS, max_restarts=max_restarts, actor_cls=actor_cls)
     return trainer, engines, base
 
 

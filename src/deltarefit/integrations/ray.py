@@ -215,17 +215,18 @@ class EngineActor:
 def start_engines(model: str, resources: list[dict[str, float]], *, init_info: dict[str, Any] | None = None,
                   llm_kwargs: dict[str, Any] | None = None, max_restarts: int = 3, num_cpus: float = 1,
                   runtime_env: dict[str, Any] | None = None, names: list[str] | None = None,
-                  timeout: float = READY_TIMEOUT) -> list[Any]:
+                  timeout: float = READY_TIMEOUT, actor_cls: type | None = None) -> list[Any]:
     """One ``EngineActor`` per entry of ``resources`` (the custom resources of the node it must run on),
     each in its own placement group (one ``STRICT_PACK`` bundle: ``num_cpus`` CPUs and those resources),
     restarted by Ray up to ``max_restarts`` times. Returns the handles once every engine answers.
     In-flight calls are not retried (``max_task_retries=0``): a round an engine died in fails, and the
-    trainer drives it again (``RefitTrainer.refit``)."""
+    trainer drives it again (``RefitTrainer.refit``). ``actor_cls``: ``EngineActor`` by default;
+    ``ray_async.AsyncEngineActor`` for ``AsyncLLM`` engines."""
     ray = require_ray()
     names = names or [f"engine-{i}" for i in range(len(resources))]
     handles = []
     for name, res in zip(names, resources, strict=True):
-        actor = ray.remote(EngineActor).options(**placed(res, name, num_cpus=num_cpus, max_restarts=max_restarts,
+        actor = ray.remote(actor_cls or EngineActor).options(**placed(res, name, num_cpus=num_cpus, max_restarts=max_restarts,
                                                          runtime_env=runtime_env, timeout=timeout))
         handles.append(actor.remote(model, init_info=init_info, llm_kwargs=llm_kwargs, name=name))
     ray.get([h.ready.remote() for h in handles], timeout=timeout)
