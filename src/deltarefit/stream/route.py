@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from ..checkpoint.read import carry_non_weights
 from ..storage.base import Store
+from .baseline import _copy_checkpoint
 from .history import resets
-from .publisher import _copy_checkpoint
 from .records import CommitRecord, Part, StreamError
 
 
