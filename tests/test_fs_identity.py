@@ -332,7 +332,8 @@ path, fd = owned_temp(sys.argv[2], sys.argv[1], directory=sys.argv[3] == "dir")
 print(path)
 """
 
-# vllm.backend.SCRATCH_PREFIX and vllm.group.SHM_PREFIX (those modules import vllm, which the default
+# engines.vllm.holder.SCRATCH_PREFIX and engines.vllm.group.SHM_PREFIX (those modules import vllm,
+# which the default
 # suite need not have): the engine's scratch directory, a tensor-parallel group's shared-memory file.
 ENGINE_PREFIXES = [("deltarefit-engine-", "dir"), ("deltarefit-tp-", "file")]
 
@@ -357,7 +358,7 @@ def test_a_fifo_with_the_engine_scratch_prefix_does_not_hang_an_engine_start(tmp
 
 def test_the_engine_prefixes_are_the_engines():
     src = os.path.join(os.path.dirname(deltarefit.__file__), "engines")
-    assert 'SCRATCH_PREFIX = "deltarefit-engine-"' in open(os.path.join(src, "vllm", "backend.py")).read()
+    assert 'SCRATCH_PREFIX = "deltarefit-engine-"' in open(os.path.join(src, "vllm", "holder.py")).read()
     assert 'SHM_PREFIX = "deltarefit-tp-"' in open(os.path.join(src, "vllm", "group.py")).read()
 
 

@@ -210,7 +210,7 @@ def test_a_new_publisher_process_finds_the_kept_hashes(tmp_path, spy):
         pub().publish(s)
     assert [r.base_hashes_known for r in spy] == [False, True, True]
     p = pub()
-    assert p._known_base().hashes == E.known_hashes(p.baseline).hashes
+    assert p.base.known_base().hashes == E.known_hashes(p.baseline).hashes
 
 
 @pytest.mark.parametrize("damage", ["torn", "edited", "forged"])

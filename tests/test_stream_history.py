@@ -218,9 +218,9 @@ _KILLER = textwrap.dedent("""
         setattr(owner, name, killed)
 
     owner, name = {"encode": (P, "encode_delta"), "upload": (LocalStore, "put_file"),
-                   "commit": (LocalStore, "create"), "advance": (P.Publisher, "_advance_by_copy"),
+                   "commit": (LocalStore, "create"), "advance": (B.Baseline, "advance_by_copy"),
                    "apply": (B, "apply_delta"), "book": (HB.HistoryBook, "commit"),
-                   "state": (P.Publisher, "_save_state")}[point]
+                   "state": (B.Baseline, "save_state")}[point]
     after(owner, name)
     P.Publisher(LocalStore(store), state, keyframe_every=1000, keyframe_ratio=1000.0, history=True,
                 advance=advance).publish(ckpt)

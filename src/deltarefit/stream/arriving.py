@@ -16,6 +16,22 @@ plan only reads (its decoders treat payloads as hostile: bounded, never out of b
 caller passes ``PartDownloads.wait_all`` (every part whole and matching its record) before the
 applier's first write (``apply(before_write=)``). A part that fails the check is removed; one that
 passes is renamed to its staged name by ``ArrivingPart.verified``, where a rerun finds it again.
+``apply_arriving`` applies a route of deltas that way.
+
+Overlap (a subscriber's sync): a route of deltas (no keyframe) from a store with ranged reads (``get_range``), applied by
+plain apply (no ``apply_hook``), is not staged whole first. Its parts stream into the staging
+directory in route order on a background thread (``stream.arriving``: each part's header, then its
+manifest and chunk table from the end of the file, then its payloads in order, hashed as they come),
+and the first delta's plan runs on its part as it arrives, each chunk decoded once its bytes are
+there; so a single-delta sync takes about max(download, plan) + write instead of download + plan +
+write. The guarantees are the staged path's: the first write waits (``apply(before_write=)``) until
+every part of the route has arrived whole with the size and BLAKE3 of its record (which is what
+authenticates a part's header, manifest and table) and says what its record says, and until the
+whole plan passed; a refusal before that point names a part that does not match its record if there
+is one, else the plan's reason. Later deltas of a chain are planned once the one before is applied
+(they apply to it), on parts already checked. A part that fails its check is removed from staging; a
+checked one stays there until the sync ends, for a rerun. Keyframe routes, engine hooks and stores
+without ranged reads stage every part whole first (``records.fetch_part``), as does ``prepare``.
 """
 
 from __future__ import annotations
@@ -25,10 +41,14 @@ import errno
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import blake3
 
+from ..apply.files import ApplyReport
+from ..apply.files import apply as apply_delta
 from ..errors import FileSystemError
 from ..format import (
     HEADER,
@@ -40,8 +60,11 @@ from ..format import (
     ChunkRecord,
     DeltaReader,
 )
+from ..history_book import HistoryBook
 from ..storage.base import Store
 from .records import Part, StreamError, file_hash
+
+T = TypeVar("T")
 
 # One ranged read covers a sixteenth of the part, within these bounds: small parts still arrive in
 # steps the plan can follow, large ones in reads long enough for an object store's latency.
@@ -266,6 +289,55 @@ class PartDownloads:
         """Stop at the next read (the sync is unwinding) and wait for the thread."""
         self._cancel.set()
         self._thread.join()
+
+
+def apply_arriving(downloads: PartDownloads, first: str, checkpoint: str, threads: int | None, *,
+                   check_staged: Callable[[], None],
+                   apply_steps: Callable[[Callable[[HistoryBook | None], ApplyReport]], T]) -> T:
+    """A route of deltas applied with its first delta (staged at ``first``) planned while ``downloads``
+    brings the parts (``Subscriber``'s module docstring, "Overlap"): ``apply_steps(first_apply)``
+    applies the route, its first step by ``first_apply(history)``, an apply to ``checkpoint`` that
+    plans on the part as it arrives. Before that apply's first write, every part must be whole and
+    match its record, and every delta must say what its record says (``check_staged``), as on the
+    staged path. Interrupted (not an ``Exception``), the download stops where it is."""
+    gate: list[bool] = []  # [True] once passed, [False] once refused
+
+    def authenticated() -> None:
+        """The first write waits here, after the whole plan passed: every part of the route whole,
+        with its record's size and BLAKE3, and saying what its record says."""
+        try:
+            downloads.wait_all()
+            check_staged()
+        except BaseException:
+            gate.append(False)
+            raise
+        gate.append(True)
+
+    def apply_first(history: HistoryBook | None) -> ApplyReport:
+        try:
+            reader = ArrivingReader(downloads.parts[0])
+            try:
+                return apply_delta(first, checkpoint, threads=threads, reader=reader, before_write=authenticated,
+                                   history=history)
+            finally:
+                reader.close()
+        except Exception:
+            if not gate:
+                # Refused before the gate, on bytes not yet authenticated: a part that does not
+                # match its record is the refusal to report (as the staged path reports it);
+                # otherwise the parts are what their records say, and the plan's refusal stands.
+                try:
+                    authenticated()
+                except Exception as e:
+                    raise e from None
+            raise
+
+    try:
+        return apply_steps(apply_first)
+    except BaseException as e:
+        if not isinstance(e, Exception):  # interrupted: stop the download where it is
+            downloads.abandon()
+        raise
 
 
 def _pwrite_all(fd: int, data: bytes, off: int, path: str) -> None:

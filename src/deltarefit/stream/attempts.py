@@ -1,5 +1,6 @@
-"""The publisher's attempts: a joint commit's proposal and acknowledgements, the removal of a dead or
-failed attempt's parts, and setting aside a head no publisher of this stream wrote (``quarantine_head``)."""
+"""The publisher's attempts (``Attempts``, an object ``Publisher`` holds): the upload of a version's parts
+and its (joint) commit, a joint commit's proposal and acknowledgements, the removal of a dead or failed
+attempt's parts, and setting aside a head no publisher of this stream wrote (``quarantine_head``)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 
+from ..checkpoint.read import open_checkpoint
 from ..errors import DeltaRefitError, PublishError
+from ..io.fsutil import write_atomic
 from ..signing import SignatureError
-from ..storage.base import SWEEP_TEMPS
-from .chain import MAX_RECORD_BYTES, get_capped
+from ..storage.base import SWEEP_TEMPS, Store
+from .chain import MAX_RECORD_BYTES, get_bounded, get_capped, holds
 from .publish_state import ALL, ATTEMPT_NAME
 from .records import (
     CommitRecord,
@@ -22,8 +26,11 @@ from .records import (
     StreamError,
     StreamIdentityError,
     commit_key,
+    file_hash,
     head,
     load_commit,
+    parse_commit,
+    parse_proposal,
     prepared_key,
     proposal_bytes,
     stream_identity,
@@ -34,22 +41,23 @@ from .records import (
 log = logging.getLogger(__name__)
 
 
-class AttemptsMixin:
-    """``Publisher``'s attempts methods (they use its state: store, state_dir, baseline, ...)."""
+class Attempts:
+    """A publisher's attempts in its store: the parts of each version it uploads under an attempt id,
+    the joint commit's proposal and acks, the commit, and the removal of what a dead or failed attempt
+    left. ``Publisher`` holds one; ``check_trust(rec, sid, signed, where)`` raises for a record the
+    publisher must not build on (``Publisher._check_trust``)."""
 
-    def quarantine_head(self) -> list[int]:
-        """Set aside the records at the head that can be no version of this stream (``_unusable``:
-        garbage, another stream's, unsigned in a signed stream...), newest first, so that the next
-        publish takes their version number. Each is moved to ``quarantine/<version>-<id>.json`` (kept
-        for inspection; ``list_versions`` and retention ignore it) and its parts become orphans that
-        retention removes. A usable head stops it: valid versions are never set aside. Only versions
-        after this publisher's committed one are considered, and without a state only malformed
-        records (a wrong ``signing_key`` must not make the stream's own history look foreign).
-        Returns the versions set aside."""
-        st = self.state()
-        floor = st.version if st is not None else 0
+    def __init__(self, store: Store, state_dir: str, check_trust: Callable[..., None]) -> None:
+        self.store = store
+        self.state_dir = state_dir
+        self.staging = os.path.join(state_dir, "staging")
+        self.check_trust = check_trust
+
+    def quarantine(self, floor: int, *, strict: bool) -> list[int]:
+        """``Publisher.quarantine_head`` for a publisher at version ``floor`` (0 without a state;
+        ``strict``: it has one, and sets aside more than malformed records)."""
         out = []
-        while (h := head(self.store)) > floor and (why := self._unusable(h, strict=st is not None)) is not None:
+        while (h := head(self.store)) > floor and (why := self._unusable(h, strict=strict)) is not None:
             # Set aside whole where it is a record's size; a larger object is no record, and is not read
             # (memory before trust): what it was is noted in its place.
             data = get_capped(self.store, commit_key(h), MAX_RECORD_BYTES)
@@ -83,22 +91,22 @@ class AttemptsMixin:
             with contextlib.suppress(StreamError):
                 prev = load_commit(self.store, version - 1)
         try:
-            self._check_trust(rec, sid, prev is not None and prev.signature is not None, where)
+            self.check_trust(rec, sid, prev is not None and prev.signature is not None, where)
         except (StreamIdentityError, SignatureError) as e:
             return str(e)
         if prev is not None and rec.parent != prev.fingerprint:
             return f"{where}: applies to {str(rec.parent)[:16]}…, not to version {version - 1}"
         return None
 
-    def _joint(self, rec: CommitRecord) -> None:
+    def joint(self, rec: CommitRecord, quorum: int, ack_timeout: float, live_ttl: float) -> None:
         # The wall-clock deadline lets retention tell a live proposal from a dead publisher's.
-        self.store.put(prepared_key(rec.version), proposal_bytes(rec, time.time() + self.ack_timeout))
-        deadline = time.monotonic() + self.ack_timeout
-        need = self.quorum
+        self.store.put(prepared_key(rec.version), proposal_bytes(rec, time.time() + ack_timeout))
+        deadline = time.monotonic() + ack_timeout
+        need = quorum
         if need == ALL:
             from .retention import live_subscribers
 
-            need = max(1, len(live_subscribers(self.store, self.live_ttl)))
+            need = max(1, len(live_subscribers(self.store, live_ttl)))
         while True:
             acks = [k for k in self.store.list(f"acks/{rec.version:012d}/") if k.endswith(".json")]
             ok = 0
@@ -112,10 +120,10 @@ class AttemptsMixin:
             if time.monotonic() > deadline:
                 self.store.delete(prepared_key(rec.version))
                 raise PublishError(f"{self.store.url}: version {rec.version}: {ok} of {need} subscribers "
-                                   f"acknowledged within {self.ack_timeout:g} s; not committed, baseline unchanged")
+                                   f"acknowledged within {ack_timeout:g} s; not committed, baseline unchanged")
             time.sleep(0.05)
 
-    def _drop_dead_attempt(self) -> None:
+    def drop_dead(self) -> None:
         """Remove from the store what an upload of this state's that never committed left: its parts
         and its unfinished uploads (temp files, multipart uploads). The attempt id is this state's
         own, and the state is locked, so nothing else writes under it."""
@@ -149,7 +157,36 @@ class AttemptsMixin:
                      attempt)
         os.unlink(marker)
 
-    def _drop_attempt(self, rec: CommitRecord) -> None:
+    def settle_killed(self, advance: Callable[[CommitRecord], object] | None) -> None:
+        """Settle what a publish killed after keeping its record in ``pending.json`` left. A record the
+        store holds committed: ``advance(rec)`` makes the baseline follow it (``recover``). Never
+        committed, or another publisher's record won: its parts are orphans, removed, and with
+        ``advance`` so is its dead joint proposal. ``advance`` None (``reset_baseline``, which rebuilds
+        the baseline from the stream): an unreadable record is ignored instead of refused."""
+        pending = os.path.join(self.state_dir, "pending.json")
+        if not os.path.exists(pending):
+            return
+        with open(pending, "rb") as f:
+            mine = f.read()
+        try:
+            rec = parse_commit(mine, pending)
+        except StreamError:
+            if advance is not None:
+                raise
+            rec = None
+        if rec is not None and holds(self.store, commit_key(rec.version), mine):
+            if advance is not None:
+                advance(rec)
+        elif rec is not None:
+            self.drop(rec)
+            if advance is not None:
+                with contextlib.suppress(KeyError, StreamError):
+                    if parse_proposal(get_bounded(self.store, prepared_key(rec.version), MAX_RECORD_BYTES,
+                                                  "proposal"), pending)[0] == rec:
+                        self.store.delete(prepared_key(rec.version))  # our dead joint proposal
+        os.unlink(pending)
+
+    def drop(self, rec: CommitRecord) -> None:
         for part in _parts_of(rec):
             try:
                 self.store.delete(part.key)
@@ -157,5 +194,80 @@ class AttemptsMixin:
                 log.warning("could not remove part %s: %s", part.key, e)
 
 
+    def upload_and_commit(self, rec: CommitRecord, attempt: str, checkpoint: str, *, quorum: int,
+                          ack_timeout: float, live_ttl: float) -> str:
+        """Upload ``rec``'s staged parts, then (joint) commit it; the path of the local copy of the record
+        kept until the baseline has advanced. A failure before the commit removes the attempt's parts."""
+        version, delta_part, catchup_part, kf_parts = rec.version, rec.delta, rec.catchup, rec.keyframe
+        # Upload, then (joint) commit. The attempt is named in the state first, so that the next run
+        # removes what a kill mid-upload left in the store (parts and unfinished uploads).
+        write_atomic(os.path.join(self.state_dir, ATTEMPT_NAME), json.dumps({"attempt": attempt}).encode(),
+                     durable=False)  # lost to a power cut: retention removes the orphans instead
+        try:
+            if delta_part:
+                self.store.put_file(delta_part.key, os.path.join(self.staging, "delta"))
+            if catchup_part:
+                self.store.put_file(catchup_part.key, os.path.join(self.staging, "catchup"))
+            if kf_parts:
+                for (_name, part), (_, path) in zip(kf_parts, _checkpoint_files(checkpoint), strict=True):
+                    self.store.put_file(part.key, path)
+            if quorum:
+                self.joint(rec, quorum, ack_timeout, live_ttl)
+            # The record we are about to commit, kept locally first: a kill right after the commit
+            # is recognised on the next run by comparing it with the stored one.
+            pending = os.path.join(self.state_dir, "pending.json")
+            write_atomic(pending, rec.to_bytes())
+            if not self.store.create(commit_key(version), rec.to_bytes()):
+                os.unlink(pending)
+                raise PublishError(f"{self.store.url}: version {version} was committed by another publisher first")
+        except BaseException:
+            if not holds(self.store, commit_key(version), rec.to_bytes()):
+                self.drop(rec)
+            raise
+        self._restore_parts(rec, checkpoint)
+        # A proposal for this version (ours, or a joint publish that died waiting) is settled now.
+        self.store.delete(prepared_key(version))
+        return pending
+
+    def _restore_parts(self, rec: CommitRecord, checkpoint: str) -> None:
+        """Committed: every part ``rec`` names must exist. One deleted meanwhile (a retention run older
+        than this one's rule, which deleted parts of a version after the head it read) is uploaded
+        again from its local copy, checked against the record first; refused (``PublishError``, the
+        version is committed with a part missing) where that copy no longer matches."""
+        local = []
+        if rec.delta:
+            local.append((rec.delta, os.path.join(self.staging, "delta")))
+        if rec.catchup:
+            local.append((rec.catchup, os.path.join(self.staging, "catchup")))
+        if rec.keyframe:
+            local += [(part, path) for (_, part), (_, path) in zip(rec.keyframe, _checkpoint_files(checkpoint),
+                                                                   strict=True)]
+        for part, path in local:
+            try:
+                if self.store.size(part.key) == part.bytes:
+                    continue
+            except KeyError:
+                pass
+            log.warning("%s/%s: part of committed version %d was deleted while it uploaded; uploading it again",
+                        self.store.url, part.key, rec.version)
+            if os.path.getsize(path) != part.bytes or file_hash(path) != part.blake3:
+                raise PublishError(f"{self.store.url}/{part.key}: part of committed version {rec.version} was "
+                                   f"deleted during the publish and {path} no longer holds it; publish the "
+                                   "next version as a keyframe")
+            self.store.put_file(part.key, path)
+
+
 def _parts_of(rec: CommitRecord) -> list[Part]:
     return ([rec.delta] if rec.delta else []) + [p for _, p in rec.keyframe] + ([rec.catchup] if rec.catchup else [])
+
+
+def _checkpoint_files(path: str) -> list[tuple[str, str]]:
+    """(name inside the keyframe, local path) of a checkpoint's files, index included."""
+    if os.path.isfile(path):
+        return [("model.safetensors", path)]
+    with open_checkpoint(path) as ck:
+        files = [(os.path.basename(f), f) for f in ck.files()]
+    idx = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(idx):
+        files.append(("model.safetensors.index.json", idx))
+    return files

@@ -1,14 +1,16 @@
-"""The publisher's baseline: the checkpoint that holds the committed version, how it advances after a
-commit (a verified copy, or the delta applied in place), the segment hashes kept of it for the next
-encode, and its rebuild from the stream (``reset_baseline``)."""
+"""The publisher's baseline (``Baseline``, an object ``Publisher`` holds): the checkpoint that holds the
+committed version and the state that names it, how it advances after a commit (a verified copy, or the
+delta applied in place), the segment hashes kept of it for the next encode, and its rebuild from the
+stream (``Publisher.reset_baseline``)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
-from dataclasses import replace
+from collections.abc import Callable
 
 from ..apply.files import apply as apply_delta
 from ..checkpoint.read import open_checkpoint
@@ -16,75 +18,99 @@ from ..encode import EncodeReport, KnownHashes
 from ..errors import DecodeError
 from ..history_book import HistoryBook, MovesRecorder
 from ..io.fsutil import write_atomic
-from .chain import holds
+from ..storage.base import Store
 from .history import open_book, resets, settle, start_over
 from .publish_state import _TEMP_SUFFIX, RESET_FIX, PublishState
-from .records import (
-    CommitRecord,
-    Part,
-    StreamError,
-    commit_key,
-    fetch_part,
-    head,
-    parse_commit,
-    stream_identity,
-)
+from .records import CommitRecord, Part, StreamError, fetch_part
 
 log = logging.getLogger(__name__)
 
 
-class BaselineMixin:
-    """``Publisher``'s baseline methods (they use its state: store, state_dir, baseline, ...)."""
+class Baseline:
+    """The checkpoint file that holds a publisher's committed version (``path``), the state that names
+    that version (``state_path``, ``publisher.json``), the segment hashes kept of it for the next encode
+    (``known``) and its history book. ``Publisher`` holds one; ``advance``: its advance route ("copy" or
+    "apply", see ``Publisher``)."""
 
-    def reset_baseline(self) -> PublishState | None:
-        """Forget this publisher's baseline and state and rebuild them from the stream: the newest
-        keyframe, then the deltas after it to the head, each record checked (identity; signature with
-        this publisher's key, if any) and the baseline verified after each. An empty stream leaves no
-        state (the next publish starts a new stream). The way out of a baseline edited by hand, a store
-        wiped or replaced under the state, or a stream moved on by another publisher."""
-        pending = os.path.join(self.state_dir, "pending.json")
-        if os.path.exists(pending):  # a killed publish: its parts are orphans unless it committed
-            with open(pending, "rb") as f:
-                mine = f.read()
-            with contextlib.suppress(StreamError):
-                rec = parse_commit(mine, pending)
-                if not holds(self.store, commit_key(rec.version), mine):
-                    self._drop_attempt(rec)
-            os.unlink(pending)
-        for p in (self.state_path, self.known_path, self.keyframe_copy, self.keyframe_copy + ".json"):
+    def __init__(self, store: Store, state_dir: str, *, threads: int | None, advance: str) -> None:
+        self.store = store
+        self.threads = threads
+        self.advance = advance
+        self.path = os.path.join(state_dir, "baseline.safetensors")
+        self.state_path = os.path.join(state_dir, "publisher.json")
+        self.staging = os.path.join(state_dir, "staging")
+        # The baseline's segment hashes, from the encode whose target it became (see ``remember``); used
+        # while the baseline file keeps its identity. Kept in memory and in known_path, so that a
+        # publish in a new process (each `deltarefit publish`) finds them too.
+        self.known: KnownHashes | None = None
+        self.known_path = os.path.join(state_dir, "baseline.hashes")
+        # The baseline's history book. Kept by every publisher that follows a version coded with one
+        # (recover, reset_baseline), so that it can decode the next; written into only with history.
+        self.book_path = os.path.join(state_dir, "history")
+        # The moves of the version being published, kept from before its commit until its book commit:
+        # a kill after the baseline reached it (its chunks then all found applied, their moves gone)
+        # still advances the book by them (``advance_to``).
+        self.staged_moves_path = os.path.join(state_dir, "history.pending")
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def state(self) -> PublishState | None:
+        """The committed version the baseline holds, as recorded; None without a state."""
+        try:
+            with open(self.state_path) as f:
+                d = json.load(f)
+            sid = d.get("stream_id")
+            return PublishState(int(d["version"]), str(d["fingerprint"]), None if sid is None else str(sid))
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as e:
+            raise StreamError(f"{self.state_path}: unreadable publisher state ({e}){RESET_FIX}") from None
+
+    def save_state(self, st: PublishState) -> None:
+        d = {"version": st.version, "fingerprint": st.fingerprint, "stream": self.store.url}
+        if st.stream_id is not None:
+            d["stream_id"] = st.stream_id
+        write_atomic(self.state_path, json.dumps(d).encode())
+
+    def forget(self) -> None:
+        """Drop the state, the kept hashes, the history book, the staged moves and the staging: what
+        ``rebuild`` starts from."""
+        for p in (self.state_path, self.known_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
         start_over(self.book_path)  # rebuilt with the baseline: a keyframe starts it, each delta advances it
         start_over(self.staged_moves_path)
-        self._known = None
+        self.known = None
         shutil.rmtree(self.staging, ignore_errors=True)
-        h = head(self.store)
+
+    def rebuild(self, h: int, trusted: Callable[[int], CommitRecord]) -> PublishState | None:
+        """Rebuild the baseline from the stream (after ``forget``): the newest keyframe, then the deltas
+        after it to the head ``h``, each record from ``trusted(version)`` (which refuses one this
+        publisher must not build on) and the baseline verified after each. None for an empty stream
+        (no baseline left)."""
         if h == 0:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.baseline)
+                os.unlink(self.path)
             log.warning("%s: the stream is empty; the next publish starts a new stream", self.store.url)
             return None
-        sid = stream_identity(self.store)
         k = h
-        rec = self._trusted(k, sid, self.verifier is not None)
+        rec = trusted(k)
         while not rec.keyframe and k > 1:
             k -= 1
-            rec = self._trusted(k, sid, self.verifier is not None)
+            rec = trusted(k)
         if not rec.keyframe:
             raise StreamError(f"{self.store.url}: no keyframe to rebuild the baseline from")
-        st = self._advance(None, rec)
+        st = self.advance_to(None, rec)
         for v in range(k + 1, h + 1):
-            rec = self._trusted(v, sid, self.verifier is not None)
+            rec = trusted(v)
             if rec.parent != st.fingerprint or rec.delta is None:
                 raise StreamError(f"{self.store.url}: version {v} does not follow version {v - 1}: broken chain")
-            st = self._advance(st, rec)
-        if st.stream_id is None and sid is not None:
-            st = replace(st, stream_id=sid)
-            self._save_state(st)
-        log.warning("baseline rebuilt from the stream at version %d", st.version)
+            st = self.advance_to(st, rec)
         return st
 
-    def _advance(self, st: PublishState | None, rec: CommitRecord) -> PublishState:
+    # -- advance ---------------------------------------------------------------------------------
+
+    def advance_to(self, st: PublishState | None, rec: CommitRecord) -> PublishState:
         """Make the baseline equal to committed version ``rec`` and record it."""
         if st is not None and st.version == rec.version and st.fingerprint == rec.fingerprint:
             return st
@@ -92,7 +118,7 @@ class BaselineMixin:
         if st is not None and rec.delta is not None and rec.parent == st.fingerprint:
             local = self._fetch(rec.delta, os.path.join(self.staging, "advance.delta"))
             try:  # idempotent: a rerun is a no-op
-                self._apply_with_book(rec, local)
+                self.apply_with_book(rec, local)
             except DecodeError as e:
                 if not rec.history:
                     raise
@@ -104,9 +130,9 @@ class BaselineMixin:
             os.makedirs(kdir, exist_ok=True)
             for name, part in rec.keyframe:
                 self._fetch(part, os.path.join(kdir, name))
-            tmp = _temp_beside(self.baseline)
+            tmp = _temp_beside(self.path)
             _copy_checkpoint(kdir if len(rec.keyframe) > 1 else os.path.join(kdir, rec.keyframe[0][0]), tmp)
-            os.replace(tmp, self.baseline)
+            os.replace(tmp, self.path)
             shutil.rmtree(kdir, ignore_errors=True)
         else:
             raise StreamError(f"{self.store.url}: version {rec.version} cannot be reached from this publisher's "
@@ -115,11 +141,17 @@ class BaselineMixin:
             start_over(self.book_path)
         from ..api import verify
 
-        verify(self.baseline, rec.fingerprint, threads=self.threads)
+        verify(self.path, rec.fingerprint, threads=self.threads)
         st = PublishState(rec.version, rec.fingerprint, rec.stream or (st.stream_id if st else None))
-        self._save_state(st)
+        self.save_state(st)
         log.info("baseline advanced to version %d", rec.version)
         return st
+
+    def replace_with(self, checkpoint: str) -> None:
+        """The baseline becomes a copy of ``checkpoint`` (a keyframe version, which has no delta)."""
+        tmp = _temp_beside(self.path)
+        _copy_checkpoint(checkpoint, tmp)
+        os.replace(tmp, self.path)
 
     def _book_for(self, rec: CommitRecord) -> HistoryBook | None:
         """The book to apply ``rec``'s delta to the baseline with: the baseline's, for a delta coded
@@ -130,7 +162,7 @@ class BaselineMixin:
         book = open_book(self.book_path)
         return None if book.tip == rec.fingerprint else book
 
-    def _apply_with_book(self, rec: CommitRecord, local: str) -> None:
+    def apply_with_book(self, rec: CommitRecord, local: str) -> None:
         """Apply ``rec``'s delta to the baseline, advancing the history book with it. Where this
         publisher staged the version's moves (a publish killed after its commit), the apply decodes
         against a scratch copy of the book and the book takes the staged moves: the baseline may have
@@ -138,7 +170,7 @@ class BaselineMixin:
         book = self._book_for(rec)
         staged = self._staged_moves(rec.fingerprint) if book is not None else None
         if staged is None:
-            rep = apply_delta(local, self.baseline, threads=self.threads, history=book)
+            rep = apply_delta(local, self.path, threads=self.threads, history=book)
             if book is not None:
                 settle(self.book_path, rep)
             return
@@ -147,7 +179,7 @@ class BaselineMixin:
         if os.path.isdir(self.book_path):  # else the empty book (after a start)
             shutil.copytree(self.book_path, scratch)
         try:
-            apply_delta(local, self.baseline, threads=self.threads, history=HistoryBook(scratch))
+            apply_delta(local, self.path, threads=self.threads, history=HistoryBook(scratch))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         book.commit(rec.fingerprint, staged, parent=rec.parent)
@@ -166,33 +198,33 @@ class BaselineMixin:
         fetch_part(self.store, part, dest)
         return dest
 
-    def _remember_baseline(self, rep: EncodeReport) -> None:
+    def remember(self, rep: EncodeReport) -> None:
         """Keep ``rep``'s target segment hashes for the next encode, bound to the baseline file as it is
         now. The baseline has just been verified to hold ``rep``'s target fingerprint (both advance
         routes check it), so its segments hash to exactly these, barring a BLAKE3 collision. The
         identity is taken after our last write, so any later write to the file changes it."""
-        with open_checkpoint(self.baseline) as ck:
-            self._known = KnownHashes(ck.identity(), rep.target_hashes, rep.target_sums)
+        with open_checkpoint(self.path) as ck:
+            self.known = KnownHashes(ck.identity(), rep.target_hashes, rep.target_sums)
         # A cache, so no fsync: a file torn by a power loss fails its checksum and is ignored.
-        write_atomic(self.known_path, self._known.to_bytes(), durable=False)
+        write_atomic(self.known_path, self.known.to_bytes(), durable=False)
 
-    def _known_base(self) -> KnownHashes | None:
+    def known_base(self) -> KnownHashes | None:
         """The kept baseline hashes, from memory or (a new process) from ``known_path``; None if none."""
-        if self._known is None and os.path.exists(self.known_path):
+        if self.known is None and os.path.exists(self.known_path):
             try:
                 with open(self.known_path, "rb") as f:
-                    self._known = KnownHashes.from_bytes(f.read())
+                    self.known = KnownHashes.from_bytes(f.read())
             except (OSError, ValueError) as e:
                 log.warning("%s: ignored (%s); the baseline is hashed instead", self.known_path, e)
-        return self._known
+        return self.known
 
-    def _forget_known(self) -> None:
-        self._known = None
+    def forget_known(self) -> None:
+        self.known = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.known_path)
 
-    def _advance_by_copy(self, checkpoint: str, fp: str) -> bool:
-        """Replace the baseline with a verified copy of the committed ``checkpoint`` (see ``advance``).
+    def advance_by_copy(self, checkpoint: str, fp: str) -> bool:
+        """Replace the baseline with a verified copy of the committed ``checkpoint`` (``Publisher``'s ``advance``).
         False, with the baseline untouched, where the apply route must be taken instead. A kill at any
         point leaves the old baseline and at most a temp file, which ``recover`` removes before it
         applies the committed delta."""
@@ -200,7 +232,7 @@ class BaselineMixin:
             return False
         from ..api import fingerprint
 
-        tmp = _temp_beside(self.baseline)
+        tmp = _temp_beside(self.path)
         try:
             shutil.copyfile(checkpoint, tmp)
             got = fingerprint(tmp, threads=self.threads)
@@ -213,7 +245,7 @@ class BaselineMixin:
             log.warning("%s changed after it was encoded; advancing the baseline by applying the delta",
                         checkpoint)
             return False
-        os.replace(tmp, self.baseline)
+        os.replace(tmp, self.path)
         return True
 
 

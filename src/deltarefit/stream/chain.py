@@ -147,6 +147,19 @@ def newest_keyframe(load: Callable[[int], Any], at: int) -> int:
     return v
 
 
+def chain_bytes(load: Callable[[int], Any], version: int) -> int:
+    """Delta bytes since the newest keyframe before ``version`` (``load(v)``: the record of version v)."""
+    total = 0
+    v = version - 1
+    while v >= 1:
+        rec = load(v)
+        if rec.kind == "keyframe":
+            break
+        total += rec.delta.bytes if rec.delta else 0
+        v -= 1
+    return total
+
+
 def check_links(recs: Mapping[int, Any], held: tuple[int, str] | None, url: str, fix: str = "") -> None:
     """Refuse (``StreamError``) a route whose records do not link up: ``recs`` holds consecutive
     versions, each of which must apply to the fingerprint of the one before; the first to ``held``

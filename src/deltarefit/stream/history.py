@@ -18,6 +18,16 @@ An absent book is the empty one (it gives no chunk a history), so starting over 
 book: ``start_over`` unlinks HEAD first (atomic: the book is empty from that moment), then the rest.
 A book that does not follow the lineage makes a flagged delta's ``ulp_hist`` chunks refuse by name
 (``DecodeError``, nothing written): a wrong book costs a route, never bytes.
+
+A subscriber's book (``stream.subscriber``): a subscriber keeps a history book beside its checkpoint
+(``history_path``), which deltas coded with history (record ``history``) decode against; each such
+delta advances it, and a keyframe install, a catch-up step or a version without history starts it
+over. The route is chosen among those the book can decode (``route.decodable``):
+a book that does not follow the stream's lineage at the held version (deleted, or after a rerun that
+found chunks already applied) makes the chain refused and a keyframe route taken, and a catch-up
+step is taken only where it leaves a book that can follow. Should a delta still be refused for its
+history (``DecodeError``, nothing written), the book is started over and the sync planned again once,
+which then takes a keyframe route.
 """
 
 from __future__ import annotations
@@ -29,7 +39,9 @@ from ..apply.protocol import ApplyReport
 from ..codec.history import DEPTH
 from ..errors import DecodeError
 from ..history_book import HistoryBook
+from ..history_book import planted as book_planted
 from ..history_book import start_over as book_start_over
+from ..history_book import writable as book_writable
 from .records import CommitRecord
 
 log = logging.getLogger(__name__)
@@ -94,3 +106,11 @@ def start_over(path: str) -> bool:
     except OSError as e:
         log.warning("%s: history book cannot be started over (%s)", path, e.strerror or e)
         return False
+
+
+def book_writable_at(path: str) -> bool:
+    """Whether the history book at ``path`` can be started over and advanced. Whatever else lies at its
+    path (a symlink, dangling or planted, a FIFO, a file) is removed first, never followed."""
+    if book_planted(path):
+        start_over(path)
+    return book_writable(path)

@@ -3,6 +3,7 @@ state files, and the fixes its refusals name."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 ALL = -1  # quorum: every live subscriber
@@ -24,3 +25,14 @@ class PublishState:
 
 _TEMP_SUFFIX = ".tmp-"
 ATTEMPT_NAME = "attempt.json"  # the upload in progress: {"attempt": "v/<version>/<id>"}
+
+
+def keyframe_state(keyframe_copy: str) -> tuple[int, str] | None:
+    """(version, fingerprint) of the publisher's keyframe copy (the base of its catch-up deltas), from
+    the record beside it; None without one."""
+    try:
+        with open(keyframe_copy + ".json") as f:
+            d = json.load(f)
+        return int(d["version"]), str(d["fingerprint"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None

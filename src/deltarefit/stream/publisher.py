@@ -31,7 +31,7 @@ from dataclasses import replace
 import blake3
 
 from ..checkpoint.read import open_checkpoint
-from ..encode import EncodeReport, KnownHashes
+from ..encode import EncodeReport
 from ..encode import encode as encode_delta
 from ..errors import DeltaRefitError, PublishError, UsageError
 from ..history_book import HistoryBook
@@ -39,11 +39,19 @@ from ..io.fsutil import write_atomic
 from ..io.locks import lock_path_beside, locked_method
 from ..signing import SignatureError, Signer, check_record_signature, record_signature
 from ..storage.base import Store, open_store
-from .attempts import AttemptsMixin
-from .baseline import BaselineMixin, _copy_checkpoint, _temp_beside
-from .chain import MAX_RECORD_BYTES, get_bounded, holds
+from .attempts import Attempts, _checkpoint_files
+from .baseline import Baseline, _temp_beside
+from .chain import chain_bytes
 from .history import follows, lineage, open_book, resets, start_over
-from .publish_state import _TEMP_SUFFIX, ALL, ATTEMPT_NAME, QUARANTINE_FIX, RESET_FIX, PublishState
+from .publish_state import (
+    _TEMP_SUFFIX,
+    ALL,
+    ATTEMPT_NAME,
+    QUARANTINE_FIX,
+    RESET_FIX,
+    PublishState,
+    keyframe_state,
+)
 from .records import (
     CommitRecord,
     MalformedRecordError,
@@ -57,29 +65,16 @@ from .records import (
     load_commit,
     new_stream_id,
     now,
-    parse_commit,
-    parse_proposal,
-    prepared_key,
     stream_identity,
     vkey,
 )
 
+__all__ = ["ALL", "PublishError", "Publisher", "default_state_dir", "publish"]
+
 log = logging.getLogger(__name__)
 
 
-def _checkpoint_files(path: str) -> list[tuple[str, str]]:
-    """(name inside the keyframe, local path) of a checkpoint's files, index included."""
-    if os.path.isfile(path):
-        return [("model.safetensors", path)]
-    with open_checkpoint(path) as ck:
-        files = [(os.path.basename(f), f) for f in ck.files()]
-    idx = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(idx):
-        files.append(("model.safetensors.index.json", idx))
-    return files
-
-
-class Publisher(BaselineMixin, AttemptsMixin):
+class Publisher:
     """Publishes checkpoints to ``store``; keeps its committed baseline under ``state_dir``.
 
     ``keyframe_every``: a keyframe every K versions (the first version always is one).
@@ -109,16 +104,20 @@ class Publisher(BaselineMixin, AttemptsMixin):
                  catchup: bool = False, advance: str = "copy", sums: bool = True, history: bool = False) -> None:
         if advance not in ("copy", "apply"):
             raise UsageError(f"advance must be 'copy' or 'apply', not {advance!r}")
-        self.advance = advance
         self.sums = sums
         if keyframe_every < 1 or keyframe_ratio <= 0 or (quorum < 0 and quorum != ALL) or ack_timeout <= 0:
             raise UsageError("keyframe_every >= 1, keyframe_ratio > 0, quorum >= 0 (or ALL) and ack_timeout > 0 "
                              f"are required, got keyframe_every={keyframe_every}, keyframe_ratio={keyframe_ratio}, "
                              f"quorum={quorum}, ack_timeout={ack_timeout}")
         self.live_ttl = live_ttl
-        self.store = open_store(store) if isinstance(store, str) else store
         self.state_dir = os.path.abspath(state_dir)
         os.makedirs(self.state_dir, exist_ok=True)
+        store = open_store(store) if isinstance(store, str) else store
+        # What holds the committed version (the baseline file, its state, hashes and book), and what the
+        # publisher leaves in the store on the way to a commit: parts held, not inherited.
+        self.base = Baseline(store, self.state_dir, threads=threads, advance=advance)
+        self.attempts = Attempts(store, self.state_dir, self._check_trust)
+        self._store = store
         self.keyframe_every = keyframe_every
         self.keyframe_ratio = keyframe_ratio
         self.quorum = quorum
@@ -138,41 +137,30 @@ class Publisher(BaselineMixin, AttemptsMixin):
                         "coded with history (its book could not follow the next delta), see docs/STREAMS.md")
         self.keyframe_copy = os.path.join(self.state_dir, "keyframe.safetensors")
         self.publisher_id = publisher_id or f"{os.uname().nodename}-{os.getpid()}"
-        self.baseline = os.path.join(self.state_dir, "baseline.safetensors")
-        self.state_path = os.path.join(self.state_dir, "publisher.json")
-        self.staging = os.path.join(self.state_dir, "staging")
-        # The baseline's segment hashes, from the encode whose target it became (see _remember_baseline);
-        # used while the baseline file keeps its identity. Kept in memory and in known_path, so that a
-        # publish in a new process (each `deltarefit publish`) finds them too.
-        self._known: KnownHashes | None = None
-        self.known_path = os.path.join(self.state_dir, "baseline.hashes")
         self.history = history
-        # The baseline's history book. Kept by every publisher that follows a version coded with one
-        # (recover, reset_baseline), so that it can decode the next; written into only with history.
-        self.book_path = os.path.join(self.state_dir, "history")
-        # The moves of the version being published, kept from before its commit until its book commit:
-        # a kill after the baseline reached it (its chunks then all found applied, their moves gone)
-        # still advances the book by them (``_advance``).
-        self.staged_moves_path = os.path.join(self.state_dir, "history.pending")
+        # The baseline's paths, named as before the baseline became an object.
+        self.baseline, self.state_path, self.staging = self.base.path, self.base.state_path, self.base.staging
+        self.known_path, self.book_path = self.base.known_path, self.base.book_path
+        self.staged_moves_path = self.base.staged_moves_path
+
+    @property
+    def store(self) -> Store:
+        """The stream's store. Replacing it (a rate-limited or counting wrapper) replaces it for the
+        baseline and the attempts too."""
+        return self._store
+
+    @store.setter
+    def store(self, store: Store) -> None:
+        self._store = self.base.store = self.attempts.store = store
 
     # -- state -----------------------------------------------------------------------------------
 
     def state(self) -> PublishState | None:
-        try:
-            with open(self.state_path) as f:
-                d = json.load(f)
-            sid = d.get("stream_id")
-            return PublishState(int(d["version"]), str(d["fingerprint"]), None if sid is None else str(sid))
-        except FileNotFoundError:
-            return None
-        except (ValueError, KeyError, TypeError) as e:
-            raise StreamError(f"{self.state_path}: unreadable publisher state ({e}){RESET_FIX}") from None
+        """The committed version this publisher's baseline holds, as recorded; None without a state."""
+        return self.base.state()
 
     def _save_state(self, st: PublishState) -> None:
-        d = {"version": st.version, "fingerprint": st.fingerprint, "stream": self.store.url}
-        if st.stream_id is not None:
-            d["stream_id"] = st.stream_id
-        write_atomic(self.state_path, json.dumps(d).encode())
+        self.base.save_state(st)
 
     @locked_method(lambda self: (lock_path_beside(self.state_dir), f"publisher state {self.state_dir}"))
     def recover(self) -> PublishState | None:
@@ -187,20 +175,10 @@ class Publisher(BaselineMixin, AttemptsMixin):
             for stale in glob.glob(glob.escape(base) + _TEMP_SUFFIX + "*"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(stale)
-        if os.path.exists(pending):
-            with open(pending, "rb") as f:
-                mine = f.read()
-            rec = parse_commit(mine, pending)
-            if holds(self.store, commit_key(rec.version), mine):
-                st = self._advance(st, rec)
-            else:  # never committed, or another publisher's record won: our parts are orphans
-                self._drop_attempt(rec)
-                with contextlib.suppress(KeyError, StreamError):
-                    if parse_proposal(get_bounded(self.store, prepared_key(rec.version), MAX_RECORD_BYTES,
-                                                  "proposal"), pending)[0] == rec:
-                        self.store.delete(prepared_key(rec.version))  # our dead joint proposal
-            os.unlink(pending)
-        self._drop_dead_attempt()
+        done: list[PublishState] = []
+        self.attempts.settle_killed(lambda rec: done.append(self.base.advance_to(st, rec)))
+        st = done[0] if done else st
+        self.attempts.drop_dead()
         h = head(self.store)
         self._head_rec = None
         if st is None:
@@ -233,7 +211,7 @@ class Publisher(BaselineMixin, AttemptsMixin):
                 raise StreamError(f"{self.store.url}: version {rec.version} does not follow this publisher's "
                                   f"baseline {st.fingerprint[:16]}… (another publisher moved the stream on)"
                                   f"{RESET_FIX}")
-            st = self._advance(st, rec)
+            st = self.base.advance_to(st, rec)
             mine, signed = rec, signed or rec.signature is not None
         self._head_rec = mine
         return st
@@ -258,6 +236,40 @@ class Publisher(BaselineMixin, AttemptsMixin):
         return rec
 
     # -- the ways out of stuck states ------------------------------------------------------------
+
+    def reset_baseline(self) -> PublishState | None:
+        """Forget this publisher's baseline and state and rebuild them from the stream: the newest
+        keyframe, then the deltas after it to the head, each record checked (identity; signature with
+        this publisher's key, if any) and the baseline verified after each. An empty stream leaves no
+        state (the next publish starts a new stream). The way out of a baseline edited by hand, a store
+        wiped or replaced under the state, or a stream moved on by another publisher."""
+        self.attempts.settle_killed(None)  # its parts are orphans unless it committed
+        for p in (self.keyframe_copy, self.keyframe_copy + ".json"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+        self.base.forget()
+        h = head(self.store)
+        sid = None if h == 0 else stream_identity(self.store)
+        st = self.base.rebuild(h, lambda v: self._trusted(v, sid, self.verifier is not None))
+        if st is None:
+            return None
+        if st.stream_id is None and sid is not None:
+            st = replace(st, stream_id=sid)
+            self._save_state(st)
+        log.warning("baseline rebuilt from the stream at version %d", st.version)
+        return st
+
+    def quarantine_head(self) -> list[int]:
+        """Set aside the records at the head that can be no version of this stream (``_unusable``:
+        garbage, another stream's, unsigned in a signed stream...), newest first, so that the next
+        publish takes their version number. Each is moved to ``quarantine/<version>-<id>.json`` (kept
+        for inspection; ``list_versions`` and retention ignore it) and its parts become orphans that
+        retention removes. A usable head stops it: valid versions are never set aside. Only versions
+        after this publisher's committed one are considered, and without a state only malformed
+        records (a wrong ``signing_key`` must not make the stream's own history look foreign).
+        Returns the versions set aside."""
+        st = self.state()
+        return self.attempts.quarantine(st.version if st is not None else 0, strict=st is not None)
 
     # -- publish ---------------------------------------------------------------------------------
 
@@ -285,8 +297,9 @@ class Publisher(BaselineMixin, AttemptsMixin):
             shutil.rmtree(self.staging, ignore_errors=True)
             log.info("checkpoint is already version %d; nothing to publish", st.version)
             return load_commit(self.store, st.version)
-        keyframe = st is None or version % self.keyframe_every == 0 or self._chain_bytes(version) + (
-            delta_part.bytes if delta_part else 0) >= self.keyframe_ratio * max(full_bytes, 1)
+        keyframe = st is None or version % self.keyframe_every == 0 or chain_bytes(
+            lambda v: load_commit(self.store, v), version) + (delta_part.bytes if delta_part else 0) >= (
+            self.keyframe_ratio * max(full_bytes, 1))
         catchup_from, catchup_part = self._catchup(version, checkpoint, attempt) if not keyframe else (None, None)
         kf_parts: list[tuple[str, Part]] = []
         if keyframe:
@@ -308,7 +321,8 @@ class Publisher(BaselineMixin, AttemptsMixin):
         if rec.history and not resets(rec):
             start_over(self.staged_moves_path)
             HistoryBook(self.staged_moves_path).commit(fp, rep.moves, parent=None)
-        pending = self._upload_and_commit(rec, attempt, checkpoint)
+        pending = self.attempts.upload_and_commit(rec, attempt, checkpoint, quorum=self.quorum,
+                                                  ack_timeout=self.ack_timeout, live_ttl=self.live_ttl)
         try:
             self._after_commit(rec, checkpoint, rep, pending)
         except (OSError, DeltaRefitError) as e:
@@ -341,7 +355,7 @@ class Publisher(BaselineMixin, AttemptsMixin):
         local = os.path.join(self.staging, "delta")
         # Staged, not durable: the store makes its copy durable, and nothing after a crash reads
         # the staged file (a rerun encodes again; recovery fetches the committed part).
-        rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, known_base=self._known_base(),
+        rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, known_base=self.base.known_base(),
                            durable=False, sums=self.sums, history=book)
         if rep.base_fingerprint != st.fingerprint and rep.base_hashes_known:
             # The kept hashes do not describe the committed baseline (their file edited, or a write
@@ -349,7 +363,7 @@ class Publisher(BaselineMixin, AttemptsMixin):
             # same as without them.
             log.warning("%s: kept baseline hashes do not match the committed version; hashing the baseline",
                         self.known_path)
-            self._forget_known()
+            self.base.forget_known()
             rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, durable=False,
                                sums=self.sums, history=book)
         if rep.base_fingerprint != st.fingerprint:
@@ -363,7 +377,7 @@ class Publisher(BaselineMixin, AttemptsMixin):
         """(the keyframe it starts from, its part) of a staged catch-up delta from the newest keyframe
         to ``checkpoint``, when this publisher ships them and the chain since that keyframe is long
         enough to need one; (None, None) otherwise."""
-        kf_state = self._keyframe_state()
+        kf_state = keyframe_state(self.keyframe_copy)
         if not self.catchup or kf_state is None or kf_state[0] >= version - 1:
             return None, None
         local = os.path.join(self.staging, "catchup")
@@ -373,88 +387,25 @@ class Publisher(BaselineMixin, AttemptsMixin):
             return None, None
         return kf_state[0], Part(f"{attempt}/catchup", os.path.getsize(local), file_hash(local))
 
-    def _upload_and_commit(self, rec: CommitRecord, attempt: str, checkpoint: str) -> str:
-        """Upload ``rec``'s staged parts, then (joint) commit it; the path of the local copy of the record
-        kept until the baseline has advanced. A failure before the commit removes the attempt's parts."""
-        version, delta_part, catchup_part, kf_parts = rec.version, rec.delta, rec.catchup, rec.keyframe
-        # Upload, then (joint) commit. The attempt is named in the state first, so that the next run
-        # removes what a kill mid-upload left in the store (parts and unfinished uploads).
-        write_atomic(os.path.join(self.state_dir, ATTEMPT_NAME), json.dumps({"attempt": attempt}).encode(),
-                     durable=False)  # lost to a power cut: retention removes the orphans instead
-        try:
-            if delta_part:
-                self.store.put_file(delta_part.key, os.path.join(self.staging, "delta"))
-            if catchup_part:
-                self.store.put_file(catchup_part.key, os.path.join(self.staging, "catchup"))
-            if kf_parts:
-                for (_name, part), (_, path) in zip(kf_parts, _checkpoint_files(checkpoint), strict=True):
-                    self.store.put_file(part.key, path)
-            if self.quorum:
-                self._joint(rec)
-            # The record we are about to commit, kept locally first: a kill right after the commit
-            # is recognised on the next run by comparing it with the stored one.
-            pending = os.path.join(self.state_dir, "pending.json")
-            write_atomic(pending, rec.to_bytes())
-            if not self.store.create(commit_key(version), rec.to_bytes()):
-                os.unlink(pending)
-                raise PublishError(f"{self.store.url}: version {version} was committed by another publisher first")
-        except BaseException:
-            if not holds(self.store, commit_key(version), rec.to_bytes()):
-                self._drop_attempt(rec)
-            raise
-        self._restore_parts(rec, checkpoint)
-        # A proposal for this version (ours, or a joint publish that died waiting) is settled now.
-        self.store.delete(prepared_key(version))
-        return pending
-
-    def _restore_parts(self, rec: CommitRecord, checkpoint: str) -> None:
-        """Committed: every part ``rec`` names must exist. One deleted meanwhile (a retention run older
-        than this one's rule, which deleted parts of a version after the head it read) is uploaded
-        again from its local copy, checked against the record first; refused (``PublishError``, the
-        version is committed with a part missing) where that copy no longer matches."""
-        local = []
-        if rec.delta:
-            local.append((rec.delta, os.path.join(self.staging, "delta")))
-        if rec.catchup:
-            local.append((rec.catchup, os.path.join(self.staging, "catchup")))
-        if rec.keyframe:
-            local += [(part, path) for (_, part), (_, path) in zip(rec.keyframe, _checkpoint_files(checkpoint),
-                                                                   strict=True)]
-        for part, path in local:
-            try:
-                if self.store.size(part.key) == part.bytes:
-                    continue
-            except KeyError:
-                pass
-            log.warning("%s/%s: part of committed version %d was deleted while it uploaded; uploading it again",
-                        self.store.url, part.key, rec.version)
-            if os.path.getsize(path) != part.bytes or file_hash(path) != part.blake3:
-                raise PublishError(f"{self.store.url}/{part.key}: part of committed version {rec.version} was "
-                                   f"deleted during the publish and {path} no longer holds it; publish the "
-                                   "next version as a keyframe")
-            self.store.put_file(part.key, path)
-
     def _after_commit(self, rec: CommitRecord, checkpoint: str, rep: EncodeReport | None, pending: str) -> None:
         """Committed: advance the baseline (and the keyframe copy), then the history book, save the
         state, move HEAD. A kill between any two steps leaves the book at the baseline's parent (which
-        ``recover`` advances with the baseline, see ``_advance``) or at the baseline."""
+        ``recover`` advances with the baseline, see ``Baseline.advance_to``) or at the baseline."""
         version, fp, delta_part, keyframe = rec.version, rec.fingerprint, rec.delta, rec.kind == "keyframe"
         if delta_part:
-            if self._advance_by_copy(checkpoint, fp):
+            if self.base.advance_by_copy(checkpoint, fp):
                 if rec.history and not resets(rec):
                     open_book(self.book_path).commit(fp, rep.moves, parent=rec.parent)
             else:  # the apply advances the book with the baseline, once verified
-                self._apply_with_book(rec, os.path.join(self.staging, "delta"))
+                self.base.apply_with_book(rec, os.path.join(self.staging, "delta"))
         else:
-            tmp = _temp_beside(self.baseline)
-            _copy_checkpoint(checkpoint, tmp)
-            os.replace(tmp, self.baseline)
+            self.base.replace_with(checkpoint)
         if resets(rec):
             start_over(self.book_path)
         self._save_state(PublishState(version, fp, rec.stream))
         start_over(self.staged_moves_path)
         if delta_part:
-            self._remember_baseline(rep)
+            self.base.remember(rep)
         if keyframe and self.catchup:  # the base of the catch-up deltas to come
             tmp = _temp_beside(self.keyframe_copy)
             shutil.copyfile(self.baseline, tmp)
@@ -465,36 +416,10 @@ class Publisher(BaselineMixin, AttemptsMixin):
         self.store.put("HEAD", f"{version}\n".encode())
         shutil.rmtree(self.staging, ignore_errors=True)
 
-    def _keyframe_state(self) -> tuple[int, str] | None:
-        try:
-            with open(self.keyframe_copy + ".json") as f:
-                d = json.load(f)
-            return int(d["version"]), str(d["fingerprint"])
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
-            return None
-
-    def _chain_bytes(self, version: int) -> int:
-        """Delta bytes since the newest keyframe before ``version``."""
-        total = 0
-        v = version - 1
-        while v >= 1:
-            rec = load_commit(self.store, v)
-            if rec.kind == "keyframe":
-                break
-            total += rec.delta.bytes if rec.delta else 0
-            v -= 1
-        return total
-
-
-
-
-
-
 def _signed(rec: CommitRecord, signer: Signer) -> CommitRecord:
     from dataclasses import replace
 
     return replace(rec, signature=record_signature(signer, rec.signed_bytes()))
-
 
 
 def publish(store: str, checkpoint: str, *, state_dir: str | None = None, step: int | None = None,

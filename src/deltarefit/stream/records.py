@@ -314,6 +314,24 @@ def now() -> float:
     return round(time.time(), 3)
 
 
+def followed_stream(store: Store, held: str | None, pinned: str | None, holder: str, fix: str,
+                    quarantine_fix: str) -> str | None:
+    """The identity of the stream a holder (``holder``: its name in refusals) follows: ``held`` (recorded
+    with its version), else ``pinned``, else the store's; refused (``fix``: the way out) when ``held``
+    is not ``pinned``, or the store's stream is another one."""
+    if held is not None and pinned is not None and held != pinned:
+        raise StreamIdentityError(f"{holder}: follows stream {held}, not the requested {pinned}{fix}")
+    try:
+        store_ident = stream_identity(store)
+    except MalformedRecordError as e:
+        raise MalformedRecordError(f"{e}{quarantine_fix}") from None
+    ident = held or pinned or store_ident
+    if store_ident is not None and ident != store_ident:
+        raise StreamIdentityError(f"{store.url}: holds stream {store_ident}, {holder} follows stream {ident} "
+                                  f"(store wiped and republished, or another run's store?){fix}")
+    return ident
+
+
 def held_state(state_path: str) -> dict | None:
     """What a subscriber recorded at ``state_path`` after a verified apply (``record_version``), or None."""
     try:

@@ -1,5 +1,6 @@
 """The route of a sync: its steps (install a keyframe, apply a delta or a catch-up delta), the
-cheapest of the routes the records allow, and installing a keyframe step into a checkpoint."""
+cheapest of the routes the records allow, where its parts are staged and their check before any write,
+and installing a keyframe step into a checkpoint."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..checkpoint.read import carry_non_weights
-from ..storage.base import Store
+from ..format import DeltaReader
+from ..storage.base import GET_RANGE, Store
+from .baseline import _copy_checkpoint
+from .chain import check_links, newest_keyframe
 from .history import resets
-from .publisher import _copy_checkpoint
+from .holder import REPAIR_FIX
 from .records import CommitRecord, Part, StreamError
 
 
@@ -218,3 +222,64 @@ def install_keyframe(rec: CommitRecord, local: dict[str, str], staging: str, che
         os.replace(checkpoint, old)
     os.replace(tmp, checkpoint)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def staging_for(steps: list[Step], memory: str | None, beside: str) -> str:
+    """Where a route's parts are staged: ``memory`` (a subscriber's ``memory_staging``) for a route of
+    deltas whose parts take at most a quarter of the room left there (an engine's: no byte of it
+    reaches a disk), else ``beside`` the checkpoint (its ``staging``)."""
+    if memory is None or any(st.kind == "keyframe" for st in steps):
+        return beside
+    need = sum(p.bytes for st in steps for p in st.parts)
+    try:
+        room = shutil.disk_usage(os.path.dirname(memory)).free
+    except OSError:
+        return beside
+    return memory if need <= room // 4 else beside
+
+
+def overlaps(store: Store, steps: list[Step]) -> bool:
+    """Whether a route applied by plain apply (not an engine's hook) is synced with its download and the
+    first plan overlapped: deltas only (keyframes are staged whole), from a store with ranged reads."""
+    return GET_RANGE in store.capabilities and all(st.kind != "keyframe" for st in steps)
+
+
+def check_staged(url: str, steps: list[Step], local: dict[str, str]) -> None:
+    """Each staged delta (``local``: part key -> staged path) must say what its record says, before any
+    write."""
+    for st in steps:
+        if st.kind != "keyframe":
+            with DeltaReader(local[st.parts[0].key]) as d:
+                if (d.base_fingerprint, d.target_fingerprint) != (st.parent, st.fingerprint):
+                    raise StreamError(f"{url} version {st.version}: its {st.kind} goes from "
+                                      f"{d.base_fingerprint[:16]}… to {d.target_fingerprint[:16]}…, the record "
+                                      f"says {str(st.parent)[:16]}… to {st.fingerprint[:16]}…")
+
+
+def choose_route(store: Store, cur: tuple[int, str] | None, recs: dict[int, CommitRecord], target: int, *,
+                 load: Callable[[int], CommitRecord], commit: Callable[[int], CommitRecord], keeps_book: bool,
+                 writable: bool, book_follows: Callable[[], bool], book_path: str,
+                 checkpoint: str) -> tuple[str, list[Step], dict[int, CommitRecord]]:
+    """(route, steps, records) of a sync from ``cur`` to ``target``: the cheapest route over ``recs``
+    (read and linked from ``cur``; ``book_follows()``: whether the held history book decodes the chain),
+    else back from the newest keyframe at or before the held version, whose records (``load``: read,
+    ``commit``: read and trusted) join ``recs``. ``writable``: whether the book can be written."""
+    best = cheapest_route(store, cur, recs, book_follows=book_follows, keeps_book=keeps_book,
+                          book_writable=writable, or_none=cur is not None)
+    if best is None:
+        # The held book cannot decode the chain and no keyframe lies ahead: go back to the newest
+        # keyframe (at or before the held version), which starts the book over. A book that cannot
+        # be written would not follow after that keyframe either: the checkpoint stays where it is.
+        if not writable:
+            raise StreamError(f"{book_path}: history book cannot be written, and version {cur[0] + 1}'s "
+                              f"delta is coded against it; {checkpoint} stays at version {cur[0]} (make the "
+                              "book's directory writable, and sync again)")
+        k = newest_keyframe(load, target)
+        if k <= cur[0]:
+            recs = {**{v: commit(v) for v in range(k, cur[0] + 1)}, **recs}
+            check_links(recs, None, store.url, REPAIR_FIX)
+            best = cheapest_route(store, None, recs, keeps_book=keeps_book, book_writable=writable)
+        else:
+            best = cheapest_route(store, cur, recs, book_follows=lambda: False, keeps_book=keeps_book,
+                                  book_writable=writable)
+    return best[0], best[1], recs

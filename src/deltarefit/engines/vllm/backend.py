@@ -48,7 +48,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -61,19 +60,12 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ...errors import UsageError
-from ...io.locks import owned_temp
 from ...storage.base import open_store
 from ...stream.records import StreamError, head, load_commit
-from ...stream.subscriber import Subscriber, SyncReport
+from ...stream.subscriber import Subscriber
+from .holder import EngineHolder, engine_subscriber
 
 log = logging.getLogger(__name__)
-
-SCRATCH_PREFIX = "deltarefit-engine-"
-MEMORY_DIR = "/dev/shm"  # a tmpfs on Linux hosts: the engine's delta staging and history book
-
-
-def _usable(directory: str) -> bool:
-    return os.path.isdir(directory) and os.access(directory, os.W_OK | os.X_OK)
 
 BACKEND = "deltarefit"
 
@@ -104,126 +96,6 @@ class DeltaRefitUpdateInfo(WeightTransferUpdateInfo):
     prepare: bool = False
 
 
-class _PlannedAhead(Exception):
-    """Ends a preparing sync at its first write: the route staged, its first delta planned."""
-
-
-class _EngineSubscriber(Subscriber):
-    """The stream subscriber with the held version in the worker's memory (the engine's weights), not in a
-    file beside a checkpoint: a restarted engine holds what it loaded, whatever a file says."""
-
-    def __init__(self, store: Any, live: Any, held: tuple[int, str], **kw: Any) -> None:
-        # Staging and keyframes, removed at close; an engine killed before that leaves its scratch,
-        # which the next engine on this host removes (owned_temp: locked while its engine lives).
-        self.scratch, self.scratch_lock = owned_temp(SCRATCH_PREFIX)
-        # Deltas are staged, and the history book kept, in memory where the host has a tmpfs: the engine
-        # holds its weights in memory, and a refit then writes no byte to disk (keyframes, the size of
-        # the checkpoint, are staged on disk). Same ownership rules as the scratch.
-        self.memory, self.memory_lock = (owned_temp(SCRATCH_PREFIX, MEMORY_DIR) if _usable(MEMORY_DIR)
-                                         else (None, None))
-        super().__init__(store, os.path.join(self.scratch, "keyframe"), apply_hook=self._apply,
-                         keyframe_hook=self._keyframe, **kw)
-        if self.memory is not None:
-            self.memory_staging = os.path.join(self.memory, "staging")
-            self.book_path = os.path.join(self.memory, "history")
-        self.live = live
-        self.held = held
-        self.stream_ident: str | None = None
-        self.reports: list[Any] = []
-        # Set on the preparing thread's sync: the first delta is planned (``prepared``), not applied.
-        self.preparing = False
-        self.prepared: Any = None  # vllm_live.PreparedRefit, for the next sync's first delta
-        # The worker keeps a history book (in memory, else in the scratch) and follows streams coded
-        # with history; in a tensor-parallel group, each worker the book of the segments it decodes.
-        self.hook_keeps_book = live.keeps_history
-
-    def current(self) -> tuple[int, str] | None:
-        return self.held
-
-    def _book_follows(self, cur: tuple[int, str] | None) -> bool:
-        """Whether every worker's book follows the stream at the held version: a tensor-parallel group
-        takes a route through deltas coded with history only where all of its books can decode them
-        (each worker asks at the same point of the same plan: one collective call). A preparing sync
-        runs on a thread beside the serving engine, which must make no collective call there, and
-        only stages its route (a group plans in the update, which plans its route again): it asks
-        its own book alone."""
-        mine = super()._book_follows(cur)
-        return mine if self.preparing else self.live.agree(mine)
-
-    def _files_identity(self) -> tuple:
-        return ()  # the engine's weights are memory: no files whose identity could vouch for them
-
-    def _record(self, version: int, fp: str, identity: tuple | None = None) -> None:
-        self.held = (version, fp)
-        try:  # a heartbeat for retention; losing it costs nothing but an earlier prune
-            import json
-
-            from ...stream.records import now
-
-            self.store.put(f"subs/{self.id}.json", json.dumps({"version": version, "updated": now()}).encode())
-        except Exception as e:
-            log.warning("could not record subscriber position: %s", e)
-
-    def _init_identity(self, state: dict | None) -> None:
-        # The stream followed is the one first synced from, for the life of the engine.
-        super()._init_identity({"stream_id": self.stream_ident} if self.stream_ident else state)
-        self.stream_ident = self._ident
-
-    def _adopt(self, repair: bool = False) -> tuple[int, str] | None:
-        return self.held
-
-    def _adopt_by_fingerprint(self, *, above: int) -> tuple[int | None, str]:
-        return None, self.held[1]  # the engine's version is known; nothing on disk to adopt
-
-    def _at_head(self, cur: tuple[int, str], start: int, verify: bool, t0: float) -> SyncReport:
-        """At the held version: its record must still name the fingerprint held; ``verify`` re-hashes every
-        weight where the engine holds it (else the report says it was not verified)."""
-        version, fp = cur
-        rec = self._commit(version)
-        if rec.fingerprint != fp:
-            raise StreamError(f"{self.store.url}: version {version} is {rec.fingerprint[:16]}…, but this engine "
-                              f"holds {fp[:16]}… at that version (store wiped and republished?)")
-        if verify:
-            self.live.verify()
-        return SyncReport(start, version, fp, "none", 0, [], time.perf_counter() - t0, verified=verify)
-
-    def _apply_steps(self, steps: list[Any], local: dict[str, str], recs: dict[int, Any], cur: Any,
-                     first_apply: Any = None) -> Any:
-        """Preparing: the route is staged and checked; plan its first step if it is a delta (a keyframe is
-        installed in the update; a tensor-parallel group, whose workers plan together, plans in the update
-        too), then end the sync with nothing written."""
-        if not self.preparing:
-            return super()._apply_steps(steps, local, recs, cur, first_apply)
-        st = steps[0]
-        if st.kind == "delta" and self.live.prepares:
-            self.drop_prepared()
-            self.prepared = self.live.prepare(local[st.parts[0].key], self._book_for(st, recs[st.version]))
-        raise _PlannedAhead()
-
-    def drop_prepared(self) -> None:
-        if self.prepared is not None:
-            self.prepared.close()
-            self.prepared = None
-
-    def _apply(self, delta_path: str, history: Any = None) -> Any:
-        """The apply hook (``Subscriber.hook_keeps_book``): the report where the engine keeps a book, else
-        the fingerprint. The plan a preparing sync made is written when it is of this delta (the live
-        engine drops it, and plans again, if it went stale)."""
-        prepared, self.prepared = self.prepared, None
-        if prepared is not None and prepared.delta_path != delta_path:
-            prepared.close()
-            prepared = None
-        rep = self.live.apply(delta_path, history=history, prepared=prepared)
-        self.reports.append(rep)
-        return rep if self.hook_keeps_book else rep.target_fingerprint
-
-    def _keyframe(self) -> None:
-        self.live.reload_all(self.checkpoint)
-        import shutil
-
-        shutil.rmtree(self.checkpoint, ignore_errors=True)
-
-
 def held_version(store: Any, fingerprint: str, version: int | None) -> tuple[int, str]:
     """The version an engine holding ``fingerprint`` is at: ``version`` if its record says that
     fingerprint, else the newest version that does; refuses an engine that holds no version."""
@@ -240,7 +112,7 @@ def held_version(store: Any, fingerprint: str, version: int | None) -> tuple[int
                       "from a version's checkpoint")
 
 
-def seed_book(sub: _EngineSubscriber, checkpoint: str) -> bool:
+def seed_book(sub: Subscriber, checkpoint: str) -> bool:
     """Start the engine's history book from the one a rollout keeps beside the checkpoint the engine
     loaded (``deltarefit sync`` of a stream published with ``--history``), so that the engine goes on by
     the chain from its first update instead of taking a keyframe route. A copy only: whether it follows
@@ -267,7 +139,8 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
         self.live = None
-        self.sub: _EngineSubscriber | None = None
+        self.holder: EngineHolder | None = None  # the worker's engine as what holds the stream's version
+        self.sub: Subscriber | None = None
         self.info: DeltaRefitInitInfo | None = None
         self.last: dict[str, Any] = {}
         self.preparing: threading.Thread | None = None  # the thread of a prepare update, while it runs
@@ -284,7 +157,8 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
         self.live = LiveEngine(self.model, self.vllm_config, ckpt, cpus=init_info.apply_cpus)
         store = open_store(init_info.stream)
         held = held_version(store, self.live.fingerprint, init_info.version)
-        self.sub = _EngineSubscriber(store, self.live, held, public_key=init_info.verify_key,
+        self.holder = EngineHolder(self.live, held)
+        self.sub = engine_subscriber(store, self.holder, public_key=init_info.verify_key,
                                      subscriber_id=init_info.subscriber_id)
         seed_book(self.sub, ckpt)
         self.info = init_info
@@ -296,7 +170,7 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
             raise UsageError("deltarefit: call init_weight_transfer_engine with the stream first")
 
     def receive_weights(self, update_info: DeltaRefitUpdateInfo) -> None:
-        if self.sub is None or self.info is None:
+        if self.sub is None or self.holder is None or self.info is None:
             raise UsageError("deltarefit: call init_weight_transfer_engine with the stream first")
         if update_info.stream is not None and update_info.stream != self.info.stream:
             raise UsageError(f"deltarefit: this engine follows {self.info.stream}, not {update_info.stream}")
@@ -304,38 +178,33 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
         if update_info.prepare:
             self._start_prepare(update_info.version)
             return
-        self.sub.reports = []
+        self.holder.reports = []
         try:
             rep = self.sub.sync(to_version=update_info.version, verify=update_info.verify)
         finally:
-            self.sub.drop_prepared()  # a plan this update did not write (stale, or of another route)
+            self.holder.drop_prepared()  # a plan this update did not write (stale, or of another route)
         if update_info.verify and rep.route != "none":
             self.live.verify()
         self.last = {"version": rep.version, "fingerprint": rep.fingerprint, "route": rep.route,
                      "verified": bool(rep.verified or update_info.verify),
                      "bytes_fetched": rep.bytes_fetched, "versions_applied": rep.versions_applied,
-                     "refits": [vars(r) for r in self.sub.reports]}
+                     "refits": [vars(r) for r in self.holder.reports]}
         log.info("deltarefit: version %d -> %d via %s, %d bytes", rep.from_version, rep.version, rep.route,
                  rep.bytes_fetched)
 
     def _start_prepare(self, version: int | None) -> None:
         """Sync to ``version`` on a thread up to its first write (module docstring); returns at once."""
-        sub = self.sub
-        assert sub is not None
+        sub, holder = self.sub, self.holder
+        assert sub is not None and holder is not None
         self.prepare_error = None
         self.last = {"prepare": version}
 
         def run() -> None:
-            sub.preparing = True
             try:
-                sub.sync(to_version=version)
-            except _PlannedAhead:
-                pass
+                sub.plan(to_version=version)  # Planned, or the report of an engine already there
             except BaseException as e:  # reported by the update, which syncs (and refuses) again itself
                 self.prepare_error = e
-                sub.drop_prepared()
-            finally:
-                sub.preparing = False
+                holder.drop_prepared()
 
         self.preparing = threading.Thread(target=run, name="deltarefit-prepare", daemon=True)
         self.preparing.start()
@@ -354,16 +223,9 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
 
     def shutdown(self) -> None:
         self.wait_prepared()
-        if self.sub is not None:
-            import shutil
-
-            self.sub.drop_prepared()
-
-            for path, lock in ((self.sub.scratch, self.sub.scratch_lock), (self.sub.memory, self.sub.memory_lock)):
-                if path is not None:
-                    shutil.rmtree(path, ignore_errors=True)
-                    os.close(lock)
-        self.sub = None
+        if self.holder is not None:
+            self.holder.close()
+        self.sub = self.holder = None
 
 
 class LLMClient:
