@@ -333,8 +333,7 @@ print(path)
 """
 
 # engines.vllm.holder.SCRATCH_PREFIX and engines.vllm.group.SHM_PREFIX (those modules import vllm,
-# which the default
-# suite need not have): the engine's scratch directory, a tensor-parallel group's shared-memory file.
+# which the default suite need not have): the engine's scratch directory, a tensor-parallel group's shared-memory file.
 ENGINE_PREFIXES = [("deltarefit-engine-", "dir"), ("deltarefit-tp-", "file")]
 
 
