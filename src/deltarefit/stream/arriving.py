@@ -48,7 +48,6 @@ from typing import TypeVar
 import blake3
 
 from ..apply.files import ApplyReport
-from ..apply.files import apply as apply_delta
 from ..errors import FileSystemError
 from ..format import (
     HEADER,
@@ -292,12 +291,12 @@ class PartDownloads:
 
 
 def apply_arriving(downloads: PartDownloads, first: str, checkpoint: str, threads: int | None, *,
-                   check_staged: Callable[[], None],
+                   apply: Callable[..., ApplyReport], check_staged: Callable[[], None],
                    apply_steps: Callable[[Callable[[HistoryBook | None], ApplyReport]], T]) -> T:
     """A route of deltas applied with its first delta (staged at ``first``) planned while ``downloads``
     brings the parts (``Subscriber``'s module docstring, "Overlap"): ``apply_steps(first_apply)``
-    applies the route, its first step by ``first_apply(history)``, an apply to ``checkpoint`` that
-    plans on the part as it arrives. Before that apply's first write, every part must be whole and
+    applies the route, its first step by ``first_apply(history)``, an apply to ``checkpoint`` (by
+    ``apply``: ``apply.files.apply``, as the caller names it) that plans on the part as it arrives. Before that apply's first write, every part must be whole and
     match its record, and every delta must say what its record says (``check_staged``), as on the
     staged path. Interrupted (not an ``Exception``), the download stops where it is."""
     gate: list[bool] = []  # [True] once passed, [False] once refused
@@ -317,8 +316,8 @@ def apply_arriving(downloads: PartDownloads, first: str, checkpoint: str, thread
         try:
             reader = ArrivingReader(downloads.parts[0])
             try:
-                return apply_delta(first, checkpoint, threads=threads, reader=reader, before_write=authenticated,
-                                   history=history)
+                return apply(first, checkpoint, threads=threads, reader=reader, before_write=authenticated,
+                             history=history)
             finally:
                 reader.close()
         except Exception:

@@ -301,7 +301,7 @@ class Subscriber:
         downloads = self.arriving = PartDownloads(self.store, [(st.parts[0], local[st.parts[0].key]) for st in steps])
         try:
             applied, version, fp = apply_arriving(
-                downloads, local[steps[0].parts[0].key], self.checkpoint, self.threads,
+                downloads, local[steps[0].parts[0].key], self.checkpoint, self.threads, apply=apply_delta,
                 check_staged=lambda: check_staged(self.store.url, steps, local),
                 apply_steps=lambda first: self._apply_steps(steps, local, recs, cur, first_apply=first))
         finally:
