@@ -12,6 +12,8 @@
 * ``refit``      what an apply keeps and returns: ``MemoryJournal``, ``LiveRefitReport``, ``PreparedRefit``
 * ``group``      the worker's tensor-parallel group (``WorkerGroup``, a ``shard.group.Group``)
 * ``backend``    the ``deltarefit`` weight-transfer backend (worker and trainer engines); imports vLLM
+* ``holder``     the live engine as what holds a stream's version (``EngineHolder``, a
+                 ``stream.holder.Holder``), and the subscriber the backend syncs it with
 * ``layers``     checkpoint tensor names grouped by the engine layer they load into
 
 Importing this package imports neither vLLM nor torch.
