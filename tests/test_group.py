@@ -40,7 +40,7 @@ def test_a_process_alone_is_a_group_whose_collectives_are_the_identity(group):
 
 
 _RANK = r"""
-import json, sys
+import json, os, sys
 import numpy as np
 import torch.distributed as dist
 from deltarefit.engines.vllm.group import WorkerGroup
@@ -67,8 +67,15 @@ tp = TPGroup(dist.group.WORLD)
 out["same"] = [tp.same([3, 4]), tp.same([3, rank])]
 w = WorkerGroup(dist.group.WORLD)
 out["union"] = w.union({"a": "mine"} if rank == 0 else {}, ["a", "b"])
-print(json.dumps(out))
+print(json.dumps(out), flush=True)
+# Both peers leave together, and without the destructors run at interpreter exit: a gloo group torn
+# down while its peer's pair threads still run aborts the process ("terminate called without an active
+# exception"), as tests/_live_tp_worker.py notes. The result is printed by now.
+dist.barrier()
 dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
