@@ -198,10 +198,6 @@ class TPGroup(TorchGroup):
     a rank on its own): ``agree``, and the checks that the ranks hold the same versions and, summed,
     the manifest's digests."""
 
-    def __init__(self, group: Any | None) -> None:
-        super().__init__(group)
-        self.group = group
-
     def same(self, values: list[int]) -> bool:
         """Whether every member passed the same ``values`` (one maximum of them and their negatives)."""
         if self.pg is None:
