@@ -234,13 +234,10 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def test_vllm_serve_actors_follow_the_trainer_through_vllms_http_client(cluster, tmp_path):
-    """The same loop with ``vllm serve`` in the engine actors (``ray_http.ServerActor``), driven over HTTP by
-    vLLM's ``HTTPVLLMWeightSyncClient`` (``RefitTrainer(transport="http")``). One server's actor is killed
-    (SIGKILL) between versions: its server dies with it, Ray restarts it from its checkpoint, it catches up
-    through the stream, and the next refit is acknowledged by both. 3 real AdamW steps; at versions 2-4
-    every server equals a fresh engine bit for bit."""
-    from deltarefit.integrations.ray import EngineActor
+def _http_run(tmp_path, **server_kw) -> tuple[str, object, list]:
+    """A run's base checkpoint and stream, the trainer actor (version 1 published, HTTP transport) and
+    ``vllm serve`` actors server-a and server-b on the two engine nodes (``server_kw``: more of
+    ``start_servers``' arguments): (stream, trainer, server handles)."""
     from deltarefit.integrations.ray_http import start_servers
 
     root = str(tmp_path / "run")
@@ -255,8 +252,20 @@ def test_vllm_serve_actors_follow_the_trainer_through_vllms_http_client(cluster,
     serve_args = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8",
                   "--seed", "0"]
     handles = start_servers(base, [{"engine_a": 1.0}, {"engine_b": 1.0}], _free_ports(2), names=names,
-                            init_info={"stream": stream, "version": 1}, serve_args=serve_args)
-    servers = dict(zip(names, handles, strict=True))
+                            init_info={"stream": stream, "version": 1}, serve_args=serve_args, **server_kw)
+    return stream, trainer, handles
+
+
+def test_vllm_serve_actors_follow_the_trainer_through_vllms_http_client(cluster, tmp_path):
+    """The same loop with ``vllm serve`` in the engine actors (``ray_http.ServerActor``), driven over HTTP by
+    vLLM's ``HTTPVLLMWeightSyncClient`` (``RefitTrainer(transport="http")``). One server's actor is killed
+    (SIGKILL) between versions: its server dies with it, Ray restarts it from its checkpoint, it catches up
+    through the stream, and the next refit is acknowledged by both. 3 real AdamW steps; at versions 2-4
+    every server equals a fresh engine bit for bit."""
+    from deltarefit.integrations.ray import EngineActor
+
+    _, trainer, handles = _http_run(tmp_path)
+    servers = dict(zip(["server-a", "server-b"], handles, strict=True))
     at, served = {}, {}
 
     def step(k: int) -> dict:

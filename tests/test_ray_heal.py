@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ray = pytest.importorskip("ray", reason="Ray is not installed here (make test-ray installs it)")
 pytest.importorskip("vllm", reason="vLLM is not installed here (make test-vllm builds a venv with it)")
 
-from test_ray import WAIT, _alive, _check_acked, _free_ports, _poll, _snapshot, cluster  # noqa: E402, F401, I001
+from test_ray import WAIT, _alive, _check_acked, _http_run, _poll, _snapshot, cluster  # noqa: E402, F401, I001
 
 import ray_refit  # noqa: E402  (examples/ray_refit.py: test_ray put examples/ on sys.path)
 from _ray_faults import STALLING_EXTENSION, stall_mid_write  # noqa: E402
@@ -147,25 +147,11 @@ def test_a_node_whose_engines_all_died_rejoins_and_catches_up(cluster, tmp_path)
 
 
 def test_vllm_serve_actor_killed_mid_update_heals(cluster, tmp_path):  # noqa: F811 (the fixture)
-    from deltarefit.integrations.ray_http import start_servers
     from deltarefit.storage.local import LocalStore
     from deltarefit.stream.records import head, load_commit
 
-    root = str(tmp_path / "run")
-    os.makedirs(root)
-    base = ray_refit.build_base(os.path.join(root, "base"))
-    stream = os.path.join(root, "stream")
-    names = ["server-a", "server-b"]
-    trainer = ray.remote(ray_refit.TinyTrainer).options(resources={"trainer": 1.0}, num_cpus=1, max_restarts=1,
-                                                        max_task_retries=0, name="trainer").remote(
-        root, stream, base, names, transport="http")
-    assert ray.get(trainer.publish_base.remote(), timeout=WAIT) == 1
-    serve_args = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8",
-                  "--seed", "0"]
-    handles = start_servers(base, [{"engine_a": 1.0}, {"engine_b": 1.0}], _free_ports(2), names=names,
-                            init_info={"stream": stream, "version": 1}, serve_args=serve_args,
-                            extension=STALLING_EXTENSION)
-    servers = dict(zip(names, handles, strict=True))
+    stream, trainer, handles = _http_run(tmp_path, extension=STALLING_EXTENSION)
+    servers = dict(zip(["server-a", "server-b"], handles, strict=True))
     at: dict[int, dict] = {}
     served: dict[int, str] = {}
 

@@ -68,6 +68,17 @@ def ray_client(handles: list[Any]) -> Any:
     return _Client(list(handles))
 
 
+def engine_kwargs(llm_kwargs: dict[str, Any] | None, weight_transfer: bool) -> dict[str, Any]:
+    """An engine actor's vLLM arguments: ``llm_kwargs`` with the deltarefit worker extension, and the
+    deltarefit weight-transfer backend unless ``weight_transfer`` is False (a plain reference engine)."""
+    from ..engines.vllm import EXTENSION
+
+    kw = {"worker_extension_cls": EXTENSION, **(llm_kwargs or {})}
+    if weight_transfer:
+        kw["weight_transfer_config"] = {"backend": BACKEND}
+    return kw
+
+
 class EngineActor:
     """A vLLM ``LLM`` with the deltarefit backend, as a Ray actor's class (``start_engines`` wraps it).
 
@@ -83,16 +94,12 @@ class EngineActor:
         ray = require_ray()
         from vllm import LLM
 
-        from ..engines.vllm import EXTENSION
-
         self.name = name
         self.model = model
         ctx = ray.get_runtime_context()
         self.restarted = bool(ctx.was_current_actor_reconstructed)
         self.node_id = ctx.get_node_id()
-        kw = {"worker_extension_cls": EXTENSION, **(llm_kwargs or {})}
-        if weight_transfer:
-            kw["weight_transfer_config"] = {"backend": BACKEND}
+        kw = engine_kwargs(llm_kwargs, weight_transfer)
         t0 = time.perf_counter()
         self.llm = LLM(model=model, **kw)
         self.seconds_start = time.perf_counter() - t0

@@ -21,7 +21,8 @@ import time
 import uuid
 from typing import Any
 
-from .placement import BACKEND, require_ray
+from .placement import require_ray
+from .ray import engine_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +45,12 @@ class AsyncEngineActor:
                  llm_kwargs: dict[str, Any] | None = None, weight_transfer: bool = True,
                  name: str = "engine") -> None:
         ray = require_ray()
-        from ..engines.vllm import EXTENSION
-
         self.name = name
         self.model = model
         ctx = ray.get_runtime_context()
         self.restarted = bool(ctx.was_current_actor_reconstructed)
         self.node_id = ctx.get_node_id()
-        self._kw = {"worker_extension_cls": EXTENSION, **(llm_kwargs or {})}
-        if weight_transfer:
-            self._kw["weight_transfer_config"] = {"backend": BACKEND}
+        self._kw = engine_kwargs(llm_kwargs, weight_transfer)
         self._first_init = init_info
         self.engine: Any = None
         self.init_info: dict[str, Any] | None = None
