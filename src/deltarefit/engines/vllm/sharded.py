@@ -12,7 +12,9 @@ the needed parts fetched and checked, all before any write; each cell's pre-imag
 (``on_applied``) the engine does what it does after a plain apply (``LiveEngine.settle``): digests re-taken
 from the weights, layers of its reload set fed through vLLM's reload and read back through their kernels,
 derived copies rebuilt and read back. The version is recorded only once every tensor's additive digest, as
-the engine holds it, equals the version's target (so ``engine_state_fingerprint`` is the record's).
+the engine holds it, equals the version's target (so ``engine_state_fingerprint`` is the record's). The
+route is the chain from the engine's version, or, where retention deleted the objects of the version after
+it, the newest keyframe (every cell overwritten, then checked as any version) and the chain from there.
 
 A tensor-parallel engine's workers follow together over the group vLLM keeps beside the device one
 (``live.group``: ``sync_sharded``'s TP group): each applies the cells meeting its slices, and the group's
@@ -22,6 +24,7 @@ engines are refused at init, with nothing written.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -36,8 +39,8 @@ from ...shard.names import Layout, LocalTensor
 from ...shard.records import SHARD_COMMIT_FORMAT, load_shard_commit, shard_stream_identity, state_fingerprint
 from ...shard.sync import ShardSyncReport, sync_sharded
 from ...storage.base import Store
-from ...stream.chain import MAX_RECORD_BYTES, commit_key, get_capped, head
-from ...stream.records import load_commit, record_version
+from ...stream.chain import MAX_RECORD_BYTES, commit_key, get_capped, head, newest_keyframe, sync_target
+from ...stream.records import StreamIdentityError, held_state, load_commit, record_version
 from .holder import SCRATCH_PREFIX
 
 log = logging.getLogger(__name__)
@@ -152,12 +155,35 @@ class ShardFollower:
         """Bring the engine to ``to_version`` (default: the head), verified (module docstring); refused
         with nothing written where a check before the write fails. Rerun after any failure."""
         self.reloaded = []
+        if self._chain_gone(sync_target(self.store.url, head(self.store), to_version)):
+            self._drop_held()  # sync_sharded then starts from the newest keyframe
         with self.live.writing():
             rep = sync_sharded(self.store, self.tensors, self.layout, state_path=self.state_path,
                                to_version=to_version, group=self.live.group.pg, adopt=False,
                                public_key=self.public_key, holds_all=True, on_applied=self._settle)
         self.held_now = (rep.version, rep.fingerprint)
         return rep
+
+    def _chain_gone(self, target: int) -> bool:
+        """Whether the objects of the version after the one held were deleted (retention keeps those from
+        the newest keyframe on: an engine restarted from an old export) while a keyframe after it, up to
+        ``target``, lets the engine go on from there."""
+        v = self.held_now[0]
+        if v + 1 >= target or newest_keyframe(lambda x: load_shard_commit(self.store, x), target) <= v + 1:
+            return False
+        return not self.store.exists(load_shard_commit(self.store, v + 1).manifest.key)
+
+    def _drop_held(self) -> None:
+        """Forget the version held (the keyframe route overwrites every cell); the stream must still be
+        the one followed."""
+        held = (held_state(self.state_path) or {}).get("stream_id")
+        ident = shard_stream_identity(self.store)
+        if held is not None and held != ident:
+            raise StreamIdentityError(f"{self.store.url}: holds stream {ident}, this engine follows {held}")
+        log.info("deltarefit: version %d's successor is gone from %s; going on from its newest keyframe",
+                 self.held_now[0], self.store.url)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.state_path)
 
     def _settle(self, man: dict) -> None:
         """After a version's write: the engine's steps after an apply, then every tensor's digest as the
