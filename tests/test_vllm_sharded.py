@@ -32,7 +32,8 @@ class ShardedTrainer:
     dim-0 shard of the fused parameters, as FSDP holds them; AdamW is elementwise, so stepping the whole
     model and slicing equals stepping each shard) into the sharded stream in ``store``."""
 
-    def __init__(self, root: str, store: str, lr: float = 2e-3, keyframe_every: int = 0) -> None:
+    def __init__(self, root: str, store: str, lr: float = 2e-3, keyframe_every: int = 0,
+                 signing_key: str | None = None) -> None:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -57,7 +58,7 @@ class ShardedTrainer:
         cuts = cuts_from_layouts([identity_layout(shapes), *(tp_layout(shapes, 2, r) for r in range(2))])
         self.ranks = [ShardStreamPublisher(store, self.layouts[r], "BF16", cuts=cuts, rank=r, world=WORLD,
                                            state_dir=os.path.join(root, "trainer"), timeout=30, poll=0.01,
-                                           keyframe_every=keyframe_every)
+                                           keyframe_every=keyframe_every, signing_key=signing_key)
                       for r in range(WORLD)]
 
     def masters(self) -> dict[str, np.ndarray]:
@@ -218,7 +219,7 @@ def test_tensor_parallel_engine_follows_a_sharded_stream(tmp_path, monkeypatch):
     written in place, the norms held whole by both): the workers follow the stream together over their
     group (the group's summed slice digests checked against each version's base and target), catching
     up two versions at once; then equal, worker by worker, to a fresh TP=2 engine on the last version's
-    export."""
+    export. The records are signed, and the engine verifies them (``verify_key``)."""
     from test_vllm_live import _start_tp
 
     from deltarefit.engines.vllm import engine_digests
@@ -230,15 +231,19 @@ def test_tensor_parallel_engine_follows_a_sharded_stream(tmp_path, monkeypatch):
         pytest.skip("tensor parallelism 2 needs two cores here")
     monkeypatch.setenv("DELTAREFIT_TEST_NO_PREPACK", "1")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker: vLLM cannot bind by NUMA here
+    from deltarefit.signing import keygen
+
+    key = str(tmp_path / "trainer.key")
+    keygen(key)
     store = str(tmp_path / "store")
-    tr = ShardedTrainer(str(tmp_path), store)
+    tr = ShardedTrainer(str(tmp_path), store, signing_key=key)
     tr.step()
     tr.publish()
     st = LocalStore(store)
     llm = _start_tp(str(tmp_path / "v1"), True)
     try:
         client = LLMClient(llm)
-        client.init_weight_transfer_engine({"stream": store})
+        client.init_weight_transfer_engine({"stream": store, "verify_key": key + ".pub"})
         assert _ack(llm) == [version_fingerprint(st, 1)] * 2
         descs = llm.collective_rpc("deltarefit_live_describe")
         assert all(d["reload"] == {} and any("proj" in n for n in d["in_place"]) for d in descs), descs
