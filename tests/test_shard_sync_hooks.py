@@ -16,6 +16,7 @@ from deltarefit.shard.convert import to_bf16_bits
 from deltarefit.shard.names import identity_layout
 from deltarefit.shard.stream import ShardStreamPublisher, held_version, sync_sharded
 from deltarefit.storage.memory import MemoryStore
+from deltarefit.stream.records import StreamError
 
 
 def _stream(tmp_path, versions: int):
@@ -92,3 +93,31 @@ def test_stream_kind_and_version_fingerprint_of_plain_and_sharded_streams(tmp_pa
     plain = LocalStore(str(tmp_path / "plain"))
     assert stream_kind(plain) == "plain"
     assert version_fingerprint(plain, 1) == load_commit(plain, 1).fingerprint
+
+
+def test_stage_sharded_fetches_the_route_ahead_and_the_sync_fetches_none_of_it_again(tmp_path):
+    import torch
+
+    from deltarefit.shard.names import local_from_full
+    from deltarefit.shard.stream import load_shard_commit
+    from deltarefit.shard.sync import stage_sharded
+
+    store, fulls = _stream(tmp_path, 3)
+    tensors = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in SHAPES.items()}
+    layout, state = identity_layout(SHAPES), str(tmp_path / "held.json")
+    assert sync_sharded(store, tensors, layout, state_path=state, to_version=1, adopt=False).version == 1
+    before = {n: bits(t).copy() for n, t in tensors.items()}
+    staged = stage_sharded(store, tensors, layout, state_path=state, holds_all=True)
+    assert all(np.array_equal(bits(tensors[n]), before[n]) for n in SHAPES)  # nothing written
+    other = stage_sharded(store, tensors, layout, state_path=state)  # made without holds_all
+    for v in (2, 3):  # every object of the route gone from the store: only the staged copies remain
+        rec = load_shard_commit(store, v)
+        for key in [rec.manifest.key, *(p.key for p in rec.parts)]:
+            store.delete(key)
+    with pytest.raises(StreamError, match="is missing"):  # a stager made otherwise is not used
+        sync_sharded(store, tensors, layout, state_path=state, holds_all=True, staged=other)
+    assert held_version(state)[0] == 1
+    rep = sync_sharded(store, tensors, layout, state_path=state, holds_all=True, staged=staged)
+    assert rep.staged and rep.versions_applied == [2, 3]
+    want = local_from_full(layout, {n: to_bf16_bits(a) for n, a in fulls[2].items()}, np.uint16)
+    assert all(np.array_equal(bits(tensors[n]), want[n]) for n in SHAPES)

@@ -7,7 +7,7 @@ brought along with ``update_weights`` and, at every version it stops at, must eq
 started from that version's export: greedy tokens, and the sha256 of every weight as its kernels read
 it (``engine_digests``), bit for bit. A version whose base is not what the engine holds is refused with
 nothing written; a failure after a write leaves the version unrecorded and unacknowledged, and the same
-update completes it. An engine whose next version's objects retention deleted goes on from the newest
+update completes it. A prepare update fetches and checks the route while the engine serves. An engine whose next version's objects retention deleted goes on from the newest
 keyframe. A TP=2 engine follows the same way, its two workers together. Marked slow, skipped
 without vLLM (``make test-vllm``).
 """
@@ -192,11 +192,15 @@ def test_engine_follows_a_sharded_stream_bit_exact_and_refuses_a_wrong_base(tmp_
             while tr.ranks[0].version < v:  # at 5, two versions at once: the engine catches up by the chain
                 tr.step()
                 tr.publish()
+            if v == 3:  # the route fetched and checked while the engine serves; nothing written
+                served = generate(llm)
+                client.prepare_weights(3)
+                assert generate(llm) == served
             client.start_weight_update()
             client.update_weights({"version": v})
             client.finish_weight_update(str(v))
             last = llm.collective_rpc(_last_update)[0]
-            assert last["route"] == "chain" and last["verified"], last
+            assert last["route"] == "chain" and last["verified"] and last["staged"] == (v == 3), last
             if v == 2:
                 assert [(r["cells"], r["skipped"] > 0) for r in last["refits"]] == [(0, True)], last
             assert last["versions_applied"] == ([v] if v < 5 else [4, 5]), last
@@ -276,11 +280,14 @@ def test_tensor_parallel_engine_follows_a_sharded_stream(tmp_path, monkeypatch):
         for _ in range(2):
             tr.step()
             tr.publish()
+        client.prepare_weights(3)  # each worker fetches and checks the route ahead, alone
+        assert generate(llm) == before
         client.start_weight_update()
         client.update_weights({"version": 3})
         client.finish_weight_update("3")
         lasts = llm.collective_rpc(_last_update)
-        assert all(u["route"] == "chain" and u["versions_applied"] == [2, 3] and u["verified"] for u in lasts), lasts
+        assert all(u["route"] == "chain" and u["versions_applied"] == [2, 3] and u["verified"] and u["staged"]
+                   for u in lasts), lasts
         # each worker wrote its own slices of the split tensors
         assert all(r["written"] > 0 for u in lasts for r in u["refits"]), lasts
         assert _ack(llm) == [version_fingerprint(st, 3)] * 2

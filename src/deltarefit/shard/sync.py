@@ -52,6 +52,7 @@ class ShardSyncReport:
     versions_applied: list[int] = field(default_factory=list)
     applied: list[ApplyStats] = field(default_factory=list)
     seconds: float = 0.0
+    staged: bool = False  # the route was fetched and checked ahead (``stage_sharded``)
 
 
 def _module_tensors(obj) -> tuple[Mapping[str, object], bool]:
@@ -89,11 +90,18 @@ class _Stager:
     stream identity), its manifest, and the parts this rank's layout needs."""
 
     def __init__(self, store: Store, tensors, layout: Layout | None, verifier: Verifier | None,
-                 ident: str | None, holds_all: bool = False) -> None:
+                 ident: str | None, holds_all: bool = False, public_key: str | None = None) -> None:
         self.store, self.tensors, self.layout = store, tensors, layout
         self.verifier, self.ident, self.holds_all = verifier, ident, holds_all
+        self.public_key = public_key
         self.fetched = 0
         self.cache: dict[int, tuple[ShardCommit, dict, dict[int, bytes]]] = {}
+
+    def serves(self, store: Store, tensors, layout: Layout | None, public_key: str | None, ident: str | None,
+               holds_all: bool) -> bool:
+        """Whether what this stager holds was fetched and checked as a sync with these arguments would."""
+        return (self.store.url == store.url and self.tensors is tensors and self.layout is layout
+                and (self.public_key, self.ident, self.holds_all) == (public_key, ident, holds_all))
 
     def stage(self, v: int) -> tuple[ShardCommit, dict, dict[int, bytes]]:
         if v not in self.cache:
@@ -202,10 +210,31 @@ def _apply_route(st: _Stager, g: TPGroup, rep: ShardSyncReport, first: int, targ
         rep.versions_applied.append(v)
 
 
+def stage_sharded(store: Store | str, tensors, layout: Layout | None = None, *, state_path: str,
+                  to_version: int | None = None, public_key: str | None = None, holds_all: bool = False
+                  ) -> _Stager:
+    """What ``sync_sharded`` with the same arguments will need, fetched and checked ahead (records,
+    signatures, stream identity, parent links from the version recorded at ``state_path``, manifests and
+    the needed parts), with nothing written and no collective call: e.g. on a thread while an engine
+    serves. Pass it to ``sync_sharded(staged=...)``, which then fetches none of it again (and still
+    makes every check that involves the tensors or the group). A refusal is raised here, and again by
+    the sync. A rank that holds nothing stages nothing."""
+    store = open_store(store) if isinstance(store, str) else store
+    tensors, _ = _module_tensors(tensors)
+    target = sync_target(store.url, head(store), to_version)
+    st = _Stager(store, tensors, layout, Verifier(public_key) if public_key is not None else None,
+                 _followed_identity(store, state_path), holds_all, public_key)
+    cur = held_version(state_path)
+    if cur is not None and cur[0] < target:
+        check_links({v: st.stage(v)[0] for v in range(cur[0] + 1, target + 1)}, cur, store.url)
+    return st
+
+
 def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, state_path: str,
                  to_version: int | None = None, group=None, adopt: bool = True,
                  public_key: str | None = None, holds_all: bool = False,
-                 on_applied: Callable[[dict], None] | None = None) -> ShardSyncReport:
+                 on_applied: Callable[[dict], None] | None = None, staged: _Stager | None = None
+                 ) -> ShardSyncReport:
     """Bring one rollout rank's tensors to the newest (or ``to_version``) sharded version, verified.
 
     ``tensors``: ``{local name: tensor}`` in ``layout`` (CPU torch tensors or numpy arrays, written in
@@ -228,7 +257,8 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
     it may make the group's collective calls, in the same order in every member): what the holder must do
     after a write (an engine: reload what its kernels keep apart, re-check them). It must be idempotent: a
     rerun after a failure calls it again. Its ``DeltaRefitError`` fails the version (agreed over the
-    group), which is then not recorded.
+    group), which is then not recorded. ``staged``: ``stage_sharded``'s, made with the same arguments
+    (otherwise ignored).
     """
     t0 = time.perf_counter()
     store = open_store(store) if isinstance(store, str) else store
@@ -246,7 +276,8 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
         raise StreamError(f"{state_path}: holds version {cur[0]}, ahead of {target}")
     if cur and cur[0] == target:
         return ShardSyncReport(start, target, cur[1], "none", 0, seconds=time.perf_counter() - t0)
-    st = _Stager(store, tensors, layout, verifier, ident, holds_all)
+    st = staged if staged is not None and staged.serves(store, tensors, layout, public_key, ident, holds_all) \
+        else _Stager(store, tensors, layout, verifier, ident, holds_all, public_key)
     route = "chain"
     if cur is None:
         first, route = newest_keyframe(lambda v: load_shard_commit(store, v), target), "keyframe"
@@ -257,7 +288,8 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
     else:
         first = cur[0] + 1
     _stage_route(st, g, first, target, cur)
-    rep = ShardSyncReport(start, cur[0] if cur else 0, cur[1] if cur else None, route, st.fetched)
+    rep = ShardSyncReport(start, cur[0] if cur else 0, cur[1] if cur else None, route, st.fetched,
+                          staged=st is staged)
     _apply_route(st, g, rep, first, target, state_path, on_applied)
     rep.bytes_fetched = st.fetched
     rep.seconds = time.perf_counter() - t0

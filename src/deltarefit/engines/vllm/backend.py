@@ -39,7 +39,7 @@ A **sharded stream** (a trainer sharded over ranks, ``shard.ShardStreamPublisher
 part of a version, one commits) is detected from its records at init, with the same init and update
 info: the worker follows it with ``sharded.ShardFollower`` (``shard.sync.sync_sharded`` into the engine's
 captured layout, then the engine's own steps after an apply; a TP group's workers together). A prepare
-update plans nothing there. ``deltarefit_live_describe``'s "fingerprint" is then the sharded record's
+update fetches and checks the route ahead there; the cells are decoded and written in the update. ``deltarefit_live_describe``'s "fingerprint" is then the sharded record's
 (``sharded.version_fingerprint`` reads either kind for the trainer's acknowledgement).
 
 Trainer side (``DeltaRefitTrainerWeightTransferEngine``): a ``Publisher`` on the trainer's stream;
@@ -210,20 +210,31 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
                  rep.bytes_fetched)
 
     def _receive_sharded(self, update_info: DeltaRefitUpdateInfo) -> None:
-        """``receive_weights`` from a sharded stream (``sharded.ShardFollower``). A prepare update plans
-        nothing there (not implemented for sharded streams): the update that follows does all the work."""
-        assert self.follower is not None and self.live is not None
+        """``receive_weights`` from a sharded stream (``sharded.ShardFollower``). A prepare update has a
+        thread fetch and check the route ahead (``ShardFollower.prepare``: records, manifests, parts;
+        nothing written, no collective call), which the next update uses; the cells are checked, decoded
+        and written in the update."""
+        follower = self.follower
+        assert follower is not None and self.live is not None
+        self.wait_prepared()
         if update_info.prepare:
-            log.info("deltarefit: no plan ahead for a sharded stream; version %s is applied by its update",
-                     update_info.version)
-            self.last = {"prepare": update_info.version}
+            self.prepare_error, self.last = None, {"prepare": update_info.version}
+
+            def run() -> None:
+                try:
+                    follower.prepare(update_info.version)
+                except BaseException as e:  # reported by the update, which stages (and refuses) again itself
+                    self.prepare_error = e
+
+            self.preparing = threading.Thread(target=run, name="deltarefit-prepare", daemon=True)
+            self.preparing.start()
             return
-        rep = self.follower.sync(to_version=update_info.version)
+        rep = follower.sync(to_version=update_info.version)
         if update_info.verify:
             self.live.verify()
         self.last = {"version": rep.version, "fingerprint": rep.fingerprint, "route": rep.route,
                      "verified": rep.route != "none" or update_info.verify, "bytes_fetched": rep.bytes_fetched,
-                     "versions_applied": rep.versions_applied, "sharded": True,
+                     "versions_applied": rep.versions_applied, "sharded": True, "staged": rep.staged,
                      "refits": [vars(a) for a in rep.applied], "layers_reloaded": self.follower.reloaded}
         log.info("deltarefit: version %d -> %d of a sharded stream via %s, %d bytes", rep.from_version, rep.version,
                  rep.route, rep.bytes_fetched)

@@ -15,6 +15,7 @@ derived copies rebuilt and read back. The version is recorded only once every te
 the engine holds it, equals the version's target (so ``engine_state_fingerprint`` is the record's). The
 route is the chain from the engine's version, or, where retention deleted the objects of the version after
 it, the newest keyframe (every cell overwritten, then checked as any version) and the chain from there.
+``prepare`` fetches and checks the route ahead (``shard.sync.stage_sharded``) while the engine serves.
 
 A tensor-parallel engine's workers follow together over the group vLLM keeps beside the device one
 (``live.group``: ``sync_sharded``'s TP group): each applies the cells meeting its slices, and the group's
@@ -37,7 +38,7 @@ from ...geometry.projection import whole_piece
 from ...io.locks import owned_temp
 from ...shard.names import Layout, LocalTensor
 from ...shard.records import SHARD_COMMIT_FORMAT, load_shard_commit, shard_stream_identity, state_fingerprint
-from ...shard.sync import ShardSyncReport, sync_sharded
+from ...shard.sync import ShardSyncReport, stage_sharded, sync_sharded
 from ...storage.base import Store
 from ...stream.chain import MAX_RECORD_BYTES, commit_key, get_capped, head, newest_keyframe, sync_target
 from ...stream.records import StreamIdentityError, held_state, load_commit, record_version
@@ -133,6 +134,7 @@ class ShardFollower:
         record_version(self.state_path, held[0], held[1], store.url, stream_id=shard_stream_identity(store))
         self.held_now = held
         self.reloaded: list[str] = []  # layers reloaded by the sync in progress
+        self.staged: Any = None  # the next update's route, fetched and checked ahead (``prepare``)
         live.stream_fingerprint = lambda: engine_state_fingerprint(live)
 
     def _held(self, fp: str, version: int | None) -> tuple[int, str]:
@@ -151,16 +153,26 @@ class ShardFollower:
     def held(self) -> tuple[int, str]:
         return self.held_now
 
+    def prepare(self, to_version: int | None = None) -> None:
+        """Fetch and check the route to ``to_version`` ahead (``shard.sync.stage_sharded``: records, links,
+        manifests and the parts the engine needs), writing nothing and making no collective call, so the
+        engine may serve meanwhile; the next ``sync`` uses it."""
+        self.staged = None
+        self.staged = stage_sharded(self.store, self.tensors, self.layout, state_path=self.state_path,
+                                    to_version=to_version, public_key=self.public_key, holds_all=True)
+
     def sync(self, to_version: int | None = None) -> ShardSyncReport:
         """Bring the engine to ``to_version`` (default: the head), verified (module docstring); refused
         with nothing written where a check before the write fails. Rerun after any failure."""
         self.reloaded = []
+        staged, self.staged = self.staged, None
         if self._chain_gone(sync_target(self.store.url, head(self.store), to_version)):
             self._drop_held()  # sync_sharded then starts from the newest keyframe
         with self.live.writing():
             rep = sync_sharded(self.store, self.tensors, self.layout, state_path=self.state_path,
                                to_version=to_version, group=self.live.group.pg, adopt=False,
-                               public_key=self.public_key, holds_all=True, on_applied=self._settle)
+                               public_key=self.public_key, holds_all=True, on_applied=self._settle,
+                               staged=staged)
         self.held_now = (rep.version, rep.fingerprint)
         return rep
 
