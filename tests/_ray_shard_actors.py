@@ -134,22 +134,24 @@ class TinyRank(TrainerRank):
 
         return torch.load(step_file(self.root, step, self.rank))["masters"]
 
-    def stall_before(self, suffix: str, marker: str, seconds: float = 600.0) -> None:
-        """The next store create of a key ending with ``suffix`` writes ``marker`` and sleeps first (the
-        test kills this rank's process there): ``.head.json`` holds the rank between its part and its
-        descriptor, ``commit.json`` holds the committer before the commit point."""
+    def stall(self, where: str, marker: str, seconds: float = 600.0) -> None:
+        """At the next ``where`` of a publish, write ``marker`` and sleep (the test kills this rank's process
+        there): ``.head.json`` (a store create of that suffix: the rank's part is in, its descriptor not),
+        ``commit.json`` (the committer: every part in, no commit record), or ``advance`` (the record
+        exists, this rank's baseline has not moved to it)."""
+
+        def hold():
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(seconds)
+            raise TimeoutError("stalled publish was not killed")
+
+        if where == "advance":
+            self.publisher.advance = lambda rec: hold()
+            return
         store = self.publisher.store
         real = store.create
-
-        def stalled(key, data):
-            if key.endswith(suffix):
-                with open(marker, "w") as f:
-                    f.write(str(os.getpid()))
-                time.sleep(seconds)
-                raise TimeoutError("stalled create was not killed")
-            return real(key, data)
-
-        store.create = stalled
+        store.create = lambda key, data: hold() if key.endswith(where) else real(key, data)
 
 
 def _bits(t) -> np.ndarray:

@@ -8,9 +8,10 @@ into a transformers module (whole tensors), one into the TP=2 slices of one (fus
 refit is ``RefitTrainer``'s round, driven through vLLM's ``RayVLLMWeightSyncClient``: committed for the
 trainer only when both rollouts report the version and its fingerprint.
 
-Real SIGKILLs in the middle of a publish: rank 1 between its part and its descriptor, then the committer
-(rank 0) before its commit record. Ray restarts each; the driver asks it again with the same attempt;
-versions lost must be 0. At every version every rollout must hold ``export_full``'s bf16 bits of the
+Real SIGKILLs in the middle of a publish: rank 1 between its part and its descriptor, the committer
+(rank 0) before its commit record, and rank 1 after the commit record, before its baseline moved to it.
+Ray restarts each; the driver asks it again with the same attempt (the first two publish the step then,
+the third finds it committed); versions lost must be 0. At every version every rollout must hold ``export_full``'s bf16 bits of the
 gathered masters, bit for bit.
 
 Marked ``slow`` and ``ray``; skipped where Ray or vLLM is not installed (``make test-ray`` builds the venv).
@@ -111,29 +112,34 @@ class Run:
             assert s["state"]["fingerprints"] and set(s["state"]["fingerprints"]) == {pub["fingerprint"]}, s["state"]
         return pub
 
-    def killed_mid_publish(self, step: int, rank: int, suffix: str) -> dict:
-        """Publish ``step`` with rank ``rank`` held before its next create of a ``suffix`` key, and its
-        process killed there with SIGKILL; the driver's publish goes on once Ray restarted it."""
+    def killed_mid_publish(self, step: int, rank: int, where: str) -> dict:
+        """Publish ``step`` with rank ``rank`` held at ``where`` (``TinyRank.stall``) and its process killed
+        there with SIGKILL; the driver's publish goes on once Ray restarted it."""
         from deltarefit.storage.base import open_store
         from deltarefit.stream.chain import head
 
         marker = os.path.join(self.root, f"stalled-{step}-{rank}")
-        ray.get(self.ranks[rank].stall_before.remote(suffix, marker), timeout=WAIT)
+        ray.get(self.ranks[rank].stall.remote(where, marker), timeout=WAIT)
         pid = ray.get(self.ranks[rank].pid.remote(), timeout=WAIT)
         out: dict = {}
         th = threading.Thread(target=lambda: out.update(pub=self.refit.publish(step)), daemon=True)
         th.start()
-        _poll(f"rank {rank} stalled before {suffix}", lambda: os.path.exists(marker))
+        _poll(f"rank {rank} held at {where}", lambda: os.path.exists(marker))
         before = head(open_store(self.refit.store.url))
         os.kill(pid, signal.SIGKILL)
+        t_kill = time.monotonic()
         th.join(WAIT)
         assert not th.is_alive() and "pub" in out, out
         pub = out["pub"]
+        pub["back_s"] = time.monotonic() - t_kill
         assert pub["restarts"] == [rank], pub
-        assert before == pub["version"] - 1  # nothing was committed while the rank was held
         mine = pub["ranks"][rank]
-        assert mine["restarted"] and not mine["resumed"], mine
+        assert mine["restarted"], mine
         assert ray.get(self.ranks[rank].pid.remote(), timeout=WAIT) != pid  # a new process
+        if where == "advance":  # committed before the kill: the restarted rank finds its step in the stream
+            assert before == pub["version"] and mine["resumed"], (before, pub)
+        else:  # nothing committed while the rank was held: its rerun published the step
+            assert before == pub["version"] - 1 and not mine["resumed"], (before, pub)
         return pub
 
     def check_bit_exact(self, steps: int) -> None:
@@ -178,16 +184,20 @@ def test_sharded_trainer_ranks_publish_and_rollouts_follow_bit_exact_through_ran
     # version 5: the committer killed once every part is in, before the commit record
     run.train(4)
     run.refit_step(4, run.killed_mid_publish(4, 0, "commit.json"))
-    run.check_versions(4)
-    run.check_bit_exact(4)
-    for step in range(1, 5):
+    # version 6: rank 1 killed once the record exists, before its baseline moved to it
+    run.train(5)
+    run.refit_step(5, run.killed_mid_publish(5, 1, "advance"))
+    run.check_versions(5)
+    run.check_bit_exact(5)
+    for step in range(1, 6):
         assert run.results[step]["refit"].rounds == 1, run.results[step]
         assert run.results[step]["publish"]["keyframe"] is False
     # the rollouts followed the chain (one version per refit) and were never restarted
-    for s in run.at[5].values():
-        assert s["state"]["last"]["route"] == "chain" and s["state"]["last"]["versions_applied"] == [5], s
+    for s in run.at[6].values():
+        assert s["state"]["last"]["route"] == "chain" and s["state"]["last"]["versions_applied"] == [6], s
         assert not s["state"]["restarted"]
-    print({"publish_s": {k: max(r["seconds"] for r in v["publish"]["ranks"]) for k, v in run.results.items() if k},
+    print({"rank_back_s": {k: v["publish"]["back_s"] for k, v in run.results.items() if k and "back_s" in v["publish"]},
+           "publish_s": {k: max(r["seconds"] for r in v["publish"]["ranks"]) for k, v in run.results.items() if k},
            "refit_round_s": {k: v["refit"].seconds_round for k, v in run.results.items() if k}})
 
 
