@@ -19,7 +19,7 @@ no keyframe.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ..errors import BaseMismatchError, DeltaRefitError, FormatError, UsageError, VerificationError
@@ -89,9 +89,9 @@ class _Stager:
     stream identity), its manifest, and the parts this rank's layout needs."""
 
     def __init__(self, store: Store, tensors, layout: Layout | None, verifier: Verifier | None,
-                 ident: str | None) -> None:
+                 ident: str | None, holds_all: bool = False) -> None:
         self.store, self.tensors, self.layout = store, tensors, layout
-        self.verifier, self.ident = verifier, ident
+        self.verifier, self.ident, self.holds_all = verifier, ident, holds_all
         self.fetched = 0
         self.cache: dict[int, tuple[ShardCommit, dict, dict[int, bytes]]] = {}
 
@@ -105,11 +105,23 @@ class _Stager:
             man = load_manifest(self.store, rec)
             self.fetched += rec.manifest.bytes
             self.layout = _layout_for(self.layout, self.tensors, man)
+            if self.holds_all:
+                _check_holds_all(man, self.layout, where)
             blobs = {r: _get_checked(self.store, rec.parts[r], f"rank {r} part of version {v}")
                      for r in needed_ranks(man, self.layout)}
             self.fetched += sum(len(b) for b in blobs.values())
             self.cache[v] = (rec, man, blobs)
         return self.cache[v]
+
+
+def _check_holds_all(man: dict, layout: Layout, where: str) -> None:
+    """Refuse, before any write, a version with a tensor this rank's layout holds no piece of (a rank
+    that must hold every tensor, e.g. an engine worker: such a tensor would be left at its old bits)."""
+    held = {p.name for lt in layout.values() for p in lt.pieces if p.count}
+    missing = sorted(set(man["tensors"]) - held)
+    if missing:
+        raise UsageError(f"{where}: version {man['version']} has tensor {missing[0]!r} (and {len(missing) - 1} "
+                         "more) that this rank does not hold; nothing written")
 
 
 def _agreed(g: TPGroup, err: DeltaRefitError | None, theirs: DeltaRefitError) -> None:
@@ -156,8 +168,10 @@ def _stage_route(st: _Stager, g: TPGroup, first: int, target: int, cur: tuple[in
     _agreed(g, err, StreamError(f"{st.store.url}: another rank of the group refused the route"))
 
 
-def _apply_route(st: _Stager, g: TPGroup, rep: ShardSyncReport, first: int, target: int, state_path: str) -> None:
-    """Apply the staged versions in order, checking the group's digests around each, recording each."""
+def _apply_route(st: _Stager, g: TPGroup, rep: ShardSyncReport, first: int, target: int, state_path: str,
+                 on_applied: Callable[[dict], None] | None = None) -> None:
+    """Apply the staged versions in order, checking the group's digests around each, recording each;
+    ``on_applied(manifest)`` after each write, before the version's checks and record."""
     for v in range(first, target + 1):
         rec, man, blobs = st.cache[v]
         # A kill after apply and before the record leaves tensors at the target: accepted (apply skips them).
@@ -168,6 +182,8 @@ def _apply_route(st: _Stager, g: TPGroup, rep: ShardSyncReport, first: int, targ
         err = None
         try:
             rep.applied.append(apply_version(man, blobs, st.tensors, st.layout))
+            if on_applied is not None:
+                on_applied(man)
         except DeltaRefitError as e:
             err = e
         _agreed(g, err, VerificationError(
@@ -183,7 +199,8 @@ def _apply_route(st: _Stager, g: TPGroup, rep: ShardSyncReport, first: int, targ
 
 def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, state_path: str,
                  to_version: int | None = None, group=None, adopt: bool = True,
-                 public_key: str | None = None) -> ShardSyncReport:
+                 public_key: str | None = None, holds_all: bool = False,
+                 on_applied: Callable[[dict], None] | None = None) -> ShardSyncReport:
     """Bring one rollout rank's tensors to the newest (or ``to_version``) sharded version, verified.
 
     ``tensors``: ``{local name: tensor}`` in ``layout`` (CPU torch tensors or numpy arrays, written in
@@ -198,6 +215,14 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
     (``apply_version``: per-cell pre-image check, idempotent) and recorded. A rerun after a kill
     anywhere resumes: cells already at their target are skipped. With ``public_key`` every record on
     the route must carry a valid signature of that key (``SignatureError`` otherwise, nothing written).
+
+    ``holds_all``: this rank must hold a piece of every tensor of each version (an engine worker); a
+    version with a tensor its layout lacks is refused when staged, nothing written. ``on_applied``:
+    called with each version's manifest right after its write, in every member of the group, before the
+    group's target digests are checked and the version recorded: what the holder must do after a write
+    (an engine: reload what its kernels keep apart, re-check them). It must be idempotent: a rerun after
+    a failure calls it again. Its ``DeltaRefitError`` fails the version (agreed over the group), which is
+    then not recorded.
     """
     t0 = time.perf_counter()
     store = open_store(store) if isinstance(store, str) else store
@@ -215,7 +240,7 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
         raise StreamError(f"{state_path}: holds version {cur[0]}, ahead of {target}")
     if cur and cur[0] == target:
         return ShardSyncReport(start, target, cur[1], "none", 0, seconds=time.perf_counter() - t0)
-    st = _Stager(store, tensors, layout, verifier, ident)
+    st = _Stager(store, tensors, layout, verifier, ident, holds_all)
     route = "chain"
     if cur is None:
         first, route = newest_keyframe(lambda v: load_shard_commit(store, v), target), "keyframe"
@@ -227,7 +252,7 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
         first = cur[0] + 1
     _stage_route(st, g, first, target, cur)
     rep = ShardSyncReport(start, cur[0] if cur else 0, cur[1] if cur else None, route, st.fetched)
-    _apply_route(st, g, rep, first, target, state_path)
+    _apply_route(st, g, rep, first, target, state_path, on_applied)
     rep.bytes_fetched = st.fetched
     rep.seconds = time.perf_counter() - t0
     return rep

@@ -14,6 +14,9 @@
 * ``backend``    the ``deltarefit`` weight-transfer backend (worker and trainer engines); imports vLLM
 * ``holder``     the live engine as what holds a stream's version (``EngineHolder``, a
                  ``stream.holder.Holder``), and the subscriber the backend syncs it with
+* ``sharded``    the live engine following a sharded stream (``ShardFollower``: ``shard.sync.sync_sharded``
+                 into its captured layout, then its own steps after an apply); chosen by the backend
+                 from the stream's records
 * ``layers``     checkpoint tensor names grouped by the engine layer they load into
 
 Importing this package imports neither vLLM nor torch.

@@ -35,6 +35,13 @@ Worker side (``DeltaRefitWeightTransferEngine``):
   written). Hazard: the planning thread takes CPU (and the GIL, for its Python parts) from the
   engine's own work while it runs.
 
+A **sharded stream** (a trainer sharded over ranks, ``shard.ShardStreamPublisher``: every rank uploads its
+part of a version, one commits) is detected from its records at init, with the same init and update
+info: the worker follows it with ``sharded.ShardFollower`` (``shard.sync.sync_sharded`` into the engine's
+captured layout, then the engine's own steps after an apply). Tensor parallel size 1 only; a prepare
+update plans nothing there. ``deltarefit_live_describe``'s "fingerprint" is then the sharded record's
+(``sharded.version_fingerprint`` reads either kind for the trainer's acknowledgement).
+
 Trainer side (``DeltaRefitTrainerWeightTransferEngine``): a ``Publisher`` on the trainer's stream;
 ``send_weights(checkpoint)`` publishes the checkpoint as the next version and drives the round trip
 (start, update with that version, finish with ``weight_version=str(version)``) through any
@@ -64,6 +71,7 @@ from ...storage.base import open_store
 from ...stream.records import StreamError, head, load_commit
 from ...stream.subscriber import Subscriber
 from .holder import EngineHolder, engine_subscriber
+from .sharded import ShardFollower, stream_kind
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +149,7 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
         self.live = None
         self.holder: EngineHolder | None = None  # the worker's engine as what holds the stream's version
         self.sub: Subscriber | None = None
+        self.follower: ShardFollower | None = None  # instead of ``holder`` and ``sub``, for a sharded stream
         self.info: DeltaRefitInitInfo | None = None
         self.last: dict[str, Any] = {}
         self.preparing: threading.Thread | None = None  # the thread of a prepare update, while it runs
@@ -156,24 +165,32 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
                              "to capture and check its layout")
         self.live = LiveEngine(self.model, self.vllm_config, ckpt, cpus=init_info.apply_cpus)
         store = open_store(init_info.stream)
+        self.info = init_info
+        if stream_kind(store) == "sharded":  # parts of trainer ranks (shard/): followed by sync_sharded
+            self.follower = ShardFollower(self.live, store, version=init_info.version,
+                                          public_key=init_info.verify_key)
+            log.info("deltarefit: engine at version %d of the sharded stream %s", self.follower.held()[0], store.url)
+            return
         held = held_version(store, self.live.fingerprint, init_info.version)
         self.holder = EngineHolder(self.live, held)
         self.sub = engine_subscriber(store, self.holder, public_key=init_info.verify_key,
                                      subscriber_id=init_info.subscriber_id)
         seed_book(self.sub, ckpt)
-        self.info = init_info
         log.info("deltarefit: engine at version %d of %s; %s", held[0], store.url,
                  {k: v for k, v in self.live.describe().items() if k in ("host_bytes", "seconds_init")})
 
     def start_weight_update(self) -> None:
-        if self.sub is None:
+        if self.sub is None and self.follower is None:
             raise UsageError("deltarefit: call init_weight_transfer_engine with the stream first")
 
     def receive_weights(self, update_info: DeltaRefitUpdateInfo) -> None:
-        if self.sub is None or self.holder is None or self.info is None:
+        if self.info is None or (self.follower is None and (self.sub is None or self.holder is None)):
             raise UsageError("deltarefit: call init_weight_transfer_engine with the stream first")
         if update_info.stream is not None and update_info.stream != self.info.stream:
             raise UsageError(f"deltarefit: this engine follows {self.info.stream}, not {update_info.stream}")
+        if self.follower is not None:
+            self._receive_sharded(update_info)
+            return
         self.wait_prepared()
         if update_info.prepare:
             self._start_prepare(update_info.version)
@@ -191,6 +208,25 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
                      "refits": [vars(r) for r in self.holder.reports]}
         log.info("deltarefit: version %d -> %d via %s, %d bytes", rep.from_version, rep.version, rep.route,
                  rep.bytes_fetched)
+
+    def _receive_sharded(self, update_info: DeltaRefitUpdateInfo) -> None:
+        """``receive_weights`` from a sharded stream (``sharded.ShardFollower``). A prepare update plans
+        nothing there (not implemented for sharded streams): the update that follows does all the work."""
+        assert self.follower is not None and self.live is not None
+        if update_info.prepare:
+            log.info("deltarefit: no plan ahead for a sharded stream; version %s is applied by its update",
+                     update_info.version)
+            self.last = {"prepare": update_info.version}
+            return
+        rep = self.follower.sync(to_version=update_info.version)
+        if update_info.verify:
+            self.live.verify()
+        self.last = {"version": rep.version, "fingerprint": rep.fingerprint, "route": rep.route,
+                     "verified": rep.route != "none" or update_info.verify, "bytes_fetched": rep.bytes_fetched,
+                     "versions_applied": rep.versions_applied, "sharded": True,
+                     "refits": [vars(a) for a in rep.applied], "layers_reloaded": self.follower.reloaded}
+        log.info("deltarefit: version %d -> %d of a sharded stream via %s, %d bytes", rep.from_version, rep.version,
+                 rep.route, rep.bytes_fetched)
 
     def _start_prepare(self, version: int | None) -> None:
         """Sync to ``version`` on a thread up to its first write (module docstring); returns at once."""
@@ -225,7 +261,9 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
         self.wait_prepared()
         if self.holder is not None:
             self.holder.close()
-        self.sub = self.holder = None
+        if self.follower is not None:
+            self.follower.close()
+        self.sub = self.holder = self.follower = None
 
 
 class LLMClient:

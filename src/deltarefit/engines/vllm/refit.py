@@ -15,11 +15,12 @@ import numpy as np
 from ...apply.journal import Journal
 from ...apply.protocol import PreparedApply
 from ...codec.chunk import Patch
-from ...errors import UsageError
+from ...errors import DeltaRefitError, UsageError
 from ...format import DeltaReader
-from ...history_book import HistoryBook, MovesRecorder
+from ...history_book import HistoryBook, MovesRecorder, advance_or_start_over
 
-__all__ = ["LiveRefitReport", "MemoryJournal", "PreparedRefit", "affinity", "apply_cpus", "check_name", "same_book"]
+__all__ = ["LiveRefitReport", "MemoryJournal", "PreparedRefit", "advance_book", "affinity", "apply_cpus", "check_name",
+           "same_book"]
 
 
 class MemoryJournal(Journal):
@@ -109,6 +110,14 @@ def same_book(a: HistoryBook | None, b: HistoryBook | None) -> bool:
     if a is None or b is None:
         return a is b
     return a is b or (os.path.realpath(a.path) == os.path.realpath(b.path) and a.versions() == b.versions())
+
+
+def advance_book(history: HistoryBook, d: DeltaReader, moves: MovesRecorder) -> None:
+    """Advance a live engine's book past a verified apply. One that cannot be written (a full tmpfs) is
+    started over instead of failing the refit: the weights are at the target, and in a tensor-parallel
+    group a failure in one worker alone would leave it a version behind the others. An empty book costs
+    the next delta coded with history a keyframe route (the group agrees on it), never bytes."""
+    advance_or_start_over(history, d, moves, durable=False, tolerate=(OSError, DeltaRefitError))
 
 
 def apply_cpus(spec: str) -> set[int]:

@@ -45,7 +45,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,13 +54,13 @@ from ...apply.protocol import PreparedApply, commit, plan_apply
 from ...checkpoint.read import fingerprint_checkpoint, open_checkpoint
 from ...errors import BaseMismatchError, DeltaRefitError, UsageError, VerificationError
 from ...format import DeltaReader
-from ...history_book import HistoryBook, MovesRecorder, advance_or_start_over
+from ...history_book import HistoryBook, MovesRecorder
 from ...integrity import fingerprint_from_digests
 from .. import kernels
 from ..capture import capture_layout, placed_params, sub_param
 from ..placement import SPLIT_AHEAD, Placement
 from ..union import TargetUnion, digest_through, state_through
-from . import build
+from . import build, refit
 from .group import SHM_PREFIX, WorkerGroup  # noqa: F401  (SHM_PREFIX: its earlier home)
 from .refit import LiveRefitReport, MemoryJournal, PreparedRefit, affinity, apply_cpus, check_name, same_book
 
@@ -85,6 +85,8 @@ class LiveEngine:
         self.journal = MemoryJournal()
         self._lock = threading.RLock()  # prepare and apply, from any thread, one at a time
         self._generation = 0  # applies begun and rebuilds: a plan prepared before the last one is stale
+        # What ``describe`` reports as the fingerprint where the stream names versions otherwise (``sharded``).
+        self.stream_fingerprint: Callable[[], str | None] | None = None
         self._build(checkpoint)
 
     def _build(self, checkpoint: str) -> None:
@@ -161,6 +163,48 @@ class LiveEngine:
             if digest != digests[n]:
                 raise VerificationError(f"tensor {n!r}: engine weights changed while the live engine was built")
         self._sums_ok = True
+        self._digests: dict[str, bytes] | None = dict(digests)  # per tensor, while the fingerprint is theirs
+
+    @property
+    def settled(self) -> bool:
+        """Whether the held additive digests (``sums``) describe the weights (not after a failed write)."""
+        return self._sums_ok
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """Held while another path writes the placed parameters and host copies in place (``sharded``),
+        ``settle`` called after each write: no prepare or apply meanwhile; plans made before are stale."""
+        with self._lock:
+            self._check_storages()
+            self._generation += 1
+            try:
+                yield
+            except BaseException as e:  # refusals come before any write (the writer's contract); not others
+                if not isinstance(e, DeltaRefitError) or isinstance(e, VerificationError):
+                    self._sums_ok = False  # a write may have begun: no fingerprint until a settle
+                raise
+
+    def settle(self, changed: Sequence[str]) -> list[str]:
+        """After tensors ``changed`` were written in place by another path (in ``writing``), what an apply
+        does after its writes: their digests and held additive digests re-taken from the weights (the
+        fingerprint follows), their layers in the reload set fed through vLLM's reload from the host copies
+        and read back through their kernels, their derived copies rebuilt and read back. Idempotent; every
+        worker of a group calls it with the same names. The layers reloaded."""
+        names = sorted(set(changed))  # one order in every worker: shared tensors are read over the group
+        if not set(names) <= set(self.target.tensors):
+            raise UsageError(f"tensors {sorted(set(names) - set(self.target.tensors))[:3]} are not this engine's")
+        self._generation += 1
+        self._sums_ok = False  # until every step below is done: no fingerprint is reported meanwhile
+        if self._digests is None:  # a plain apply moved the fingerprint without them: all taken again
+            self._digests, names = {}, sorted(self.target.tensors)
+        for n in names:
+            self._digests[n], self.sums[n] = state_through(self.target, n)
+        self.fingerprint = fingerprint_from_digests(self._digests)
+        layers = self._reload([n for n in names if n in self.host])
+        self._check_reloaded(layers)
+        self._check_derived(set(names))
+        self._sums_ok = True
+        return layers
 
     def _check_derived(self, names: set[str], at_init: bool = False, rebuild: bool = True) -> None:
         """``build.check_derived`` of this engine's derived copies: rebuilt (not with ``rebuild=False``) and
@@ -178,7 +222,9 @@ class LiveEngine:
         self.target = TargetUnion(self.live, _TorchTarget(self.host))
 
     def describe(self) -> dict[str, Any]:
-        return {"fingerprint": self.fingerprint, "in_place": sorted(self.placements),
+        # "fingerprint": what the stream the engine follows names its version by (the trainer's acknowledgement)
+        fp = self.stream_fingerprint() if self.stream_fingerprint is not None else self.fingerprint
+        return {"fingerprint": fp, "checkpoint_fingerprint": self.fingerprint, "in_place": sorted(self.placements),
                 "reload": dict(sorted(self.reload_reasons.items())), "host_bytes": sum(
                     t.numel() * t.element_size() for t in self.host.values()), "seconds_init": self.seconds_init,
                 "threads": self.threads, "cpus": sorted(self.cpus),
@@ -279,6 +325,7 @@ class LiveEngine:
         """``ahead``: ``prep`` was planned by ``prepare``, before this call: the elements it changes are read
         again, and must hold the bits it planned from, before anything is written."""
         self._generation += 1  # from here on the weights may change: any other prepared plan is stale
+        self._digests = None  # the fingerprint moves by the delta's target, not by tensor digests
         changed = [e.name for e in d.tensors if e.op == "patch"]
         journal = self.journal.bind(d.target_fingerprint)
         try:
@@ -304,7 +351,7 @@ class LiveEngine:
         self._check_derived(set(changed))
         if history is not None and moves is not None:
             # Not fsynced: the book describes weights in this process's memory, which no restart keeps.
-            self._advance(history, d, moves)
+            refit.advance_book(history, d, moves)
         self.fingerprint = target_fp
         t1 = time.perf_counter()
         return LiveRefitReport(rep.target_fingerprint, rep.chunks_applied, rep.chunks_skipped, rep.chunks_recovered,
@@ -312,14 +359,6 @@ class LiveEngine:
                                sum(1 for n in self.host if self._layer(n) in set(layers)), layers,
                                t_apply - t0, t1 - t_apply, t1 - t0,
                                check_name(rep.held, n_tensors), rep.split_chunks, rep.split_decoded)
-
-    @staticmethod
-    def _advance(history: HistoryBook, d: DeltaReader, moves: MovesRecorder) -> None:
-        """Advance the book past a verified apply. One that cannot be written (a full tmpfs) is started
-        over instead of failing the refit: the weights are at the target, and in a tensor-parallel group a
-        failure in one worker alone would leave it a version behind the others. An empty book costs the
-        next delta coded with history a keyframe route (the group agrees on it), never bytes."""
-        advance_or_start_over(history, d, moves, durable=False, tolerate=(OSError, DeltaRefitError))
 
     def _layer(self, name: str) -> str:
         """The engine module checkpoint tensor ``name`` loads into: its layer by name (fused siblings
