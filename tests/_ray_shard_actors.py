@@ -60,24 +60,47 @@ def step_file(root: str, step: int, rank: int) -> str:
     return os.path.join(root, "steps", f"step{step}", f"rank-{rank}.pt")
 
 
-def gather_masters(root: str, step: int, world: int) -> dict[str, np.ndarray]:
+def gather_masters(root: str, step: int, world: int, config: dict | None = None) -> dict[str, np.ndarray]:
     """The full fp32 masters after ``step``: every rank's dim-0 shard, concatenated (test-side reference)."""
     import torch
 
     shards = [torch.load(step_file(root, step, r))["masters"] for r in range(world)]
     out = {n: torch.cat([s[n] for s in shards]).numpy() for n in shards[0]}
-    assert {n: a.shape for n, a in out.items()} == shapes(), "shards do not tile the checkpoint"
+    assert {n: a.shape for n, a in out.items()} == shapes(config), "shards do not tile the checkpoint"
+    return out
+
+
+def export(full: dict[str, np.ndarray], out: str, config: dict) -> str:
+    """The bf16 checkpoint of masters ``full`` (``export_full``'s bits, the conversion the parts are
+    computed with), with its config and a tokenizer: what a fresh vLLM engine starts from."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from deltarefit.apps.bench.engine_model import build_tokenizer
+    from deltarefit.shard.convert import export_full
+
+    os.makedirs(out)
+    tensors = {n: torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+               for n, (_, bits) in export_full(full, "BF16").items()}
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    cfg = LlamaConfig(**config)
+    cfg.torch_dtype = "bfloat16"
+    cfg.save_pretrained(out)
+    build_tokenizer(out)
     return out
 
 
 class TinyRank(TrainerRank):
     """One rank of a sharded tiny-Llama trainer (see the module docstring)."""
 
-    def __init__(self, stream: str, root: str, *, rank: int, world: int, lr: float = 1e-4, **kw: Any) -> None:
+    def __init__(self, stream: str, root: str, *, rank: int, world: int, lr: float = 1e-4,
+                 config: dict | None = None, **kw: Any) -> None:
         self.root, self.lr = root, lr
-        self.layout = rank_layout(world, rank)
+        self.config = config or CONFIG
+        self.layout = rank_layout(world, rank, self.config)
         super().__init__(stream, self.layout, rank=rank, world=world,
-                         state_dir=os.path.join(root, "trainer-state"), cuts=cuts(), **kw)
+                         state_dir=os.path.join(root, "trainer-state"), cuts=cuts(self.config), **kw)
 
     def train(self, step: int) -> None:
         """Step ``step`` from every rank's step - 1 (step 0: the seeded init), this rank's shard saved."""
@@ -89,7 +112,7 @@ class TinyRank(TrainerRank):
         if os.path.exists(step_file(self.root, step, self.rank)):
             return
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**CONFIG)).float()
+        model = LlamaForCausalLM(LlamaConfig(**self.config)).float()
         if step == 0:
             full = {n: p.detach().numpy() for n, p in model.named_parameters()}
             masters = {n: torch.from_numpy(a.copy()) for n, a in local_from_full(self.layout, full, np.float32).items()}
@@ -101,7 +124,7 @@ class TinyRank(TrainerRank):
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"rank {r}'s step {step - 1} is not on disk")
                     time.sleep(0.1)
-            full = gather_masters(self.root, step - 1, self.world)
+            full = gather_masters(self.root, step - 1, self.world, self.config)
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     p.copy_(torch.from_numpy(full[n]))
@@ -114,7 +137,7 @@ class TinyRank(TrainerRank):
             if opt_state is not None:
                 opt.load_state_dict(opt_state)
             gen = torch.Generator().manual_seed(1000 + step)
-            ids = torch.randint(4, CONFIG["vocab_size"], (4, 32), generator=gen)
+            ids = torch.randint(4, 40, (4, 32), generator=gen)
             model(input_ids=ids, labels=ids).loss.backward()
             grads = local_from_full(self.layout, {n: p.grad.numpy() for n, p in model.named_parameters()}, np.float32)
             for n, m in masters.items():

@@ -69,34 +69,59 @@ def cluster(tmp_path, monkeypatch):
 
 
 class Run:
-    """The sharded trainer's ranks, the two rollouts and the driver, on one stream."""
+    """The sharded trainer's ranks, its consumers and the driver, on one stream. ``consumers``: "rollouts"
+    (two ``ModuleRollout``s) or "vllm" (two ``EngineActor``s started from the export of version 1)."""
 
-    def __init__(self, stream: str, root: str) -> None:
-        from deltarefit.integrations.placement import placed
+    def __init__(self, stream: str, root: str, *, consumers: str = "rollouts", config: dict | None = None) -> None:
         from deltarefit.integrations.ray_shard import ShardRefitTrainer, start_trainer_ranks
 
-        self.root = root
+        self.root, self.stream, self.kind = root, stream, consumers
+        self.config = config or A.CONFIG
         self.ranks = start_trainer_ranks(A.TinyRank, WORLD, stream, root, resources={"trainer": 1.0 / WORLD},
-                                         max_restarts=3)
+                                         max_restarts=3, config=self.config)
         ray.get([r.train.remote(0) for r in self.ranks], timeout=WAIT)
-        self.refit = ShardRefitTrainer(self.ranks, list(ROLLOUTS), stream, os.path.join(root, "driver"),
-                                       engine_version=1)
+        names = list(ROLLOUTS) if consumers == "rollouts" else list(ray_refit.ENGINES)
+        self.refit = ShardRefitTrainer(self.ranks, names, stream, os.path.join(root, "driver"), engine_version=1)
         self.results = {0: self.refit.publish(0)}
         assert self.results[0]["version"] == 1 and self.results[0]["keyframe"]
-        self.rollouts = {}
-        for name, (res, kind) in ROLLOUTS.items():
-            opts = placed(res, name, max_restarts=3)
-            self.rollouts[name] = ray.remote(A.ModuleRollout).options(**opts).remote(
-                stream, os.path.join(root, "rollout-state", name), kind=kind, init_info={"stream": stream, "version": 1},
-                name=name)
-        ray.get([h.ready.remote() for h in self.rollouts.values()], timeout=WAIT)
+        self.consumers = self._start_rollouts() if consumers == "rollouts" else self._start_engines()
         self.at = {1: self.snapshot()}
 
+    def _start_rollouts(self) -> dict:
+        from deltarefit.integrations.placement import placed
+
+        out = {}
+        for name, (res, kind) in ROLLOUTS.items():
+            out[name] = ray.remote(A.ModuleRollout).options(**placed(res, name, max_restarts=3)).remote(
+                self.stream, os.path.join(self.root, "rollout-state", name), kind=kind,
+                init_info={"stream": self.stream, "version": 1}, name=name)
+        ray.get([h.ready.remote() for h in out.values()], timeout=WAIT)
+        return out
+
+    def _start_engines(self) -> dict:
+        from deltarefit.integrations.ray import start_engines
+
+        v1 = self.served(0)
+        hs = start_engines(v1, list(ray_refit.ENGINES.values()), names=list(ray_refit.ENGINES),
+                           init_info={"stream": self.stream, "version": 1}, llm_kwargs=ray_refit.LLM_KWARGS,
+                           max_restarts=3, timeout=WAIT)
+        return dict(zip(ray_refit.ENGINES, hs, strict=True))
+
+    def served(self, step: int) -> str:
+        """The bf16 export of ``step``'s gathered masters (written once): a fresh engine's checkpoint."""
+        out = os.path.join(self.root, "served", f"step{step}")
+        if not os.path.isdir(out):
+            A.export(A.gather_masters(self.root, step, WORLD, self.config), out, self.config)
+        return out
+
     def snapshot(self) -> dict:
-        """Per rollout: its state (version, fingerprints) and its digests."""
-        flat = ray.get([x for h in self.rollouts.values() for x in (h.state.remote(), h.digests.remote())],
-                       timeout=WAIT)
-        return {n: {"state": flat[2 * i], "digests": flat[2 * i + 1]} for i, n in enumerate(self.rollouts)}
+        """Per consumer: its state (version, fingerprints), its digests (and an engine's greedy tokens)."""
+        calls = [(h.state.remote(), h.digests.remote(),
+                  h.generate.remote(ray_refit.PROMPTS) if self.kind == "vllm" else h.ready.remote())
+                 for h in self.consumers.values()]
+        got = ray.get([x for c in calls for x in c], timeout=WAIT)
+        return {n: {"state": got[3 * i], "digests": got[3 * i + 1], "tokens": got[3 * i + 2]}
+                for i, n in enumerate(self.consumers)}
 
     def train(self, step: int) -> None:
         ray.get([r.train.remote(step) for r in self.ranks], timeout=WAIT)
@@ -146,16 +171,45 @@ class Run:
         """Every rollout at every version equals export_full of that step's gathered masters, and every
         version moved the weights."""
         for step in range(steps + 1):
-            full = A.gather_masters(self.root, step, WORLD)
+            full = A.gather_masters(self.root, step, WORLD, self.config)
             for name, (_, kind) in ROLLOUTS.items():
                 want = A.reference_digests(full, kind)
                 got = self.at[step + 1][name]["digests"]
                 assert [sorted(k for k in w if g.get(k) != w[k]) for w, g in zip(want, got, strict=True)] == \
                     [[] for _ in want], (step, name)
                 assert [set(w) for w in want] == [set(g) for g in got]
-                if step:
-                    prev = self.at[step][name]["digests"]
-                    assert any(p[k] != g[k] for p, g in zip(prev, got, strict=True) for k in g), (step, name)
+            self.check_moved(step)
+
+    def check_moved(self, step: int) -> None:
+        if step:
+            for name in self.consumers:
+                prev, got = self.at[step][name]["digests"], self.at[step + 1][name]["digests"]
+                assert any(p[k] != g[k] for p, g in zip(prev, got, strict=True) for k in g), (step, name)
+
+    def check_fresh_engines(self, steps: int) -> dict:
+        """Every engine at every version after the first equals a fresh engine started from that
+        version's export (digests of every weight as its kernels read it, and greedy tokens). The ranks
+        and engines are stopped first (the fresh engine takes the trainer's node)."""
+        from deltarefit.integrations.ray import EngineActor
+
+        served = {step + 1: self.served(step) for step in range(1, steps + 1)}
+        from ray.util import get_placement_group, remove_placement_group
+
+        for h in [*self.consumers.values(), *self.ranks]:
+            ray.kill(h, no_restart=True)
+        remove_placement_group(get_placement_group("deltarefit-trainer-ranks"))  # its bundles hold the node
+        fresh_cls = ray.remote(EngineActor).options(resources={"trainer": 1.0}, num_cpus=1)
+        differing = {}
+        for v, ck in served.items():
+            ref = fresh_cls.remote(ck, llm_kwargs=ray_refit.LLM_KWARGS, weight_transfer=False, name=f"fresh-{v}")
+            want_d, want_t = ray.get([ref.digests.remote(), ref.generate.remote(ray_refit.PROMPTS)], timeout=WAIT)
+            ray.kill(ref)
+            for name, s in self.at[v].items():
+                assert s["tokens"] == want_t, (v, name)
+                differing[(v, name)] = sorted(k for k in want_d[0] if s["digests"][0].get(k) != want_d[0][k])
+            self.check_moved(v - 1)
+        assert all(d == [] for d in differing.values()), differing
+        return differing
 
     def check_versions(self, steps: int) -> None:
         from deltarefit.shard.stream import load_shard_commit
@@ -216,3 +270,32 @@ def test_sharded_trainer_in_s3(s3_env, cluster, tmp_path):
     run.check_bit_exact(2)
     for s in run.at[3].values():
         assert s["state"]["last"]["bytes_fetched"] > 0, s
+
+
+def test_vllm_engines_follow_the_sharded_trainer_bit_exact_through_rank_kills(cluster, tmp_path):
+    """vLLM engine actors (``EngineActor``, TP=1, the deltarefit backend following the sharded stream) on
+    the engine nodes, started from the export of version 1; 4 AdamW steps, rank 1 killed between its part
+    and its descriptor at version 3 and the committer before its commit record at version 4; every
+    refit one round, 0 versions lost, every engine equal to a fresh engine at every version."""
+    root = str(tmp_path / "run")
+    os.makedirs(root)
+    run = Run(os.path.join(root, "stream"), root, consumers="vllm", config=ray_refit.CONFIG)
+    for name, s in run.at[1].items():
+        assert s["state"]["weight_version"] == "1" and s["state"]["fingerprints"] == [run.results[0]["fingerprint"]], \
+            (name, s["state"])
+    run.train(1)
+    run.refit_step(1)
+    run.train(2)
+    run.refit_step(2, run.killed_mid_publish(2, 1, ".head.json"))
+    run.train(3)
+    run.refit_step(3, run.killed_mid_publish(3, 0, "commit.json"))
+    run.train(4)
+    run.refit_step(4)
+    run.check_versions(4)
+    for step in range(1, 5):
+        assert run.results[step]["refit"].rounds == 1, run.results[step]
+    pids = {n: s["state"]["pid"] for n, s in run.at[1].items()}
+    assert {n: s["state"]["pid"] for n, s in run.at[5].items()} == pids  # no engine restarted
+    run.check_fresh_engines(4)
+    print({"rank_back_s": {k: v["publish"]["back_s"] for k, v in run.results.items() if k and "back_s" in v["publish"]},
+           "refit_round_s": {k: v["refit"].seconds_round for k, v in run.results.items() if k}})
