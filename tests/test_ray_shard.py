@@ -221,6 +221,8 @@ class Run:
 
 
 def test_sharded_trainer_ranks_publish_and_rollouts_follow_bit_exact_through_rank_kills(cluster, tmp_path):
+    from deltarefit.errors import DeltaRefitError
+
     root = str(tmp_path / "run")
     os.makedirs(root)
     run = Run(os.path.join(root, "stream"), root)
@@ -241,6 +243,12 @@ def test_sharded_trainer_ranks_publish_and_rollouts_follow_bit_exact_through_ran
     # version 6: rank 1 killed once the record exists, before its baseline moved to it
     run.train(5)
     run.refit_step(5, run.killed_mid_publish(5, 1, "advance"))
+    # the same step again is the version it already is (every rank resumed, nothing uploaded); an older
+    # step is refused by every rank, with nothing written
+    again = run.refit.publish(5)
+    assert again["version"] == 6 and all(r["resumed"] for r in again["ranks"]), again
+    with pytest.raises(DeltaRefitError, match="step 4 is behind"):
+        run.refit.publish(4)
     run.check_versions(5)
     run.check_bit_exact(5)
     for step in range(1, 6):
