@@ -1,7 +1,8 @@
 """``sync_sharded``'s two options for holders that are engines (``engines.vllm.sharded``): ``holds_all``
 (a version with a tensor the rank holds no piece of is refused before any write) and ``on_applied``
 (called after each version's write, before its record; a refusal there leaves the version unrecorded,
-and the rerun calls it again)."""
+and the rerun calls it again). And how an engine tells a sharded stream from a plain one, and reads
+either's fingerprint for the trainer's acknowledgement (no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,25 @@ def test_on_applied_runs_after_each_write_and_its_refusal_leaves_the_version_unr
     rep = sync_sharded(store, tensors, layout, state_path=state, on_applied=hook)
     assert rep.versions_applied == [2, 3] and seen[2:] == [(2, True), (3, True)]
     assert rep.applied[0].skipped > 0 and rep.applied[0].cells == 0  # version 2's cells were already there
+
+
+def test_stream_kind_and_version_fingerprint_of_plain_and_sharded_streams(tmp_path):
+    from safetensors.numpy import save_file
+
+    from deltarefit.engines.vllm.sharded import stream_kind, version_fingerprint
+    from deltarefit.shard.stream import load_shard_commit
+    from deltarefit.storage.local import LocalStore
+    from deltarefit.stream.publisher import Publisher
+    from deltarefit.stream.records import load_commit
+
+    assert stream_kind(MemoryStore()) is None
+    sharded, _ = _stream(tmp_path, 2)
+    assert stream_kind(sharded) == "sharded"
+    assert version_fingerprint(sharded, 2) == load_shard_commit(sharded, 2).fingerprint
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    save_file({"w": np.arange(64, dtype=np.float32)}, str(ck / "model.safetensors"))
+    Publisher(str(tmp_path / "plain"), str(tmp_path / "pub")).publish(str(ck))
+    plain = LocalStore(str(tmp_path / "plain"))
+    assert stream_kind(plain) == "plain"
+    assert version_fingerprint(plain, 1) == load_commit(plain, 1).fingerprint

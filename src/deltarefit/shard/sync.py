@@ -182,12 +182,17 @@ def _apply_route(st: _Stager, g: TPGroup, rep: ShardSyncReport, first: int, targ
         err = None
         try:
             rep.applied.append(apply_version(man, blobs, st.tensors, st.layout))
-            if on_applied is not None:
-                on_applied(man)
         except DeltaRefitError as e:
             err = e
         _agreed(g, err, VerificationError(
             f"version {v}: another rank of the group refused it; this rank's slices hold it, not recorded"))
+        if on_applied is not None:  # after the agreement: it may make the group's collective calls
+            try:
+                on_applied(man)
+            except DeltaRefitError as e:
+                err = e
+            _agreed(g, err, VerificationError(
+                f"version {v}: another rank of the group failed after its write; not recorded"))
         bad = g.check(st.tensors, st.layout, man, "target")
         if bad:
             raise VerificationError(f"version {v}: the TP group's target digests differ for {len(bad)} tensors "
@@ -219,10 +224,11 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
     ``holds_all``: this rank must hold a piece of every tensor of each version (an engine worker); a
     version with a tensor its layout lacks is refused when staged, nothing written. ``on_applied``:
     called with each version's manifest right after its write, in every member of the group, before the
-    group's target digests are checked and the version recorded: what the holder must do after a write
-    (an engine: reload what its kernels keep apart, re-check them). It must be idempotent: a rerun after
-    a failure calls it again. Its ``DeltaRefitError`` fails the version (agreed over the group), which is
-    then not recorded.
+    group's target digests are checked and the version recorded, once every member's write succeeded (so
+    it may make the group's collective calls, in the same order in every member): what the holder must do
+    after a write (an engine: reload what its kernels keep apart, re-check them). It must be idempotent: a
+    rerun after a failure calls it again. Its ``DeltaRefitError`` fails the version (agreed over the
+    group), which is then not recorded.
     """
     t0 = time.perf_counter()
     store = open_store(store) if isinstance(store, str) else store

@@ -38,7 +38,7 @@ Worker side (``DeltaRefitWeightTransferEngine``):
 A **sharded stream** (a trainer sharded over ranks, ``shard.ShardStreamPublisher``: every rank uploads its
 part of a version, one commits) is detected from its records at init, with the same init and update
 info: the worker follows it with ``sharded.ShardFollower`` (``shard.sync.sync_sharded`` into the engine's
-captured layout, then the engine's own steps after an apply). Tensor parallel size 1 only; a prepare
+captured layout, then the engine's own steps after an apply; a TP group's workers together). A prepare
 update plans nothing there. ``deltarefit_live_describe``'s "fingerprint" is then the sharded record's
 (``sharded.version_fingerprint`` reads either kind for the trainer's acknowledgement).
 

@@ -12,13 +12,20 @@ the needed parts fetched and checked, all before any write; each cell's pre-imag
 (``on_applied``) the engine does what it does after a plain apply (``LiveEngine.settle``): digests re-taken
 from the weights, layers of its reload set fed through vLLM's reload and read back through their kernels,
 derived copies rebuilt and read back. The version is recorded only once every tensor's additive digest, as
-the engine holds it, equals the version's target (so ``engine_state_fingerprint`` is the record's).
+the engine holds it, equals the version's target (so ``engine_state_fingerprint`` is the record's). The
+route is the chain from the engine's version, or, where retention deleted the objects of the version after
+it, the newest keyframe (every cell overwritten, then checked as any version) and the chain from there.
 
-Tensor parallel size 1 and CPU parameters only; other engines are refused at init, with nothing written.
+A tensor-parallel engine's workers follow together over the group vLLM keeps beside the device one
+(``live.group``: ``sync_sharded``'s TP group): each applies the cells meeting its slices, and the group's
+summed slice digests are checked against the version's before and after. CPU parameters only; other
+engines are refused at init, with nothing written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -32,8 +39,8 @@ from ...shard.names import Layout, LocalTensor
 from ...shard.records import SHARD_COMMIT_FORMAT, load_shard_commit, shard_stream_identity, state_fingerprint
 from ...shard.sync import ShardSyncReport, sync_sharded
 from ...storage.base import Store
-from ...stream.chain import MAX_RECORD_BYTES, commit_key, get_capped, head
-from ...stream.records import load_commit, record_version
+from ...stream.chain import MAX_RECORD_BYTES, commit_key, get_capped, head, newest_keyframe, sync_target
+from ...stream.records import StreamIdentityError, held_state, load_commit, record_version
 from .holder import SCRATCH_PREFIX
 
 log = logging.getLogger(__name__)
@@ -76,19 +83,26 @@ def engine_state_fingerprint(live: Any) -> str | None:
 def engine_layout(live: Any) -> tuple[dict[str, Any], Layout]:
     """A ``LiveEngine``'s weights as a sharded rollout rank holds them: (``{local name: tensor}``, its
     ``Layout``). Local names are ``param:<parameter>`` (the pieces of every checkpoint tensor placed in
-    it) and ``host:<tensor>`` (the host copy of a tensor the engine reloads, whole)."""
+    it) and ``host:<tensor>`` (the host copy of a tensor the engine reloads, whole). In a tensor-parallel
+    group a tensor every worker holds whole (not split between them: replicated, or a host copy) is owned
+    by worker 0 alone, so that the group's summed slice digests count each element once."""
+    rank = live.group.rank
+
+    def owned(piece: Any, split: bool) -> Any:
+        return piece if split or rank == 0 else dataclasses.replace(piece, owner=False)
+
     tensors: dict[str, Any] = {}
     pieces: dict[str, list] = {}
     for name in sorted(live.placements):
         for pl in live.placements[name]:
             key = f"param:{pl.param}"
             tensors[key] = live.params[pl.param]
-            pieces.setdefault(key, []).append(pl.piece)
+            pieces.setdefault(key, []).append(owned(pl.piece, name in live.shared))
     layout: Layout = {k: LocalTensor(tuple(tensors[k].shape), tuple(ps)) for k, ps in pieces.items()}
     for name, t in sorted(live.host.items()):
         key = f"host:{name}"
         tensors[key] = t
-        layout[key] = LocalTensor(tuple(t.shape), (whole_piece(name, tuple(t.shape)),))
+        layout[key] = LocalTensor(tuple(t.shape), (owned(whole_piece(name, tuple(t.shape)), False),))
     off = sorted(k for k, t in tensors.items() if t.device.type != "cpu")
     if off:
         raise UsageError(f"deltarefit: a sharded stream is applied into CPU parameters only; {off[0]} is on "
@@ -106,9 +120,6 @@ class ShardFollower:
 
     def __init__(self, live: Any, store: Store, *, version: int | None = None, public_key: str | None = None
                  ) -> None:
-        if live.group.size > 1:
-            raise UsageError(f"deltarefit: a sharded stream is followed at tensor parallel size 1 only; this "
-                             f"engine has {live.group.size} workers (follow a plain stream, or run TP=1 engines)")
         self.live, self.store, self.public_key = live, store, public_key
         self.tensors, self.layout = engine_layout(live)
         fp = engine_state_fingerprint(live)
@@ -144,12 +155,35 @@ class ShardFollower:
         """Bring the engine to ``to_version`` (default: the head), verified (module docstring); refused
         with nothing written where a check before the write fails. Rerun after any failure."""
         self.reloaded = []
+        if self._chain_gone(sync_target(self.store.url, head(self.store), to_version)):
+            self._drop_held()  # sync_sharded then starts from the newest keyframe
         with self.live.writing():
             rep = sync_sharded(self.store, self.tensors, self.layout, state_path=self.state_path,
-                               to_version=to_version, adopt=False, public_key=self.public_key, holds_all=True,
-                               on_applied=self._settle)
+                               to_version=to_version, group=self.live.group.pg, adopt=False,
+                               public_key=self.public_key, holds_all=True, on_applied=self._settle)
         self.held_now = (rep.version, rep.fingerprint)
         return rep
+
+    def _chain_gone(self, target: int) -> bool:
+        """Whether the objects of the version after the one held were deleted (retention keeps those from
+        the newest keyframe on: an engine restarted from an old export) while a keyframe after it, up to
+        ``target``, lets the engine go on from there."""
+        v = self.held_now[0]
+        if v + 1 >= target or newest_keyframe(lambda x: load_shard_commit(self.store, x), target) <= v + 1:
+            return False
+        return not self.store.exists(load_shard_commit(self.store, v + 1).manifest.key)
+
+    def _drop_held(self) -> None:
+        """Forget the version held (the keyframe route overwrites every cell); the stream must still be
+        the one followed."""
+        held = (held_state(self.state_path) or {}).get("stream_id")
+        ident = shard_stream_identity(self.store)
+        if held is not None and held != ident:
+            raise StreamIdentityError(f"{self.store.url}: holds stream {ident}, this engine follows {held}")
+        log.info("deltarefit: version %d's successor is gone from %s; going on from its newest keyframe",
+                 self.held_now[0], self.store.url)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.state_path)
 
     def _settle(self, man: dict) -> None:
         """After a version's write: the engine's steps after an apply, then every tensor's digest as the
