@@ -88,7 +88,7 @@ $(VLLM_VENV)/.ray-installed: $(VLLM_VENV)/.installed
 	touch $@
 
 test-ray: $(VLLM_VENV)/.ray-installed
-	PYTHONPATH=$(CURDIR)/src $(VLLM_VENV)/bin/python -m pytest -q -s -m ray -p no:cacheprovider tests/test_ray.py tests/test_ray_heal.py tests/test_ray_async.py tests/test_ray_tp.py
+	PYTHONPATH=$(CURDIR)/src $(VLLM_VENV)/bin/python -m pytest -q -s -m ray -p no:cacheprovider tests/test_ray.py tests/test_ray_heal.py tests/test_ray_async.py tests/test_ray_tp.py tests/test_ray_shard.py
 
 # Live refit conformance across model families and both layouts (tests/test_vllm_models.py). The rows
 # land in $(MODELS_OUT); `python scripts/models_matrix.py $(MODELS_OUT)` renders docs/MODELS.md from them.

