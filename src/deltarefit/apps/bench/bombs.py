@@ -16,7 +16,8 @@ Kinds (``KINDS``):
 * ``unique-digests``: distinct names and digests that differ in a few digits (compressible, unshared);
 * ``long-string``: one ``stats`` string filling the expansion allowance;
 * ``deep``: ``stats`` a list of 6-deep nests padded to the container bound (8 levels in all);
-* ``tiny-containers``: ``stats`` a list of 3-key objects at one container per 16 bytes.
+* ``tiny-containers``: ``stats`` a list of 3-key objects at one container per 16 bytes;
+* ``many-keys``: top-level keys readers do not know, each a small 6-deep nest.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ _PAD = [b""]  # random hex in a key readers ignore: buys the expansion allowance
 def _manifest(tensors, stats: str = "{}", fp: str = ZERO):
     """The manifest's pieces (an iterable of bytes): the head, ``tensors`` (an iterable of entry texts),
     the tail."""
-    yield (_HEAD % fp).encode() + b'"pad":"' + _PAD[0] + b'","stats":' + stats.encode()
+    pads = [_PAD[0][i:i + (200 << 10)] for i in range(0, len(_PAD[0]), 200 << 10)]  # values under 256 KiB
+    yield (_HEAD % fp).encode() + b"".join(b'"pad%06d":"%s",' % (i, x) for i, x in enumerate(pads))
+    yield b'"stats":' + stats.encode()
     yield f',"target_fingerprint":"{fp}","tensors":['.encode()
     first = True
     for t in tensors:
@@ -114,12 +117,18 @@ def deep(n: int) -> bytes:
     return _frame(_manifest([], stats="[" + ",".join([unit] * n) + "]"))
 
 
+def many_keys(n: int) -> bytes:
+    """Top-level keys a reader does not know, each a small 6-deep nest (within every per-value bound)."""
+    unit = "[[[[[[" + '"' + "b" * 84 + '"' + "]]]]]]"
+    return _frame(_manifest([], stats="{}," + ",".join(f'"k{i:08d}":{unit}' for i in range(n))))
+
+
 def tiny_containers(n: int) -> bytes:
     return _frame(_manifest([], stats="[" + ",".join(['{"a":0,"b":0,"c":0}'] * n) + "]"))
 
 
 KINDS = {"same-entry": same_entry, "unique": unique, "unique-digests": unique_digests,
-         "long-string": long_string, "deep": deep, "tiny-containers": tiny_containers}
+         "long-string": long_string, "deep": deep, "tiny-containers": tiny_containers, "many-keys": many_keys}
 
 
 def write_bomb(path: str, kind: str, file_bytes: int) -> tuple[int, int]:
