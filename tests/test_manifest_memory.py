@@ -219,3 +219,48 @@ def test_the_zstd_window_is_bounded(pair, tmp_path):
         else:
             with pytest.raises(FormatError, match="not a valid zstd frame"):
                 fmt.DeltaReader(p)
+
+
+# ------------------------------------------------------------------ other JSON read from untrusted bytes
+
+
+def _nested_lists(n: int) -> bytes:
+    return b"[" + b"[]," * n + b"[]]"
+
+
+def test_a_shard_part_header_bomb_is_refused_before_parsing():
+    """A part whose 6 MiB header is ``[[],[],...]`` (2M lists: json.loads would build ~130 MiB) is
+    refused from its shape, a LimitError naming it, in about the header's own size."""
+    from deltarefit.shard import part as sp
+
+    header = b'{"format":"deltarefit.shard_part","format_version":1,"tensors":' + _nested_lists(2 << 20) + b"}"
+    blob = sp._PREFIX.pack(sp.MAGIC, sp.FORMAT_VERSION, 0, len(header)) + header
+    err, peak = traced(lambda: sp.read_part(blob, "part r0"))
+    print(f"part header of {len(header)} bytes: peak {peak / MIB:.1f} MiB: {err}")
+    assert isinstance(err, LimitError) and str(err).startswith("part r0: header holds")
+    assert peak < len(blob) + 8 * MIB
+
+
+def test_a_version_manifest_bomb_and_a_descriptor_bomb_are_refused_before_parsing(tmp_path):
+    """A version manifest that matches its commit record's size and BLAKE3 (the record unsigned, so
+    anyone could have written both) but is 6 MiB of nested lists, and a part descriptor likewise:
+    each refused as malformed from its shape, without building the lists."""
+    import blake3
+
+    from deltarefit.errors import StreamError
+    from deltarefit.shard.records import ShardCommit, _parse_descriptor, load_manifest
+    from deltarefit.storage.local import LocalStore
+    from deltarefit.stream.records import Part
+
+    store = LocalStore(str(tmp_path / "store"))
+    data = b'{"format":"deltarefit.shard_version","parts":' + _nested_lists(2 << 20) + b"}"
+    key = "v/000000000001/0123456789abcdef/manifest.json"
+    store.put(key, data)
+    rec = ShardCommit(1, None, "00" * 32, True, 1, Part(key, len(data), blake3.blake3(data).hexdigest()), ())
+    err, peak = traced(lambda: load_manifest(store, rec))
+    print(f"version manifest of {len(data)} bytes: peak {peak / MIB:.1f} MiB: {err}")
+    assert isinstance(err, StreamError) and "malformed manifest (holds" in str(err) and key in str(err)
+    assert peak < 2 * len(data) + 8 * MIB
+    err, peak = traced(lambda: _parse_descriptor(data, "d.head.json"))
+    assert isinstance(err, StreamError) and "malformed part descriptor (holds" in str(err)
+    assert peak < len(data) + 8 * MIB
