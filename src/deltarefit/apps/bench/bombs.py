@@ -5,7 +5,8 @@ size (KiB), one delta per kind below (every header field and hash right, so only
 refused), runs ``deltarefit inspect`` on it in a child process and prints the file size, the manifest's
 expanded size, the exit code, the child's peak RSS above an idle ``deltarefit --version`` and the
 refusal. ``--in-process`` measures ``DeltaReader(path)`` with tracemalloc instead (the Python heap only,
-no interpreter baseline). Figures are printed, never asserted; ``tests/test_manifest_memory.py`` asserts
+no interpreter baseline). ``--other`` measures, instead, the other JSON read from untrusted bytes
+(``other_json``: shard part headers, version manifests, commit records). Figures are printed, never asserted; ``tests/test_manifest_memory.py`` asserts
 the bounds with the same files.
 
 Kinds (``KINDS``):
@@ -156,12 +157,62 @@ def read_in_process(path: str) -> tuple[int, str]:
     return peak, err
 
 
+def other_json() -> list[tuple[str, int, int, str]]:
+    """The other JSON read from untrusted bytes, each at its size limit with the costliest text its
+    shape checks admit (or, where they refuse it, the bomb they refuse): (what, input bytes, traced
+    peak of parsing it, the refusal or "")."""
+    import blake3
+
+    from ...errors import DeltaRefitError
+    from ...shard import part as sp
+    from ...shard.records import ShardCommit, load_manifest
+    from ...storage.memory import MemoryStore
+    from ...stream.records import MAX_RECORD_BYTES, Part, record_json
+
+    def run(what: str, data: bytes, f) -> tuple[str, int, int, str]:
+        tracemalloc.start()
+        tracemalloc.reset_peak()
+        err = ""
+        try:
+            f()
+        except DeltaRefitError as e:
+            err = f"{type(e).__name__}: {str(e)[:100]}"
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return what, len(data), peak, err
+
+    def fill(head: bytes, unit: bytes, size: int, tail: bytes) -> bytes:
+        return head + unit * ((size - len(head) - len(tail)) // len(unit)) + tail
+
+    out = []
+    nests = fill(b'{"format":"deltarefit.shard_part","tensors":[', b"[],", 64 * MIB, b"[]]}")
+    blob = sp._PREFIX.pack(sp.MAGIC, sp.FORMAT_VERSION, 0, len(nests)) + nests
+    out.append(run("shard part header, 64 MiB of [[],...]", blob, lambda: sp.read_part(blob)))
+    strings = fill(b'{"format":"deltarefit.shard_part","tensors":[', b'"abcd",', 64 * MIB, b'"a"]}')
+    blob2 = sp._PREFIX.pack(sp.MAGIC, sp.FORMAT_VERSION, 0, len(strings)) + strings
+    out.append(run("shard part header, 64 MiB of short strings", blob2, lambda: sp.read_part(blob2)))
+    store = MemoryStore()
+    for label, data in (("version manifest, 64 MiB of [[],...]", nests), ("version manifest, 64 MiB of strings", strings)):
+        key = "v/000000000001/0123456789abcdef/manifest.json"
+        store.put(key, data)
+        rec = ShardCommit(1, None, "00" * 32, True, 1, Part(key, len(data), blake3.blake3(data).hexdigest()), ())
+        out.append(run(label, data, lambda r=rec: load_manifest(store, r)))
+    rec16 = fill(b'{"format":"deltarefit.commit","x":[', b'"abcd",', MAX_RECORD_BYTES, b'"a"]}')
+    out.append(run("commit record, 16 MiB of short strings", rec16, lambda: record_json(rec16, "commit.json")))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="14,74,1024", help="file sizes in KiB, comma-separated")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--in-process", action="store_true", help="tracemalloc DeltaReader instead of a child")
+    ap.add_argument("--other", action="store_true", help="only the other JSON read from untrusted bytes")
     a = ap.parse_args(argv)
+    if a.other:
+        for what, size, peak, err in other_json():
+            print(f"{what:<44} {size / MIB:>6.0f} MiB  traced peak {peak / MIB:>7.1f} MiB  {err}", flush=True)
+        return 0
     with tempfile.TemporaryDirectory(prefix="deltarefit-bombs-") as tmp:
         base = 0 if a.in_process else measure(["--version"]).peak_rss
         what = "traced peak" if a.in_process else "peak RSS - idle"
