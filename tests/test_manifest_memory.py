@@ -115,7 +115,27 @@ def test_a_valid_dense_manifest_keeps_no_more_than_it_is_charged(tmp_path):
     tracemalloc.stop()
     print(f"{len(r.tensors)} tensors in {size} bytes: kept {kept}, charged {r.charged}")
     assert len(r.tensors) == 20000 and kept <= r.charged <= fmt.memory_budget(size)
+    assert w.charged == r.charged  # the writer charged the same: it never writes what readers refuse
     r.close()
+
+
+def test_writer_and_reader_charge_a_real_delta_alike(pair, monkeypatch):
+    """A real encoded delta (patch, add, remove, replace and same entries, records, additive digests):
+    the reader charges exactly what the writer did, records included."""
+    d = str(pair["dir"] / "again.delta")
+    seen = {}
+    real_finish = fmt.DeltaWriter.finish
+
+    def finish(self, manifest):
+        size = real_finish(self, manifest)
+        seen["charged"] = self.charged
+        return size
+
+    monkeypatch.setattr(fmt.DeltaWriter, "finish", finish)
+    deltarefit.encode(pair["base"], pair["target"], d, sums=True)
+    with fmt.DeltaReader(d) as r:
+        assert r.records and "patch" in {e.op for e in r.tensors}
+        assert seen["charged"] == r.charged > len(r.records) * fmt.layout.RECORD_COST
 
 
 def test_past_its_budget_a_manifest_is_refused_and_never_written(ckpt, tmp_path):

@@ -91,7 +91,9 @@ class DeltaWriter:
         if raw_len > manifest_limit(len(man)) or len(man) > MAX_MANIFEST_BYTES:
             raise LimitError(f"{self.path}: manifest of {raw_len} bytes compresses to {len(man)}, past the "
                              f"expansion readers accept ({manifest_limit(len(man))} bytes)")
-        _charge(manifest, ManifestBudget(len(man) + len(self._table), len(self._table) // RECORD_SIZE, self.path))
+        budget = ManifestBudget(len(man) + len(self._table), len(self._table) // RECORD_SIZE, self.path)
+        _charge(manifest, budget)
+        self.charged = budget.used  # what a reader of this file charges (``DeltaReader.charged``)
         table = bytes(self._table)
         payload_off = HEADER_SIZE
         man_off = payload_off + self._off
