@@ -2,7 +2,7 @@
 
 The import path of the container (``from deltarefit.format import DeltaReader, DeltaWriter, ...``);
 its parts live in modules by role: ``layout`` (the structs, limits and typed records every part
-shares, no I/O), ``writer`` (``DeltaWriter``: payloads to a temp file, renamed into place only when
+shares, no I/O), ``manifest`` (the manifest read from untrusted bytes in bounded memory), ``writer`` (``DeltaWriter``: payloads to a temp file, renamed into place only when
 complete) and ``reader`` (``DeltaReader``: validates everything it can before returning, checks
 payload hashes as chunks are read). Nothing here decodes chunks or touches checkpoints.
 """
@@ -18,9 +18,14 @@ from .layout import (
     MANIFEST_EXPANSION,
     MANIFEST_FLOOR,
     MANIFEST_MAX_DEPTH,
+    MANIFEST_VALUE_CHARS,
+    MANIFEST_WINDOW,
     MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_TEXT,
     MAX_NDIM,
     MAX_RECORDS,
+    MEMORY_FLOOR,
+    MEMORY_PER_INDEX_BYTE,
     OPS,
     RECORD,
     RECORD_SIZE,
@@ -29,17 +34,19 @@ from .layout import (
     VERSION,
     ZERO_HASH,
     ChunkRecord,
+    ManifestBudget,
     TensorEntry,
     TensorMeta,
     manifest_limit,
+    memory_budget,
 )
 
 # Private helpers too, for the tests and tools that reach them through this path.
 from .layout import _pack_record as _pack_record
+from .manifest import _hex as _hex
+from .manifest import _meta as _meta
+from .manifest import _tensor_entry as _tensor_entry
 from .reader import DeltaReader
-from .reader import _hex as _hex
-from .reader import _meta as _meta
-from .reader import _tensor_entry as _tensor_entry
 from .reader import _unpack_record as _unpack_record
 from .reader import _unzstd_manifest as _unzstd_manifest
 from .writer import DeltaWriter
@@ -47,7 +54,8 @@ from .writer import _remove_stale_temps as _remove_stale_temps
 
 __all__ = [
     "FLAG_MANIFEST_ZSTD", "HEADER", "HEADER_SIZE", "MAGIC", "MANIFEST_BYTES_PER_CONTAINER", "MANIFEST_EXPANSION",
-    "MANIFEST_FLOOR", "MANIFEST_MAX_DEPTH", "MAX_MANIFEST_BYTES", "MAX_NDIM", "MAX_RECORDS", "OPS", "RECORD",
+    "MANIFEST_FLOOR", "MANIFEST_MAX_DEPTH", "MANIFEST_VALUE_CHARS", "MANIFEST_WINDOW", "MAX_MANIFEST_BYTES",
+    "MAX_MANIFEST_TEXT", "MAX_NDIM", "MAX_RECORDS", "MEMORY_FLOOR", "MEMORY_PER_INDEX_BYTE", "OPS", "RECORD",
     "RECORD_SIZE", "RELEASE", "SUM_BYTES", "VERSION", "ZERO_HASH", "ChunkRecord", "DeltaReader", "DeltaWriter",
-    "TensorEntry", "TensorMeta", "manifest_limit",
+    "ManifestBudget", "TensorEntry", "TensorMeta", "manifest_limit", "memory_budget",
 ]

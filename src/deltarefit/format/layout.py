@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..dtypes import DTYPES
+from ..errors import LimitError
 from ..integrity import SEG_HASH_BYTES
 
 # The library's release (``deltarefit.__version__``, pyproject.toml's ``version``), which every delta names
@@ -27,12 +28,22 @@ HEADER_SIZE = HEADER.size  # 96
 RECORD = struct.Struct("<IIBBHIQII16s16s16s")
 RECORD_SIZE = RECORD.size  # 80
 SUM_BYTES = 16  # an additive digest (integrity.additive): two 64-bit lanes
-MAX_MANIFEST_BYTES = 256 << 20
-# A manifest's expanded size is also bounded by its compressed size: at most 1 MiB + 1024 times it.
-# Real manifests expand 5-10x (each tensor has a digest of 32 random bytes), and about 220x at worst
-# (100k tensors sharing one digest); a small file can't make the reader build hundreds of MiB.
+MAX_MANIFEST_BYTES = 256 << 20  # the compressed manifest (the header's manifest_len)
+# A manifest's expanded text is bounded by its compressed size: at most 1 MiB + 1024 times it, and 1 GiB
+# (a manifest of 1M tensors is about 400 MB). Real manifests expand 5-10x (each tensor has a digest of 32
+# random bytes), and 100-300x when many tensors share one digest. The text is never whole in memory (the
+# reader decodes it as it is decompressed): this bounds the reader's time, not its memory.
+MAX_MANIFEST_TEXT = 1 << 30
 MANIFEST_FLOOR = 1 << 20
 MANIFEST_EXPANSION = 1024
+MANIFEST_WINDOW = 8 << 20  # the zstd window a manifest frame may need (level 19 needs 8 MiB, level 1 512 KiB)
+MANIFEST_VALUE_CHARS = 256 << 10  # one tensor entry or one top-level value, as text (real ones: under 1 KiB)
+# Memory before trust: what the reader keeps of a delta's manifest and chunk table (tensor entries and
+# records, charged by ``ManifestBudget`` as they are built) is at most 32 MiB + 32 times the bytes of the
+# manifest and table sections. Real deltas need 5-20 bytes per byte (an unshared digest is 32 random
+# bytes in the file); the 32 MiB holds about 100k tensors that share one dtype, shape and digest.
+MEMORY_FLOOR = 32 << 20
+MEMORY_PER_INDEX_BYTE = 32
 # Shape bounds checked before the JSON is parsed (see jsonlimits): real manifests nest 5 levels and
 # hold one array/object per 50-70 bytes.
 MANIFEST_MAX_DEPTH = 8
@@ -44,7 +55,7 @@ OPS = ("same", "patch", "add", "remove", "replace")
 ZERO_HASH = bytes(SEG_HASH_BYTES)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkRecord:
     tensor_index: int
     chunk_index: int
@@ -69,7 +80,7 @@ def _pack_record(tensor_index: int, chunk_index: int, encoding: int, n_changed: 
                        decoded_len, payload_hash, pre_hash, post_hash)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorMeta:
     dtype: str
     shape: tuple[int, ...]
@@ -92,7 +103,7 @@ class TensorMeta:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     name: str
     op: str
@@ -112,4 +123,77 @@ class TensorEntry:
 
 def manifest_limit(compressed_len: int) -> int:
     """The most bytes a manifest stored in ``compressed_len`` bytes may expand to (see FORMAT.md)."""
-    return min(MAX_MANIFEST_BYTES, MANIFEST_FLOOR + MANIFEST_EXPANSION * compressed_len)
+    return min(MAX_MANIFEST_TEXT, MANIFEST_FLOOR + MANIFEST_EXPANSION * compressed_len)
+
+
+def memory_budget(index_bytes: int) -> int:
+    """The most bytes of entries and records a reader keeps for a delta whose manifest and chunk table
+    sections hold ``index_bytes`` bytes (see FORMAT.md, "Memory before trust")."""
+    return MEMORY_FLOOR + MEMORY_PER_INDEX_BYTE * index_bytes
+
+
+# What the reader's objects cost (CPython 3.11, 64-bit, ``sys.getsizeof`` with its GC header), rounded
+# up: an upper bound, so that what is charged is never less than what is kept. Each int is charged as a
+# separate object (small ones are shared, which only makes the charge generous).
+_INT = 36  # an int below 2**64
+RECORD_COST = 112 + 8 + 3 * 49 + 7 * _INT + 16  # slots object, list slot, three 16-byte hashes, seven ints: 535
+_ENTRY_COST = 88 + 8 + 3 * _INT + 24  # slots object, list slot (and growth), changed/first/count: 228
+_META_COST = 64 + 65 + 40 + 16  # slots object, 32-byte digest, shape tuple: 185
+_DIM_COST = 8 + _INT
+_SUM_COST = 49
+
+
+class ManifestBudget:
+    """Charges the memory a reader keeps for a delta's records and tensor entries against
+    ``memory_budget``; ``charge`` refuses (``LimitError``) the entry that would pass it. Reader and writer
+    charge the same entries the same way (the writer never writes what readers refuse).
+
+    A tensor's base and target metadata are charged once each, except where they are shared: the reader
+    keeps one object for a target equal to its base, and for metadata equal to the previous entry's
+    (``share``), and the charge follows it."""
+
+    def __init__(self, index_bytes: int, n_records: int, where: str) -> None:
+        self.where = where
+        self.limit = memory_budget(index_bytes)
+        self.index_bytes = index_bytes
+        self.used = n_records * RECORD_COST
+        self._prev: tuple = ()
+
+    def share(self, metas: tuple) -> tuple:
+        """``metas`` (an entry's base and target, ``TensorMeta`` or None, or any equal-comparing keys)
+        with each replaced by the equal one kept before, where there is one: the previous entry's
+        metadata, or its own base for the target. Charges the ones that are new."""
+        out: list = []
+        for m in metas:
+            kept = m
+            if m is not None:
+                for k in (*out, *self._prev):
+                    if k is not None and k == m:
+                        kept = k
+                        break
+                else:
+                    self.used += _meta_cost(m)
+            out.append(kept)
+        self._prev = tuple(out)
+        return self._prev
+
+    def charge(self, name: str, metas: tuple) -> tuple:
+        """Charge a tensor entry named ``name`` with metadata ``metas`` (see ``share``, whose result
+        this returns). Raises ``LimitError`` past the limit."""
+        self.used += _ENTRY_COST + _str_cost(name)
+        metas = self.share(metas)
+        if self.used > self.limit:
+            raise LimitError(f"{self.where}: manifest and chunk table ({self.index_bytes} bytes) need more than "
+                             f"{self.limit} bytes of memory to read, the limit ({MEMORY_FLOOR >> 20} MiB + "
+                             f"{MEMORY_PER_INDEX_BYTE}x their size; FORMAT.md, memory before trust)")
+        return metas
+
+
+def _str_cost(s: str) -> int:
+    return 49 + len(s) if s.isascii() else 80 + 4 * len(s)
+
+
+def _meta_cost(m) -> int:
+    """A ``TensorMeta`` or its JSON form ``(dtype, shape, digest, sum)`` (the writer's key)."""
+    shape, add = (m.shape, m.sum) if isinstance(m, TensorMeta) else (m[1], m[3])
+    return _META_COST + _DIM_COST * len(shape) + (_SUM_COST if add is not None else 0)

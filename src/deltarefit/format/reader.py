@@ -9,45 +9,34 @@ as chunks are read (``read_payload``). Nothing here decodes chunks or touches ch
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any
-
-import zstandard
 
 from ..codec.chunk import ENCODING_NAMES, OVERWRITE, max_payload_len
-from ..dtypes import DTYPES, dtype
+from ..dtypes import dtype
 from ..errors import FormatError, IntegrityError, LimitError, UnsupportedVersionError
 from ..integrity import (
-    DIGEST_BYTES,
     SEGMENT_BYTES,
-    fingerprint_from_digests,
+    fingerprint_from_sorted,
     n_segments,
     seg_hash,
     tensor_digest_from_segments,
 )
-from ..io.jsonlimits import brief, json_shape_problem
+from ..io.jsonlimits import brief
 from .layout import (
     FLAG_MANIFEST_ZSTD,
     HEADER,
     HEADER_SIZE,
     MAGIC,
-    MANIFEST_BYTES_PER_CONTAINER,
-    MANIFEST_EXPANSION,
-    MANIFEST_MAX_DEPTH,
     MAX_MANIFEST_BYTES,
-    MAX_NDIM,
     MAX_RECORDS,
-    OPS,
     RECORD,
     RECORD_SIZE,
-    SUM_BYTES,
     VERSION,
     ChunkRecord,
+    ManifestBudget,
     TensorEntry,
-    TensorMeta,
-    manifest_limit,
 )
+from .manifest import _hex, declared_size, pieces, read_manifest
 
 
 class DeltaReader:
@@ -106,25 +95,21 @@ class DeltaReader:
         index = self._f.read(man_len + tab_len)
         if len(index) != man_len + tab_len or seg_hash(index) != idx_hash:
             raise IntegrityError(f"{p}: manifest/table hash mismatch (corrupt or tampered index)")
-        man_raw = _unzstd_manifest(index[:man_len], p)
-        problem = json_shape_problem(man_raw, max_depth=MANIFEST_MAX_DEPTH,
-                                     bytes_per_container=MANIFEST_BYTES_PER_CONTAINER)
-        if problem:
-            raise LimitError(f"{p}: manifest {problem}")
-        try:
-            man = json.loads(man_raw.decode("utf-8"), object_pairs_hook=_text_only)
-        except _NotText as e:
-            raise FormatError(f"{p}: manifest: {e}") from None
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            # ValueError covers JSONDecodeError and integers past Python's digit limit; RecursionError
-            # deep nesting. Hostile manifests must fail as format errors, not crash the reader.
-            raise FormatError(f"{p}: manifest is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+        # Memory before trust: what is kept of the manifest and the table is charged against their size as
+        # it is built (FORMAT.md); the manifest's text is never whole in memory.
+        budget = ManifestBudget(man_len + tab_len, tab_len // RECORD_SIZE, p)
+        man, tensors = read_manifest(memoryview(index)[:man_len], p, budget)
+        #: The manifest's top-level values but ``tensors`` (see ``manifest.KEPT``); None where it is not
+        #: a JSON object. Its entries are ``tensors``.
         self.manifest = man
         self.records = [ChunkRecord(*_unpack_record(index, man_len + i * RECORD_SIZE, p))
                         for i in range(tab_len // RECORD_SIZE)]
-        self._validate(man)
+        del index
+        #: Bytes of memory charged for the entries and records kept (at most ``layout.memory_budget``).
+        self.charged = budget.used
+        self._validate(man, tensors)
 
-    def _validate(self, man: Any) -> None:
+    def _validate(self, man: dict | None, tensors: list[TensorEntry] | None) -> None:
         p = self.path
         if not isinstance(man, dict) or man.get("format") != "deltarefit.delta" or man.get("version") != VERSION:
             raise FormatError(f"{p}: manifest is not a deltarefit.delta v{VERSION} manifest")
@@ -134,21 +119,11 @@ class DeltaReader:
             raise FormatError(f"{p}: segment size {man.get('segment_bytes')} is not {SEGMENT_BYTES}")
         self.base_fingerprint = _hex(man.get("base_fingerprint"), f"{p}: base_fingerprint")
         self.target_fingerprint = _hex(man.get("target_fingerprint"), f"{p}: target_fingerprint")
-        ts = man.get("tensors")
-        if not isinstance(ts, list):
+        if tensors is None:
             raise FormatError(f"{p}: manifest has no tensor list")
-        self.tensors: list[TensorEntry] = []
-        seen: set[str] = set()
-        nxt = 0
-        for i, t in enumerate(ts):
-            e = _tensor_entry(t, f"{p}: tensor #{i}")
-            if e.name in seen:
-                raise FormatError(f"{p}: tensor {e.name!r} listed twice")
-            seen.add(e.name)
-            if e.first != nxt:
-                raise FormatError(f"{p}: tensor {e.name!r}: chunk records start at {e.first}, expected {nxt}")
-            nxt += e.count
-            self.tensors.append(e)
+        # Names strictly increasing, record ranges consecutive: checked as the entries were read.
+        self.tensors: list[TensorEntry] = tensors
+        nxt = tensors[-1].first + tensors[-1].count if tensors else 0
         if nxt != len(self.records):
             raise FormatError(f"{p}: tensors claim {nxt} chunk records, table holds {len(self.records)}")
         off = 0
@@ -164,11 +139,14 @@ class DeltaReader:
         added or replaced tensors make their target digests. (A patched tensor's target digest also
         depends on its unchanged segments, so apply checks it against the checkpoint before writing.)"""
         p = self.path
-        base = {e.name: e.base.digest for e in self.tensors if e.base is not None}
-        target = {e.name: e.target.digest for e in self.tensors if e.target is not None}
-        if fingerprint_from_digests(base) != self.base_fingerprint:
+        ts = self.tensors  # sorted by name, each once (checked as read): no dict of names is built
+        base = fingerprint_from_sorted(sum(e.base is not None for e in ts),
+                                       ((e.name, e.base.digest) for e in ts if e.base is not None))
+        target = fingerprint_from_sorted(sum(e.target is not None for e in ts),
+                                         ((e.name, e.target.digest) for e in ts if e.target is not None))
+        if base != self.base_fingerprint:
             raise IntegrityError(f"{p}: tensor base digests do not make the base fingerprint (corrupt delta)")
-        if fingerprint_from_digests(target) != self.target_fingerprint:
+        if target != self.target_fingerprint:
             raise IntegrityError(f"{p}: tensor target digests do not make the target fingerprint (corrupt delta)")
         for e in self.tensors:
             if e.op in ("add", "replace"):
@@ -227,22 +205,8 @@ class DeltaReader:
 
 
 def _unzstd_manifest(data: bytes, p: str) -> bytes:
-    limit = manifest_limit(len(data))
-    try:
-        size = zstandard.get_frame_parameters(data).content_size
-        if size == zstandard.CONTENTSIZE_UNKNOWN:
-            raise FormatError(f"{p}: manifest zstd frame does not declare its content size")
-        if size > limit:
-            raise LimitError(f"{p}: manifest expands to {size} bytes from {len(data)}, limit {limit} "
-                             f"(1 MiB + {MANIFEST_EXPANSION}x its compressed size, at most {MAX_MANIFEST_BYTES})")
-        # The declared size is checked, and the output is capped too: a frame that lies about its
-        # size fails here instead of growing.
-        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=limit)
-        if len(out) != size:
-            raise FormatError(f"{p}: manifest expands to {len(out)} bytes, its frame declares {size}")
-        return out
-    except zstandard.ZstdError as e:
-        raise FormatError(f"{p}: manifest is not a valid zstd frame ({e})") from None
+    """A manifest frame's whole text (within the expansion bound): for tools; the reader never holds it."""
+    return b"".join(pieces(data, declared_size(data, p), p))
 
 
 def _unpack_record(buf: bytes, off: int, p: str) -> tuple:
@@ -250,74 +214,3 @@ def _unpack_record(buf: bytes, off: int, p: str) -> tuple:
     if r1 or r2:
         raise FormatError(f"{p}: chunk record #{off // RECORD_SIZE}: reserved bytes are not zero")
     return (ti, ci, enc, nch, poff, plen, dlen, ph, pre, post)
-
-
-def _hex(v: Any, where: str) -> str:
-    if not isinstance(v, str) or len(v) != 2 * DIGEST_BYTES:
-        raise FormatError(f"{where}: expected a {2 * DIGEST_BYTES}-digit hex digest")
-    try:
-        bytes.fromhex(v)
-    except ValueError:
-        raise FormatError(f"{where}: not hex") from None
-    return v
-
-
-def _meta(v: Any, where: str) -> TensorMeta | None:
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise FormatError(f"{where}: expected an object")
-    dt = v.get("dtype")
-    if not isinstance(dt, str) or dt not in DTYPES:
-        raise FormatError(f"{where}: unsupported dtype {brief(dt)}")
-    shape = v.get("shape")
-    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48 for d in shape)):
-        raise FormatError(f"{where}: bad shape {brief(shape)}")
-    add = v.get("sum")
-    if add is not None and (not isinstance(add, str) or len(add) != 2 * SUM_BYTES
-                            or any(c not in "0123456789abcdef" for c in add)):
-        raise FormatError(f"{where}: additive digest 'sum' must be {2 * SUM_BYTES} lowercase hex digits, got {brief(add)}")
-    m = TensorMeta(dt, tuple(shape), bytes.fromhex(_hex(v.get("digest"), f"{where} digest")),
-                   bytes.fromhex(add) if add is not None else None)
-    if m.nbytes >= 1 << 50:
-        raise LimitError(f"{where}: tensor of {m.nbytes} bytes exceeds the limit of {(1 << 50) - 1}")
-    return m
-
-
-def _tensor_entry(t: Any, where: str) -> TensorEntry:
-    if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-        raise FormatError(f"{where}: expected an object with a name")
-    where = f"{where.rsplit(':', 1)[0]}: tensor {t['name']!r}"
-    op = t.get("op")
-    if op not in OPS:
-        raise FormatError(f"{where}: unknown op {brief(op)}")
-    base, target = _meta(t.get("base"), f"{where} base"), _meta(t.get("target"), f"{where} target")
-    need = {"same": (1, 1), "patch": (1, 1), "add": (0, 1), "remove": (1, 0), "replace": (1, 1)}[op]
-    if (base is not None, target is not None) != (bool(need[0]), bool(need[1])):
-        raise FormatError(f"{where}: op {op!r} needs base={bool(need[0])} target={bool(need[1])}")
-    if op in ("same", "patch") and (base.dtype, base.shape) != (target.dtype, target.shape):
-        raise FormatError(f"{where}: op {op!r} cannot change dtype or shape")
-    if op == "same" and base.digest != target.digest:
-        raise FormatError(f"{where}: op 'same' with different digests")
-    ints = [t.get(k) for k in ("changed", "first", "count")]
-    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 for x in ints):
-        raise FormatError(f"{where}: changed/first/count must be non-negative integers below 2**62, got {brief(ints)}")
-    return TensorEntry(t["name"], op, base, target, *ints)
-
-
-class _NotText(ValueError):
-    pass
-
-
-def _text_only(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A manifest object, refused where a key or a string holds an unpaired surrogate escape: JSON
-    can spell one, UTF-8 cannot encode it, so a tensor so named could be neither hashed, looked up
-    in a checkpoint, nor written."""
-    for k, v in pairs:
-        for s in (k, v) if isinstance(v, str) else (k,):
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError:
-                raise _NotText(f"{ascii(s)[:80]} is not Unicode text (an unpaired surrogate escape)") from None
-    return dict(pairs)

@@ -27,9 +27,13 @@ from .layout import (
     MAGIC,
     MANIFEST_BYTES_PER_CONTAINER,
     MANIFEST_MAX_DEPTH,
+    MANIFEST_VALUE_CHARS,
     MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_TEXT,
+    RECORD_SIZE,
     VERSION,
     ZERO_HASH,
+    ManifestBudget,
     _pack_record,
     manifest_limit,
 )
@@ -75,8 +79,8 @@ class DeltaWriter:
     def finish(self, manifest: dict[str, Any]) -> int:
         """Write manifest, table and header, fsync and rename into place. Returns the file size."""
         man = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode("utf-8")
-        if len(man) > MAX_MANIFEST_BYTES:
-            raise LimitError(f"{self.path}: manifest of {len(man)} bytes exceeds {MAX_MANIFEST_BYTES}")
+        if len(man) > MAX_MANIFEST_TEXT:
+            raise LimitError(f"{self.path}: manifest of {len(man)} bytes exceeds {MAX_MANIFEST_TEXT}")
         problem = json_shape_problem(man, max_depth=MANIFEST_MAX_DEPTH,
                                      bytes_per_container=MANIFEST_BYTES_PER_CONTAINER)
         if problem:  # what readers would refuse is never written
@@ -84,9 +88,12 @@ class DeltaWriter:
         raw_len = len(man)
         # Level 1: on real manifests it came out smaller than level 9, and 5x faster.
         man = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(man)
-        if raw_len > manifest_limit(len(man)):
+        if raw_len > manifest_limit(len(man)) or len(man) > MAX_MANIFEST_BYTES:
             raise LimitError(f"{self.path}: manifest of {raw_len} bytes compresses to {len(man)}, past the "
                              f"expansion readers accept ({manifest_limit(len(man))} bytes)")
+        budget = ManifestBudget(len(man) + len(self._table), len(self._table) // RECORD_SIZE, self.path)
+        _charge(manifest, budget)
+        self.charged = budget.used  # what a reader of this file charges (``DeltaReader.charged``)
         table = bytes(self._table)
         payload_off = HEADER_SIZE
         man_off = payload_off + self._off
@@ -120,6 +127,23 @@ class DeltaWriter:
             self._f.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.tmp)
+
+
+def _charge(manifest: dict[str, Any], budget: ManifestBudget) -> None:
+    """Charge the manifest's tensor entries to ``budget`` as a reader does (``LimitError`` past it), and
+    refuse an entry longer than a reader's window: what readers would refuse is never written."""
+    for k, v in manifest.items():
+        if k != "tensors" and len(json.dumps(v, separators=(",", ":"))) > MANIFEST_VALUE_CHARS:
+            raise LimitError(f"{budget.where}: manifest value {k!r} is longer than {MANIFEST_VALUE_CHARS} characters")
+    for t in manifest.get("tensors") or ():
+        # An entry's text is at most 6 characters per character of its name (an escape) and 4 KiB besides.
+        if (6 * len(t["name"]) + 4096 > MANIFEST_VALUE_CHARS
+                and len(json.dumps(t, separators=(",", ":"))) > MANIFEST_VALUE_CHARS):
+            raise LimitError(f"{budget.where}: tensor {t['name']!r}: its manifest entry is longer than "
+                             f"{MANIFEST_VALUE_CHARS} characters")
+        metas = tuple(None if m is None else (m["dtype"], tuple(m["shape"]), m["digest"], m.get("sum"))
+                      for m in (t["base"], t["target"]))
+        budget.charge(t["name"], metas)
 
 
 def _remove_stale_temps(path: str) -> None:

@@ -63,9 +63,15 @@ def tensor_digest(dtype: str, shape: Sequence[int], raw: np.ndarray) -> bytes:
 
 def fingerprint_from_digests(digests: dict[str, bytes]) -> str:
     """Checkpoint fingerprint (hex) from ``{name: tensor_digest}``; independent of file layout."""
+    return fingerprint_from_sorted(len(digests), ((n, digests[n]) for n in sorted(digests, key=lambda n: n.encode("utf-8"))))
+
+
+def fingerprint_from_sorted(count: int, items: Iterable[tuple[str, bytes]]) -> str:
+    """``fingerprint_from_digests`` of ``count`` ``(name, digest)`` pairs given in the order of their
+    names' UTF-8 bytes, each name once (not checked): no dict of names is built."""
     h = blake3.blake3(_CKPT_DOMAIN)
-    h.update(struct.pack("<Q", len(digests)))
-    for name in sorted(digests, key=lambda n: n.encode("utf-8")):
+    h.update(struct.pack("<Q", count))
+    for name, digest in items:
         b = name.encode("utf-8")
-        h.update(struct.pack("<I", len(b)) + b + digests[name])
+        h.update(struct.pack("<I", len(b)) + b + digest)
     return h.hexdigest(DIGEST_BYTES)

@@ -9,7 +9,7 @@ passes over slices of the text, without building anything:
 * containers: at most one ``[`` or ``{`` per ``bytes_per_container`` bytes of text (plus a little
   slack for tiny documents); brackets inside strings are counted too, which only makes this stricter;
 * nesting depth: at most ``max_depth`` levels, measured over the brackets outside strings;
-* optionally (``arrays_of_numbers``), no string or object inside an array, and (``max_array_len``)
+* optionally (``arrays_of_numbers``), no string, object or array inside an array, and (``max_array_len``)
   no array longer than a bound.
 
 What passes still costs memory in proportion to its length (up to about 16 bytes per byte of text for a
@@ -20,10 +20,11 @@ keys); the callers bound the length itself.
 from __future__ import annotations
 
 import reprlib
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-__all__ = ["brief", "json_shape_problem"]
+__all__ = ["brief", "json_shape_problem", "json_shape_problem_of_pieces"]
 
 _BRIEF = reprlib.Repr()
 _BRIEF.maxlist = _BRIEF.maxdict = 8
@@ -37,7 +38,7 @@ _ARRAY_STEP = np.zeros(256, np.int64)  # arrays only
 _ARRAY_STEP[ord("[")] = 1
 _ARRAY_STEP[ord("]")] = -1
 _QUOTE, _BRACE, _COMMA, _OPEN = ord('"'), ord("{"), ord(","), ord("[")
-_SLICE = 1 << 18  # bytes per numpy pass: a few MiB of temporaries, whatever the text's length
+_SLICE = 1 << 16  # bytes per numpy pass: about 3 MiB of temporaries, whatever the text's length
 
 
 def brief(value: object) -> str:
@@ -49,42 +50,72 @@ def brief(value: object) -> str:
 def json_shape_problem(raw: bytes, *, max_depth: int, bytes_per_container: int, slack: int = 64,
                        arrays_of_numbers: bool = False, max_array_len: int | None = None) -> str | None:
     """What is wrong with the shape of JSON text ``raw`` (one line, no location), or None.
-    ``arrays_of_numbers``: arrays may not hold strings or objects (a safetensors header's shapes and
-    offsets), which rules out lists of short strings, the costliest text per byte.
+    ``arrays_of_numbers``: arrays may not hold strings, objects or arrays (a safetensors header's shapes
+    and offsets), which rules out lists of short strings, the costliest text per byte.
     ``max_array_len`` (with ``arrays_of_numbers``, whose arrays do not nest in the formats read here):
     no array holds more elements (a shape of millions of numbers is refused before it is built).
 
     Not a validator: ``None`` means only that parsing it cannot amplify memory beyond the bounds in
     the module docstring; the caller still parses and checks types."""
-    containers = raw.count(b"[") + raw.count(b"{")
-    allowed = len(raw) // bytes_per_container + slack
+    return json_shape_problem_of_pieces([raw], max_depth=max_depth, bytes_per_container=bytes_per_container,
+                                        slack=slack, arrays_of_numbers=arrays_of_numbers, max_array_len=max_array_len)
+
+
+def json_shape_problem_of_pieces(pieces: Iterable[bytes], *, max_depth: int, bytes_per_container: int,
+                                 slack: int = 64, arrays_of_numbers: bool = False,
+                                 max_array_len: int | None = None) -> str | None:
+    """``json_shape_problem`` of the text that ``pieces`` make end to end (cut anywhere, a string or an
+    escape included), read once, piece by piece: what it holds at once is a piece and the numpy
+    temporaries of one ``_SLICE``, so a text that is never whole in memory (a manifest as it is
+    decompressed) is checked in a few MiB."""
+    count = [0, 0]  # bytes, brackets
+
+    def counted() -> Iterator[bytes]:
+        for piece in pieces:
+            count[0] += len(piece)
+            count[1] += piece.count(b"[") + piece.count(b"{")
+            yield piece
+
+    depth, in_array, longest = _scan(_unescaped(counted()), arrays_of_numbers)
+    containers, allowed = count[1], count[0] // bytes_per_container + slack
     if containers > allowed:
-        return (f"holds {containers} JSON arrays/objects in {len(raw)} bytes, more than one per "
+        return (f"holds {containers} JSON arrays/objects in {count[0]} bytes, more than one per "
                 f"{bytes_per_container} bytes (limit {allowed})")
-    depth, in_array, longest = _scan(raw, arrays_of_numbers)
     if depth > max_depth:
         return f"nests JSON {depth} levels deep, limit {max_depth}"
     if in_array:
-        return "has a JSON array holding strings or objects (arrays here hold numbers only)"
+        return "has a JSON array holding strings or objects or other arrays (arrays here hold numbers only)"
     if max_array_len is not None and longest > max_array_len:
         return f"has a JSON array of {longest} elements, limit {max_array_len}"
     return None
 
 
-def _scan(raw: bytes, arrays_of_numbers: bool) -> tuple[int, bool, int]:
+def _unescaped(pieces: Iterable[bytes]) -> Iterator[bytes]:
+    """The pieces with escapes dropped: ``\\\\`` pairs, then ``\\"``, whole copies made by
+    ``bytes.replace`` (never an object per match). A piece's trailing run of backslashes is held back
+    and goes first in the next piece, so a run is never cut, and the result is that of the whole text."""
+    carry = b""
+    for got in pieces:
+        text = carry + got if carry else got
+        k = len(text) - len(text.rstrip(b"\\"))
+        carry = text[len(text) - k:] if k else b""
+        text = text[:len(text) - k] if k else text
+        yield text.replace(b"\\\\", b"").replace(b'\\"', b"") if b"\\" in text else text
+    if carry:
+        yield carry.replace(b"\\\\", b"")
+
+
+def _scan(pieces: Iterable[bytes], arrays_of_numbers: bool) -> tuple[int, bool, int]:
     """The deepest nesting of ``[``/``{`` outside strings, and (with ``arrays_of_numbers``) whether a
     string or an object starts inside an array (text that is not JSON gives some answer; the parser
-    refuses it afterwards). Escapes go first: ``\\\\`` pairs, then ``\\"``, whole copies made by
-    ``bytes.replace`` (never an object per match); then every quote left opens or closes a string, so
-    a byte is inside one when an odd number of quotes precede it (the opening quote included)."""
-    text = raw.replace(b"\\\\", b"").replace(b'\\"', b"") if b"\\" in raw else raw
-    data = np.frombuffer(text, np.uint8)
+    refuses it afterwards). The pieces come with their escapes dropped (``_unescaped``): every quote
+    left opens or closes a string, so a byte is inside one when an odd number of quotes precede it
+    (the opening quote included)."""
     deepest = level = array_level = quotes = commas = 0
     open_at = -1  # the comma count where the array now open began (arrays of numbers do not nest)
     longest = 0
     in_array = False
-    for i in range(0, data.size, _SLICE):
-        a = data[i:i + _SLICE]
+    for a in _slices(pieces):
         quote = a == _QUOTE
         inside = (np.cumsum(quote) + quotes) & 1
         quotes = int(inside[-1])
@@ -97,7 +128,9 @@ def _scan(raw: bytes, arrays_of_numbers: bool) -> tuple[int, bool, int]:
             arrays = np.cumsum(_ARRAY_STEP[a] * outside) + array_level
             array_level = int(arrays[-1])
             opens = (quote & (inside == 1)) | ((a == _BRACE) & outside)  # a string or an object begins
-            in_array = in_array or bool((opens & (arrays > 0)).any())
+            # ... inside an array, or an array inside an array (which the count of elements below, by
+            # pairs of brackets, would not see).
+            in_array = in_array or bool((opens & (arrays > 0)).any() or ((a == _OPEN) & outside & (arrays > 1)).any())
             # Elements of an array: the commas inside it, plus one (an empty array counts one: harmless).
             cum = np.cumsum((a == _COMMA) & outside & (arrays > 0)) + commas
             commas = int(cum[-1]) if cum.size else commas
@@ -113,3 +146,11 @@ def _scan(raw: bytes, arrays_of_numbers: bool) -> tuple[int, bool, int]:
             if open_at >= 0:
                 longest = max(longest, commas - open_at + 1)  # an array still open at the slice's end
     return deepest, in_array, longest
+
+
+def _slices(pieces: Iterable[bytes]) -> Iterator[np.ndarray]:
+    """The pieces as uint8 arrays of at most ``_SLICE`` bytes, none empty (views, no copies)."""
+    for piece in pieces:
+        data = np.frombuffer(piece, np.uint8)
+        for i in range(0, data.size, _SLICE):
+            yield data[i:i + _SLICE]

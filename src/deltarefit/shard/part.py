@@ -51,10 +51,13 @@ from ..dtypes import dtype as lookup_dtype
 from ..errors import FormatError, IntegrityError, LimitError
 from ..geometry.projection import Box, intersect_boxes
 from ..integrity import additive as D
+from ..io.jsonlimits import json_shape_problem
 
 MAGIC = b"DRSHPART"
 FORMAT_VERSION = 1
 MAX_HEADER = 256 << 20
+HEADER_MAX_DEPTH = 8
+HEADER_BYTES_PER_CONTAINER = 6
 _PREFIX = struct.Struct("<8sHHI")
 
 
@@ -172,10 +175,16 @@ def _read_header(mv: memoryview, where: str) -> tuple[dict, memoryview]:
         raise FormatError(f"{where}: unsupported part format version {ver}")
     if hlen > MAX_HEADER or _PREFIX.size + hlen > len(mv):
         raise LimitError(f"{where}: header of {hlen} bytes does not fit")
+    raw = bytes(mv[_PREFIX.size:_PREFIX.size + hlen])
+    # Memory before trust: the header's shape is bounded before json.loads builds it (a part nests 7
+    # levels, and holds one array/object per 9 bytes at the densest: a box's [off, stride, len]).
+    why = json_shape_problem(raw, max_depth=HEADER_MAX_DEPTH, bytes_per_container=HEADER_BYTES_PER_CONTAINER)
+    if why is not None:
+        raise LimitError(f"{where}: header {why}")
     try:
-        h = json.loads(bytes(mv[_PREFIX.size:_PREFIX.size + hlen]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{where}: header is not JSON ({e})") from None
+        h = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"{where}: header is not JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(h, dict) or h.get("format") != "deltarefit.shard_part" or h.get("format_version") != 1:
         raise FormatError(f"{where}: not a version-1 shard part header")
     return h, mv[_PREFIX.size + hlen:]

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 import blake3
 
 from ..errors import UsageError
+from ..io.jsonlimits import json_shape_problem
 from ..signing import SignableRecord
 from ..storage.base import Store
 from ..stream.chain import MAX_RECORD_BYTES, commit_key, get_bounded, get_capped, holds, load_record, vkey
@@ -74,6 +75,9 @@ def get_descriptor(store: Store, key: str) -> tuple[Part, bytes]:
 
 
 def _parse_descriptor(data: bytes, where: str) -> tuple[Part, bytes]:
+    why = json_shape_problem(data, max_depth=4, bytes_per_container=16)  # a flat object of 4 keys
+    if why is not None:
+        raise StreamError(f"{where}: malformed part descriptor ({why})")
     try:
         d = json.loads(data)
         ref = Part(str(d["key"]), int(d["bytes"]), str(d["blake3"]))
@@ -233,6 +237,11 @@ def load_manifest(store: Store, rec: ShardCommit) -> dict:
     """The version manifest of a commit, checked against the record (bytes, parts, fingerprints)."""
     where = f"{store.url}/{rec.manifest.key}"
     data = _get_checked(store, rec.manifest, f"manifest of version {rec.version}")
+    # Memory before trust (the record may be unsigned): the shape first (a manifest nests 6 levels and
+    # holds one array/object per ~15 bytes at the densest, a part's covers).
+    why = json_shape_problem(data, max_depth=8, bytes_per_container=6)
+    if why is not None:
+        raise StreamError(f"{where}: malformed manifest ({why})")
     try:
         man = json.loads(data.decode("utf-8"))
         ok = (isinstance(man, dict) and man.get("format") == "deltarefit.shard_version"
