@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import shutil
 from typing import Any
 
-from ...errors import StreamError, UsageError, VerificationError
+from ...errors import MalformedRecordError, StreamError, UsageError, VerificationError
 from ...geometry.projection import whole_piece
 from ...io.locks import owned_temp
 from ...shard.names import Layout, LocalTensor
@@ -41,7 +40,7 @@ from ...shard.records import SHARD_COMMIT_FORMAT, load_shard_commit, shard_strea
 from ...shard.sync import ShardSyncReport, stage_sharded, sync_sharded
 from ...storage.base import Store
 from ...stream.chain import MAX_RECORD_BYTES, commit_key, get_capped, head, newest_keyframe, sync_target
-from ...stream.records import StreamIdentityError, held_state, load_commit, record_version
+from ...stream.records import StreamIdentityError, held_state, load_commit, record_json, record_version
 from .holder import SCRATCH_PREFIX
 
 log = logging.getLogger(__name__)
@@ -56,9 +55,9 @@ def stream_kind(store: Store) -> str | None:
     if v == 0:
         return None
     raw = get_capped(store, commit_key(v), MAX_RECORD_BYTES)
-    try:
-        d = json.loads(raw) if raw is not None else None
-    except ValueError:
+    try:  # the records' own parser, shape-bounded before it parses
+        d = record_json(raw, f"{store.url}/{commit_key(v)}") if raw is not None else None
+    except MalformedRecordError:
         return "plain"  # refused by the plain reader, which names the problem
     return "sharded" if isinstance(d, dict) and d.get("format") == SHARD_COMMIT_FORMAT else "plain"
 
