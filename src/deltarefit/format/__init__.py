@@ -48,7 +48,6 @@ from .manifest import _meta as _meta
 from .manifest import _tensor_entry as _tensor_entry
 from .reader import DeltaReader
 from .reader import _unpack_record as _unpack_record
-from .reader import _unzstd_manifest as _unzstd_manifest
 from .writer import DeltaWriter
 from .writer import _remove_stale_temps as _remove_stale_temps
 

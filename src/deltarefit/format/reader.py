@@ -36,7 +36,7 @@ from .layout import (
     ManifestBudget,
     TensorEntry,
 )
-from .manifest import _hex, declared_size, pieces, read_manifest
+from .manifest import _hex, read_manifest
 
 
 class DeltaReader:
@@ -202,11 +202,6 @@ class DeltaReader:
 
     def chunks(self, e: TensorEntry) -> list[ChunkRecord]:
         return self.records[e.first:e.first + e.count]
-
-
-def _unzstd_manifest(data: bytes, p: str) -> bytes:
-    """A manifest frame's whole text (within the expansion bound): for tools; the reader never holds it."""
-    return b"".join(pieces(data, declared_size(data, p), p))
 
 
 def _unpack_record(buf: bytes, off: int, p: str) -> tuple:
