@@ -36,36 +36,13 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 sys.path.insert(0, EXAMPLES)
 import _ray_shard_actors as A  # noqa: E402
 import ray_refit  # noqa: E402  (examples/ray_refit.py: the cluster)
-from _vllm_env import vllm_processes_env  # noqa: E402
+from test_ray import _poll, cluster  # noqa: E402, F401  (the 3-node cluster fixture, as test_ray_heal)
 
 pytest_plugins = ["conftest_s3"]  # the SeaweedFS S3 server (s3_server, s3_env)
 
 WAIT = 600  # seconds: the bound of any wait for an actor call
 WORLD = 2
 ROLLOUTS = {"rollout-a": ({"engine_a": 1.0}, "module"), "rollout-b": ({"engine_b": 1.0}, "tp2")}
-
-
-def _poll(what: str, cond, timeout: float = 300.0, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while not (got := cond()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
-        time.sleep(every)
-    return got
-
-
-@pytest.fixture
-def cluster(tmp_path, monkeypatch):
-    vllm_processes_env(monkeypatch, tmp_path)
-    tests = os.path.dirname(os.path.abspath(__file__))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.environ["PYTHONPATH"], ray_refit.SRC, EXAMPLES, tests]))
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    c = ray_refit.start_cluster()
-    try:
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 class Run:
@@ -220,7 +197,7 @@ class Run:
         assert got == list(range(steps + 1)), got  # every step exactly one version, in order: 0 lost
 
 
-def test_sharded_trainer_ranks_publish_and_rollouts_follow_bit_exact_through_rank_kills(cluster, tmp_path):
+def test_sharded_trainer_ranks_publish_and_rollouts_follow_bit_exact_through_rank_kills(cluster, tmp_path):  # noqa: F811 (the fixture)
     from deltarefit.errors import DeltaRefitError
 
     root = str(tmp_path / "run")
@@ -263,7 +240,7 @@ def test_sharded_trainer_ranks_publish_and_rollouts_follow_bit_exact_through_ran
            "refit_round_s": {k: v["refit"].seconds_round for k, v in run.results.items() if k}})
 
 
-def test_sharded_trainer_in_s3(s3_env, cluster, tmp_path):
+def test_sharded_trainer_in_s3(s3_env, cluster, tmp_path):  # noqa: F811 (the fixture)
     """The same loop with the stream in S3 (SeaweedFS on loopback; every node inherits the endpoint and
     credentials): 2 AdamW steps, each rank's part uploaded to S3, each rollout fetching from S3."""
     root = str(tmp_path / "run")
@@ -280,7 +257,7 @@ def test_sharded_trainer_in_s3(s3_env, cluster, tmp_path):
         assert s["state"]["last"]["bytes_fetched"] > 0, s
 
 
-def test_vllm_engines_follow_the_sharded_trainer_bit_exact_through_rank_kills(cluster, tmp_path):
+def test_vllm_engines_follow_the_sharded_trainer_bit_exact_through_rank_kills(cluster, tmp_path):  # noqa: F811 (the fixture)
     """vLLM engine actors (``EngineActor``, TP=1, the deltarefit backend following the sharded stream) on
     the engine nodes, started from the export of version 1; 4 AdamW steps, rank 1 killed between its part
     and its descriptor at version 3 and the committer before its commit record at version 4; every
