@@ -51,12 +51,12 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import blake3
 
-from ..errors import DeltaRefitError, StreamError, UsageError
+from ..errors import DeltaRefitError, StoreError, StreamError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -188,10 +188,11 @@ class DeltaRefitEngine:
 
     @property
     def store(self) -> Any:
+        """The stream's store; a directory is created by the trainer, and must exist for a rollout."""
         if self._store is None:
             from ..storage.base import open_store
 
-            self._store = open_store(self.stream)
+            self._store = open_store(self.stream, create=self.trainer)
         return self._store
 
     @property
@@ -216,9 +217,9 @@ class DeltaRefitEngine:
         t0 = time.perf_counter()
         try:
             if hasattr(weights, "__aiter__"):
-                rec = await _publish_async(self.publisher, weights, self.served, global_steps)
+                rec = await _publish_async(self.publisher, _on_host_async(weights), self.served, global_steps)
             else:
-                rec = self.publisher.publish_tensors(weights, served=self.served, step=global_steps)
+                rec = self.publisher.publish_tensors(_on_host(weights), served=self.served, step=global_steps)
         except BaseException as e:
             # Rollouts fail at once with the trainer's reason instead of waiting out their timeout.
             self._put_handoff(key, {"error": f"{type(e).__name__}: {e}"})
@@ -259,7 +260,10 @@ class DeltaRefitEngine:
         while True:
             try:
                 body = json.loads(self.store.get(key))
-            except KeyError:
+            except (KeyError, StoreError) as e:
+                # Not yet there: no handoff, or (a directory store) the trainer has not created the store.
+                if isinstance(e, StoreError) and self._store is not None:
+                    raise
                 if time.monotonic() > deadline:
                     raise StreamError(f"{self.stream}: no handoff from the trainer for round {self.token} within "
                                       f"{self.timeout_s:g} s (engine_kwargs.deltarefit.timeout_s)") from None
@@ -306,6 +310,22 @@ class DeltaRefitEngine:
             yield item
 
 
+def _host(t: Any) -> Any:
+    return t if getattr(t, "device", None) is None or t.device.type == "cpu" else t.detach().to("cpu")
+
+
+def _on_host(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Each tensor moved to the host as it comes (a trainer's gather yields one full tensor at a time on
+    its device; the publish holds every tensor until it returns, so on the host, not on the device)."""
+    for name, t in weights:
+        yield name, _host(t)
+
+
+async def _on_host_async(weights: Any) -> AsyncIterator[tuple[str, Any]]:
+    async for name, t in weights:
+        yield name, _host(t)
+
+
 async def _drain(weights: Any) -> None:
     if hasattr(weights, "__aiter__"):
         async for _ in weights:
@@ -329,13 +349,15 @@ async def _publish_async(publisher: Any, weights: Any, served: str | None, step:
     iterable that fails mid-walk fails the publish (nothing is committed from part of the weights)."""
     q: queue.Queue = queue.Queue(maxsize=2)
     failed = threading.Event()
+    ended = threading.Event()  # the consumer took the last item (_END or _Abort)
 
     def items() -> Iterator[tuple[str, Any]]:
         while True:
             it = q.get()
-            if it is _END:
-                return
-            if isinstance(it, _Abort):
+            if it is _END or isinstance(it, _Abort):
+                ended.set()
+                if it is _END:
+                    return
                 raise UsageError(f"the weights' iterator failed before its end: {it.error!r}") from it.error
             yield it
 
@@ -344,7 +366,7 @@ async def _publish_async(publisher: Any, weights: Any, served: str | None, step:
             return publisher.publish_tensors(items(), served=served, step=step)
         except BaseException:
             failed.set()
-            while True:  # let the producer finish its walk
+            while not ended.is_set():  # let the producer finish its walk
                 it = q.get()
                 if it is _END or isinstance(it, _Abort):
                     break
