@@ -82,10 +82,10 @@ class RecordingAdapter:
     async def update_weights(self, weights, global_steps=None, wire_format="named_tensors", **kwargs):
         from verl.workers.rollout.utils import ensure_async_iterator
 
-        assert wire_format == "named_tensors"
+        self.wire_format = wire_format
         self.received = {}
         async for name, t in ensure_async_iterator(weights):
-            self.received[name] = t.clone()
+            self.received[name] = t.clone() if isinstance(t, torch.Tensor) else t
         self.steps.append(global_steps)
 
 
@@ -219,3 +219,25 @@ def test_wrong_base_and_signatures(tmp_path, env):
                                    lambda: iter(list(m.state_dict().items())), 3, receive=via_worker))
     assert isinstance(got[0], DeltaRefitError) and "repair" in str(got[0]), got[0]
     assert worker.server_adapter.received == {}
+
+
+def test_in_place_reaches_the_adapter(tmp_path, env):
+    """in_place=true: verl's rollout worker hands its adapter the wire format ``deltarefit`` and the vLLM
+    backend's update request (what the patched adapter in docs/FRAMEWORKS.md sends to the engine)."""
+    ce = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.deltarefit"
+    rc = _config(str(tmp_path / "stream"), str(tmp_path / "state"), str(tmp_path), [f"+{ce}.in_place=true"])
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    worker = _rollout_worker(rc)
+
+    async def via_worker(engine, step):
+        await worker.update_weights(global_steps=step)
+
+    m = model()
+    _, got = asyncio.run(run_round(CheckpointEngineRegistry.get("deltarefit"), [_trainer_engine(rc.checkpoint_engine, 0)],
+                                   [worker.checkpoint_engine], lambda: iter(list(m.state_dict().items())), 1,
+                                   receive=via_worker))
+    assert got[0] is None, got[0]
+    assert worker.server_adapter.wire_format == "deltarefit"
+    assert worker.server_adapter.received == {
+        "deltarefit": {"init_info": {"stream": str(tmp_path / "stream")}, "update_info": {"version": 1}}}

@@ -189,3 +189,20 @@ def test_refusals(tmp_path):
 
     with pytest.raises(StreamError, match="no handoff"):
         asyncio.run(go())
+
+
+def test_in_place_hands_the_update_request(tmp_path):
+    """in_place: the rollout keeps no copy and yields one item, the vLLM backend's update request for the
+    trainer's version (its workers sync and verify themselves)."""
+    _, trainers, _ = _engines(tmp_path, trainers=1, rollouts=0)
+    r = dv.DeltaRefitEngine(stream=str(tmp_path / "stream"), verify_key="/keys/t.pub", in_place=True,
+                            checkpoint=str(tmp_path / "unused.safetensors"))
+    assert r.wire_format == "deltarefit"
+    m = model()
+    for step in (1, 2):
+        m[0].weight.data[step, :4] += 1.0
+        _, got = asyncio.run(run_round(dv.DeltaRefitEngine, trainers, [r], _fp32_params(m), step))
+        assert got[0] == {"deltarefit": {"init_info": {"stream": str(tmp_path / "stream"),
+                                                       "verify_key": "/keys/t.pub"},
+                                         "update_info": {"version": step}}}, got[0]
+    assert not os.path.exists(r.checkpoint)

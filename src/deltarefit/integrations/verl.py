@@ -33,8 +33,14 @@ The round, in the order verl's ``CheckpointEngineManager.update_weights`` drives
 The tensors yielded are the trainer's served bits: those it was handed, converted to ``served``
 (``"BF16"``, ``"F16"``, ``"F32"``, or None to keep each tensor's dtype) by the one conversion
 ``publish_tensors`` uses. verl loads them into vLLM through its own IPC loader (``update_weights_from_ipc``),
-a full load: the stream saves the trainer-to-rollout bytes, not the load. An in-place refit of the vLLM
-engine needs a small change in verl (docs/FRAMEWORKS.md, "verl").
+a full load: the stream saves the trainer-to-rollout bytes, not the load.
+
+In place (``in_place: true``): the rollout keeps no copy and yields one item instead of tensors, the update
+request of deltarefit's vLLM weight-transfer backend (``("deltarefit", {"init_info": ..., "update_info":
+{"version": V}})``, wire format ``deltarefit``), for a vLLM engine started with
+``weight_transfer_config={"backend": "deltarefit"}`` whose workers sync from the stream themselves and
+write only the changed elements (docs/VLLM.md). verl 0.9.1's vLLM adapter knows no such wire format: it
+needs the small change in docs/FRAMEWORKS.md ("verl"), and refuses the round in one line without it.
 
 The handoff is not trusted beyond the version it names: that version's record is read and checked like
 any other (signature, stream identity), and the copy must hash to the record's fingerprint.
@@ -62,6 +68,8 @@ log = logging.getLogger(__name__)
 
 BACKEND = "deltarefit"
 HANDOFF_PREFIX = "verl/"
+# The wire format of an in-place round: one ("deltarefit", update_request) item instead of tensors.
+WIRE_FORMAT = "deltarefit"
 SERVED = (None, "BF16", "F16", "F32")
 POLL_S = 0.1
 
@@ -112,17 +120,19 @@ class DeltaRefitEngine:
     * rollout: ``verify_key`` (records must verify with it), ``checkpoint`` (this worker's local copy;
       default ``/dev/shm/deltarefit-verl/<stream hash>-<subscriber_id>.safetensors``), ``subscriber_id``
       (default from the host and verl's ``RANK``), ``timeout_s`` (how long a rollout waits for the
-      trainer's handoff, default 1800).
+      trainer's handoff, default 1800), ``in_place`` (hand the vLLM engine the backend's update request
+      instead of tensors; module docstring).
     """
 
     def __init__(self, bucket_size: int | None = None, is_master: bool | None = None, *, stream: str | None = None,
                  state_dir: str | None = None, signing_key: str | None = None, verify_key: str | None = None,
                  served: str | None = None, keyframe_every: int = 20, checkpoint: str | None = None,
-                 subscriber_id: str | None = None, timeout_s: float = 1800.0, **unknown: Any) -> None:
+                 subscriber_id: str | None = None, timeout_s: float = 1800.0, in_place: bool = False,
+                 **unknown: Any) -> None:
         if unknown:
             raise UsageError(f"engine_kwargs.deltarefit: unknown key(s) {', '.join(sorted(unknown))}; known: stream, "
                              "state_dir, signing_key, verify_key, served, keyframe_every, checkpoint, subscriber_id, "
-                             "timeout_s")
+                             "timeout_s, in_place")
         if not stream:
             raise UsageError("engine_kwargs.deltarefit.stream is required: the directory or s3:// URL of the "
                              "version stream (+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.deltarefit"
@@ -145,6 +155,11 @@ class DeltaRefitEngine:
         self.checkpoint = os.path.abspath(checkpoint) if checkpoint else _default_checkpoint(self.stream,
                                                                                             self.subscriber_id)
         self.timeout_s = float(timeout_s)
+        self.in_place = bool(in_place)
+        if self.in_place:
+            # verl's CheckpointEngineWorker hands the adapter this wire format; only a verl patched as in
+            # docs/FRAMEWORKS.md ("verl", in-place refit) knows it (its stock adapters refuse it in one line).
+            self.wire_format = WIRE_FORMAT
         self.token: str | None = None
         self._publisher = None
         self._subscriber = None
@@ -294,6 +309,13 @@ class DeltaRefitEngine:
                               f"not the trainer's version {version} ({fingerprint[:16]}…)")
         return rep
 
+    def update_request(self, version: int) -> dict[str, dict[str, Any]]:
+        """What an in-place round hands verl's (patched) vLLM adapter: the deltarefit weight-transfer
+        backend's init info (sent once per engine) and update info. The engine's workers sync from the
+        stream themselves and verify every apply (docs/VLLM.md)."""
+        init = {"stream": self.stream, "verify_key": self.verify_key}
+        return {"init_info": {k: v for k, v in init.items() if v is not None}, "update_info": {"version": version}}
+
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, Any]]:
         """Rollout: waits for the trainer's version, syncs the local copy to it, verified, then yields
         every tensor of the copy. Raises before the first yield when the sync is refused."""
@@ -301,6 +323,9 @@ class DeltaRefitEngine:
             raise UsageError("deltarefit: receive_weights on a trainer worker (built with is_master)")
         body = await self.wait_handoff()
         version, fingerprint = body["version"], body["fingerprint"]
+        if self.in_place:
+            yield WIRE_FORMAT, self.update_request(version)
+            return
         t0 = time.perf_counter()
         rep = await asyncio.to_thread(self.sync_to, version, fingerprint)
         log.info("deltarefit: step %s, %s at version %d (%s, %d bytes fetched) in %.2f s", global_steps,
