@@ -40,10 +40,12 @@ def test_rounds_hand_over_the_served_bits(tmp_path):
     _, trainers, rollouts = _engines(tmp_path)
     m = model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    kept = []
     for step in range(1, 5):
         if step > 1:
             train_step(m, opt, step)
         sent, got = asyncio.run(run_round(dv.DeltaRefitEngine, trainers, rollouts, _fp32_params(m), step))
+        kept.append((got[0], served(m)))
         assert sent[1] == {}
         metrics = sent[0]
         assert metrics["deltarefit/version"] == step, metrics
@@ -55,6 +57,9 @@ def test_rounds_hand_over_the_served_bits(tmp_path):
             same_bits(g, served(m))
             assert r.subscriber.current()[0] == step
         assert load_commit(trainers[0].store, step).step == step
+    # what a round handed over is verl's own: the later rounds' in-place applies to the copy did not touch it
+    for g, want in kept:
+        same_bits(g, want)
     # each round's handoff is gone once the round is finalized
     assert not [k for k in trainers[0].store.list("verl/")]
 

@@ -95,7 +95,8 @@ def _default_id() -> str:
 
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, Any]]:
     """Every tensor of a safetensors checkpoint (a file, or a directory of ``*.safetensors``), one at a
-    time, each a CPU tensor of its own (read, not mapped)."""
+    time, each a CPU tensor of its own: ``safe_open``'s tensors share the file's mapping, which the next
+    sync writes in place, so each is copied out (one tensor's bytes at a time)."""
     from safetensors import safe_open
 
     files = [path] if os.path.isfile(path) else sorted(
@@ -103,7 +104,7 @@ def checkpoint_tensors(path: str) -> Iterator[tuple[str, Any]]:
     for f in files:
         with safe_open(f, framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, st.get_tensor(name)
+                yield name, st.get_tensor(name).clone()
 
 
 class DeltaRefitEngine:
