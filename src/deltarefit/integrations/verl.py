@@ -82,10 +82,15 @@ def _handoff_key(token: str) -> str:
     return f"{HANDOFF_PREFIX}{token}.json"
 
 
-def _default_checkpoint(stream: str, subscriber_id: str) -> str:
+def default_local_dir() -> str:
     root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return os.path.join(root, "deltarefit-verl")
+
+
+def local_copy(local_dir: str, stream: str, subscriber_id: str) -> str:
+    """A rollout worker's copy: one per worker and stream in ``local_dir`` (workers of a host share the dir)."""
     tag = blake3.blake3(stream.encode()).hexdigest(6)
-    return os.path.join(root, "deltarefit-verl", f"{tag}-{subscriber_id}.safetensors")
+    return os.path.join(os.path.abspath(local_dir), f"{tag}-{subscriber_id}.safetensors")
 
 
 def _default_id() -> str:
@@ -118,8 +123,9 @@ class DeltaRefitEngine:
     * trainer: ``state_dir`` (the publisher's baseline; default as ``deltarefit publish``'s),
       ``signing_key`` (Ed25519 private key: records are signed), ``served`` (dtype of what is published),
       ``keyframe_every``;
-    * rollout: ``verify_key`` (records must verify with it), ``checkpoint`` (this worker's local copy;
-      default ``/dev/shm/deltarefit-verl/<stream hash>-<subscriber_id>.safetensors``), ``subscriber_id``
+    * rollout: ``verify_key`` (records must verify with it), ``local_dir`` (where each rollout worker keeps
+      its copy, ``<stream hash>-<subscriber_id>.safetensors``; default ``/dev/shm/deltarefit-verl``),
+      ``checkpoint`` (this one worker's copy, exactly: not for a config shared by several), ``subscriber_id``
       (default from the host and verl's ``RANK``), ``timeout_s`` (how long a rollout waits for the
       trainer's handoff, default 1800), ``in_place`` (hand the vLLM engine the backend's update request
       instead of tensors; module docstring).
@@ -127,12 +133,13 @@ class DeltaRefitEngine:
 
     def __init__(self, bucket_size: int | None = None, is_master: bool | None = None, *, stream: str | None = None,
                  state_dir: str | None = None, signing_key: str | None = None, verify_key: str | None = None,
-                 served: str | None = None, keyframe_every: int = 20, checkpoint: str | None = None,
+                 served: str | None = None, keyframe_every: int = 20, local_dir: str | None = None,
+                 checkpoint: str | None = None,
                  subscriber_id: str | None = None, timeout_s: float = 1800.0, in_place: bool = False,
                  **unknown: Any) -> None:
         if unknown:
             raise UsageError(f"engine_kwargs.deltarefit: unknown key(s) {', '.join(sorted(unknown))}; known: stream, "
-                             "state_dir, signing_key, verify_key, served, keyframe_every, checkpoint, subscriber_id, "
+                             "state_dir, signing_key, verify_key, served, keyframe_every, local_dir, checkpoint, subscriber_id, "
                              "timeout_s, in_place")
         if not stream:
             raise UsageError("engine_kwargs.deltarefit.stream is required: the directory or s3:// URL of the "
@@ -153,8 +160,8 @@ class DeltaRefitEngine:
         self.served = served
         self.keyframe_every = int(keyframe_every)
         self.subscriber_id = subscriber_id or _default_id()
-        self.checkpoint = os.path.abspath(checkpoint) if checkpoint else _default_checkpoint(self.stream,
-                                                                                            self.subscriber_id)
+        self.checkpoint = os.path.abspath(checkpoint) if checkpoint else local_copy(
+            local_dir or default_local_dir(), self.stream, self.subscriber_id)
         self.timeout_s = float(timeout_s)
         self.in_place = bool(in_place)
         if self.in_place:
