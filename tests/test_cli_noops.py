@@ -1,0 +1,52 @@
+"""No-ops say they are no-ops, and an empty stream says so: real CLI processes on real checkpoints."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+CLI = [sys.executable, "-m", "deltarefit"]
+
+
+def run(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.fixture
+def ckpts(tmp_path):
+    rng = np.random.default_rng(0)
+    a = {"w": rng.standard_normal((64, 64)).astype(np.float32), "b": rng.standard_normal(64).astype(np.float32)}
+    b = {k: v.copy() for k, v in a.items()}
+    b["w"][::7, ::5] += 1e-3
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    return tmp_path
+
+
+def test_empty_stream_log_and_sync_say_so(ckpts):
+    os.makedirs(ckpts / "s")
+    r = run("log", "s", cwd=ckpts)
+    assert r.returncode == 0 and "s: no versions yet" in r.stdout and "deltarefit publish s CHECKPOINT" in r.stdout
+    r = run("sync", "s", "r.safetensors", cwd=ckpts)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "no versions yet (nothing published, nothing written here)" in r.stderr
+    assert not (ckpts / "r.safetensors").exists()
+
+
+def test_republish_and_sync_at_head_are_no_ops_that_say_so(ckpts):
+    assert run("publish", "s", "a.safetensors", cwd=ckpts).returncode == 0
+    r = run("publish", "s", "b.safetensors", cwd=ckpts)
+    assert r.returncode == 0 and "s: version 2 (delta" in r.stdout, r.stdout + r.stderr
+    r = run("publish", "s", "b.safetensors", cwd=ckpts)
+    assert r.returncode == 0 and "already version 2" in r.stdout and "nothing published" in r.stdout, r.stdout
+    assert "version 3" not in r.stdout and not os.path.exists(ckpts / "s" / "v" / "000000000003")
+    r = run("sync", "s", "r.safetensors", cwd=ckpts)
+    assert r.returncode == 0 and "version 0 -> 2" in r.stdout
+    r = run("sync", "s", "r.safetensors", "--verify", cwd=ckpts)
+    assert r.returncode == 0 and "at version 2, nothing to do" in r.stdout and "verified" in r.stdout, r.stdout
+    assert "->" not in r.stdout
