@@ -50,3 +50,26 @@ def test_republish_and_sync_at_head_are_no_ops_that_say_so(ckpts):
     r = run("sync", "s", "r.safetensors", "--verify", cwd=ckpts)
     assert r.returncode == 0 and "at version 2, nothing to do" in r.stdout and "verified" in r.stdout, r.stdout
     assert "->" not in r.stdout
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (("publish", "a.safetensors", "s"), "a.safetensors is a checkpoint, s is a store"),
+    (("sync", "a.safetensors", "s"), "a.safetensors is a checkpoint, s is a store"),
+    (("apply", "a.safetensors", "d.delta"), "a.safetensors is a checkpoint, d.delta is a delta"),
+])
+def test_swapped_arguments_are_named_and_nothing_is_done(ckpts, args, said):
+    assert run("publish", "s", "a.safetensors", cwd=ckpts).returncode == 0
+    assert run("encode", "a.safetensors", "b.safetensors", "-o", "d.delta", cwd=ckpts).returncode == 0
+    before = {p: os.stat(ckpts / p).st_mtime_ns for p in ("a.safetensors", "d.delta")}
+    r = run(*args, cwd=ckpts)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "the arguments look swapped" in r.stderr and said in r.stderr and "nothing was done" in r.stderr
+    assert {p: os.stat(ckpts / p).st_mtime_ns for p in before} == before
+    assert sorted(os.listdir(ckpts / "s" / "v")) == ["000000000001"]
+
+
+def test_a_store_directory_holding_checkpoints_is_not_taken_for_swapped_arguments(ckpts):
+    os.makedirs(ckpts / "mixed")
+    save_file({"x": np.zeros(3, np.float32)}, str(ckpts / "mixed" / "other.safetensors"))
+    r = run("publish", "mixed", "a.safetensors", cwd=ckpts)
+    assert r.returncode == 0 and "mixed: version 1" in r.stdout, r.stderr

@@ -100,7 +100,9 @@ def apply(delta: str, checkpoint: str, history_dir: str | None, threads: int | N
 
     def go() -> None:
         from ..apply.files import apply as ap
+        from .hints import check_order
 
+        check_order("apply", "deltarefit apply DELTA CHECKPOINT", (("delta", delta), ("checkpoint", checkpoint)))
         _not_an_input(checkpoint, delta, history_dir, what="checkpoint")
         _not_an_input(delta, checkpoint, what="delta")  # a delta inside the checkpoint directory it writes
         book = None

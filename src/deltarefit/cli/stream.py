@@ -54,7 +54,9 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
     def go() -> None:
         from ..errors import UsageError
         from ..stream.publisher import ALL, Publisher
+        from .hints import check_order
 
+        check_order("publish", "deltarefit publish STORE CHECKPOINT", (("store", store), ("checkpoint", checkpoint)))
         if quorum != "all" and not quorum.isdigit():
             raise UsageError(f"--quorum must be a number or 'all', not {quorum!r}")
         q = ALL if quorum == "all" else int(quorum)
@@ -111,7 +113,9 @@ def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, full
     def go() -> None:
         from ..storage.base import open_store
         from ..stream.subscriber import Subscriber
+        from .hints import check_order
 
+        check_order("sync", "deltarefit sync STORE CHECKPOINT", (("store", store), ("checkpoint", checkpoint)))
         _not_an_input(checkpoint, None if "://" in store else store, public_key, what="checkpoint")
         st = open_store(store, create=False)
         sub = Subscriber(st, checkpoint, subscriber_id=subscriber_id, public_key=public_key, threads=threads,
