@@ -73,3 +73,27 @@ def test_a_store_directory_holding_checkpoints_is_not_taken_for_swapped_argument
     save_file({"x": np.zeros(3, np.float32)}, str(ckpts / "mixed" / "other.safetensors"))
     r = run("publish", "mixed", "a.safetensors", cwd=ckpts)
     assert r.returncode == 0 and "mixed: version 1" in r.stdout, r.stderr
+
+
+def test_a_wrong_base_names_both_files_the_fingerprint_what_was_written_and_the_cause(ckpts):
+    """One version behind (same tensors, other values) and another model get different words."""
+    from safetensors.numpy import load_file
+
+    rng = np.random.default_rng(1)
+    b = load_file(str(ckpts / "b.safetensors"))
+    c = {k: v.copy() for k, v in b.items()}
+    c["w"][::3, ::3] += 1e-3
+    save_file(c, str(ckpts / "c.safetensors"))
+    assert run("encode", "b.safetensors", "c.safetensors", "-o", "bc.delta", cwd=ckpts).returncode == 0
+    before = (ckpts / "a.safetensors").read_bytes()
+    r = run("apply", "bc.delta", "a.safetensors", cwd=ckpts)  # a: the version before b
+    assert r.returncode == 5 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for words in ("a.safetensors: not the base of bc.delta", "base fingerprint", "nothing was written",
+                  "another version of this model", "deltarefit sync STORE a.safetensors"):
+        assert words in r.stderr, (words, r.stderr)
+    save_file({"w": rng.standard_normal((32, 64)).astype(np.float32), "b": b["b"]}, str(ckpts / "other.safetensors"))
+    r = run("apply", "bc.delta", "other.safetensors", cwd=ckpts)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "another model" in r.stderr
+    assert "other.safetensors" in r.stderr and "nothing was written" in r.stderr
+    assert (ckpts / "a.safetensors").read_bytes() == before
