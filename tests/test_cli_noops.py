@@ -97,3 +97,16 @@ def test_a_wrong_base_names_both_files_the_fingerprint_what_was_written_and_the_
     assert "another model" in r.stderr
     assert "other.safetensors" in r.stderr and "nothing was written" in r.stderr
     assert (ckpts / "a.safetensors").read_bytes() == before
+
+
+def test_warnings_are_one_line_in_the_errors_style(ckpts):
+    """Without -v a warning is 'deltarefit: warning: ...' (no timestamp, no module); with -v it has both."""
+    assert run("publish", "s", "a.safetensors", cwd=ckpts).returncode == 0
+    assert run("sync", "s", "r.safetensors", cwd=ckpts).returncode == 0
+    with open(ckpts / "r.safetensors", "r+b") as f:  # edited by hand: --repair restores it, with a warning
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\x01\x02\x03")
+    r = run("sync", "s", "r.safetensors", "--repair", cwd=ckpts)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines and all(ln.startswith("deltarefit: warning: ") for ln in lines), r.stderr
