@@ -102,3 +102,6 @@ def test_one_full_and_one_lora_step_give_sane_figures(trainer, tmp_path):
     _check_against_encode(lo, str(tmp_path / "lora"), tmp_path)
     md = lora.table([full, lo])
     assert md.count("\n") == 3 and "LoRA r=4, alpha=8" in md and "| yes |" in md
+    text = lora.page([full, lo], "python -m deltarefit.apps.bench.lora", "a test machine", 1.0)
+    assert text.startswith("# LoRA") and md in text and "0 bf16 elements changed in all LoRA steps" in text
+    assert f"{f.fp32_adapted_fraction:.2%}" in text and "load_lora_adapter" in text

