@@ -3,15 +3,33 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test test-slow bench bench-quick lint clean
+.PHONY: help demo test test-slow bench bench-quick lint clean
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make demo             a trainer and two rollouts refit each step over a local store (builds .venv first)"
+	@echo "make test             the default test suite, as CI runs it (about 14 minutes on 2 cores)"
+	@echo "make lint             ruff over src tests scripts examples"
+	@echo "make test-slow        the tests marked slow"
+	@echo "make test-vllm        running vLLM engines refitted in place (builds ../vllm-venv)"
+	@echo "make test-vllm-models the live refit across model families (same venv; over an hour)"
+	@echo "make test-trl         TRL's GRPOTrainer in server mode with the deltarefit backend (same venv + trl)"
+	@echo "make test-ray         a 3-node local Ray cluster (same venv + Ray)"
+	@echo "make test-sanitize    the native kernels under ASan and UBSan"
+	@echo "make bench | bench-quick | bench-engine   benchmarks (docs/BENCHMARKS.md, docs/ENGINES.md)"
+	@echo "make clean            remove .venv and out/"
+	@echo "After make demo: source .venv/bin/activate puts deltarefit (the CLI) and the venv's python on PATH."
 
 $(VENV)/.installed: pyproject.toml setup.py src/deltarefit/codec/_native.c
+	@echo "setting up $(VENV): torch 2.13.0 (CPU) and deltarefit with its test, bench and lint extras (2-3 minutes)"
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The pin matters: torch 2.13.0 is a CPU build on disk here; anything else downloads a CUDA build.
 	$(PIP) install -q torch==2.13.0
+	@echo "torch installed; now deltarefit and its extras"
 	$(PIP) install -q -e '.[test,bench,lint]'
 	touch $@
+	@echo "$(VENV) is ready: source $(VENV)/bin/activate puts the deltarefit CLI on PATH"
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/deltarefit demo
