@@ -236,9 +236,9 @@ def test_in_place_reaches_the_adapter(tmp_path, env):
         await worker.update_weights(global_steps=step)
 
     m = model()
-    _, got = asyncio.run(run_round(CheckpointEngineRegistry.get("deltarefit"), [_trainer_engine(rc.checkpoint_engine, 0)],
-                                   [worker.checkpoint_engine], lambda: iter(list(m.state_dict().items())), 1,
-                                   receive=via_worker))
+    trainers = [_trainer_engine(rc.checkpoint_engine, 0)]
+    _, got = asyncio.run(run_round(CheckpointEngineRegistry.get("deltarefit"), trainers, [worker.checkpoint_engine],
+                                   lambda: iter(list(m.state_dict().items())), 1, receive=via_worker))
     assert got[0] is None, got[0]
     assert worker.server_adapter.wire_format == "deltarefit"
     assert worker.server_adapter.received == {

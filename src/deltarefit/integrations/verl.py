@@ -71,6 +71,8 @@ HANDOFF_PREFIX = "verl/"
 # The wire format of an in-place round: one ("deltarefit", update_request) item instead of tensors.
 WIRE_FORMAT = "deltarefit"
 SERVED = (None, "BF16", "F16", "F32")
+KEYS = ("stream", "state_dir", "signing_key", "verify_key", "served", "keyframe_every", "local_dir", "checkpoint",
+        "subscriber_id", "timeout_s", "in_place")  # engine_kwargs.deltarefit
 POLL_S = 0.1
 
 __all__ = ["BACKEND", "DeltaRefitEngine", "register"]
@@ -134,13 +136,11 @@ class DeltaRefitEngine:
     def __init__(self, bucket_size: int | None = None, is_master: bool | None = None, *, stream: str | None = None,
                  state_dir: str | None = None, signing_key: str | None = None, verify_key: str | None = None,
                  served: str | None = None, keyframe_every: int = 20, local_dir: str | None = None,
-                 checkpoint: str | None = None,
-                 subscriber_id: str | None = None, timeout_s: float = 1800.0, in_place: bool = False,
-                 **unknown: Any) -> None:
+                 checkpoint: str | None = None, subscriber_id: str | None = None, timeout_s: float = 1800.0,
+                 in_place: bool = False, **unknown: Any) -> None:
         if unknown:
-            raise UsageError(f"engine_kwargs.deltarefit: unknown key(s) {', '.join(sorted(unknown))}; known: stream, "
-                             "state_dir, signing_key, verify_key, served, keyframe_every, local_dir, checkpoint, subscriber_id, "
-                             "timeout_s, in_place")
+            raise UsageError(f"engine_kwargs.deltarefit: unknown key(s) {', '.join(sorted(unknown))}; known: "
+                             f"{', '.join(KEYS)}")
         if not stream:
             raise UsageError("engine_kwargs.deltarefit.stream is required: the directory or s3:// URL of the "
                              "version stream (+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.deltarefit"
