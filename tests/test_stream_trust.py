@@ -25,7 +25,7 @@ from _stream_util import (
 
 import deltarefit
 from deltarefit.errors import VerificationError
-from deltarefit.signing import SignatureError
+from deltarefit.signing import KEY_MAX_BYTES, SignatureError
 from deltarefit.storage import LocalStore
 from deltarefit.stream import Publisher, StreamError, Subscriber
 from deltarefit.stream import records as records_mod
@@ -809,3 +809,29 @@ def test_store_reads_of_shard_objects_and_proposals_stop_at_the_declared_size(tm
     with pytest.raises(StreamError, match="part descriptor is larger than"):
         get_descriptor(st, "big")
 
+
+
+# ------------------------------------------------------------------------- key files are read as inputs
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "oversized"])
+def test_a_key_file_that_is_no_key_file_is_refused_in_one_line_without_hanging(tmp_path, chain, key, kind):
+    """``--verify-key`` and ``--sign`` read a regular file of a few KiB (``signing.read_key``): a device that
+    never ends (``/dev/zero``), a FIFO nobody writes (which would hang the open), a file past the cap and
+    are each refused in one line, exit 2, at once, reading at most the cap."""
+    store, _ = _stream(tmp_path, chain, "s", [0], signing_key=key)
+    if kind == "device":
+        bad = "/dev/zero"
+    else:
+        bad = str(tmp_path / f"{kind}.pem")
+        if kind == "fifo":
+            os.mkfifo(bad)
+        elif kind == "oversized":
+            with open(bad, "wb") as f:
+                f.write(read_bytes(key + ".pub") + b"\n" * (16 << 10))
+    words = {"device": "not a regular file", "fifo": "not a regular file", "oversized": "more than"}[kind]
+    for r in (run("sync", store, str(tmp_path / "r.safetensors"), "--verify-key", bad, timeout=30),
+              run("publish", store, chain[1], "--state", str(tmp_path / "s-pub"), *KF, "--sign", bad, timeout=30)):
+        _one_line_naming(r, bad, words)
+        assert r.returncode == 2, r.stderr
+    assert os.path.getsize(key + ".pub") < KEY_MAX_BYTES

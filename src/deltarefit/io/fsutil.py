@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from ..errors import FileSystemError
+from ..errors import DeltaRefitError, FileSystemError
 
 
 def fsync_dir(d: str) -> None:
@@ -57,6 +57,46 @@ def open_regular(path: str, flags: int, mode: int = 0o644, *, what: str = "") ->
         os.close(fd)
         raise
     return fd
+
+
+def read_small(path: str, limit: int, *, what: str, error: type[DeltaRefitError] | None = None,
+               follow: bool = True) -> bytes:
+    """The bytes of ``path``: a regular file of at most ``limit`` bytes (a key, a small state file), read
+    the way every input named by a path is: opened ``O_NONBLOCK`` (a FIFO cannot hang the open), refused
+    unless ``fstat`` says a regular file (a FIFO, a device such as ``/dev/zero``, a directory), and read
+    no further than ``limit + 1`` bytes, so a file past the limit costs no more than the limit. A
+    symlink is followed (a key is often a mounted secret's link) unless ``follow=False``. Refusals are one
+    line of ``error`` (default ``UsageError``) naming ``what`` and the path."""
+    import stat
+
+    from ..errors import UsageError
+
+    err = error or UsageError
+    label = f"{what} {path}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    except OSError as e:
+        raise err(f"{label}: cannot open ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise err(f"{label}: not a regular file (a FIFO, a device or a directory)")
+        if st.st_size > limit:
+            raise err(f"{label}: {st.st_size} bytes, more than the {limit} a {what} may have")
+        chunks, got = [], 0
+        while got <= limit:  # a file that grows while read stops at limit + 1 all the same
+            b = os.read(fd, limit + 1 - got)
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+    except OSError as e:
+        raise err(f"{label}: cannot read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    if got > limit:
+        raise err(f"{label}: more than the {limit} bytes a {what} may have")
+    return b"".join(chunks)
 
 
 def create_temp(tmp: str, mode: int = 0o644) -> int:
