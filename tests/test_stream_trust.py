@@ -835,3 +835,65 @@ def test_a_key_file_that_is_no_key_file_is_refused_in_one_line_without_hanging(t
         _one_line_naming(r, bad, words)
         assert r.returncode == 2, r.stderr
     assert os.path.getsize(key + ".pub") < KEY_MAX_BYTES
+
+
+# ------------------------------------------------------------------------- local state files, bounded
+
+
+@pytest.mark.parametrize("shape", ["nested", "strings", "fifo"])
+def test_a_hostile_version_state_is_refused_in_one_line_with_the_repair_fix(tmp_path, chain, shape):
+    """``CKPT.deltarefit-version.json`` of 500,000 nested brackets (a ``RecursionError`` when parsed whole),
+    of 60 MiB of strings (parsed whole before) or a FIFO: refused in one line, at once, and
+    ``sync --repair`` restores the checkpoint."""
+    store, _ = _stream(tmp_path, chain, "s", [0, 1])
+    ck = str(tmp_path / "r.safetensors")
+    run_ok("sync", store, ck)
+    _plant_state(state_path(ck), shape)
+    r = run("sync", store, ck, timeout=30)
+    if shape == "fifo":
+        _one_line_naming(r, state_path(ck), "not a regular file")
+        os.unlink(state_path(ck))
+    else:
+        _one_line_naming(r, state_path(ck), "unreadable version state", "--repair")
+        run_ok("sync", store, ck, "--repair")
+    run_ok("sync", store, ck)
+
+
+@pytest.mark.parametrize("shape", ["nested", "strings", "fifo"])
+def test_a_hostile_publisher_state_is_refused_in_one_line_with_the_reset_fix(tmp_path, chain, shape):
+    """``STATE/publisher.json`` the same: refused in one line (``--reset-baseline`` for a malformed one; a
+    FIFO named, not hung on), and the publish goes on once it is reset or removed."""
+    store, state = _stream(tmp_path, chain, "s", [0])
+    _plant_state(os.path.join(state, "publisher.json"), shape)
+    r = run("publish", store, chain[1], "--state", state, *KF, timeout=30)
+    if shape == "fifo":
+        _one_line_naming(r, "publisher.json", "not a regular file")
+        os.unlink(os.path.join(state, "publisher.json"))
+        run_ok("publish", store, chain[1], "--state", state, *KF, "--reset-baseline")
+    else:
+        _one_line_naming(r, "publisher.json", "unreadable publisher state", "--reset-baseline")
+        run_ok("publish", store, chain[1], "--state", state, *KF, "--reset-baseline")
+
+
+def test_a_fifo_at_the_kept_baseline_hashes_is_not_hung_on(tmp_path, chain):
+    """``STATE/baseline.hashes`` is a cache: a FIFO planted there is passed over (the baseline is hashed
+    instead), not opened blocking."""
+    store, state = _stream(tmp_path, chain, "s", [0])
+    known = os.path.join(state, "baseline.hashes")
+    if os.path.exists(known):
+        os.unlink(known)
+    os.mkfifo(known)
+    r = run_ok("publish", store, chain[1], "--state", state, *KF, timeout=60)
+    assert "Traceback" not in r.stderr
+
+
+def _plant_state(path: str, shape: str) -> None:
+    os.unlink(path)
+    if shape == "fifo":
+        os.mkfifo(path)
+        return
+    with open(path, "wb") as f:
+        if shape == "nested":
+            f.write(b"[" * 500_000 + b"]" * 500_000)
+        else:
+            f.write(b'{"version": 1, "fingerprint": "' + b"a" * (60 << 20) + b'"}')

@@ -83,19 +83,27 @@ def read_small(path: str, limit: int, *, what: str, error: type[DeltaRefitError]
             raise err(f"{label}: not a regular file (a FIFO, a device or a directory)")
         if st.st_size > limit:
             raise err(f"{label}: {st.st_size} bytes, more than the {limit} a {what} may have")
-        chunks, got = [], 0
-        while got <= limit:  # a file that grows while read stops at limit + 1 all the same
-            b = os.read(fd, limit + 1 - got)
-            if not b:
-                break
-            chunks.append(b)
-            got += len(b)
+        data = read_capped(fd, limit)
     except OSError as e:
         raise err(f"{label}: cannot read ({e.strerror or e})") from None
     finally:
         os.close(fd)
-    if got > limit:
+    if len(data) > limit:
         raise err(f"{label}: more than the {limit} bytes a {what} may have")
+    return data
+
+
+def read_capped(fd: int, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of the open file ``fd`` from where it stands: more than ``limit`` tells
+    the caller the file is past its cap, having read no more than that (a file that grows while read
+    included)."""
+    chunks, got = [], 0
+    while got <= limit:
+        b = os.read(fd, limit + 1 - got)
+        if not b:
+            break
+        chunks.append(b)
+        got += len(b)
     return b"".join(chunks)
 
 
