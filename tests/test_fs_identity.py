@@ -309,6 +309,21 @@ def test_a_planted_lock_or_journal_is_refused_and_never_written_through(tmp_path
     assert os.path.islink(at) if kind == "symlink" else os.path.exists(at)
 
 
+@pytest.mark.parametrize("given", ["fifo", "device"])
+def test_a_delta_argument_that_is_no_regular_file_is_refused_not_hung_on(tmp_path, pair, given):
+    """``apply``, ``inspect`` and ``verify`` open the delta as every input is (``io.fsutil.open_input``):
+    a FIFO (opened blocking, it would hang) or a device is refused in one line, exit 3, nothing written."""
+    base, _, _ = pair
+    bad = "/dev/zero" if given == "device" else str(tmp_path / "d.fifo")
+    if given == "fifo":
+        os.mkfifo(bad)
+    before = open(base, "rb").read()
+    for r in (cli("apply", bad, base, timeout=30), cli("inspect", bad, timeout=30)):
+        assert r.returncode == 3, r.stderr
+        one_line(r, bad, "cannot open delta: not a regular file")
+    assert open(base, "rb").read() == before
+
+
 def test_a_symlink_planted_at_a_temp_name_is_replaced_not_written_through(tmp_path):
     from deltarefit.io.fsutil import write_atomic
 

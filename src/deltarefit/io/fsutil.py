@@ -67,30 +67,45 @@ def read_small(path: str, limit: int, *, what: str, error: type[DeltaRefitError]
     no further than ``limit + 1`` bytes, so a file past the limit costs no more than the limit. A
     symlink is followed (a key is often a mounted secret's link) unless ``follow=False``. Refusals are one
     line of ``error`` (default ``UsageError``) naming ``what`` and the path."""
-    import stat
-
     from ..errors import UsageError
 
     err = error or UsageError
-    label = f"{what} {path}"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
-    except OSError as e:
-        raise err(f"{label}: cannot open ({e.strerror or e})") from None
+    fd = open_input(path, what=what, error=err, follow=follow)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise err(f"{label}: not a regular file (a FIFO, a device or a directory)")
         if st.st_size > limit:
-            raise err(f"{label}: {st.st_size} bytes, more than the {limit} a {what} may have")
+            raise err(f"{path}: {what} of {st.st_size} bytes, more than the {limit} it may have")
         data = read_capped(fd, limit)
     except OSError as e:
-        raise err(f"{label}: cannot read ({e.strerror or e})") from None
+        raise err(f"{path}: cannot read {what} ({e.strerror or e})") from None
     finally:
         os.close(fd)
     if len(data) > limit:
-        raise err(f"{label}: more than the {limit} bytes a {what} may have")
+        raise err(f"{path}: {what} of more than the {limit} bytes it may have")
     return data
+
+
+def open_input(path: str, *, what: str, error: type[DeltaRefitError], follow: bool = True) -> int:
+    """A read-only descriptor of ``path``, an input a command reads (a delta, a key, a state file): opened
+    ``O_NONBLOCK`` (a FIFO cannot hang the open, and is refused) and only when ``fstat`` says a regular
+    file; a symlink followed unless ``follow=False``. Refusals are one line of ``error`` naming ``what`` and
+    the path."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    except OSError as e:
+        raise error(f"{path}: cannot open {what} ({e.strerror or e})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise error(f"{path}: cannot open {what}: not a regular file (a FIFO, a device or a directory)")
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_capped(fd: int, limit: int) -> bytes:
