@@ -11,7 +11,8 @@ when vLLM creates the engine).
 
 Worker side (``DeltaRefitWeightTransferEngine``):
 
-* ``init_weight_transfer_engine({"stream": DIR_OR_S3_URL, "verify_key": ..., "version": ...})`` builds the
+* ``init_weight_transfer_engine({"stream": DIR_OR_S3_URL, "verify_key": ..., "version": ...})`` (within the
+  engine's pinned trust, below) builds the
   worker's ``LiveEngine`` (layout captured from the model's own loader, checked against the checkpoint the
   engine was loaded from) and finds the version it holds (``version``, or the newest one whose
   fingerprint it has). Hazard: its kernel check changes one element of each linear weight for a moment
@@ -41,6 +42,12 @@ info: the worker follows it with ``sharded.ShardFollower`` (``shard.sync.sync_sh
 captured layout, then the engine's own steps after an apply; a TP group's workers together). A prepare
 update fetches and checks the route ahead there; the cells are decoded and written in the update. ``deltarefit_live_describe``'s "fingerprint" is then the sharded record's
 (``sharded.version_fingerprint`` reads either kind for the trainer's acknowledgement).
+
+Trust is the engine's, not the caller's (``trust``): with ``DELTAREFIT_VERIFY_KEY`` and ``DELTAREFIT_STREAMS``
+in the workers' environment, an init naming another key or none, or a stream outside those, is refused before
+anything is read or built, and every record followed must be signed by the pinned key. The stream is never
+created at init. Each message's fields are checked when it is built (``trust.InitFields``,
+``trust.UpdateFields``): a wrong type or range is refused in one line.
 
 Trainer side (``DeltaRefitTrainerWeightTransferEngine``): a ``Publisher`` on the trainer's stream;
 ``send_weights(checkpoint)`` publishes the checkpoint as the next version and drives the round trip
@@ -120,6 +127,19 @@ def held_version(store: Any, fingerprint: str, version: int | None,
                       "from a version's checkpoint")
 
 
+def head_signed(store: Any, public_key: str) -> int:
+    """The head version of a plain stream, whose record must be signed by ``public_key``
+    (``SignatureError`` otherwise, ``StreamError`` for an empty stream)."""
+    from ...signing import Verifier, check_record_signature
+
+    v = head(store)
+    if v == 0:
+        raise StreamError(f"{store.url}: no version in this stream")
+    rec = load_commit(store, v)
+    check_record_signature(rec.signature, rec.signed_bytes(), Verifier(public_key), f"{store.url} version {v}")
+    return v
+
+
 def seed_book(sub: Subscriber, checkpoint: str) -> bool:
     """Start the engine's history book from the one a rollout keeps beside the checkpoint the engine
     loaded (``deltarefit sync`` of a stream published with ``--history``), so that the engine goes on by
@@ -169,6 +189,9 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
         # key or none is refused here, and the stream must exist (never created at init).
         key = engine_trust().check_init(init_info.stream, init_info.verify_key)
         store = open_store(init_info.stream, create=False)
+        kind = stream_kind(store)
+        if key is not None and kind != "sharded":
+            head_signed(store, key)  # an unsigned stream is refused before the engine it replaces is shut down
         self.shutdown()  # a second init replaces the first
         ckpt = init_info.checkpoint or self.model_config.model
         if not os.path.isdir(ckpt):
@@ -176,7 +199,7 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
                              "to capture and check its layout")
         self.live = LiveEngine(self.model, self.vllm_config, ckpt, cpus=init_info.apply_cpus)
         self.info, self.verify_key = init_info, key
-        if stream_kind(store) == "sharded":  # parts of trainer ranks (shard/): followed by sync_sharded
+        if kind == "sharded":  # parts of trainer ranks (shard/): followed by sync_sharded
             self.follower = ShardFollower(self.live, store, version=init_info.version, public_key=key)
             log.info("deltarefit: engine at version %d of the sharded stream %s", self.follower.held()[0], store.url)
             return
