@@ -897,3 +897,16 @@ def _plant_state(path: str, shape: str) -> None:
             f.write(b"[" * 500_000 + b"]" * 500_000)
         else:
             f.write(b'{"version": 1, "fingerprint": "' + b"a" * (60 << 20) + b'"}')
+
+
+@pytest.mark.parametrize("name", ["attempt.json", "pending.json"])
+def test_a_fifo_at_a_publishers_upload_marker_or_pending_record_is_not_hung_on(tmp_path, chain, name):
+    """``STATE/attempt.json`` (an upload's marker: unreadable, so passed over and removed) and
+    ``STATE/pending.json`` (a killed publish's record: named in one line) are opened as regular files only."""
+    store, state = _stream(tmp_path, chain, "s", [0])
+    os.mkfifo(os.path.join(state, name))
+    r = run("publish", store, chain[1], "--state", state, *KF, timeout=60)
+    if name == "attempt.json":
+        assert r.returncode == 0 and not os.path.exists(os.path.join(state, name)), r.stderr
+    else:
+        _one_line_naming(r, name, "not a regular file")
