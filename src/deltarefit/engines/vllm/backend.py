@@ -166,6 +166,7 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
 
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
+        engine_trust()  # the worker's pins, read (and a pin that cannot hold refused) as the engine starts
         self.live = None
         self.holder: EngineHolder | None = None  # the worker's engine as what holds the stream's version
         self.sub: Subscriber | None = None

@@ -71,11 +71,14 @@ def _private_copy(path: str, stack: contextlib.ExitStack) -> str:
     import shutil
     import tempfile
 
-    d = tempfile.mkdtemp(prefix="deltarefit-checked-")
-    stack.callback(shutil.rmtree, d, True)
-    copy = os.path.join(d, "delta")
-    with os.fdopen(open_regular(path, os.O_RDONLY, what="delta"), "rb") as src, open(copy, "xb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
+    try:
+        d = tempfile.mkdtemp(prefix="deltarefit-checked-")
+        stack.callback(shutil.rmtree, d, True)
+        copy = os.path.join(d, "delta")
+        with os.fdopen(open_regular(path, os.O_RDONLY, what="delta"), "rb") as src, open(copy, "xb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except OSError as e:  # a full or read-only temp directory: one line, as any file fault
+        raise errors.FileSystemError.of(f"{path}: cannot copy the delta to check it", e) from None
     return copy
 
 
@@ -138,7 +141,7 @@ class DeltaRefitWorkerExtension:
         trust = engine_trust()
         real = trust.check_path(delta_path, "delta")
         if trust.verify_key is None:
-            return delta_path
+            return real if trust.roots or trust.urls else delta_path  # the path that was checked
         copy = _private_copy(real, stack)
         _, target, _, _ = _delta_names(copy)
         trust.signed_version(self._deltarefit_signed_store(delta_path), target, f"delta {delta_path}")

@@ -182,8 +182,8 @@ class EngineTrust:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EngineTrust:
         """The trust ``env`` (default ``os.environ``) pins; a key that does not load, or a relative
-        directory root, is refused (``UsageError`` naming the variable): an engine never starts with a
-        pin it cannot keep."""
+        directory root, is refused (``UsageError`` naming the variable): the backend reads it when vLLM
+        creates it, so an engine with a pin it cannot keep does not start."""
         env = os.environ if env is None else env
         key, key_id = None, None
         if env.get(ENV_VERIFY_KEY, "").strip():
@@ -210,12 +210,6 @@ class EngineTrust:
     @property
     def pinned(self) -> bool:
         return self.verify_key is not None or bool(self.urls or self.roots)
-
-    def describe(self) -> str:
-        parts = [f"key {self.key_id} ({ENV_VERIFY_KEY})"] if self.verify_key else []
-        if self.urls or self.roots:
-            parts.append(f"streams {', '.join((*self.urls, *self.roots))} ({ENV_STREAMS})")
-        return "; ".join(parts) or "nothing pinned"
 
     # -- init ----------------------------------------------------------------------------------------
 
