@@ -309,6 +309,39 @@ def test_a_planted_lock_or_journal_is_refused_and_never_written_through(tmp_path
     assert os.path.islink(at) if kind == "symlink" else os.path.exists(at)
 
 
+@pytest.mark.parametrize("given", ["fifo", "device"])
+def test_a_delta_argument_that_is_no_regular_file_is_refused_not_hung_on(tmp_path, pair, given):
+    """``apply``, ``inspect`` and ``verify`` open the delta as every input is (``io.fsutil.open_input``):
+    a FIFO (opened blocking, it would hang) or a device is refused in one line, exit 3, nothing written."""
+    base, _, _ = pair
+    bad = "/dev/zero" if given == "device" else str(tmp_path / "d.fifo")
+    if given == "fifo":
+        os.mkfifo(bad)
+    before = open(base, "rb").read()
+    for r in (cli("apply", bad, base, timeout=30), cli("inspect", bad, timeout=30)):
+        assert r.returncode == 3, r.stderr
+        one_line(r, bad, "cannot open delta: not a regular file")
+    assert open(base, "rb").read() == before
+
+
+@pytest.mark.parametrize("given", ["fifo", "device", "oversized"])
+def test_a_relay_key_that_is_no_small_regular_file_is_refused_not_hung_on(tmp_path, given):
+    """``relay.protocol.load_key`` reads a regular file of at most 64 KiB (``io.fsutil.read_small``): a FIFO
+    (which would hang the open), a device or a bigger file is refused in one line."""
+    from deltarefit.errors import UsageError
+    from deltarefit.relay.protocol import load_key
+
+    bad = "/dev/zero" if given == "device" else str(tmp_path / "key")
+    if given == "fifo":
+        os.mkfifo(bad)
+    elif given == "oversized":
+        with open(bad, "wb") as f:
+            f.write(b"k" * ((64 << 10) + 1))
+    with pytest.raises(UsageError, match="not a regular file" if given != "oversized" else "more than") as e:
+        load_key(bad)
+    assert str(e.value).startswith(bad) and "\n" not in str(e.value)
+
+
 def test_a_symlink_planted_at_a_temp_name_is_replaced_not_written_through(tmp_path):
     from deltarefit.io.fsutil import write_atomic
 

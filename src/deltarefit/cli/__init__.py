@@ -13,6 +13,7 @@ parentheses). Usage errors too are one line, exit 2, click's own included.
     6    VerificationError   verification: a result does not match its fingerprint or digest
     7    StoreError          storage: I/O, permissions, a lost connection
     8    SignatureError      signature: a commit record unsigned, or its signature does not verify
+                             (UntrustedError: what an engine's pinned trust refuses)
     9    StreamError         version stream: broken chain, lost publish race, no route, another stream
                              (MalformedRecordError, StreamIdentityError, PublishError, BroadcastError)
     10   ProtocolError       relay: failed authentication, a bad frame or part, a relay not reached

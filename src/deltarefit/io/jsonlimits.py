@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
-__all__ = ["brief", "json_shape_problem", "json_shape_problem_of_pieces"]
+__all__ = ["LOCAL_STATE_MAX_BYTES", "brief", "json_shape_problem", "json_shape_problem_of_pieces", "small_json"]
+
+LOCAL_STATE_MAX_BYTES = 1 << 20  # a state file deltarefit keeps beside a checkpoint or in a state directory
 
 _BRIEF = reprlib.Repr()
 _BRIEF.maxlist = _BRIEF.maxdict = 8
@@ -45,6 +48,23 @@ def brief(value: object) -> str:
     """``repr`` of a value parsed from untrusted JSON, cut short (a hostile list may hold millions of
     elements, and an error message is one short line)."""
     return _BRIEF.repr(value)
+
+
+def small_json(raw: bytes, *, max_depth: int = 8, bytes_per_container: int = 16) -> Any:
+    """The JSON value of a small local state file (a version state, a publisher state), whose text is at
+    most ``LOCAL_STATE_MAX_BYTES`` (the caller reads no more): its shape bounded first (nesting, containers
+    per byte), so that no text recurses or amplifies. ``ValueError`` with a one-line reason otherwise."""
+    import json
+
+    if len(raw) > LOCAL_STATE_MAX_BYTES:
+        raise ValueError(f"more than {LOCAL_STATE_MAX_BYTES} bytes")
+    why = json_shape_problem(raw, max_depth=max_depth, bytes_per_container=bytes_per_container)
+    if why is not None:
+        raise ValueError(why)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"not JSON ({type(e).__name__})") from None
 
 
 def json_shape_problem(raw: bytes, *, max_depth: int, bytes_per_container: int, slack: int = 64,

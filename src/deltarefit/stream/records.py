@@ -28,8 +28,8 @@ from typing import Any
 import blake3
 
 from ..errors import MalformedRecordError, StoreError, StreamError, StreamIdentityError
-from ..io.fsutil import open_regular, write_atomic
-from ..io.jsonlimits import brief, json_shape_problem
+from ..io.fsutil import open_regular, read_capped, write_atomic
+from ..io.jsonlimits import LOCAL_STATE_MAX_BYTES, brief, json_shape_problem, small_json
 from ..signing import SignableRecord
 from ..storage.base import Store
 
@@ -336,8 +336,9 @@ def held_state(state_path: str) -> dict | None:
     """What a subscriber recorded at ``state_path`` after a verified apply (``record_version``), or None."""
     try:
         # A regular file only, never through a symlink: a FIFO planted there must not hang the sync.
-        with os.fdopen(open_regular(state_path, os.O_RDONLY, what="version state"), encoding="utf-8") as f:
-            d = json.load(f)
+        # At most LOCAL_STATE_MAX_BYTES read, its shape bounded before it is parsed (``small_json``).
+        with os.fdopen(open_regular(state_path, os.O_RDONLY, what="version state"), "rb") as f:
+            d = small_json(read_capped(f.fileno(), LOCAL_STATE_MAX_BYTES))
         d["version"], d["fingerprint"] = int(d["version"]), str(d["fingerprint"])
         return d
     except FileNotFoundError:
