@@ -182,13 +182,13 @@ def minilm_trainer(seed: int = 0) -> Trainer:
         return transformers.AutoModel.from_pretrained(path, dtype=torch.float32).eval()  # eval: no dropout
 
     def step(m: Any, opt: Any, g: Any) -> float:
-        logits_h = m(input_ids=ids).last_hidden_state
+        hidden = m(input_ids=ids).last_hidden_state
         with torch.no_grad():
-            actions = torch.multinomial(answer_probs(logits_h.detach(), head), SAMPLES, replacement=True,
+            actions = torch.multinomial(answer_probs(hidden.detach(), head), SAMPLES, replacement=True,
                                         generator=g)
         reward = (actions == target[:, None]).float()
         adv = reward - reward.mean(dim=1, keepdim=True)
-        logp = (logits_h[:, 0] @ head.T).log_softmax(-1)
+        logp = (hidden[:, 0] @ head.T).log_softmax(-1)
         loss = -(adv * logp.gather(1, actions)).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
