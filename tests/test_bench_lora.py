@@ -70,6 +70,8 @@ def _check_against_encode(res: lora.Result, keep: str, tmp_path) -> None:
         if what == "served":
             assert fig.ratio == rep.full_bytes / rep.delta_bytes
             assert fig.changed == rep.changed_elements and fig.elements == rep.total_elements
+        else:
+            assert fig.adapter_changed == rep.changed_elements
         apply(str(tmp_path / f"{what}.delta"), os.path.join(keep, f"{what}-0.safetensors"))
         with open(os.path.join(keep, f"{what}-0.safetensors"), "rb") as a, \
                 open(os.path.join(keep, f"{what}-1.safetensors"), "rb") as b:
@@ -98,7 +100,7 @@ def test_one_full_and_one_lora_step_give_sane_figures(trainer, tmp_path):
     d, i = TINY.hidden_size, TINY.intermediate_size
     per_layer = 4 * RANK * (d + d) + 2 * RANK * (d + i) + RANK * (i + d)
     assert lo.trainable == TINY.num_layers * per_layer
-    assert f.adapter_bytes == 2 * lo.trainable and f.adapter_delta_bytes > 0
+    assert f.adapter_bytes == 2 * lo.trainable and f.adapter_delta_bytes > 0 and 0 < f.adapter_fraction <= 1
     _check_against_encode(full, str(tmp_path / "full"), tmp_path)
     _check_against_encode(lo, str(tmp_path / "lora"), tmp_path)
     md = lora.table([full, lo])

