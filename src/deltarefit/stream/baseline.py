@@ -17,7 +17,7 @@ from ..checkpoint.read import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
 from ..errors import CheckpointError, DecodeError
 from ..history_book import HistoryBook, MovesRecorder
-from ..io.fsutil import open_regular, write_atomic
+from ..io.fsutil import create_temp, open_regular, write_atomic
 from ..storage.base import Store
 from .history import open_book, resets, settle, start_over
 from .publish_state import _TEMP_SUFFIX, RESET_FIX, PublishState, read_state_json
@@ -256,7 +256,9 @@ def _temp_beside(path: str) -> str:
 def _copy_checkpoint(src: str, dest: str) -> None:
     """The baseline is always one file: a directory checkpoint is rewritten as a single file."""
     if os.path.isfile(src):
-        shutil.copyfile(src, dest)
+        # Created afresh (``create_temp``: exclusive, never through a link planted at ``dest``).
+        with open(src, "rb") as f, os.fdopen(create_temp(dest), "wb") as g:
+            shutil.copyfileobj(f, g, 16 << 20)
         return
     from ..checkpoint.header import TensorSource
     from ..checkpoint.write import write_safetensors
