@@ -28,7 +28,7 @@ parentheses). Usage errors too are one line, exit 2, click's own included.
     12   FileSystemError     filesystem: a local file could not be written or read (disk full, read-only,
                              permission denied, a missing directory), the checkpoint's lock file and a
                              download's staged copy included; the line names the operation and the path
-    130  interrupted
+    130  interrupted (Ctrl-C); rerunning the same command is safe: it resumes where it stopped
 
 Modules:
 
