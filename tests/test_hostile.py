@@ -795,9 +795,10 @@ def test_cli_garbled_ulp(pair, ckpt, ddir):
 
 
 def test_cli_arguments_swapped(pair, ckpt):
-    """`apply CKPT DELTA`: the checkpoint is refused as a delta, and the delta file is not touched either."""
+    """`apply CKPT DELTA`: told as swapped arguments (by what each path is) before anything is opened for
+    writing; neither file is touched."""
     before = sha(pair["delta"])
-    _cli_refused(ckpt, pair["delta"], 3, "bad magic")
+    _cli_refused(ckpt, pair["delta"], 2, "the arguments look swapped", "is a delta", "nothing was done")
     assert sha(pair["delta"]) == before
 
 
