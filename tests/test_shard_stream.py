@@ -15,7 +15,7 @@ import pytest
 import torch
 from _shard_util import SHAPES, masters, step
 
-from deltarefit.errors import BaseMismatchError
+from deltarefit.errors import BaseMismatchError, UsageError
 from deltarefit.integrity import additive as D
 from deltarefit.shard import stream as S
 from deltarefit.shard import sync as shard_sync
@@ -30,6 +30,7 @@ from deltarefit.shard.names import (
 from deltarefit.shard.rollout import group_check, slice_digests
 from deltarefit.shard.stream import (
     ShardStreamPublisher,
+    head_key,
     held_version,
     load_shard_commit,
     new_attempt,
@@ -56,13 +57,17 @@ def trainers(store, state_dir=None, **kw):
 def publish_all(tps, full, attempt=None, ranks=(0, 1)):
     """The steps every rank takes, in one process: upload, commit (rank 0), advance."""
     attempt = attempt or new_attempt()
-    for r in ranks:
-        tps[r].upload(local_from_full(TLAYS[r], full, np.float32), attempt)
+    refs = upload_all(tps, full, attempt, ranks)
     v = tps[0].version + 1
-    rec = tps[0].commit_version(v, attempt)
+    rec = tps[0].commit_version(v, attempt, refs=refs)
     for tp in tps:
         tp.advance(tp.wait_commit(v))
     return rec
+
+
+def upload_all(tps, full, attempt, ranks=(0, 1)):
+    """Each rank's upload, its ref handed over in process (the committer's trusted channel)."""
+    return [tps[r].upload(local_from_full(TLAYS[r], full, np.float32), attempt) for r in ranks]
 
 
 def rollout_tensors():
@@ -130,34 +135,117 @@ def test_three_versions_tp_rollouts_bit_exact(store, tmp_path):
         load_commit(store, 1)
 
 
-def _publish_rank(tp, full, attempt, step_no, out, errs):
+def _upload_rank(tp, full, attempt, refs, errs):
     try:
-        out[tp.rank] = tp.publish(local_from_full(TLAYS[tp.rank], full, np.float32), attempt=attempt, step=step_no)
+        refs[tp.rank] = tp.upload(local_from_full(TLAYS[tp.rank], full, np.float32), attempt)
     except Exception as e:  # surfaced by the caller
         errs.append(e)
 
 
 def test_publish_api_with_rank_threads(tmp_path):
+    """Ranks in threads, no process group: ``publish`` refuses (the refs would have to come from the store);
+    each rank uploads, the refs reach the committer in process, every rank advances."""
     store = MemoryStore()
     tps = trainers(store, tmp_path / "t")
     full = masters()
+    with pytest.raises(UsageError, match="channel the store cannot forge"):
+        tps[0].publish(local_from_full(TLAYS[0], full, np.float32), attempt=new_attempt())
+    assert head(store) == 0 and not store.list("v/")
     rng = np.random.default_rng(2)
     roll = rollout_tensors()
     for i in range(2):
         if i:
             step(full, rng)
-        attempt, out, errs = new_attempt(), {}, []
-        ths = [threading.Thread(target=_publish_rank, args=(tps[r], full, attempt, 10 + i, out, errs))
-               for r in (1, 0)]
+        attempt, refs, errs = new_attempt(), {}, []
+        ths = [threading.Thread(target=_upload_rank, args=(tps[r], full, attempt, refs, errs)) for r in (1, 0)]
         for t in ths:
             t.start()
         for t in ths:
             t.join()
         assert not errs
-        assert out[0].same_version(out[1]) and out[0].step == 10 + i
+        v = tps[0].version + 1
+        rec = tps[0].commit_version(v, attempt, refs=[refs[0], refs[1]], step=10 + i)
+        for tp in tps:
+            tp.advance(tp.wait_commit(v))
+        assert rec.step == 10 + i and [tp.version for tp in tps] == [v, v]
     for r in range(2):
         sync_sharded(store, roll[r], RLAYS[r], state_path=str(tmp_path / f"r{r}.json"))
         assert_exact(roll[r], RLAYS[r], full)
+
+
+def _planted_part(store, full, attempt):
+    """Rank 1's part of version 2 from other masters, made by a second publisher that follows the stream
+    (what a store writer who reads the listing can build), written under the honest attempt first."""
+    forger = trainers(store)[1]
+    forger.recover()
+    bad = {n: a.copy() for n, a in full.items()}
+    for a in bad.values():
+        a.reshape(-1)[:17] = 123.0
+    return forger.upload(local_from_full(TLAYS[1], bad, np.float32), attempt)
+
+
+def test_regression_a_part_planted_in_the_store_is_never_committed(tmp_path):
+    """Regression (issue 46, high): a store writer plants rank 1's part and descriptor under the attempt
+    it sees in the listing, first. The honest rank's upload is refused, so it hands over no ref; the
+    committer, which used to join what it read back and sign it, refuses: nothing is committed, and a
+    signed rollout sees no new version."""
+    from deltarefit.signing import keygen
+
+    priv = str(tmp_path / "k")
+    keygen(priv)
+    pub = priv + ".pub"
+    store = MemoryStore()
+    tps = trainers(store, signing_key=priv)
+    full = masters()
+    publish_all(tps, full)
+    step(full, np.random.default_rng(11))
+    attempt = new_attempt()
+    ref0 = tps[0].upload(local_from_full(TLAYS[0], full, np.float32), attempt)
+    planted = _planted_part(store, full, attempt)
+    with pytest.raises(StreamError, match="already holds other bytes"):
+        tps[1].upload(local_from_full(TLAYS[1], full, np.float32), attempt)
+    with pytest.raises(PublishError, match="no part refs from the ranks"):
+        tps[0].commit_version(2, attempt)
+    with pytest.raises(PublishError, match="1 part refs for 2 ranks"):
+        tps[0].commit_version(2, attempt, refs=[ref0])
+    # The planted ref itself, handed over as rank 1's, is not the rank's: the caller gathers what the ranks
+    # returned. A ref for another key is refused by shape.
+    with pytest.raises(PublishError, match="not its part of version 2"):
+        tps[0].commit_version(2, attempt, refs=[ref0, ref0])
+    assert not store.exists(commit_key(2)) and head(store) == 1
+    roll = rollout_tensors()[1]
+    rep = sync_sharded(store, roll, RLAYS[1], state_path=str(tmp_path / "r1.json"), public_key=pub)
+    assert rep.version == 1
+    assert planted.key == part_key_of(2, attempt, 1)
+
+
+def part_key_of(version, attempt, rank):
+    from deltarefit.shard.stream import part_key
+
+    return part_key(version, attempt, rank)
+
+
+def test_regression_a_part_overwritten_after_upload_is_never_committed(tmp_path):
+    """Regression (issue 46): the honest parts are in; a store writer then overwrites rank 1's part and
+    descriptor with its own. The committer, holding the refs the ranks handed it, refuses the descriptor
+    that no longer matches; nothing is committed."""
+    store = MemoryStore()
+    tps = trainers(store)
+    full = masters()
+    publish_all(tps, full)
+    step(full, np.random.default_rng(12))
+    attempt = new_attempt()
+    refs = upload_all(tps, full, attempt)
+    other = MemoryStore()  # the forged part and descriptor, built elsewhere and copied over the honest ones
+    for k in store.list(""):
+        if not k.startswith("v/000000000002/"):
+            other.put(k, store.get(k))
+    _planted_part(other, full, attempt)
+    for k in (part_key_of(2, attempt, 1), head_key(2, attempt, 1)):
+        store.put(k, other.get(k))
+    with pytest.raises(PublishError, match="planted by another writer"):
+        tps[0].commit_version(2, attempt, refs=refs)
+    assert not store.exists(commit_key(2)) and head(store) == 1
 
 
 def test_kill_before_commit_then_rerun(store, tmp_path):
@@ -228,9 +316,7 @@ def test_kill_after_commit_before_advance(store, tmp_path):
     publish_all(tps, full)
     step(full, rng)
     attempt = new_attempt()
-    for r in range(2):
-        tps[r].upload(local_from_full(TLAYS[r], full, np.float32), attempt)
-    rec = tps[0].commit_version(2, attempt)
+    rec = tps[0].commit_version(2, attempt, refs=upload_all(tps, full, attempt))
     tps[0].advance(rec)  # rank 1 dies before advancing: its saved state is still version 1
     assert tps[1].version == 1
     dead = _dead_pid()
@@ -334,15 +420,20 @@ def test_late_rank_times_out_without_commit(tmp_path):
     publish_all(tps, full)
     step(full, np.random.default_rng(7))
     attempt = new_attempt()
-    tps[0].upload(local_from_full(TLAYS[0], full, np.float32), attempt)
-    with pytest.raises(PublishError, match=r"no part from ranks \[1\] within 0.3 s; not committed"):
-        tps[0].commit_version(2, attempt)
+    ref0 = tps[0].upload(local_from_full(TLAYS[0], full, np.float32), attempt)
+    with pytest.raises(PublishError, match="1 part refs for 2 ranks; not committed"):
+        tps[0].commit_version(2, attempt, refs=[ref0])
     with pytest.raises(PublishError, match="was not committed within"):
         tps[1].wait_commit(2)
+    # rank 1's ref arrives before its descriptor is in the store (dropped here): the committer waits, then gives up
+    ref1 = tps[1].upload(local_from_full(TLAYS[1], full, np.float32), attempt)
+    store.delete(head_key(2, attempt, 1))
+    with pytest.raises(PublishError, match=r"no part from ranks \[1\] within 0.3 s; not committed"):
+        tps[0].commit_version(2, attempt, refs=[ref0, ref1])
     assert not store.exists(commit_key(2)) and head(store) == 1 and [tp.version for tp in tps] == [1, 1]
-    # the late rank arrives: the same attempt can still be committed
-    tps[1].upload(local_from_full(TLAYS[1], full, np.float32), attempt)
-    rec = tps[0].commit_version(2, attempt)
+    # the late rank uploads again (the same bytes): the same attempt can still be committed
+    assert tps[1].upload(local_from_full(TLAYS[1], full, np.float32), attempt) == ref1
+    rec = tps[0].commit_version(2, attempt, refs=[ref0, ref1])
     for tp in tps:
         tp.advance(rec)
     roll = rollout_tensors()[1]
@@ -475,10 +566,9 @@ def test_the_committer_reads_descriptors_never_whole_parts(tmp_path):
     tps = trainers(store)
     full = masters()
     attempt = new_attempt()
-    for r in (0, 1):
-        tps[r].upload(local_from_full(TLAYS[r], full, np.float32), attempt)
+    refs = upload_all(tps, full, attempt)
     store.reads.clear()
-    rec = tps[0].commit_version(1, attempt)
+    rec = tps[0].commit_version(1, attempt, refs=refs)
     assert rec.keyframe and store.reads
     assert not [k for k in store.reads if "/parts/" in k and not k.endswith(".head.json")], store.reads
     for tp in tps:

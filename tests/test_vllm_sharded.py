@@ -81,10 +81,10 @@ class ShardedTrainer:
 
         full = self.masters()
         attempt = new_attempt()
-        for r, tp in enumerate(self.ranks):
-            tp.upload(local_from_full(self.layouts[r], full, np.float32), attempt)
+        refs = [tp.upload(local_from_full(self.layouts[r], full, np.float32), attempt)
+                for r, tp in enumerate(self.ranks)]
         v = self.ranks[0].version + 1
-        rec = self.ranks[0].commit_version(v, attempt)
+        rec = self.ranks[0].commit_version(v, attempt, refs=refs)
         for tp in self.ranks:
             tp.advance(tp.wait_commit(v))
         self.export(full, os.path.join(self.root, f"v{v}"))

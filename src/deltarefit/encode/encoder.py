@@ -15,9 +15,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -267,7 +269,7 @@ def additive_digests(tensors: list[tuple[Checkpoint, str]], *, threads: int | No
     return [np.asarray(a, "<u8").tobytes() for a in acc]
 
 
-def encode(base: str, target: str, out: str, *, threads: int | None = None,
+def encode(base: str, target: str | Any, out: str, *, threads: int | None = None,
            progress: Callable[[int], None] | None = None, known_base: KnownHashes | None = None,
            durable: bool = True, sums: bool = False, history: HistoryBook | None = None) -> EncodeReport:
     """Encode the delta from checkpoint ``base`` to checkpoint ``target`` into the file ``out``.
@@ -275,8 +277,11 @@ def encode(base: str, target: str, out: str, *, threads: int | None = None,
     report's ``moves`` then go to ``history.commit`` once the delta is delivered.
     ``known_base``: the base's segment hashes, used only while the opened base files still have the
     identity they were taken with (otherwise the base is hashed as usual). ``durable=False``: no fsync
-    of ``out``, for a delta staged for upload (the store makes its own copy durable)."""
-    with open_checkpoint(base) as b, open_checkpoint(target) as t:
+    of ``out``, for a delta staged for upload (the store makes its own copy durable). ``target`` may also
+    be an object with the ``Checkpoint`` surface ``encode_checkpoints`` reads (``stream.served.ServedTensors``:
+    a trainer's weights in memory), used as it is."""
+    opened = open_checkpoint(target) if isinstance(target, (str, os.PathLike)) else contextlib.nullcontext(target)
+    with open_checkpoint(base) as b, opened as t:
         same = known_base is not None and known_base.identity == b.identity()
         known = known_base.hashes if same else None
         if known_base is not None and known is None:

@@ -4,16 +4,19 @@ The pieces, beside ``integrations.ray``'s engine side:
 
 * ``TrainerRank``: the base of a trainer-rank actor. Each rank holds its own shard of the model (its
   fp32 masters in its ``shard.names.trainer_layout``) and publishes its part of each step with
-  ``ShardStreamPublisher``: every rank uploads its part under the attempt the driver hands out, the
-  committer (rank 0) creates the commit record once every part is in the store (it polls the store: no
-  process group, so a rank can die and come back without tearing one down). A subclass says what its
+  ``ShardStreamPublisher``, in two calls from the driver: ``upload`` (every rank uploads its part under
+  the attempt the driver hands out and returns its ref: key, bytes, BLAKE3) and ``finish`` (the
+  committer, rank 0, commits with the refs the driver gathered through Ray, never with what it reads
+  back from the store, where a store writer could plant a part; every rank then advances). No process
+  group, so a rank can die and come back without tearing one down. A subclass says what its
   masters are at a step (``masters``); they must be the same after a restart (read from its own
   checkpoint of that step), so a republished part holds the same bytes.
 * ``start_trainer_ranks``: the rank actors in one placement group (one bundle per rank, packed on the
   trainer's node), restarted by Ray up to ``max_restarts`` times.
-* ``ShardRefitTrainer``: the driver. ``publish(step)`` has every rank publish the step under one
-  attempt; a rank whose process died in the middle (``RayActorError``) is asked again, with the same
-  attempt, once Ray restarted it. ``refit()`` is ``RefitTrainer``'s round: every engine brought to the
+* ``ShardRefitTrainer``: the driver. ``publish(step)`` has every rank upload its part of the step under
+  one attempt, then hands every ref to every rank's ``finish``; a rank whose process died in the middle
+  of either (``RayActorError``) is asked the same again, same attempt, once Ray restarted it. A rank
+  whose upload is refused (its key already held other bytes) fails the step: nothing is committed. ``refit()`` is ``RefitTrainer``'s round: every engine brought to the
   stream's head through vLLM's client, the version committed for the trainer (``committed.json``) only
   when every engine reports it and every worker holds its fingerprint (the sharded record's).
 
@@ -24,7 +27,8 @@ stream already holds (the head record's ``step``: the version was committed befo
 returns that record: each step is one version, none lost, none twice.
 
 The payload never travels through Ray: parts go from each rank to the store, and engines read them
-from there. Ray carries the calls, the attempt id, versions and fingerprints.
+from there. Ray carries the calls, the attempt id, the parts' refs (as plain dicts), versions and
+fingerprints.
 """
 
 from __future__ import annotations
@@ -71,24 +75,57 @@ class TrainerRank:
         """This rank's fp32 master shard after ``step`` (a subclass's)."""
         raise NotImplementedError
 
-    def publish(self, step: int, attempt: str) -> dict[str, Any]:
-        """This rank's part of ``step``'s version under ``attempt`` (the committer also commits it);
-        returns the committed record's version, fingerprint and step once this rank's baseline is at it.
-        A step the stream already holds returns its record (a rerun after a restart)."""
+    def _resumed(self, step: int) -> dict[str, Any] | None:
+        """The summary of ``step``'s version where the stream holds it already (after ``recover``: this rank's
+        baseline is at the head), else None; refused where the stream is past ``step``."""
         from ..shard.stream import load_shard_commit
 
         sp = self.publisher
         t0 = time.perf_counter()
         v = sp.recover()
-        if v:
-            rec = load_shard_commit(sp.store, v)
-            if rec.step == step:
-                return self._summary(rec, resumed=True, seconds=time.perf_counter() - t0)
-            if rec.step is not None and rec.step > step:
-                raise UsageError(f"rank {self.rank}: the stream holds step {rec.step} (version {v}); step {step} "
-                                 "is behind it")
-        rec = sp.publish(self.masters(step), attempt=attempt, step=step)
-        return self._summary(rec, resumed=False, seconds=time.perf_counter() - t0)
+        if not v:
+            return None
+        rec = load_shard_commit(sp.store, v)
+        if rec.step == step:
+            return self._summary(rec, resumed=True, seconds=time.perf_counter() - t0)
+        if rec.step is not None and rec.step > step:
+            raise UsageError(f"rank {self.rank}: the stream holds step {rec.step} (version {v}); step {step} "
+                             "is behind it")
+        return None
+
+    def upload(self, step: int, attempt: str) -> dict[str, Any]:
+        """Phase one of ``step``'s version: this rank's part under ``attempt``. Returns ``{"version", "ref"}``
+        (the ref as a plain dict, for the driver to hand to the committer), or ``{"resumed": summary}``
+        where the stream holds the step already (a rerun after a restart)."""
+        done = self._resumed(step)
+        if done is not None:
+            return {"resumed": done}
+        t0 = time.perf_counter()
+        ref = self.publisher.upload(self.masters(step), attempt)
+        self._upload_s = time.perf_counter() - t0
+        return {"version": self.publisher.version + 1, "ref": {"key": ref.key, "bytes": ref.bytes,
+                                                               "blake3": ref.blake3}}
+
+    def finish(self, step: int, attempt: str, version: int, refs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Phase two: the committer commits ``version`` from ``refs`` (every rank's ``upload`` return, in rank
+        order, as the driver gathered them); every rank then advances to the committed record. Returns the
+        summary; a version already committed and reached returns it (a rerun after a restart)."""
+        from ..stream.records import Part
+
+        done = self._resumed(step)
+        if done is not None:
+            return done
+        sp = self.publisher
+        t0 = time.perf_counter()
+        if sp.version + 1 != version:
+            raise UsageError(f"rank {self.rank} is at version {sp.version}; cannot finish version {version}")
+        if self.rank == sp.committer:
+            parts = [Part(str(r["key"]), int(r["bytes"]), str(r["blake3"])) for r in refs]
+            rec = sp.commit_version(version, attempt, refs=parts, step=step)
+        else:
+            rec = sp.wait_commit(version)
+        sp.advance(rec)
+        return self._summary(rec, resumed=False, seconds=getattr(self, "_upload_s", 0.0) + time.perf_counter() - t0)
 
     def _summary(self, rec: Any, *, resumed: bool, seconds: float) -> dict[str, Any]:
         st = self.publisher.last_stats
@@ -204,19 +241,14 @@ class ShardRefitTrainer(RefitTrainer):
 
         return load_shard_commit(self.store, version).fingerprint
 
-    def publish(self, step: int) -> dict[str, Any]:  # type: ignore[override]
-        """Every rank publishes its part of ``step`` under one fresh attempt; returns the committed
-        version's summary (``version``, ``fingerprint``, ``step``, per rank ``ranks``, and ``restarts``:
-        the ranks asked again after their process died). A rank that died is asked again, same attempt,
-        once Ray restarted it; a refusal (``PublishError`` on a rank) or a rank Ray gave up on raises."""
+    def _ask(self, step: int, deadline: float, restarts: list[int], call) -> dict[int, dict[str, Any]]:
+        """``call(handle)`` on every rank, each answer by rank; a rank whose process died in the middle is
+        asked the same again once Ray restarted it (its rank appended to ``restarts``); a refusal
+        (``RayTaskError``) or a rank Ray gave up on raises ``DeltaRefitError``, nothing committed by this
+        call's phase where it was the upload."""
         ray = require_ray()
-        from ..shard.stream import new_attempt
-
-        attempt = new_attempt()
-        deadline = time.monotonic() + self.publish_timeout
-        pending = {h.publish.remote(step, attempt): r for r, h in enumerate(self.ranks)}
+        pending = {call(h): r for r, h in enumerate(self.ranks)}
         done: dict[int, dict[str, Any]] = {}
-        restarts: list[int] = []
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -228,15 +260,39 @@ class ShardRefitTrainer(RefitTrainer):
                 try:
                     done[r] = ray.get(ref)
                 except ray.exceptions.RayActorError:
-                    # The rank's process died in the middle: once Ray restarted it, the same step, same
+                    # The rank's process died in the middle: once Ray restarted it, the same call, same
                     # attempt (its part is rebuilt from its checkpoint: the same bytes). A rank Ray gave
                     # up on (max_restarts spent) fails wait_ready at once.
                     log.warning("step %d: trainer rank %d died mid-publish; asking it again once it is back", step, r)
                     restarts.append(r)
                     self.wait_ready(timeout=max(1.0, deadline - time.monotonic()), handles=[self.ranks[r]])
-                    pending[self.ranks[r].publish.remote(step, attempt)] = r
+                    pending[call(self.ranks[r])] = r
                 except ray.exceptions.RayTaskError as e:
                     raise DeltaRefitError(f"step {step}: trainer rank {r}: {str(e).splitlines()[-1][:300]}") from None
+        return done
+
+    def publish(self, step: int) -> dict[str, Any]:  # type: ignore[override]
+        """Every rank uploads its part of ``step`` under one fresh attempt, then finishes it with every rank's
+        ref (the committer commits, every rank advances); returns the committed
+        version's summary (``version``, ``fingerprint``, ``step``, per rank ``ranks``, and ``restarts``:
+        the ranks asked again after their process died). A rank that died is asked again, same attempt,
+        once Ray restarted it; a refusal (``PublishError`` on a rank) or a rank Ray gave up on raises."""
+        from ..shard.stream import new_attempt
+
+        attempt = new_attempt()
+        deadline = time.monotonic() + self.publish_timeout
+        restarts: list[int] = []
+        up = self._ask(step, deadline, restarts, lambda h: h.upload.remote(step, attempt))
+        if all("resumed" in u for u in up.values()):
+            done = {r: u["resumed"] for r, u in up.items()}
+        else:
+            versions = {u.get("version", u.get("resumed", {}).get("version")) for u in up.values()}
+            if len(versions) != 1 or any("resumed" in u for u in up.values()):
+                raise DeltaRefitError(f"step {step}: the ranks are at different versions ({sorted(up.items())}); "
+                                      "not committed")
+            version = versions.pop()
+            refs = [up[r]["ref"] for r in range(len(self.ranks))]
+            done = self._ask(step, deadline, restarts, lambda h: h.finish.remote(step, attempt, version, refs))
         got = {(d["version"], d["fingerprint"], d["step"]) for d in done.values()}
         if len(got) != 1:
             raise DeltaRefitError(f"step {step}: the ranks report different versions {sorted(got)}")

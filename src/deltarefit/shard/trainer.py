@@ -9,14 +9,20 @@ agrees on:
 2. ``upload``: diff the rank's master shard against its baseline into its part and create it under
    ``v/<v>/<attempt>/parts/rank-<r>`` (conditional create; a key holding other bytes is refused:
    an attempt id reused across runs).
-3. ``commit_version`` (the committer, rank 0 by default): wait until every rank's part exists (store
-   polling with a deadline), or take their descriptors (key, bytes, BLAKE3) gathered over a
-   ``torch.distributed`` group; ``join`` the parts' heads, check that the parts' base digests are the
+3. ``commit_version`` (the committer, rank 0 by default): take every rank's part ref (key, bytes,
+   BLAKE3) as the ranks handed it over a channel the store cannot forge (gathered over a
+   ``torch.distributed`` group, returned through Ray, or in process), wait until every rank's
+   descriptor exists in the store (polling with a deadline) and matches its ref; ``join`` the parts' heads, check that the parts' base digests are the
    parent version's target digests, upload the manifest, then create ``v/<v>/commit.json`` with the
    store's conditional create (signed with ``signing_key`` when given). That create is the commit point.
 4. ``advance``: every rank, once the record exists, applies its rank's committed part to its baseline
    (its own bytes when they are the committed ones, else the committed part fetched and checked) and
    saves its state.
+
+The refs never come from the store: anyone who can write to it (a rollout writes ``subs/`` and
+``acks/``) could plant a rank's part under the attempt, visible in the listing, and a committer that
+joined what it read back would sign the planted bits. A rank whose upload was refused (its key
+already held other bytes) hands over no ref, and the version is not committed.
 
 A kill anywhere leaves either no commit record (the attempt's objects are orphans: ignored by every
 reader, removed by ``retain_sharded``; the rerun publishes under a new attempt) or a commit record some
@@ -78,7 +84,9 @@ class ShardStreamPublisher:
     advance); None keeps it in memory only, and a restarted rank rebuilds it from the stream's newest
     keyframe and the committed parts after it. ``group``: a ``torch.distributed`` group of the trainer
     ranks (group rank i = trainer rank i): the attempt id, the part descriptors and the outcome travel
-    over it; without one, ``publish`` needs ``attempt`` and the committer polls the store.
+    over it; without one (ranks in Ray actors, threads), each rank's ``upload`` returns its ref, the
+    caller hands every ref to the committer's ``commit_version(refs=...)``, and each rank then
+    ``advance``s to ``wait_commit`` (a single rank's ``publish`` does all three).
     ``committer``: the rank that commits. ``timeout``: seconds to wait for the other ranks' parts (the
     committer) or for the commit record (the others). ``keyframe_every``: version numbers divisible by
     it are keyframes (every cell overwritten; a late rollout rank starts there).
@@ -217,14 +225,17 @@ class ShardStreamPublisher:
                        step: int | None = None) -> ShardCommit:
         """(The committer.) Join every rank's part of ``version``/``attempt`` and create the commit record.
 
-        ``refs``: the ranks' descriptors when they were gathered (checked against what the store holds);
-        None: poll the store until every part exists or ``timeout`` passes (PublishError, no commit).
-        Does not advance this rank's baseline (``advance`` does)."""
+        ``refs``: every rank's ``upload`` return, in rank order, as the ranks handed them to the
+        committer (never read back from the store; the store's descriptors must match them). None only
+        for a single rank, whose own upload is the ref. The committer polls the store until every
+        rank's descriptor exists, or ``timeout`` passes (PublishError, no commit). Does not advance this
+        rank's baseline (``advance`` does)."""
         if self.rank != self.committer:
             raise UsageError(f"rank {self.rank} is not the committer (rank {self.committer})")
         _check_attempt(attempt)
         if version != self.version + 1:
             raise StreamError(f"committer is at version {self.version}; cannot commit version {version}")
+        refs = self._trusted_refs(version, attempt, refs)
         descs = self._descriptors(version, attempt, refs)
         ranks_refs = [d[0] for d in descs]
         parts = [read_part(d[1], f"{self.store.url}/{d[0].key}", head_only=True) for d in descs]
@@ -261,7 +272,28 @@ class ShardStreamPublisher:
             log.warning("could not update HEAD: %s", e)
         return rec
 
-    def _descriptors(self, version: int, attempt: str, refs: list[Part] | None) -> list[tuple[Part, bytes]]:
+    def _trusted_refs(self, version: int, attempt: str, refs: list[Part] | None) -> list[Part]:
+        """``refs`` checked for shape (one ``Part`` per rank, each naming its rank's key); for a single rank
+        without refs, its own upload's. PublishError otherwise: nothing is committed from the store alone."""
+        if refs is None:
+            own = self._own
+            if self.world != 1 or own is None or own[:2] != (version, attempt):
+                raise PublishError(f"{self.store.url}: version {version} attempt {attempt}: no part refs from the "
+                                   f"ranks; the committer never commits what it reads back from the store (anyone "
+                                   "who writes to it could plant a part): pass refs=, each rank's upload() return, "
+                                   "handed over by the caller; not committed")
+            return [_ref(part_key(version, attempt, 0), own[2])]
+        refs = list(refs)
+        if len(refs) != self.world or not all(isinstance(r, Part) for r in refs):
+            raise PublishError(f"{self.store.url}: version {version}: {len(refs)} part refs for {self.world} ranks; "
+                               "not committed")
+        for r, ref in enumerate(refs):
+            if ref.key != part_key(version, attempt, r):
+                raise PublishError(f"{self.store.url}: rank {r}'s ref names {ref.key}, not its part of version "
+                                   f"{version} attempt {attempt}; not committed")
+        return refs
+
+    def _descriptors(self, version: int, attempt: str, refs: list[Part]) -> list[tuple[Part, bytes]]:
         """Every rank's descriptor of its part of ``version``/``attempt`` (checked against ``refs`` when
         given), polling the store until all exist; PublishError once another publisher committed the
         version, or after ``timeout`` seconds."""
@@ -279,9 +311,10 @@ class ShardStreamPublisher:
                     descs[r] = get_descriptor(self.store, hk)
                 except KeyError:
                     continue
-                if descs[r][0].key != k or (refs is not None and refs[r] != descs[r][0]):
-                    raise PublishError(f"{self.store.url}/{hk}: rank {r} describes {descs[r][0]}, expected part {k}"
-                                       + (f" as reported {refs[r]}" if refs is not None else ""))
+                if descs[r][0].key != k or refs[r] != descs[r][0]:
+                    raise PublishError(f"{self.store.url}/{hk}: rank {r} describes {descs[r][0]}, expected part {k} "
+                                       f"as the rank reported it, {refs[r]} (planted by another writer of the "
+                                       "store?); not committed")
             missing = [r for r, d in enumerate(descs) if d is None]
             if not missing:
                 break
@@ -312,14 +345,15 @@ class ShardStreamPublisher:
         rank's baseline advanced to it. Every trainer rank calls it for the same step."""
         if self.group is not None:
             return self._publish_group(masters, attempt, step)
-        if attempt is None:
-            if self.world > 1:
-                raise UsageError("without a process group every rank needs the same attempt id: pass attempt= "
-                                 "(one per publish and run, e.g. new_attempt() on rank 0, broadcast)")
-            attempt = new_attempt()
+        if self.world > 1:
+            raise UsageError("without a process group, the ranks' part refs must reach the committer over a "
+                             "channel the store cannot forge: call upload() on every rank, hand the refs to the "
+                             "committer's commit_version(version, attempt, refs=...), then advance(wait_commit("
+                             "version)) on every rank (integrations.ray_shard does this through Ray)")
+        attempt = attempt or new_attempt()
         self.upload(masters, attempt)
         v = self.version + 1
-        rec = self.commit_version(v, attempt, step=step) if self.rank == self.committer else self.wait_commit(v)
+        rec = self.commit_version(v, attempt, step=step)
         self.advance(rec)
         return rec
 

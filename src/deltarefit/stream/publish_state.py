@@ -4,7 +4,10 @@ state files, and the fixes its refusals name."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
+
+import blake3
 
 ALL = -1  # quorum: every live subscriber
 
@@ -36,3 +39,12 @@ def keyframe_state(keyframe_copy: str) -> tuple[int, str] | None:
         return int(d["version"]), str(d["fingerprint"])
     except (FileNotFoundError, ValueError, KeyError, TypeError):
         return None
+
+
+def default_state_dir(store: str) -> str:
+    """Where a publisher keeps its baseline when not told: inside a local store (``STORE/.publisher``),
+    else under ``$XDG_CACHE_HOME/deltarefit`` (``~/.cache``) by a hash of the store's URL."""
+    if "://" not in store or store.startswith("file://"):
+        return os.path.join(os.path.abspath(store.removeprefix("file://")), ".publisher")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "deltarefit", "publisher-" + blake3.blake3(os.fsencode(store)).hexdigest(8))

@@ -26,9 +26,9 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
-
-import blake3
+from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.read import open_checkpoint
 from ..encode import EncodeReport
@@ -50,6 +50,7 @@ from .publish_state import (
     QUARANTINE_FIX,
     RESET_FIX,
     PublishState,
+    default_state_dir,
     keyframe_state,
 )
 from .records import (
@@ -68,6 +69,9 @@ from .records import (
     stream_identity,
     vkey,
 )
+
+if TYPE_CHECKING:
+    from .served import ServedTensors
 
 __all__ = ["ALL", "PublishError", "Publisher", "default_state_dir", "publish"]
 
@@ -273,11 +277,25 @@ class Publisher:
 
     # -- publish ---------------------------------------------------------------------------------
 
+    def publish_tensors(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], *,
+                        served: str | Mapping[str, str] | None = None, step: int | None = None,
+                        reset_baseline: bool = False, quarantine_head: bool = False) -> CommitRecord:
+        """``publish`` of a trainer's weights in memory, as the checkpoint they would be saved as, without
+        writing it: ``tensors`` and ``served`` as ``stream.served.ServedTensors`` takes them (CPU or device
+        tensors, referenced: unchanged until this returns; ``served="BF16"`` serves fp32 masters as bf16).
+        A delta version writes no checkpoint (the baseline advances by applying it); a keyframe streams
+        them into one staged file. Record, fingerprint and delta are ``publish``'s for them as safetensors."""
+        from .served import ServedTensors
+
+        return self.publish(ServedTensors(tensors, served), step=step, reset_baseline=reset_baseline,
+                            quarantine_head=quarantine_head)
+
     @locked_method(lambda self: (lock_path_beside(self.state_dir), f"publisher state {self.state_dir}"))
-    def publish(self, checkpoint: str, *, step: int | None = None, reset_baseline: bool = False,
+    def publish(self, checkpoint: str | ServedTensors, *, step: int | None = None, reset_baseline: bool = False,
                 quarantine_head: bool = False) -> CommitRecord:
         """Commit ``checkpoint`` as the next version; returns its commit record. ``quarantine_head`` and
-        ``reset_baseline`` first run ``quarantine_head()`` and ``reset_baseline()`` (in that order)."""
+        ``reset_baseline`` first run ``quarantine_head()`` and ``reset_baseline()`` (in that order).
+        ``checkpoint``: a path, or tensors in memory (``publish_tensors``)."""
         if quarantine_head:
             self.quarantine_head()
         if reset_baseline:
@@ -302,6 +320,11 @@ class Publisher:
             self.keyframe_ratio * max(full_bytes, 1))
         catchup_from, catchup_part = self._catchup(version, checkpoint, attempt) if not keyframe else (None, None)
         kf_parts: list[tuple[str, Part]] = []
+        if keyframe and not isinstance(checkpoint, str):
+            # Tensors in memory: the keyframe's one file, streamed into staging (it becomes the baseline).
+            staged = os.path.join(self.staging, "keyframe.safetensors")
+            checkpoint.write(staged)
+            checkpoint = staged
         if keyframe:
             files = _checkpoint_files(checkpoint)
             kf_parts = [(name, Part(f"{attempt}/keyframe/{name}", os.path.getsize(p), file_hash(p)))
@@ -345,7 +368,7 @@ class Publisher:
                     "published without history, which starts the book over", self.book_path, st.version)
         return None
 
-    def _delta(self, st: PublishState | None, checkpoint: str, attempt: str,
+    def _delta(self, st: PublishState | None, checkpoint: str | ServedTensors, attempt: str,
                book: HistoryBook | None = None) -> tuple[EncodeReport | None, Part | None, str | None, int]:
         """(encode report, delta part, target fingerprint, full bytes) of ``checkpoint`` against the
         committed baseline, staged; all None/0 for a first version. Refuses a baseline that is not the
@@ -373,7 +396,7 @@ class Publisher:
         part = None if fp == st.fingerprint else Part(f"{attempt}/delta", os.path.getsize(local), file_hash(local))
         return rep, part, fp, rep.full_bytes
 
-    def _catchup(self, version: int, checkpoint: str, attempt: str) -> tuple[int | None, Part | None]:
+    def _catchup(self, version: int, checkpoint: str | ServedTensors, attempt: str) -> tuple[int | None, Part | None]:
         """(the keyframe it starts from, its part) of a staged catch-up delta from the newest keyframe
         to ``checkpoint``, when this publisher ships them and the chain since that keyframe is long
         enough to need one; (None, None) otherwise."""
@@ -387,13 +410,14 @@ class Publisher:
             return None, None
         return kf_state[0], Part(f"{attempt}/catchup", os.path.getsize(local), file_hash(local))
 
-    def _after_commit(self, rec: CommitRecord, checkpoint: str, rep: EncodeReport | None, pending: str) -> None:
+    def _after_commit(self, rec: CommitRecord, checkpoint: str | ServedTensors, rep: EncodeReport | None,
+                      pending: str) -> None:
         """Committed: advance the baseline (and the keyframe copy), then the history book, save the
         state, move HEAD. A kill between any two steps leaves the book at the baseline's parent (which
         ``recover`` advances with the baseline, see ``Baseline.advance_to``) or at the baseline."""
         version, fp, delta_part, keyframe = rec.version, rec.fingerprint, rec.delta, rec.kind == "keyframe"
         if delta_part:
-            if self.base.advance_by_copy(checkpoint, fp):
+            if isinstance(checkpoint, str) and self.base.advance_by_copy(checkpoint, fp):
                 if rec.history and not resets(rec):
                     open_book(self.book_path).commit(fp, rep.moves, parent=rec.parent)
             else:  # the apply advances the book with the baseline, once verified
@@ -417,8 +441,6 @@ class Publisher:
         shutil.rmtree(self.staging, ignore_errors=True)
 
 def _signed(rec: CommitRecord, signer: Signer) -> CommitRecord:
-    from dataclasses import replace
-
     return replace(rec, signature=record_signature(signer, rec.signed_bytes()))
 
 
@@ -426,12 +448,3 @@ def publish(store: str, checkpoint: str, *, state_dir: str | None = None, step: 
             **kwargs) -> CommitRecord:
     """Library form of ``deltarefit publish STORE CHECKPOINT``."""
     return Publisher(store, state_dir or default_state_dir(store), **kwargs).publish(checkpoint, step=step)
-
-
-def default_state_dir(store: str) -> str:
-    """Where a publisher keeps its baseline when not told: inside a local store (``STORE/.publisher``),
-    else under ``$XDG_CACHE_HOME/deltarefit`` (``~/.cache``) by a hash of the store's URL."""
-    if "://" not in store or store.startswith("file://"):
-        return os.path.join(os.path.abspath(store.removeprefix("file://")), ".publisher")
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "deltarefit", "publisher-" + blake3.blake3(os.fsencode(store)).hexdigest(8))
