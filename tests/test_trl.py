@@ -104,7 +104,8 @@ def _grpo_run(tmp_path, *, family: str, no_prepack: bool, peft: bool, kill: bool
                     state["killed"] = True
                     server.kill()
 
-                threading.Timer(KILL_AFTER, die).start()
+                state["timer"] = threading.Timer(KILL_AFTER, die)
+                state["timer"].start()
                 state["replied"] = False
                 real(info)
                 state["replied"] = True  # not reached: the reply never comes
@@ -112,6 +113,7 @@ def _grpo_run(tmp_path, *, family: str, no_prepack: bool, peft: bool, kill: bool
             client.http.update_weights = update_then_die
             with pytest.raises(SyncError) as err:
                 trainer.train()
+            state["timer"].join()
             assert state["killed"] and server.proc.returncode == -signal.SIGKILL
             assert state["replied"] is False, "the update finished before the kill"
             assert "\n" not in str(err.value) and "did not take version" in str(err.value), str(err.value)

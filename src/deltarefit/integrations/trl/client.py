@@ -11,7 +11,8 @@ Generation, logprobs and the server checks stay TRL's own code. What changes:
 * ``update_named_params(metadata, named_params)`` (what ``VLLMGeneration.sync_weights`` calls with every
   tensor of the model, under the names vLLM loads, PEFT adapters merged, FSDP/ZeRO gathered one tensor
   at a time): the tensors are published from memory as the next version
-  (``Publisher.publish_tensors``, converted to the served dtype by the one conversion function; no
+  (``Publisher.publish_tensors``; each copied to the host in the served dtype as it is yielded, by the
+  one conversion function, since TRL's iterator unmerges or releases it afterwards: see ``held``; no
   checkpoint is written; the same weights again are the version already published). Then the server:
   on its first sync (vLLM's weight-version label still ``"default"``, as after a restart),
   ``/init_weight_transfer_engine`` with the stream and the verify key, drained; the engine finds the
@@ -75,6 +76,29 @@ class SyncReport:
     init: bool  # this sync initialized the server's backend (first sync, or after a restart)
 
 
+def held(named_params: Any, served: str) -> Any:
+    """``(name, tensor)`` as TRL yields them, each copied to the host in the served dtype before the next is
+    asked for: TRL's iterator unmerges a PEFT adapter after its last tensor and releases each ZeRO-3/FSDP
+    gathered tensor after yielding it, while ``publish_tensors`` reads the tensors it is given after it has
+    taken them all. The copy is the served model's size on the host (no checkpoint is written); floating
+    tensors are converted by the one conversion function (``shard.convert.to_served_bits``), others
+    copied as they are."""
+    import numpy as np
+    import torch
+
+    from ...shard.convert import to_served_bits
+
+    want = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[served]
+    bits = {"BF16": np.uint16, "F16": np.uint16, "F32": np.uint32}[served]
+    for name, tensor in named_params:
+        t = tensor.detach()
+        if t.dtype == want or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            yield name, t.to(device="cpu", copy=True)
+        else:  # bf16/fp16 -> fp32 is exact: every conversion goes through the fp32 one
+            f32 = t.to(device="cpu", dtype=torch.float32).contiguous().reshape(-1).numpy()
+            yield name, torch.from_numpy(to_served_bits(f32, served).view(bits)).view(want).reshape(t.shape)
+
+
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
@@ -129,7 +153,7 @@ class DeltaRefitVLLMClient(VLLMClient):
         if self.publisher is None:
             raise UsageError("init_communicator() first: the client has no publisher yet")
         t0 = time.perf_counter()
-        rec = self.publisher.publish_tensors(named_params, served=self.served)
+        rec = self.publisher.publish_tensors(held(named_params, self.served), served=self.served)
         t1 = time.perf_counter()
         try:
             init, state = self._bring_server_to(rec.version, rec.fingerprint)
