@@ -44,6 +44,7 @@ from trl.generation.vllm_client import VLLMClient
 
 from ...errors import DeltaRefitError, UsageError, VerificationError
 from . import RolloutVersion, _state, settings
+from .held import held
 
 log = logging.getLogger(__name__)
 
@@ -74,29 +75,6 @@ class SyncReport:
     publish_s: float  # publish_tensors (convert, encode, upload, commit)
     refit_s: float  # the server's round: init where needed, pause, update, read-back, finish, resume
     init: bool  # this sync initialized the server's backend (first sync, or after a restart)
-
-
-def held(named_params: Any, served: str) -> Any:
-    """``(name, tensor)`` as TRL yields them, each copied to the host in the served dtype before the next is
-    asked for: TRL's iterator unmerges a PEFT adapter after its last tensor and releases each ZeRO-3/FSDP
-    gathered tensor after yielding it, while ``publish_tensors`` reads the tensors it is given after it has
-    taken them all. The copy is the served model's size on the host (no checkpoint is written); floating
-    tensors are converted by the one conversion function (``shard.convert.to_served_bits``), others
-    copied as they are."""
-    import numpy as np
-    import torch
-
-    from ...shard.convert import to_served_bits
-
-    want = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[served]
-    bits = {"BF16": np.uint16, "F16": np.uint16, "F32": np.uint32}[served]
-    for name, tensor in named_params:
-        t = tensor.detach()
-        if t.dtype == want or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            yield name, t.to(device="cpu", copy=True)
-        else:  # bf16/fp16 -> fp32 is exact: every conversion goes through the fp32 one
-            f32 = t.to(device="cpu", dtype=torch.float32).contiguous().reshape(-1).numpy()
-            yield name, torch.from_numpy(to_served_bits(f32, served).view(bits)).view(want).reshape(t.shape)
 
 
 def _one_line(e: BaseException) -> str:
