@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import pytest
 
@@ -30,12 +31,12 @@ pytest.importorskip("trl", reason="TRL is not installed here (make test-trl inst
 pytest.importorskip("vllm", reason="vLLM is not installed here (make test-vllm builds a venv with it)")
 
 from _model_zoo import build
+from _trl_stall import EXTENSION as STALLING
 from _vllm_env import vllm_processes_env
 
 _env = pytest.fixture(autouse=True)(vllm_processes_env)
 
 STEPS = 4  # GRPO steps: a sync before each (the first publishes the initial weights)
-KILL_AFTER = 0.05  # seconds after /update_weights is sent (the workers' update takes longer on this CPU)
 WORDS = ["the", "trainer", "sends", "weights", "to", "every", "node", "and", "each", "engine", "keeps", "serving",
          "while", "new", "deltas", "arrive", "policy", "reward", "step", "model"]
 
@@ -85,27 +86,34 @@ def _grpo_run(tmp_path, *, family: str, no_prepack: bool, peft: bool, kill: bool
     with safe_open(os.path.join(base, "model.safetensors"), "pt") as f:
         base_names = sorted(f.keys())
     store = str(tmp_path / "stream")
-    server = Server(base, _free_port(), str(tmp_path / "serve.log"), stream=store, no_prepack=no_prepack).start()
+    server = Server(base, _free_port(), str(tmp_path / "serve.log"), stream=store, no_prepack=no_prepack,
+                    extension=STALLING if kill else None).start()
     try:
         dtrl.enable(stream=store, state_dir=str(tmp_path / "pub"))
         trainer = _trainer(base, server.url, str(tmp_path / "out"), peft=peft)
         client = trainer.vllm_generation.vllm_client
         assert isinstance(client, DeltaRefitVLLMClient)
         rec = Recorder(client, base, str(tmp_path / "snapshots"))
-        if kill:  # the last step's sync: SIGKILL while the server's workers handle /update_weights
+        if kill:  # the last step's sync: SIGKILL while a worker is writing the update
             real, state = client.http.update_weights, {"calls": 0, "killed": False, "replied": None}
+            marker = str(tmp_path / "writing")
 
             def update_then_die(info):
                 state["calls"] += 1
                 if state["calls"] != STEPS:
                     return real(info)
+                client._post(f"{server.url}/collective_rpc", json={"method": "deltarefit_test_stall_writes",
+                                                                    "args": [marker]})
 
-                def die():
-                    state["killed"] = True
+                def die():  # once the worker has begun its first write of this update
+                    deadline = time.monotonic() + 300
+                    while not os.path.exists(marker) and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    state["killed"] = os.path.exists(marker)
                     server.kill()
 
-                state["timer"] = threading.Timer(KILL_AFTER, die)
-                state["timer"].start()
+                state["thread"] = threading.Thread(target=die)
+                state["thread"].start()
                 state["replied"] = False
                 real(info)
                 state["replied"] = True  # not reached: the reply never comes
@@ -113,7 +121,7 @@ def _grpo_run(tmp_path, *, family: str, no_prepack: bool, peft: bool, kill: bool
             client.http.update_weights = update_then_die
             with pytest.raises(SyncError) as err:
                 trainer.train()
-            state["timer"].join()
+            state["thread"].join()
             assert state["killed"] and server.proc.returncode == -signal.SIGKILL
             assert state["replied"] is False, "the update finished before the kill"
             assert "\n" not in str(err.value) and "did not take version" in str(err.value), str(err.value)

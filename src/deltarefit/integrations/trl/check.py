@@ -51,7 +51,8 @@ class Server:
     """The launcher's server as a child process (module docstring)."""
 
     def __init__(self, model: str, port: int, log_path: str, *, stream: str | None = None,
-                 verify_key: str | None = None, no_prepack: bool = False, timeout: float = 600.0) -> None:
+                 verify_key: str | None = None, no_prepack: bool = False, extension: str | None = None,
+                 timeout: float = 600.0) -> None:
         self.model, self.port, self.log_path = model, port, log_path
         self.url = f"http://127.0.0.1:{port}"
         self.cmd = [sys.executable, "-m", "deltarefit.integrations.trl.serve", model, "--port", str(port)]
@@ -59,6 +60,7 @@ class Server:
         self.cmd += ["--verify-key", verify_key] if verify_key else []
         self.cmd += ["--no-prepack"] if no_prepack else []
         self.cmd += ["--", *serve_args()]
+        self.cmd += ["--worker-extension-cls", extension] if extension else []  # a subclass of deltarefit's
         self.timeout = timeout
         self.proc: subprocess.Popen | None = None
         self.seconds_start = 0.0
