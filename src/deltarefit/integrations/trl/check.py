@@ -140,6 +140,8 @@ class Snapshot:
     logprobs: list  # the server's prompt logprobs
     rollout: Any  # deltarefit.integrations.trl.rollout_version() right after the sync
     report: Any  # the client's SyncReport
+    record_s: float = 0.0  # the Recorder's time after the sync: checkpoint saved, server read (the copy it
+                          # keeps of each tensor is taken inside the publish)
     checks: dict[str, Any] = field(default_factory=dict)  # fresh_check's result
 
 
@@ -166,6 +168,7 @@ class Recorder:
                 yield name, t
 
         self.inner(metadata, tee())
+        t0 = time.perf_counter()
         rep = self.client.last_sync
         d = os.path.join(self.out, f"sync{len(self.snapshots) + 1}-v{rep.version}")
         os.makedirs(d, exist_ok=True)
@@ -177,6 +180,7 @@ class Recorder:
                                        self.client._rpc("deltarefit_digests")[0],
                                        server_prompt_logprobs(self.client.base_url, self.prompts),
                                        rollout_version(self.client), rep))
+        self.snapshots[-1].record_s = time.perf_counter() - t0
 
 
 def fresh_check(snap: Snapshot, *, no_prepack: bool = False, prompts: list[str] = PROMPTS) -> dict[str, Any]:
