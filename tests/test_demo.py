@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,17 +18,17 @@ from deltarefit.apps.demo import run_demo
 
 
 def table_rows(text: str) -> dict[int, dict[str, str]]:
-    """The demo's rich table as {step: {column: cell}}."""
+    """The demo's table as {step: {column: cell}} (step 0 is the row ``init``); every line at most 80 wide."""
     header: list[str] | None = None
     rows: dict[int, dict[str, str]] = {}
     for line in text.splitlines():
-        for bar in ("┃", "│"):
-            if line.strip().startswith(bar):
-                cells = [c.strip() for c in line.strip().strip(bar).split(bar)]
-                if bar == "┃" and "bit-exact" in cells:
-                    header = cells
-                elif bar == "│" and header and cells[0].isdigit():
-                    rows[int(cells[0])] = dict(zip(header, cells, strict=True))
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells[:2] == ["step", "ver"]:
+            header = cells
+            assert len(line.rstrip()) <= 80, line
+        elif header and len(cells) == len(header) and (cells[0] == "init" or cells[0].isdigit()):
+            rows[0 if cells[0] == "init" else int(cells[0])] = dict(zip(header, cells, strict=True))
+            assert len(line.rstrip()) <= 80, line
     return rows
 
 
@@ -46,14 +48,29 @@ def test_demo_cli_two_steps_two_rollouts_bit_exact(tmp_path):
     rows = table_rows(res.stdout)
     assert sorted(rows) == [0, 1, 2], res.stdout
     for step, row in rows.items():
-        assert row["bit-exact"] == "yes", (step, res.stdout)
-        assert int(row["version"]) == step + 1
+        assert row["exact"] == "yes", (step, res.stdout)
+        assert int(row["ver"]) == step + 1
         assert 0 <= float(row["reward"]) <= 1
-    assert rows[0]["changed %"] == "keyframe"
+    assert rows[0]["changed"] == "keyframe" and rows[0]["ratio"] == "full"
     for step in (1, 2):
         assert float(rows[step]["ratio"].rstrip("x")) > 5
-        assert 0 < float(rows[step]["changed %"]) < 100
-        assert int(rows[step]["delta bytes"].replace(",", "")) < int(rows[step]["full bytes"].replace(",", ""))
+        assert 0 < float(rows[step]["changed"].rstrip("%")) < 100
+        assert rows[step]["shipped"].endswith("kB")
+    # The machine-readable copy: the same rows, and every delta smaller than the full checkpoint.
+    got = json.loads((out / "steps.json").read_text())
+    assert [r["version"] for r in got["steps"]] == [1, 2, 3] and got["summary"]["ok"] is True
+    assert all(r["delta_bytes"] < r["full_bytes"] for r in got["steps"][1:])
+    assert (out / "steps.csv").read_text().count("\n") == 4
+    # Stable paths for the next steps, and the next steps run as printed, in order.
+    assert sorted(os.listdir(out / "deltas")) == ["v0002.delta", "v0003.delta"]
+    assert sorted(os.listdir(out / "checkpoints")) == ["v0001.safetensors", "v0003.safetensors"]
+    steps = res.stdout[res.stdout.index("next steps"):].splitlines()[1:]
+    assert len(steps) == 6, res.stdout
+    bindir = os.path.dirname(sys.executable)
+    for cmd in steps:
+        r = subprocess.run(cmd.strip(), shell=True, cwd=os.getcwd(), capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}, check=False)
+        assert r.returncode == 0, (cmd, r.stdout, r.stderr)
     assert "rollout 0 pid" in res.stdout and "rollout 1 pid" in res.stdout  # the header says what runs where
     assert "stamped v3" in res.stdout  # the live per-step lines
     png = out / "refit.png"
@@ -80,7 +97,7 @@ def test_demo_over_s3_one_step_bit_exact(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert "SeaweedFS server on loopback" in res.stdout
     rows = table_rows(res.stdout)
-    assert sorted(rows) == [0, 1] and all(r["bit-exact"] == "yes" for r in rows.values()), res.stdout
+    assert sorted(rows) == [0, 1] and all(r["exact"] == "yes" for r in rows.values()), res.stdout
     assert not (out / "store" / "v").exists()  # nothing went through the local directory
 
 
@@ -92,7 +109,7 @@ def test_demo_over_a_relay_tree_one_step_bit_exact(tmp_path):
     flat = " ".join(res.stdout.split())  # rich wraps long lines
     assert "a relay tree on loopback" in flat and "through a relay tree" in flat
     rows = table_rows(res.stdout)
-    assert sorted(rows) == [0, 1] and all(r["bit-exact"] == "yes" for r in rows.values()), res.stdout
+    assert sorted(rows) == [0, 1] and all(r["exact"] == "yes" for r in rows.values()), res.stdout
     for i in (0, 1):  # each node mirrored the stream and holds the rollout's copy at the last version
         assert (out / f"rollout-{i}" / "relay-mirror" / "v").is_dir()
     logs = (out / "relay").glob("node-*.log")
@@ -105,7 +122,7 @@ def test_a_corrupted_rollout_copy_between_steps_fails_the_cli(tmp_path):
     assert res.returncode == 6, res.stdout + res.stderr
     assert "demo failed" in res.stderr and "rollout 1" in res.stderr and "BaseMismatchError" in res.stderr
     rows = table_rows(res.stdout)
-    assert rows[0]["bit-exact"] == "yes" and rows[1]["bit-exact"] == "NO" and 2 not in rows
+    assert rows[0]["exact"] == "yes" and rows[1]["exact"] == "NO" and 2 not in rows
 
 
 @pytest.mark.parametrize("kind,expect", [

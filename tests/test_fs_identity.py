@@ -139,6 +139,87 @@ def test_checkpoint_copied_over_in_place_during_sync_is_refused_not_verified(tmp
     assert rep.verified and rep.version == 3 and deltarefit.fingerprint(ck) == deltarefit.fingerprint(vs[2])
 
 
+def _copy_over(src: str, dest: str) -> int:
+    """``cp SRC DEST``: a real cp, truncating and rewriting DEST's inode; returns that inode."""
+    ino = os.stat(dest).st_ino
+    subprocess.run(["cp", src, dest], check=True)
+    assert os.stat(dest).st_ino == ino
+    return ino
+
+
+def _copy_over_before_the_flush(monkeypatch, src: str, dest: str) -> None:
+    """Once: ``cp SRC DEST`` when the apply flushes its writes (its last write done, its verification
+    and its final identity still to come): the fsync's window, where another writer can land."""
+    from deltarefit.checkpoint.read import Checkpoint
+
+    real_flush, done = Checkpoint.flush, []
+
+    def copy_over_then_flush(self):
+        if self.writable and not done:
+            done.append(_copy_over(src, dest))
+        return real_flush(self)
+
+    monkeypatch.setattr(Checkpoint, "flush", copy_over_then_flush)
+
+
+@pytest.mark.parametrize("point", ["after the write", "after the apply"])
+def test_checkpoint_copied_over_in_place_after_the_write_is_refused_not_verified(tmp_path, stream, monkeypatch,
+                                                                                   point):
+    """Regression (issue 46 item 9): ``cp`` onto the checkpoint's inode once the apply's writes were done
+    (at its flush, before its final identity), or once the apply returned (before the sync recorded the
+    version), was reported "verified" with other bytes in the file. The identity and change time are
+    checked again at the end: refused, nothing recorded; the next sync hashes and refuses, and a repair
+    ends bit-exact."""
+    store, vs, _ = stream
+    ck = str(tmp_path / "r.safetensors")
+    assert Subscriber(store, ck).sync(to_version=2).version == 2
+    if point == "after the write":
+        _copy_over_before_the_flush(monkeypatch, vs[0], ck)
+    else:
+        real_apply = subscriber_mod.apply_delta
+
+        def apply_then_copy_over(*a, **kw):
+            rep = real_apply(*a, **kw)
+            _copy_over(vs[0], ck)
+            return rep
+
+        monkeypatch.setattr(subscriber_mod, "apply_delta", apply_then_copy_over)
+    with pytest.raises(VerificationError, match="modified by another process"):
+        Subscriber(store, ck).sync(to_version=3)
+    monkeypatch.undo()
+    assert open(ck, "rb").read() == open(vs[0], "rb").read()
+    assert json.loads(open(state_path(ck)).read())["version"] == 2  # nothing recorded
+    with pytest.raises(VerificationError, match="changed since it was synced"):  # hashed, never "unchanged"
+        Subscriber(store, ck).sync(to_version=2)
+    rep = Subscriber(store, ck).sync(repair=True)
+    assert rep.verified and rep.version == 3 and deltarefit.fingerprint(ck) == deltarefit.fingerprint(vs[2])
+
+
+def test_apply_refuses_a_checkpoint_copied_over_in_place_after_its_write(tmp_path, pair, monkeypatch):
+    """Regression (issue 46 item 9): ``apply`` alone, ``cp`` onto the checkpoint's inode after its writes:
+    refused as modified by another process (never "verified"); a rerun on the bytes left then refuses
+    them as another base, writing nothing, and a rerun on the base ends bit-exact."""
+    from deltarefit.apply import apply
+    from deltarefit.errors import BaseMismatchError
+
+    base, delta, vs = pair
+    keep = open(base, "rb").read()
+    other = str(tmp_path / "other.safetensors")  # the base with its last bytes (tensor data) changed
+    with open(other, "wb") as f:
+        f.write(keep[:-64] + bytes(64))
+    _copy_over_before_the_flush(monkeypatch, other, base)
+    with pytest.raises(VerificationError, match="modified by another process"):
+        apply(delta, base)
+    monkeypatch.undo()
+    with pytest.raises(BaseMismatchError):
+        apply(delta, base)
+    assert open(base, "rb").read() == open(other, "rb").read()
+    with open(base, "wb") as f:
+        f.write(keep)
+    apply(delta, base)
+    assert open(base, "rb").read() == open(vs[1], "rb").read()
+
+
 # ------------------------------------------------------------------- item 2: locks by device and inode
 
 _HOLD = r"""
@@ -307,6 +388,39 @@ def test_a_planted_lock_or_journal_is_refused_and_never_written_through(tmp_path
     one_line(r, at)
     assert open(victim, "rb").read() == b"precious" and open(base, "rb").read() == before
     assert os.path.islink(at) if kind == "symlink" else os.path.exists(at)
+
+
+@pytest.mark.parametrize("given", ["fifo", "device"])
+def test_a_delta_argument_that_is_no_regular_file_is_refused_not_hung_on(tmp_path, pair, given):
+    """``apply``, ``inspect`` and ``verify`` open the delta as every input is (``io.fsutil.open_input``):
+    a FIFO (opened blocking, it would hang) or a device is refused in one line, exit 3, nothing written."""
+    base, _, _ = pair
+    bad = "/dev/zero" if given == "device" else str(tmp_path / "d.fifo")
+    if given == "fifo":
+        os.mkfifo(bad)
+    before = open(base, "rb").read()
+    for r in (cli("apply", bad, base, timeout=30), cli("inspect", bad, timeout=30)):
+        assert r.returncode == 3, r.stderr
+        one_line(r, bad, "cannot open delta: not a regular file")
+    assert open(base, "rb").read() == before
+
+
+@pytest.mark.parametrize("given", ["fifo", "device", "oversized"])
+def test_a_relay_key_that_is_no_small_regular_file_is_refused_not_hung_on(tmp_path, given):
+    """``relay.protocol.load_key`` reads a regular file of at most 64 KiB (``io.fsutil.read_small``): a FIFO
+    (which would hang the open), a device or a bigger file is refused in one line."""
+    from deltarefit.errors import UsageError
+    from deltarefit.relay.protocol import load_key
+
+    bad = "/dev/zero" if given == "device" else str(tmp_path / "key")
+    if given == "fifo":
+        os.mkfifo(bad)
+    elif given == "oversized":
+        with open(bad, "wb") as f:
+            f.write(b"k" * ((64 << 10) + 1))
+    with pytest.raises(UsageError, match="not a regular file" if given != "oversized" else "more than") as e:
+        load_key(bad)
+    assert str(e.value).startswith(bad) and "\n" not in str(e.value)
 
 
 def test_a_symlink_planted_at_a_temp_name_is_replaced_not_written_through(tmp_path):

@@ -212,6 +212,8 @@ def test_shape_checks_of_pieces_agree_with_the_whole_text():
               "slack": rng.randint(0, 8), "arrays_of_numbers": rng.random() < 0.5}
         if kw["arrays_of_numbers"] and rng.random() < 0.5:
             kw["max_array_len"] = rng.randint(0, 5)
+        if rng.random() < 0.5:
+            kw["bytes_per_string"] = rng.choice([1, 4, 12])
         cuts = sorted(rng.randint(0, len(raw)) for _ in range(rng.randint(0, 6)))
         pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
         assert json_shape_problem_of_pieces(pieces, **kw) == json_shape_problem(raw, **kw), (raw, pieces, kw)
@@ -284,3 +286,56 @@ def test_a_version_manifest_bomb_and_a_descriptor_bomb_are_refused_before_parsin
     err, peak = traced(lambda: _parse_descriptor(data, "d.head.json"))
     assert isinstance(err, StreamError) and "malformed part descriptor (holds" in str(err)
     assert peak < len(data) + 8 * MIB
+
+
+def test_short_strings_and_keys_are_refused_by_their_count_before_parsing():
+    """Regression (issue 46 item 7): a 15 MiB commit record of 1.5 M short keys peaked at +272 MB before its
+    signature was checked, and a part header of short strings at about 11x its size: the shape pass
+    now bounds strings (keys included) per byte, and such text is refused in about its own size."""
+    from deltarefit.errors import MalformedRecordError
+    from deltarefit.shard import part as sp
+    from deltarefit.stream.records import record_json
+
+    digits = b"0123456789abcdefghijklmnopqrstuvwxyz"
+
+    def name(i: int) -> bytes:  # 5 base-36 digits: 1.5 M distinct keys of 10 bytes each ("....."):0,
+        return bytes(digits[i // 36 ** k % 36] for k in range(5))
+
+    keys = b'{"format":"deltarefit.commit","x":{' + b"".join(b'"%s":0,' % name(i) for i in range(1_500_000)) + b'"z":0}}'
+    assert len(keys) < 16 * MIB
+    err, peak = traced(lambda: record_json(keys, "commit.json"))
+    assert isinstance(err, MalformedRecordError) and "JSON strings" in str(err), err
+    assert peak < len(keys) + 8 * MIB
+    header = b'{"format":"deltarefit.shard_part","tensors":[' + b'"abcd",' * (2 << 20) + b'"a"]}'
+    blob = sp._PREFIX.pack(sp.MAGIC, sp.FORMAT_VERSION, 0, len(header)) + header
+    err, peak = traced(lambda: sp.read_part(blob, "part r0"))
+    assert isinstance(err, LimitError) and "JSON strings" in str(err), err
+    assert peak < len(blob) + 8 * MIB
+
+
+def test_the_costliest_text_the_bounds_admit_stays_under_256_mib():
+    """Regression (issue 46 item 7): a part header was admitted up to 256 MiB, about 1.1 GB parsed. At
+    the caps (a part header of 16 MiB, a commit record of 16 MiB), the densest lists and strings each
+    bound admits parse in under 256 MiB; a part header past the cap is refused by its writer and by
+    every reader, from its length alone."""
+    from deltarefit.shard import part as sp
+    from deltarefit.stream.records import MAX_RECORD_BYTES, record_json
+
+    def fill(head: bytes, unit: bytes, size: int, tail: bytes) -> bytes:
+        return head + unit * ((size - len(head) - len(tail)) // len(unit)) + tail
+
+    head = b'{"format":"deltarefit.shard_part","tensors":['
+    for unit in (b"[0,0,0],", b'"abcde",'):
+        body = fill(head, unit, sp.MAX_HEADER, b"[]]}")
+        blob = sp._PREFIX.pack(sp.MAGIC, sp.FORMAT_VERSION, 0, len(body)) + body
+        err, peak = traced(lambda b=blob: sp.read_part(b, "part r0"))
+        assert "holds" not in str(err)[:300], str(err)[:300]  # admitted by the shape pass (then refused as no real header)
+        assert peak < 256 * MIB, (unit, peak / MIB)
+    rec = fill(b'{"format":"deltarefit.commit","x":[', b'"abcdefghi",', MAX_RECORD_BYTES, b'"a"]}')
+    err, peak = traced(lambda: record_json(rec, "commit.json"))
+    assert isinstance(err, dict) and peak < 256 * MIB, (str(err)[:200], peak / MIB)
+    big = sp._PREFIX.pack(sp.MAGIC, sp.FORMAT_VERSION, 0, sp.MAX_HEADER + 1) + b" " * (sp.MAX_HEADER + 1)
+    err, peak = traced(lambda: sp.read_part(big, "part r0"))
+    assert isinstance(err, LimitError) and "does not fit" in str(err) and peak < 4 * MIB
+    with pytest.raises(LimitError, match="exceeds the 16 MiB limit"):
+        sp.write_part({"pad": "x" * sp.MAX_HEADER}, b"")

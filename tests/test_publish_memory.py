@@ -119,3 +119,20 @@ def test_bad_tensors_are_refused_before_anything_is_written(tmp_path, tensors, s
         p.publish_tensors(tensors, served=served)
     assert not os.path.exists(tmp_path / "bad" / "HEAD")
     assert [f for f in os.listdir(tmp_path / "bad") if not f.startswith(".")] == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_publish_from_device_tensors_matches_the_cpu_copy(tmp_path):
+    """Tensors on the GPU (fp32 masters and a bf16 tensor) publish the same versions as their CPU copies."""
+    torch.manual_seed(3)
+    cpu = {"a.weight": torch.randn(512, 300), "b.weight": torch.randn(1000).to(torch.bfloat16)}
+    gpu = {k: v.cuda() for k, v in cpu.items()}
+    recs = []
+    for name, t in (("cpu", cpu), ("gpu", gpu)):
+        p = _publisher(tmp_path, name)
+        first = p.publish_tensors(t, served="BF16")
+        t["a.weight"].add_(1e-3)
+        recs.append((first, p.publish_tensors(t, served="BF16")))
+    (c1, c2), (g1, g2) = recs
+    assert (c1.fingerprint, c2.fingerprint, c2.delta.blake3) == (g1.fingerprint, g2.fingerprint, g2.delta.blake3)

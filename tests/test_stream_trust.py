@@ -25,7 +25,7 @@ from _stream_util import (
 
 import deltarefit
 from deltarefit.errors import VerificationError
-from deltarefit.signing import SignatureError
+from deltarefit.signing import KEY_MAX_BYTES, SignatureError
 from deltarefit.storage import LocalStore
 from deltarefit.stream import Publisher, StreamError, Subscriber
 from deltarefit.stream import records as records_mod
@@ -809,3 +809,104 @@ def test_store_reads_of_shard_objects_and_proposals_stop_at_the_declared_size(tm
     with pytest.raises(StreamError, match="part descriptor is larger than"):
         get_descriptor(st, "big")
 
+
+
+# ------------------------------------------------------------------------- key files are read as inputs
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "oversized"])
+def test_a_key_file_that_is_no_key_file_is_refused_in_one_line_without_hanging(tmp_path, chain, key, kind):
+    """``--verify-key`` and ``--sign`` read a regular file of a few KiB (``signing.read_key``): a device that
+    never ends (``/dev/zero``), a FIFO nobody writes (which would hang the open), a file past the cap and
+    are each refused in one line, exit 2, at once, reading at most the cap."""
+    store, _ = _stream(tmp_path, chain, "s", [0], signing_key=key)
+    if kind == "device":
+        bad = "/dev/zero"
+    else:
+        bad = str(tmp_path / f"{kind}.pem")
+        if kind == "fifo":
+            os.mkfifo(bad)
+        elif kind == "oversized":
+            with open(bad, "wb") as f:
+                f.write(read_bytes(key + ".pub") + b"\n" * (16 << 10))
+    words = {"device": "not a regular file", "fifo": "not a regular file", "oversized": "more than"}[kind]
+    for r in (run("sync", store, str(tmp_path / "r.safetensors"), "--verify-key", bad, timeout=30),
+              run("publish", store, chain[1], "--state", str(tmp_path / "s-pub"), *KF, "--sign", bad, timeout=30)):
+        _one_line_naming(r, bad, words)
+        assert r.returncode == 2, r.stderr
+    assert os.path.getsize(key + ".pub") < KEY_MAX_BYTES
+
+
+# ------------------------------------------------------------------------- local state files, bounded
+
+
+@pytest.mark.parametrize("shape", ["nested", "strings", "fifo"])
+def test_a_hostile_version_state_is_refused_in_one_line_with_the_repair_fix(tmp_path, chain, shape):
+    """``CKPT.deltarefit-version.json`` of 500,000 nested brackets (a ``RecursionError`` when parsed whole),
+    of 60 MiB of strings (parsed whole before) or a FIFO: refused in one line, at once, and
+    ``sync --repair`` restores the checkpoint."""
+    store, _ = _stream(tmp_path, chain, "s", [0, 1])
+    ck = str(tmp_path / "r.safetensors")
+    run_ok("sync", store, ck)
+    _plant_state(state_path(ck), shape)
+    r = run("sync", store, ck, timeout=30)
+    if shape == "fifo":
+        _one_line_naming(r, state_path(ck), "not a regular file")
+        os.unlink(state_path(ck))
+    else:
+        _one_line_naming(r, state_path(ck), "unreadable version state", "--repair")
+        run_ok("sync", store, ck, "--repair")
+    run_ok("sync", store, ck)
+
+
+@pytest.mark.parametrize("shape", ["nested", "strings", "fifo"])
+def test_a_hostile_publisher_state_is_refused_in_one_line_with_the_reset_fix(tmp_path, chain, shape):
+    """``STATE/publisher.json`` the same: refused in one line (``--reset-baseline`` for a malformed one; a
+    FIFO named, not hung on), and the publish goes on once it is reset or removed."""
+    store, state = _stream(tmp_path, chain, "s", [0])
+    _plant_state(os.path.join(state, "publisher.json"), shape)
+    r = run("publish", store, chain[1], "--state", state, *KF, timeout=30)
+    if shape == "fifo":
+        _one_line_naming(r, "publisher.json", "not a regular file")
+        os.unlink(os.path.join(state, "publisher.json"))
+        run_ok("publish", store, chain[1], "--state", state, *KF, "--reset-baseline")
+    else:
+        _one_line_naming(r, "publisher.json", "unreadable publisher state", "--reset-baseline")
+        run_ok("publish", store, chain[1], "--state", state, *KF, "--reset-baseline")
+
+
+def test_a_fifo_at_the_kept_baseline_hashes_is_not_hung_on(tmp_path, chain):
+    """``STATE/baseline.hashes`` is a cache: a FIFO planted there is passed over (the baseline is hashed
+    instead), not opened blocking."""
+    store, state = _stream(tmp_path, chain, "s", [0])
+    known = os.path.join(state, "baseline.hashes")
+    if os.path.exists(known):
+        os.unlink(known)
+    os.mkfifo(known)
+    r = run_ok("publish", store, chain[1], "--state", state, *KF, timeout=60)
+    assert "Traceback" not in r.stderr
+
+
+def _plant_state(path: str, shape: str) -> None:
+    os.unlink(path)
+    if shape == "fifo":
+        os.mkfifo(path)
+        return
+    with open(path, "wb") as f:
+        if shape == "nested":
+            f.write(b"[" * 500_000 + b"]" * 500_000)
+        else:
+            f.write(b'{"version": 1, "fingerprint": "' + b"a" * (60 << 20) + b'"}')
+
+
+@pytest.mark.parametrize("name", ["attempt.json", "pending.json"])
+def test_a_fifo_at_a_publishers_upload_marker_or_pending_record_is_not_hung_on(tmp_path, chain, name):
+    """``STATE/attempt.json`` (an upload's marker: unreadable, so passed over and removed) and
+    ``STATE/pending.json`` (a killed publish's record: named in one line) are opened as regular files only."""
+    store, state = _stream(tmp_path, chain, "s", [0])
+    os.mkfifo(os.path.join(state, name))
+    r = run("publish", store, chain[1], "--state", state, *KF, timeout=60)
+    if name == "attempt.json":
+        assert r.returncode == 0 and not os.path.exists(os.path.join(state, name)), r.stderr
+    else:
+        _one_line_naming(r, name, "not a regular file")

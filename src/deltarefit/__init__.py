@@ -30,6 +30,7 @@ from .errors import (
     StreamError,
     StreamIdentityError,
     UnsupportedVersionError,
+    UntrustedError,
     UsageError,
     VerificationError,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "StreamError",
     "StreamIdentityError",
     "UnsupportedVersionError",
+    "UntrustedError",
     "UsageError",
     "VerificationError",
     "__version__",

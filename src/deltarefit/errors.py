@@ -111,6 +111,12 @@ class SignatureError(DeltaRefitError):
     exit_code = 8
 
 
+class UntrustedError(SignatureError):
+    """An engine was asked to follow, or to load from, what its own configuration does not trust: a
+    stream outside its pinned streams, another verify key than its pinned one (or none), a path outside
+    its pinned roots, a version no record signed by its pinned key names."""
+
+
 class StreamError(DeltaRefitError):
     """A version stream is inconsistent with what the caller holds: broken chain, wrong parent,
     a version that does not exist or was pruned, a lost publish race."""

@@ -12,7 +12,15 @@ import os
 from typing import Any
 
 from .errors import SignatureError, UsageError
-from .io.fsutil import write_new
+from .io.fsutil import read_small, write_new
+
+KEY_MAX_BYTES = 8 << 10  # an Ed25519 key's PEM is about 120 bytes; a key file past this is no key
+
+
+def read_key(path: str, what: str) -> bytes:
+    """A key file's PEM bytes, read as every input named by a path is (``io.fsutil.read_small``: a regular
+    file only, never hung on a FIFO, at most ``KEY_MAX_BYTES`` read); ``UsageError`` otherwise."""
+    return read_small(path, KEY_MAX_BYTES, what=what)
 
 
 class SignableRecord:
@@ -62,9 +70,8 @@ class Signer:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
         try:
-            with open(private_path, "rb") as f:
-                key = serialization.load_pem_private_key(f.read(), password=None)
-        except (OSError, ValueError) as e:
+            key = serialization.load_pem_private_key(read_key(private_path, "private key"), password=None)
+        except (ValueError, TypeError) as e:
             raise UsageError(f"{private_path}: cannot load a private key ({e})") from None
         if not isinstance(key, Ed25519PrivateKey):
             raise UsageError(f"{private_path}: not an Ed25519 private key")
@@ -85,9 +92,8 @@ class Verifier:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
         try:
-            with open(public_path, "rb") as f:
-                key = serialization.load_pem_public_key(f.read())
-        except (OSError, ValueError) as e:
+            key = serialization.load_pem_public_key(read_key(public_path, "public key"))
+        except (ValueError, TypeError) as e:
             raise UsageError(f"{public_path}: cannot load a public key ({e})") from None
         if not isinstance(key, Ed25519PublicKey):
             raise UsageError(f"{public_path}: not an Ed25519 public key")

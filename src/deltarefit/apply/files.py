@@ -269,15 +269,25 @@ def _apply_locked(delta_path: str, checkpoint_path: str, *, threads: int | None,
                                             "(size or times changed; nothing written); stop that process and run "
                                             "again")
 
+            written: list[tuple] = []  # the identity right after this apply's last write
+
             moves = MovesRecorder() if history is not None else None
             rep = run_apply(d, ck, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
                             structural=structural, structural_check=lambda todo: _check_structural(ck, todo),
-                            before_write=unchanged_then_write, history=history, moves=moves)
+                            before_write=unchanged_then_write, history=history, moves=moves,
+                            after_write=lambda: written.append(ck.identity()))
             rep.structural_ops = {n: ops[n] for n in rep.structural if n in ops}
             ck.flush()
             # The identity of what was verified: the handles written through, not what the path
             # names after the fact (another process may have renamed a file over it meanwhile).
             ident = None if rep.structural else ck.identity()
+            if ident is not None and written and ident != written[0]:
+                # Written to after this apply's own last write (a ``cp`` onto the same inode): the
+                # bytes verified are no longer the file's. Hazard: a writer during the writes
+                # themselves is seen only by each chunk's read-back (timestamps cannot tell whose).
+                raise VerificationError(f"{checkpoint_path}: modified by another process after the apply wrote "
+                                        "it (size or times changed); nothing recorded, stop that process and "
+                                        "run again")
         journal.remove()
         if ident is None:
             # A structural rewrite renamed new files in, which ``ck`` never opened: hash them as they

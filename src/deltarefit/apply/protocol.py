@@ -394,11 +394,13 @@ def plan_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | N
 
 
 def commit(prep: PreparedApply, *, before_write: Callable[[], None] | None = None,
-           recheck: bool = False) -> ApplyReport:
+           recheck: bool = False, after_write: Callable[[], None] | None = None) -> ApplyReport:
     """Write a prepared plan, then verify (``run_apply``'s steps 2 and 3); once per plan. The report's
     seconds count from the plan's start. ``recheck``: the plan was made a while ago (``plan_apply`` ahead
     of time); first, with nothing written yet, every element a held-digest chunk changes is read again
-    and must hold the bits the plan moved the digest from (``Applier.recheck_held``)."""
+    and must hold the bits the plan moved the digest from (``Applier.recheck_held``). ``after_write()``
+    runs once the in-place writes are done, before the structural rewrite and the verification (a file
+    target takes its identity there, to find a writer that came after its own last write)."""
     if prep.committed:
         raise UsageError("this prepared apply was committed already")
     prep.committed = True
@@ -408,6 +410,8 @@ def commit(prep: PreparedApply, *, before_write: Callable[[], None] | None = Non
     if before_write is not None:
         before_write()
     applied, skipped, recovered, written = ap.write(plans)
+    if after_write is not None:
+        after_write()
     struct_todo = any(tp.state in ("add", "remove", "replace") for tp in plans)
     names = prep.structural(delta, plans) if struct_todo and prep.structural is not None else []
     fp = verify.check_fingerprint(ap.target_digests(plans), delta)
@@ -426,7 +430,7 @@ def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | No
               structural_check: Callable[[list[_TensorPlan]], None] | None = None,
               held: Mapping[str, bytes] | None = None,
               before_write: Callable[[], None] | None = None, history: HistoryBook | None = None,
-              moves: MovesRecorder | None = None) -> ApplyReport:
+              moves: MovesRecorder | None = None, after_write: Callable[[], None] | None = None) -> ApplyReport:
     """Plan, write, verify (see the module docstring): ``plan_apply`` then ``commit``. ``structural``
     performs added/removed/re-typed tensors after the in-place patches; ``structural_check`` may refuse
     them, before any write.
@@ -436,8 +440,8 @@ def run_apply(delta: DeltaReader, target: TensorTarget, *, journal: Journal | No
     the first write; it may refuse (raise), and then nothing is written (a subscriber that planned on
     a part still downloading checks the whole part against its record there). ``history``: the
     book ``ulp_hist`` chunks decode against; ``moves``: records each decoded chunk's moves (marked
-    incomplete where a chunk was found already applied)."""
+    incomplete where a chunk was found already applied). ``after_write()``: as in ``commit``."""
     prep = plan_apply(delta, target, journal=journal, threads=threads, cache_bytes=cache_bytes, progress=progress,
                       structural=structural, structural_check=structural_check, held=held, history=history,
                       moves=moves)
-    return commit(prep, before_write=before_write)
+    return commit(prep, before_write=before_write, after_write=after_write)

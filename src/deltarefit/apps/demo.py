@@ -76,6 +76,8 @@ def run_demo(out_dir: str, *, steps: int = DEFAULT_STEPS, lr: float = 1e-5, roll
     fault_spec = _parse_fault(fault if fault is not None else os.environ.get(FAULT_ENV))
     p = Printer(quiet)
     t_start = time.perf_counter()
+    p.line(f"deltarefit demo: starting {rollouts} rollout processes and the trainer ({steps} optimizer steps, "
+           f"the stream in {LABELS[transport]}) ...")
     out_dir = os.path.abspath(out_dir)
     store, trainer_dir = _clean(out_dir)
     with contextlib.ExitStack() as stack:
@@ -102,7 +104,7 @@ def _clean(out: str) -> tuple[str, str]:
     """(store, trainer dir) under ``out``, emptied of an earlier run's stream, state and rollout copies."""
     os.makedirs(out, exist_ok=True)
     for name in os.listdir(out):
-        if name in ("store", "trainer", "rollout") or re.fullmatch(r"rollout-\d+", name):
+        if name in ("store", "trainer", "rollout", "deltas", "checkpoints") or re.fullmatch(r"rollout-\d+", name):
             shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     store, trainer = os.path.join(out, "store"), os.path.join(out, "trainer")
     os.makedirs(store)

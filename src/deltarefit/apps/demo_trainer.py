@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .demo_report import Printer, StepResult, plot_rows
+from .demo_report import Printer, StepResult, baseline_s, plot_rows, write_rows
 from .demo_rollout import Rollouts
 from .demo_task import (
     CANDIDATES,
@@ -38,7 +38,6 @@ class _Policy:
     head: Any
     target: Any
     pub: Any
-    export_path: str
     n_params: int
     prev_export: dict | None = None
 
@@ -57,8 +56,7 @@ def _load_policy(store: str, trainer_dir: str, lr: float, seed: int) -> _Policy:
     ids, head, target = make_task(seed, master.config.vocab_size, master.config.hidden_size)
     served = copy.deepcopy(master).to(torch.bfloat16)  # the trainer's own view of what it serves
     pub = Publisher(store, os.path.join(trainer_dir, "publisher"), publisher_id="trainer")
-    export_path = os.path.join(trainer_dir, "export.safetensors")
-    return _Policy(master, opt, served, ids, head, target, pub, export_path, n_params)
+    return _Policy(master, opt, served, ids, head, target, pub, n_params)
 
 
 def _announce(p: Printer, procs: Rollouts, pol: _Policy, out_dir: str, store: str, where: str, lr: float) -> None:
@@ -104,20 +102,18 @@ def _reinforce(pol: _Policy, batch: dict[int, dict]) -> None:
 
 
 def _publish(pol: _Policy, row: StepResult, step: int):
-    """Export the master as bf16, publish it; fills ``row``'s sizes and time. Returns (the commit record,
-    the export, its fingerprint computed from memory)."""
-    from safetensors.torch import save_file
-
+    """Publish the fp32 master from memory, served as bf16 (``publish_tensors``: no checkpoint written);
+    fills ``row``'s sizes and time. Returns (the commit record, the trainer's own bf16 export made with
+    torch, and its fingerprint computed from that export: independent of the publisher's conversion)."""
     from ..apply.tensors import state_dict_fingerprint
 
     export = _export(pol.master)
-    save_file(export, pol.export_path, metadata={"format": "pt"})
-    want_fp = state_dict_fingerprint(export)  # from memory, independently of the file and the codec
+    want_fp = state_dict_fingerprint(export)  # from memory, independently of the publisher and the codec
     if pol.prev_export is not None:
         row.changed_fraction = _changed(pol.prev_export, export)
     pol.prev_export = export
     t = time.perf_counter()
-    rec = pol.pub.publish(pol.export_path, step=step)
+    rec = pol.pub.publish_tensors(pol.master.state_dict(), served="BF16", step=step)
     row.publish_s = time.perf_counter() - t
     row.version, row.keyframe, row.full_bytes = rec.version, rec.delta is None, rec.full_bytes
     row.delta_bytes = rec.delta.bytes if rec.delta is not None else rec.part_bytes
@@ -175,6 +171,7 @@ def train(p: Printer, procs: Rollouts, out_dir: str, store: str, trainer_dir: st
             p.fail(row.problem)
             ok = False
             break
+        _keep(pol, out_dir, store, rec, export, step == 0 or step == steps)
         what = (f"keyframe {row.delta_bytes:,} B" if row.keyframe else
                 f"{100 * row.changed_fraction:.2f}% changed, delta {row.delta_bytes:,} B ({row.ratio:.1f}x)")
         p.line(f"step {step}: v{row.version} {what}; publish {row.publish_s:.2f} s, sync {row.sync_s:.2f} s (max of "
@@ -183,10 +180,49 @@ def train(p: Printer, procs: Rollouts, out_dir: str, store: str, trainer_dir: st
     return ok
 
 
+def _keep(pol: _Policy, out_dir: str, store: str, rec, export: dict, checkpoint: bool) -> None:
+    """Stable paths for the next steps: each version's delta as ``deltas/vNNNN.delta`` (fetched from the
+    store and checked against its record), and the first and last versions' bf16 weights as
+    ``checkpoints/vNNNN.safetensors``."""
+    from safetensors.torch import save_file
+
+    from ..storage.base import open_store
+    from ..stream.records import fetch_part
+
+    if rec.delta is not None:
+        fetch_part(open_store(store), rec.delta, os.path.join(out_dir, "deltas", f"v{rec.version:04d}.delta"))
+    if checkpoint:
+        os.makedirs(os.path.join(out_dir, "checkpoints"), exist_ok=True)
+        save_file(export, os.path.join(out_dir, "checkpoints", f"v{rec.version:04d}.safetensors"),
+                  metadata={"format": "pt"})
+
+
+def _next_steps(p: Printer, out_dir: str, last: int) -> None:
+    """Commands that run on this run's files, as a new user types them."""
+    rel = os.path.relpath(out_dir)
+    out = rel if not rel.startswith("..") else out_dir
+    first, end = f"{out}/checkpoints/v0001.safetensors", f"{out}/checkpoints/v{last:04d}.safetensors"
+    p.line("[bold]next steps[/] (the CLI is .venv/bin/deltarefit; `source .venv/bin/activate` puts it on PATH):")
+    for cmd in (f"deltarefit log {out}/store",
+                f"deltarefit encode {first} {end} -o {out}/v1-to-v{last}.delta",
+                f"cp {first} {out}/rollout.safetensors",
+                f"deltarefit apply {out}/v1-to-v{last}.delta {out}/rollout.safetensors",
+                f"deltarefit verify {out}/rollout.safetensors $(deltarefit fingerprint {end})",
+                f"deltarefit sync {out}/store {out}/follower.safetensors"):
+        p.command(cmd)
+
+
 def _finish(p: Printer, rows: list[StepResult], n: int, label: str, out_dir: str, plot: bool, ok: bool,
             steps: int, t_start: float) -> None:
     """The table, the plot and (when every step passed) the totals."""
     p.table(rows, n, label)
+    if rows:
+        deltas = [r for r in rows if not r.keyframe]
+        summary = {"ok": ok, "steps": steps, "rollouts": n, "versions": len(rows),
+                   "full_bytes": rows[0].full_bytes, "shipped_delta_bytes": sum(r.delta_bytes for r in deltas),
+                   "full_refit_s": baseline_s(rows), "seconds": time.perf_counter() - t_start}
+        js, cs = write_rows(rows, out_dir, summary)
+        p.line(f"rows: {js} and {cs}")
     if plot and rows:
         png = os.path.join(out_dir, "refit.png")
         try:
@@ -200,8 +236,15 @@ def _finish(p: Printer, rows: list[StepResult], n: int, label: str, out_dir: str
         full = sum(r.full_bytes for r in deltas)
         p.line(f"all {steps} steps bit-exact on {n} rollouts: shipped {shipped:,} B of deltas, not {full:,} B of "
                f"checkpoints ({full / max(shipped, 1):.1f}x less per rollout)")
+        mean_refit = sum(r.publish_s + r.sync_s for r in deltas) / max(len(deltas), 1)
+        mean_delta = shipped / max(len(deltas), 1)
+        p.line(f"refit per step {mean_refit:.2f} s on average, {baseline_s(rows):.2f} s for the full checkpoint "
+               "(the keyframe's refit): a local disk moves the whole file about as fast. Over a 1 Gbit/s link "
+               f"per rollout the full checkpoint alone takes {8 * rows[0].full_bytes / 1e9:.2f} s on the wire, "
+               f"a delta {8 * mean_delta / 1e9:.3f} s (bytes / link rate).")
         p.line(f"reward {rows[0].reward:.3f} -> {rows[-1].reward:.3f} (expected {rows[0].expected_reward:.3f} -> "
                f"{rows[-1].expected_reward:.3f}); {time.perf_counter() - t_start:.1f} s in all")
+        _next_steps(p, out_dir, rows[-1].version)
 
 
 def _check(step: int, version: int, want_fp: str, want_hash: str, replies: dict[int, dict]) -> str:

@@ -14,6 +14,7 @@ from .read import (
     TensorInfo,
     fingerprint_checkpoint,
     is_checkpoint,
+    modified_since,
     open_checkpoint,
     replaced_since,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "TensorSource",
     "fingerprint_checkpoint",
     "is_checkpoint",
+    "modified_since",
     "open_checkpoint",
     "replaced_since",
     "write_safetensors",

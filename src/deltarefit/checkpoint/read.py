@@ -33,6 +33,7 @@ import contextlib
 import mmap
 import os
 import shutil
+import stat
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Self
 
@@ -211,15 +212,38 @@ def replaced_since(identity: tuple) -> str | None:
     return None
 
 
+def modified_since(identity: tuple) -> str | None:
+    """The first file of ``identity`` (``Checkpoint.identity``) whose path names an inode whose size,
+    modification or change time differs from the identity's (written to by another process, ``cp``
+    onto the same inode included, or its mode changed), or None. Checks the path as it is now, so
+    call it after ``replaced_since``. Hazard: timestamps are as coarse as the kernel's clock tick
+    (``Checkpoint.identity``)."""
+    for path, _dev, _ino, size, mtime, ctime in identity:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return path
+        if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) != (size, mtime, ctime):
+            return path
+    return None
+
+
 def check_not_replaced(identity: tuple, what: str) -> None:
-    """Raise ``VerificationError`` (one line, naming the file) if ``replaced_since(identity)``."""
+    """Raise ``VerificationError`` (one line, naming the file) if ``replaced_since(identity)``, or if
+    ``modified_since(identity)``: bytes verified (or written) through the handles are the path's only
+    while nothing else wrote to its files since the identity was taken."""
+    from ..errors import VerificationError
+
     gone = replaced_since(identity)
     if gone is not None:
-        from ..errors import VerificationError
-
         raise VerificationError(f"{gone}: {what}, but the path no longer names the file that was verified "
                                 "(replaced or removed meanwhile by another process); nothing recorded, run "
                                 "again")
+    touched = modified_since(identity)
+    if touched is not None:
+        raise VerificationError(f"{touched}: {what}, but the file was modified by another process since it "
+                                "was verified (size or times changed); nothing recorded, stop that process "
+                                "and run again")
 
 
 # A plan: (absolute file, label for messages, names the index maps to it or None for "all").
@@ -289,6 +313,19 @@ def _select(label: str, mf: _MappedFile, wanted: set[str] | None, into: dict[str
         into[t.name] = t
 
 
+def _not_a_checkpoint(p: str) -> str:
+    """Why ``p``, neither a regular file nor a directory, is no checkpoint: missing, or what it is."""
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        return f"{p}: no such checkpoint file or directory"
+    except OSError as e:
+        return f"{p}: cannot read the checkpoint ({e.strerror or e})"
+    kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+            else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
+    return f"{p}: not a checkpoint: {kind}, not a regular file or a directory"
+
+
 def open_checkpoint(path: str | os.PathLike[str], *, writable: bool = False) -> Checkpoint:
     """Open and validate a checkpoint (file or directory); see the module docstring."""
     p = os.fspath(path)
@@ -297,7 +334,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, writable: bool = False) -> 
     elif os.path.isfile(p):
         plan = [(os.path.abspath(p), p, None)]
     else:
-        raise CheckpointError(f"{p}: no such checkpoint file or directory")
+        raise CheckpointError(_not_a_checkpoint(p))
     files: list[_MappedFile] = []
     tensors: dict[str, TensorInfo] = {}
     try:

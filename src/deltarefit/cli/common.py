@@ -163,9 +163,17 @@ class _Group(click.Group):
             click.echo(f"deltarefit: error: {' '.join(e.format_message().split())}", err=True)
             sys.exit(e.exit_code)
         except click.Abort:
-            click.echo("deltarefit: interrupted", err=True)
+            click.echo("deltarefit: interrupted; rerunning the same command is safe (an apply, sync or publish "
+                       "resumes where it stopped; nothing half-written is ever taken as done)", err=True)
             sys.exit(130)
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+class _OneLine(logging.Formatter):
+    """``deltarefit: warning: message``, the errors' style, without -v."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"deltarefit: {record.levelname.lower()}: {record.getMessage()}"
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -174,8 +182,12 @@ class _Group(click.Group):
 def main(verbose: bool) -> None:
     """Bit-exact compressed weight deltas for RL refit: encode, apply in place, verify."""
     _sigbus_as_one_line()
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    # One line per warning, as errors are (deltarefit: warning: ...); timestamps and modules with -v.
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not verbose:
+        for h in logging.getLogger().handlers:
+            h.setFormatter(_OneLine())
 
 
 _threads = click.option("--threads", type=click.IntRange(min=1), default=None,

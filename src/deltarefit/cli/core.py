@@ -6,6 +6,7 @@ import json
 
 import click
 
+from ..errors import BaseMismatchError
 from .common import (
     _ckpt_bytes,
     _json,
@@ -100,7 +101,9 @@ def apply(delta: str, checkpoint: str, history_dir: str | None, threads: int | N
 
     def go() -> None:
         from ..apply.files import apply as ap
+        from .hints import check_order
 
+        check_order("apply", "deltarefit apply DELTA CHECKPOINT", (("delta", delta), ("checkpoint", checkpoint)))
         _not_an_input(checkpoint, delta, history_dir, what="checkpoint")
         _not_an_input(delta, checkpoint, what="delta")  # a delta inside the checkpoint directory it writes
         book = None
@@ -109,7 +112,12 @@ def apply(delta: str, checkpoint: str, history_dir: str | None, threads: int | N
 
             book = HistoryBook(history_dir)
         with _progress("apply", _ckpt_bytes(checkpoint) if _progress_enabled(quiet) else 0, quiet) as cb:
-            rep = ap(delta, checkpoint, threads=threads, progress=cb, history=book)
+            try:
+                rep = ap(delta, checkpoint, threads=threads, progress=cb, history=book)
+            except BaseMismatchError as e:  # refused before any write: both files named, the cause told
+                from ..apply.mismatch import explain
+
+                raise BaseMismatchError(explain(delta, checkpoint, e)) from None
         if as_json:
             click.echo(json.dumps(rep.__dict__, indent=2))
         else:

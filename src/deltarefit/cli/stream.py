@@ -54,7 +54,9 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
     def go() -> None:
         from ..errors import UsageError
         from ..stream.publisher import ALL, Publisher
+        from .hints import check_order
 
+        check_order("publish", "deltarefit publish STORE CHECKPOINT", (("store", store), ("checkpoint", checkpoint)))
         if quorum != "all" and not quorum.isdigit():
             raise UsageError(f"--quorum must be a number or 'all', not {quorum!r}")
         q = ALL if quorum == "all" else int(quorum)
@@ -69,10 +71,15 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
         pub = Publisher(st, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=q,
                         ack_timeout=ack_timeout, signing_key=signing_key, threads=threads,
                         catchup=catchup, advance=advance, history=history)
+        from ..stream.chain import head
+
+        before = head(st)
         with _transfer_progress(st, "publish: upload", quiet):
             rec = pub.publish(checkpoint, step=step, reset_baseline=reset_baseline, quarantine_head=quarantine_head)
         if as_json:
             click.echo(rec.to_bytes().decode())
+        elif rec.version <= before:  # publish returned the committed version: the checkpoint holds it already
+            click.echo(f"{store}: already version {rec.version} (fingerprint {rec.fingerprint}); nothing published")
         else:
             click.echo(f"{store}: version {rec.version} ({rec.kind}, {rec.part_bytes:,} bytes) fingerprint "
                        f"{rec.fingerprint}")
@@ -100,13 +107,15 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
 def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, full_verify, repair, stream_id, threads,
          quiet, as_json) -> None:
     """Bring CHECKPOINT to the newest version of STORE (a directory, or s3://bucket/prefix; it must
-    exist) (CHECKPOINT is created from a keyframe if missing). One run per checkpoint at a time: a
+    exist) (a CHECKPOINT file missing in an existing directory is created from a keyframe). One run per checkpoint at a time: a
     second one exits 11 naming the first."""
 
     def go() -> None:
         from ..storage.base import open_store
         from ..stream.subscriber import Subscriber
+        from .hints import check_order
 
+        check_order("sync", "deltarefit sync STORE CHECKPOINT", (("store", store), ("checkpoint", checkpoint)))
         _not_an_input(checkpoint, None if "://" in store else store, public_key, what="checkpoint")
         st = open_store(store, create=False)
         sub = Subscriber(st, checkpoint, subscriber_id=subscriber_id, public_key=public_key, threads=threads,
@@ -119,6 +128,9 @@ def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, full
             rep = sub.sync(to_version=to_version, verify=full_verify, repair=repair)
         if as_json:
             click.echo(json.dumps(rep.__dict__, indent=2))
+        elif rep.verified and rep.from_version == rep.version and rep.route == "none":
+            click.echo(f"{checkpoint}: at version {rep.version}, nothing to do; fingerprint {rep.fingerprint} "
+                       "verified")
         elif rep.verified:
             click.echo(f"{checkpoint}: version {rep.from_version} -> {rep.version} via {rep.route} "
                        f"({rep.bytes_fetched:,} bytes fetched) fingerprint {rep.fingerprint} verified")
@@ -172,6 +184,9 @@ def log_cmd(store, public_key, as_json) -> None:
                          "signed": bool(r.signature), "created": r.created})
         if as_json:
             click.echo(json.dumps(rows, indent=2))
+        elif not rows:
+            click.echo(f"{store}: no versions yet; the trainer publishes the first: deltarefit publish {store} "
+                       "CHECKPOINT")
         for r in [] if as_json else rows:
             if "malformed" in r:
                 click.echo(f"v{r['version']:<5} malformed record: {r['malformed']}")

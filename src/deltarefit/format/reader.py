@@ -21,6 +21,7 @@ from ..integrity import (
     seg_hash,
     tensor_digest_from_segments,
 )
+from ..io.fsutil import open_input
 from ..io.jsonlimits import brief
 from .layout import (
     FLAG_MANIFEST_ZSTD,
@@ -44,10 +45,8 @@ class DeltaReader:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        try:
-            self._f = open(path, "rb")
-        except OSError as e:
-            raise FormatError(f"{path}: cannot open delta ({e.strerror})") from None
+        # A regular file only, opened so that a FIFO given as the delta is refused, not hung on.
+        self._f = os.fdopen(open_input(path, what="delta", error=FormatError), "rb")
         try:
             self._load()
         except BaseException:

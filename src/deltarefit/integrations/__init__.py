@@ -1,6 +1,6 @@
 """Integrations with the distributed runtimes RL frameworks run on.
 
-Each submodule imports its runtime lazily: ``import deltarefit`` never imports Ray (or vLLM).
+Each submodule imports its runtime lazily: ``import deltarefit`` never imports Ray, vLLM or verl.
 
 * ``deltarefit.integrations.ray``: vLLM engines in Ray actors refitted through the ``deltarefit``
   weight-transfer backend, driven by vLLM's own ``RayVLLMWeightSyncClient`` (see docs/RAY.md).
@@ -9,6 +9,9 @@ Each submodule imports its runtime lazily: ``import deltarefit`` never imports R
 * ``deltarefit.integrations.trl``: TRL's vLLM server mode synced through a stream, switched on by
   ``enable(stream=...)`` before the trainer is built; ``python -m deltarefit.integrations.trl.serve`` starts
   the server (see docs/FRAMEWORKS.md).
+* ``deltarefit.integrations.verl``: a verl checkpoint engine, ``deltarefit`` in verl's
+  ``CheckpointEngineRegistry`` (``checkpoint_engine.custom_backend_module``): the trainer publishes each sync
+  from memory, every rollout worker follows the stream to it, verified (see docs/FRAMEWORKS.md).
 """
 
 __all__: list[str] = []

@@ -2,7 +2,14 @@
 
 * ``ServerActor``: a Ray actor that runs vLLM's OpenAI server (what ``vllm serve`` runs) as its child
   process, with ``--weight-transfer-config '{"backend": "deltarefit"}'`` and vLLM's RL routes on
-  (``VLLM_SERVER_DEV_MODE=1``), on a fixed port of its node. The server dies with the actor (the
+  (``VLLM_SERVER_DEV_MODE=1``), on a fixed port of its node, bound to loopback (``127.0.0.1``) unless
+  ``host`` says otherwise. Dev mode opens ``/collective_rpc``, which calls any worker method by name (the
+  extension's ``apply_delta``, ``deltarefit_reload_all``, ``deltarefit_live_apply`` among them), and the RL
+  routes (``/init_weight_transfer_engine``, ``/update_weights``, ``/pause``); vLLM 0.32's ``--api-key``
+  guards only ``/v1``, ``/v2``, ``/inference`` and ``/cohere``, none of those. So the server listens where
+  only its own host reaches it, and a wider ``host`` is the operator's choice to make behind a firewall
+  or tunnel; the engine's own pins (``DELTAREFIT_VERIFY_KEY``, ``DELTAREFIT_STREAMS`` in the actor's
+  ``runtime_env``, passed on to the server) still decide what it follows (docs/RAY.md). The server dies with the actor (the
   kernel sends it SIGKILL when the actor's process ends), so a restarted actor starts a new server on
   the same port, initializes the backend and catches up through the stream, as ``EngineActor`` does.
 * ``HTTPFanOut``: the trainer's client over several servers: for each, vLLM's
@@ -31,7 +38,9 @@ from .placement import BACKEND, READY_TIMEOUT, placed, require_ray
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HTTPFanOut", "ServerActor", "start_servers"]
+__all__ = ["LOOPBACK", "HTTPFanOut", "ServerActor", "start_servers"]
+
+LOOPBACK = "127.0.0.1"  # where a ServerActor's server listens by default (its dev routes are open)
 
 
 def _die_with_parent() -> Any:
@@ -50,11 +59,12 @@ class ServerActor:
     ``serve_args``: more arguments for the server (``--dtype bfloat16`` ...). ``init_info``: the backend's
     init; given, the actor initializes it and syncs to the stream's head at every start. ``extension``: the
     workers' extension class (``--worker-extension-cls``); deltarefit's by default, a subclass of it to add
-    worker methods that ``collective_rpc`` calls."""
+    worker methods that ``collective_rpc`` calls. ``host``: the address the server binds to and is
+    called at (loopback by default: its routes take no credentials; module docstring)."""
 
     def __init__(self, model: str, *, port: int, init_info: dict[str, Any] | None = None,
                  serve_args: list[str] | None = None, name: str = "server", timeout: float = READY_TIMEOUT,
-                 extension: str | None = None) -> None:
+                 extension: str | None = None, host: str = LOOPBACK) -> None:
         ray = require_ray()
         from ..engines.vllm import EXTENSION
         from ..engines.vllm.backend import HTTPClient
@@ -63,7 +73,10 @@ class ServerActor:
         ctx = ray.get_runtime_context()
         self.restarted = bool(ctx.was_current_actor_reconstructed)
         self.node_id = ctx.get_node_id()
-        host = ray.util.get_node_ip_address()
+        if host != LOOPBACK:
+            log.warning("[%s] vllm serve with dev mode on %s: its /collective_rpc and RL routes take no "
+                        "credentials; only the engine's own pins (DELTAREFIT_VERIFY_KEY, DELTAREFIT_STREAMS) "
+                        "limit what a caller can make it load", name, host)
         self.url = f"http://{host}:{port}"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
                "--port", str(port), "--weight-transfer-config", json.dumps({"backend": BACKEND}),
@@ -223,9 +236,10 @@ def start_servers(model: str, resources: list[dict[str, float]], ports: list[int
                   init_info: dict[str, Any] | None = None, serve_args: list[str] | None = None,
                   names: list[str] | None = None, max_restarts: int = 3, num_cpus: float = 1,
                   runtime_env: dict[str, Any] | None = None, timeout: float = READY_TIMEOUT,
-                  extension: str | None = None) -> list[Any]:
-    """One ``ServerActor`` per entry of ``resources``, each on ``ports[i]`` of its node, placed and restarted
-    as ``start_engines`` does; the handles once every server answers."""
+                  extension: str | None = None, host: str = LOOPBACK) -> list[Any]:
+    """One ``ServerActor`` per entry of ``resources``, each on ``ports[i]`` of its node (bound to ``host``:
+    loopback by default, so the trainer reaches them from the same host), placed and restarted as
+    ``start_engines`` does; the handles once every server answers."""
     ray = require_ray()
     names = names or [f"server-{i}" for i in range(len(resources))]
     handles = []
@@ -233,6 +247,6 @@ def start_servers(model: str, resources: list[dict[str, float]], ports: list[int
         actor = ray.remote(ServerActor).options(**placed(res, name, num_cpus=num_cpus, max_restarts=max_restarts,
                                                          runtime_env=runtime_env, timeout=timeout))
         handles.append(actor.remote(model, port=port, init_info=init_info, serve_args=serve_args, name=name,
-                                    extension=extension))
+                                    extension=extension, host=host))
     ray.get([h.ready.remote() for h in handles], timeout=timeout)
     return handles

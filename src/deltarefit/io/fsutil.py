@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from ..errors import FileSystemError
+from ..errors import DeltaRefitError, FileSystemError
 
 
 def fsync_dir(d: str) -> None:
@@ -57,6 +57,69 @@ def open_regular(path: str, flags: int, mode: int = 0o644, *, what: str = "") ->
         os.close(fd)
         raise
     return fd
+
+
+def read_small(path: str, limit: int, *, what: str, error: type[DeltaRefitError] | None = None,
+               follow: bool = True) -> bytes:
+    """The bytes of ``path``: a regular file of at most ``limit`` bytes (a key, a small state file), read
+    the way every input named by a path is: opened ``O_NONBLOCK`` (a FIFO cannot hang the open), refused
+    unless ``fstat`` says a regular file (a FIFO, a device such as ``/dev/zero``, a directory), and read
+    no further than ``limit + 1`` bytes, so a file past the limit costs no more than the limit. A
+    symlink is followed (a key is often a mounted secret's link) unless ``follow=False``. Refusals are one
+    line of ``error`` (default ``UsageError``) naming ``what`` and the path."""
+    from ..errors import UsageError
+
+    err = error or UsageError
+    fd = open_input(path, what=what, error=err, follow=follow)
+    try:
+        st = os.fstat(fd)
+        if st.st_size > limit:
+            raise err(f"{path}: {what} of {st.st_size} bytes, more than the {limit} it may have")
+        data = read_capped(fd, limit)
+    except OSError as e:
+        raise err(f"{path}: cannot read {what} ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise err(f"{path}: {what} of more than the {limit} bytes it may have")
+    return data
+
+
+def open_input(path: str, *, what: str, error: type[DeltaRefitError], follow: bool = True) -> int:
+    """A read-only descriptor of ``path``, an input a command reads (a delta, a key, a state file): opened
+    ``O_NONBLOCK`` (a FIFO cannot hang the open, and is refused) and only when ``fstat`` says a regular
+    file; a symlink followed unless ``follow=False``. Refusals are one line of ``error`` naming ``what`` and
+    the path."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    except OSError as e:
+        raise error(f"{path}: cannot open {what} ({e.strerror or e})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise error(f"{path}: cannot open {what}: not a regular file (a FIFO, a device or a directory)")
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_capped(fd: int, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of the open file ``fd`` from where it stands: more than ``limit`` tells
+    the caller the file is past its cap, having read no more than that (a file that grows while read
+    included)."""
+    chunks, got = [], 0
+    while got <= limit:
+        b = os.read(fd, limit + 1 - got)
+        if not b:
+            break
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
 
 
 def create_temp(tmp: str, mode: int = 0o644) -> int:

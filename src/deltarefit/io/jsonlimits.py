@@ -10,7 +10,11 @@ passes over slices of the text, without building anything:
   slack for tiny documents); brackets inside strings are counted too, which only makes this stricter;
 * nesting depth: at most ``max_depth`` levels, measured over the brackets outside strings;
 * optionally (``arrays_of_numbers``), no string, object or array inside an array, and (``max_array_len``)
-  no array longer than a bound.
+  no array longer than a bound;
+* optionally (``bytes_per_string``), at most one string (an object's key included) per that many bytes
+  of text: a string costs Python 50-60 bytes however short, so a text of short strings or keys costs
+  up to 16 bytes per byte where this bound does not hold (escaped quotes are counted too, which only
+  makes it stricter).
 
 What passes still costs memory in proportion to its length (up to about 16 bytes per byte of text for a
 list of short strings, which ``arrays_of_numbers`` rules out, and about 12 for an object of many short
@@ -21,10 +25,13 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
-__all__ = ["brief", "json_shape_problem", "json_shape_problem_of_pieces"]
+__all__ = ["LOCAL_STATE_MAX_BYTES", "brief", "json_shape_problem", "json_shape_problem_of_pieces", "small_json"]
+
+LOCAL_STATE_MAX_BYTES = 1 << 20  # a state file deltarefit keeps beside a checkpoint or in a state directory
 
 _BRIEF = reprlib.Repr()
 _BRIEF.maxlist = _BRIEF.maxdict = 8
@@ -47,33 +54,55 @@ def brief(value: object) -> str:
     return _BRIEF.repr(value)
 
 
+def small_json(raw: bytes, *, max_depth: int = 8, bytes_per_container: int = 16) -> Any:
+    """The JSON value of a small local state file (a version state, a publisher state), whose text is at
+    most ``LOCAL_STATE_MAX_BYTES`` (the caller reads no more): its shape bounded first (nesting, containers
+    per byte), so that no text recurses or amplifies. ``ValueError`` with a one-line reason otherwise."""
+    import json
+
+    if len(raw) > LOCAL_STATE_MAX_BYTES:
+        raise ValueError(f"more than {LOCAL_STATE_MAX_BYTES} bytes")
+    why = json_shape_problem(raw, max_depth=max_depth, bytes_per_container=bytes_per_container)
+    if why is not None:
+        raise ValueError(why)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"not JSON ({type(e).__name__})") from None
+
+
 def json_shape_problem(raw: bytes, *, max_depth: int, bytes_per_container: int, slack: int = 64,
-                       arrays_of_numbers: bool = False, max_array_len: int | None = None) -> str | None:
+                       arrays_of_numbers: bool = False, max_array_len: int | None = None,
+                       bytes_per_string: int | None = None) -> str | None:
     """What is wrong with the shape of JSON text ``raw`` (one line, no location), or None.
     ``arrays_of_numbers``: arrays may not hold strings, objects or arrays (a safetensors header's shapes
     and offsets), which rules out lists of short strings, the costliest text per byte.
     ``max_array_len`` (with ``arrays_of_numbers``, whose arrays do not nest in the formats read here):
     no array holds more elements (a shape of millions of numbers is refused before it is built).
+    ``bytes_per_string``: at most one string or key per that many bytes (plus ``slack``).
 
     Not a validator: ``None`` means only that parsing it cannot amplify memory beyond the bounds in
     the module docstring; the caller still parses and checks types."""
     return json_shape_problem_of_pieces([raw], max_depth=max_depth, bytes_per_container=bytes_per_container,
-                                        slack=slack, arrays_of_numbers=arrays_of_numbers, max_array_len=max_array_len)
+                                        slack=slack, arrays_of_numbers=arrays_of_numbers, max_array_len=max_array_len,
+                                        bytes_per_string=bytes_per_string)
 
 
 def json_shape_problem_of_pieces(pieces: Iterable[bytes], *, max_depth: int, bytes_per_container: int,
                                  slack: int = 64, arrays_of_numbers: bool = False,
-                                 max_array_len: int | None = None) -> str | None:
+                                 max_array_len: int | None = None, bytes_per_string: int | None = None) -> str | None:
     """``json_shape_problem`` of the text that ``pieces`` make end to end (cut anywhere, a string or an
     escape included), read once, piece by piece: what it holds at once is a piece and the numpy
     temporaries of one ``_SLICE``, so a text that is never whole in memory (a manifest as it is
     decompressed) is checked in a few MiB."""
-    count = [0, 0]  # bytes, brackets
+    count = [0, 0, 0]  # bytes, brackets, quotes
 
     def counted() -> Iterator[bytes]:
         for piece in pieces:
             count[0] += len(piece)
             count[1] += piece.count(b"[") + piece.count(b"{")
+            if bytes_per_string is not None:
+                count[2] += piece.count(b'"')
             yield piece
 
     depth, in_array, longest = _scan(_unescaped(counted()), arrays_of_numbers)
@@ -81,6 +110,9 @@ def json_shape_problem_of_pieces(pieces: Iterable[bytes], *, max_depth: int, byt
     if containers > allowed:
         return (f"holds {containers} JSON arrays/objects in {count[0]} bytes, more than one per "
                 f"{bytes_per_container} bytes (limit {allowed})")
+    if bytes_per_string is not None and count[2] // 2 > count[0] // bytes_per_string + slack:
+        return (f"holds {count[2] // 2} JSON strings in {count[0]} bytes, more than one per {bytes_per_string} "
+                f"bytes (limit {count[0] // bytes_per_string + slack})")
     if depth > max_depth:
         return f"nests JSON {depth} levels deep, limit {max_depth}"
     if in_array:

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from ..errors import CheckpointError, LockedError
+from ..errors import CheckpointError, FileSystemError, LockedError
 
 log = logging.getLogger(__name__)
 
@@ -187,18 +187,19 @@ def _acquire(path: str, what: str) -> int:
     for _ in range(100):  # each retry means a holder let go meanwhile: a few at most
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-        except FileNotFoundError:
-            raise CheckpointError(f"{what}: its directory {os.path.dirname(path)} does not exist") from None
+        except FileNotFoundError as e:
+            raise FileSystemError.of(f"{what}: its directory {os.path.dirname(path)} does not exist", e) from None
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise CheckpointError(f"{what}: its lock file {path} is a symbolic link (planted by another "
                                       "user?); remove it and run again") from None
-            raise CheckpointError(f"{what}: cannot create its lock file {path} ({e.strerror})") from None
+            # read-only, permission denied, disk full: the filesystem's fault (exit 12), not the checkpoint's
+            raise FileSystemError.of(f"{what}: cannot create its lock file {path}", e) from None
         try:
             st0 = os.fstat(fd)
         except OSError as e:
             os.close(fd)
-            raise CheckpointError(f"{what}: cannot stat its lock file {path} ({e.strerror})") from None
+            raise FileSystemError.of(f"{what}: cannot stat its lock file {path}", e) from None
         if not stat.S_ISREG(st0.st_mode):
             os.close(fd)
             raise CheckpointError(f"{what}: its lock file {path} is not a regular file; remove it and run again")
@@ -211,7 +212,7 @@ def _acquire(path: str, what: str) -> int:
                               "it to finish or stop it, then run again") from None
         except OSError as e:
             os.close(fd)
-            raise CheckpointError(f"{what}: cannot lock {path} ({e.strerror})") from None
+            raise FileSystemError.of(f"{what}: cannot lock {path}", e) from None
         try:
             st, now = os.fstat(fd), os.stat(path, follow_symlinks=False)
             if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):

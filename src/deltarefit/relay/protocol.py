@@ -45,7 +45,7 @@ import blake3
 
 from ..errors import AuthError, DeltaRefitError, ProtocolError, UsageError
 from ..errors import BadPartError as BadPartError  # defined there, re-exported
-from ..io.fsutil import write_new
+from ..io.fsutil import read_small, write_new
 from ..transport.ratelimit import TokenBucket
 
 MAGIC = b"DRRELAY1"
@@ -70,11 +70,7 @@ BUSY = b"DRRBUSY\x00"  # in place of MAGIC: the server refuses the connection fo
 def load_key(path: str) -> bytes:
     """The shared key: the raw bytes of ``path`` (at least 32; ``deltarefit relay keygen`` writes 64 hex
     digits). Every relay of a tree must read the same file contents."""
-    try:
-        with open(path, "rb") as f:
-            key = f.read(1 << 16)
-    except OSError as e:
-        raise UsageError(f"{path}: cannot read the relay key ({e.strerror})") from None
+    key = read_small(path, 1 << 16, what="relay key")  # a regular file of at most 64 KiB: never hung on a FIFO
     if len(key) < MIN_KEY_BYTES:
         raise UsageError(f"{path}: a relay key needs at least {MIN_KEY_BYTES} bytes, this one has {len(key)}")
     return key

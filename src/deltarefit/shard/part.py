@@ -55,9 +55,17 @@ from ..io.jsonlimits import json_shape_problem
 
 MAGIC = b"DRSHPART"
 FORMAT_VERSION = 1
-MAX_HEADER = 256 << 20
+# What a real header needs: about 40 bytes per listed chunk (a keyframe lists every 1 MiB chunk), so
+# 16 MiB lists some 400,000 chunks, 400 GB of one rank's weights; what parsing a hostile header of that
+# size can cost (its shape bounded below) stays under 256 MiB (``bench.bombs --other``).
+MAX_HEADER = 16 << 20
 HEADER_MAX_DEPTH = 8
-HEADER_BYTES_PER_CONTAINER = 6
+# One array/object per 9 bytes at the densest run (a box's [off, stride, len]), one per 25 or more over
+# a cell; a 3-element list costs Python about 90 bytes.
+HEADER_BYTES_PER_CONTAINER = 8
+# Real headers hold one string (keys included) per 17 bytes or more (tensor names, dtypes, hex digests,
+# encodings); a string costs Python 50-60 bytes however short.
+HEADER_BYTES_PER_STRING = 8
 _PREFIX = struct.Struct("<8sHHI")
 
 
@@ -112,6 +120,9 @@ def write_part(header: dict, payload: bytes) -> bytes:
     header = dict(header, format="deltarefit.shard_part", format_version=FORMAT_VERSION,
                   payload_bytes=len(payload), payload_blake3=blake3.blake3(payload).hexdigest())
     hb = json.dumps(header, separators=(",", ":"), sort_keys=True).encode("utf-8")
+    if len(hb) > MAX_HEADER:  # refused here, by the writer, rather than by every reader
+        raise LimitError(f"part header of {len(hb)} bytes exceeds the {MAX_HEADER >> 20} MiB limit (too many "
+                         "chunks for one rank: shard the checkpoint over more ranks)")
     return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(hb)) + hb + payload
 
 
@@ -177,8 +188,10 @@ def _read_header(mv: memoryview, where: str) -> tuple[dict, memoryview]:
         raise LimitError(f"{where}: header of {hlen} bytes does not fit")
     raw = bytes(mv[_PREFIX.size:_PREFIX.size + hlen])
     # Memory before trust: the header's shape is bounded before json.loads builds it (a part nests 7
-    # levels, and holds one array/object per 9 bytes at the densest: a box's [off, stride, len]).
-    why = json_shape_problem(raw, max_depth=HEADER_MAX_DEPTH, bytes_per_container=HEADER_BYTES_PER_CONTAINER)
+    # levels, and holds one array/object per 9 bytes at the densest run, a box's [off, stride, len];
+    # one string per 17 bytes).
+    why = json_shape_problem(raw, max_depth=HEADER_MAX_DEPTH, bytes_per_container=HEADER_BYTES_PER_CONTAINER,
+                             bytes_per_string=HEADER_BYTES_PER_STRING)
     if why is not None:
         raise LimitError(f"{where}: header {why}")
     try:

@@ -238,8 +238,8 @@ def load_manifest(store: Store, rec: ShardCommit) -> dict:
     where = f"{store.url}/{rec.manifest.key}"
     data = _get_checked(store, rec.manifest, f"manifest of version {rec.version}")
     # Memory before trust (the record may be unsigned): the shape first (a manifest nests 6 levels and
-    # holds one array/object per ~15 bytes at the densest, a part's covers).
-    why = json_shape_problem(data, max_depth=8, bytes_per_container=6)
+    # holds one array/object per ~15 bytes at the densest, a part's covers; one string per 23 bytes).
+    why = json_shape_problem(data, max_depth=8, bytes_per_container=6, bytes_per_string=12)
     if why is not None:
         raise StreamError(f"{where}: malformed manifest ({why})")
     try:

@@ -12,7 +12,10 @@ Contract every store keeps (``tests/test_store_contract.py`` runs the same asser
   (it never truncates a file a reader may hold); a failed ``get_to`` leaves no file behind.
 * A missing key raises ``KeyError`` (from ``get``, ``get_to``, ``size`` and, where the store has them,
   ``get_range`` and ``mtime``); ``exists`` answers False and ``delete`` of a missing key does nothing.
-  Every other failure (I/O, permissions, a lost connection) raises ``StoreError`` in one line.
+  Every other failure (I/O, permissions, a lost connection) raises ``StoreError`` in one line, but
+  for a ``get_to`` whose local destination cannot be written (a full disk, a read-only filesystem,
+  its directory missing or not writable: ``local_write_error``), which raises ``FileSystemError``
+  naming the destination.
 * ``list(prefix)`` returns the keys that start with the string ``prefix``, sorted; unfinished writes
   are never listed.
 
@@ -38,11 +41,13 @@ method (subclass :class:`StoreBase`): one it does not declare raises ``StoreErro
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+from ..errors import DeltaRefitError, FileSystemError, UsageError
 from ..errors import StoreError as StoreError  # defined there, re-exported
-from ..errors import UsageError
 
 GET_RANGE = "get_range"
 MTIME = "mtime"
@@ -150,3 +155,22 @@ def open_store(url: str, *, rate: float | None = None, create: bool = True) -> S
     from .local import LocalStore
 
     return LocalStore(url[len("file://"):] if url.startswith("file://") else url, rate=rate, create=create)
+
+
+# errno values only the writing side of a copy can meet: the local filesystem, never the store
+_LOCAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+
+
+def local_write_error(e: BaseException, dest: str) -> FileSystemError | None:
+    """A ``get_to`` failure that is its local destination's, not the store's, as the one-line
+    ``FileSystemError`` naming ``dest`` (the CLI's exit 12): a full disk, a quota, a read-only
+    filesystem, or an error naming only ``dest`` or a temp beside it (its directory missing or not
+    writable). None for any other failure (the store's own: ``StoreError``)."""
+    if isinstance(e, FileSystemError):
+        return e
+    if not isinstance(e, OSError) or isinstance(e, DeltaRefitError):
+        return None
+    names = [os.fsdecode(n) for n in (e.filename, e.filename2) if n is not None]
+    if e.errno in _LOCAL_ERRNOS or (names and all(str(n).startswith(dest) for n in names)):
+        return FileSystemError.of(f"{dest}: cannot write the download", e)
+    return None

@@ -22,6 +22,7 @@ from .base import (
     StoreError,
     check_key,
     check_range,
+    local_write_error,
 )
 
 
@@ -182,6 +183,9 @@ class LocalStore(StoreBase):
         except OSError as e:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+            local = local_write_error(e, dest)
+            if local is not None:
+                raise local from None
             raise StoreError(f"{path}: copy to {dest} failed ({e.strerror})") from None
 
     def exists(self, key: str) -> bool:

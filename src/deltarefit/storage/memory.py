@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 from ..io.fsutil import write_atomic
-from .base import GET_RANGE, StoreBase, StoreError, check_key, check_range
+from .base import GET_RANGE, StoreBase, StoreError, check_key, check_range, local_write_error
 
 _NAMED: dict[str, MemoryStore] = {}
 
@@ -61,6 +61,9 @@ class MemoryStore(StoreBase):
         try:  # a rename over the destination, never a truncation of a file a reader may hold
             write_atomic(path, data, durable=False)
         except OSError as e:
+            local = local_write_error(e, path)
+            if local is not None:
+                raise local from None
             raise StoreError(f"{self.url}/{key}: copy to {path} failed ({e.strerror})") from None
 
     def exists(self, key: str) -> bool:

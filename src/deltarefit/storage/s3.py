@@ -25,7 +25,17 @@ import uuid
 from typing import Any
 
 from ..errors import UsageError
-from .base import GET_RANGE, MTIME, SET_PROGRESS, SWEEP_TEMPS, StoreBase, StoreError, check_key, check_range
+from .base import (
+    GET_RANGE,
+    MTIME,
+    SET_PROGRESS,
+    SWEEP_TEMPS,
+    StoreBase,
+    StoreError,
+    check_key,
+    check_range,
+    local_write_error,
+)
 
 MiB = 1 << 20
 _TOKEN = "deltarefit-put"  # object metadata naming one put_file call, to find its multipart upload
@@ -295,6 +305,9 @@ class S3Store(StoreBase):
         except BaseException as e:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+            local = local_write_error(_cause(e), dest)
+            if local is not None:  # the local side: a full disk, a directory it may not write
+                raise local from None
             if isinstance(e, Exception) and not isinstance(e, (StoreError, UsageError, KeyError)):
                 raise self._error(_cause(e), f"download to {dest}", key) from None
             raise

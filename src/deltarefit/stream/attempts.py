@@ -13,12 +13,12 @@ import uuid
 from collections.abc import Callable
 
 from ..checkpoint.read import open_checkpoint
-from ..errors import DeltaRefitError, PublishError
-from ..io.fsutil import write_atomic
+from ..errors import CheckpointError, DeltaRefitError, PublishError
+from ..io.fsutil import open_regular, read_capped, write_atomic
 from ..signing import SignatureError
 from ..storage.base import SWEEP_TEMPS, Store
 from .chain import MAX_RECORD_BYTES, get_bounded, get_capped, holds
-from .publish_state import ALL, ATTEMPT_NAME
+from .publish_state import ALL, ATTEMPT_NAME, read_state_json
 from .records import (
     CommitRecord,
     MalformedRecordError,
@@ -129,14 +129,13 @@ class Attempts:
         own, and the state is locked, so nothing else writes under it."""
         marker = os.path.join(self.state_dir, ATTEMPT_NAME)
         try:
-            with open(marker, "rb") as f:
-                attempt = json.loads(f.read())["attempt"]
+            attempt = read_state_json(marker, "upload marker")["attempt"]  # a FIFO planted there: unreadable
             version = int(attempt.split("/")[1])
             if attempt != f"{vkey(version)}/{attempt.split('/')[2]}":
                 raise ValueError(attempt)
         except FileNotFoundError:
             return
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, CheckpointError):
             log.warning("%s: unreadable, ignored (retention removes orphan parts)", marker)
             os.unlink(marker)
             return
@@ -164,10 +163,11 @@ class Attempts:
         ``advance`` so is its dead joint proposal. ``advance`` None (``reset_baseline``, which rebuilds
         the baseline from the stream): an unreadable record is ignored instead of refused."""
         pending = os.path.join(self.state_dir, "pending.json")
-        if not os.path.exists(pending):
+        try:  # a regular file only (a FIFO planted there is named, not hung on), read up to a record's cap
+            with os.fdopen(open_regular(pending, os.O_RDONLY, what="pending record"), "rb") as f:
+                mine = read_capped(f.fileno(), MAX_RECORD_BYTES)
+        except FileNotFoundError:
             return
-        with open(pending, "rb") as f:
-            mine = f.read()
         try:
             rec = parse_commit(mine, pending)
         except StreamError:

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from ..apply.files import apply as apply_delta
 from ..checkpoint.read import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
-from ..errors import DecodeError
+from ..errors import CheckpointError, DecodeError
 from ..history_book import HistoryBook, MovesRecorder
-from ..io.fsutil import write_atomic
+from ..io.fsutil import create_temp, open_regular, write_atomic
 from ..storage.base import Store
 from .history import open_book, resets, settle, start_over
-from .publish_state import _TEMP_SUFFIX, RESET_FIX, PublishState
+from .publish_state import _TEMP_SUFFIX, RESET_FIX, PublishState, read_state_json
 from .records import CommitRecord, Part, StreamError, fetch_part
 
 log = logging.getLogger(__name__)
@@ -57,13 +57,12 @@ class Baseline:
     def state(self) -> PublishState | None:
         """The committed version the baseline holds, as recorded; None without a state."""
         try:
-            with open(self.state_path) as f:
-                d = json.load(f)
+            d = read_state_json(self.state_path, "publisher state")
             sid = d.get("stream_id")
             return PublishState(int(d["version"]), str(d["fingerprint"]), None if sid is None else str(sid))
         except FileNotFoundError:
             return None
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise StreamError(f"{self.state_path}: unreadable publisher state ({e}){RESET_FIX}") from None
 
     def save_state(self, st: PublishState) -> None:
@@ -211,10 +210,10 @@ class Baseline:
     def known_base(self) -> KnownHashes | None:
         """The kept baseline hashes, from memory or (a new process) from ``known_path``; None if none."""
         if self.known is None and os.path.exists(self.known_path):
-            try:
-                with open(self.known_path, "rb") as f:
+            try:  # a regular file only (a FIFO planted there must not hang the publish)
+                with os.fdopen(open_regular(self.known_path, os.O_RDONLY, what="kept baseline hashes"), "rb") as f:
                     self.known = KnownHashes.from_bytes(f.read())
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, CheckpointError) as e:
                 log.warning("%s: ignored (%s); the baseline is hashed instead", self.known_path, e)
         return self.known
 
@@ -257,7 +256,9 @@ def _temp_beside(path: str) -> str:
 def _copy_checkpoint(src: str, dest: str) -> None:
     """The baseline is always one file: a directory checkpoint is rewritten as a single file."""
     if os.path.isfile(src):
-        shutil.copyfile(src, dest)
+        # Created afresh (``create_temp``: exclusive, never through a link planted at ``dest``).
+        with open(src, "rb") as f, os.fdopen(create_temp(dest), "wb") as g:
+            shutil.copyfileobj(f, g, 16 << 20)
         return
     from ..checkpoint.header import TensorSource
     from ..checkpoint.write import write_safetensors

@@ -116,6 +116,9 @@ def head(store: Store) -> int:
 def sync_target(url: str, h: int, to_version: int | None) -> int:
     """The version a sync goes to: ``to_version``, or the head ``h``; refused unless committed."""
     target = h if to_version is None else to_version
+    if h == 0:
+        raise StreamError(f"{url}: the stream has no versions yet (nothing published, nothing written here); "
+                          f"publish one first: deltarefit publish {url} CHECKPOINT")
     if target < 1 or target > h:
         raise StreamError(f"{url}: no committed version {target} (head is {h})")
     return target

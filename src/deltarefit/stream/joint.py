@@ -10,6 +10,7 @@ import shutil
 from collections.abc import Callable
 
 from ..apply.files import check as check_delta
+from ..io.beside import own_dir
 from ..storage.base import Store
 from .chain import MAX_RECORD_BYTES, get_bounded
 from .history import open_book
@@ -38,7 +39,8 @@ def acknowledge(store: Store, cur: tuple[int, str] | None, subscriber_id: str, *
     if rec.parent != cur[1] or rec.delta is None:
         ok, why = False, "parent is not the local checkpoint"
     else:
-        dest = os.path.join(staging, rec.delta.key.replace("/", "_"))
+        # Refused, not voted on: a link planted at the staging name is never followed.
+        dest = os.path.join(own_dir(staging, "staging directory"), rec.delta.key.replace("/", "_"))
         try:
             fetch_part(store, rec.delta, dest)
             check_delta(dest, checkpoint, threads=threads, history=open_book(book_path) if rec.history else None)

@@ -3,11 +3,15 @@ state files, and the fixes its refusals name."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import blake3
+
+from ..errors import CheckpointError
+from ..io.fsutil import open_regular, read_capped
+from ..io.jsonlimits import LOCAL_STATE_MAX_BYTES, small_json
 
 ALL = -1  # quorum: every live subscriber
 
@@ -34,10 +38,9 @@ def keyframe_state(keyframe_copy: str) -> tuple[int, str] | None:
     """(version, fingerprint) of the publisher's keyframe copy (the base of its catch-up deltas), from
     the record beside it; None without one."""
     try:
-        with open(keyframe_copy + ".json") as f:
-            d = json.load(f)
+        d = read_state_json(keyframe_copy + ".json", "keyframe copy record")
         return int(d["version"]), str(d["fingerprint"])
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+    except (FileNotFoundError, ValueError, KeyError, TypeError, CheckpointError):
         return None
 
 
@@ -48,3 +51,12 @@ def default_state_dir(store: str) -> str:
         return os.path.join(os.path.abspath(store.removeprefix("file://")), ".publisher")
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache, "deltarefit", "publisher-" + blake3.blake3(os.fsencode(store)).hexdigest(8))
+
+
+def read_state_json(path: str, what: str) -> Any:
+    """The JSON of a publisher's state file at ``path``: a regular file only, never through a symlink (a
+    FIFO planted there must not hang the publish: ``CheckpointError``), at most ``LOCAL_STATE_MAX_BYTES``
+    read and its shape bounded before parsing (``ValueError`` otherwise); ``FileNotFoundError`` when
+    absent."""
+    with os.fdopen(open_regular(path, os.O_RDONLY, what=what), "rb") as f:
+        return small_json(read_capped(f.fileno(), LOCAL_STATE_MAX_BYTES))

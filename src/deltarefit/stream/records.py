@@ -28,8 +28,8 @@ from typing import Any
 import blake3
 
 from ..errors import MalformedRecordError, StoreError, StreamError, StreamIdentityError
-from ..io.fsutil import open_regular, write_atomic
-from ..io.jsonlimits import brief, json_shape_problem
+from ..io.fsutil import open_regular, read_capped, write_atomic
+from ..io.jsonlimits import LOCAL_STATE_MAX_BYTES, brief, json_shape_problem, small_json
 from ..signing import SignableRecord
 from ..storage.base import Store
 
@@ -107,14 +107,18 @@ def record_parts(rec: CommitRecord) -> list[Part]:
     return ([rec.delta] if rec.delta else []) + [p for _, p in rec.keyframe] + ([rec.catchup] if rec.catchup else [])
 
 
+RECORD_BYTES_PER_STRING = 12  # the densest a commit record's text may hold strings (``record_json``)
+
+
 def record_json(data: bytes, where: str) -> Any:
     """A commit record's JSON (plain or sharded), within ``MAX_RECORD_BYTES``; its shape is the caller's."""
     if len(data) > MAX_RECORD_BYTES:
         raise MalformedRecordError(f"{where}: commit record of {len(data)} bytes exceeds the limit "
                                    f"({MAX_RECORD_BYTES >> 20} MiB)")
-    # Nesting and containers bounded before parsing (a 15 MB record of nested lists cost 430 MB):
-    # a real record nests 4 levels, and holds one container per ~100 bytes at most.
-    why = json_shape_problem(data, max_depth=8, bytes_per_container=32)
+    # Nesting, containers and strings bounded before parsing (a 15 MB record of nested lists cost 430 MB,
+    # one of 1.5 M short keys 272 MB): a real record nests 4 levels, and holds one container per ~100
+    # bytes and one string (keys included) per 20 bytes at most.
+    why = json_shape_problem(data, max_depth=8, bytes_per_container=32, bytes_per_string=RECORD_BYTES_PER_STRING)
     if why is not None:
         raise MalformedRecordError(f"{where}: commit record {why}")
     try:
@@ -336,8 +340,9 @@ def held_state(state_path: str) -> dict | None:
     """What a subscriber recorded at ``state_path`` after a verified apply (``record_version``), or None."""
     try:
         # A regular file only, never through a symlink: a FIFO planted there must not hang the sync.
-        with os.fdopen(open_regular(state_path, os.O_RDONLY, what="version state"), encoding="utf-8") as f:
-            d = json.load(f)
+        # At most LOCAL_STATE_MAX_BYTES read, its shape bounded before it is parsed (``small_json``).
+        with os.fdopen(open_regular(state_path, os.O_RDONLY, what="version state"), "rb") as f:
+            d = small_json(read_capped(f.fileno(), LOCAL_STATE_MAX_BYTES))
         d["version"], d["fingerprint"] = int(d["version"]), str(d["fingerprint"])
         return d
     except FileNotFoundError:

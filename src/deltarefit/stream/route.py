@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..checkpoint.read import carry_non_weights
 from ..format import DeltaReader
+from ..io.beside import check_beside, own_dir
 from ..storage.base import GET_RANGE, Store
 from .baseline import _copy_checkpoint
 from .chain import check_links, newest_keyframe
@@ -149,12 +150,22 @@ def _keyframe_temps(checkpoint: str) -> tuple[str, str]:
     return f"{checkpoint}.deltarefit-keyframe.tmp", f"{checkpoint}.deltarefit-old"
 
 
+def check_keyframe_temps(checkpoint: str) -> None:
+    """Refuse (``io.beside.check_beside``: one line naming the path) a symbolic link, or what is neither
+    a regular file nor a directory of this user's, at the names ``install_keyframe`` builds beside the
+    checkpoint: another user's link there is never followed, nor removed."""
+    for p in _keyframe_temps(checkpoint):
+        check_beside(p, "keyframe temporary", directory=None)
+
+
 def remove_keyframe_leftovers(checkpoint: str) -> list[str]:
     """Remove what a sync killed inside ``install_keyframe`` left beside the checkpoint: the new copy
     it was building, and the replaced directory once the checkpoint is in place again (while it is
     missing, the old copy stays until the keyframe is installed again). Either can be as large as the
-    checkpoint, and the next sync may take a chain route, which never reaches the install. Call under
-    the checkpoint's lock. Returns the paths removed."""
+    checkpoint, and the next sync may take a chain route, which never reaches the install. What was
+    planted there is refused first (``check_keyframe_temps``). Call under the checkpoint's lock.
+    Returns the paths removed."""
+    check_keyframe_temps(checkpoint)
     tmp, old = _keyframe_temps(checkpoint)
     gone = []
     for p in (tmp, old) if os.path.exists(checkpoint) else (tmp,):
@@ -188,13 +199,15 @@ def install_keyframe(rec: CommitRecord, local: dict[str, str], staging: str, che
     A checkpoint that is (or, when missing, is named as) a ``.safetensors`` file becomes one file;
     otherwise a Hugging Face directory holding the keyframe's files as published. Replacing an
     existing directory takes two renames: a kill between them leaves the checkpoint missing, and
-    the next sync, holding nothing, installs the keyframe again and removes the old copy."""
-    kdir = os.path.join(staging, "keyframe")
-    os.makedirs(kdir, exist_ok=True)
+    the next sync, holding nothing, installs the keyframe again and removes the old copy. The
+    temporaries are checked (``check_keyframe_temps``) before each is written: a link another user
+    plants there meanwhile is refused, never followed."""
+    kdir = own_dir(os.path.join(own_dir(staging, "staging directory"), "keyframe"), "staging directory")
     for name, part in rec.keyframe:
         os.replace(local[part.key], os.path.join(kdir, name))
     # Fixed temp names: a sync killed here leaves them, and the next one replaces them.
     tmp, old = _keyframe_temps(checkpoint)
+    check_keyframe_temps(checkpoint)
     as_dir = os.path.isdir(checkpoint) or (
         not os.path.exists(checkpoint) and not checkpoint.endswith(".safetensors"))
     if not as_dir:

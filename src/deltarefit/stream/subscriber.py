@@ -48,6 +48,7 @@ from ..apply.files import apply as apply_delta
 from ..checkpoint.read import check_not_replaced
 from ..errors import BaseMismatchError, DecodeError, UsageError
 from ..history_book import HistoryBook
+from ..io.beside import check_beside, own_dir
 from ..io.fsutil import fs_error
 from ..io.locks import checkpoint_lock, locked_method
 from ..signing import SignatureError, Verifier, check_record_signature
@@ -214,6 +215,8 @@ class Subscriber:
 
     def _sync_adopting(self, to_version: int | None, verify: bool, repair: bool,
                        plan_only: bool) -> SyncReport | Planned:
+        # Names kept beside the checkpoint: another user's link or FIFO there is refused, never followed.
+        check_beside(self.staging, "staging directory", directory=True)
         for p in remove_keyframe_leftovers(self.checkpoint):
             log.info("removed %s, left by a killed sync", p)
         try:
@@ -277,8 +280,7 @@ class Subscriber:
             self.store, cur, recs, target, load=self._load, commit=self._commit, keeps_book=keeps_book,
             writable=not keeps_book or book_writable_at(self.book_path), book_path=self.book_path,
             book_follows=lambda: self._book_follows(cur, plan_only), checkpoint=self.checkpoint)
-        staging = staging_for(steps, self.memory_staging, self.staging)
-        os.makedirs(staging, exist_ok=True)
+        staging = own_dir(staging_for(steps, self.memory_staging, self.staging), "staging directory")
         local = {p.key: os.path.join(staging, p.key.replace("/", "_")) for st in steps for p in st.parts}
         if not plan_only and self.apply_hook is None and overlaps(self.store, steps):
             return self._sync_arriving(steps, staging, local, recs, cur, start, route, t0)

@@ -185,20 +185,42 @@ def other_json() -> list[tuple[str, int, int, str]]:
         return head + unit * ((size - len(head) - len(tail)) // len(unit)) + tail
 
     out = []
-    nests = fill(b'{"format":"deltarefit.shard_part","tensors":[', b"[],", 64 * MIB, b"[]]}")
-    blob = sp._PREFIX.pack(sp.MAGIC, sp.FORMAT_VERSION, 0, len(nests)) + nests
-    out.append(run("shard part header, 64 MiB of [[],...]", blob, lambda: sp.read_part(blob)))
-    strings = fill(b'{"format":"deltarefit.shard_part","tensors":[', b'"abcd",', 64 * MIB, b'"a"]}')
-    blob2 = sp._PREFIX.pack(sp.MAGIC, sp.FORMAT_VERSION, 0, len(strings)) + strings
-    out.append(run("shard part header, 64 MiB of short strings", blob2, lambda: sp.read_part(blob2)))
+    cap = sp.MAX_HEADER
+    head = b'{"format":"deltarefit.shard_part","tensors":['
+
+    def part(body: bytes) -> bytes:
+        return sp._PREFIX.pack(sp.MAGIC, sp.FORMAT_VERSION, 0, len(body)) + body
+
+    # At the header's cap: the costliest text each bound admits (a string per 8 bytes, a container per
+    # 8), and the bombs those bounds refuse.
+    for label, unit, tail in ((f"shard part header, {cap >> 20} MiB of [[],...]", b"[],", b"[]]}"),
+                              (f"shard part header, {cap >> 20} MiB of [0,0],...", b"[0,0],", b"[]]}"),
+                              (f"shard part header, {cap >> 20} MiB of [0,0,0],...", b"[0,0,0],", b"[]]}"),
+                              (f"shard part header, {cap >> 20} MiB of short strings", b'"abcd",', b'"a"]}'),
+                              (f"shard part header, {cap >> 20} MiB, a string per 8 B", b'"abcde",', b'"a"]}')):
+        blob = part(fill(head, unit, cap, tail))
+        out.append(run(label, blob, lambda b=blob: sp.read_part(b)))
+    nests = fill(head, b"[],", 64 * MIB, b"[]]}")
+    strings = fill(head, b'"abcd",', 64 * MIB, b'"a"]}')
     store = MemoryStore()
     for label, data in (("version manifest, 64 MiB of [[],...]", nests), ("version manifest, 64 MiB of strings", strings)):
         key = "v/000000000001/0123456789abcdef/manifest.json"
         store.put(key, data)
         rec = ShardCommit(1, None, "00" * 32, True, 1, Part(key, len(data), blake3.blake3(data).hexdigest()), ())
         out.append(run(label, data, lambda r=rec: load_manifest(store, r)))
-    rec16 = fill(b'{"format":"deltarefit.commit","x":[', b'"abcd",', MAX_RECORD_BYTES, b'"a"]}')
-    out.append(run("commit record, 16 MiB of short strings", rec16, lambda: record_json(rec16, "commit.json")))
+    rhead = b'{"format":"deltarefit.commit","x":'
+    for label, unit, open_, tail in (
+            ("commit record, 16 MiB of short strings", b'"abcd",', b"[", b'"a"]}'),
+            ("commit record, 15 MiB of 1.5 M short keys", b'"k%07d":0,', b"{", b'"z":0}}'),
+            ("commit record, 16 MiB, a string per 12 B", b'"abcdefghi",', b"[", b'"a"]}'),
+            ("commit record, 16 MiB, a key per 14 B", b'"k%09d":0,', b"{", b'"z":0}}')):
+        if b"%" in unit:
+            n = ((15 if "15 MiB" in label else 16) * MIB - len(rhead) - 8) // len(unit % 0)
+            data = rhead + open_ + b"".join(unit % i for i in range(n)) + tail
+        else:
+            data = fill(rhead + open_, unit, MAX_RECORD_BYTES, tail)
+        data = data[:MAX_RECORD_BYTES] if len(data) > MAX_RECORD_BYTES else data
+        out.append(run(label, data, lambda d=data: record_json(d, "commit.json")))
     return out
 
 

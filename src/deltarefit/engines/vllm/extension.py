@@ -19,6 +19,14 @@ therefore widened to every checkpoint tensor of every layer a changed tensor tou
 
 Use it as ``LLM(model=ckpt_dir, worker_extension_cls=deltarefit.engines.vllm.EXTENSION, ...)`` and then
 ``refit_engine(llm, "step42.delta", ckpt_dir)``. Nothing here imports vLLM at module import time.
+
+The methods that take a path (``apply_delta``, ``deltarefit_reload_all``, ``deltarefit_live_prepare``,
+``deltarefit_live_apply``, ``deltarefit_verify``, ``deltarefit_live_describe``) keep to the trust the engine's
+environment pins (``trust``): with ``DELTAREFIT_STREAMS``, a delta must lie under a pinned directory root and
+a checkpoint directory there or be the engine's own; with ``DELTAREFIT_VERIFY_KEY``, a delta is taken only
+when a version of the stream the backend follows, signed by that key, holds its target (it is copied first
+to a private file, so that what was checked is what is applied), and a checkpoint to reload only when such
+a version holds its fingerprint. A refusal comes back as ``{"ok": False, "error_type": "UntrustedError"}``.
 """
 
 from __future__ import annotations
@@ -34,12 +42,13 @@ from typing import Any
 from ... import errors
 from ...apply.files import apply as apply_delta_to_checkpoint
 from ...checkpoint.read import open_checkpoint
-from ...errors import DeltaRefitError, UsageError
+from ...errors import DeltaRefitError, UntrustedError, UsageError
 from ...format import DeltaReader
 from ...io.fsutil import open_regular
 from .. import kernels
 from ..kernels import bits_digest, is_linear, kernel_digest, verify_layers
 from .layers import _packed_mapping, layer_key, reload_set
+from .trust import ENV_VERIFY_KEY, engine_trust
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +62,24 @@ def _delta_names(delta_path: str) -> tuple[str, str, list[str], list[str]]:
         changed = [e.name for e in d.tensors if e.op in ("patch", "add", "replace")]
         removed = [e.name for e in d.tensors if e.op == "remove"]
         return d.base_fingerprint, d.target_fingerprint, changed, removed
+
+
+def _private_copy(path: str, stack: contextlib.ExitStack) -> str:
+    """A copy of the regular file ``path`` in a directory only this user can enter (``mkdtemp``: mode 0700),
+    removed when ``stack`` closes: what is checked and then applied cannot be changed in between by a
+    writer of the directory ``path`` lies in."""
+    import shutil
+    import tempfile
+
+    try:
+        d = tempfile.mkdtemp(prefix="deltarefit-checked-")
+        stack.callback(shutil.rmtree, d, True)
+        copy = os.path.join(d, "delta")
+        with os.fdopen(open_regular(path, os.O_RDONLY, what="delta"), "rb") as src, open(copy, "xb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except OSError as e:  # a full or read-only temp directory: one line, as any file fault
+        raise errors.FileSystemError.of(f"{path}: cannot copy the delta to check it", e) from None
+    return copy
 
 
 # ------------------------------------------------------------------------------------ engine access
@@ -83,6 +110,43 @@ class DeltaRefitWorkerExtension:
     Method names are prefixed or specific enough not to collide with vLLM's Worker (vLLM asserts this).
     """
 
+    # -- trust ----------------------------------------------------------------------------------------
+
+    def _deltarefit_own_checkpoint(self) -> str | None:
+        """The directory this engine was loaded from (a checkpoint to write to, whatever the pins)."""
+        model = getattr(getattr(getattr(self, "vllm_config", None), "model_config", None), "model", None)
+        return model if isinstance(model, str) and os.path.isdir(model) else None
+
+    def _deltarefit_trusted_checkpoint(self, checkpoint_dir: str | None) -> None:
+        """Refuse a checkpoint directory outside the pinned roots (the engine's own is always taken)."""
+        if checkpoint_dir is not None:
+            own = self._deltarefit_own_checkpoint()
+            engine_trust().check_path(checkpoint_dir, "checkpoint directory", also=(own,) if own else ())
+
+    def _deltarefit_signed_store(self, what: str) -> Any:
+        """The stream the backend follows, where a version signed by the pinned key must name ``what``."""
+        wte = getattr(self, "weight_transfer_engine", None)
+        info = getattr(wte, "info", None)
+        if info is None or getattr(wte, "follower", None) is not None:
+            raise UntrustedError(f"deltarefit: {what}: this engine pins a verify key ({ENV_VERIFY_KEY}) and takes a "
+                                 "delta or checkpoint by path only when a signed version of the (plain) stream its "
+                                 "backend follows holds it; initialize the backend, or update with update_weights")
+        from ...storage.base import open_store
+
+        return open_store(info.stream, create=False)
+
+    def _deltarefit_trusted_delta(self, delta_path: str, stack: contextlib.ExitStack) -> str:
+        """The path to read ``delta_path`` from, as the pins allow: under a pinned root; with a pinned key, a
+        private copy whose target a signed version holds (refused otherwise, ``UntrustedError``)."""
+        trust = engine_trust()
+        real = trust.check_path(delta_path, "delta")
+        if trust.verify_key is None:
+            return real if trust.roots or trust.urls else delta_path  # the path that was checked
+        copy = _private_copy(real, stack)
+        _, target, _, _ = _delta_names(copy)
+        trust.signed_version(self._deltarefit_signed_store(delta_path), target, f"delta {delta_path}")
+        return copy
+
     # -- main entry -----------------------------------------------------------------------------------
 
     def apply_delta(self, delta_path: str, checkpoint_dir: str, verify: bool = False) -> dict[str, Any]:
@@ -96,7 +160,10 @@ class DeltaRefitWorkerExtension:
         t0 = time.perf_counter()
         rank = getattr(self, "rank", None)
         try:
-            return self._deltarefit_apply(delta_path, checkpoint_dir, verify, t0, rank)
+            with contextlib.ExitStack() as stack:
+                self._deltarefit_trusted_checkpoint(checkpoint_dir)
+                delta_path = self._deltarefit_trusted_delta(delta_path, stack)
+                return self._deltarefit_apply(delta_path, checkpoint_dir, verify, t0, rank)
         except DeltaRefitError as e:
             log.warning("deltarefit refit refused on rank %s: %s", rank, e)
             return {"ok": False, "rank": rank, "error_type": type(e).__name__, "error": str(e),
@@ -211,11 +278,15 @@ class DeltaRefitWorkerExtension:
         t0 = time.perf_counter()
         rank = getattr(self, "rank", None)
         try:
+            self._deltarefit_trusted_checkpoint(checkpoint_dir)
             with open_checkpoint(checkpoint_dir) as ck:
                 names = list(ck.tensors)
                 from ...checkpoint.read import fingerprint_checkpoint
 
                 fp = fingerprint_checkpoint(ck)[0]
+            if engine_trust().verify_key is not None:
+                engine_trust().signed_version(self._deltarefit_signed_store(checkpoint_dir), fp,
+                                              f"checkpoint {checkpoint_dir}")
             fed, nbytes, _ = self._deltarefit_reload(checkpoint_dir, names)
         except DeltaRefitError as e:
             return {"ok": False, "rank": rank, "error_type": type(e).__name__, "error": str(e)}
@@ -235,6 +306,7 @@ class DeltaRefitWorkerExtension:
             if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
                 raise UsageError(f"{checkpoint_dir}: the checkpoint the engine was loaded from is needed once, to "
                                  "capture and check its layout")
+            self._deltarefit_trusted_checkpoint(checkpoint_dir)
             live = LiveEngine(self._deltarefit_model(), self.vllm_config, checkpoint_dir)
             self._deltarefit_live_engine = live
         return live
@@ -247,28 +319,39 @@ class DeltaRefitWorkerExtension:
         import threading
         from concurrent.futures import Future
 
-        live = self._deltarefit_live(checkpoint_dir)
+        rank = getattr(self, "rank", None)
+        stack = contextlib.ExitStack()  # the checked copy of the delta, if any, until the plan is taken or dropped
+        try:
+            path = self._deltarefit_trusted_delta(delta_path, stack)
+            live = self._deltarefit_live(checkpoint_dir)
+        except DeltaRefitError as e:
+            stack.close()
+            log.warning("deltarefit live prepare refused on rank %s: %s", rank, e)
+            return {"ok": False, "rank": rank, "error_type": type(e).__name__, "error": str(e)}
         self._deltarefit_drop_prepared()
         fut: Future = Future()
 
         def run() -> None:
             try:
-                fut.set_result(live.prepare(delta_path))
+                fut.set_result(live.prepare(path))
             except BaseException as e:  # delivered to the apply, which plans again
                 fut.set_exception(e)
 
         threading.Thread(target=run, name="deltarefit-prepare", daemon=True).start()
-        self._deltarefit_preparing = (delta_path, fut)
-        return {"ok": True, "rank": getattr(self, "rank", None)}
+        self._deltarefit_preparing = (delta_path, fut, path, stack)
+        return {"ok": True, "rank": rank}
 
     def _deltarefit_drop_prepared(self) -> None:
         pending = getattr(self, "_deltarefit_preparing", None)
         self._deltarefit_preparing = None
-        if pending is not None and pending[1].exception() is None:
-            pending[1].result().close()
+        if pending is not None:
+            if pending[1].exception() is None:
+                pending[1].result().close()
+            pending[3].close()
 
-    def _deltarefit_take_prepared(self, delta_path: str) -> Any:
-        """The plan ``deltarefit_live_prepare`` made of ``delta_path`` (waiting for it), or None."""
+    def _deltarefit_take_prepared(self, delta_path: str) -> tuple[Any, str, contextlib.ExitStack] | None:
+        """What ``deltarefit_live_prepare`` made of ``delta_path`` (waiting for it): (its plan, or None when
+        it was refused; the path it read, already checked; what holds that path), or None."""
         pending = getattr(self, "_deltarefit_preparing", None)
         if pending is None or pending[0] != delta_path:
             self._deltarefit_drop_prepared()
@@ -277,8 +360,8 @@ class DeltaRefitWorkerExtension:
         if pending[1].exception() is not None:
             log.info("deltarefit: the prepared plan of %s was refused (%s); planning it again", delta_path,
                      pending[1].exception())
-            return None
-        return pending[1].result()
+            return None, pending[2], pending[3]
+        return pending[1].result(), pending[2], pending[3]
 
     def deltarefit_live_apply(self, delta_path: str, checkpoint_dir: str | None = None) -> dict[str, Any]:
         """Apply the delta in place into the engine's parameters (``LiveEngine.apply``; with the plan
@@ -286,8 +369,15 @@ class DeltaRefitWorkerExtension:
         ``{"ok": False, ...}`` as for ``apply_delta``."""
         rank = getattr(self, "rank", None)
         try:
-            live = self._deltarefit_live(checkpoint_dir)
-            rep = live.apply(delta_path, prepared=self._deltarefit_take_prepared(delta_path))
+            with contextlib.ExitStack() as stack:
+                taken = self._deltarefit_take_prepared(delta_path)
+                if taken is not None:
+                    plan, path, held = taken
+                    stack.enter_context(held)
+                else:
+                    plan, path = None, self._deltarefit_trusted_delta(delta_path, stack)
+                live = self._deltarefit_live(checkpoint_dir)
+                rep = live.apply(path, prepared=plan)
         except DeltaRefitError as e:
             log.warning("deltarefit live refit refused on rank %s: %s", rank, e)
             return {"ok": False, "rank": rank, "error_type": type(e).__name__, "error": str(e)}
@@ -317,6 +407,7 @@ class DeltaRefitWorkerExtension:
         """
         from safetensors import safe_open
 
+        self._deltarefit_trusted_checkpoint(checkpoint_dir)
         model = self._deltarefit_model()
         packed = _packed_mapping(model)
         tp = int(getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1) or 1)
