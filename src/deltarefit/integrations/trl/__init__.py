@@ -79,7 +79,8 @@ def enable(stream: str, *, state_dir: str | None = None, signing_key: str | None
     Call it before the trainer is built (TRL reads the client class when ``VLLMGeneration`` is
     built). ``stream``: where versions go, a directory or an ``s3://`` URL that the server's host reads.
     ``signing_key``/``verify_key``: sign every record on the trainer, and have the server's workers
-    verify them (the server may also pin its own key: ``serve --verify-key``). ``served``: the dtype
+    verify them; ``verify_key`` is a path the server's host reads, of the key it pins with
+    ``serve --verify-key`` (a pinned server refuses another key, or none). ``served``: the dtype
     the server computes in, default its model dtype. Calling it again replaces the settings."""
     import trl.generation.vllm_generation as gen
 
