@@ -407,48 +407,9 @@ def section(levels=LEVELS) -> None:
           "VmHWM, all of it before and after trust)")
 
 
-# ------------------------------------------------------------------------------------ the room a sync needs
-
-
-def fresh_sync_room(work: str, mib: float = 16.0, *, layout: str = "file") -> tuple[int, int]:
-    """The smallest tmpfs (in 4 KiB pages, found by bisection over real ``python -m deltarefit sync``
-    children) on which a fresh sync of a ``mib`` MiB checkpoint succeeds: a store (on plain disk) of
-    versions 1..3, version 1 a keyframe, so that the sync installs the keyframe and applies two deltas;
-    ``layout``: the checkpoint a file, or a directory. Returns (that size, the checkpoint's size) in
-    bytes. Needs root (``mount_refusal``)."""
-    from ...stream.publisher import Publisher
-
-    steps = [os.path.join(work, f"s{i}.safetensors") for i in range(3)]
-    write_checkpoint(steps[0], mib, seed=1)
-    for i in (1, 2):
-        write_checkpoint(steps[i], mib, seed=1 + i, mutate_from=steps[i - 1])
-    store = os.path.join(work, "store")
-    pub = Publisher(store, os.path.join(work, "publisher"), keyframe_every=50, keyframe_ratio=1000.0)
-    for p in steps:
-        pub.publish(p)
-    size = os.path.getsize(steps[0])
-    want = sha(steps[2])
-    fs = os.path.join(work, "fs")
-
-    def fits(pages: int) -> bool:
-        with tmpfs(fs, pages * 4096):
-            ck = os.path.join(fs, "ck.safetensors" if layout == "file" else "ck")
-            run = cli(["sync", store, ck])
-            got = sha_or_none(ck if layout == "file" else os.path.join(ck, "model.safetensors"))
-            return run.rc == 0 and got == want
-
-    lo, hi = size // 4096, 4 * size // 4096  # lo fails (a checkpoint needs its own size), hi fits
-    if not fits(hi):
-        raise RuntimeError(f"a fresh sync of {size} bytes did not fit in {hi * 4096} bytes")
-    while hi - lo > max(1, lo // 200):  # to within half a percent
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi * 4096, size
-
-
 def main(argv: list[str] | None = None) -> None:
-    """``python -m deltarefit.apps.bench.fs_faults [--room] [--mib N]``: the filesystem-faults section,
-    or (``--room``) the disk room a fresh sync needs, as a multiple of the checkpoint's size."""
+    """``python -m deltarefit.apps.bench.fs_faults [--room] [--mib N]``: the filesystem-faults section, or
+    (``--room``) the disk room a fresh sync needs (``apps.bench.sync_room``)."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m deltarefit.apps.bench.fs_faults")
@@ -458,14 +419,9 @@ def main(argv: list[str] | None = None) -> None:
     if not a.room:
         section()
         return
-    refused = mount_refusal()
-    if refused is not None:
-        raise SystemExit(f"--room: {refused}")
-    for layout in ("file", "directory"):
-        with tempfile.TemporaryDirectory(prefix="deltarefit-room-") as work:
-            need, size = fresh_sync_room(work, a.mib, layout=layout)
-        print(f"fresh sync, checkpoint a {layout} of {size:,} bytes: needs {need:,} bytes free "
-              f"({need / size:.2f}x the checkpoint)")
+    from .sync_room import report
+
+    report(a.mib)
 
 
 if __name__ == "__main__":

@@ -43,8 +43,8 @@ from typing import Any
 from trl.generation.vllm_client import VLLMClient
 
 from ...errors import DeltaRefitError, UsageError, VerificationError
-from . import RolloutVersion, _state, settings
 from .held import held
+from .settings import RolloutVersion, _state, settings
 
 log = logging.getLogger(__name__)
 
