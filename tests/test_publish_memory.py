@@ -136,3 +136,35 @@ def test_publish_from_device_tensors_matches_the_cpu_copy(tmp_path):
         recs.append((first, p.publish_tensors(t, served="BF16")))
     (c1, c2), (g1, g2) = recs
     assert (c1.fingerprint, c2.fingerprint, c2.delta.blake3) == (g1.fingerprint, g2.fingerprint, g2.delta.blake3)
+
+
+def _encode_peak(tmp_path, rows: int) -> float:
+    """Traced peak (MiB) of the encode of a delta version of one fp32 tensor of ``rows`` x 4096, served bf16."""
+    import tracemalloc
+
+    torch.manual_seed(0)
+    w = {"big.weight": torch.randn(rows, 4096)}
+    p = Publisher(LocalStore(str(tmp_path / f"s{rows}"), create=True), str(tmp_path / f"st{rows}"), threads=2)
+    p.publish_tensors(w, served="BF16")
+    w["big.weight"][::5] += 1e-2
+    real, peak = p._delta, []
+
+    def traced(*a, **k):
+        tracemalloc.start()
+        try:
+            return real(*a, **k)
+        finally:
+            peak.append(tracemalloc.get_traced_memory()[1] / 2**20)
+            tracemalloc.stop()
+
+    p._delta = traced
+    assert p.publish_tensors(w, served="BF16").kind == "delta"
+    return peak[0]
+
+
+def test_converted_tensors_are_converted_a_segment_at_a_time(tmp_path):
+    """The encode of an fp32 tensor served as bf16 holds a window of converted segments, not the tensor:
+    doubling the tensor (32 -> 64 MiB of served bytes) adds well under its size to the traced peak
+    (converting it whole added ~64 MiB)."""
+    small, big = _encode_peak(tmp_path, 4096), _encode_peak(tmp_path, 8192)
+    assert big - small < 16, (small, big)

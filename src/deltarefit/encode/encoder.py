@@ -31,7 +31,7 @@ from ..history_book import HistoryBook, MovesRecorder
 from ..integrity import SEGMENT_BYTES, fingerprint_from_digests, segment_hashes
 from ..known import KnownHashes
 from .pipeline import _ordered, _pools, default_threads
-from .work import PatchWorks, _host_patch_works, _Job, _jobs, _SumMoves, tensor_meta, uint_view
+from .work import PatchWorks, _host_patch_works, _Job, _jobs, _SumMoves, loaded, tensor_meta, uint_view
 
 log = logging.getLogger(__package__)  # "deltarefit.encode", as before the package
 
@@ -259,7 +259,7 @@ def additive_digests(tensors: list[tuple[Checkpoint, str]], *, threads: int | No
     for k, (ck, name) in enumerate(tensors):
         info = ck.tensors[name]
         seed = additive.seeds(name, info.dtype, info.shape)
-        u = uint_view(ck.raw(name), info.dtype)
+        u = uint_view(loaded(ck.raw(name)), info.dtype)  # a lazy target's whole tensor: the rare pass
         per = SEGMENT_BYTES // u.itemsize
         items += [(k, seed, a, u[a:a + per]) for a in range(0, u.size, per)]
     parts = _pools.get(threads or default_threads()).map(lambda it: additive.partial_run(it[1], it[2], it[3]), items)

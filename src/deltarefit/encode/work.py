@@ -67,6 +67,13 @@ class _SumMoves:
         return np.asarray(total, "<u8").tobytes()
 
 
+def loaded(x):
+    """A segment as an array: one a target hands over lazily (``stream.served``: converted, or copied off
+    a device, on first use, so a tensor's served bytes never all sit on the host at once) loaded now."""
+    load = getattr(x, "load", None)
+    return x if load is None else load()
+
+
 def _patch_work(dt_name: str, b: np.ndarray, t: np.ndarray, known_pre: bytes | None = None,
                 hist: tuple[HistoryBook, MovesRecorder, str, int] | None = None,
                 sums: tuple[_SumMoves, str, np.ndarray, int] | None = None) -> Work:
@@ -75,12 +82,14 @@ def _patch_work(dt_name: str, b: np.ndarray, t: np.ndarray, known_pre: bytes | N
     segment and record its moves; ``sums``: (recorder, tensor name, digest seed, the segment's first
     flat index) to record how the segment's changes move the tensor's additive digest."""
     dt = dtype(dt_name)
+    t_in = t
 
     def run() -> tuple[bytes, bytes, EncodedChunk | None]:
         # The scan goes first: it is compute-bound, so it hides the reads of the two segments from main
         # memory, and the hashes after it read them from cache (scan then hash took 31 ms on the real
         # 3.5% pair where hash then scan took 36, one thread). A segment with no change is hashed once,
         # or not at all when its base hash is known.
+        t = loaded(t_in)
         if hist is None and sums is None:
             enc = encode_raw(dt, b, t)
         else:
@@ -100,8 +109,9 @@ def _patch_work(dt_name: str, b: np.ndarray, t: np.ndarray, known_pre: bytes | N
     return run
 
 
-def _overwrite_work(dt_name: str, t: np.ndarray) -> Work:
+def _overwrite_work(dt_name: str, t_in: np.ndarray) -> Work:
     def run() -> tuple[bytes, bytes, EncodedChunk | None]:
+        t = loaded(t_in)
         return ZERO_HASH, seg_hash(t), encode_overwrite(uint_view(t, dt_name))
 
     return run

@@ -12,8 +12,10 @@ from memory and publishing the same weights saved with ``safetensors.torch.save_
 ``.to(torch.bfloat16)`` give the same fingerprints and the same deltas, NaNs aside.
 
 Memory: a tensor already in its served dtype on the CPU is read in place (no copy). A converted tensor,
-or one on a device, costs its served bytes on the host while the encoder codes its segments: at most the
-encoder's window of tensors at a time, never the whole model.
+or one on a device, is converted (or copied to the host) a segment (1 MiB of served bytes) at a time, in
+the encoder's work that codes that segment and in the keyframe's write: the host holds at most the
+encoder's window of segments, never a whole tensor. (A version whose delta needs a converted tensor's
+additive digest by a pass over it, rare: a tensor the scan did not record, loads that one whole.)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 from ..checkpoint.header import TensorSource
 from ..checkpoint.write import write_safetensors
 from ..errors import UsageError
+from ..integrity import SEGMENT_BYTES
 
 __all__ = ["SERVED_FLOATS", "ServedTensors"]
 
@@ -88,37 +91,76 @@ class ServedTensors:
         if isinstance(served, Mapping) and (unknown := sorted(set(served) - set(self._src))):
             raise UsageError(f"served dtypes name tensors that are not given: {', '.join(unknown[:5])}")
 
-    def raw(self, name: str) -> np.ndarray:
-        """The tensor's served bytes, 1-D uint8 (a view of the tensor where no conversion or copy is needed)."""
+    def raw(self, name: str):
+        """The tensor's served bytes, 1-D uint8: a view of the tensor where it is on the CPU in its served
+        dtype; else a ``_Lazy`` whose slices convert (or copy off the device) only when loaded."""
         import torch
+
+        from ..apply.tensors import safetensors_dtype
 
         t, dt = self._src[name]
         if t.numel() == 0:
             return np.zeros(0, np.uint8)
-        from ..apply.tensors import safetensors_dtype
-
-        if safetensors_dtype(t.dtype) == dt:
-            if t.is_conj() or t.is_neg():
-                t = t.resolve_conj().resolve_neg()
-            return t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-        from ..shard.convert import to_served_bits
-
-        # bf16/fp16 -> fp32 is exact, so every conversion goes through the fp32 one.
-        f32 = t.contiguous().reshape(-1).to(dtype=torch.float32).cpu().numpy()
-        return to_served_bits(f32, dt).view(np.uint8)
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        t = t.contiguous()  # (a no-op for a trainer's parameters)
+        if safetensors_dtype(t.dtype) == dt and t.device.type == "cpu":
+            return t.reshape(-1).view(torch.uint8).numpy()
+        return _Lazy(t.reshape(-1), dt, self.tensors[name].nbytes)
 
     def write(self, path: str) -> None:
-        """Write these tensors, as served, into one safetensors file at ``path`` (atomically), a tensor at a
-        time: a keyframe version's file."""
+        """Write these tensors, as served, into one safetensors file at ``path`` (atomically), a segment at
+        a time: a keyframe version's file."""
         write_safetensors(path, [TensorSource(n, i.dtype, i.shape, i.nbytes, _chunks(self, n))
                                  for n, i in self.tensors.items()])
+
+
+class _Lazy:
+    """A tensor's served bytes not yet on the host: ``lazy[a:b]`` is a ``_Lazy`` of those bytes, ``load()``
+    makes them an array (the encoder loads each segment in the work that codes it). ``flat``: the
+    tensor, 1-D and contiguous, in its own dtype and on its own device."""
+
+    def __init__(self, flat, dt: str, nbytes: int, start: int = 0, stop: int | None = None) -> None:
+        self.flat, self.dt, self.start = flat, dt, start
+        self.stop = nbytes if stop is None else stop
+        self.nbytes = self.size = self.stop - self.start
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, s: slice) -> _Lazy:
+        a, b, step = s.indices(self.size)
+        if step != 1:
+            raise ValueError("a lazy tensor's bytes slice with step 1 only")
+        return _Lazy(self.flat, self.dt, 0, self.start + a, self.start + max(a, b))
+
+    def load(self) -> np.ndarray:
+        import torch
+
+        from ..apply.tensors import safetensors_dtype
+        from ..shard.convert import to_served_bits
+
+        isz = _ITEMSIZE.get(self.dt, self.flat.element_size())
+        part = self.flat[self.start // isz:self.stop // isz]
+        if safetensors_dtype(part.dtype) == self.dt:  # a device tensor in its served dtype: copied, no change
+            return part.view(torch.uint8).cpu().numpy()
+        # bf16/fp16 -> fp32 is exact, so every conversion goes through the fp32 one.
+        return to_served_bits(part.to(dtype=torch.float32).cpu().numpy(), self.dt).view(np.uint8)
 
 
 _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
 
 
 def _chunks(st: ServedTensors, name: str):
-    return lambda: [st.raw(name)]
+    def pieces():
+        raw = st.raw(name)
+        if not isinstance(raw, _Lazy):
+            yield raw
+            return
+        for a in range(0, raw.size, SEGMENT_BYTES):
+            yield raw[a:a + SEGMENT_BYTES].load()
+
+    return pieces
 
 
 def _served_dtype(name: str, own: str, served: str | Mapping[str, str] | None) -> str:
