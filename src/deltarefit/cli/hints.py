@@ -9,22 +9,20 @@ checks then refuse what is wrong, as before.
 from __future__ import annotations
 
 import os
-import stat
 
-from ..errors import UsageError
-
-_DELTA_MAGIC = b"DRDELTA\x00"
+from ..errors import DeltaRefitError, UsageError
+from ..format.layout import MAGIC
+from ..io.fsutil import open_input
 
 
 def _regular_head(path: str, n: int) -> bytes | None:
-    """The first ``n`` bytes of a regular file at ``path``; None for anything else or an unreadable file."""
+    """The first ``n`` bytes of a regular file at ``path`` (``open_input``: a FIFO never hangs the probe,
+    a symlink is not followed); None for anything else or an unreadable file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
+        fd = open_input(path, what="argument", error=DeltaRefitError, follow=False)
+    except DeltaRefitError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
         return os.read(fd, n)
     except OSError:
         return None
@@ -47,7 +45,7 @@ def kind(path: str) -> str | None:
     head = _regular_head(path, 8)
     if head is None:
         return None
-    if head == _DELTA_MAGIC:
+    if head == MAGIC:
         return "delta"
     if path.endswith(".safetensors") and len(head) == 8:
         return "checkpoint"
