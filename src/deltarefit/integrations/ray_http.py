@@ -97,22 +97,9 @@ class ServerActor:
             self.caught_up = self._catch_up()
 
     def _wait_healthy(self, timeout: float) -> None:
-        import urllib.request
+        from .serving import wait_healthy
 
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                with open(self.log_path, errors="replace") as f:
-                    tail = f.read()[-2000:]
-                raise DeltaRefitError(f"[{self.name}] vllm serve exited {self.proc.returncode}: {tail}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
-                    return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise DeltaRefitError(f"[{self.name}] vllm serve not healthy within {timeout:.0f} s "
-                                          f"(log: {self.log_path})") from None
-                time.sleep(1)
+        wait_healthy(self.proc, self.url, self.log_path, timeout, f"[{self.name}] vllm serve")
 
     def _catch_up(self) -> dict[str, Any]:
         from ..storage.base import open_store

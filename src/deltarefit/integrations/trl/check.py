@@ -31,7 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import DeltaRefitError
+from ..serving import wait_healthy
 
 # The engine arguments of the server and of every fresh engine compared with it.
 ENGINE = {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 8, "seed": 0}
@@ -69,20 +69,7 @@ class Server:
         t0 = time.perf_counter()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + self.timeout
-        while True:
-            if self.proc.poll() is not None:
-                with open(self.log_path, errors="replace") as f:
-                    tail = f.read()[-3000:]
-                raise DeltaRefitError(f"the server exited {self.proc.returncode}: {tail}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise DeltaRefitError(f"the server did not answer within {self.timeout:.0f} s "
-                                          f"(log: {self.log_path})") from None
-                time.sleep(1)
+        wait_healthy(self.proc, self.url, self.log_path, self.timeout, "the server")
         self.seconds_start = time.perf_counter() - t0
         return self
 
