@@ -109,6 +109,7 @@ def test_the_set_of_commands_and_flags_is_deliberate():
         "log": ["as_json", "public_key", "store"],
         "retain": ["as_json", "dry_run", "orphan_grace", "store", "ttl", "unsafe_short_grace"],
         "keygen": ["private_key"],
+        "status": ["as_json", "checkpoint", "store", "threads", "verify"],
         "compose": ["base", "deltas", "output", "quiet"],
         "demo": ["lr", "out", "rollouts", "s3_url", "steps", "transport"],
         "simulate": ["apply_cores", "apply_gbps_core", "calibrate", "change_pct", "chunk_mb", "codec", "encode_cores",

@@ -167,6 +167,12 @@ def _read_only(w: World, d: str) -> None:
     M.remount(fs, "ro")
 
 
+def _corrupt_record(w: World, d: str) -> None:
+    shutil.copyfile(w.vs[0], os.path.join(d, "ck.safetensors"))
+    with open(os.path.join(d, "ck.safetensors.deltarefit-version.json"), "w") as f:
+        f.write("{not json")
+
+
 CASES: dict[str, Case] = {
     "usage: a bad option value": Case(2, "usage", lambda w, d: ["sync", w.store, "c", "--to", "0"], "--to"),
     "usage: an output in a missing directory": Case(
@@ -182,6 +188,9 @@ CASES: dict[str, Case] = {
                                "no such checkpoint"),
     "not a safetensors file": Case(4, "not a safetensors file", lambda w, d: ["fingerprint", w.delta],
                                    "not a safetensors file"),
+    "status of a checkpoint that is not there": Case(
+        4, "`status` of a checkpoint that is not there", lambda w, d: ["status", os.path.join(d, "none.safetensors")],
+        "no such checkpoint"),
     "a FIFO to fingerprint": Case(4, "a FIFO", lambda w, d: ["fingerprint", os.path.join(d, "fifo.safetensors")],
                                   "a FIFO", setup=_fifo),
     "a FIFO to encode": Case(4, "a FIFO", lambda w, d: ["encode", os.path.join(d, "fifo.safetensors"), w.vs[1],
@@ -198,12 +207,18 @@ CASES: dict[str, Case] = {
     "the store's own permissions": Case(7, "the store's own", lambda w, d: ["sync", os.path.join(d, "store"),
                                                                              os.path.join(d, "ck.safetensors")],
                                         "Permission denied", needs="deny", setup=_unreadable_part),
+    "status against a store that is not there": Case(
+        7, "a store that is not there", lambda w, d: ["status", w.vs[0], "--store", os.path.join(d, "nowhere")],
+        "no store here"),
     "a missing signature": Case(8, "missing signature",
                                 lambda w, d: ["sync", w.store, os.path.join(d, "ck.safetensors"), "--verify-key",
                                               w.key + ".pub"], "sign"),
     "a version that does not exist": Case(9, "a version that does not exist",
                                           lambda w, d: ["sync", w.store, os.path.join(d, "ck.safetensors"),
                                                         "--to", "99"], "99"),
+    "status of a corrupt version record": Case(
+        9, "a corrupt version record", lambda w, d: ["status", os.path.join(d, "ck.safetensors")],
+        "'deltarefit sync --repair' rebuilds it", setup=_corrupt_record),
     "locked": Case(11, "locked", lambda w, d: ["apply", w.delta, os.path.join(d, "ck.safetensors")], "pid",
                    setup=_held),
     "a missing directory": Case(12, "a missing directory", _missing_dir_ck, "does not exist"),

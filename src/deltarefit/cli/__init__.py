@@ -35,11 +35,12 @@ Modules:
 * ``common``  the group ``main``, ``_run`` (errors as one line and an exit code), progress, shared options
 * ``core``    encode, apply, inspect, fingerprint, verify, keygen, compose
 * ``stream``  the version-stream commands (publish, sync, log, retain, relay)
+* ``status``  status: which stream and version a checkpoint holds, and whether it is behind (read-only)
 * ``apps``    demo, simulate and bench (their modules are imported only when the command runs)
 """
 
 # Each command module registers its commands on ``main`` when imported.
-from . import apps, core, stream  # noqa: F401
+from . import apps, core, status, stream  # noqa: F401
 from .common import main
 
 __all__ = ["main"]
