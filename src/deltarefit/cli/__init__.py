@@ -32,7 +32,8 @@ parentheses). Usage errors too are one line, exit 2, click's own included.
 
 Modules:
 
-* ``common``  the group ``main``, ``_run`` (errors as one line and an exit code), progress, shared options
+* ``common``  the group ``main``, ``_run`` (errors as one line and an exit code), shared options
+* ``progress`` the progress bars on a terminal (rich, imported only when a bar is shown)
 * ``core``    encode, apply, inspect, fingerprint, verify, keygen, compose
 * ``stream``  the version-stream commands (publish, sync, log, retain, relay)
 * ``status``  status: which stream and version a checkpoint holds, and whether it is behind (read-only)

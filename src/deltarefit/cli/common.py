@@ -6,55 +6,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import click
 
 from .. import __version__
 from ..errors import DeltaRefitError, FileSystemError
+from .progress import bar as _progress  # noqa: F401  (the bars: cli.progress; rich is imported only there)
+from .progress import enabled as _progress_enabled  # noqa: F401
 
 log = logging.getLogger("deltarefit")
-
-
-def _progress_enabled(quiet: bool) -> bool:
-    return not quiet and sys.stderr.isatty() and os.environ.get("DELTAREFIT_NO_PROGRESS", "") in ("", "0")
-
-
-@contextmanager
-def _progress(label: str, total: int, quiet: bool) -> Iterator[Callable[[int], None] | None]:
-    """A rich progress bar on stderr over ``total`` bytes; None when stderr is not a terminal or --quiet."""
-    if not _progress_enabled(quiet) or total <= 0:
-        yield None
-        return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), transient=True, console=_stderr_console()) as p:
-        task = p.add_task(label, total=total)
-        yield lambda n: p.update(task, advance=n)
-
-
-@contextmanager
-def _transfer_progress(store, label: str, quiet: bool) -> Iterator[None]:
-    """Bytes moved in or out of ``store`` (a Store) as a progress bar on stderr, for the duration;
-    nothing when stderr is not a terminal or --quiet. The total is not known ahead (the route and
-    the parts are chosen inside), so the bar shows bytes and speed."""
-    from ..storage.base import SET_PROGRESS
-
-    if not _progress_enabled(quiet) or SET_PROGRESS not in store.capabilities:
-        yield
-        return
-    from rich.progress import DownloadColumn, Progress, SpinnerColumn, TransferSpeedColumn
-
-    with Progress(SpinnerColumn(), "[progress.description]{task.description}", DownloadColumn(),
-                  TransferSpeedColumn(), transient=True, console=_stderr_console()) as p:
-        task = p.add_task(label, total=None)
-        store.set_progress(lambda n: p.update(task, advance=n))
-        try:
-            yield
-        finally:
-            store.set_progress(None)
 
 
 def _output_dir(output: str) -> None:
@@ -81,12 +42,6 @@ def _not_an_input(output: str, *inputs: str | None, what: str = "output") -> Non
 def _names(names: list[str], most: int = 4) -> str:
     shown = ", ".join(names[:most])
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-def _stderr_console():
-    from rich.console import Console
-
-    return Console(stderr=True)
 
 
 def _ckpt_bytes(path: str) -> int:

@@ -8,7 +8,8 @@ import sys
 
 import click
 
-from .common import _json, _not_an_input, _quiet, _run, _threads, _transfer_progress, main
+from .common import _json, _not_an_input, _quiet, _run, _threads, main
+from .progress import phases
 
 
 @main.command()
@@ -74,7 +75,7 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
         from ..stream.chain import head
 
         before = head(st)
-        with _transfer_progress(st, "publish: upload", quiet):
+        with phases(quiet) as pub.progress:  # the encode, then the upload (cli.progress)
             rec = pub.publish(checkpoint, step=step, reset_baseline=reset_baseline, quarantine_head=quarantine_head)
         if as_json:
             click.echo(rec.to_bytes().decode())
@@ -124,7 +125,7 @@ def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, full
             v = sub.prepare()
             click.echo(f"{checkpoint}: " + (f"acknowledged version {v}" if v else "nothing to acknowledge"))
             return
-        with _transfer_progress(st, "sync: fetch", quiet):
+        with phases(quiet) as sub.progress:  # the download, then each version's apply (cli.progress)
             rep = sub.sync(to_version=to_version, verify=full_verify, repair=repair)
         if as_json:
             click.echo(json.dumps(rep.__dict__, indent=2))

@@ -43,6 +43,7 @@ from .attempts import Attempts, _checkpoint_files
 from .baseline import Baseline, _temp_beside
 from .chain import chain_bytes
 from .history import follows, lineage, open_book, resets, start_over
+from .progress import Opener, encoding, store_phase
 from .publish_state import (
     _TEMP_SUFFIX,
     ALL,
@@ -88,10 +89,10 @@ class Publisher:
     (``ack_timeout`` seconds) before committing. ``signing_key``: sign commit records (Ed25519 PEM).
     ``advance``: how the baseline follows a committed delta. ``"copy"`` (default) copies the
     committed checkpoint file beside it, verifies its fingerprint and renames it over the baseline:
-    one hash pass and a copy instead of a decode and the apply's hash passes (a whole publish 1.32x
-    faster in docs/STREAMS.md, ``python -m deltarefit.apps.bench.stream``), at the cost of a second copy of the checkpoint on disk
-    for a moment (keyframes need it anyway). ``"apply"`` applies the delta in
-    place (no second copy). Directory checkpoints, and a checkpoint that changed after it was
+    one hash pass and a copy instead of a decode and the apply's hash passes (a whole publish 1.32x faster in
+    docs/STREAMS.md, ``python -m deltarefit.apps.bench.stream``), at the cost of a second copy of the checkpoint
+    on disk for a moment (keyframes need it anyway). ``"apply"`` applies the delta in place (no second copy).
+    Directory checkpoints, and a checkpoint that changed after it was
     encoded, always take the apply route. ``sums`` (default on): deltas carry each changed tensor's
     additive digest, so a live engine checks a refit in O(changed elements) (FORMAT.md, "Held
     digests"); one more pass over the changed tensors per encode. ``history``: code each version's
@@ -101,6 +102,7 @@ class Publisher:
     not follow the stream's lineage at the baseline (``stream.history``) the version is published
     without it. Catch-up deltas never use it.
     """
+    progress: Opener | None = None  # told each long step's bytes (``stream.progress``); None: no calls
 
     def __init__(self, store: Store | str, state_dir: str, *, keyframe_every: int = 20,
                  keyframe_ratio: float = 0.5, quorum: int = 0, ack_timeout: float = 60.0, live_ttl: float = 3600.0,
@@ -122,19 +124,16 @@ class Publisher:
         self.base = Baseline(store, self.state_dir, threads=threads, advance=advance)
         self.attempts = Attempts(store, self.state_dir, self._check_trust)
         self._store = store
-        self.keyframe_every = keyframe_every
-        self.keyframe_ratio = keyframe_ratio
-        self.quorum = quorum
-        self.ack_timeout = ack_timeout
+        self.keyframe_every, self.keyframe_ratio = keyframe_every, keyframe_ratio
+        self.quorum, self.ack_timeout = quorum, ack_timeout
         self.signer = Signer(signing_key) if signing_key else None
         # The records this publisher follows (other publishers' versions, a reset) are checked with its
         # own key: in a signed stream a record it cannot verify is not a version of the stream.
         self.verifier = self.signer.verifier() if self.signer else None
         self._head_rec: CommitRecord | None = None  # the record of the baseline's version, after recover
         self.threads = threads
-        # Catch-up deltas: each version also ships one delta straight from the newest keyframe, so a
-        # late joiner needs the keyframe and one delta instead of the whole chain. Costs a local copy
-        # of that keyframe and a second encode per publish.
+        # Catch-up deltas: each version also ships one delta straight from the newest keyframe, so a late joiner needs
+        # the keyframe and one delta instead of the whole chain (a local copy of it, a second encode per publish).
         self.catchup = catchup
         if catchup and history:
             log.warning("catch-up deltas and history do not combine: a subscriber takes no catch-up to a version "
@@ -344,8 +343,9 @@ class Publisher:
         if rec.history and not resets(rec):
             start_over(self.staged_moves_path)
             HistoryBook(self.staged_moves_path).commit(fp, rep.moves, parent=None)
-        pending = self.attempts.upload_and_commit(rec, attempt, checkpoint, quorum=self.quorum,
-                                                  ack_timeout=self.ack_timeout, live_ttl=self.live_ttl)
+        with store_phase(self.store, self.progress, f"publish: upload {rec.kind}", rec.part_bytes):
+            pending = self.attempts.upload_and_commit(rec, attempt, checkpoint, quorum=self.quorum,
+                                                      ack_timeout=self.ack_timeout, live_ttl=self.live_ttl)
         try:
             self._after_commit(rec, checkpoint, rep, pending)
         except (OSError, DeltaRefitError) as e:
@@ -379,7 +379,7 @@ class Publisher:
         # Staged, not durable: the store makes its copy durable, and nothing after a crash reads
         # the staged file (a rerun encodes again; recovery fetches the committed part).
         rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, known_base=self.base.known_base(),
-                           durable=False, sums=self.sums, history=book)
+                           durable=False, sums=self.sums, history=book, progress=encoding(self.progress, checkpoint))
         if rep.base_fingerprint != st.fingerprint and rep.base_hashes_known:
             # The kept hashes do not describe the committed baseline (their file edited, or a write
             # the identity missed): drop them and hash the baseline, so the check below is the

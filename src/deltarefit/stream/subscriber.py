@@ -59,6 +59,7 @@ from .history import book_writable_at, follows, lineage, open_book, resets, sett
 from .holder import REPAIR_FIX, CheckpointHolder, Holder, hash_identity, history_path, state_path
 from .joint import acknowledge
 from .outcomes import Planned, SyncReport
+from .progress import Opener, apply_phase, reporting, store_phase
 from .records import (
     CommitRecord,
     MalformedRecordError,
@@ -80,8 +81,7 @@ from .route import (
     staging_for,
 )
 
-__all__ = ["QUARANTINE_FIX", "REPAIR_FIX", "Planned", "Subscriber", "SyncReport", "history_path", "state_path",
-           "sync"]
+__all__ = ["QUARANTINE_FIX", "REPAIR_FIX", "Planned", "Subscriber", "SyncReport", "history_path", "state_path", "sync"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ class Subscriber:
     # does not (the default) is called with the path alone, returns the fingerprint, and the book
     # starts over after it: such a subscriber takes no route through deltas coded with history.
     hook_keeps_book = False
+    progress: Opener | None = None  # told each long step's bytes (``stream.progress``); None: no calls
 
     def __init__(self, store: Store | str, checkpoint: str, *, subscriber_id: str | None = None,
                  public_key: str | None = None, threads: int | None = None,
@@ -284,9 +285,9 @@ class Subscriber:
         local = {p.key: os.path.join(staging, p.key.replace("/", "_")) for st in steps for p in st.parts}
         if not plan_only and self.apply_hook is None and overlaps(self.store, steps):
             return self._sync_arriving(steps, staging, local, recs, cur, start, route, t0)
-        fetched = 0
-        for part in (p for st in steps for p in st.parts):  # stage everything first
-            fetched += fetch_part(self.store, part, local[part.key])
+        parts = [p for st in steps for p in st.parts]
+        with store_phase(self.store, self.progress, f"sync: fetch {route}", sum(p.bytes for p in parts)):
+            fetched = sum(fetch_part(self.store, p, local[p.key]) for p in parts)  # stage everything first
         check_staged(self.store.url, steps, local)
         if plan_only:  # the staging is kept: the sync that writes this route finds its parts there
             if steps[0].kind == "delta" and self.holder.plans:
@@ -303,7 +304,8 @@ class Subscriber:
         downloads = self.arriving = PartDownloads(self.store, [(st.parts[0], local[st.parts[0].key]) for st in steps])
         try:
             applied, version, fp = apply_arriving(
-                downloads, local[steps[0].parts[0].key], self.checkpoint, self.threads, apply=apply_delta,
+                downloads, local[steps[0].parts[0].key], self.checkpoint, self.threads,
+                apply=reporting(apply_delta, self.progress, recs[steps[0].version]),
                 check_staged=lambda: check_staged(self.store.url, steps, local),
                 apply_steps=lambda first: self._apply_steps(steps, local, recs, cur, first_apply=first))
         finally:
@@ -348,7 +350,8 @@ class Subscriber:
                     # apply verifies that the checkpoint reached the delta's own target fingerprint; the
                     # record must name that same fingerprint (an edited record must not be believed).
                     rep = first_apply(book) if i == 0 and first_apply is not None else apply_delta(
-                        local[st.parts[0].key], self.checkpoint, threads=self.threads, history=book)
+                        local[st.parts[0].key], self.checkpoint, threads=self.threads, history=book,
+                        progress=apply_phase(self.progress, rec))
                     got, ident = rep.target_fingerprint, rep.identity
                     if book is not None:
                         settle(self.book_path, rep)
