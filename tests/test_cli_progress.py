@@ -136,3 +136,35 @@ def test_without_a_bar_rich_is_never_imported(pair, tmp_path, quiet):
         r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120, env=env)
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip().splitlines()[-1] == "False", (argv, r.stdout)
+
+
+def test_the_stream_s_phases_add_up_to_their_totals(pair, tmp_path):
+    """What a publish and a sync tell their ``progress`` opener: each phase's counts add up to its total
+    (every tensor of the pair changes, so an apply goes through all of the checkpoint's bytes)."""
+    from deltarefit.stream import Publisher, Subscriber
+
+    seen: list[list] = []
+
+    def opener(label: str, total: int):
+        seen.append([label, total, 0])
+        return lambda n: seen[-1].__setitem__(2, seen[-1][2] + n)
+
+    size = os.path.getsize(pair / "target.safetensors")
+    pub = Publisher(str(tmp_path / "s"), str(tmp_path / "state"))
+    pub.progress = opener
+    pub.publish(str(pair / "base.safetensors"))
+    pub.publish(str(pair / "target.safetensors"))
+    fresh = Subscriber(str(tmp_path / "s"), str(tmp_path / "r.safetensors"))
+    fresh.progress = opener
+    fresh.sync()  # a keyframe's download, then version 2's apply (staged)
+    old = Subscriber(str(tmp_path / "s"), str(tmp_path / "o.safetensors"))
+    old.sync(to_version=1)
+    old.progress = opener
+    old.sync()  # version 2's apply, planned while its part arrives
+    labels = [s[0] for s in seen]
+    assert labels == ["publish: upload keyframe", "publish: encode", "publish: upload delta", "sync: fetch keyframe",
+                      "sync: apply v2", "sync: apply v2"], labels
+    for label, total, done in seen:
+        assert done == total, (label, total, done)
+    tensors = seen[1][1]
+    assert 0 < size - tensors < 1024 and seen[4][1] == seen[5][1] == tensors  # the checkpoint's tensor bytes
