@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -136,3 +137,14 @@ def test_status_writes_no_byte_anywhere(stream, tmp_path_factory):
         assert r.returncode in (0, 7), r.stderr
     assert _tree(stream) == before
     assert _tree(home) == home_before == {}
+
+
+def test_a_store_wiped_and_republished_is_another_stream_with_the_repair_command(stream):
+    assert run("sync", "s", "r.safetensors", "-q", cwd=stream).returncode == 0
+    shutil.rmtree(stream / "s")
+    assert run("publish", "s", "v3.safetensors", "-q", cwd=stream).returncode == 0
+    d = status_json("r.safetensors", cwd=stream)
+    assert (d["state"], d["version"], d["head"]) == ("other-stream", 3, 1), d
+    assert d["fix"] == f"deltarefit sync {stream / 's'} r.safetensors --repair"
+    r = run("status", "r.safetensors", cwd=stream)
+    assert r.returncode == 0 and "the store holds another stream" in r.stdout, r.stdout
