@@ -1,7 +1,7 @@
 """Ray-hosted engines whose trust is pinned by the actor's ``runtime_env`` (``DELTAREFIT_VERIFY_KEY``,
 ``DELTAREFIT_STREAMS`` in its ``env_vars``; ``deltarefit.engines.vllm.trust``), called as anyone who reaches
-them could: an ``EngineActor`` (a vLLM ``LLM``) through vLLM's own ``RayVLLMWeightSyncClient`` and the actor's
-``collective_rpc``, and a ``ServerActor`` (``vllm serve`` on loopback) through its open RL routes and the
+them could: an ``EngineActor`` (a vLLM ``LLM``) and an ``AsyncEngineActor`` (an ``AsyncLLM``), each through
+vLLM's own ``RayVLLMWeightSyncClient`` and the actor's ``collective_rpc``, and a ``ServerActor`` (``vllm serve`` on loopback) through its open RL routes and the
 actor's ``collective_rpc``.
 
 The pins are given only to the actors (the cluster's own environment has none), so they must travel with
@@ -93,6 +93,7 @@ def test_ray_hosted_engines_pinned_by_runtime_env_refuse_other_keys_streams_and_
     from deltarefit.engines.vllm.trust import ENV_STREAMS, ENV_VERIFY_KEY
     from deltarefit.integrations.placement import placed
     from deltarefit.integrations.ray import EngineActor, ray_client
+    from deltarefit.integrations.ray_async import AsyncEngineActor
     from deltarefit.integrations.ray_http import ServerActor
     from deltarefit.stream.publisher import Publisher
 
@@ -102,17 +103,20 @@ def test_ray_hosted_engines_pinned_by_runtime_env_refuse_other_keys_streams_and_
     init = {"stream": s["signed"], "verify_key": s["key"], "version": 1}
     llm = ray.remote(EngineActor).options(**placed(ray_refit.ENGINES["engine-a"], "pinned-llm", runtime_env=pins)).remote(
         s["base"], init_info=init, llm_kwargs=ray_refit.LLM_KWARGS, name="pinned-llm")
+    alm = ray.remote(AsyncEngineActor).options(**placed({"trainer": 1.0}, "pinned-asyncllm", runtime_env=pins)).remote(
+        s["base"], init_info=init, llm_kwargs=ray_refit.LLM_KWARGS, name="pinned-asyncllm")
     (port,) = _free_ports(1)
     srv = ray.remote(ServerActor).options(**placed(ray_refit.ENGINES["engine-b"], "pinned-serve", runtime_env=pins)).remote(
         s["base"], port=port, init_info=init, serve_args=SERVE_ARGS, name="pinned-serve")
-    ray.get([llm.ready.remote(), srv.ready.remote()], timeout=WAIT)
+    ray.get([llm.ready.remote(), alm.ready.remote(), srv.ready.remote()], timeout=WAIT)
     url = ray.get(srv.get_url.remote(), timeout=WAIT)
-    engines = {"llm": llm, "serve": srv}
+    engines = {"llm": llm, "asyncllm": alm, "serve": srv}
     verified = deltarefit.fingerprint(s["target"])
     at2 = {n: _look(h) for n, h in engines.items()}
     for n, look in at2.items():  # each caught up through the signed stream to its head, version 2
         assert look["version"] == "2" and look["fingerprints"] == [verified], (n, look["version"], look["fingerprints"])
-    client = ray_client([llm])  # vLLM's RayVLLMWeightSyncClient: the trainer's route to an LLM actor
+    # vLLM's RayVLLMWeightSyncClient: the trainer's route to an LLM or AsyncLLM actor
+    clients = {n: ray_client([h]) for n, h in engines.items() if n != "serve"}
     seen: dict[str, str] = {}
 
     def still_at_version_2() -> None:
@@ -120,9 +124,10 @@ def test_ray_hosted_engines_pinned_by_runtime_env_refuse_other_keys_streams_and_
             assert _look(h) == at2[n], f"{n} changed after a refused call"
 
     def init_refused(name: str, info: dict, *words: str) -> None:
-        with pytest.raises(ray.exceptions.RayTaskError) as e:
-            client.init_weight_transfer_engine(info)
-        seen[f"llm: {name}"] = _one_line(str(e.value), words)
+        for n, client in clients.items():
+            with pytest.raises(ray.exceptions.RayTaskError) as e:
+                client.init_weight_transfer_engine(info)
+            seen[f"{n}: {name}"] = _one_line(str(e.value), words)
         r = requests.post(f"{url}/init_weight_transfer_engine", json={"init_info": info}, timeout=300)
         assert r.status_code >= 400, (name, r.status_code, r.text[:300])
         seen[f"serve: {name}"] = _one_line(r.text, words)
@@ -155,13 +160,10 @@ def test_ray_hosted_engines_pinned_by_runtime_env_refuse_other_keys_streams_and_
     pub = Publisher(s["signed"], s["signed"] + "-pub", keyframe_every=5, keyframe_ratio=1000.0,
                     signing_key=s["key"][: -len(".pub")])
     assert pub.publish(s["target2_src"]).version == 3
-    client.start_weight_update()
-    client.update_weights({"version": 3})
-    client.finish_weight_update("3")
-    http = HTTPClient(url)
-    http.start_weight_update()
-    http.update_weights({"version": 3})
-    http.finish_weight_update("3")
+    for client in (*clients.values(), HTTPClient(url)):
+        client.start_weight_update()
+        client.update_weights({"version": 3})
+        client.finish_weight_update("3")
     want3 = deltarefit.fingerprint(s["target2"])
     for n, h in engines.items():
         look = _look(h)
