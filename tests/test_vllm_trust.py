@@ -16,22 +16,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
-from _vllm_env import vllm_processes_env
+from _vllm_env import vllm_processes_env, vllm_serve
 from test_vllm import build_models
 
 _env = pytest.fixture(autouse=True)(vllm_processes_env)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, path: str, body: dict | None = None):
@@ -83,92 +74,70 @@ def test_a_pinned_engine_refuses_other_keys_streams_and_paths_and_keeps_its_veri
     stray = str(tmp_path / "stray.delta")  # version 2's own delta, copied outside the roots
     shutil.copy(os.path.join(signed, load_commit(LocalStore(signed), 2).delta.key), stray)
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "serve.log"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "DELTAREFIT_VERIFY_KEY": key + ".pub",
-           "DELTAREFIT_STREAMS": root}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base,
-                                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
-                                 "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
-                                 "--weight-transfer-config", json.dumps({"backend": "deltarefit"}),
-                                 "--worker-extension-cls", EXTENSION], stdout=log, stderr=subprocess.STDOUT, env=env)
+    env = {"DELTAREFIT_VERIFY_KEY": key + ".pub", "DELTAREFIT_STREAMS": root}
     seen: dict[str, str] = {}
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, f"vllm serve exited {proc.returncode}: {log_path.read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-                time.sleep(1)
-        client = HTTPClient(url)
-        client.init_weight_transfer_engine({"stream": signed, "verify_key": key + ".pub", "version": 1})
-        client.start_weight_update()
-        client.update_weights({"version": 2})
-        client.finish_weight_update("2")
-        verified = deltarefit.fingerprint(target)
-        want = _completions(url, base)
-        assert _weight_version(url) == "2"
-
-        def still_serving_version_2() -> None:
+        with vllm_serve(base, str(tmp_path / "serve.log"), args=("--worker-extension-cls", EXTENSION), env=env) as url:
+            client = HTTPClient(url)
+            client.init_weight_transfer_engine({"stream": signed, "verify_key": key + ".pub", "version": 1})
+            client.start_weight_update()
+            client.update_weights({"version": 2})
+            client.finish_weight_update("2")
+            verified = deltarefit.fingerprint(target)
+            want = _completions(url, base)
             assert _weight_version(url) == "2"
-            assert [d["fingerprint"] for d in _rpc(url, "deltarefit_live_describe")] == [verified]
-            assert _completions(url, base) == want
 
-        def refused(name: str, path: str, body: dict, *words: str) -> None:
-            r = _post(url, path, body)
-            seen[name] = f"{r.status_code} {r.text[:300]}"
-            assert r.status_code >= 400, seen[name]
-            # the worker's one line, in the reply (vLLM shows each path in it as <path>)
-            assert all(w in r.text for w in words), (name, words, r.text)
+            def still_serving_version_2() -> None:
+                assert _weight_version(url) == "2"
+                assert [d["fingerprint"] for d in _rpc(url, "deltarefit_live_describe")] == [verified]
+                assert _completions(url, base) == want
+
+            def refused(name: str, path: str, body: dict, *words: str) -> None:
+                r = _post(url, path, body)
+                seen[name] = f"{r.status_code} {r.text[:300]}"
+                assert r.status_code >= 400, seen[name]
+                # the worker's one line, in the reply (vLLM shows each path in it as <path>)
+                assert all(w in r.text for w in words), (name, words, r.text)
+                still_serving_version_2()
+
+            init = "init_weight_transfer_engine"
+            refused("another key", init, {"init_info": {"stream": signed, "verify_key": wrong + ".pub"}},
+                    "init_info.verify_key", " is key ", "this engine pins key")
+            refused("no key", init, {"init_info": {"stream": signed}}, "names no verify_key")
+            refused("stream outside the pins", init, {"init_info": {"stream": outside, "verify_key": key + ".pub"}},
+                    "is not one this engine trusts", "DELTAREFIT_STREAMS")
+            missing = os.path.join(root, "missing")
+            refused("missing stream", init, {"init_info": {"stream": missing, "verify_key": key + ".pub"}},
+                    "no store here")
+            assert not os.path.exists(missing)  # never created at init
+            for bad in ("3", 2.5, [1], True):
+                client.rl.start_weight_update()  # no pause: the engine serves; a failed update ends the session
+                refused(f"version {bad!r}", "update_weights", {"update_info": {"version": bad}},
+                        f"update_info.version is {type(bad).__name__}", "expected an int from 1")
+
+            for method, args, words in (("apply_delta", (stray, base), "delta"),
+                                        ("deltarefit_live_apply", (stray,), "delta"),
+                                        ("deltarefit_live_prepare", (stray,), "delta"),
+                                        ("deltarefit_reload_all", (other,), "checkpoint directory")):
+                reports = _rpc(url, method, *args)
+                seen[method] = reports[0].get("error", "")
+                assert [(r["ok"], r["error_type"]) for r in reports] == [(False, "UntrustedError")], reports
+                error = reports[0]["error"]
+                assert f"{words} " in error and "lies outside what this engine trusts" in error
+                still_serving_version_2()
+
+            # the backend still follows its pinned stream: an update to the version it holds is a no-op
+            client.start_weight_update()
+            client.update_weights({"version": 2})
+            client.finish_weight_update("2")
             still_serving_version_2()
-
-        init = "init_weight_transfer_engine"
-        refused("another key", init, {"init_info": {"stream": signed, "verify_key": wrong + ".pub"}},
-                "init_info.verify_key", " is key ", "this engine pins key")
-        refused("no key", init, {"init_info": {"stream": signed}}, "names no verify_key")
-        refused("stream outside the pins", init, {"init_info": {"stream": outside, "verify_key": key + ".pub"}},
-                "is not one this engine trusts", "DELTAREFIT_STREAMS")
-        missing = os.path.join(root, "missing")
-        refused("missing stream", init, {"init_info": {"stream": missing, "verify_key": key + ".pub"}},
-                "no store here")
-        assert not os.path.exists(missing)  # never created at init
-        for bad in ("3", 2.5, [1], True):
-            client.rl.start_weight_update()  # no pause: the engine serves; a failed update ends the session
-            refused(f"version {bad!r}", "update_weights", {"update_info": {"version": bad}},
-                    f"update_info.version is {type(bad).__name__}", "expected an int from 1")
-
-        for method, args, words in (("apply_delta", (stray, base), "delta"),
-                                    ("deltarefit_live_apply", (stray,), "delta"),
-                                    ("deltarefit_live_prepare", (stray,), "delta"),
-                                    ("deltarefit_reload_all", (other,), "checkpoint directory")):
-            reports = _rpc(url, method, *args)
-            seen[method] = reports[0].get("error", "")
-            assert [(r["ok"], r["error_type"]) for r in reports] == [(False, "UntrustedError")], reports
-            assert f"{words} " in reports[0]["error"] and "lies outside what this engine trusts" in reports[0]["error"]
+            # an unsigned stream under the roots, with the right key: refused at its head record, before the
+            # backend it would replace is shut down
+            refused("unsigned stream", init, {"init_info": {"stream": unsigned, "verify_key": key + ".pub"}},
+                    "commit record is not signed")
+            client.start_weight_update()
+            client.update_weights({"version": 2})
+            client.finish_weight_update("2")
             still_serving_version_2()
-
-        # the backend still follows its pinned stream: an update to the version it holds is a no-op
-        client.start_weight_update()
-        client.update_weights({"version": 2})
-        client.finish_weight_update("2")
-        still_serving_version_2()
-        # an unsigned stream under the roots, with the right key: refused at its head record, before the
-        # backend it would replace is shut down
-        refused("unsigned stream", init, {"init_info": {"stream": unsigned, "verify_key": key + ".pub"}},
-                "commit record is not signed")
-        client.start_weight_update()
-        client.update_weights({"version": 2})
-        client.finish_weight_update("2")
-        still_serving_version_2()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
         print(json.dumps(seen, indent=1))
