@@ -196,16 +196,18 @@ def parse_shard_commit(data: bytes, where: str) -> ShardCommit:
     return rec
 
 
-def load_shard_commit(store: Store, version: int) -> ShardCommit:
-    return load_record(store, version, parse_shard_commit)
+def load_shard_commit(store: Store, version: int, verifier=None) -> ShardCommit:
+    """The sharded commit record of ``version``; with ``verifier`` (``signing.Verifier``), its signature
+    is checked over the bytes read before they are parsed (``load_record``)."""
+    return load_record(store, version, parse_shard_commit, verifier)
 
 
-def shard_stream_identity(store: Store) -> str | None:
+def shard_stream_identity(store: Store, verifier=None) -> str | None:
     """The identity of the sharded stream in ``store`` (its version 1's, or the legacy identity derived
-    from that record); None without a version 1."""
+    from that record); None without a version 1. With ``verifier``, signature-checked before parsing."""
     if not store.exists(commit_key(1)):
         return None
-    first = load_shard_commit(store, 1)
+    first = load_shard_commit(store, 1, verifier)
     return first.stream or legacy_identity(first)
 
 

@@ -27,10 +27,10 @@ from typing import Any
 
 import blake3
 
-from ..errors import MalformedRecordError, StoreError, StreamError, StreamIdentityError
+from ..errors import MalformedRecordError, SignatureError, StoreError, StreamError, StreamIdentityError
 from ..io.fsutil import open_regular, read_capped, write_atomic
 from ..io.jsonlimits import LOCAL_STATE_MAX_BYTES, brief, json_shape_problem, small_json
-from ..signing import SignableRecord
+from ..signing import SignableRecord, Verifier
 from ..storage.base import Store
 
 # The chain layer owns the keys, the head and loading a record; re-exported here for their callers.
@@ -256,24 +256,27 @@ def parse_proposal(data: bytes, where: str) -> tuple[CommitRecord, float]:
     return parse_commit(json.dumps(record).encode(), where), deadline
 
 
-def load_commit(store: Store, version: int) -> CommitRecord:
-    return load_record(store, version, parse_commit)
+def load_commit(store: Store, version: int, verifier: Verifier | None = None) -> CommitRecord:
+    """The commit record of ``version``; with ``verifier``, its signature is checked over the bytes read
+    before they are parsed (``load_record``)."""
+    return load_record(store, version, parse_commit, verifier)
 
 
 def legacy_identity(first: SignableRecord) -> str:
     """The identity of a stream whose first record carries none (written before identities existed):
     derived from that record's canonical bytes, so a store wiped and republished gets another one.
     Publishers write it into every record they add to such a stream."""
-    return LEGACY_PREFIX + blake3.blake3(first.signed_bytes()).hexdigest()[:32]
+    return LEGACY_PREFIX + blake3.blake3(first.canonical_bytes()).hexdigest()[:32]
 
 
-def stream_identity(store: Store) -> str | None:
+def stream_identity(store: Store, verifier: Verifier | None = None) -> str | None:
     """The identity of the stream in ``store``: its first version's ``stream`` (or the legacy identity
     derived from that record); None when the store holds no version 1 (an empty stream, or a relay
-    mirror that starts at a keyframe)."""
+    mirror that starts at a keyframe). With ``verifier``, version 1 is signature-checked before it is
+    parsed."""
     if not store.exists(commit_key(1)):
         return None
-    first = load_commit(store, 1)
+    first = load_commit(store, 1, verifier)
     return first.stream or legacy_identity(first)
 
 
@@ -319,16 +322,16 @@ def now() -> float:
 
 
 def followed_stream(store: Store, held: str | None, pinned: str | None, holder: str, fix: str,
-                    quarantine_fix: str) -> str | None:
+                    quarantine_fix: str, verifier: Verifier | None = None) -> str | None:
     """The identity of the stream a holder (``holder``: its name in refusals) follows: ``held`` (recorded
     with its version), else ``pinned``, else the store's; refused (``fix``: the way out) when ``held``
     is not ``pinned``, or the store's stream is another one."""
     if held is not None and pinned is not None and held != pinned:
         raise StreamIdentityError(f"{holder}: follows stream {held}, not the requested {pinned}{fix}")
     try:
-        store_ident = stream_identity(store)
-    except MalformedRecordError as e:
-        raise MalformedRecordError(f"{e}{quarantine_fix}") from None
+        store_ident = stream_identity(store, verifier)
+    except (MalformedRecordError, SignatureError) as e:
+        raise type(e)(f"{e}{quarantine_fix}") from None
     ident = held or pinned or store_ident
     if store_ident is not None and ident != store_ident:
         raise StreamIdentityError(f"{store.url}: holds stream {store_ident}, {holder} follows stream {ident} "

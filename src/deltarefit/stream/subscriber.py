@@ -162,10 +162,11 @@ class Subscriber:
             log.warning("could not record subscriber position: %s", e)
 
     def _load(self, version: int) -> CommitRecord:
+        """The record of ``version``; with a key, its signature checked before its bytes are parsed."""
         try:
-            return load_commit(self.store, version)
-        except MalformedRecordError as e:
-            raise MalformedRecordError(f"{e}{QUARANTINE_FIX}") from None
+            return load_commit(self.store, version, self.verifier)
+        except (MalformedRecordError, SignatureError) as e:
+            raise type(e)(f"{e}{QUARANTINE_FIX}") from None
 
     def _commit(self, version: int) -> CommitRecord:
         """The record of ``version``, refused unless it is of the followed stream and, with a key,
@@ -233,7 +234,7 @@ class Subscriber:
         """The identity of the followed stream (``records.followed_stream``: ``held``, the holder's, else
         pinned, else the store's), told to the holder (``bind_stream``)."""
         self._ident = followed_stream(self.store, held, self.pinned_stream, self.checkpoint, REPAIR_FIX,
-                                      QUARANTINE_FIX)
+                                      QUARANTINE_FIX, self.verifier)
         self.holder.bind_stream(self._ident)
 
     def _sync(self, to_version: int | None, verify: bool, repair: bool, plan_only: bool) -> SyncReport | Planned:
