@@ -18,6 +18,10 @@ Then it starts a ``deltarefit relay root`` on an empty store, opens ``--connecti
 it on loopback that never authenticate (each completes the handshake, declares the largest frame
 and floods bytes for ``--seconds``), and prints the root's RSS before and its peak after, and how many
 connections it answered BUSY.
+Then "memory before trust, by input shape" (``trust_memory``): a commit record (in a signed stream,
+unsigned or forged; in an unsigned one, the costliest text its bounds admit), a part header, a version
+manifest, a key file and a local JSON state file, each at its cap: the traced peak, its size, the ratio
+and whether it is under 256 MiB and twice its size plus 32 MiB.
 Then the "filesystem faults" section (``fs_faults``, ``--no-fs-faults`` skips it): ``apply``,
 ``encode``, ``sync``, ``publish`` and ``retain`` on a full tmpfs (a sweep of fill levels), a
 read-only one and a directory they may not write, each rerun with the fault lifted; by command and
@@ -318,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{f['rss_before'] / MIB:.0f} MiB before, peak {f['hwm_after'] / MIB:.0f} MiB after "
               f"(+{(f['hwm_after'] - f['rss_before']) / MIB:.0f} MiB); {f['hello']} got a handshake, "
               f"{f['busy']} were answered BUSY; {f['sent'] / MIB:.1f} MiB sent to it")
+        from .trust_memory import section as trust_memory
+
+        trust_memory()
         if not a.no_fs_faults:
             from .fs_faults import section
 
