@@ -19,7 +19,7 @@ from deltarefit.apps.bench.trust_memory import (
     part_blob,
     traced,
 )
-from deltarefit.errors import LimitError, SignatureError, StreamError
+from deltarefit.errors import LimitError, SignatureError, StreamError, UsageError
 from deltarefit.shard import part as sp
 from deltarefit.shard.records import ShardCommit, load_manifest, load_shard_commit
 from deltarefit.signing import SIGNATURE_ALG, SIGNED_PREFIX, Signer, keygen
@@ -113,3 +113,28 @@ def test_the_costliest_record_an_unsigned_stream_admits_stays_under_256_mib():
     dense = keys_record(16 * MIB, b'"k%011d":0,')
     peak, err = traced(lambda: record_json(dense, "commit.json"))
     assert "JSON strings" in err and peak < len(dense) + 4 * MIB
+
+
+def test_a_part_header_over_what_the_manifest_says_it_covers_is_refused_in_one_line():
+    """A part that covers one 4x64 bf16 tensor (by its manifest) may hold a header of 64 KiB + 16 KiB +
+    64 bytes; one of 96 KiB is refused before its shape is even scanned, in one line naming the bound.
+    The real parts of the sharded tests pass their budget (``tests/test_shard_stream.py``)."""
+    from deltarefit.shard.budget import (
+        HEADER_CHUNK_BUDGET,
+        HEADER_FIXED_BUDGET,
+        HEADER_TENSOR_BUDGET,
+        header_budget,
+    )
+
+    man = {"parts": [{"rank": 0, "covers": {"w": [[0, 4], [0, 64]]}}], "tensors": {"w": {"dtype": "BF16"}}}
+    budget = header_budget(man, 0)
+    assert budget == HEADER_FIXED_BUDGET + HEADER_TENSOR_BUDGET + HEADER_CHUNK_BUDGET
+    assert header_budget(man, 1) == header_budget({"parts": "?"}, 0) == sp.MAX_HEADER  # says nothing: the cap
+    blob = part_blob(fill(PART_HEAD, b'"abcdefghijklm",', 96 << 10, b'"a"]}'))
+    peak, err = traced(lambda: sp.read_part(blob, "part r0", max_header=budget))
+    assert err.startswith(f"LimitError: part r0: header of {len(blob) - 16} bytes exceeds the {budget} bytes")
+    assert "\n" not in err and peak < 64 << 10
+    from deltarefit.shard.publish import ShardPublisher
+
+    with pytest.raises(UsageError, match="chunk_bytes 4096: at least"):
+        ShardPublisher({}, "BF16", chunk_bytes=4096)

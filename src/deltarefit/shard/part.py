@@ -158,11 +158,13 @@ def part_head(data: bytes | memoryview) -> bytes:
     return bytes(mv[:_PREFIX.size + hlen])
 
 
-def read_part(data: bytes | memoryview, where: str = "part", *, head_only: bool = False) -> Part:
+def read_part(data: bytes | memoryview, where: str = "part", *, head_only: bool = False,
+              max_header: int = MAX_HEADER) -> Part:
     """Parse and validate a part (every bound checked before any payload is decoded). With
     ``head_only``, ``data`` is ``part_head`` of it: everything but the payload is checked, and chunk
-    offsets are checked against the header's payload size; the result has an empty payload."""
-    h, payload = _read_header(memoryview(data), where)
+    offsets are checked against the header's payload size; the result has an empty payload.
+    ``max_header``: a tighter bound on its header (``budget.header_budget`` of the version manifest)."""
+    h, payload = _read_header(memoryview(data), where, min(max_header, MAX_HEADER))
     payload_bytes = _check_payload(h, payload, where, head_only)
     for k in ("version", "rank", "world"):
         _int(h.get(k), f"{where}: {k}")
@@ -179,7 +181,7 @@ def read_part(data: bytes | memoryview, where: str = "part", *, head_only: bool 
     return Part(h, tuple(tensors), payload)
 
 
-def _read_header(mv: memoryview, where: str) -> tuple[dict, memoryview]:
+def _read_header(mv: memoryview, where: str, cap: int = MAX_HEADER) -> tuple[dict, memoryview]:
     """The fixed prefix and JSON header of a part, checked; the header and the bytes after it."""
     if len(mv) < _PREFIX.size:
         raise FormatError(f"{where}: {len(mv)} bytes is too short for a part")
@@ -188,6 +190,9 @@ def _read_header(mv: memoryview, where: str) -> tuple[dict, memoryview]:
         raise FormatError(f"{where}: not a deltarefit shard part (magic {magic!r})")
     if ver != FORMAT_VERSION or zero:
         raise FormatError(f"{where}: unsupported part format version {ver}")
+    if hlen > cap and cap < MAX_HEADER:
+        raise LimitError(f"{where}: header of {hlen} bytes exceeds the {cap} bytes what the version manifest says "
+                         "the part covers may need")
     if hlen > MAX_HEADER or _PREFIX.size + hlen > len(mv):
         raise LimitError(f"{where}: header of {hlen} bytes does not fit")
     raw = mv[_PREFIX.size:_PREFIX.size + hlen]

@@ -35,6 +35,7 @@ from ..stream.records import (
     held_version,
     record_version,
 )
+from .budget import header_budget
 from .group import TPGroup
 from .names import Layout, identity_layout
 from .part import read_part
@@ -77,7 +78,8 @@ def _layout_for(layout: Layout | None, tensors: Mapping[str, object], man: dict)
 
 def _at_version(man: dict, blobs: Mapping[int, bytes], tensors, layout: Layout) -> bool:
     """Whether every cell of the version meeting this rank's slices is at its target (read-only)."""
-    parts = [read_part(b, f"version {man['version']} part {r}") for r, b in sorted(blobs.items())]
+    parts = [read_part(b, f"version {man['version']} part {r}", max_header=header_budget(man, r))
+             for r, b in sorted(blobs.items())]
     try:
         todo, _ = _plan(parts, tensors, layout, owners_only=False, require_cover=True)
     except (BaseMismatchError, VerificationError, FormatError, UsageError):

@@ -22,6 +22,8 @@ Then "memory before trust, by input shape" (``trust_memory``): a commit record (
 unsigned or forged; in an unsigned one, the costliest text its bounds admit), a part header, a version
 manifest, a key file and a local JSON state file, each at its cap: the traced peak, its size, the ratio
 and whether it is under 256 MiB and twice its size plus 32 MiB.
+Then the counts of the classes already fixed (``classes``, ``--no-classes`` skips it): exits that
+disagree with docs/COMMAND-LINE.md, planted files, the engine's trust, from the tests that pin them.
 Then the "filesystem faults" section (``fs_faults``, ``--no-fs-faults`` skips it): ``apply``,
 ``encode``, ``sync``, ``publish`` and ``retain`` on a full tmpfs (a sweep of fill levels), a
 read-only one and a directory they may not write, each rerun with the fault lifted; by command and
@@ -297,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connections", type=int, default=40)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--no-fs-faults", action="store_true", help="Skip the filesystem-faults section.")
+    ap.add_argument("--no-classes", action="store_true", help="Skip the counts from the tests (classes.py).")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="deltarefit-hostile-") as tmp:
         print(f"{'case':<44} {'input':>10} {'rc':>3} {'peak RSS':>10} {'time':>7}  refusal")
@@ -325,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         from .trust_memory import section as trust_memory
 
         trust_memory()
+        if not a.no_classes:
+            from .classes import section as classes
+
+            classes()
         if not a.no_fs_faults:
             from .fs_faults import section
 

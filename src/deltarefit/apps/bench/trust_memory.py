@@ -8,7 +8,7 @@ Each row is one input at its cap, in the costliest shape its checks admit (or th
   before it is parsed: ``signing.check_stored_signature``);
 * a commit record in an unsigned stream (parsed, its shape bounded: ``records.record_json``);
 * a sharded part header, and a version manifest (their shapes bounded; the manifest capped before it
-  is read);
+  is read), and either in a signed stream (checked against the size and BLAKE3 the record names);
 * a key file (``/dev/zero``, a large file) and a local JSON state file (deep brackets, many strings).
 
 The peak is tracemalloc's (the Python heap; the interpreter's own baseline not counted). The target
@@ -119,6 +119,10 @@ def rows() -> list[tuple[str, int, int, str]]:
             ref = Part(mkey, len(data), blake3.blake3(data).hexdigest())
             srec = ShardCommit(1, None, "00" * 32, True, 1, ref, ())
             row(what, len(data), lambda r=srec: load_manifest(store, r))
+        # In a signed stream the record names the manifest's (and each part's) size and BLAKE3: an object
+        # that is not the one signed is refused by its hash, before it is parsed.
+        other = ShardCommit(1, None, "00" * 32, True, 1, Part(mkey, len(data), "00" * 32), ())
+        row("manifest or part, signed stream (other bytes)", len(data), lambda: load_manifest(store, other))
         big = ShardCommit(1, None, "00" * 32, True, 1, Part(mkey, 1 << 34, "00" * 32), ())
         row("manifest a record says is 16 GiB", 1 << 34, lambda: load_manifest(store, big))
         del data  # (the store keeps the last one)
