@@ -11,7 +11,8 @@ Each row is one input at its cap, in the costliest shape its checks admit (or th
   is read), and either in a signed stream (checked against the size and BLAKE3 the record names);
 * a key file (``/dev/zero``, a large file) and a local JSON state file (deep brackets, many strings).
 
-The peak is tracemalloc's (the Python heap; the interpreter's own baseline not counted). The target
+``python -m deltarefit.apps.bench.trust_memory`` prints this section alone. The peak is tracemalloc's (the
+Python heap; the interpreter's own baseline not counted). The target
 (issue 46): under 256 MiB for every input, and under twice its size plus ``FIXED`` (32 MiB).
 """
 
@@ -122,7 +123,7 @@ def rows() -> list[tuple[str, int, int, str]]:
         # In a signed stream the record names the manifest's (and each part's) size and BLAKE3: an object
         # that is not the one signed is refused by its hash, before it is parsed.
         other = ShardCommit(1, None, "00" * 32, True, 1, Part(mkey, len(data), "00" * 32), ())
-        row("manifest or part, signed stream (other bytes)", len(data), lambda: load_manifest(store, other))
+        row("manifest/part, signed stream, other bytes", len(data), lambda: load_manifest(store, other))
         big = ShardCommit(1, None, "00" * 32, True, 1, Part(mkey, 1 << 34, "00" * 32), ())
         row("manifest a record says is 16 GiB", 1 << 34, lambda: load_manifest(store, big))
         del data  # (the store keeps the last one)
@@ -152,3 +153,7 @@ def section() -> None:
         ratio = f"{peak / size:.2f}" if size else "-"
         print(f"{what:<42} {size / MIB:>5.1f} MiB {peak / MIB:>5.1f} MiB {ratio:>6} {'yes' if ok else 'NO':>6}  "
               f"{err[:100]}", flush=True)
+
+
+if __name__ == "__main__":  # python -m deltarefit.apps.bench.trust_memory: this section of bench.hostile alone
+    section()
