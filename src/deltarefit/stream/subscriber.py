@@ -162,9 +162,8 @@ class Subscriber:
             log.warning("could not record subscriber position: %s", e)
 
     def _load(self, version: int) -> CommitRecord:
-        """The record of ``version``; with a key, its signature checked before its bytes are parsed."""
         try:
-            return load_commit(self.store, version, self.verifier)
+            return load_commit(self.store, version, self.verifier)  # with a key: signature checked unparsed
         except (MalformedRecordError, SignatureError) as e:
             raise type(e)(f"{e}{QUARANTINE_FIX}") from None
 
