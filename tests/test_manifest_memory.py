@@ -325,13 +325,13 @@ def test_the_costliest_text_the_bounds_admit_stays_under_256_mib():
         return head + unit * ((size - len(head) - len(tail)) // len(unit)) + tail
 
     head = b'{"format":"deltarefit.shard_part","tensors":['
-    for unit in (b"[0,0,0],", b'"abcde",'):
+    for unit in (b"[0,0,0],        ", b'"abcdefghijklm",'):  # a list, a string per 16 bytes: the densest admitted
         body = fill(head, unit, sp.MAX_HEADER, b"[]]}")
         blob = sp._PREFIX.pack(sp.MAGIC, sp.FORMAT_VERSION, 0, len(body)) + body
         err, peak = traced(lambda b=blob: sp.read_part(b, "part r0"))
         assert "holds" not in str(err)[:300], str(err)[:300]  # admitted by the shape pass (then refused as no real header)
         assert peak < 256 * MIB, (unit, peak / MIB)
-    rec = fill(b'{"format":"deltarefit.commit","x":[', b'"abcdefghi",', MAX_RECORD_BYTES, b'"a"]}')
+    rec = fill(b'{"format":"deltarefit.commit","x":[', b'"abcdefghijklmnopqrstu",', MAX_RECORD_BYTES, b'"a"]}')
     err, peak = traced(lambda: record_json(rec, "commit.json"))
     assert isinstance(err, dict) and peak < 256 * MIB, (str(err)[:200], peak / MIB)
     big = sp._PREFIX.pack(sp.MAGIC, sp.FORMAT_VERSION, 0, sp.MAX_HEADER + 1) + b" " * (sp.MAX_HEADER + 1)

@@ -33,7 +33,7 @@ from _stream_util import (
 
 import deltarefit
 from deltarefit.errors import BaseMismatchError, UsageError
-from deltarefit.signing import SignatureError
+from deltarefit.signing import SIGNATURE_ALG, SignatureError
 from deltarefit.storage import LocalStore, MemoryStore, StoreError
 from deltarefit.stream import Publisher, PublishError, StreamError, Subscriber
 from deltarefit.stream.records import commit_key, head, list_versions, prepared_key, vkey
@@ -594,7 +594,7 @@ def signed(tmp_path, chain):
 
 def test_signed_stream_and_tampered_record(signed, tmp_path, chain, chain_fps):
     store, key = signed
-    assert all(json.loads(store.get(commit_key(v)))["signature"]["alg"] == "ed25519" for v in range(1, 5))
+    assert all(json.loads(store.get(commit_key(v)))["signature"]["alg"] == SIGNATURE_ALG for v in range(1, 5))
     assert all(row["signed"] for row in json.loads(run_ok("log", store.url, "--json").stdout))
     ck = str(tmp_path / "sub.safetensors")
     run_ok("sync", store.url, ck, "--to", "3", "--verify-key", key + ".pub", "--id", "sig")

@@ -25,7 +25,7 @@ from _stream_util import (
 
 import deltarefit
 from deltarefit.errors import VerificationError
-from deltarefit.signing import KEY_MAX_BYTES, SignatureError
+from deltarefit.signing import KEY_MAX_BYTES, SIGNED_PREFIX, SignatureError
 from deltarefit.storage import LocalStore
 from deltarefit.stream import Publisher, StreamError, Subscriber
 from deltarefit.stream import records as records_mod
@@ -200,7 +200,7 @@ def test_every_record_carries_the_stream_identity_under_the_signature(tmp_path, 
     ident = recs[0].stream
     assert ident and len(ident) == 32 and all(r.stream == ident for r in recs)
     assert stream_identity(st) == ident
-    assert all(json.loads(r.signed_bytes())["stream"] == ident for r in recs)
+    assert all(json.loads(r.signed_bytes().removeprefix(SIGNED_PREFIX))["stream"] == ident for r in recs)
     rows = json.loads(run_ok("log", store, "--json").stdout)
     assert [row["stream"] for row in rows] == [ident] * 3
 

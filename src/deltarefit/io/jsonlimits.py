@@ -14,7 +14,11 @@ passes over slices of the text, without building anything:
 * optionally (``bytes_per_string``), at most one string (an object's key included) per that many bytes
   of text: a string costs Python 50-60 bytes however short, so a text of short strings or keys costs
   up to 16 bytes per byte where this bound does not hold (escaped quotes are counted too, which only
-  makes it stricter).
+  makes it stricter);
+* optionally (``bytes_per_value``), at most one value per that many bytes, counting a value per comma and
+  per array or object (commas inside strings are counted too): every element of a container costs
+  Python at least its 8-byte slot, and a number or a string an object of 24-60 bytes more, so text
+  of one-byte numbers (``[0,0,...]``) or floats (``[1.0,...]``) is what this bounds.
 
 What passes still costs memory in proportion to its length (up to about 16 bytes per byte of text for a
 list of short strings, which ``arrays_of_numbers`` rules out, and about 12 for an object of many short
@@ -73,29 +77,32 @@ def small_json(raw: bytes, *, max_depth: int = 8, bytes_per_container: int = 16)
 
 def json_shape_problem(raw: bytes, *, max_depth: int, bytes_per_container: int, slack: int = 64,
                        arrays_of_numbers: bool = False, max_array_len: int | None = None,
-                       bytes_per_string: int | None = None) -> str | None:
+                       bytes_per_string: int | None = None, bytes_per_value: int | None = None) -> str | None:
     """What is wrong with the shape of JSON text ``raw`` (one line, no location), or None.
     ``arrays_of_numbers``: arrays may not hold strings, objects or arrays (a safetensors header's shapes
     and offsets), which rules out lists of short strings, the costliest text per byte.
     ``max_array_len`` (with ``arrays_of_numbers``, whose arrays do not nest in the formats read here):
     no array holds more elements (a shape of millions of numbers is refused before it is built).
     ``bytes_per_string``: at most one string or key per that many bytes (plus ``slack``).
+    ``bytes_per_value``: at most one value (a comma, or a container's first element) per that many bytes
+    (plus ``slack``).
 
     Not a validator: ``None`` means only that parsing it cannot amplify memory beyond the bounds in
     the module docstring; the caller still parses and checks types."""
     return json_shape_problem_of_pieces([raw], max_depth=max_depth, bytes_per_container=bytes_per_container,
                                         slack=slack, arrays_of_numbers=arrays_of_numbers, max_array_len=max_array_len,
-                                        bytes_per_string=bytes_per_string)
+                                        bytes_per_string=bytes_per_string, bytes_per_value=bytes_per_value)
 
 
 def json_shape_problem_of_pieces(pieces: Iterable[bytes], *, max_depth: int, bytes_per_container: int,
                                  slack: int = 64, arrays_of_numbers: bool = False,
-                                 max_array_len: int | None = None, bytes_per_string: int | None = None) -> str | None:
+                                 max_array_len: int | None = None, bytes_per_string: int | None = None,
+                                 bytes_per_value: int | None = None) -> str | None:
     """``json_shape_problem`` of the text that ``pieces`` make end to end (cut anywhere, a string or an
     escape included), read once, piece by piece: what it holds at once is a piece and the numpy
     temporaries of one ``_SLICE``, so a text that is never whole in memory (a manifest as it is
     decompressed) is checked in a few MiB."""
-    count = [0, 0, 0]  # bytes, brackets, quotes
+    count = [0, 0, 0, 0]  # bytes, brackets, quotes, commas
 
     def counted() -> Iterator[bytes]:
         for piece in pieces:
@@ -103,6 +110,8 @@ def json_shape_problem_of_pieces(pieces: Iterable[bytes], *, max_depth: int, byt
             count[1] += piece.count(b"[") + piece.count(b"{")
             if bytes_per_string is not None:
                 count[2] += piece.count(b'"')
+            if bytes_per_value is not None:
+                count[3] += piece.count(b",")
             yield piece
 
     depth, in_array, longest = _scan(_unescaped(counted()), arrays_of_numbers)
@@ -113,6 +122,9 @@ def json_shape_problem_of_pieces(pieces: Iterable[bytes], *, max_depth: int, byt
     if bytes_per_string is not None and count[2] // 2 > count[0] // bytes_per_string + slack:
         return (f"holds {count[2] // 2} JSON strings in {count[0]} bytes, more than one per {bytes_per_string} "
                 f"bytes (limit {count[0] // bytes_per_string + slack})")
+    if bytes_per_value is not None and count[3] + containers > count[0] // bytes_per_value + slack:
+        return (f"holds {count[3] + containers} JSON values in {count[0]} bytes, more than one per {bytes_per_value} "
+                f"bytes (limit {count[0] // bytes_per_value + slack})")
     if depth > max_depth:
         return f"nests JSON {depth} levels deep, limit {max_depth}"
     if in_array:

@@ -51,22 +51,26 @@ from ..dtypes import dtype as lookup_dtype
 from ..errors import FormatError, IntegrityError, LimitError
 from ..geometry.projection import Box, intersect_boxes
 from ..integrity import additive as D
-from ..io.jsonlimits import json_shape_problem
+from ..io.jsonlimits import json_shape_problem_of_pieces
 
 MAGIC = b"DRSHPART"
 FORMAT_VERSION = 1
-# What a real header needs: about 40 bytes per listed chunk (a keyframe lists every 1 MiB chunk), so
-# 16 MiB lists some 400,000 chunks, 400 GB of one rank's weights; what parsing a hostile header of that
-# size can cost (its shape bounded below) stays under 256 MiB (``bench.bombs --other``).
+# What a real header needs: about 250 bytes per cell (its box and two digests; the tensor's name, dtype
+# and shape once per tensor) and 45 per listed chunk (a keyframe lists every 1 MiB chunk). A rank of a
+# 1T-parameter MoE over 256 ranks, its experts spread by expert parallelism, covers about 1,000 checkpoint
+# tensors (its experts, its slices of the dense ones), each cut into at most 8 cells by the rollout
+# layouts: 8,000 x 250 bytes = 2 MB, and its 8 GB of weights are 8,000 chunks, 360 KB, on a keyframe.
+# 16 MiB leaves seven times that (60,000 cells of one rank). What parsing a hostile header that size
+# costs (its shape bounded below) stays under 256 MiB (``bench.hostile``).
 MAX_HEADER = 16 << 20
 HEADER_MAX_DEPTH = 8
-# One array/object per 9 bytes at the densest run (a box's [off, stride, len]), one per 25 or more over
-# a cell; a 3-element list costs Python about 90 bytes.
-HEADER_BYTES_PER_CONTAINER = 8
-# Real headers hold one string (keys included) per 17 bytes or more (tensor names, dtypes, hex digests,
-# encodings); a string costs Python 50-60 bytes however short.
-HEADER_BYTES_PER_STRING = 8
+# Real headers hold one array/object per 29 bytes or more (a cell of a 2-d box and one chunk; a keyframe's
+# chunk lists run at one per 40) and one string (keys included) per 24 bytes or more (a delta of many
+# small cells: keys, digests); a 3-element list costs Python about 90 bytes, a string 50-60.
+HEADER_BYTES_PER_CONTAINER = 16
+HEADER_BYTES_PER_STRING = 16
 _PREFIX = struct.Struct("<8sHHI")
+_PIECE = 1 << 20  # the shape pass reads the header in slices of this many bytes
 
 
 @dataclass(frozen=True)
@@ -154,11 +158,13 @@ def part_head(data: bytes | memoryview) -> bytes:
     return bytes(mv[:_PREFIX.size + hlen])
 
 
-def read_part(data: bytes | memoryview, where: str = "part", *, head_only: bool = False) -> Part:
+def read_part(data: bytes | memoryview, where: str = "part", *, head_only: bool = False,
+              max_header: int = MAX_HEADER) -> Part:
     """Parse and validate a part (every bound checked before any payload is decoded). With
     ``head_only``, ``data`` is ``part_head`` of it: everything but the payload is checked, and chunk
-    offsets are checked against the header's payload size; the result has an empty payload."""
-    h, payload = _read_header(memoryview(data), where)
+    offsets are checked against the header's payload size; the result has an empty payload.
+    ``max_header``: a tighter bound on its header (``budget.header_budget`` of the version manifest)."""
+    h, payload = _read_header(memoryview(data), where, min(max_header, MAX_HEADER))
     payload_bytes = _check_payload(h, payload, where, head_only)
     for k in ("version", "rank", "world"):
         _int(h.get(k), f"{where}: {k}")
@@ -175,7 +181,7 @@ def read_part(data: bytes | memoryview, where: str = "part", *, head_only: bool 
     return Part(h, tuple(tensors), payload)
 
 
-def _read_header(mv: memoryview, where: str) -> tuple[dict, memoryview]:
+def _read_header(mv: memoryview, where: str, cap: int = MAX_HEADER) -> tuple[dict, memoryview]:
     """The fixed prefix and JSON header of a part, checked; the header and the bytes after it."""
     if len(mv) < _PREFIX.size:
         raise FormatError(f"{where}: {len(mv)} bytes is too short for a part")
@@ -184,18 +190,21 @@ def _read_header(mv: memoryview, where: str) -> tuple[dict, memoryview]:
         raise FormatError(f"{where}: not a deltarefit shard part (magic {magic!r})")
     if ver != FORMAT_VERSION or zero:
         raise FormatError(f"{where}: unsupported part format version {ver}")
+    if hlen > cap and cap < MAX_HEADER:
+        raise LimitError(f"{where}: header of {hlen} bytes exceeds the {cap} bytes what the version manifest says "
+                         "the part covers may need")
     if hlen > MAX_HEADER or _PREFIX.size + hlen > len(mv):
         raise LimitError(f"{where}: header of {hlen} bytes does not fit")
-    raw = bytes(mv[_PREFIX.size:_PREFIX.size + hlen])
+    raw = mv[_PREFIX.size:_PREFIX.size + hlen]
     # Memory before trust: the header's shape is bounded before json.loads builds it (a part nests 7
-    # levels, and holds one array/object per 9 bytes at the densest run, a box's [off, stride, len];
-    # one string per 17 bytes).
-    why = json_shape_problem(raw, max_depth=HEADER_MAX_DEPTH, bytes_per_container=HEADER_BYTES_PER_CONTAINER,
-                             bytes_per_string=HEADER_BYTES_PER_STRING)
+    # levels), read in slices (no copy of the header), and its text is decoded straight from the part.
+    why = json_shape_problem_of_pieces((bytes(raw[i:i + _PIECE]) for i in range(0, hlen, _PIECE)),
+                                       max_depth=HEADER_MAX_DEPTH, bytes_per_container=HEADER_BYTES_PER_CONTAINER,
+                                       bytes_per_string=HEADER_BYTES_PER_STRING)
     if why is not None:
         raise LimitError(f"{where}: header {why}")
     try:
-        h = json.loads(raw.decode("utf-8"))
+        h = json.loads(str(raw, "utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FormatError(f"{where}: header is not JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(h, dict) or h.get("format") != "deltarefit.shard_part" or h.get("format_version") != 1:
@@ -390,10 +399,23 @@ def parts_needed(manifest: dict, boxes: dict[str, list[Box]]) -> list[int]:
     return need
 
 
+# What a real version manifest needs: about 160 bytes per tensor (its name, dtype, shape and two digests)
+# and 75 per tensor a part covers. A 1T-parameter MoE of 71,000 checkpoint tensors (61 layers of 384
+# experts of 3 matrices, and the dense ones) over 256 ranks with its experts spread by expert parallelism
+# (each rank covering about 1,000 tensors: its experts and its slices of the dense ones) needs
+# 71,000 x 160 + 256 x 1,000 x 75 bytes = 30 MB. Past the cap a manifest is refused before it is read.
+MAX_MANIFEST_BYTES = 32 << 20
+
+
 def manifest_bytes(manifest: dict) -> bytes:
-    """Canonical bytes (what a signature covers): sorted keys, compact separators, UTF-8, no signature."""
+    """Canonical bytes (what a signature covers): sorted keys, compact separators, UTF-8, no signature.
+    Refused (``LimitError``) past ``MAX_MANIFEST_BYTES``, here, rather than by every reader."""
     m = {k: v for k, v in manifest.items() if k != "signature"}
-    return json.dumps(m, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    data = json.dumps(m, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise LimitError(f"version manifest of {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES >> 20} MiB limit "
+                         "(too many tensors covered by too many parts)")
+    return data
 
 
 def sign_manifest(manifest: dict, signer) -> dict:

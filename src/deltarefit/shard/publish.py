@@ -32,6 +32,7 @@ from ..errors import UsageError
 from ..geometry.projection import AP, INDEX_BLOCK, Axis, Box, Piece, box_indices
 from ..integrity import SEGMENT_BYTES
 from ..integrity import additive as D
+from .budget import MIN_CHUNK_BYTES
 from .convert import FP8_BLOCK, FP8_MAX, SCALE_SUFFIX, _f32, e4m3fn_bits, fp8_block_shape, to_served_bits
 from .names import Layout, LocalTensor
 from .part import Part, read_part, write_part
@@ -168,6 +169,8 @@ class ShardPublisher:
         self.layout = layout
         self.rank, self.world = rank, world
         self.cuts = dict(cuts or {})
+        if chunk_bytes < MIN_CHUNK_BYTES:  # readers budget a part's header by chunks of at least this size
+            raise UsageError(f"chunk_bytes {chunk_bytes}: at least {MIN_CHUNK_BYTES} (budget.MIN_CHUNK_BYTES)")
         self.chunk_bytes = chunk_bytes
         self.dtypes: dict[str, str] = {}
         for lname, lt in layout.items():

@@ -47,7 +47,7 @@ from ..stream.records import (
     parse_ref,
     record_json,
 )
-from .part import part_head
+from .part import MAX_MANIFEST_BYTES, part_head
 
 SHARD_COMMIT_FORMAT = "deltarefit.shard_commit"
 SHARD_COMMIT_VERSION = 1
@@ -196,16 +196,18 @@ def parse_shard_commit(data: bytes, where: str) -> ShardCommit:
     return rec
 
 
-def load_shard_commit(store: Store, version: int) -> ShardCommit:
-    return load_record(store, version, parse_shard_commit)
+def load_shard_commit(store: Store, version: int, verifier=None) -> ShardCommit:
+    """The sharded commit record of ``version``; with ``verifier`` (``signing.Verifier``), its signature
+    is checked over the bytes read before they are parsed (``load_record``)."""
+    return load_record(store, version, parse_shard_commit, verifier)
 
 
-def shard_stream_identity(store: Store) -> str | None:
+def shard_stream_identity(store: Store, verifier=None) -> str | None:
     """The identity of the sharded stream in ``store`` (its version 1's, or the legacy identity derived
-    from that record); None without a version 1."""
+    from that record); None without a version 1. With ``verifier``, signature-checked before parsing."""
     if not store.exists(commit_key(1)):
         return None
-    first = load_shard_commit(store, 1)
+    first = load_shard_commit(store, 1, verifier)
     return first.stream or legacy_identity(first)
 
 
@@ -233,17 +235,27 @@ def _put_once(store: Store, key: str, data: bytes) -> None:
                           "publish under a fresh attempt id")
 
 
+# Real manifests hold one array/object per 20 bytes or more (a part's covers: a box per tensor) and one
+# string (keys included) per 19 bytes or more (a tensor's entry); what these bounds admit parses in
+# about 7 bytes per byte at most (``bench.hostile``), so a manifest at the cap stays under 256 MiB.
+MANIFEST_BYTES_PER_CONTAINER = 16
+MANIFEST_BYTES_PER_STRING = 16
+
+
 def load_manifest(store: Store, rec: ShardCommit) -> dict:
     """The version manifest of a commit, checked against the record (bytes, parts, fingerprints)."""
     where = f"{store.url}/{rec.manifest.key}"
+    if rec.manifest.bytes > MAX_MANIFEST_BYTES:  # never read, whatever an (unsigned) record says
+        raise StreamError(f"{where}: manifest of {rec.manifest.bytes} bytes exceeds the limit "
+                          f"({MAX_MANIFEST_BYTES >> 20} MiB)")
     data = _get_checked(store, rec.manifest, f"manifest of version {rec.version}")
-    # Memory before trust (the record may be unsigned): the shape first (a manifest nests 6 levels and
-    # holds one array/object per ~15 bytes at the densest, a part's covers; one string per 23 bytes).
-    why = json_shape_problem(data, max_depth=8, bytes_per_container=6, bytes_per_string=12)
+    # Memory before trust (the record may be unsigned): the shape first (a manifest nests 6 levels).
+    why = json_shape_problem(data, max_depth=8, bytes_per_container=MANIFEST_BYTES_PER_CONTAINER,
+                             bytes_per_string=MANIFEST_BYTES_PER_STRING)
     if why is not None:
         raise StreamError(f"{where}: malformed manifest ({why})")
     try:
-        man = json.loads(data.decode("utf-8"))
+        man = json.loads(data)
         ok = (isinstance(man, dict) and man.get("format") == "deltarefit.shard_version"
               and man.get("version") == rec.version and man.get("keyframe") == rec.keyframe
               and man.get("world") == rec.world and isinstance(man.get("tensors"), dict)

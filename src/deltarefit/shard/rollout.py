@@ -37,6 +37,7 @@ from ..dtypes import dtype as lookup_dtype
 from ..errors import BaseMismatchError, UsageError, VerificationError
 from ..geometry.projection import Piece, box_indices, intersect_boxes
 from ..integrity import additive as D
+from .budget import header_budget
 from .names import Layout
 from .part import Cell, Part, TensorPart, check_blob, parts_needed, read_part
 
@@ -241,7 +242,7 @@ def apply_version(manifest: dict, blobs: Sequence[bytes | memoryview | None] | M
         if blob is None:
             continue
         check_blob(manifest, r, blob)
-        pt = read_part(blob, f"version {manifest['version']} part {r}")
+        pt = read_part(blob, f"version {manifest['version']} part {r}", max_header=header_budget(manifest, r))
         if pt.version != manifest["version"] or pt.header["rank"] != r:
             raise UsageError(f"part {r} is rank {pt.header['rank']} of version {pt.version}")
         parts.append(pt)

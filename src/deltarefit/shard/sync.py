@@ -35,6 +35,7 @@ from ..stream.records import (
     held_version,
     record_version,
 )
+from .budget import header_budget
 from .group import TPGroup
 from .names import Layout, identity_layout
 from .part import read_part
@@ -77,7 +78,8 @@ def _layout_for(layout: Layout | None, tensors: Mapping[str, object], man: dict)
 
 def _at_version(man: dict, blobs: Mapping[int, bytes], tensors, layout: Layout) -> bool:
     """Whether every cell of the version meeting this rank's slices is at its target (read-only)."""
-    parts = [read_part(b, f"version {man['version']} part {r}") for r, b in sorted(blobs.items())]
+    parts = [read_part(b, f"version {man['version']} part {r}", max_header=header_budget(man, r))
+             for r, b in sorted(blobs.items())]
     try:
         todo, _ = _plan(parts, tensors, layout, owners_only=False, require_cover=True)
     except (BaseMismatchError, VerificationError, FormatError, UsageError):
@@ -106,7 +108,7 @@ class _Stager:
     def stage(self, v: int) -> tuple[ShardCommit, dict, dict[int, bytes]]:
         if v not in self.cache:
             where = f"{self.store.url}/{commit_key(v)}"
-            rec = load_shard_commit(self.store, v)
+            rec = load_shard_commit(self.store, v, self.verifier)  # signature checked before parsing
             if self.verifier is not None:
                 check_record_signature(rec.signature, rec.signed_bytes(), self.verifier, where)
             check_identity(rec, self.ident, where)
@@ -138,11 +140,12 @@ def _agreed(g: TPGroup, err: DeltaRefitError | None, theirs: DeltaRefitError) ->
         raise err if err is not None else theirs
 
 
-def _followed_identity(store: Store, state_path: str) -> str | None:
-    """The identity of the stream this rank follows: recorded with its version, else the store's;
-    refused when the store holds another stream."""
+def _followed_identity(store: Store, state_path: str, verifier: Verifier | None = None) -> str | None:
+    """The identity of the stream this rank follows: recorded with its version, else the store's (with
+    ``verifier``, its version 1 signature-checked before parsing); refused when the store holds another
+    stream."""
     held = (held_state(state_path) or {}).get("stream_id")
-    store_ident = shard_stream_identity(store)
+    store_ident = shard_stream_identity(store, verifier)
     if held is not None and store_ident is not None and held != store_ident:
         raise StreamIdentityError(f"{store.url}: holds stream {store_ident}, {state_path} records stream {held} "
                                   "(store wiped and republished, or another run's store?)")
@@ -222,8 +225,9 @@ def stage_sharded(store: Store | str, tensors, layout: Layout | None = None, *, 
     store = open_store(store) if isinstance(store, str) else store
     tensors, _ = _module_tensors(tensors)
     target = sync_target(store.url, head(store), to_version)
-    st = _Stager(store, tensors, layout, Verifier(public_key) if public_key is not None else None,
-                 _followed_identity(store, state_path), holds_all, public_key)
+    verifier = Verifier(public_key) if public_key is not None else None
+    st = _Stager(store, tensors, layout, verifier, _followed_identity(store, state_path, verifier), holds_all,
+                 public_key)
     cur = held_version(state_path)
     if cur is not None and cur[0] < target:
         check_links({v: st.stage(v)[0] for v in range(cur[0] + 1, target + 1)}, cur, store.url)
@@ -268,7 +272,7 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
     target = sync_target(store.url, head(store), to_version)
     remove_dead_temps_beside(state_path)  # a sync killed while recording its version
     cur = held_version(state_path)
-    ident = _followed_identity(store, state_path)
+    ident = _followed_identity(store, state_path, verifier)
     start = cur[0] if cur else 0
     if not g.same([start, target]):
         raise UsageError("the ranks of the TP group hold different versions or sync to different ones")
@@ -280,7 +284,7 @@ def sync_sharded(store: Store | str, tensors, layout: Layout | None = None, *, s
         else _Stager(store, tensors, layout, verifier, ident, holds_all, public_key)
     route = "chain"
     if cur is None:
-        first, route = newest_keyframe(lambda v: load_shard_commit(store, v), target), "keyframe"
+        first, route = newest_keyframe(lambda v: load_shard_commit(store, v, verifier), target), "keyframe"
         found = _adopted(st, g, target, first) if adopt else None  # tensors loaded by another path
         if found is not None:
             record_version(state_path, found.version, found.fingerprint, store.url, stream_id=ident)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import MalformedRecordError, StreamError, UsageError
+from ..signing import check_stored_signature
 from ..storage.base import GET_RANGE, MTIME, Store
 
 log = logging.getLogger(__name__)
@@ -124,9 +125,11 @@ def sync_target(url: str, h: int, to_version: int | None) -> int:
     return target
 
 
-def load_record(store: Store, version: int, parse: Callable[[bytes, str], Any]):
+def load_record(store: Store, version: int, parse: Callable[[bytes, str], Any], verifier: Any = None):
     """The commit record of ``version``, parsed by ``parse(data, where)`` (plain or sharded records),
-    refused unless it says it is that version."""
+    refused unless it says it is that version. With ``verifier`` (``signing.Verifier``), its signature
+    is checked over the bytes read before anything parses them (``signing.check_stored_signature``;
+    ``SignatureError`` naming ``<url> version <v>``): a forged record costs its size, not its parse."""
     try:
         data = get_capped(store, commit_key(version), MAX_RECORD_BYTES)
     except KeyError:
@@ -134,6 +137,8 @@ def load_record(store: Store, version: int, parse: Callable[[bytes, str], Any]):
     if data is None:
         raise MalformedRecordError(f"{store.url}/{commit_key(version)}: commit record exceeds the limit "
                                    f"({MAX_RECORD_BYTES >> 20} MiB)")
+    if verifier is not None:
+        check_stored_signature(data, verifier, f"{store.url} version {version}")
     rec = parse(data, f"{store.url}/{commit_key(version)}")
     if rec.version != version:
         raise MalformedRecordError(f"{store.url}/{commit_key(version)}: record says version {rec.version}")

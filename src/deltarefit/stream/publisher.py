@@ -232,7 +232,7 @@ class Publisher:
         """The record of ``version``, refused (with the way out) unless ``_check_trust`` accepts it."""
         where = f"{self.store.url}/{commit_key(version)}"
         try:
-            rec = load_commit(self.store, version)
+            rec = load_commit(self.store, version, self.verifier if signed else None)  # signed: checked unparsed
             self._check_trust(rec, sid, signed, where)
         except (MalformedRecordError, StreamIdentityError, SignatureError) as e:
             raise type(e)(f"{e}{QUARANTINE_FIX}") from None

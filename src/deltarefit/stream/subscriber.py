@@ -164,9 +164,9 @@ class Subscriber:
 
     def _load(self, version: int) -> CommitRecord:
         try:
-            return load_commit(self.store, version)
-        except MalformedRecordError as e:
-            raise MalformedRecordError(f"{e}{QUARANTINE_FIX}") from None
+            return load_commit(self.store, version, self.verifier)  # with a key: signature checked unparsed
+        except (MalformedRecordError, SignatureError) as e:
+            raise type(e)(f"{e}{QUARANTINE_FIX}") from None
 
     def _commit(self, version: int) -> CommitRecord:
         """The record of ``version``, refused unless it is of the followed stream and, with a key,
@@ -234,7 +234,7 @@ class Subscriber:
         """The identity of the followed stream (``records.followed_stream``: ``held``, the holder's, else
         pinned, else the store's), told to the holder (``bind_stream``)."""
         self._ident = followed_stream(self.store, held, self.pinned_stream, self.checkpoint, REPAIR_FIX,
-                                      QUARANTINE_FIX)
+                                      QUARANTINE_FIX, self.verifier)
         self.holder.bind_stream(self._ident)
 
     def _sync(self, to_version: int | None, verify: bool, repair: bool, plan_only: bool) -> SyncReport | Planned:

@@ -18,6 +18,12 @@ Then it starts a ``deltarefit relay root`` on an empty store, opens ``--connecti
 it on loopback that never authenticate (each completes the handshake, declares the largest frame
 and floods bytes for ``--seconds``), and prints the root's RSS before and its peak after, and how many
 connections it answered BUSY.
+Then "memory before trust, by input shape" (``trust_memory``): a commit record (in a signed stream,
+unsigned or forged; in an unsigned one, the costliest text its bounds admit), a part header, a version
+manifest, a key file and a local JSON state file, each at its cap: the traced peak, its size, the ratio
+and whether it is under 256 MiB and twice its size plus 32 MiB.
+Then the counts of the classes already fixed (``classes``, ``--no-classes`` skips it): exits that
+disagree with docs/COMMAND-LINE.md, planted files, the engine's trust, from the tests that pin them.
 Then the "filesystem faults" section (``fs_faults``, ``--no-fs-faults`` skips it): ``apply``,
 ``encode``, ``sync``, ``publish`` and ``retain`` on a full tmpfs (a sweep of fill levels), a
 read-only one and a directory they may not write, each rerun with the fault lifted; by command and
@@ -293,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connections", type=int, default=40)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--no-fs-faults", action="store_true", help="Skip the filesystem-faults section.")
+    ap.add_argument("--no-classes", action="store_true", help="Skip the counts from the tests (classes.py).")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="deltarefit-hostile-") as tmp:
         print(f"{'case':<44} {'input':>10} {'rc':>3} {'peak RSS':>10} {'time':>7}  refusal")
@@ -318,6 +325,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{f['rss_before'] / MIB:.0f} MiB before, peak {f['hwm_after'] / MIB:.0f} MiB after "
               f"(+{(f['hwm_after'] - f['rss_before']) / MIB:.0f} MiB); {f['hello']} got a handshake, "
               f"{f['busy']} were answered BUSY; {f['sent'] / MIB:.1f} MiB sent to it")
+        from .trust_memory import section as trust_memory
+
+        trust_memory()
+        if not a.no_classes:
+            from .classes import section as classes
+
+            classes()
         if not a.no_fs_faults:
             from .fs_faults import section
 

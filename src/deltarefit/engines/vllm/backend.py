@@ -135,8 +135,9 @@ def head_signed(store: Any, public_key: str) -> int:
     v = head(store)
     if v == 0:
         raise StreamError(f"{store.url}: no version in this stream")
-    rec = load_commit(store, v)
-    check_record_signature(rec.signature, rec.signed_bytes(), Verifier(public_key), f"{store.url} version {v}")
+    verifier = Verifier(public_key)
+    rec = load_commit(store, v, verifier)  # the signature checked over the bytes read, before parsing
+    check_record_signature(rec.signature, rec.signed_bytes(), verifier, f"{store.url} version {v}")
     return v
 
 

@@ -279,12 +279,12 @@ class EngineTrust:
         assert self.verify_key is not None
         verifier = Verifier(self.verify_key)
         for v in range(head(store), 0, -1):
-            rec = load_commit(store, v)
+            try:  # the signature is checked over the record's bytes before they are parsed
+                rec = load_commit(store, v, verifier)
+                check_record_signature(rec.signature, rec.signed_bytes(), verifier, f"{store.url} version {v}")
+            except SignatureError:
+                continue  # an unsigned or forged record: an older, signed one may still name it
             if rec.fingerprint == fingerprint:
-                try:
-                    check_record_signature(rec.signature, rec.signed_bytes(), verifier, f"{store.url} version {v}")
-                except SignatureError:
-                    continue  # an unsigned or forged record naming it: an older, signed one may still
                 return v
         raise UntrustedError(f"deltarefit: {what} leads to {fingerprint[:16]}…, which no version of {store.url} "
                              f"signed by key {self.key_id} ({ENV_VERIFY_KEY}) holds")

@@ -1,0 +1,159 @@
+"""Memory before trust, by input shape: what each untrusted input costs the Python heap before it is
+trusted or refused, next to its size (``bench.hostile`` prints these rows; ``tests/test_trust_memory.py``
+asserts the bounds with the same builders).
+
+Each row is one input at its cap, in the costliest shape its checks admit (or the bomb they refuse):
+
+* a commit record in a signed stream, unsigned or with a forged signature (refused over its raw bytes
+  before it is parsed: ``signing.check_stored_signature``);
+* a commit record in an unsigned stream (parsed, its shape bounded: ``records.record_json``);
+* a sharded part header, and a version manifest (their shapes bounded; the manifest capped before it
+  is read), and either in a signed stream (checked against the size and BLAKE3 the record names);
+* a key file (``/dev/zero``, a large file) and a local JSON state file (deep brackets, many strings).
+
+``python -m deltarefit.apps.bench.trust_memory`` prints this section alone. The peak is tracemalloc's (the
+Python heap; the interpreter's own baseline not counted). The target
+(issue 46): under 256 MiB for every input, and under twice its size plus ``FIXED`` (32 MiB).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import tracemalloc
+from collections.abc import Callable
+
+MIB = 1 << 20
+FIXED = 32 * MIB
+
+
+def traced(f: Callable[[], object]) -> tuple[int, str]:
+    """Peak traced heap of ``f()`` and its refusal (``Type: message``; "" when it returned)."""
+    from ...errors import DeltaRefitError
+
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    err = ""
+    try:
+        f()
+    except (DeltaRefitError, ValueError) as e:
+        err = f"{type(e).__name__}: {str(e)[:110]}"
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak, err
+
+
+def fill(head: bytes, unit: bytes, size: int, tail: bytes) -> bytes:
+    return head + unit * ((size - len(head) - len(tail)) // len(unit)) + tail
+
+
+def keys_record(size: int, unit: bytes = b'"k%017d":1.5,') -> bytes:
+    """A commit record of ``size`` bytes that is one object of distinct keys (the costliest text the
+    record's bounds admit: a key per 24 bytes, a float value)."""
+    head = b'{"format":"deltarefit.commit","x":{'
+    n = (size - len(head) - 16) // len(unit % 0)
+    return head + b"".join(unit % i for i in range(n)) + b'"z":0}}'
+
+
+def forged(record: bytes) -> bytes:
+    """``record`` with a signature member in the stored form, whose signature is not the signer's."""
+    from ...signing import SIGNATURE_ALG
+
+    member = (b',\n "signature": {\n  "alg": "%s",\n  "key_id": "%s",\n  "sig": "%s"\n }'
+              % (SIGNATURE_ALG.encode(), b"0" * 16, b"ab" * 64))
+    return record[:-2] + member + record[-2:]
+
+
+def part_blob(body: bytes) -> bytes:
+    from ...shard import part as sp
+
+    return sp._PREFIX.pack(sp.MAGIC, sp.FORMAT_VERSION, 0, len(body)) + body
+
+
+PART_HEAD = b'{"format":"deltarefit.shard_part","tensors":['
+
+
+def rows() -> list[tuple[str, int, int, str]]:
+    """(input, size, traced peak, refusal) for every shape above."""
+    import blake3
+
+    from ...shard import part as sp
+    from ...shard.records import ShardCommit, load_manifest
+    from ...signing import Signer, keygen
+    from ...storage.memory import MemoryStore
+    from ...stream.records import MAX_RECORD_BYTES, Part, commit_key, held_state, load_commit, record_json
+
+    out = []
+
+    def row(what: str, size: int, f: Callable[[], object]) -> None:
+        peak, err = traced(f)
+        out.append((what, size, peak, err))
+
+    with tempfile.TemporaryDirectory(prefix="deltarefit-trust-memory-") as tmp:
+        key = os.path.join(tmp, "k.pem")
+        keygen(key)
+        verifier = Signer(key).verifier()
+        store = MemoryStore("trust-memory")
+        rec = keys_record(MAX_RECORD_BYTES - 256)
+        for what, data in (("commit record, signed stream, unsigned", rec),
+                           ("commit record, signed stream, forged", forged(rec))):
+            store.put(commit_key(1), data)
+            row(what, len(data), lambda: load_commit(store, 1, verifier))
+        row("commit record, unsigned stream (keys)", len(rec), lambda d=rec: record_json(d, "commit.json"))
+        strings = fill(b'{"format":"deltarefit.commit","x":[', b'"abcdefghijklmnopqrstu",', MAX_RECORD_BYTES, b'"a"]}')
+        row("commit record, unsigned stream (strings)", len(strings), lambda d=strings: record_json(d, "commit.json"))
+        del rec, strings
+        for what, unit, tail in (("part header, 3-lists per 16 B", b"[0,0,0],        ", b"[]]}"),
+                                 ("part header, objects per 16 B", b'{"abcdefghij":0},', b"{}]}"),
+                                 ("part header, strings per 16 B", b'"abcdefghijklm",', b'"a"]}'),
+                                 ("part header, lists per 8 B (refused)", b"[0,0,0],", b"[]]}")):
+            blob = part_blob(fill(PART_HEAD, unit, sp.MAX_HEADER, tail))
+            row(what, len(blob), lambda b=blob: sp.read_part(b))
+        over = part_blob(b" " * (sp.MAX_HEADER + 1))
+        row("part header over the cap", len(over), lambda b=over: sp.read_part(b))
+        del blob, over
+        mkey = "v/000000000001/0123456789abcdef/manifest.json"
+        for what, unit, tail in (("manifest, 3-lists per 16 B", b"[0,0,0],        ", b"[]]}"),
+                                 ("manifest, strings per 16 B", b'"abcdefghijklm",', b'"a"]}')):
+            data = fill(b'{"format":"deltarefit.shard_version","x":[', unit, sp.MAX_MANIFEST_BYTES, tail)
+            store.put(mkey, data)
+            ref = Part(mkey, len(data), blake3.blake3(data).hexdigest())
+            srec = ShardCommit(1, None, "00" * 32, True, 1, ref, ())
+            row(what, len(data), lambda r=srec: load_manifest(store, r))
+        # In a signed stream the record names the manifest's (and each part's) size and BLAKE3: an object
+        # that is not the one signed is refused by its hash, before it is parsed.
+        other = ShardCommit(1, None, "00" * 32, True, 1, Part(mkey, len(data), "00" * 32), ())
+        row("manifest/part, signed stream, other bytes", len(data), lambda: load_manifest(store, other))
+        big = ShardCommit(1, None, "00" * 32, True, 1, Part(mkey, 1 << 34, "00" * 32), ())
+        row("manifest a record says is 16 GiB", 1 << 34, lambda: load_manifest(store, big))
+        del data  # (the store keeps the last one)
+        from ...signing import Verifier
+
+        row("key file /dev/zero", 0, lambda: Verifier("/dev/zero"))
+        big_key = os.path.join(tmp, "big.pub")
+        with open(big_key, "wb") as f:
+            f.truncate(64 * MIB)
+        row("key file of 64 MiB", 64 * MIB, lambda: Verifier(big_key))
+        state = os.path.join(tmp, "state.json")
+        for what, text in (("local state, 500,000 nested brackets", b"[" * 500_000 + b"]" * 500_000),
+                           ("local state, 60 MiB of strings", b'["' + b"a" * (60 * MIB) + b'"]')):
+            with open(state, "wb") as f:
+                f.write(text)
+            row(what, len(text), lambda: held_state(state))
+    return out
+
+
+def section() -> None:
+    """Print the rows: input, size, traced peak, peak / size, whether within the target, refusal."""
+    print(f"\nmemory before trust, by input shape (traced Python heap; target: < 256 MiB and < 2 x size + "
+          f"{FIXED >> 20} MiB)")
+    print(f"{'input':<42} {'size':>9} {'peak':>9} {'ratio':>6} {'target':>6}  refusal")
+    for what, size, peak, err in rows():
+        ok = peak < 256 * MIB and peak < 2 * size + FIXED
+        ratio = f"{peak / size:.2f}" if size else "-"
+        print(f"{what:<42} {size / MIB:>5.1f} MiB {peak / MIB:>5.1f} MiB {ratio:>6} {'yes' if ok else 'NO':>6}  "
+              f"{err[:100]}", flush=True)
+
+
+if __name__ == "__main__":  # python -m deltarefit.apps.bench.trust_memory: this section of bench.hostile alone
+    section()
