@@ -182,8 +182,8 @@ def findings(res: dict[str, Any]) -> list[str]:
         f = lay.get("fit")
         line = (f"{lay['title']}: in-place time (median) at " + ", ".join(f"{r['changed']:.1%}" for r in rs) + ": "
                 + ", ".join(f"{x:.2f} s" for x in times)
-                + ("; it grows with the changed elements" if grows else "; it does not grow monotonically with "
-                   "the changed elements"))
+                + ("" if len(times) < 2 else "; it grows with the changed elements" if grows else
+                   "; it does not grow monotonically with the changed elements"))
         if f:
             line += (f". A line through every in-place apply (run_apply plus reload, all samples) gives "
                      f"{f['fixed_s']:.2f} s fixed ({f['gbps_core']:.2f} GB/s per core over the "
