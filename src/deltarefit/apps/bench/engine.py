@@ -1,17 +1,15 @@
 """Refit of a running vLLM engine: in place (the deltarefit backend) against disk + reload and full reload.
 
 ``python -m deltarefit.apps.bench.engine [--markdown docs/ENGINES.md] [--plot docs/ENGINES.png] [--json OUT]
-[--repeat 3] [--quick]``, or ``--render OUT`` to write the report again from saved results (needs vLLM
+[--repeat 3] [--quick] [--targets adamw|ulp] [--rates R ...]``, or ``--render OUT`` to write the report again from saved results (needs vLLM
 to run; ``make bench-engine`` runs it in the vLLM venv). It builds a Llama (or Qwen3-MoE) checkpoint
 (bf16 safetensors, a WordLevel tokenizer): by default (``--targets adamw``) a random init trained a few
 AdamW steps, and as targets one more real AdamW step at the learning rate that changes each rate's
 fraction of the bf16 elements (``engine_steps``: RL-like steps, mostly one-ulp changes, spread as the
 optimizer spreads them); with ``--targets ulp`` a random init, and targets with exactly that fraction
-of every tensor's elements moved by one ulp. Then a version stream alternating base and targets
-(base, warm-up target, base,
-target 1, base, target 1, base, ..., target 2, base, ...), so every refit starts from the base or
-returns to it. Then, in
-one vLLM CPU engine per layout (the engine as it is, whose linear layers are prepacked and therefore
+of every tensor's elements moved by one ulp. From them, a version stream alternating base and targets
+(base, warm-up target, base, target 1, base, target 1, base, ..., target 2, base, ...), so every refit
+starts from the base or returns to it. Then, in one vLLM CPU engine per layout (the engine as it is, whose linear layers are prepacked and therefore
 reload targets; and with the CPU prepack switched off, the layout a GPU engine has), each refit path
 takes the engine from the base to each target and back:
 
