@@ -223,6 +223,14 @@ def test_main_without_vllm_fails_with_one_line(monkeypatch: pytest.MonkeyPatch, 
     assert err.count("\n") == 1 and "vLLM is not installed" in err
 
 
+def test_main_refuses_rates_outside_zero_one_and_unknown_targets(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        eb.main(["--rates", "0.035", "2"])
+    assert e.value.code == 2 and "--rates must be fractions in (0, 1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        eb.main(["--targets", "random"])
+
+
 def test_live_tp_bench_runs_two_real_workers_and_reports_each_split_chunk_decoded_once(tmp_path: Path) -> None:
     import json
 
