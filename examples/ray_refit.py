@@ -14,7 +14,7 @@ The steps change RL-like fractions of the served elements: the base is a random 
 ``--warmup-steps`` (8) AdamW steps before it is served, so Adam's moments hold a few steps of gradient,
 and every step after it runs at ``--lr`` (1e-5): about 2.5% of the bf16 elements change per step, most by
 one ulp. ``--toy-step`` serves the random init itself and steps a fresh AdamW at lr 1e-4 (Adam's first
-update moves every element by lr): 15-40% change per step.
+update moves every element by lr): 21-30% change per step (docs/RAY.md).
 
 Per version it prints the fraction of the served bf16 elements the step changed, the publish and the
 update time, and whether every engine's workers hold the trainer's fingerprint. Then: the round trip
