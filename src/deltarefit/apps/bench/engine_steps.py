@@ -3,7 +3,7 @@
 A policy-gradient step of a trained model at an RL learning rate changes a few percent of the bf16
 elements a rollout engine serves, most of them by one ulp. A step of a freshly initialized model under a
 fresh AdamW does not: Adam's first update is ``lr * sign(grad)`` for every element, so at lr 1e-4 a
-quarter to a third of the elements change. What brings a step to RL-like rates is the learning rate
+fifth to a third of the elements change (the Ray example's ``--toy-step``: 21-30% per step). What brings a step to RL-like rates is the learning rate
 and Adam's state, both set here:
 
 * :class:`Stepper` takes a model in fp32 under ``torch.optim.AdamW`` (weight decay 0.01), trains it
@@ -18,9 +18,10 @@ and Adam's state, both set here:
   elements (a secant in log-log space on the measured fraction, which grows with the learning rate).
 * :func:`changed` counts the changed bf16 elements of two state dicts, and those that moved by one ulp.
 
-Deterministic for a seed and a torch build (CPU). Measured with the defaults: a Llama initialized with
-std 0.02 changes about 1.6% of its bf16 elements at lr 1e-6 and 4% at 3e-6; with std 0.1 (the Ray
-example's), 0.35% at lr 1e-6, 0.9% at 3e-6 and 2.5% at 1e-5 (docs/ENGINES.md, docs/RAY.md).
+Deterministic for a seed and a torch build (CPU). Measured: on the benchmark's 124.7M Llama (std 0.02,
+8 warm-up steps at lr 1e-5) a step at lr 3.2e-7 changed 0.50% of the bf16 elements and at 3.2e-6 3.50%
+(docs/ENGINES.md); on the Ray example's Llama (std 0.1, 8 warm-up steps), steps at lr 1e-5 change 2.3-2.6%
+(docs/RAY.md). Most changes are one ulp (87-91%).
 """
 
 from __future__ import annotations
