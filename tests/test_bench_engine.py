@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deltarefit.apps.bench import engine as eb
+from deltarefit.apps.bench import engine_model as em
 from deltarefit.encode import encode
 
 
@@ -222,6 +223,14 @@ def test_main_without_vllm_fails_with_one_line(monkeypatch: pytest.MonkeyPatch, 
     assert err.count("\n") == 1 and "vLLM is not installed" in err
 
 
+def test_main_refuses_rates_outside_zero_one_and_unknown_targets(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        eb.main(["--rates", "0.035", "2"])
+    assert e.value.code == 2 and "--rates must be fractions in (0, 1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        eb.main(["--targets", "random"])
+
+
 def test_live_tp_bench_runs_two_real_workers_and_reports_each_split_chunk_decoded_once(tmp_path: Path) -> None:
     import json
 
@@ -241,3 +250,93 @@ def test_live_tp_bench_runs_two_real_workers_and_reports_each_split_chunk_decode
     assert one["held_ok"] and two["held_ok"]
     assert one["ahead"] > 0 and two["ahead"] is None  # planned ahead: one worker only
     assert "| 2 | " in md.read_text() and "planned ahead" in md.read_text()
+
+
+# ------------------------------------------------------------------------------------ RL-like targets
+
+TINY = dict(eb.QUICK_CONFIG, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1)
+
+
+def _tiny_stepper(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from deltarefit.apps.bench.engine_steps import Stepper
+
+    torch.manual_seed(seed)
+    return Stepper(LlamaForCausalLM(LlamaConfig(**TINY)), seed=seed)
+
+
+def _same_bits(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+
+
+def test_adamw_target_is_torchs_step_at_the_lr_that_changes_the_rate_deterministically() -> None:
+    from deltarefit.apps.bench.engine_steps import changed, served_bits
+
+    st = _tiny_stepper()
+    lr, f = st.lr_for(0.035)
+    assert 1e-7 < lr < 1e-4 and abs(f - 0.035) <= 0.02 * 0.035  # measured on every element: the model is small
+    target = st.step(lr)
+    n, ch, one = changed(st.base, target)
+    assert 0.01 <= ch / n <= 0.05 and ch / n == f
+    assert one / ch > 0.75  # an RL-like step: most changes are one ulp
+    st.opt.param_groups[0]["lr"] = lr  # the whole model's own AdamW step gives the same bits
+    st.opt.step()
+    assert _same_bits(served_bits(st.model), target)
+    again = _tiny_stepper()  # same seed, same torch build: the same base and target
+    assert _same_bits(again.base, st.base) and _same_bits(again.step(lr), target)
+
+
+def test_prepare_defaults_to_adamw_targets_and_the_report_names_their_lr(tmp_path: Path) -> None:
+    prep = eb.prepare(str(tmp_path), TINY, (0.015, 0.035), log=lambda s: None)
+    assert prep["targets"]["kind"] == "adamw"
+    steps = prep["targets"]["steps"]
+    for name, rate in (("warm", em.WARM_RATE), ("r0", 0.015), ("r1", 0.035)):
+        assert abs(steps[name]["changed"] - rate) <= 0.02 * rate, (name, steps[name])
+        assert prep["changed"][name] == pytest.approx(steps[name]["changed"], rel=1e-12)  # encode's count
+    assert steps["r0"]["lr"] < steps["r1"]["lr"]
+    res = {"command": "c", "machine": "m", "vllm": "0", "torch": "0", "repeat": 1, "notes": [], "layouts": [],
+           "model": {**TINY, "params": prep["params"], "bytes": prep["bytes"]},
+           "targets": {**prep["targets"], "warmup": 8, "warmup_lr": 1e-5}}
+    md = eb.markdown({**res, "findings": []})
+    assert "initialized at random (std 0.02) in fp32 and trained 8 AdamW steps" in md
+    assert f"lr {steps['r1']['lr']:.2e} changed {steps['r1']['changed']:.2%}" in md
+
+
+def test_ray_example_defaults_to_an_rl_like_step_and_keeps_the_toy_step(tmp_path: Path) -> None:
+    import importlib
+
+    from deltarefit.apps.bench.engine_steps import checkpoint_changed
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        ray_refit = importlib.import_module("ray_refit")
+    finally:
+        sys.path.pop(0)
+    a = ray_refit.parse_args([])
+    assert (a.lr, a.warmup_steps) == (1e-5, 8)
+    toy = ray_refit.parse_args(["--toy-step"])
+    assert (toy.lr, toy.warmup_steps) == (1e-4, 0)
+    cfg = ray_refit.model_config(128, 1)
+
+    def run(root: Path, args) -> list[float]:
+        """The trainer actor's own steps (TinyTrainer.train, no Ray), and what each changed."""
+        base = ray_refit.build_base(str(root / "base"), config=cfg, warmup=args.warmup_steps, lr=args.lr,
+                                    state=str(root / "steps" / "step0" / "train.pt"))
+        tr = object.__new__(ray_refit.TinyTrainer)
+        tr.root, tr.base, tr.lr, tr.config = str(root), base, args.lr, cfg
+        out, prev = [], base
+        for k in (1, 2):
+            cur = tr.train(k)
+            n, ch, _ = checkpoint_changed(prev, cur)
+            out.append(ch / n)
+            prev = cur
+        return out
+
+    got = run(tmp_path / "a", a)
+    assert all(0.01 <= f <= 0.05 for f in got), got
+    assert run(tmp_path / "b", a) == got  # deterministic
+    assert (tmp_path / "a/steps/step2/served/model.safetensors").read_bytes() == \
+        (tmp_path / "b/steps/step2/served/model.safetensors").read_bytes()
+    assert all(f > 0.1 for f in run(tmp_path / "toy", toy))  # the toy step: far more than an RL step

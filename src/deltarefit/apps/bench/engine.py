@@ -1,13 +1,15 @@
 """Refit of a running vLLM engine: in place (the deltarefit backend) against disk + reload and full reload.
 
 ``python -m deltarefit.apps.bench.engine [--markdown docs/ENGINES.md] [--plot docs/ENGINES.png] [--json OUT]
-[--repeat 3] [--quick]``, or ``--render OUT`` to write the report again from saved results (needs vLLM
-to run; ``make bench-engine`` runs it in the vLLM venv). It builds a random-init Llama checkpoint
-(bf16 safetensors, a WordLevel tokenizer), targets with a given fraction of the elements of every tensor
-moved by one ulp, and a version stream alternating base and targets (base, warm-up target, base,
-target 1, base, target 1, base, ..., target 2, base, ...), so every refit starts from the base or
-returns to it. Then, in
-one vLLM CPU engine per layout (the engine as it is, whose linear layers are prepacked and therefore
+[--repeat 3] [--quick] [--targets adamw|ulp] [--rates R ...]``, or ``--render OUT`` to write the report again from saved results (needs vLLM
+to run; ``make bench-engine`` runs it in the vLLM venv). It builds a Llama (or Qwen3-MoE) checkpoint
+(bf16 safetensors, a WordLevel tokenizer): by default (``--targets adamw``) a random init trained a few
+AdamW steps, and as targets one more real AdamW step at the learning rate that changes each rate's
+fraction of the bf16 elements (``engine_steps``: RL-like steps, mostly one-ulp changes, spread as the
+optimizer spreads them); with ``--targets ulp`` a random init, and targets with exactly that fraction
+of every tensor's elements moved by one ulp. From them, a version stream alternating base and targets
+(base, warm-up target, base, target 1, base, target 1, base, ..., target 2, base, ...), so every refit
+starts from the base or returns to it. Then, in one vLLM CPU engine per layout (the engine as it is, whose linear layers are prepacked and therefore
 reload targets; and with the CPU prepack switched off, the layout a GPU engine has), each refit path
 takes the engine from the base to each target and back:
 
@@ -53,6 +55,7 @@ from .engine_model import (  # noqa: F401
     PROMPTS,
     QUICK_CONFIG,
     RATES,
+    TARGETS,
     EngineBenchError,
     build_base,
     build_tokenizer,
@@ -69,6 +72,7 @@ from .engine_model import (  # noqa: F401
     version_plan,
 )
 from .engine_report import findings, markdown, meaning, plot  # noqa: F401
+from .engine_steps import WARMUP_LR, WARMUP_STEPS
 from .engine_worker import (
     measure,
     worker_describe,
@@ -350,9 +354,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--render", default=None, metavar="JSON",
                     help="no run: write --markdown/--plot from the results a run wrote with --json")
     ap.add_argument("--quick", action="store_true", help="a tiny model, one rate, one round trip (a smoke run)")
+    ap.add_argument("--targets", default="adamw", choices=TARGETS,
+                    help="adamw (default): each target is one real AdamW step of a model trained a few steps, at "
+                    "the lr that changes the rate's fraction of the bf16 elements; ulp: a random-init model, "
+                    "exactly that fraction of every tensor moved by one ulp")
+    ap.add_argument("--rates", type=float, nargs="+", default=None,
+                    help=f"fractions of the elements each target changes (default {' '.join(map(str, RATES))}; "
+                    f"--quick: {RATES[-1]})")
     ap.add_argument("--model", default="llama", choices=sorted(MODELS),
                     help="the model family: a dense Llama (default) or a Qwen3-MoE whose every layer is sparse")
     args = ap.parse_args(argv)
+    if args.rates is not None and not all(0 < r < 1 for r in args.rates):
+        ap.error(f"--rates must be fractions in (0, 1), got {args.rates}")
     import importlib.util
 
     try:
@@ -379,12 +392,13 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     import vllm
 
     config = MODELS[args.model][3] if args.quick else MODELS[args.model][2]
-    rates = RATES[-1:] if args.quick else RATES
+    rates = tuple(args.rates) if args.rates else RATES[-1:] if args.quick else RATES
     work = args.out or tempfile.mkdtemp(prefix="deltarefit-engine-bench-")
     work = os.path.abspath(work)
     os.makedirs(work, exist_ok=True)
     try:
-        prep = prepare(work, config, rates, 1 if args.quick else max(1, args.repeat), model=args.model)
+        prep = prepare(work, config, rates, 1 if args.quick else max(1, args.repeat), model=args.model,
+                       targets=args.targets)
         prep_path = os.path.join(work, "prep.json")
         with open(prep_path, "w") as f:
             json.dump(prep, f)
@@ -393,7 +407,8 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         res = {"command": cmd.strip(), "machine": _machine(), "vllm": vllm.__version__,
                "torch": torch.__version__.split("+")[0], "model": {**config, "params": prep["params"],
                                                                    "bytes": prep["bytes"], "family": args.model},
-               "layouts": layouts, "notes": [], "repeat": 1 if args.quick else max(1, args.repeat)}
+               "layouts": layouts, "notes": [], "repeat": 1 if args.quick else max(1, args.repeat),
+               "targets": {**prep["targets"], "warmup": WARMUP_STEPS, "warmup_lr": WARMUP_LR}}
         res["findings"] = findings(res)
         for s in res["findings"]:
             print(s)

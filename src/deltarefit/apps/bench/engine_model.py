@@ -324,23 +324,67 @@ def build_base(out: str, config: dict[str, Any], seed: int = 0, model: str = "ll
     return n
 
 
+def build_stepped(ck: dict[str, str], config: dict[str, Any], rates: dict[str, float], seed: int = 0,
+                  model: str = "llama", log=print) -> tuple[int, dict[str, dict[str, float]]]:
+    """The base ``ck["base"]`` and, for each name of ``rates``, ``ck[name]``: a random-init ``model`` in fp32
+    trained ``engine_steps.WARMUP_STEPS`` AdamW steps (the base, served in bf16), and one more AdamW step
+    from it at the learning rate that changes that fraction of the bf16 elements (``engine_steps.Stepper``).
+    Returns the parameter count and, per target, ``{"lr", "changed", "one_ulp"}`` (measured on the bits)."""
+    import torch
+    import transformers
+
+    from .engine_steps import Stepper, changed, export
+
+    cfg_cls, model_cls = (getattr(transformers, n) for n in MODELS[model][:2])
+    torch.manual_seed(seed)
+    m = model_cls(cfg_cls(**config))
+    st = Stepper(m, seed=seed)
+    export(m, st.base, ck["base"])
+    build_tokenizer(ck["base"])
+    lrs: dict[float, float] = {}
+    info = {}
+    for name, rate in rates.items():
+        if rate not in lrs:
+            lrs[rate] = st.lr_for(rate)[0]
+        bits = st.step(lrs[rate])
+        n, ch, one = changed(st.base, bits)
+        export(m, bits, ck[name])
+        build_tokenizer(ck[name])
+        info[name] = {"lr": lrs[rate], "changed": ch / n, "one_ulp": one / max(ch, 1)}
+        log(f"target {name}: one AdamW step at lr {lrs[rate]:.3g} after {st.warmup} at {st.warmup_lr:g} changes "
+            f"{ch / n:.2%} of the bf16 elements ({one / max(ch, 1):.0%} of them by one ulp)")
+    params = sum(p.numel() for p in m.parameters())
+    del m, st
+    return params, info
+
+
+TARGETS = ("adamw", "ulp")  # --targets: one real AdamW step (default), or one-ulp moves (perturb_checkpoint)
+
+
 def prepare(work: str, config: dict[str, Any], rates: Sequence[float], repeat: int = 1, log=print,
-            model: str = "llama") -> dict[str, Any]:
-    """Checkpoints, the stream and the deltas the layouts share (see the module docstring)."""
+            model: str = "llama", targets: str = "adamw") -> dict[str, Any]:
+    """Checkpoints, the stream and the deltas the layouts share (see the module docstring). ``targets``:
+    ``"adamw"`` (:func:`build_stepped`) or ``"ulp"`` (a random-init base, :func:`perturb_checkpoint`)."""
     from safetensors import safe_open
 
     from ...encode import encode
     from ...stream.publisher import Publisher
 
+    if targets not in TARGETS:
+        raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
     t = time.perf_counter()
     ck = {"base": os.path.join(work, "models", "base")}
-    params = build_base(ck["base"], config, model=model)
+    names = {"warm": WARM_RATE, **{f"r{i}": r for i, r in enumerate(rates)}}
+    ck.update({name: os.path.join(work, "models", name) for name in names})
+    steps: dict[str, dict[str, float]] = {}
+    if targets == "adamw":
+        params, steps = build_stepped(ck, config, names, model=model, log=log)
+    else:
+        params = build_base(ck["base"], config, model=model)
+        for i, (name, rate) in enumerate(names.items()):
+            perturb_checkpoint(ck["base"], ck[name], rate, seed=1000 + i)
     with safe_open(os.path.join(ck["base"], "model.safetensors"), framework="np") as f:
         elements = {k: int(np.prod(f.get_slice(k).get_shape())) for k in f.keys()}  # noqa: SIM118
-    targets = {"warm": WARM_RATE, **{f"r{i}": r for i, r in enumerate(rates)}}
-    for i, (name, rate) in enumerate(targets.items()):
-        ck[name] = os.path.join(work, "models", name)
-        perturb_checkpoint(ck["base"], ck[name], rate, seed=1000 + i)
     log(f"models: {params / 1e6:.1f}M parameters, {time.perf_counter() - t:.1f} s")
     plan = version_plan(rates, repeat, passes=2)  # in place, then in place planned while serving
     store = os.path.join(work, "store")
@@ -348,7 +392,7 @@ def prepare(work: str, config: dict[str, Any], rates: Sequence[float], repeat: i
     for name in plan["checkpoints"]:
         pub.publish(ck[name])
     deltas, changed = {}, {}
-    for name in targets:
+    for name in names:
         for way, (a, b) in (("fwd", ("base", name)), ("back", (name, "base"))):
             p = os.path.join(work, "deltas", f"{name}-{way}.delta")
             os.makedirs(os.path.dirname(p), exist_ok=True)
@@ -356,7 +400,9 @@ def prepare(work: str, config: dict[str, Any], rates: Sequence[float], repeat: i
             deltas[f"{name}-{way}"] = p
             if way == "fwd":
                 changed[name] = rep.changed_fraction
+                log(f"version {name}: {rep.changed_fraction:.2%} of the elements changed (encode)")
     log(f"stream of {len(plan['checkpoints'])} versions and {len(deltas)} deltas: {time.perf_counter() - t:.1f} s")
     return {"checkpoints": ck, "store": store, "plan": plan, "deltas": deltas, "changed": changed,
             "rates": list(rates), "params": params, "model": model, "elements": elements,
+            "targets": {"kind": targets, "steps": steps},
             "bytes": os.path.getsize(os.path.join(ck["base"], "model.safetensors"))}

