@@ -293,7 +293,8 @@ def _dir_plan(path: str) -> _Plan:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot list: {e.strerror or e}") from None
     if not names:
-        raise CheckpointError(f"{path}: no {INDEX_NAME} and no *{SUFFIX} files")
+        raise CheckpointError(f"{path}: no {INDEX_NAME} and no *{SUFFIX} files: not a checkpoint (nothing was "
+                              f"written); name a {SUFFIX} file or a directory holding them")
     return [(os.path.abspath(os.path.join(path, n)), os.path.join(path, n), None) for n in names]
 
 

@@ -54,9 +54,10 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
     def go() -> None:
         from ..errors import UsageError
         from ..stream.publisher import ALL, Publisher
-        from .hints import check_order
+        from .hints import check_kinds, check_order
 
         check_order("publish", "deltarefit publish STORE CHECKPOINT", (("store", store), ("checkpoint", checkpoint)))
+        check_kinds("publish", "deltarefit publish STORE CHECKPOINT", (("checkpoint", checkpoint),))
         if quorum != "all" and not quorum.isdigit():
             raise UsageError(f"--quorum must be a number or 'all', not {quorum!r}")
         q = ALL if quorum == "all" else int(quorum)
@@ -113,9 +114,10 @@ def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, full
     def go() -> None:
         from ..storage.base import open_store
         from ..stream.subscriber import Subscriber
-        from .hints import check_order
+        from .hints import check_kinds, check_order
 
         check_order("sync", "deltarefit sync STORE CHECKPOINT", (("store", store), ("checkpoint", checkpoint)))
+        check_kinds("sync", "deltarefit sync STORE CHECKPOINT", (("checkpoint", checkpoint),))
         _not_an_input(checkpoint, None if "://" in store else store, public_key, what="checkpoint")
         st = open_store(store, create=False)
         sub = Subscriber(st, checkpoint, subscriber_id=subscriber_id, public_key=public_key, threads=threads,
@@ -311,7 +313,8 @@ def relay_keygen(key_file) -> None:
         except FileExistsError:
             from ..errors import UsageError
 
-            raise UsageError(f"{key_file} exists; not overwriting a key") from None
+            raise UsageError(f"{key_file} exists; not overwriting a key (nothing was written): name a new path, or "
+                             "remove the old key first") from None
         click.echo(f"wrote {key_file} (copy it to every relay; keep it secret)")
 
     _run(go)

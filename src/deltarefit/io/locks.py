@@ -188,7 +188,10 @@ def _acquire(path: str, what: str) -> int:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except FileNotFoundError as e:
-            raise FileSystemError.of(f"{what}: its directory {os.path.dirname(path)} does not exist", e) from None
+            d = os.path.dirname(path)
+            err = FileSystemError.of(f"{what}: its directory {d} does not exist", e)
+            err.args = (f"{err}; nothing was written; create it first: mkdir -p {d}",)
+            raise err from None
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise CheckpointError(f"{what}: its lock file {path} is a symbolic link (planted by another "
