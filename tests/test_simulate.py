@@ -143,7 +143,7 @@ def test_cli_references_prints_the_reproduction_table():
 
 
 def test_cli_table_and_plot(tmp_path):
-    pytest.importorskip("matplotlib", reason="the plot needs the bench extra")
+    pytest.importorskip("matplotlib", reason="the plot needs the bench extra (pip install -e '.[bench]')")
     png = tmp_path / "sim.png"
     res = CliRunner().invoke(main, ["simulate", "--params", "8B", "--params", "1T", "--link-gbps", "3",
                                     "--plot", str(png)], env={"COLUMNS": "200"})
