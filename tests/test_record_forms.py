@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from deltarefit.checkpoint.read import open_checkpoint
 from deltarefit.errors import LockedError, StreamError
 from deltarefit.io.locks import checkpoint_lock
 from deltarefit.stream import Publisher, Subscriber
 from deltarefit.stream.holder import state_path
-from deltarefit.stream.records import held_state
+from deltarefit.stream.records import held_state, record_version
 
 RECORD = ".deltarefit-version.json"
 
@@ -155,3 +156,20 @@ def test_a_run_naming_one_form_excludes_a_run_naming_the_other(world, held, take
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_record_of_the_directory_when_it_held_more_files_is_not_taken_for_the_file(world):
+    """The directory was a two-file checkpoint when its record was written; one file is left: that record
+    is of another checkpoint, and the file is adopted by its fingerprint instead of being taken back to
+    the record's version."""
+    Subscriber(world["store"], world["file"]).sync()
+    os.unlink(world["file"] + RECORD)
+    extra = os.path.join(world["dir"], "extra.safetensors")
+    save_file({"x": np.zeros(3, np.float32)}, extra)
+    with open_checkpoint(world["dir"]) as ck:
+        two = ck.identity()
+    record_version(os.path.join(world["dir"], RECORD), 1, "ab" * 32, world["store"], identity=two)
+    os.unlink(extra)
+    rep = Subscriber(world["store"], world["file"]).sync()
+    assert (rep.from_version, rep.version, rep.bytes_fetched) == (2, 2, 0)
+    assert records(world["dir"]) == ["model.safetensors" + RECORD]

@@ -120,9 +120,9 @@ def apply(delta: str, checkpoint: str, history_dir: str | None, threads: int | N
         from .hints import check_kinds, check_order
 
         check_order("apply", "deltarefit apply DELTA CHECKPOINT", (("delta", delta), ("checkpoint", checkpoint)))
-        check_kinds("apply", "deltarefit apply DELTA CHECKPOINT", (("delta", delta), ("checkpoint", checkpoint)))
         _not_an_input(checkpoint, delta, history_dir, what="checkpoint")
         _not_an_input(delta, checkpoint, what="delta")  # a delta inside the checkpoint directory it writes
+        check_kinds("apply", "deltarefit apply DELTA CHECKPOINT", (("delta", delta), ("checkpoint", checkpoint)))
         book = None
         if history_dir is not None:
             from ..history_book import HistoryBook

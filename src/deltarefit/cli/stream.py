@@ -57,7 +57,6 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
         from .hints import check_kinds, check_order
 
         check_order("publish", "deltarefit publish STORE CHECKPOINT", (("store", store), ("checkpoint", checkpoint)))
-        check_kinds("publish", "deltarefit publish STORE CHECKPOINT", (("checkpoint", checkpoint),))
         if quorum != "all" and not quorum.isdigit():
             raise UsageError(f"--quorum must be a number or 'all', not {quorum!r}")
         q = ALL if quorum == "all" else int(quorum)
@@ -68,6 +67,7 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
         _not_an_input(sd, checkpoint, signing_key, what="state directory")
         if "://" not in store:
             _not_an_input(store, checkpoint, signing_key, what="store")
+        check_kinds("publish", "deltarefit publish STORE CHECKPOINT", (("checkpoint", checkpoint),))
         st = open_store(store)
         pub = Publisher(st, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=q,
                         ack_timeout=ack_timeout, signing_key=signing_key, threads=threads,
@@ -117,8 +117,8 @@ def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, full
         from .hints import check_kinds, check_order
 
         check_order("sync", "deltarefit sync STORE CHECKPOINT", (("store", store), ("checkpoint", checkpoint)))
-        check_kinds("sync", "deltarefit sync STORE CHECKPOINT", (("checkpoint", checkpoint),))
         _not_an_input(checkpoint, None if "://" in store else store, public_key, what="checkpoint")
+        check_kinds("sync", "deltarefit sync STORE CHECKPOINT", (("checkpoint", checkpoint),))
         st = open_store(store, create=False)
         sub = Subscriber(st, checkpoint, subscriber_id=subscriber_id, public_key=public_key, threads=threads,
                          stream_id=stream_id)

@@ -130,6 +130,13 @@ class Holder(Protocol):
         ...
 
 
+def _of_files(state: dict, file: str) -> bool:
+    """Whether a record inside a directory is of its one weight file ``file``: not where its recorded
+    identity names other files (the directory held more when it was recorded: another checkpoint)."""
+    ident = state.get("identity")
+    return not isinstance(ident, list) or all(isinstance(x, list) and x and x[0] == file for x in ident)
+
+
 class CheckpointHolder:
     """A checkpoint on disk (a file or a directory of files), its version recorded beside it."""
 
@@ -147,7 +154,8 @@ class CheckpointHolder:
         recorded, else one whose fingerprint the checkpoint has (hashed); records that agree are one.
         None verifies: ``StreamError`` naming them, nothing written, with the way out (--repair)."""
         canon = state_path(self.checkpoint)
-        found = [(p, st) for p in (canon, *other_state_paths(self.checkpoint)) if (st := held_state(p)) is not None]
+        found = [(p, st) for p in (canon, *other_state_paths(self.checkpoint)) if (st := held_state(p)) is not None
+                 and (p == canon or _of_files(st, canon[:-len(RECORD)]))]
         if len(found) <= 1 and (not found or found[0][0] == canon):
             return found[0][1] if found else None
         keep = self._verifying(found)
