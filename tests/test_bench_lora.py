@@ -13,7 +13,7 @@ from deltarefit import apply, encode
 from deltarefit.apps.bench import lora
 from deltarefit.apps.bench.chains import RLSetup
 
-pytest.importorskip("peft")
+pytest.importorskip("peft", reason="peft is in the test extra: pip install -e '.[test]' (make test installs it)")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' deprecations, inside PEFT
 
 TINY = RLSetup(vocab_size=128, lang_vocab=16, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,

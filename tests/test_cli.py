@@ -113,8 +113,8 @@ def test_the_set_of_commands_and_flags_is_deliberate():
         "compose": ["base", "deltas", "output", "quiet"],
         "demo": ["lr", "out", "rollouts", "s3_url", "steps", "transport"],
         "simulate": ["apply_cores", "apply_gbps_core", "calibrate", "change_pct", "chunk_mb", "codec", "encode_cores",
-                     "encode_gbps_core", "fabric_gbps", "fanout", "link_gbps", "nodes", "params", "plot_path", "ratio",
-                     "references", "rollout", "shards", "store_gbps"],
+                     "encode_gbps_core", "fabric_gbps", "fanout", "link_gbps", "nodes", "out_dir", "params", "plot_path",
+                     "ratio", "references", "rollout", "shards", "store_gbps"],
         "bench": [],
         "relay": [],
     }
@@ -295,7 +295,7 @@ def test_apply_of_bf16_weights_starts_without_numba_or_the_sharded_layer(files, 
     from deltarefit.codec.native import USE_NATIVE
 
     if not USE_NATIVE:
-        pytest.skip("the native kernels are not built here (numba is their fallback)")
+        pytest.skip("the native kernels are not built here (numba is their fallback; pip install -e . builds them where a C compiler is)")
     delta = str(tmp_path / "d.delta")
     assert run("encode", str(files / "base.safetensors"), str(files / "target.safetensors"), "-o", delta).returncode == 0
     work = str(tmp_path / "w.safetensors")

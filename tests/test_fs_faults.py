@@ -198,8 +198,8 @@ def test_paths_that_cannot_be_written_are_one_line(fx, tmp_path):
     os.symlink("loop", tmp_path / "loop")
     v1, v2 = fx.steps[1], fx.steps[2]
     cases = [
-        (["encode", v1, v2, "-o", str(tmp_path / "adir")], "Is a directory"),
-        (["compose", fx.delta, "--base", v1, "-o", str(tmp_path / "adir")], "Is a directory"),
+        (["encode", v1, v2, "-o", str(tmp_path / "adir")], "adir is a directory"),  # refused before the encode
+        (["compose", fx.delta, "--base", v1, "-o", str(tmp_path / "adir")], "adir is a directory"),
         (["publish", str(tmp_path / "store"), v2, "--state", str(tmp_path / "afile")], "File exists"),
         (["keygen", str(tmp_path / "afile" / "k")], "Not a directory"),
         (["apply", fx.delta, str(tmp_path / "missing" / "ck")], "does not exist"),

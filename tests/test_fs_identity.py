@@ -634,7 +634,7 @@ main(sys.argv[1:])
 
 def test_a_checkpoint_truncated_by_another_process_mid_apply_is_one_line_not_a_crash(tmp_path, pair):
     pytest.importorskip("deltarefit._sigbus", reason="the optional SIGBUS extension is not built "
-                        "(python setup.py build_ext --inplace)")
+                        "(pip install -e . builds it where a C compiler is)")
     base, delta, vs = pair
     before = open(base, "rb").read()
     p = subprocess.Popen([sys.executable, "-c", _PAUSE_PLAN, "apply", delta, base, "--threads", "1"],

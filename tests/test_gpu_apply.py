@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="torch is in the test extra: pip install -e '.[test]' (make test installs it)")
 from safetensors.torch import load_file, save_file  # noqa: E402
 from test_gpu_encode import _bits, _pair  # noqa: E402
 
@@ -45,7 +45,7 @@ def _on(d: dict, device: str) -> dict:
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request):
     if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+        pytest.skip("no CUDA device (runs on a CUDA machine: pytest -m gpu)")
     return request.param
 
 

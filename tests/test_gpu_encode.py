@@ -9,7 +9,7 @@ import hashlib
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="torch is in the test extra: pip install -e '.[test]' (make test installs it)")
 from safetensors.torch import save_file  # noqa: E402
 
 import deltarefit  # noqa: E402
@@ -104,6 +104,6 @@ def test_batching_does_not_change_the_bytes(tmp_path, batch):
 @pytest.mark.gpu
 def test_same_bytes_from_cuda_tensors(tmp_path):
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+        pytest.skip("no CUDA device (runs on a CUDA machine: pytest -m gpu)")
     base, target = _pair(3)
     _check_same_bytes(tmp_path, {k: v.cuda() for k, v in base.items()}, {k: v.cuda() for k, v in target.items()})

@@ -14,8 +14,8 @@ import os
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+torch = pytest.importorskip("torch", reason="torch is in the test extra: pip install -e '.[test]' (make test installs it)")
+pytest.importorskip("triton", reason="triton (x86_64) is in the test extra: pip install -e '.[test]' (make test installs it)")
 from test_gpu_apply import _delta, _on, _same_bits  # noqa: E402
 from test_gpu_encode import _bits, _check_same_bytes  # noqa: E402
 
@@ -51,7 +51,7 @@ _WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def device(request, monkeypatch):
     if request.param == "cuda":
         if not (CUDA and S.available(torch.device("cuda"))):
-            pytest.skip("needs CUDA and compiled Triton kernels")
+            pytest.skip("needs CUDA and compiled Triton kernels (a CUDA machine: pytest -m gpu)")
         return "cuda"
     if not INTERPRETED:
         pytest.skip("CUDA is available: the kernels are compiled (run -m gpu)")

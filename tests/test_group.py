@@ -80,7 +80,7 @@ os._exit(0)
 
 
 def test_a_two_process_gloo_group_sums_agrees_and_fails_together(tmp_path):
-    pytest.importorskip("torch")
+    pytest.importorskip("torch", reason="torch is in the test extra: pip install -e '.[test]' (make test installs it)")
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     store = str(tmp_path / "store")
     procs = [subprocess.Popen([sys.executable, "-c", _RANK, store, str(r)], stdout=subprocess.PIPE,

@@ -17,7 +17,7 @@ NEEDS = {"deltarefit.engines.vllm.backend": "vllm", "deltarefit.apply.tensors": 
 def test_old_path_is_the_new_module(old):
     new = MOVED[old]
     if new in NEEDS and importlib.util.find_spec(NEEDS[new]) is None:
-        pytest.skip(f"{new} needs {NEEDS[new]}")
+        pytest.skip(f"{new} needs {NEEDS[new]} (torch: the test extra; vllm: make test-vllm)")
     mod = importlib.import_module(new)
     sys.modules.pop(old, None)
     with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):

@@ -20,7 +20,8 @@ from deltarefit.dtypes import DTYPES, dtype
 if NAT.ext is None:
     if os.environ.get("CI"):  # CI installs with a compiler: a missing extension there is a broken build
         raise RuntimeError("deltarefit.codec._native was not built")
-    pytest.skip("the native kernels were not built here", allow_module_level=True)
+    pytest.skip("the native kernels were not built here (pip install -e . builds them where a C compiler is)",
+                allow_module_level=True)
 
 N = NAT.ext
 SIMD = ["portable", "avx512"] if N.simd() == "avx512" else ["portable"]

@@ -24,7 +24,8 @@ from deltarefit.errors import DecodeError
 if NAT.ext is None:
     if os.environ.get("CI"):  # CI installs with a compiler: a missing extension there is a broken build
         raise RuntimeError("deltarefit.codec._native was not built")
-    pytest.skip("the native kernels were not built here", allow_module_level=True)
+    pytest.skip("the native kernels were not built here (pip install -e . builds them where a C compiler is)",
+                allow_module_level=True)
 
 N = NAT.ext
 KERNELS = N.decode_kernels()

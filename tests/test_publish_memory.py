@@ -122,7 +122,7 @@ def test_bad_tensors_are_refused_before_anything_is_written(tmp_path, tensors, s
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on a CUDA machine)")
 def test_publish_from_device_tensors_matches_the_cpu_copy(tmp_path):
     """Tensors on the GPU (fp32 masters and a bf16 tensor) publish the same versions as their CPU copies."""
     torch.manual_seed(3)

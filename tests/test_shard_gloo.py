@@ -18,7 +18,7 @@ def run(*args: str, timeout: int = 150) -> subprocess.CompletedProcess:
 
 
 def test_sharded_refit_example_gloo(tmp_path):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="transformers is in the test extra: pip install -e '.[test]' (make test installs it)")
     r = run("--steps", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = [x for x in r.stdout.splitlines() if x.startswith("step")]
@@ -28,7 +28,7 @@ def test_sharded_refit_example_gloo(tmp_path):
 
 
 def test_sharded_refit_example_wrong_map_fails(tmp_path):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="transformers is in the test extra: pip install -e '.[test]' (make test installs it)")
     r = run("--steps", "1", "--out", str(tmp_path), "--wrong-map")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     assert "verified NO" in r.stdout and "refusing the version, nothing written" in r.stdout

@@ -235,7 +235,7 @@ def test_residual_shows_up_in_a_later_delta():
 
 
 def test_hf_model_updated_in_place():
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", reason="transformers is in the test extra: pip install -e '.[test]' (make test installs it)")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(**CFG)
     trainer = transformers.LlamaForCausalLM(cfg).float()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 from itertools import pairwise
 
@@ -142,7 +143,7 @@ def test_cli_references_prints_the_reproduction_table():
 
 
 def test_cli_table_and_plot(tmp_path):
-    pytest.importorskip("matplotlib", reason="the plot needs the bench extra")
+    pytest.importorskip("matplotlib", reason="the plot needs the bench extra (pip install -e '.[bench]')")
     png = tmp_path / "sim.png"
     res = CliRunner().invoke(main, ["simulate", "--params", "8B", "--params", "1T", "--link-gbps", "3",
                                     "--plot", str(png)], env={"COLUMNS": "200"})
@@ -151,6 +152,20 @@ def test_cli_table_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     res = CliRunner().invoke(main, ["simulate", "--params", "lots"])
     assert res.exit_code == 2 and "--params" in res.output
+
+
+def test_the_plot_goes_under_the_output_directory_and_its_path_is_printed(tmp_path, monkeypatch):
+    """Regression (issue 47): the PNG landed where the command ran, unannounced."""
+    pytest.importorskip("matplotlib", reason="the plot needs the bench extra (pip install -e '.[bench]')")
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, ["simulate", "--params", "8B"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    png = os.path.join("out", "simulate", "simulate.png")
+    assert f"plot: {png}" in res.output and sorted(os.listdir(tmp_path)) == ["out"]
+    assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    res = CliRunner().invoke(main, ["simulate", "--params", "8B", "--out", "elsewhere"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and os.path.isfile(tmp_path / "elsewhere" / "simulate.png"), res.output
+    assert f"plot: {os.path.join('elsewhere', 'simulate.png')}" in res.output
 
 
 def test_estimates_are_finite_over_the_whole_range():

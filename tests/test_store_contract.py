@@ -327,7 +327,8 @@ def test_a_killed_writer_leaves_no_object_and_sweep_temps_removes_its_leftovers(
     st = made.store
     if made.env is None:
         assert SWEEP_TEMPS not in st.capabilities
-        pytest.skip("a memory store lives in one process: no writer can be killed under it")
+        pytest.skip("not applicable (nothing to install): a memory store lives in one process, no writer can be "
+                    "killed under it")
     src = tmp_path / "src"
     src.write_bytes(os.urandom(12 * MiB))
     st.put("v/live", b"ok")
@@ -383,7 +384,7 @@ def test_get_to_replaces_its_destination_by_rename(made, tmp_path):
 def test_get_range_bounds(made):
     st = made.store
     if GET_RANGE not in st.capabilities:
-        pytest.skip(f"{made.kind}: no get_range (its refusal is checked above)")
+        pytest.skip(f"not applicable (nothing to install): {made.kind} has no get_range (its refusal is checked above)")
     data = os.urandom(1000)
     st.put("k", data)
     st.put("empty", b"")
@@ -403,7 +404,7 @@ def test_get_range_bounds(made):
 def test_mtime_dates_the_last_write(made):
     st = made.store
     if MTIME not in st.capabilities:
-        pytest.skip(f"{made.kind}: no mtime (its refusal is checked above)")
+        pytest.skip(f"not applicable (nothing to install): {made.kind} has no mtime (its refusal is checked above)")
     t0 = time.time()
     st.put("k", b"one")
     m1 = st.mtime("k")
@@ -417,7 +418,7 @@ def test_mtime_dates_the_last_write(made):
 def test_path_of_names_the_file_that_holds_a_key(made):
     st = made.store
     if PATH_OF not in st.capabilities:
-        pytest.skip(f"{made.kind}: no path_of (its refusal is checked above)")
+        pytest.skip(f"not applicable (nothing to install): {made.kind} has no path_of (its refusal is checked above)")
     st.put("a/b", b"in a file")
     with open(st.path_of("a/b"), "rb") as f:
         assert f.read() == b"in a file"
@@ -427,7 +428,7 @@ def test_path_of_names_the_file_that_holds_a_key(made):
 def test_set_progress_reports_the_bytes_of_each_transfer(made, tmp_path):
     st = made.store
     if SET_PROGRESS not in st.capabilities:
-        pytest.skip(f"{made.kind}: no set_progress (its refusal is checked above)")
+        pytest.skip(f"not applicable (nothing to install): {made.kind} has no set_progress (its refusal is checked above)")
     src = tmp_path / "src"
     src.write_bytes(os.urandom(3 * MiB + 5))
     moved: list[int] = []

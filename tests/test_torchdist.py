@@ -19,7 +19,7 @@ from deltarefit.stream.records import load_commit
 from deltarefit.stream.subscriber import Subscriber
 
 WORKER = os.path.join(os.path.dirname(__file__), "_torchdist_worker.py")
-pytest.importorskip("torch.distributed")
+pytest.importorskip("torch.distributed", reason="torch is in the test extra: pip install -e '.[test]' (make test installs it)")
 
 
 def _run_group(ranks: list[dict]) -> list[tuple[int, dict]]:

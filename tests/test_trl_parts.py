@@ -84,7 +84,7 @@ def test_the_launcher_refuses_in_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("served", ["BF16", "F16", "F32"])
 def test_held_copies_each_tensor_to_the_host_in_the_served_dtype(served):
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is in the test extra: pip install -e '.[test]' (make test installs it)")
     from deltarefit.integrations.trl.held import held
     from deltarefit.shard.convert import to_served_bits
 

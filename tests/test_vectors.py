@@ -128,7 +128,7 @@ def kernels(request, monkeypatch):
     """The codec kernels an encode runs with (the scan's AVX-512 path is off in native-portable)."""
     if request.param.startswith("native"):
         if N is None:
-            pytest.skip("the native kernels were not built here")
+            pytest.skip("the native kernels were not built here (pip install -e . builds them where a C compiler is)")
         monkeypatch.setattr(NAT, "USE_NATIVE", True)
         was = N.use_simd(request.param == "native")
         yield request.param
@@ -243,13 +243,13 @@ def test_only_vectors_with_additive_digests_are_outside_the_device_split():
 @pytest.mark.parametrize("name", DEVICE)
 @pytest.mark.parametrize("native", [True, False], ids=["native", "numba"])
 def test_the_device_split_writes_the_stored_delta(name, native, pairs, monkeypatch, tmp_path):
-    pytest.importorskip("torch")
+    pytest.importorskip("torch", reason="torch is in the test extra: pip install -e '.[test]' (make test installs it)")
     from safetensors.torch import load_file
 
     from deltarefit.gpu.encode import encode_tensors
 
     if native and N is None:
-        pytest.skip("the native kernels were not built here")
+        pytest.skip("the native kernels were not built here (pip install -e . builds them where a C compiler is)")
     monkeypatch.setattr(NAT, "USE_NATIVE", native)
     base, target = (load_file(p) for p in pairs[name])
     out = tmp_path / "dev.drd"
@@ -465,7 +465,7 @@ def _hist_vector():
 @pytest.mark.parametrize("kernels", ["native", "numba"])
 def test_the_ulp_hist_vector_encodes_and_decodes_byte_for_byte(kernels, monkeypatch):
     if kernels == "native" and N is None:
-        pytest.skip("native kernels not built here")
+        pytest.skip("the native kernels were not built here (pip install -e . builds them where a C compiler is)")
     monkeypatch.setattr(NAT, "USE_NATIVE", kernels == "native")
     for dt_name, dt, vs, payload, m, hist in _hist_vector():
         assert hist.id.hex() == m["history_id"], (dt_name, REGENERATE)

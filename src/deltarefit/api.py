@@ -21,7 +21,8 @@ def verify(checkpoint: str, expected: str, *, threads: int | None = None) -> str
     """Raise VerificationError unless the checkpoint's fingerprint is ``expected``; returns it."""
     exp = expected.strip().lower()
     if len(exp) != 64 or any(c not in "0123456789abcdef" for c in exp):
-        raise UsageError(f"expected fingerprint must be 64 hex digits, got {expected!r}")
+        raise UsageError(f"expected fingerprint must be 64 hex digits, got {expected!r}; 'deltarefit fingerprint "
+                         "CHECKPOINT' prints one")
     got = fingerprint(checkpoint, threads=threads)
     if got != exp:
         raise VerificationError(f"{checkpoint}: fingerprint {got} does not match expected {exp}")

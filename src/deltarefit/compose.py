@@ -34,7 +34,8 @@ def compose(deltas: list[str], out: str, *, base: str, progress: Callable[[int],
     try:
         for a, b in itertools.pairwise(readers):
             if a.target_fingerprint != b.base_fingerprint:
-                raise UsageError(f"{b.path} does not apply to the target of {a.path}: not a chain")
+                raise UsageError(f"{b.path} does not apply to the target of {a.path}: not a chain; nothing was "
+                                 "written. Give the deltas in the order they apply, the oldest first")
         for r in readers:
             odd = [e for e in r.tensors if e.op not in ("same", "patch")]
             if odd:

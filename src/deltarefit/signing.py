@@ -72,7 +72,8 @@ def keygen(private_path: str) -> str:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     if os.path.exists(private_path):
-        raise UsageError(f"{private_path} exists; refusing to overwrite a key")
+        raise UsageError(f"{private_path} exists; refusing to overwrite a key (nothing was written): name a new "
+                         "path, or remove the old key first")
     key = Ed25519PrivateKey.generate()
     priv = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
@@ -94,7 +95,9 @@ class Signer:
         try:
             key = serialization.load_pem_private_key(read_key(private_path, "private key"), password=None)
         except (ValueError, TypeError) as e:
-            raise UsageError(f"{private_path}: cannot load a private key ({e})") from None
+            hint = (f"; it is a public key: sign with its private key{' ' + private_path[:-4] if private_path.endswith('.pub') else ''}"
+                    if b"PUBLIC KEY" in read_key(private_path, "private key") else "")
+            raise UsageError(f"{private_path}: cannot load a private key ({e}); nothing was written{hint}") from None
         if not isinstance(key, Ed25519PrivateKey):
             raise UsageError(f"{private_path}: not an Ed25519 private key")
         self._key = key
@@ -116,7 +119,9 @@ class Verifier:
         try:
             key = serialization.load_pem_public_key(read_key(public_path, "public key"))
         except (ValueError, TypeError) as e:
-            raise UsageError(f"{public_path}: cannot load a public key ({e})") from None
+            hint = (f"; it is a private key: pass its public half, {public_path}.pub (deltarefit keygen writes both)"
+                    if b"PRIVATE KEY" in read_key(public_path, "public key") else "")
+            raise UsageError(f"{public_path}: cannot load a public key ({e}); nothing was written{hint}") from None
         if not isinstance(key, Ed25519PublicKey):
             raise UsageError(f"{public_path}: not an Ed25519 public key")
         self._key = key
@@ -186,7 +191,8 @@ def _verify(verifier: Verifier, message: bytes, sig: str, other: str | None, whe
         verifier.verify(message, sig, where)
     except SignatureError as e:
         if other and other != verifier.key_id:
-            raise SignatureError(f"{e} (the record names key {other})") from None
+            raise SignatureError(f"{e} (the record names key {other}): the key given is likely not the publisher's; "
+                                 f"give the public key of the pair it signs with (key {other})") from None
         raise
 
 

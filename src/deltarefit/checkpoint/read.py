@@ -293,7 +293,8 @@ def _dir_plan(path: str) -> _Plan:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot list: {e.strerror or e}") from None
     if not names:
-        raise CheckpointError(f"{path}: no {INDEX_NAME} and no *{SUFFIX} files")
+        raise CheckpointError(f"{path}: no {INDEX_NAME} and no *{SUFFIX} files: not a checkpoint (nothing was "
+                              f"written); name a {SUFFIX} file or a directory holding them")
     return [(os.path.abspath(os.path.join(path, n)), os.path.join(path, n), None) for n in names]
 
 
@@ -364,6 +365,21 @@ def is_checkpoint(path: str | os.PathLike[str]) -> bool:
         return False
 
 
+def sole_weight_file(path: str | os.PathLike[str]) -> str | None:
+    """The absolute path of the one ``.safetensors`` file of a directory that holds exactly one and no
+    index, else None (not a directory, an index, several files, none). That directory and that file
+    name the same checkpoint: its version record, and its lock, are the same whichever names it."""
+    p = os.fspath(path)
+    if not os.path.isdir(p) or os.path.lexists(os.path.join(p, INDEX_NAME)):
+        return None
+    try:
+        with os.scandir(p) as it:
+            names = [e.name for e in it if e.name.endswith(SUFFIX) and e.is_file()]
+    except OSError:
+        return None
+    return os.path.abspath(os.path.join(p, names[0])) if len(names) == 1 else None
+
+
 # ----------------------------------------------------------------------------------------------- hashing
 
 
@@ -392,7 +408,9 @@ def carry_non_weights(src_dir: str, dst_dir: str) -> None:
     Weight files, their index, deltarefit's own files and subdirectories are not copied."""
     for name in os.listdir(src_dir):
         src = os.path.join(src_dir, name)
-        if (name.endswith(".safetensors") or name == INDEX_NAME or name.startswith(".deltarefit")
+        # ".deltarefit" anywhere: a weight file's own version record, lock or journal inside the directory
+        # describes the old files, not the keyframe's.
+        if (name.endswith(".safetensors") or name == INDEX_NAME or ".deltarefit" in name
                 or not os.path.isfile(src) or os.path.exists(os.path.join(dst_dir, name))):
             continue
         shutil.copy2(src, os.path.join(dst_dir, name))

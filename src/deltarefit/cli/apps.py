@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -67,12 +68,15 @@ def demo(out: str, steps: int, lr: float, rollouts: int, transport: str, s3_url:
               help="Apply into live engines (docs/ENGINES.md) or into checkpoint files (docs/BENCHMARKS.md).")
 @click.option("--calibrate", is_flag=True, help="Measure encode/apply GB/s per core now on a synthetic pair.")
 @click.option("--references", is_flag=True, help="Reproduce the published refit figures and exit.")
-@click.option("--plot", "plot_path", default="out/simulate.png", show_default=True, type=click.Path(),
-              help="PNG to write (empty: none).")
+@click.option("--out", "out_dir", default="out/simulate", show_default=True, type=click.Path(file_okay=False),
+              help="Directory for the plot (created if missing): OUT/simulate.png.")
+@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
+              help="PNG to write instead of OUT/simulate.png (empty: no plot).")
 def simulate(params, change_pct, ratio, codec, link_gbps, store_gbps, fabric_gbps, nodes, fanout, shards,
              encode_cores, apply_cores, encode_gbps_core, apply_gbps_core, chunk_mb, rollout, calibrate, references,
-             plot_path) -> None:
-    """Model refit time at scale: full checkpoint vs delta, via object storage or a relay tree."""
+             out_dir, plot_path) -> None:
+    """Model refit time at scale: full checkpoint vs delta, via object storage or a relay tree. The plot
+    goes to OUT/simulate.png (its path is printed last)."""
 
     def go() -> None:
         from ..apps import simulate as sim
@@ -88,7 +92,8 @@ def simulate(params, change_pct, ratio, codec, link_gbps, store_gbps, fabric_gbp
                          encode_gbps_core=encode_gbps_core or sim.ENCODE_GBPS_PER_CORE,
                          apply_gbps_core=apply_gbps_core or sim.APPLY_GBPS_PER_CORE, chunk_bytes=chunk_mb * (1 << 20),
                          rollout=rollout)
-        sim.run(base, sizes, do_calibrate=calibrate, show_references=references, plot_path=plot_path or None)
+        png = os.path.join(out_dir, "simulate.png") if plot_path is None else plot_path
+        sim.run(base, sizes, do_calibrate=calibrate, show_references=references, plot_path=png or None)
 
     _run(go)
 

@@ -24,7 +24,11 @@ def _output_dir(output: str) -> None:
 
     d = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(d):
-        raise UsageError(f"{output}: directory {d} does not exist")
+        raise UsageError(f"{output}: directory {d} does not exist; nothing was written; create it first "
+                         f"(mkdir -p {d}) or write elsewhere")
+    if os.path.isdir(output):
+        raise UsageError(f"{output} is a directory; -o names the file to write (e.g. -o "
+                         f"{os.path.join(output, 'out.delta')}); nothing was written")
 
 
 def _not_an_input(output: str, *inputs: str | None, what: str = "output") -> None:
@@ -36,7 +40,7 @@ def _not_an_input(output: str, *inputs: str | None, what: str = "output") -> Non
     hit = output_is_input(output, inputs)
     if hit is not None:
         raise UsageError(f"{output}: the {what} is the input {hit} (same file, a link to it, or inside it); "
-                         f"write the {what} elsewhere")
+                         f"nothing was written; write the {what} elsewhere")
 
 
 def _names(names: list[str], most: int = 4) -> str:

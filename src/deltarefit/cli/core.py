@@ -54,7 +54,9 @@ def encode(base: str, target: str, output: str, history_dir: str | None, threads
 
     def go() -> None:
         from ..encode import encode as enc
+        from .hints import check_kinds
 
+        check_kinds("encode", "deltarefit encode BASE TARGET -o OUT", (("checkpoint", base), ("checkpoint", target)))
         _output_dir(output)
         _not_an_input(output, base, target, history_dir)
         book = None
@@ -71,15 +73,29 @@ def encode(base: str, target: str, output: str, history_dir: str | None, threads
             "changed_fraction": rep.changed_fraction, "seconds": rep.seconds,
             "base_fingerprint": rep.base_fingerprint, "target_fingerprint": rep.target_fingerprint,
         }
+        _unrelated_warning(base, target, rep)
         if as_json:
             click.echo(json.dumps(summary, indent=2))
         else:
-            click.echo(f"{output}: {rep.delta_bytes:,} bytes, {rep.ratio:.1f}x smaller than the full checkpoint "
+            size = f"{rep.ratio:.1f}x smaller than" if rep.ratio >= 1 else f"{1 / rep.ratio:.2f}x the size of"
+            click.echo(f"{output}: {rep.delta_bytes:,} bytes, {size} the full checkpoint "
                        f"({rep.full_bytes:,} bytes), {100 * rep.changed_fraction:.3f}% of elements changed, "
                        f"{rep.seconds:.2f} s")
             click.echo(f"target fingerprint {rep.target_fingerprint}")
 
     _run(go, where=output)
+
+
+def _unrelated_warning(base: str, target: str, rep) -> None:
+    """A warning (stderr, one line) for an encode of two checkpoints that look like no two versions of one
+    model (most elements changed), or of the same weights twice (none changed): written all the same."""
+    if rep.changed_fraction >= 0.5:
+        click.echo(f"deltarefit: warning: {base} -> {target}: {100 * rep.changed_fraction:.1f}% of elements "
+                   "changed: they look unrelated (not two versions of one model), and the delta saves nothing "
+                   "over the full checkpoint; check the two paths", err=True)
+    elif rep.changed_fraction == 0 and rep.base_fingerprint == rep.target_fingerprint:
+        click.echo(f"deltarefit: warning: {base} and {target} hold the same weights (fingerprint "
+                   f"{rep.target_fingerprint[:16]}…): the delta changes nothing; check the two paths", err=True)
 
 
 @main.command(epilog=APPLY_EXAMPLES)
@@ -101,11 +117,12 @@ def apply(delta: str, checkpoint: str, history_dir: str | None, threads: int | N
 
     def go() -> None:
         from ..apply.files import apply as ap
-        from .hints import check_order
+        from .hints import check_kinds, check_order
 
         check_order("apply", "deltarefit apply DELTA CHECKPOINT", (("delta", delta), ("checkpoint", checkpoint)))
         _not_an_input(checkpoint, delta, history_dir, what="checkpoint")
         _not_an_input(delta, checkpoint, what="delta")  # a delta inside the checkpoint directory it writes
+        check_kinds("apply", "deltarefit apply DELTA CHECKPOINT", (("delta", delta), ("checkpoint", checkpoint)))
         book = None
         if history_dir is not None:
             from ..history_book import HistoryBook
@@ -126,6 +143,10 @@ def apply(delta: str, checkpoint: str, history_dir: str | None, threads: int | N
                 names = [n for n in rep.structural if rep.structural_ops.get(n) == op]
                 if names:
                     tensors += f"; {verb} {len(names)} tensor{'s' * (len(names) != 1)} ({_names(names)})"
+            if not (rep.chunks_applied or rep.chunks_recovered or tensors):
+                click.echo(f"{checkpoint}: already the target of {delta}, nothing to do; fingerprint "
+                           f"{rep.target_fingerprint} verified")
+                return
             click.echo(f"{checkpoint}: applied {rep.chunks_applied} chunks ({rep.chunks_skipped} already done, "
                        f"{rep.chunks_recovered} recovered){tensors} in {rep.seconds:.2f} s; "
                        f"fingerprint {rep.target_fingerprint} verified")
@@ -142,7 +163,9 @@ def inspect(delta: str, as_json: bool, show_all: bool) -> None:
 
     def go() -> None:
         from ..api import inspect as ins
+        from .hints import check_kinds
 
+        check_kinds("inspect", "deltarefit inspect DELTA", (("delta", delta),))
         info = ins(delta)
         if as_json:
             click.echo(json.dumps(info, indent=2))
@@ -177,7 +200,9 @@ def fingerprint(checkpoint: str, threads: int | None, as_json: bool) -> None:
 
     def go() -> None:
         from ..checkpoint.read import fingerprint_checkpoint, open_checkpoint
+        from .hints import check_kinds
 
+        check_kinds("fingerprint", "deltarefit fingerprint CHECKPOINT", (("checkpoint", checkpoint),))
         with open_checkpoint(checkpoint) as ck:
             fp, digests = fingerprint_checkpoint(ck, threads=threads)
         if as_json:
@@ -227,11 +252,18 @@ def compose(deltas, output, base, quiet) -> None:
 
     def go() -> None:
         from ..compose import compose as comp
+        from .hints import check_kinds
 
+        usage = "deltarefit compose DELTA... --base CHECKPOINT -o OUT"
+        check_kinds("compose", usage, (("checkpoint", base), *(("delta", d) for d in deltas)))
         _output_dir(output)
         _not_an_input(output, base, *deltas)
         with _progress("compose", _ckpt_bytes(base) if _progress_enabled(quiet) else 0, quiet) as cb:
-            rep = comp(list(deltas), output, base=base, progress=cb)
+            try:
+                rep = comp(list(deltas), output, base=base, progress=cb)
+            except BaseMismatchError as e:
+                raise BaseMismatchError(f"{base}: not the base of {deltas[0]} ({e}); nothing was written. --base "
+                                        "names the checkpoint the first delta was encoded from") from None
         click.echo(f"{output}: {rep.delta_bytes:,} bytes, {len(deltas)} deltas composed, target "
                    f"{rep.target_fingerprint}")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from ..errors import DeltaRefitError, UsageError
+from ..errors import CheckpointError, DeltaRefitError, FormatError, UsageError
 from ..format.layout import MAGIC
 from ..io.fsutil import open_input
 
@@ -62,3 +62,33 @@ def check_order(command: str, usage: str, given: tuple[tuple[str, str], tuple[st
         return
     said = ", ".join(f"{p} is a {k}" for p, k in ((p0, k0), (p1, k1)) if k is not None)
     raise UsageError(f"{command}: the arguments look swapped ({said}); nothing was done. Usage: {usage}")
+
+
+_WHAT = {"delta": "a delta", "checkpoint": "a checkpoint", "store": "a version store"}
+# What to do with a path of each kind, told when it was given where another kind goes.
+_USE = {
+    "delta": "a delta is applied with 'deltarefit apply {p} CHECKPOINT' and read with 'deltarefit inspect {p}'",
+    "checkpoint": "'deltarefit fingerprint {p}' names its weights; a delta comes from 'deltarefit encode BASE "
+                  "TARGET -o OUT'",
+    "store": "a checkpoint follows it with 'deltarefit sync {p} CHECKPOINT'; 'deltarefit log {p}' lists its versions",
+}
+
+
+def check_kinds(command: str, usage: str, given: tuple[tuple[str, str | None], ...]) -> None:
+    """Refuse, in one line, an argument that is surely of another kind than its place takes: ``given`` is
+    ``((expected kind, path), ...)``; a path that cannot be told passes (the command's own checks refuse
+    it, as before). A directory where a delta file goes is refused too. The error is the one the place's
+    own check raises (a checkpoint's ``CheckpointError``, a delta's ``FormatError``): the exit code is
+    the same, the words tell what the path is and what to do with it."""
+    for want, p in given:
+        if p is None:
+            continue
+        k = kind(p)
+        err = CheckpointError if want == "checkpoint" else FormatError
+        if k is None and want == "delta" and os.path.isdir(p):
+            raise err(f"{command}: {p} is a directory, not a delta file; nothing was done. Usage: {usage} "
+                      "(a delta is the file 'deltarefit encode BASE TARGET -o FILE' writes)")
+        if k is not None and k != want:
+            plain = " (not a safetensors file)" if want == "checkpoint" and k == "delta" else ""
+            raise err(f"{command}: {p} is {_WHAT[k]}, not {_WHAT[want]}{plain}; nothing was done. Usage: {usage}; "
+                      f"{_USE[k].format(p=p)}")

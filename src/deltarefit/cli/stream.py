@@ -55,7 +55,7 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
     def go() -> None:
         from ..errors import UsageError
         from ..stream.publisher import ALL, Publisher
-        from .hints import check_order
+        from .hints import check_kinds, check_order
 
         check_order("publish", "deltarefit publish STORE CHECKPOINT", (("store", store), ("checkpoint", checkpoint)))
         if quorum != "all" and not quorum.isdigit():
@@ -68,6 +68,7 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
         _not_an_input(sd, checkpoint, signing_key, what="state directory")
         if "://" not in store:
             _not_an_input(store, checkpoint, signing_key, what="store")
+        check_kinds("publish", "deltarefit publish STORE CHECKPOINT", (("checkpoint", checkpoint),))
         st = open_store(store)
         pub = Publisher(st, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=q,
                         ack_timeout=ack_timeout, signing_key=signing_key, threads=threads,
@@ -114,10 +115,11 @@ def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, full
     def go() -> None:
         from ..storage.base import open_store
         from ..stream.subscriber import Subscriber
-        from .hints import check_order
+        from .hints import check_kinds, check_order
 
         check_order("sync", "deltarefit sync STORE CHECKPOINT", (("store", store), ("checkpoint", checkpoint)))
         _not_an_input(checkpoint, None if "://" in store else store, public_key, what="checkpoint")
+        check_kinds("sync", "deltarefit sync STORE CHECKPOINT", (("checkpoint", checkpoint),))
         st = open_store(store, create=False)
         sub = Subscriber(st, checkpoint, subscriber_id=subscriber_id, public_key=public_key, threads=threads,
                          stream_id=stream_id)
@@ -312,7 +314,8 @@ def relay_keygen(key_file) -> None:
         except FileExistsError:
             from ..errors import UsageError
 
-            raise UsageError(f"{key_file} exists; not overwriting a key") from None
+            raise UsageError(f"{key_file} exists; not overwriting a key (nothing was written): name a new path, or "
+                             "remove the old key first") from None
         click.echo(f"wrote {key_file} (copy it to every relay; keep it secret)")
 
     _run(go)

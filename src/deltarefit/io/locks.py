@@ -188,7 +188,10 @@ def _acquire(path: str, what: str) -> int:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except FileNotFoundError as e:
-            raise FileSystemError.of(f"{what}: its directory {os.path.dirname(path)} does not exist", e) from None
+            d = os.path.dirname(path)
+            err = FileSystemError.of(f"{what}: its directory {d} does not exist", e)
+            err.args = (f"{err}; nothing was written; create it first: mkdir -p {d}",)
+            raise err from None
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise CheckpointError(f"{what}: its lock file {path} is a symbolic link (planted by another "
@@ -232,7 +235,12 @@ def checkpoint_lock(checkpoint_path: str, what: str | None = None) -> Iterator[N
     (through symlinks), and a flock on the checkpoint's inode itself (a hard link or bind mount).
     The lock files stay correct across a rename over the checkpoint (a keyframe install, a structural
     rewrite: the new inode is not flocked, but every name that reaches it goes through one of them);
-    the inode flock covers names of one file that no path comparison relates."""
+    the inode flock covers names of one file that no path comparison relates. A directory holding one
+    weight file and no index is that file's checkpoint too (``checkpoint.read.sole_weight_file``): the
+    file's inode is flocked as well, so a run naming the file and one naming the directory exclude
+    each other."""
+    from ..checkpoint.read import sole_weight_file
+
     what = what or f"checkpoint {checkpoint_path}"
     given = lock_path_beside(checkpoint_path)
     real = lock_path_beside(os.path.realpath(checkpoint_path))
@@ -241,6 +249,9 @@ def checkpoint_lock(checkpoint_path: str, what: str | None = None) -> Iterator[N
         if real != given:
             stack.enter_context(exclusive(real, what))
         stack.enter_context(exclusive_file(checkpoint_path, what))
+        one = sole_weight_file(checkpoint_path)
+        if one is not None:
+            stack.enter_context(exclusive_file(one, what))
         yield
 
 

@@ -349,13 +349,14 @@ class Relay(OriginMixin, DownstreamMixin):
         of the mirror's versions), so the mirror can't bring the checkpoint forward.
         Set the checkpoint aside and forget its version: the next sync installs the keyframe. The old
         copy is removed only after that sync. Returns False when this is not the situation."""
-        from ..stream.subscriber import state_path
+        from ..stream.holder import other_state_paths, state_path
 
         versions, held = self.mirror.versions, cur[0] if cur else 0
         if (cur is None and not os.path.exists(self.checkpoint)) or (cur is not None and held + 1 in versions) \
                 or not any(s.committed and s.has_keyframe and v > held for v, s in versions.items()):
             return False
         old = self.checkpoint + ".relay-old"
+        records = [state_path(self.checkpoint), *other_state_paths(self.checkpoint)]  # before the rename
         if os.path.exists(self.checkpoint):
             shutil.rmtree(old, ignore_errors=True)
             with contextlib.suppress(FileNotFoundError):
@@ -363,8 +364,9 @@ class Relay(OriginMixin, DownstreamMixin):
             os.replace(self.checkpoint, old)
         # Hazard: a kill between the rename and this unlink leaves a version record without its
         # checkpoint; the subscriber then refuses to sync, and this function runs again and ends it.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(state_path(self.checkpoint))
+        for p in records:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
         self._cleanup_old = old
         return True
 

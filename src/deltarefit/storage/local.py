@@ -47,8 +47,12 @@ class LocalStore(StoreBase):
         if not create:
             if not os.path.isdir(self.root):
                 why = "not a directory" if os.path.exists(self.root) else "no such directory"
-                raise StoreError(f"{self.root}: no store here ({why})")
+                raise StoreError(f"{self.root}: no store here ({why}); nothing was written; check the path (a trainer's first "
+                                 f"'deltarefit publish {self.root} CHECKPOINT' creates the store)")
             return
+        if os.path.lexists(self.root) and not os.path.isdir(self.root):
+            raise StoreError(f"{self.root}: not a store: a file is there, not a directory; nothing was written. "
+                             "STORE names a directory (the first publish creates it) or s3://bucket/prefix")
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:

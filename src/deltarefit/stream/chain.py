@@ -121,7 +121,8 @@ def sync_target(url: str, h: int, to_version: int | None) -> int:
         raise StreamError(f"{url}: the stream has no versions yet (nothing published, nothing written here); "
                           f"publish one first: deltarefit publish {url} CHECKPOINT")
     if target < 1 or target > h:
-        raise StreamError(f"{url}: no committed version {target} (head is {h})")
+        raise StreamError(f"{url}: no committed version {target} (head is {h}); nothing was written. "
+                          f"'deltarefit log {url}' lists the versions")
     return target
 
 

@@ -18,21 +18,42 @@ checkpoint, or the ``apply_hook`` and ``keyframe_hook`` it is given.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Protocol
 
-from ..checkpoint.read import check_not_replaced, open_checkpoint
+from ..checkpoint.read import check_not_replaced, open_checkpoint, sole_weight_file
 from ..errors import VerificationError
 from ..history_book import HistoryBook
-from .records import StreamError, held_state, held_version, identity_unchanged, record_version
+from .records import StreamError, held_state, identity_unchanged, record_version
 
 # The way out of a checkpoint that no longer holds its recorded version, named in the refusals.
 REPAIR_FIX = "; 'deltarefit sync --repair' (same arguments) restores the checkpoint from the stream"
 
 
+RECORD = ".deltarefit-version.json"
+
+
 def state_path(checkpoint: str) -> str:
+    """The checkpoint's version record: one per checkpoint, whichever form names it. Beside a file
+    (``F.deltarefit-version.json``); inside a directory (``D/.deltarefit-version.json``), except for a
+    directory holding one weight file and no index (``sole_weight_file``), the same checkpoint as that
+    file: both forms name the record beside the file."""
     p = os.path.abspath(checkpoint)
-    return os.path.join(p, ".deltarefit-version.json") if os.path.isdir(p) else p + ".deltarefit-version.json"
+    if not os.path.isdir(p):
+        return p + RECORD
+    one = sole_weight_file(p)
+    return one + RECORD if one is not None else os.path.join(p, RECORD)
+
+
+def other_state_paths(checkpoint: str) -> list[str]:
+    """Records of the same checkpoint at another place than ``state_path``: the record inside a directory
+    that holds one weight file, written there by a sync that named the directory before the two forms
+    shared one record. ``CheckpointHolder`` reads them, keeps the one that verifies, and removes them."""
+    p = os.path.abspath(checkpoint)
+    d = p if os.path.isdir(p) else os.path.dirname(p)
+    one = sole_weight_file(d)
+    return [os.path.join(d, RECORD)] if one is not None and (p in (d, one)) else []
 
 
 def history_path(checkpoint: str) -> str:
@@ -109,6 +130,13 @@ class Holder(Protocol):
         ...
 
 
+def _of_files(state: dict, file: str) -> bool:
+    """Whether a record inside a directory is of its one weight file ``file``: not where its recorded
+    identity names other files (the directory held more when it was recorded: another checkpoint)."""
+    ident = state.get("identity")
+    return not isinstance(ident, list) or all(isinstance(x, list) and x and x[0] == file for x in ident)
+
+
 class CheckpointHolder:
     """A checkpoint on disk (a file or a directory of files), its version recorded beside it."""
 
@@ -119,11 +147,51 @@ class CheckpointHolder:
         self.checkpoint = os.path.abspath(checkpoint)
         self.threads = threads
 
+    def state(self) -> dict | None:
+        """The checkpoint's version record (``state_path``), or None. Where another form of the same
+        checkpoint left a record too (``other_state_paths``), the one that verifies is kept at
+        ``state_path`` and the others removed: one whose files' identity is unchanged since it was
+        recorded, else one whose fingerprint the checkpoint has (hashed); records that agree are one.
+        None verifies: ``StreamError`` naming them, nothing written, with the way out (--repair)."""
+        canon = state_path(self.checkpoint)
+        found = [(p, st) for p in (canon, *other_state_paths(self.checkpoint)) if (st := held_state(p)) is not None
+                 and (p == canon or _of_files(st, canon[:-len(RECORD)]))]
+        if len(found) <= 1 and (not found or found[0][0] == canon):
+            return found[0][1] if found else None
+        keep = self._verifying(found)
+        if keep is None:
+            said = "; ".join(f"{p} says version {st['version']} ({st['fingerprint'][:16]}…)" for p, st in found)
+            raise StreamError(f"{self.checkpoint}: two version records of one checkpoint disagree ({said}), and "
+                              f"the checkpoint is neither; nothing was written{REPAIR_FIX}")
+        path, st = keep
+        if path != canon:
+            os.replace(path, canon)  # one rename: never a moment without a record
+        for p, _ in found:
+            if p not in (path, canon):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+        return st
+
+    def _verifying(self, found: list[tuple[str, dict]]) -> tuple[str, dict] | None:
+        """Of records of this checkpoint (``state``), the one to keep, or None."""
+        if len({(st["version"], st["fingerprint"]) for _, st in found}) == 1:
+            return found[0]
+        if not os.path.exists(self.checkpoint):
+            return None
+        ident = self.identity()
+        unchanged = [f for f in found if identity_unchanged(f[1], ident)]
+        if unchanged:
+            return max(unchanged, key=lambda f: f[1]["version"])
+        fp, _ = self.hash()
+        same = [f for f in found if f[1]["fingerprint"] == fp]
+        return max(same, key=lambda f: f[1]["version"]) if same else None
+
     def held(self) -> tuple[int, str] | None:
-        return held_version(state_path(self.checkpoint))
+        st = self.state()
+        return None if st is None else (st["version"], st["fingerprint"])
 
     def held_stream(self, *, repair: bool) -> str | None:
-        state = None if repair else held_state(state_path(self.checkpoint))
+        state = None if repair else self.state()
         return state.get("stream_id") if state else None
 
     def bind_stream(self, ident: str | None) -> None:
@@ -131,6 +199,9 @@ class CheckpointHolder:
 
     def record(self, version: int, fp: str, *, url: str, stream_id: str | None, identity: tuple | None) -> None:
         record_version(state_path(self.checkpoint), version, fp, url, stream_id=stream_id, identity=identity)
+        for p in other_state_paths(self.checkpoint):  # one record per checkpoint (``state``)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
 
     def identity(self) -> tuple:
         with open_checkpoint(self.checkpoint) as ck:
@@ -143,7 +214,7 @@ class CheckpointHolder:
         """Unhashed where its files' identity is unchanged since they were verified (and not ``verify``),
         else hashed, and recorded again with the identity taken by that hash."""
         ident = self.identity()
-        if not verify and identity_unchanged(held_state(state_path(self.checkpoint)) or {}, ident):
+        if not verify and identity_unchanged(self.state() or {}, ident):
             return False, None
         got, ident = self.hash()
         if got != fp:

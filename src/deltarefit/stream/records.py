@@ -332,7 +332,9 @@ def followed_stream(store: Store, held: str | None, pinned: str | None, holder: 
     with its version), else ``pinned``, else the store's; refused (``fix``: the way out) when ``held``
     is not ``pinned``, or the store's stream is another one."""
     if held is not None and pinned is not None and held != pinned:
-        raise StreamIdentityError(f"{holder}: follows stream {held}, not the requested {pinned}{fix}")
+        raise StreamIdentityError(f"{holder}: follows stream {held}, not the requested {pinned} (--stream-id); "
+                                  "nothing was written; check --stream-id ('deltarefit log --json STORE' shows each "
+                                  f"version's stream){fix}")
     try:
         store_ident = stream_identity(store, verifier)
     except (MalformedRecordError, SignatureError) as e:

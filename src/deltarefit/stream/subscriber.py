@@ -176,7 +176,7 @@ class Subscriber:
         try:
             self._check_signature(rec, where)
         except SignatureError as e:
-            raise SignatureError(f"{e}{QUARANTINE_FIX}") from None
+            raise SignatureError(f"{e}; nothing was written{QUARANTINE_FIX}") from None
         check_identity(rec, self._ident, where, "; a version copied in from another stream is set aside by this "
                        "stream's publisher with 'deltarefit publish --quarantine-head'; to follow a new stream "
                        "in this store instead, 'deltarefit sync --repair'")
