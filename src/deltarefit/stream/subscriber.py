@@ -86,8 +86,8 @@ __all__ = ["QUARANTINE_FIX", "REPAIR_FIX", "Planned", "Subscriber", "SyncReport"
 log = logging.getLogger(__name__)
 
 # The way out of a record no publisher of the stream wrote, named in the refusals (REPAIR_FIX: holder.py).
-QUARANTINE_FIX = ("; if the stream's publisher did not write it, 'deltarefit publish --quarantine-head' sets it "
-                  "aside")
+QUARANTINE_FIX = ("; nothing was written; if the stream's publisher did not write it, "
+                  "'deltarefit publish --quarantine-head' sets it aside")
 
 
 def _checkpoint_lock_of(checkpoint: str) -> contextlib.AbstractContextManager[None]:
@@ -176,7 +176,7 @@ class Subscriber:
         try:
             self._check_signature(rec, where)
         except SignatureError as e:
-            raise SignatureError(f"{e}; nothing was written{QUARANTINE_FIX}") from None
+            raise SignatureError(f"{e}{QUARANTINE_FIX}") from None
         check_identity(rec, self._ident, where, "; a version copied in from another stream is set aside by this "
                        "stream's publisher with 'deltarefit publish --quarantine-head'; to follow a new stream "
                        "in this store instead, 'deltarefit sync --repair'")
