@@ -15,8 +15,10 @@ one per rate, encodes each both ways (with additive digests) and prints, on one 
     BLAKE3 of the post-image. These are per segment, not per change: divided by the changes only to sit
     in the same table.
   - engine-like target (held additive digests, ``engines.vllm.worker.LiveEngine`` over a plain module,
-    no vLLM): *scatter*, ``elements.put`` into the parameter; *read-back*, ``elements.equal_at``;
-    *digest*, the digest's move (``additive.move``: old bits gathered, both mixed).
+    no vLLM): *decode* as its held-digest plan calls it (``host.held_decode``: the decoder takes the
+    digest's move in its pass, where the tree has it); *scatter*, ``elements.put`` into the parameter;
+    *read-back*, ``elements.equal_at``; *digest*, what is left of the digest's move after the decode
+    (``additive.move``, old bits gathered and both mixed, where the decoder did not take it).
 
 * **apply**, end to end with one thread (``deltarefit.apply`` of the file, ``apply_to_tensors``,
   ``LiveEngine.apply``), best of ``--reps`` forward and backward applies; and the fit of those times over
@@ -106,14 +108,20 @@ def _chunks(delta: str, base: str) -> tuple[Any, list[tuple[Any, Any, np.ndarray
 def stages(delta: str, base: str, reps: int) -> dict[str, dict[str, float]]:
     """Seconds of each stage over every chunk of ``delta`` on this thread (module docstring), per target kind:
     "segments" (file and torch targets) and "held" (the engine-like target)."""
+    from deltarefit.apply import host
     from deltarefit.apply.host import _changes, _decode, _moved, _patched_copy
     from deltarefit.codec import elements
     from deltarefit.integrity import seg_hash
 
+    # The held-digest plan's decode and digest: where the decoder takes the digest's move in its pass
+    # (``host.held_decode``), its decode does, and the digest stage is what is left of it.
+    held_decode = host.held_decode(_decode) if hasattr(host, "held_decode") else _decode
+    moved_by = getattr(host, "_moved_by", lambda e, r, v, patch, p, x: _moved(e, r, v, p, x))
     d, chunks, _ = _chunks(delta, base)
     with d:
         patches = [_decode(d, e, r, v) for e, r, v in chunks]
         dec = _best(lambda: [_decode(d, e, r, v) for e, r, v in chunks], reps)
+        held_patches = [held_decode(d, e, r, v) for e, r, v in chunks]
         changes = [_changes(p, v) for p, (_, _, v) in zip(patches, chunks, strict=True)]
         images = [_patched_copy(v, p).copy() for p, (_, _, v) in zip(patches, chunks, strict=True)]
         dst = [v.copy() for _, _, v in chunks]  # the target's memory (a writable copy of each segment)
@@ -125,12 +133,12 @@ def stages(delta: str, base: str, reps: int) -> dict[str, dict[str, float]]:
             "digest": _best(lambda: [seg_hash(img) for img in images], reps),
         }
         held = {
-            "decode": dec,
+            "decode": _best(lambda: [held_decode(d, e, r, v) for e, r, v in chunks], reps),
             "scatter": _best(lambda: [elements.put(t, p, x) for t, (p, x) in zip(dst, changes, strict=True)], reps),
             "read-back": _best(lambda: [elements.equal_at(t, p, x) for t, (p, x) in zip(dst, changes, strict=True)],
                                reps),
-            "digest": _best(lambda: [_moved(e, r, v, p, x) for (e, r, v), (p, x) in zip(chunks, changes, strict=True)],
-                            reps),
+            "digest": _best(lambda: [moved_by(e, r, v, hp, p, x) for (e, r, v), hp, (p, x)
+                                     in zip(chunks, held_patches, changes, strict=True)], reps),
         }
     return {"segments": seg, "held": held}
 
