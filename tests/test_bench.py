@@ -335,3 +335,19 @@ def test_kernel_timings_print_every_step(capsys):
     assert want <= set(rows), rows
     assert all(ms > 0 for ms in rows.values())
     assert any("native" in r for r in rows) == (native.ext is not None)
+
+
+def test_per_element_fits_a_line_and_prints_every_target_and_stage():
+    """``bench.per_element``'s fit (fixed seconds + seconds per changed element) and its table."""
+    from deltarefit.apps.bench import per_element as pe
+
+    c0, c1 = pe.fit([1e5, 2e5, 4e5], [0.02 + 3e-8 * x for x in (1e5, 2e5, 4e5)])
+    assert abs(c0 - 0.02) < 1e-9 and abs(c1 - 3e-8) < 1e-15
+    st = {s: 1e-3 for s in pe.STAGES}
+    rows = [{"rate": r, "changed": int(1e7 * r), "stages": {"segments": st, "held": st},
+             "apply": dict.fromkeys(pe.TARGETS, 0.05)} for r in (0.01, 0.05)]
+    res = {"params": 10_000_000, "kernels": "k", "rows": rows,
+           "fits": {k: pe.fit([r["changed"] for r in rows], [0.05, 0.05]) for k in pe.TARGETS}}
+    out = pe.render(res)
+    assert all(t in out for t in pe.TARGETS) and all(s in out for s in pe.STAGES)
+    assert "10.00" in out  # 1 ms over 100,000 changes: 10 ns each

@@ -401,3 +401,44 @@ def test_crafted_unary_runs_and_gamma_codes_at_their_limits(kernel, name):
                 for cut in (len(raw), len(raw) - 2):
                     seen.add(_agree(dt, base, rc + raw[:max(cut, 0)], 1))
     assert {-1, -2, -3} <= seen, seen
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_the_digest_move_taken_in_the_decode_is_digest_moves(name):
+    """``decode_ulp(..., digest)``: the same positions, values and status, and the additive digest's move
+    that ``digest_move`` gives over the base, for change counts on both sides of its blocks of 256."""
+    dt = dtype(name)
+    rng = np.random.default_rng(3 + sum(map(ord, name)))
+    shift, mask, nctx = C._ctx(dt)
+    for n, rate in ((1, 1.0), (300, 0.9), (4097, 0.07), (1 << 16, 0.035)):
+        base = _base(dt, n, rng, "weights")
+        payload, m = _ulp_payload(dt, base, _target(dt, base, rng, rate, "small"))
+        pos, val = np.zeros(m, np.int64), np.zeros(m, dt.uint)
+        args = (base, payload, m, dt.itemsize, dt.bits, C._kind(dt), shift, mask, nctx, pos, val)
+        assert N.decode_ulp(*args) == 0
+        plain = pos.copy(), val.copy()
+        start, s0, s1 = int(rng.integers(0, 1 << 40)), int(rng.integers(0, 1 << 63)), int(rng.integers(0, 1 << 63))
+        st, a0, a1 = N.decode_ulp(*args, (start, s0, s1))
+        assert st == 0
+        np.testing.assert_array_equal(pos, plain[0])
+        np.testing.assert_array_equal(val, plain[1])
+        assert (a0, a1) == N.digest_move(base, pos, val, dt.itemsize, start, s0, s1)
+        assert N.decode_ulp(*args, None) == 0  # None: the status alone
+        bad = payload[: len(payload) // 2]
+        assert N.decode_ulp(base, bad, *args[2:], (start, s0, s1))[0] == N.decode_ulp(base, bad, *args[2:]) != 0
+    with pytest.raises(TypeError, match="digest must be"):
+        N.decode_ulp(*args, (1, 2))
+
+
+def test_decode_chunk_gives_the_digest_move_of_its_changes():
+    from deltarefit.integrity import additive
+
+    dt = dtype("BF16")
+    rng = np.random.default_rng(11)
+    base = _base(dt, 1 << 15, rng, "weights")
+    target = _target(dt, base, rng, 0.035, "small")
+    payload, m = _ulp_payload(dt, base, target)
+    seed = additive.seeds("w", "BF16", (base.size,))
+    p = C.decode_chunk(dt, base, C.ULP, payload, m, 0, "w", digest=(5 << 15, int(seed[0]), int(seed[1])))
+    np.testing.assert_array_equal(p.moved, additive.move(seed, 5 << 15, base, p.positions, p.values))
+    assert C.decode_chunk(dt, base, C.ULP, payload, m, 0, "w").moved is None

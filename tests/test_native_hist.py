@@ -681,3 +681,21 @@ def test_native_merge_reads_and_writes_nothing_past_its_buffers():
         outs = [guarded(np.zeros(total, t)) for t in (np.int64, np.uint32, np.uint8)]
         k = N.merge_records(*sets, n, STATE_TABLE, *outs)
         assert 0 <= k <= total
+
+
+@pytest.mark.parametrize("name", ("BF16", "F32", "I16"))
+def test_the_digest_move_taken_in_the_decode_is_digest_moves(name):
+    """``decode_hist(..., digest)``: the same status and outputs, and ``digest_move``'s sums over the base."""
+    for trial, (n, rate) in enumerate(((1, 1.0), (700, 0.5), (1 << 16, 0.035))):
+        dt, base, target, hist = _case(name, n, rate, 0.3, 900 + trial)
+        m, nb, payload = _encode_numba(dt, base, target, hist, room=base.size * 24 + (1 << 17))
+        assert nb > 0
+        shift, mask, n_exp, cmap, cstate = _model(dt)
+        pos, val = np.zeros(m, np.int64), np.zeros(m, dt.uint)
+        args = (base, hist, payload, m, dt.itemsize, dt.bits, C._kind(dt), shift, mask, n_exp, cmap, cstate, N_STATES,
+                QDEPTH, pos, val)
+        st, a0, a1 = N.decode_hist(*args, (77, 1 << 62, 12345))
+        assert st == 0
+        np.testing.assert_array_equal(pos, np.flatnonzero(base != target))
+        np.testing.assert_array_equal(val, target[pos])
+        assert (a0, a1) == N.digest_move(base, pos, val, dt.itemsize, 77, 1 << 62, 12345)

@@ -17,7 +17,7 @@ from ..format import ChunkRecord, TensorEntry
 from .collective import GROUP_DECODE_REFUSED, GROUP_REFUSED, in_step  # noqa: F401 (their old home)
 from .host import (
     _changes,
-    _moved,
+    _moved_by,
     _patch_bytes,
     _seg_len,
     _where,
@@ -51,13 +51,13 @@ class HeldPlans:
         def chunk(r: ChunkRecord, own: bool = False) -> _ChunkPlan:
             read = ap.segs.read_own if own else ap.segs.read_segment
             view = ap._view(read(e.name, r.chunk_index), e.base.dtype)
-            patch = ap._decode(ap.d, e, r, view)
+            patch = ap._decode_held(ap.d, e, r, view)
             if ap.progress:
                 ap.progress(_seg_len(e.base.nbytes, r.chunk_index))
             ap._record_moves(e, r.chunk_index, view, patch)
             pos, new = _changes(patch, view)
             old = np.take(view, pos) if ap.ahead and not own and patch.dense is None else None
-            return _ChunkPlan(r, "todo", patch, _moved(e, r, view, pos, new), own, old=old)
+            return _ChunkPlan(r, "todo", patch, _moved_by(e, r, view, patch, pos, new), own, old=old)
 
         total = np.frombuffer(held, "<u8").astype(np.uint64)
         roles = ap._roles(e.name) if ap._roles is not None else None
@@ -134,12 +134,12 @@ class HeldPlans:
         by the process that decodes it."""
         ap = self.ap
         view = ap._view(region, e.base.dtype)
-        patch = ap._decode(ap.d, e, r, view)
+        patch = ap._decode_held(ap.d, e, r, view)
         if ap.progress:
             ap.progress(_seg_len(e.base.nbytes, r.chunk_index))
         ap._record_moves(e, r.chunk_index, view, patch)  # its decoder's book: it decodes this chunk every time
         pos, new = _changes(patch, view)
-        return pos, new, _moved(e, r, view, pos, new)
+        return pos, new, _moved_by(e, r, view, patch, pos, new)
 
     def _plan_split(self, e: TensorEntry, recs: list[ChunkRecord]
                     ) -> tuple[dict[int, _ChunkPlan], BaseException | None]:

@@ -4,6 +4,8 @@ digest)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..codec import elements
@@ -21,9 +23,11 @@ def _where(e: TensorEntry, r: ChunkRecord | None = None) -> str:
 
 
 def _decode(delta: DeltaReader, e: TensorEntry, r: ChunkRecord, base_seg: np.ndarray | None,
-            history: HistoryBook | None = None) -> Patch:
+            history: HistoryBook | None = None, *, digest: bool = False) -> Patch:
     """Decode a chunk against its base segment, or (``base_seg`` None) a chunk of a new tensor. An
-    ``ulp_hist`` chunk takes its history from ``history`` (refused without one, or with another)."""
+    ``ulp_hist`` chunk takes its history from ``history`` (refused without one, or with another).
+    ``digest``: the decoder also takes the move of the tensor's additive digest in its pass where it can
+    (``Patch.moved``; ``_moved_by`` falls back to a pass of its own)."""
     where = f"{delta.path}: {_where(e, r)}"
     payload = delta.read_payload(r, _where(e, r))
     if base_seg is None:
@@ -33,7 +37,22 @@ def _decode(delta: DeltaReader, e: TensorEntry, r: ChunkRecord, base_seg: np.nda
     hist = None
     if r.encoding == ULP_HIST and history is not None:
         hist = history.history(e.name, r.chunk_index, base_seg.size)
-    return decode_chunk(dtype(e.base.dtype), base_seg, r.encoding, payload, r.n_changed, r.decoded_len, where, hist)
+    dg = None
+    if digest:
+        from ..integrity import additive
+
+        seed = additive.seeds(e.name, e.base.dtype, e.base.shape)
+        dg = (r.chunk_index * (SEGMENT_BYTES // base_seg.itemsize), int(seed[0]), int(seed[1]))
+    return decode_chunk(dtype(e.base.dtype), base_seg, r.encoding, payload, r.n_changed, r.decoded_len, where, hist,
+                        digest=dg)
+
+
+def held_decode(decode):
+    """The decode a held-digest plan calls: ``decode`` (``_decode``, or a partial of it) asking the decoder
+    to take the digest's move in its pass (``digest=True``); a target's own region decode as it is (its
+    chunks' moves are taken after, ``_moved_by``)."""
+    base = decode.func if isinstance(decode, functools.partial) else decode
+    return functools.partial(decode, digest=True) if base is _decode else decode
 
 
 def _changes(patch: Patch, view: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -64,6 +83,15 @@ def _moved(e: TensorEntry, r: ChunkRecord, view: np.ndarray, pos: np.ndarray, ne
 
     seed = additive.seeds(e.name, e.base.dtype, e.base.shape)
     return additive.move(seed, r.chunk_index * (SEGMENT_BYTES // view.itemsize), view, pos, new)
+
+
+def _moved_by(e: TensorEntry, r: ChunkRecord, view: np.ndarray, patch: Patch, pos: np.ndarray,
+              new: np.ndarray) -> np.ndarray:
+    """``_moved`` of a chunk's changes ``(pos, new)``, decoded as ``patch`` against ``view``: the move its
+    decoder took in its pass where it did (``Patch.moved``), else a pass over them."""
+    if patch.moved is not None:
+        return patch.moved
+    return _moved(e, r, view, pos, new)
 
 
 def _post_image(seg: np.ndarray, patch: Patch) -> np.ndarray:

@@ -139,6 +139,7 @@ class Applier:
         self._target_moves = caps.decodes_history
         if (history is not None or moves is not None) and not self._target_moves:
             self._decode = functools.partial(regions._decode, history=history)
+        self._decode_held = regions.held_decode(self._decode)  # held-digest plans' decode
         self.journal = journal
         self.threads = threads or default_threads()
         self.cache_left = cache_bytes

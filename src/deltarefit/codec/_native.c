@@ -1713,11 +1713,15 @@ pos_gfni(posst_t *P, const uint8_t *base, int64_t n, int itemsize, unsigned shif
         const __m128i cnt = _mm_add_epi8(_mm512_castsi512_si128(z), _mm512_extracti32x4_epi32(z, 1));
         nxv = _mm512_sub_epi32(nxv, _mm512_cvtepu8_epi32(cnt));
         uint64_t due = (uint64_t)_mm512_cmplt_epi32_mask(nxv, _mm512_setzero_si512());
-        for (int k = GSLOT_OUT; k < na; k++) {
-            int32_t x = nx[k] - (int32_t)__builtin_popcountll(_mm512_cmpeq_epi8_mask(e, vk[k]));
-            nx[k] = x;
-            due |= (uint64_t)((uint32_t)x >> 31) << k;
-        }
+        /* The other contexts' countdowns move only in a block holding a lane outside the window: in a
+         * real checkpoint's chunk they are the rare exponents (a few hundred of its elements), so nearly
+         * every block skips their compares. */
+        if (__builtin_expect(inw != ~(__mmask64)0, 0))
+            for (int k = GSLOT_OUT; k < na; k++) {
+                int32_t x = nx[k] - (int32_t)__builtin_popcountll(_mm512_cmpeq_epi8_mask(e, vk[k]));
+                nx[k] = x;
+                due |= (uint64_t)((uint32_t)x >> 31) << k;
+            }
         if (!due)
             continue;
         _mm512_storeu_si512((void *)nx, nxv); /* the window's countdowns, for the slots to read */
@@ -1816,6 +1820,42 @@ static __attribute__((noinline)) void apply_values(const uint8_t *base, const in
     case 2: apply_values_t(base, pos, raw, lens, m, 2, bits, kind, out); break;
     case 4: apply_values_t(base, pos, raw, lens, m, 4, bits, kind, out); break;
     default: apply_values_t(base, pos, raw, lens, m, 8, bits, kind, out); break;
+    }
+}
+
+/* The additive digest's move (digest_move's sums, below) by the changes just decoded: the old bits are
+ * the base's at each position (the decode is against the segment as it is), the new ones out's. Taken
+ * here, a block of changes at a time while their base lines are still in cache, instead of a second
+ * pass that gathers them from the segment again. dg: {start, s0, s1}; sums accumulate. */
+#define MOVE_BLOCK 256
+static void move_sums(const int64_t *pos, const uint64_t *od, const uint64_t *nw, Py_ssize_t m, uint64_t start,
+                      uint64_t s0, uint64_t s1, uint64_t *out);
+#if HAVE_AVX512_PATH
+static void move_sums_avx512(const int64_t *pos, const uint64_t *od, const uint64_t *nw, Py_ssize_t m,
+                             uint64_t start, uint64_t s0, uint64_t s1, uint64_t *out);
+#endif
+
+static void values_moved(const uint8_t *base, const int64_t *pos, const uint64_t *raw, const uint8_t *lens, int64_t m,
+                         int itemsize, int bits, int kind, uint8_t *out, const uint64_t *dg, uint64_t *sums)
+{
+#if HAVE_AVX512_PATH
+    const int wide = have_avx512() && __builtin_cpu_supports("avx512dq");
+#endif
+    uint64_t od[MOVE_BLOCK], nw[MOVE_BLOCK];
+    for (int64_t j0 = 0; j0 < m; j0 += MOVE_BLOCK) {
+        const int64_t k = m - j0 < MOVE_BLOCK ? m - j0 : MOVE_BLOCK;
+        uint8_t *o = out + (size_t)j0 * (size_t)itemsize;
+        apply_values(base, pos + j0, raw + j0, lens + j0, k, itemsize, bits, kind, o);
+        for (int64_t j = 0; j < k; j++) {
+            od[j] = load_u(base, pos[j0 + j], itemsize);
+            nw[j] = load_u(o, j, itemsize);
+        }
+#if HAVE_AVX512_PATH
+        if (wide)
+            move_sums_avx512(pos + j0, od, nw, k, dg[0], dg[1], dg[2], sums);
+        else
+#endif
+            move_sums(pos + j0, od, nw, k, dg[0], dg[1], dg[2], sums);
     }
 }
 
@@ -1991,7 +2031,7 @@ pos_hist_split(posst_t *P, const uint8_t *base, const hmodel_t *H, int64_t n, un
  * or -7 (out of memory). */
 static int decode_c(const uint8_t *base, int64_t n, const uint8_t *pl, int64_t plen, int64_t n_changed,
                     int itemsize, int bits, int kind, unsigned shift, uint64_t cm, int64_t n_ctx,
-                    int64_t *out_pos, uint8_t *out_val, const hmodel_t *H)
+                    int64_t *out_pos, uint8_t *out_val, const hmodel_t *H, const uint64_t *dg, uint64_t *sums)
 {
     int64_t *gbeg = calloc((size_t)n_ctx, sizeof(int64_t));
     int64_t *gend = calloc((size_t)n_ctx, sizeof(int64_t));
@@ -2111,7 +2151,10 @@ static int decode_c(const uint8_t *base, int64_t n, const uint8_t *pl, int64_t p
         lens[j] = (uint8_t)ln;
         raw[j] = rawr_get(&r, ln);
     }
-    apply_values(base, out_pos, raw, lens, n_changed, itemsize, bits, kind, out_val);
+    if (dg)
+        values_moved(base, out_pos, raw, lens, n_changed, itemsize, bits, kind, out_val, dg, sums);
+    else
+        apply_values(base, out_pos, raw, lens, n_changed, itemsize, bits, kind, out_val);
     if (s.bad || rawr_bad(&r))
         st = -1;
     else if (s.pos != rc_end || rc_end + (r.bp + 7) / 8 != plen || ((r.bp & 7) && rawr_peek(&r) != 0))
@@ -2134,9 +2177,10 @@ done:
 
 static int decode_ulp_c(const uint8_t *base, int64_t n, const uint8_t *pl, int64_t plen, int64_t n_changed,
                         int itemsize, int bits, int kind, unsigned shift, uint64_t cm, int64_t n_ctx,
-                        int64_t *out_pos, uint8_t *out_val)
+                        int64_t *out_pos, uint8_t *out_val, const uint64_t *dg, uint64_t *sums)
 {
-    return decode_c(base, n, pl, plen, n_changed, itemsize, bits, kind, shift, cm, n_ctx, out_pos, out_val, NULL);
+    return decode_c(base, n, pl, plen, n_changed, itemsize, bits, kind, shift, cm, n_ctx, out_pos, out_val, NULL, dg,
+                    sums);
 }
 
 /* Positions passes by name, and the one in use: "auto" picks the best this machine runs. */
@@ -2185,16 +2229,44 @@ static blockfn_t block_kernel(int k)
 #endif
 }
 
+/* The optional digest argument of decode_ulp and decode_hist: None, or (start, s0, s1) -> dg. Returns 1
+ * with dg set, 0 for None, -1 with an exception. */
+static int digest_arg(PyObject *o, uint64_t *dg)
+{
+    if (o == NULL || o == Py_None)
+        return 0;
+    long long start;
+    unsigned long long s0, s1;
+    if (!PyArg_ParseTuple(o, "LKK;digest must be (start, s0, s1)", &start, &s0, &s1))
+        return -1;
+    dg[0] = (uint64_t)start;
+    dg[1] = s0;
+    dg[2] = s1;
+    return 1;
+}
+
+/* A decode's result: the status, or with a digest (status, a0, a1), the move of the additive digest. */
+static PyObject *decode_result(long st, int have_dg, const uint64_t *sums)
+{
+    if (!have_dg)
+        return PyLong_FromLong(st);
+    return Py_BuildValue("(lKK)", st, (unsigned long long)sums[0], (unsigned long long)sums[1]);
+}
+
 static PyObject *py_decode_ulp(PyObject *self, PyObject *args)
 {
-    PyObject *ob, *op, *opos, *oval;
+    PyObject *ob, *op, *opos, *oval, *odg = NULL;
     Py_ssize_t n_changed, n_ctx;
     int itemsize, bits, kind;
     unsigned shift;
     unsigned long long cm;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOniiiIKnOO", &ob, &op, &n_changed, &itemsize, &bits, &kind, &shift, &cm, &n_ctx,
-                          &opos, &oval))
+    if (!PyArg_ParseTuple(args, "OOniiiIKnOO|O", &ob, &op, &n_changed, &itemsize, &bits, &kind, &shift, &cm, &n_ctx,
+                          &opos, &oval, &odg))
+        return NULL;
+    uint64_t dg[3], sums[2] = {0, 0};
+    const int have_dg = digest_arg(odg, dg);
+    if (have_dg < 0)
         return NULL;
     if ((itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) || bits < 1 || bits > 8 * itemsize ||
         kind < 0 || kind > 2 || n_ctx < 1 || n_ctx > 65536 || shift >= (unsigned)(8 * itemsize) ||
@@ -2226,17 +2298,17 @@ static PyObject *py_decode_ulp(PyObject *self, PyObject *args)
         const int64_t n = vb.len / itemsize;
         /* kernels.ulp_decode's first check, status for status */
         if (n_changed <= 0 || n_changed > n || vpos.len / 8 < n_changed || vval.len / itemsize < n_changed) {
-            ret = PyLong_FromLong(-4);
+            ret = decode_result(-4, have_dg, sums);
             goto done;
         }
         Py_BEGIN_ALLOW_THREADS
         st = decode_ulp_c(vb.buf, n, vp.buf, vp.len, n_changed, itemsize, bits, kind, shift, cm, n_ctx, vpos.buf,
-                          vval.buf);
+                          vval.buf, have_dg ? dg : NULL, sums);
         Py_END_ALLOW_THREADS
         if (st == -7)
             PyErr_NoMemory();
         else
-            ret = PyLong_FromLong(st);
+            ret = decode_result(st, have_dg, sums);
     }
 done:
     if (got >= 4) PyBuffer_Release(&vval);
@@ -2256,14 +2328,18 @@ done:
  * pass other than "scalar" in use), else numba's countdown, element by element. */
 static PyObject *py_decode_hist(PyObject *self, PyObject *args)
 {
-    PyObject *ob, *oh, *op, *ocmap, *ocs, *opos, *oval;
+    PyObject *ob, *oh, *op, *ocmap, *ocs, *opos, *oval, *odg = NULL;
     Py_ssize_t n_changed, n_exp;
     int itemsize, bits, kind, n_states, qdepth;
     unsigned shift;
     unsigned long long cm;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOniiiIKnOOiiOO", &ob, &oh, &op, &n_changed, &itemsize, &bits, &kind, &shift, &cm,
-                          &n_exp, &ocmap, &ocs, &n_states, &qdepth, &opos, &oval))
+    if (!PyArg_ParseTuple(args, "OOOniiiIKnOOiiOO|O", &ob, &oh, &op, &n_changed, &itemsize, &bits, &kind, &shift,
+                          &cm, &n_exp, &ocmap, &ocs, &n_states, &qdepth, &opos, &oval, &odg))
+        return NULL;
+    uint64_t dg[3], sums[2] = {0, 0};
+    const int have_dg = digest_arg(odg, dg);
+    if (have_dg < 0)
         return NULL;
     if ((itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) || bits < 1 || bits > 8 * itemsize ||
         kind < 0 || kind > 2 || shift >= (unsigned)(8 * itemsize) || n_states > 65536 || qdepth > 4096 ||
@@ -2298,12 +2374,12 @@ static PyObject *py_decode_hist(PyObject *self, PyObject *args)
         /* kernels.hist_decode's first checks, status for status */
         if (n_changed <= 0 || n_changed > n || v[5].len / 8 < n_changed || v[6].len / itemsize < n_changed ||
             v[1].len != n) {
-            ret = PyLong_FromLong(-4);
+            ret = decode_result(-4, have_dg, sums);
             goto done;
         }
         if (n_states < 1 || qdepth < 1 || n_exp < 1 || cm >= (unsigned long long)n_exp ||
             n_cmap < (Py_ssize_t)n_states * n_exp) {
-            ret = PyLong_FromLong(-2);
+            ret = decode_result(-2, have_dg, sums);
             goto done;
         }
         const hmodel_t H = {v[4].buf, n_states, qdepth, v[1].buf, v[3].buf, n_exp};
@@ -2311,12 +2387,12 @@ static PyObject *py_decode_hist(PyObject *self, PyObject *args)
         st = hist_tables_ok(v[1].buf, n, v[3].buf, v[4].buf, n_ctx, n_exp, n_states);
         if (st == 0)
             st = decode_c(v[0].buf, n, v[2].buf, v[2].len, n_changed, itemsize, bits, kind, shift, cm, n_ctx,
-                          v[5].buf, v[6].buf, &H);
+                          v[5].buf, v[6].buf, &H, have_dg ? dg : NULL, sums);
         Py_END_ALLOW_THREADS
         if (st == -7)
             PyErr_NoMemory();
         else
-            ret = PyLong_FromLong(st);
+            ret = decode_result(st, have_dg, sums);
     }
 done:
     while (got > 0)
@@ -2626,7 +2702,6 @@ static PyObject *py_equal_at(PyObject *self, PyObject *args)
 
 /* digest_move's sums over one block: the old and new bits already gathered into words, so the loop has
  * no gather and the compiler vectorizes it (the index mixes are shared by old and new). */
-#define MOVE_BLOCK 256
 #define MOVE_BODY                                                                                       \
     uint64_t a0 = 0, a1 = 0;                                                                           \
     for (Py_ssize_t j = 0; j < m; j++) {                                                               \
@@ -2836,11 +2911,14 @@ static PyMethodDef methods[] = {
      "kind, cstate, n_states, qdepth, out) -> (m, nbytes): kernels.hist_scan + kernels.ulp_encode_core (encoding 5) "
      "for 16-bit elements, the same bytes."},
     {"decode_ulp", py_decode_ulp, METH_VARARGS,
-     "decode_ulp(base, payload, n_changed, itemsize, bits, kind, shift, mask, n_ctx, out_pos, out_val) -> status: "
-     "kernels.ulp_decode, the same positions, values and status (0 or a kernels.STATUS code)."},
+     "decode_ulp(base, payload, n_changed, itemsize, bits, kind, shift, mask, n_ctx, out_pos, out_val[, digest]) -> "
+     "status: kernels.ulp_decode, the same positions, values and status (0 or a kernels.STATUS code). digest: "
+     "(start, s0, s1): returns (status, a0, a1), the additive digest's move by the changes as digest_move(base, "
+     "out_pos, out_val, itemsize, start, s0, s1) gives it (meaningful where status is 0)."},
     {"decode_hist", py_decode_hist, METH_VARARGS,
      "decode_hist(base, hist, payload, n_changed, itemsize, bits, kind, shift, mask, n_exp, cmap, cstate, n_states, "
-     "qdepth, out_pos, out_val) -> status: kernels.hist_decode (encoding 5), the same positions, values and status."},
+     "qdepth, out_pos, out_val[, digest]) -> status: kernels.hist_decode (encoding 5), the same positions, values and "
+     "status; digest as in decode_ulp."},
     {"decode_kernel", py_decode_kernel, METH_VARARGS,
      "decode_kernel([name]) -> the one in use before: the positions pass decode_ulp and decode_hist use for 16-bit "
      "floats, one of decode_kernels(); 'auto' (the default) picks the fastest."},

@@ -79,32 +79,45 @@ def decode_new(dt: DType, n: int, encoding: int, payload: bytes, where: str) -> 
     return np.frombuffer(_unzstd(payload, n * dt.itemsize, where), dt.uint)
 
 
+def _moved(res) -> tuple[int, np.ndarray | None]:
+    """(status, digest move) of a native decode's result: ``(status, a0, a1)`` where it was asked for the
+    digest, else the status alone."""
+    if isinstance(res, tuple):
+        return res[0], np.array(res[1:], np.uint64)
+    return res, None
+
+
 def decode_chunk(
     dt: DType, base: np.ndarray, encoding: int, payload: bytes, n_changed: int, decoded_len: int, where: str,
-    history: History | None = None,
+    history: History | None = None, *, digest: tuple[int, int, int] | None = None,
 ) -> Patch:
     """Decode a chunk payload against its base (uint view). Raises DecodeError/LimitError on bad input.
-    A ``ULP_HIST`` chunk needs ``history``, the one its payload names (refused otherwise)."""
+    A ``ULP_HIST`` chunk needs ``history``, the one its payload names (refused otherwise).
+    ``digest``: ``(start, s0, s1)``, the chunk's first element index in its tensor and the tensor's
+    additive-digest seeds; the native decoder of ``ULP`` and ``ULP_HIST`` chunks then also gives the
+    digest's move by the changes (``Patch.moved``, what ``integrity.additive.move`` gives over the base),
+    taken in the same pass. Other paths leave ``Patch.moved`` None."""
     n = base.size
     if not 0 <= n_changed <= n:
         raise DecodeError(f"{where}: record claims {n_changed} changed elements in a chunk of {n}")
     if encoding == ULP_HIST:
-        return _decode_hist(dt, base, payload, n_changed, decoded_len, where, history)
+        return _decode_hist(dt, base, payload, n_changed, decoded_len, where, history, digest)
     if encoding == ULP:
         if decoded_len != 0:
             raise DecodeError(f"{where}: ulp chunk declares a decoded length")
         pos = np.empty(n_changed, np.int64)
         val = np.empty(n_changed, dt.uint)
         shift, mask, nctx = _ctx(dt)
+        moved = None
         if native.USE_NATIVE and native.ext is not None and base.flags.c_contiguous:  # (any alignment)
-            st = native.ext.decode_ulp(base, payload, n_changed, dt.itemsize, dt.bits, _kind(dt), shift, mask,
-                                       nctx, pos, val)
+            st, moved = _moved(native.ext.decode_ulp(base, payload, n_changed, dt.itemsize, dt.bits, _kind(dt), shift,
+                                                     mask, nctx, pos, val, digest))
         else:
             buf = np.frombuffer(payload, np.uint8)
             st = K.ulp_decode(base, buf, n_changed, dt.bits, _kind(dt), shift, mask, nctx, pos, val)
         if st != 0:
             raise DecodeError(f"{where}: {STATUS.get(st, f'status {st}')}")
-        return Patch(pos, val, None)
+        return Patch(pos, val, None, moved)
     if encoding in (DENSE_XOR, OVERWRITE):
         raw = _unzstd(payload, n * dt.itemsize, where)
         arr = np.frombuffer(raw, dt.uint)
@@ -137,7 +150,7 @@ def decode_chunk(
 
 
 def _decode_hist(dt: DType, base: np.ndarray, payload: bytes, n_changed: int, decoded_len: int, where: str,
-                 history: History | None) -> Patch:
+                 history: History | None, digest: tuple[int, int, int] | None) -> Patch:
     n = base.size
     if decoded_len != 0:
         raise DecodeError(f"{where}: ulp_hist chunk declares a decoded length")
@@ -154,16 +167,16 @@ def _decode_hist(dt: DType, base: np.ndarray, payload: bytes, n_changed: int, de
     shift, mask, n_exp = _ctx(dt)
     cmap, cstate = context_map(n_exp)
     states = history.states()
-    st = None
+    st = moved = None
     if native.USE_NATIVE and native.ext is not None and base.flags.c_contiguous:  # (any alignment of the base)
         with contextlib.suppress(BufferError):
-            st = native.ext.decode_hist(base, states, memoryview(payload)[HIST_ID_BYTES:], n_changed, dt.itemsize,
-                                        dt.bits, _kind(dt), shift, mask, n_exp, cmap, cstate, N_STATES, QDEPTH, pos,
-                                        val)
+            st, moved = _moved(native.ext.decode_hist(
+                base, states, memoryview(payload)[HIST_ID_BYTES:], n_changed, dt.itemsize, dt.bits, _kind(dt), shift,
+                mask, n_exp, cmap, cstate, N_STATES, QDEPTH, pos, val, digest))
     if st is None:
         buf = np.frombuffer(payload, np.uint8, offset=HIST_ID_BYTES)
         st = K.hist_decode(base, states, buf, n_changed, dt.bits, _kind(dt), shift, mask, n_exp, cmap, cstate,
                            N_STATES, QDEPTH, pos, val)
     if st != 0:
         raise DecodeError(f"{where}: {STATUS.get(st, f'status {st}')}")
-    return Patch(pos, val, None)
+    return Patch(pos, val, None, moved)

@@ -81,6 +81,9 @@ class Patch:
     positions: np.ndarray | None  # sorted int64 element indices
     values: np.ndarray | None  # target bits at those positions (uint view of the dtype)
     dense: np.ndarray | None  # the whole target chunk (uint view)
+    # The additive digest's move by these changes, where the decoder was asked for it and took it in its
+    # pass (``decode_chunk(digest=)``); None otherwise (the caller moves the digest itself).
+    moved: np.ndarray | None = None
 
     def apply_to(self, view: np.ndarray) -> None:
         """Write the target bits into ``view`` (the chunk's elements, same uint dtype). Idempotent."""

@@ -10,6 +10,8 @@ Run it with ``python -m deltarefit.apps.bench [--quick] [--out DIR] [--synthetic
 * :mod:`.entropy`: the empirical conditional entropy bound H(D | base exponent, tensor).
 * :mod:`.report`: the driver and :func:`main`; :mod:`.report_render`: the table, ``docs/BENCHMARKS.md``,
   the plot.
+* :mod:`.per_element`: ns per changed element per core of decode, scatter, read-back and digest, and the fixed
+  cost per refit, for the file, torch and engine-like targets (``docs/PERFORMANCE.md``).
 * :mod:`.engine`: refit of a running vLLM engine, in place against disk + reload and full reload
   (``python -m deltarefit.apps.bench.engine``, needs vLLM; ``docs/ENGINES.md``).
 
