@@ -12,8 +12,9 @@ page cache:
 * **Apply stages**, driven one by one on a fresh copy of the base (fsynced first, as an installed
   checkpoint is), through the library's own steps: ``hash`` (every segment of the copy, as the plan
   hashes them: ``fingerprint_checkpoint``), ``plan`` (``protocol.plan_apply``: hashes, decodes, checks;
-  read only), ``decode`` (plan less hash), ``write`` (``protocol.commit``: journal, write, read back,
-  verify), ``flush`` (``Checkpoint.flush``: msync and fsync of what the write left dirty).
+  read only), ``decode`` (plan less hash: the decode and the post-image hash), ``write``
+  (``protocol.commit``: journal, write, read back, verify), ``flush`` (``Checkpoint.flush``: msync and
+  fsync of what the write left dirty).
 * **Encode stages**: ``hash`` (every segment of base and target, ``encode.known_hashes``), the encode
   without its fsync (``durable=False``), and with it: ``scan+code`` is the former less the hashes, and
   ``fsync`` the latter less the former.
@@ -203,8 +204,8 @@ def render(r: dict[str, Any]) -> list[str]:
              f"| `python -c pass` | {_f(fx['python'])} |",
              f"| `python -c 'import deltarefit.cli'` | {_f(fx['import_cli'])} (imports {fx['imports']:.3f}) |",
              f"| apply: hash (every segment of the base) | {rate_of(a['hash'], gb)} |",
-             f"| apply: plan (hash, decode, check; read only) | {_f(a['plan'])} (decode: plan less hash "
-             f"{a['decode']:.3f}) |",
+             f"| apply: plan (hash, decode, check; read only) | {_f(a['plan'])} (decode and post-image check: plan "
+             f"less hash {a['decode']:.3f}) |",
              f"| apply: write (journal, write, read back, verify) | {_f(a['write'])} |",
              f"| apply: flush (msync + fsync) | {_f(a['flush'])} |",
              f"| encode: hash (base and target) | {_f(e['hash'])} |",
