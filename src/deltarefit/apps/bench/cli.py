@@ -8,7 +8,7 @@ and ulp distances calibrated on the real AdamW pair below, ``--rate`` of the ele
 ``stream``, ``bench.stream``'s bf16 pair of ``--mib`` MiB (tensors of N(0, 0.02) weights, ``--rate``
 of their elements moved by one ulp); ``adamw``, the real AdamW pair (MiniLM, lr 1e-5: 22.7M
 parameters, 4.0% changed) where its model package is installed. Each delta is encoded once untimed.
-Then ``--repeat`` times, each apply on a fresh copy of the base (every file in the page cache):
+Then ``--repeat`` times, each apply on a fresh copy of the base, fsynced (every file in the page cache):
 
 * ``cp`` of the base into a new file: the baseline (it reads and writes the whole checkpoint, and does
   not fsync);
