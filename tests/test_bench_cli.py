@@ -1,6 +1,7 @@
 """The CLI benchmark on a small synthetic pair: `cp`, the CLI (bytecode cached and as given) and the
-library's warm call each timed on a fresh copy, every result checked against the target fingerprint by
-the benchmark itself. Figures are printed, never asserted on."""
+library's warm call each timed on a fresh copy, the encode from the shell and warm, and the bounds and
+stages (``bench.cli_stages``), every result checked against the target fingerprint by the benchmark
+itself. Figures are printed, never asserted on."""
 
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ from deltarefit.apps.bench.stream import _chain
 
 def test_cli_bench_measures_each_path_and_reports_them(tmp_path):
     steps = _chain(str(tmp_path), 32, 2, 0.03, 0)
-    r = bench_cli.measure_pair("tiny", steps[0], steps[1], str(tmp_path), 1)
-    for k in ("cp", "cli_cached", "cli_env", "library"):
+    r = bench_cli.measure_pair("tiny", steps[0], steps[1], str(tmp_path), 1, stages=True)
+    for k in ("cp", "cli_cached", "cli_env", "library", "cli_encode", "library_encode"):
         assert 0 < r[k]["min"] <= r[k]["median"] <= r[k]["max"], k
+    for k in ("cp", "blake3_1", "blake3_pool", "blake3_whole"):
+        assert r["baselines"][k]["median"] > 0, k
+    assert set(r["apply_stages"]) >= {"hash", "plan", "write", "flush", "decode"}
+    assert set(r["encode_stages"]) >= {"hash", "nondurable", "durable", "scan_code", "fsync"}
     assert 0.025 < r["changed"] < 0.035 and r["delta_bytes"] < r["bytes"] / 10
     assert r["fixed_cached"] == r["cli_cached"]["median"] - r["library"]["median"]
     assert os.path.isdir(tmp_path / "pycache")  # the cached run's bytecode went to the work dir
@@ -22,6 +27,7 @@ def test_cli_bench_measures_each_path_and_reports_them(tmp_path):
     res = {"machine": "m", "environment": {"dontwritebytecode": True, "package_dir": "src"}, "pairs": [r]}
     md = bench_cli.markdown(res, "python -m deltarefit.apps.bench.cli")
     assert "| tiny | 34 |" in md and "bytecode cached" in md and "`PYTHONDONTWRITEBYTECODE` set" in md
+    assert "### tiny: bounds and stages" in md and "apply: flush (msync + fsync)" in md
 
 
 def test_stream_bench_runs_on_a_short_chain_and_refuses_a_shorter_one(tmp_path, capsys):

@@ -274,6 +274,30 @@ def test_write_raw_goes_through_the_file_and_the_map_sees_it(tmp_path):
     assert not w["a"].any() and not w["z"].any()  # the neighbours untouched
 
 
+def test_start_writeback_is_a_hint_that_never_fails_or_changes_bytes(tmp_path):
+    """``io.fsutil.start_writeback`` (what ``write_raw`` calls after each write, so that the apply's final
+    fsync waits only for what is in flight) is found on Linux, leaves the file's bytes as written, and
+    neither raises on a bad descriptor nor on a range past the end."""
+    import sys
+
+    from deltarefit.io import fsutil
+
+    if sys.platform.startswith("linux"):
+        assert fsutil._sync_file_range() is not None
+    path = tmp_path / "f.bin"
+    data = os.urandom(3 << 20)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.pwrite(fd, data, 0)
+        fsutil.start_writeback(fd, 0, len(data))
+        fsutil.start_writeback(fd, len(data), 1 << 20)  # past the end
+    finally:
+        os.close(fd)
+    fsutil.start_writeback(fd, 0, 1)  # closed: nothing raised
+    fsutil.start_writeback(-1, 0, 1)
+    assert path.read_bytes() == data
+
+
 def test_closed_checkpoint_refuses_use(tmp_path):
     path = tmp_path / "m.safetensors"
     write_safetensors(path, [src("x", "U8", (3,), b"abc")])

@@ -289,9 +289,18 @@ def test_a_store_that_does_not_exist_is_an_error_not_a_new_directory(files, tmp_
     assert not os.path.exists(missing)
 
 
-def test_apply_of_bf16_weights_starts_without_numba_or_the_sharded_layer(files, tmp_path):
-    """Start-up: ``deltarefit apply`` of bf16 weights runs on the native kernels alone, so it imports
-    neither numba (about 0.2 s, and its kernels' first calls) nor the sharded layer."""
+# Modules the hot commands must not import: numba (about 0.2 s, and its kernels' first calls), the
+# sharded layer, torch, rich and transformers (seconds), and importlib.abc / importlib.resources (which
+# bring pathlib, tempfile, shutil, bz2, lzma and random: about 30 ms).
+NOT_ON_HOT_PATHS = ("numba", "deltarefit.shard", "torch", "rich", "transformers", "importlib.abc",
+                    "importlib.resources")
+
+
+@pytest.mark.parametrize("cmd", ["--help", "apply", "encode"])
+def test_hot_commands_start_without_heavy_imports(files, tmp_path, cmd):
+    """Start-up: ``deltarefit --help``, and ``apply`` and ``encode`` of bf16 weights, run on the native
+    kernels alone and import none of ``NOT_ON_HOT_PATHS`` (checked in the finished process's
+    ``sys.modules``)."""
     from deltarefit.codec.native import USE_NATIVE
 
     if not USE_NATIVE:
@@ -300,12 +309,16 @@ def test_apply_of_bf16_weights_starts_without_numba_or_the_sharded_layer(files, 
     assert run("encode", str(files / "base.safetensors"), str(files / "target.safetensors"), "-o", delta).returncode == 0
     work = str(tmp_path / "w.safetensors")
     shutil.copyfile(files / "base.safetensors", work)
+    argv = {"--help": ["--help"], "apply": ["apply", delta, work, "-q"],
+            "encode": ["encode", str(files / "base.safetensors"), str(files / "target.safetensors"), "-o",
+                       str(tmp_path / "e.delta"), "-q"]}[cmd]
     code = ("import sys; from deltarefit.cli import main\n"
-            f"sys.argv = ['deltarefit', 'apply', {delta!r}, {work!r}, '-q']\n"
+            f"sys.argv = ['deltarefit', *{argv!r}]\n"
             "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "print(sorted(m for m in ('numba', 'deltarefit.shard') if m in sys.modules))")
+            f"print(sorted(m for m in {NOT_ON_HOT_PATHS!r} if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
-    want = run("fingerprint", str(files / "target.safetensors")).stdout.split()[0]
-    assert run("fingerprint", work).stdout.split()[0] == want
+    if cmd == "apply":
+        want = run("fingerprint", str(files / "target.safetensors")).stdout.split()[0]
+        assert run("fingerprint", work).stdout.split()[0] == want

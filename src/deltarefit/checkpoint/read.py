@@ -41,6 +41,7 @@ import numpy as np
 
 from ..errors import CheckpointError, UsageError
 from ..integrity import SEGMENT_BYTES, fingerprint_from_digests, segment_hashes, tensor_digest_from_segments
+from ..io.fsutil import start_writeback
 from .header import MAX_HEADER_BYTES
 from .parse import HEADER_BYTES_PER_CONTAINER as HEADER_BYTES_PER_CONTAINER  # (the header's bounds, from
 from .parse import HEADER_MAX_DEPTH as HEADER_MAX_DEPTH  # their earlier home)
@@ -138,6 +139,9 @@ class Checkpoint:
             if n <= 0:
                 raise CheckpointError(f"{self.path}: tensor {name!r}: write at {at} made no progress")
             buf, at = buf[n:], at + n
+        # The disk gets these pages now, while the apply goes on, instead of all of them in ``flush``
+        # (its fsync then waits only for the writes still in flight).
+        start_writeback(fd, info.offset + offset, at - info.offset - offset)
 
     def identity(self) -> tuple:
         """Per file, from the open handles: (path, device, inode, size, mtime ns, ctime ns). Replacing a

