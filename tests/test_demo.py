@@ -84,6 +84,16 @@ def test_demo_cli_two_steps_two_rollouts_bit_exact(tmp_path):
         assert (out / f"rollout-{i}" / "model.safetensors").exists()
 
 
+def test_demo_json_prints_only_the_machine_readable_rows(tmp_path):
+    out = tmp_path / "demo"
+    res = demo(out, "--steps", "1", "--rollouts", "1", "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = json.loads(res.stdout)  # nothing but the JSON on standard output
+    assert got == json.loads((out / "steps.json").read_text())
+    assert got["summary"]["ok"] is True and [r["version"] for r in got["steps"]] == [1, 2]
+    assert got["steps"][1]["delta_bytes"] < got["steps"][1]["full_bytes"]
+
+
 def test_demo_over_s3_one_step_bit_exact(tmp_path):
     """--transport s3 starts a SeaweedFS server on loopback; trainer and rollouts meet only in it."""
     from deltarefit.apps.bench.seaweed import missing_reason

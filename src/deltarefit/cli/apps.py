@@ -22,15 +22,21 @@ from .common import _run, main
                    "local store through a relay tree, a node per rollout.")
 @click.option("--s3-url", default=None, help="s3://bucket/prefix for --transport s3 (AWS environment for the "
               "endpoint and credentials); without it a local SeaweedFS server is started for the run.")
-def demo(out: str, steps: int, lr: float, rollouts: int, transport: str, s3_url: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print only OUT/steps.json (the summary and a row per "
+              "version) on standard output; failures still go to standard error.")
+def demo(out: str, steps: int, lr: float, rollouts: int, transport: str, s3_url: str | None, as_json: bool) -> None:
     """RL refit over a version stream: a trainer process publishes each step, rollout processes sync,
     verify bit for bit, and generate stamped rollouts; a table and OUT/refit.png at the end."""
 
     def go() -> None:
         from ..apps.demo import run_demo
 
-        if not run_demo(out, steps=steps, lr=lr, rollouts=rollouts, transport=transport, s3_url=s3_url):
+        if not run_demo(out, steps=steps, lr=lr, rollouts=rollouts, transport=transport, s3_url=s3_url,
+                        quiet=as_json):
             sys.exit(6)
+        if as_json:
+            with open(os.path.join(out, "steps.json"), encoding="utf-8") as f:
+                sys.stdout.write(f.read() + "\n")
 
     _run(go)
 
