@@ -111,7 +111,7 @@ def test_the_set_of_commands_and_flags_is_deliberate():
         "keygen": ["private_key"],
         "status": ["as_json", "checkpoint", "store", "threads", "verify"],
         "compose": ["base", "deltas", "output", "quiet"],
-        "demo": ["lr", "out", "rollouts", "s3_url", "steps", "transport"],
+        "demo": ["as_json", "lr", "out", "rollouts", "s3_url", "steps", "transport"],
         "simulate": ["apply_cores", "apply_gbps_core", "calibrate", "change_pct", "chunk_mb", "codec", "encode_cores",
                      "encode_gbps_core", "fabric_gbps", "fanout", "link_gbps", "nodes", "out_dir", "params", "plot_path",
                      "ratio", "references", "rollout", "shards", "store_gbps"],
