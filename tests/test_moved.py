@@ -131,6 +131,10 @@ def test_every_public_name_imports_lazily():
     assert _fresh(code) == "ok"
     assert callable(deltarefit.apply) and callable(deltarefit.encode)
     assert deltarefit.apply.Journal is importlib.import_module("deltarefit.apply.journal").Journal
+    # Subpackages by attribute, as when the package imported them; the old paths only by import
+    assert _fresh("import deltarefit\nprint(deltarefit.format.DeltaReader.__name__, deltarefit.errors.UsageError"
+                  ".__name__, hasattr(deltarefit, 'applier'), hasattr(deltarefit, '_nothing'))") == (
+        "DeltaReader UsageError False False")
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         deltarefit.nothing_here  # noqa: B018
     with pytest.raises(ImportError):

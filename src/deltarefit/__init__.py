@@ -107,6 +107,15 @@ def __getattr__(name: str):
         value = importlib.import_module(f".{name}", __name__)
     elif name in _WHERE:
         value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+    elif not name.startswith("_") and f"{__name__}.{name}" not in _moved.MOVED:
+        # A subpackage by attribute (``deltarefit.format.DeltaReader`` after ``import deltarefit``), as
+        # when this package imported them all.
+        try:
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value  # the next look-up is an ordinary attribute
