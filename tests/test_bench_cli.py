@@ -22,12 +22,28 @@ def test_cli_bench_measures_each_path_and_reports_them(tmp_path):
     assert set(r["encode_stages"]) >= {"hash", "nondurable", "durable", "scan_code", "fsync"}
     assert 0.025 < r["changed"] < 0.035 and r["delta_bytes"] < r["bytes"] / 10
     assert r["fixed_cached"] == r["cli_cached"]["median"] - r["library"]["median"]
+    fx = r["fixed"]
+    assert fx["python"]["median"] > 0 and fx["start"]["median"] > 0
+    assert fx["start_less_python"] == fx["start"]["median"] - fx["python"]["median"]
     assert os.path.isdir(tmp_path / "pycache")  # the cached run's bytecode went to the work dir
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".delta") or "work" in f]  # nothing left
     res = {"machine": "m", "environment": {"dontwritebytecode": True, "package_dir": "src"}, "pairs": [r]}
     md = bench_cli.markdown(res, "python -m deltarefit.apps.bench.cli")
     assert "| tiny | 34 |" in md and "bytecode cached" in md and "`PYTHONDONTWRITEBYTECODE` set" in md
     assert "### tiny: bounds and stages" in md and "apply: flush (msync + fsync)" in md
+    assert "`deltarefit fingerprint` of a 4-element checkpoint" in md
+
+
+def test_fixed_only_measures_each_source_tree(capsys):
+    """``--fixed-only SRC...``: the fixed costs of each tree, named; none: this process's deltarefit."""
+    import deltarefit
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(deltarefit.__file__)))
+    assert bench_cli.main(["--fixed-only", src, "--repeat", "1"]) == 0
+    assert bench_cli.main(["--fixed-only", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{src}: python -c pass ") and "deltarefit fingerprint of a 4-element" in out[0]
+    assert out[1].startswith("this deltarefit: python -c pass ")
 
 
 def test_stream_bench_runs_on_a_short_chain_and_refuses_a_shorter_one(tmp_path, capsys):

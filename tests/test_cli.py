@@ -319,6 +319,33 @@ def test_hot_commands_start_without_heavy_imports(files, tmp_path, cmd):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+    if cmd == "--help":  # numpy too: nothing of the library is loaded to print the help
+        r = subprocess.run([sys.executable, "-c", code.replace(repr(NOT_ON_HOT_PATHS), "('numpy',)")],
+                           capture_output=True, text=True, timeout=120)
+        assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout + r.stderr
     if cmd == "apply":
         want = run("fingerprint", str(files / "target.safetensors")).stdout.split()[0]
         assert run("fingerprint", work).stdout.split()[0] == want
+
+
+@pytest.mark.parametrize("user", [None, "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"])
+def test_a_command_loads_numpy_with_one_blas_thread(files, user):
+    """A command of ``cli.common.NUMPY_WITHOUT_BLAS`` (here ``fingerprint``) run as its own process loads
+    numpy with OpenBLAS's pool at one thread, and leaves no variable set behind it (a child process or
+    torch would read it); where the user set one of the variables, numpy follows the user's."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    del threadpoolctl
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS",
+                                                              "OMP_NUM_THREADS")}
+    if user is not None:
+        env[user] = "2"  # OpenBLAS takes at most the cores
+    code = ("import os, sys; from deltarefit.cli import main\n"
+            f"sys.argv = ['deltarefit', 'fingerprint', {str(files / 'base.safetensors')!r}]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "from threadpoolctl import threadpool_info\n"
+            "print(sorted({i['num_threads'] for i in threadpool_info() if i['internal_api'] == 'openblas'}),"
+            " sorted(k for k in ('OPENBLAS_NUM_THREADS', 'GOTO_NUM_THREADS', 'OMP_NUM_THREADS') if k in os.environ))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    want = "[1] []" if user is None else f"[{min(2, os.cpu_count() or 1)}] ['{user}']"
+    assert r.stdout.strip().splitlines()[-1] == want, r.stdout

@@ -94,3 +94,48 @@ def test_release_has_one_spelling_below_the_package():
     assert deltarefit.__version__ is RELEASE
     pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
     assert tomllib.loads(pyproject.read_text())["project"]["version"] == RELEASE
+
+
+def _fresh(code: str) -> str:
+    """Run ``code`` in a new interpreter (a package imported from nothing) and return its stdout."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_every_public_name_imports_lazily():
+    """``import deltarefit`` loads no numpy and no public module; then, in a new process each, ``from
+    deltarefit import X`` and ``deltarefit.X`` give, for every name of ``__all__``, the object its
+    defining module holds (``apply`` and ``encode`` the callable modules), and ``dir()`` lists them."""
+    import deltarefit
+
+    mods = ("numpy", "deltarefit.apply", "deltarefit.encode", "deltarefit.api", "deltarefit.format")
+    assert _fresh(f"import sys, deltarefit; print([m for m in {mods!r} if m in sys.modules])") == "[]"
+    where = {**dict.fromkeys(("fingerprint", "inspect", "verify"), "deltarefit.api"),
+             "ApplyReport": "deltarefit.apply", "EncodeReport": "deltarefit.encode",
+             "KnownHashes": "deltarefit.encode", "known_hashes": "deltarefit.encode",
+             "__version__": "deltarefit._release"}
+    checks = []
+    for name in deltarefit.__all__:
+        if name in ("apply", "encode", "shard"):
+            want = f"importlib.import_module('deltarefit.{name}')"
+        elif name == "__version__":
+            want = "importlib.import_module('deltarefit._release').RELEASE"
+        else:
+            want = f"getattr(importlib.import_module({where.get(name, 'deltarefit.errors')!r}), {name!r})"
+        checks.append(f"from deltarefit import {name} as got\nassert got is {want}, {name!r}\n"
+                      f"assert deltarefit.{name} is got, {name!r}\nassert {name!r} in dir(deltarefit)")
+    code = "import importlib, deltarefit\n" + "\n".join(checks) + "\nprint('ok')"
+    assert _fresh(code) == "ok"
+    assert callable(deltarefit.apply) and callable(deltarefit.encode)
+    assert deltarefit.apply.Journal is importlib.import_module("deltarefit.apply.journal").Journal
+    # Subpackages by attribute, as when the package imported them; the old paths only by import
+    assert _fresh("import deltarefit\nprint(deltarefit.format.DeltaReader.__name__, deltarefit.errors.UsageError"
+                  ".__name__, hasattr(deltarefit, 'applier'), hasattr(deltarefit, '_nothing'))") == (
+        "DeltaReader UsageError False False")
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        deltarefit.nothing_here  # noqa: B018
+    with pytest.raises(ImportError):
+        exec("from deltarefit import nothing_here", {})

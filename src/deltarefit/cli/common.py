@@ -128,6 +128,32 @@ class _Group(click.Group):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
+# The commands that read or write checkpoints and deltas: each imports numpy, and none multiplies floating
+# matrices (the only work numpy hands to BLAS; the codec's threads are the library's own).
+NUMPY_WITHOUT_BLAS = frozenset({"apply", "compose", "encode", "fingerprint", "inspect", "publish", "relay",
+                                "status", "sync", "verify"})
+# What OpenBLAS (and an OpenMP build of it) reads, once, when numpy loads it.
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def _numpy_with_one_blas_thread(command: str | None) -> None:
+    """Before a command of ``NUMPY_WITHOUT_BLAS`` runs, load numpy with its BLAS pool at one thread. On
+    import, OpenBLAS starts a thread per core, which costs a command about 50 ms of its start on two
+    cores and does no work in it. Nothing is done where numpy is already loaded (a test calling the CLI
+    in its own process: the setting would not apply), for another command, or where the user set any of
+    ``BLAS_THREAD_VARIABLES``. The variables are set only while numpy loads, then removed again: neither
+    a library loaded later (torch reads ``OMP_NUM_THREADS``) nor a child process sees them."""
+    if command not in NUMPY_WITHOUT_BLAS or "numpy" in sys.modules:
+        return
+    if any(v in os.environ for v in BLAS_THREAD_VARIABLES):
+        return
+    os.environ.update({"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
+    try:
+        import numpy  # noqa: F401
+    finally:
+        del os.environ["OPENBLAS_NUM_THREADS"], os.environ["OMP_NUM_THREADS"]
+
+
 class _OneLine(logging.Formatter):
     """``deltarefit: warning: message``, the errors' style, without -v."""
 
@@ -140,6 +166,7 @@ class _OneLine(logging.Formatter):
 @click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr.")
 def main(verbose: bool) -> None:
     """Bit-exact compressed weight deltas for RL refit: encode, apply in place, verify."""
+    _numpy_with_one_blas_thread(click.get_current_context().invoked_subcommand)
     _sigbus_as_one_line()
     # One line per warning, as errors are (deltarefit: warning: ...); timestamps and modules with -v.
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,

@@ -13,14 +13,15 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from .._release import RELEASE as _RELEASE
 from ..dtypes import DTYPES
 from ..errors import LimitError
 from ..integrity import SEG_HASH_BYTES
 
 # The library's release (``deltarefit.__version__``, pyproject.toml's ``version``), which every delta names
-# in its manifest's ``encoder``. It lives here, below the package's ``__init__``, so that the encoder
-# (``encode``, ``compose``) names it without importing the package that imports the encoder.
-RELEASE = "0.1.0"
+# in its manifest's ``encoder`` (``encode``, ``compose``); defined in ``deltarefit._release``, which imports
+# nothing.
+RELEASE = _RELEASE
 MAGIC = b"DRDELTA\x00"
 VERSION = 1  # the container format's version (the header's), not the release
 HEADER = struct.Struct("<8sHHIQQQQQQ16s16s")

@@ -107,7 +107,7 @@ def measure_pair(name: str, base: str, target: str, work: str, repeat: int, *, s
     if stages:
         n = out["threads"]
         out["baselines"] = st.baselines(base, target, work, n, repeat)
-        out["fixed"] = st.fixed_costs(cached, repeat)
+        out["fixed"] = st.fixed_costs(cached, repeat, work)
         out["apply_stages"] = st.apply_stages(delta, base, copy, threads, repeat, want)
         out["encode_stages"] = st.encode_stages(base, target, out_delta, threads, repeat)
         if "zstd" in out["baselines"]:
@@ -214,6 +214,30 @@ def markdown(res: dict[str, Any], cmd: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _fixed_only(srcs: list[str], repeat: int) -> int:
+    """``--fixed-only``: the fixed costs of each source tree, the trees measured in turn ``repeat`` times
+    round (one run each time), so that the machine's load falls on every tree alike."""
+    work = tempfile.mkdtemp(prefix="deltarefit-bench-fixed-")
+    try:
+        trees = srcs or [""]
+        runs: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
+        for _ in range(repeat):
+            for t in trees:
+                env = dict(os.environ, PYTHONPYCACHEPREFIX=os.path.join(work, f"pycache{trees.index(t)}"))
+                env.pop("PYTHONDONTWRITEBYTECODE", None)
+                if t:
+                    env["PYTHONPATH"] = os.path.abspath(t)
+                runs[t].append(st.fixed_costs(env, 1, work))
+        for t in trees:
+            med = {k: _stats([r[k]["median"] for r in runs[t]]) for k in ("python", "import_cli", "start")}
+            print(f"{t or 'this deltarefit'}: python -c pass {_ms(med['python'])} s; import deltarefit.cli "
+                  f"{_ms(med['import_cli'])} s; deltarefit fingerprint of a 4-element checkpoint "
+                  f"{_ms(med['start'])} s (less python: {med['start']['median'] - med['python']['median']:.3f} s)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m deltarefit.apps.bench.cli", description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", default="calibrated",
@@ -229,7 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="work directory (default: a temp dir, removed)")
     ap.add_argument("--markdown", help="write the report here")
     ap.add_argument("--json", help="write the raw figures here")
+    ap.add_argument("--fixed-only", metavar="SRC", nargs="*",
+                    help="only the fixed costs (bench.cli_stages.fixed_costs), of each source directory SRC "
+                         "(a checkout's src: PYTHONPATH of the new processes; none: this process's deltarefit), "
+                         "measured in turn, --repeat times round")
     a = ap.parse_args(argv)
+    if a.fixed_only is not None:
+        return _fixed_only(a.fixed_only, a.repeat)
     import platform
 
     import deltarefit

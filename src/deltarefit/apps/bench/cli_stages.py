@@ -8,7 +8,8 @@ page cache:
   and said so, where the binary is not installed); BLAKE3 of the base's 1 MiB segments in this
   process (the ``blake3`` package, the library's hash) on one thread, on a pool of ``threads``, and
   of the whole file with ``max_threads=threads``, each over the mapped file.
-* **Fixed costs**: a bare ``python -c pass``, and ``import deltarefit.cli`` in a new process.
+* **Fixed costs**: a bare ``python -c pass``, ``import deltarefit.cli``, and a command's whole start
+  (``deltarefit fingerprint`` of a four-element checkpoint), each in a new process.
 * **Apply stages**, driven one by one on a fresh copy of the base (fsynced first, as an installed
   checkpoint is), through the library's own steps: ``hash`` (every segment of the copy, as the plan
   hashes them: ``fingerprint_checkpoint``), ``plan`` (``protocol.plan_apply``: hashes, decodes, checks;
@@ -122,13 +123,33 @@ def baselines(base: str, target: str, work: str, threads: int, repeat: int) -> d
     return out
 
 
-def fixed_costs(env: dict[str, str], repeat: int) -> dict[str, Any]:
-    """A bare interpreter's start, and the CLI's imports in a new process (``env``: bytecode cached)."""
-    bare = [timed(lambda: run([sys.executable, "-c", "pass"], env)) for _ in range(repeat)]
+def tiny_checkpoint(path: str) -> str:
+    """A safetensors file of one bf16 tensor of four elements (written byte by byte: no torch needed)."""
+    import json
+
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}}).encode()
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header + bytes(range(8)))
+    return path
+
+
+def fixed_costs(env: dict[str, str], repeat: int, work: str) -> dict[str, Any]:
+    """A bare interpreter's start, the CLI's imports, and a command's whole start (``deltarefit
+    fingerprint`` of a four-element checkpoint: imports, numpy, its BLAS, the native kernels, one file),
+    each in a new process (``env``: bytecode cached)."""
+    tiny = tiny_checkpoint(os.path.join(work, "tiny.safetensors"))
+    start = [sys.executable, "-m", "deltarefit", "fingerprint", tiny]
     run([sys.executable, "-c", "import deltarefit.cli"], env)  # fills the bytecode cache (untimed)
-    imp = [timed(lambda: run([sys.executable, "-c", "import deltarefit.cli"], env)) for _ in range(repeat)]
-    return {"python": stats(bare), "import_cli": stats(imp),
-            "imports": statistics.median(imp) - statistics.median(bare)}
+    run(start, env)
+    bare, imp, cmd = [], [], []
+    for _ in range(repeat):  # alternating: a change of the machine's load falls on all three alike
+        bare.append(timed(lambda: run([sys.executable, "-c", "pass"], env)))
+        imp.append(timed(lambda: run([sys.executable, "-c", "import deltarefit.cli"], env)))
+        cmd.append(timed(lambda: run(start, env)))
+    os.unlink(tiny)
+    return {"python": stats(bare), "import_cli": stats(imp), "start": stats(cmd),
+            "imports": statistics.median(imp) - statistics.median(bare),
+            "start_less_python": statistics.median(cmd) - statistics.median(bare)}
 
 
 def apply_stages(delta: str, base: str, copy: str, threads: int | None, repeat: int, want: str) -> dict[str, Any]:
@@ -203,6 +224,8 @@ def render(r: dict[str, Any]) -> list[str]:
              f"| BLAKE3 in Python, whole file, max_threads={n} | {rate('blake3_whole')} |",
              f"| `python -c pass` | {_f(fx['python'])} |",
              f"| `python -c 'import deltarefit.cli'` | {_f(fx['import_cli'])} (imports {fx['imports']:.3f}) |",
+             f"| `deltarefit fingerprint` of a 4-element checkpoint | {_f(fx['start'])} (less `python -c pass`: "
+             f"{fx['start_less_python']:.3f}) |",
              f"| apply: hash (every segment of the base) | {rate_of(a['hash'], gb)} |",
              f"| apply: plan (hash, decode, check; read only) | {_f(a['plan'])} (decode and post-image check: plan "
              f"less hash {a['decode']:.3f}) |",
@@ -225,7 +248,8 @@ def summary(r: dict[str, Any]) -> str:
     """One printed line of the stage figures."""
     b, fx, a, e = r["baselines"], r["fixed"], r["apply_stages"], r["encode_stages"]
     med = {k: v["median"] for k, v in b.items() if isinstance(v, dict)}
-    return (f"  bounds: {', '.join(f'{k} {v:.3f}' for k, v in med.items())} s; imports {fx['imports']:.3f} s "
+    return (f"  bounds: {', '.join(f'{k} {v:.3f}' for k, v in med.items())} s; imports {fx['imports']:.3f} s, "
+            f"command start {fx['start_less_python']:.3f} s "
             f"(python {fx['python']['median']:.3f}); apply hash {a['hash']['median']:.3f} plan "
             f"{a['plan']['median']:.3f} (decode {a['decode']:.3f}) write {a['write']['median']:.3f} flush "
             f"{a['flush']['median']:.3f}; encode hash {e['hash']['median']:.3f} scan+code {e['scan_code']:.3f} "
