@@ -30,7 +30,7 @@ import blake3
 from ..errors import MalformedRecordError, SignatureError, StoreError, StreamError, StreamIdentityError
 from ..io.fsutil import open_regular, read_capped, write_atomic
 from ..io.jsonlimits import LOCAL_STATE_MAX_BYTES, brief, json_shape_problem, small_json
-from ..signing import SignableRecord, Verifier
+from ..signing import SignableRecord, Verifier, check_stored_signature
 from ..storage.base import Store
 
 # The chain layer owns the keys, the head and loading a record; re-exported here for their callers.
@@ -248,17 +248,37 @@ def parse_commit(data: bytes, where: str) -> CommitRecord:
 
 
 def proposal_bytes(rec: CommitRecord, deadline: float) -> bytes:
-    """A joint-commit proposal: the record to be committed and when its publisher stops waiting."""
-    return json.dumps({"deadline": deadline, "record": json.loads(rec.to_bytes())}, sort_keys=True).encode()
+    """A joint-commit proposal: when its publisher stops waiting, and the record to be committed in its
+    stored bytes (``to_bytes``, verbatim), so that a subscriber with a key checks the signature over
+    them before parsing anything (``proposal_parts``)."""
+    return b"".join((b'{"deadline": ', repr(float(deadline)).encode(), b', "record": ', rec.to_bytes(), b"}"))
 
 
-def parse_proposal(data: bytes, where: str) -> tuple[CommitRecord, float]:
-    d = record_json(data, where)
+_PROPOSAL_HEAD = re.compile(rb'\{"deadline": (-?[0-9][0-9.eE+-]{0,31}), "record": ')
+
+
+def proposal_parts(data: bytes, where: str) -> tuple[memoryview, float]:
+    """A proposal's record bytes (a view into ``data``) and deadline, split without parsing the record:
+    what ``proposal_bytes`` writes (and what a publisher that re-serialised the record wrote: its
+    signature then no longer checks over the stored bytes)."""
+    m = _PROPOSAL_HEAD.match(data)
     try:
-        deadline, record = float(d["deadline"]), d["record"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise StreamError(f"{where}: malformed proposal ({type(e).__name__})") from None
-    return parse_commit(json.dumps(record).encode(), where), deadline
+        deadline = float(m.group(1)) if m is not None and data.endswith(b"}") else None
+    except ValueError:
+        deadline = None
+    if m is None or deadline is None:
+        raise StreamError(f"{where}: malformed proposal (not a deadline and a record)")
+    return memoryview(data)[m.end():len(data) - 1], deadline
+
+
+def parse_proposal(data: bytes, where: str, verifier: Verifier | None = None) -> tuple[CommitRecord, float]:
+    """A proposal's record and deadline; with ``verifier``, the record's signature is checked over its
+    stored bytes before they are parsed (``SignatureError`` naming ``where``)."""
+    view, deadline = proposal_parts(data, where)
+    record = bytes(view)
+    if verifier is not None:
+        check_stored_signature(record, verifier, where)
+    return parse_commit(record, where), deadline
 
 
 def load_commit(store: Store, version: int, verifier: Verifier | None = None) -> CommitRecord:
