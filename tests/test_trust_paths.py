@@ -1,8 +1,8 @@
 """Every path that holds a key checks a record's signature over its stored bytes before parsing it
 (issue 46 item 7): the engine's find-by-fingerprint, ``deltarefit log --verify-key`` and a joint
 commit's proposal; retention, which holds no key, reads a proposal's deadline without parsing its
-record. The witness is tracemalloc's peak next to a 16 MiB record of distinct keys, which costs about
-6.5x its size when parsed: a path that parsed it first would peak past 100 MiB."""
+record. The witness is tracemalloc's peak next to a record of distinct keys at the cap, which costs
+about 6.5x its size when parsed: a path that parsed it first would peak past 5x its size."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from deltarefit.storage import LocalStore
 from deltarefit.storage.memory import MemoryStore
 from deltarefit.stream.joint import acknowledge
 from deltarefit.stream.records import (
+    MAX_RECORD_BYTES,
     CommitRecord,
     Part,
     commit_key,
@@ -29,7 +30,7 @@ from deltarefit.stream.records import (
 )
 from deltarefit.stream.retention import _open_proposals
 
-HOSTILE = 16 * MIB - 256
+HOSTILE = MAX_RECORD_BYTES - 256
 FP = "cd" * 32
 
 

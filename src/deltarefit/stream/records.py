@@ -120,8 +120,8 @@ def record_json(data: bytes, where: str) -> Any:
     # 430 MB, one of 1.5 M short keys 272 MB): a real record nests 4 levels, and holds one container per
     # ~120 bytes, one string (keys included) per 34 bytes and one value per 40 bytes or more (a sharded
     # record of 2000 ranks, a keyframe of 400 files; a record of a few hundred bytes is within the slack).
-    # What they admit parses in at most about 6.5 bytes per byte, 104 MiB at the 16 MiB cap (an object of
-    # unshared keys, ``bench.hostile``); in a signed stream the signature is checked before (``load_record``).
+    # What they admit parses in at most about 6.5 bytes per byte, 26 MiB at the 4 MiB cap (an object of
+    # unshared keys, ``bench.trust_memory``); in a signed stream the signature is checked before (``load_record``).
     why = json_shape_problem(data, max_depth=8, bytes_per_container=32, bytes_per_string=RECORD_BYTES_PER_STRING,
                              bytes_per_value=RECORD_BYTES_PER_VALUE)
     if why is not None:
