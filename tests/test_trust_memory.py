@@ -173,3 +173,20 @@ def test_a_part_header_over_what_the_manifest_says_it_covers_is_refused_in_one_l
 
     with pytest.raises(UsageError, match="chunk_bytes 4096: at least"):
         ShardPublisher({}, "BF16", chunk_bytes=4096)
+
+
+@pytest.mark.parametrize("unit", [b"[999,999,999],  ", b'{"abcdefghij":0},'], ids=["3-digit-3-lists", "objects"])
+def test_a_manifest_that_would_parse_past_256_mib_is_refused_by_its_estimated_cost(unit):
+    """32 MiB of 3-lists of 3-digit numbers (one container per 16 bytes, within the shape bounds)
+    parsed to 392 MiB; one-key objects cost 12 bytes per byte. The estimated parse cost is bounded
+    first: refused in one line, traced in a few MiB."""
+    import blake3
+
+    key = "v/000000000001/0123456789abcdef/manifest.json"
+    data = fill(b'{"format":"deltarefit.shard_version","x":[', unit, sp.MAX_MANIFEST_BYTES, b"[]]}")
+    store = MemoryStore(f"costly-{len(unit)}")
+    store.put(key, data)
+    rec = ShardCommit(1, None, "00" * 32, True, 1, Part(key, len(data), blake3.blake3(data).hexdigest()), ())
+    peak, err = traced(lambda: load_manifest(store, rec))
+    assert "malformed manifest" in err and "more than 256 MiB" in err and "\n" not in err, err
+    assert peak < 2 * len(data) + FIXED and peak < 8 * MIB, peak / MIB
