@@ -188,5 +188,5 @@ def test_a_manifest_that_would_parse_past_256_mib_is_refused_by_its_estimated_co
     store.put(key, data)
     rec = ShardCommit(1, None, "00" * 32, True, 1, Part(key, len(data), blake3.blake3(data).hexdigest()), ())
     peak, err = traced(lambda: load_manifest(store, rec))
-    assert "malformed manifest" in err and "more than 256 MiB" in err and "\n" not in err, err
+    assert "malformed manifest (would cost about" in err and "\n" not in err, err
     assert peak < 2 * len(data) + FIXED and peak < 8 * MIB, peak / MIB
