@@ -190,3 +190,15 @@ def test_a_manifest_that_would_parse_past_256_mib_is_refused_by_its_estimated_co
     peak, err = traced(lambda: load_manifest(store, rec))
     assert "malformed manifest (would cost about" in err and "\n" not in err, err
     assert peak < 2 * len(data) + FIXED and peak < 8 * MIB, peak / MIB
+
+
+@pytest.mark.parametrize("unit", [b"[999,999,999],  ", b'{"abcdefghij":0},', b'"abcdefghijklm",'],
+                         ids=["3-digit-3-lists", "objects", "strings"])
+def test_a_part_header_that_would_parse_past_twice_its_cap_and_32_mib_is_refused(unit):
+    """A 16 MiB header of 3-lists of 3-digit numbers, one-key objects or short strings (within the shape
+    bounds) parsed to 86-197 MiB: its estimated parse cost is bounded at 64 MiB first (real headers
+    estimate about 10x their size, 2.4 MB for a 1T MoE's rank), refused unparsed."""
+    blob = part_blob(fill(PART_HEAD, unit, sp.MAX_HEADER, b"[]]}"))
+    peak, err = traced(lambda: sp.read_part(blob, "part r0"))
+    assert err.startswith("LimitError: part r0: header would cost about") and "\n" not in err, err
+    assert peak < 8 * MIB, peak / MIB

@@ -103,9 +103,11 @@ def rows() -> list[tuple[str, int, int, str]]:
         strings = fill(b'{"format":"deltarefit.commit","x":[', b'"abcdefghijklmnopqrstu",', MAX_RECORD_BYTES, b'"a"]}')
         row("commit record, unsigned stream (strings)", len(strings), lambda d=strings: record_json(d, "commit.json"))
         del rec, strings
-        for what, unit, tail in (("part header, 3-lists per 16 B", b"[0,0,0],        ", b"[]]}"),
-                                 ("part header, objects per 16 B", b'{"abcdefghij":0},', b"{}]}"),
-                                 ("part header, strings per 16 B", b'"abcdefghijklm",', b'"a"]}'),
+        for what, unit, tail in (("part header, 3-lists per 16 B (refused)", b"[999,999,999],  ", b"[]]}"),
+                                 ("part header, objects per 16 B (refused)", b'{"abcdefghij":0},', b"{}]}"),
+                                 ("part header, strings per 16 B (refused)", b'"abcdefghijklm",', b'"a"]}'),
+                                 ("part header, 3-lists per 104 B", b"[999,999,999]," + b" " * 90, b"[]]}"),
+                                 ("part header, strings per 104 B", b'"' + b"a" * 100 + b'",', b'"a"]}'),
                                  ("part header, lists per 8 B (refused)", b"[0,0,0],", b"[]]}")):
             blob = part_blob(fill(PART_HEAD, unit, sp.MAX_HEADER, tail))
             row(what, len(blob), lambda b=blob: sp.read_part(b))
