@@ -214,7 +214,7 @@ def test_commit_record_field_of_the_wrong_type_is_named(change, field, found, wa
 
 def test_commit_record_over_the_limit_names_its_size_and_the_limit():
     with pytest.raises(records.MalformedRecordError, match=rf"of {records.MAX_RECORD_BYTES + 1} bytes exceeds "
-                                                           r"the limit \(16 MiB\)$"):
+                                                           r"the limit \(4 MiB\)$"):
         records.parse_commit(b" " * (records.MAX_RECORD_BYTES + 1), "s/commit.json")
 
 

@@ -301,8 +301,14 @@ def test_short_strings_and_keys_are_refused_by_their_count_before_parsing():
     def name(i: int) -> bytes:  # 5 base-36 digits: 1.5 M distinct keys of 10 bytes each ("....."):0,
         return bytes(digits[i // 36 ** k % 36] for k in range(5))
 
-    keys = b'{"format":"deltarefit.commit","x":{' + b"".join(b'"%s":0,' % name(i) for i in range(1_500_000)) + b'"z":0}}'
-    assert len(keys) < 16 * MIB
+    def record(n: int) -> bytes:
+        return b'{"format":"deltarefit.commit","x":{' + b"".join(b'"%s":0,' % name(i) for i in range(n)) + b'"z":0}}'
+
+    keys = record(1_500_000)  # past the record cap now: refused from its size
+    err, peak = traced(lambda: record_json(keys, "commit.json"))
+    assert isinstance(err, MalformedRecordError) and "exceeds the limit" in str(err), err
+    keys = record(400_000)  # the same shape under the cap: refused by its count of strings
+    assert len(keys) < 4 * MIB
     err, peak = traced(lambda: record_json(keys, "commit.json"))
     assert isinstance(err, MalformedRecordError) and "JSON strings" in str(err), err
     assert peak < len(keys) + 8 * MIB
@@ -315,7 +321,7 @@ def test_short_strings_and_keys_are_refused_by_their_count_before_parsing():
 
 def test_the_costliest_text_the_bounds_admit_stays_under_256_mib():
     """Regression (issue 46 item 7): a part header was admitted up to 256 MiB, about 1.1 GB parsed. At
-    the caps (a part header of 16 MiB, a commit record of 16 MiB), the densest lists and strings each
+    the caps (a part header of 16 MiB, a commit record of 4 MiB), the densest lists and strings each
     bound admits parse in under 256 MiB; a part header past the cap is refused by its writer and by
     every reader, from its length alone."""
     from deltarefit.shard import part as sp

@@ -24,7 +24,14 @@ from deltarefit.shard import part as sp
 from deltarefit.shard.records import ShardCommit, load_manifest, load_shard_commit
 from deltarefit.signing import SIGNATURE_ALG, SIGNED_PREFIX, Signer, keygen
 from deltarefit.storage.memory import MemoryStore
-from deltarefit.stream.records import CommitRecord, Part, commit_key, load_commit, record_json
+from deltarefit.stream.records import (
+    MAX_RECORD_BYTES,
+    CommitRecord,
+    Part,
+    commit_key,
+    load_commit,
+    record_json,
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +49,10 @@ def _record(version: int = 1) -> CommitRecord:
 @pytest.mark.parametrize("load", [load_commit, load_shard_commit])
 @pytest.mark.parametrize("kind", ["unsigned", "forged"])
 def test_a_hostile_record_in_a_signed_stream_is_refused_before_it_is_parsed(signer, load, kind):
-    """A 16 MiB record of distinct keys (parsed, it costs about 6.5x its size) without a signature, or
+    """A record of distinct keys at the cap (parsed, it costs about 6.5x its size) without a signature, or
     with a forged one in the stored form, is refused over its raw bytes: the peak stays under its size
     and a little (the message it rebuilds), never its parse."""
-    rec = keys_record(16 * MIB - 256)
+    rec = keys_record(MAX_RECORD_BYTES - 256)
     data = rec if kind == "unsigned" else forged(rec)
     store = MemoryStore(f"hostile-{kind}")
     store.put(commit_key(1), data)
@@ -106,13 +113,41 @@ def test_part_headers_and_manifests_denser_than_real_ones_are_refused_in_one_lin
 
 def test_the_costliest_record_an_unsigned_stream_admits_stays_under_256_mib():
     """Regression (issue 46 item 7): a 16 MiB record of 1.1 M keys parsed to 139 MiB; a record admits a
-    string per 24 bytes and a value per 16 now, and the costliest one it admits parses in under 7x."""
-    rec = keys_record(16 * MIB)
+    string per 24 bytes and a value per 16, and is at most 4 MiB: the costliest one it admits parses in
+    under 7x its size, which is under twice its size and 32 MiB (the target)."""
+    rec = keys_record(MAX_RECORD_BYTES)
     peak, err = traced(lambda: record_json(rec, "commit.json"))
-    assert err == "" and peak < 7 * len(rec), peak / MIB
-    dense = keys_record(16 * MIB, b'"k%011d":0,')
+    assert err == "" and peak < 7 * len(rec) and peak < 2 * len(rec) + FIXED, peak / MIB
+    dense = keys_record(MAX_RECORD_BYTES, b'"k%011d":0,')
     peak, err = traced(lambda: record_json(dense, "commit.json"))
     assert "JSON strings" in err and peak < len(dense) + 4 * MIB
+
+
+def test_real_records_at_scale_are_far_under_the_record_cap_and_one_past_it_is_never_parsed(signer):
+    """The record cap is what real writers need and then some: a signed sharded record of 2048 ranks and
+    a signed keyframe record of 2000 files, by the publishers' own serialisers, are under an eighth of
+    it; a record one byte past it is refused from its size, unparsed."""
+    from dataclasses import replace
+
+    from deltarefit.signing import record_signature
+
+    h = "ab" * 32
+    vdir = "v/000000001234/0123456789abcdef"
+    parts = tuple(Part(f"{vdir}/parts/rank-{r}", 1 << 37, h) for r in range(2048))
+    shard = ShardCommit(1234, h, h, True, 2048, Part(f"{vdir}/manifest.json", 30 << 20, h), parts, step=10**6,
+                        created=1.8e9, publisher="trainer-host-0:12345", stream="0" * 32)
+    files = [(f"model-{i:05d}-of-02000.safetensors", Part(f"{vdir}/keyframe/model-{i:05d}-of-02000.safetensors",
+                                                         5 << 30, h)) for i in range(2000)]
+    plain = CommitRecord(1234, h, h, "keyframe", Part(f"{vdir}/delta", 1 << 30, h), files, full_bytes=2 << 40,
+                         step=10**6, created=1.8e9, publisher="trainer-host-0:12345", catchup_from=1200,
+                         catchup=Part(f"{vdir}/catchup", 1 << 30, h), stream="0" * 32)
+    for rec in (shard, plain):
+        data = replace(rec, signature=record_signature(signer, rec.signed_bytes())).to_bytes()
+        assert len(data) < MAX_RECORD_BYTES // 8, len(data)
+    store = MemoryStore("past-the-cap")
+    store.put(commit_key(1), b" " * (MAX_RECORD_BYTES + 1))
+    peak, err = traced(lambda: load_commit(store, 1))
+    assert "exceeds the limit (4 MiB)" in err and peak < 1.1 * MAX_RECORD_BYTES + MIB, peak
 
 
 def test_a_part_header_over_what_the_manifest_says_it_covers_is_refused_in_one_line():
@@ -138,3 +173,32 @@ def test_a_part_header_over_what_the_manifest_says_it_covers_is_refused_in_one_l
 
     with pytest.raises(UsageError, match="chunk_bytes 4096: at least"):
         ShardPublisher({}, "BF16", chunk_bytes=4096)
+
+
+@pytest.mark.parametrize("unit", [b"[999,999,999],  ", b'{"abcdefghij":0},'], ids=["3-digit-3-lists", "objects"])
+def test_a_manifest_that_would_parse_past_256_mib_is_refused_by_its_estimated_cost(unit):
+    """32 MiB of 3-lists of 3-digit numbers (one container per 16 bytes, within the shape bounds)
+    parsed to 392 MiB; one-key objects cost 12 bytes per byte. The estimated parse cost is bounded
+    first: refused in one line, traced in a few MiB."""
+    import blake3
+
+    key = "v/000000000001/0123456789abcdef/manifest.json"
+    data = fill(b'{"format":"deltarefit.shard_version","x":[', unit, sp.MAX_MANIFEST_BYTES, b"[]]}")
+    store = MemoryStore(f"costly-{len(unit)}")
+    store.put(key, data)
+    rec = ShardCommit(1, None, "00" * 32, True, 1, Part(key, len(data), blake3.blake3(data).hexdigest()), ())
+    peak, err = traced(lambda: load_manifest(store, rec))
+    assert "malformed manifest (would cost about" in err and "\n" not in err, err
+    assert peak < 2 * len(data) + FIXED and peak < 8 * MIB, peak / MIB
+
+
+@pytest.mark.parametrize("unit", [b"[999,999,999],  ", b'{"abcdefghij":0},', b'"abcdefghijklm",'],
+                         ids=["3-digit-3-lists", "objects", "strings"])
+def test_a_part_header_that_would_parse_past_twice_its_cap_and_32_mib_is_refused(unit):
+    """A 16 MiB header of 3-lists of 3-digit numbers, one-key objects or short strings (within the shape
+    bounds) parsed to 86-197 MiB: its estimated parse cost is bounded at 64 MiB first (real headers
+    estimate about 10x their size, 2.4 MB for a 1T MoE's rank), refused unparsed."""
+    blob = part_blob(fill(PART_HEAD, unit, sp.MAX_HEADER, b"[]]}"))
+    peak, err = traced(lambda: sp.read_part(blob, "part r0"))
+    assert err.startswith("LimitError: part r0: header would cost about") and "\n" not in err, err
+    assert peak < 8 * MIB, peak / MIB

@@ -53,7 +53,7 @@ NONCE_BYTES = 32
 MAC_BYTES = 32
 MIN_KEY_BYTES = 32
 MAX_HEADER = 64 << 10
-MAX_PAYLOAD = 17 << 20  # a commit record may be 16 MiB; data frames are much smaller
+MAX_PAYLOAD = 17 << 20  # a commit record is at most 4 MiB; data frames are much smaller
 _PREFIX = struct.Struct(">QII")
 # StreamReader pauses the socket whenever its buffer exceeds twice its limit (64 KiB by default), and
 # resumes it for each read: with 1 MiB frames that is a pause and a resume per socket read. Relays use

@@ -51,7 +51,7 @@ from ..dtypes import dtype as lookup_dtype
 from ..errors import FormatError, IntegrityError, LimitError
 from ..geometry.projection import Box, intersect_boxes
 from ..integrity import additive as D
-from ..io.jsonlimits import json_shape_problem_of_pieces
+from ..io.jsonlimits import json_shape_problem_of_pieces, parse_cost
 
 MAGIC = b"DRSHPART"
 FORMAT_VERSION = 1
@@ -69,6 +69,7 @@ HEADER_MAX_DEPTH = 8
 # small cells: keys, digests); a 3-element list costs Python about 90 bytes, a string 50-60.
 HEADER_BYTES_PER_CONTAINER = 16
 HEADER_BYTES_PER_STRING = 16
+HEADER_PARSE_BUDGET = 64 << 20  # ``parse_cost`` of a header: real ones ~10x their size (2.4 MB: 24 MiB)
 _PREFIX = struct.Struct("<8sHHI")
 _PIECE = 1 << 20  # the shape pass reads the header in slices of this many bytes
 
@@ -201,6 +202,9 @@ def _read_header(mv: memoryview, where: str, cap: int = MAX_HEADER) -> tuple[dic
     why = json_shape_problem_of_pieces((bytes(raw[i:i + _PIECE]) for i in range(0, hlen, _PIECE)),
                                        max_depth=HEADER_MAX_DEPTH, bytes_per_container=HEADER_BYTES_PER_CONTAINER,
                                        bytes_per_string=HEADER_BYTES_PER_STRING)
+    cost = sum(parse_cost(bytes(raw[i:i + _PIECE])) + 80 for i in range(0, hlen, _PIECE))  # +80: a cut string
+    if why is None and cost > HEADER_PARSE_BUDGET:
+        why = f"would cost about {cost >> 20} MiB parsed, more than {HEADER_PARSE_BUDGET >> 20} MiB"
     if why is not None:
         raise LimitError(f"{where}: header {why}")
     try:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import blake3
 
 from ..errors import UsageError
-from ..io.jsonlimits import json_shape_problem
+from ..io.jsonlimits import json_shape_problem, parse_cost
 from ..signing import SignableRecord
 from ..storage.base import Store
 from ..stream.chain import MAX_RECORD_BYTES, commit_key, get_bounded, get_capped, holds, load_record, vkey
@@ -240,6 +240,10 @@ def _put_once(store: Store, key: str, data: bytes) -> None:
 # about 7 bytes per byte at most (``bench.hostile``), so a manifest at the cap stays under 256 MiB.
 MANIFEST_BYTES_PER_CONTAINER = 16
 MANIFEST_BYTES_PER_STRING = 16
+# Those bounds alone admit 32 MiB of 3-lists of 3-digit numbers, which parse to 392 MiB: what a manifest
+# would cost parsed (``jsonlimits.parse_cost``, an upper estimate) is bounded too. A 1T MoE's real manifest
+# over 256 ranks (26 MiB) is estimated at 201 MiB and costs 132.
+MANIFEST_PARSE_BUDGET = 256 << 20
 
 
 def load_manifest(store: Store, rec: ShardCommit) -> dict:
@@ -252,6 +256,9 @@ def load_manifest(store: Store, rec: ShardCommit) -> dict:
     # Memory before trust (the record may be unsigned): the shape first (a manifest nests 6 levels).
     why = json_shape_problem(data, max_depth=8, bytes_per_container=MANIFEST_BYTES_PER_CONTAINER,
                              bytes_per_string=MANIFEST_BYTES_PER_STRING)
+    if why is None and parse_cost(data) > MANIFEST_PARSE_BUDGET:
+        why = (f"would cost about {parse_cost(data) >> 20} MiB parsed, more than {MANIFEST_PARSE_BUDGET >> 20} "
+               "MiB: denser in numbers, lists or objects than a real one")
     if why is not None:
         raise StreamError(f"{where}: malformed manifest ({why})")
     try:

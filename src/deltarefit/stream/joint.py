@@ -8,17 +8,18 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from typing import Any
 
 from ..apply.files import check as check_delta
 from ..io.beside import own_dir
 from ..storage.base import Store
 from .chain import MAX_RECORD_BYTES, get_bounded
 from .history import open_book
-from .records import CommitRecord, check_identity, fetch_part, now, parse_proposal, prepared_key
+from .records import check_identity, fetch_part, now, parse_proposal, prepared_key
 
 
 def acknowledge(store: Store, cur: tuple[int, str] | None, subscriber_id: str, *,
-                check_signature: Callable[[CommitRecord, str], None], stream: Callable[[], str | None],
+                verifier: Any, stream: Callable[[], str | None],
                 staging: str, checkpoint: str, threads: int | None, book_path: str) -> int | None:
     """Acknowledge the version proposed after ``cur`` (the checkpoint's version and fingerprint): a yes
     where its delta, staged in ``staging``, checks against ``checkpoint`` (its history book at
@@ -32,8 +33,7 @@ def acknowledge(store: Store, cur: tuple[int, str] | None, subscriber_id: str, *
         data = get_bounded(store, prepared_key(v), MAX_RECORD_BYTES, "proposal")
     except KeyError:
         return None
-    rec, _ = parse_proposal(data, f"{store.url}/{prepared_key(v)}")
-    check_signature(rec, f"{store.url} proposed version {v}")
+    rec, _ = parse_proposal(data, f"{store.url} proposed version {v}", verifier)
     check_identity(rec, stream(), f"{store.url} proposed version {v}")
     ok, why = True, ""
     if rec.parent != cur[1] or rec.delta is None:

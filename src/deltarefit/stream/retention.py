@@ -42,7 +42,7 @@ from .records import (
     is_int,
     list_versions,
     load_commit,
-    parse_proposal,
+    proposal_parts,
     record_parts,
     subscriber_json,
 )
@@ -136,7 +136,7 @@ def _open_proposals(store: Store, h: int, orphan_grace: float) -> tuple[set[int]
                 data = get_capped(store, key, MAX_RECORD_BYTES)
                 if data is None:
                     raise StreamError(f"{key}: proposal too large")
-                _, deadline = parse_proposal(data, key)
+                _, deadline = proposal_parts(data, key)  # the record is never parsed: no key here
             except (KeyError, StreamError):
                 deadline = 0.0  # unreadable: treat as dead
             if v > h and time.time() < deadline + orphan_grace:

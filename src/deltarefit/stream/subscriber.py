@@ -439,7 +439,7 @@ class Subscriber:
     def prepare(self) -> int | None:
         """Acknowledge the proposed next version if it applies to the local checkpoint (nothing is
         written to the checkpoint). Returns the version acknowledged, or None if none is proposed."""
-        return acknowledge(self.store, self.current(), self.id, check_signature=self._check_signature,
+        return acknowledge(self.store, self.current(), self.id, verifier=self.verifier,
                            stream=lambda: self.holder.held_stream(repair=False) or self.pinned_stream,
                            staging=self.staging, checkpoint=self.checkpoint, threads=self.threads,
                            book_path=self.book_path)

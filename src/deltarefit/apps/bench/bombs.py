@@ -210,12 +210,12 @@ def other_json() -> list[tuple[str, int, int, str]]:
         out.append(run(label, data, lambda r=rec: load_manifest(store, r)))
     rhead = b'{"format":"deltarefit.commit","x":'
     for label, unit, open_, tail in (
-            ("commit record, 16 MiB of short strings", b'"abcd",', b"[", b'"a"]}'),
-            ("commit record, 15 MiB of 1.5 M short keys", b'"k%07d":0,', b"{", b'"z":0}}'),
-            ("commit record, 16 MiB, a string per 12 B", b'"abcdefghi",', b"[", b'"a"]}'),
-            ("commit record, 16 MiB, a key per 14 B", b'"k%09d":0,', b"{", b'"z":0}}')):
+            ("commit record at the cap, short strings", b'"abcd",', b"[", b'"a"]}'),
+            ("commit record at the cap, short keys", b'"k%07d":0,', b"{", b'"z":0}}'),
+            ("commit record at the cap, a string per 12 B", b'"abcdefghi",', b"[", b'"a"]}'),
+            ("commit record at the cap, a key per 14 B", b'"k%09d":0,', b"{", b'"z":0}}')):
         if b"%" in unit:
-            n = ((15 if "15 MiB" in label else 16) * MIB - len(rhead) - 8) // len(unit % 0)
+            n = (MAX_RECORD_BYTES - len(rhead) - 8) // len(unit % 0)
             data = rhead + open_ + b"".join(unit % i for i in range(n)) + tail
         else:
             data = fill(rhead + open_, unit, MAX_RECORD_BYTES, tail)

@@ -103,9 +103,11 @@ def rows() -> list[tuple[str, int, int, str]]:
         strings = fill(b'{"format":"deltarefit.commit","x":[', b'"abcdefghijklmnopqrstu",', MAX_RECORD_BYTES, b'"a"]}')
         row("commit record, unsigned stream (strings)", len(strings), lambda d=strings: record_json(d, "commit.json"))
         del rec, strings
-        for what, unit, tail in (("part header, 3-lists per 16 B", b"[0,0,0],        ", b"[]]}"),
-                                 ("part header, objects per 16 B", b'{"abcdefghij":0},', b"{}]}"),
-                                 ("part header, strings per 16 B", b'"abcdefghijklm",', b'"a"]}'),
+        for what, unit, tail in (("part header, 3-lists per 16 B (refused)", b"[999,999,999],  ", b"[]]}"),
+                                 ("part header, objects per 16 B (refused)", b'{"abcdefghij":0},', b"{}]}"),
+                                 ("part header, strings per 16 B (refused)", b'"abcdefghijklm",', b'"a"]}'),
+                                 ("part header, 3-lists per 104 B", b"[999,999,999]," + b" " * 90, b"[]]}"),
+                                 ("part header, strings per 104 B", b'"' + b"a" * 100 + b'",', b'"a"]}'),
                                  ("part header, lists per 8 B (refused)", b"[0,0,0],", b"[]]}")):
             blob = part_blob(fill(PART_HEAD, unit, sp.MAX_HEADER, tail))
             row(what, len(blob), lambda b=blob: sp.read_part(b))
@@ -113,8 +115,10 @@ def rows() -> list[tuple[str, int, int, str]]:
         row("part header over the cap", len(over), lambda b=over: sp.read_part(b))
         del blob, over
         mkey = "v/000000000001/0123456789abcdef/manifest.json"
-        for what, unit, tail in (("manifest, 3-lists per 16 B", b"[0,0,0],        ", b"[]]}"),
-                                 ("manifest, strings per 16 B", b'"abcdefghijklm",', b'"a"]}')):
+        for what, unit, tail in (("manifest, 3-lists per 16 B (refused)", b"[999,999,999],  ", b"[]]}"),
+                                 ("manifest, objects per 16 B (refused)", b'{"abcdefghij":0},', b"{}]}"),
+                                 ("manifest, 3-lists per 36 B", b"[999,999,999]," + b" " * 22, b"[]]}"),
+                                 ("manifest, strings per 24 B", b'"abcdefghijklmnopqrstu",', b'"a"]}')):
             data = fill(b'{"format":"deltarefit.shard_version","x":[', unit, sp.MAX_MANIFEST_BYTES, tail)
             store.put(mkey, data)
             ref = Part(mkey, len(data), blake3.blake3(data).hexdigest())

@@ -103,26 +103,28 @@ def held_version(store: Any, fingerprint: str, version: int | None,
                  public_key: str | None = None) -> tuple[int, str]:
     """The version an engine holding ``fingerprint`` is at: ``version`` if its record says that
     fingerprint, else the newest version that does; refuses an engine that holds no version. With
-    ``public_key``, that record must be signed by it (``SignatureError`` otherwise)."""
-    from ...signing import Verifier, check_record_signature
+    ``public_key``, it must be signed by it: each record is checked over its stored bytes before it is
+    parsed; one that does not verify is passed over, its refusal reported when no signed one holds it."""
+    from ...signing import SignatureError, Verifier
 
     verifier = Verifier(public_key) if public_key else None
-
-    def checked(v: int, rec: Any) -> tuple[int, str]:
-        if verifier is not None:
-            check_record_signature(rec.signature, rec.signed_bytes(), verifier, f"{store.url} version {v}")
-        return v, fingerprint
-
     if version is not None:
-        rec = load_commit(store, version)
+        rec = load_commit(store, version, verifier)
         if rec.fingerprint != fingerprint:
             raise StreamError(f"{store.url} version {version} is {rec.fingerprint[:16]}…; the engine holds "
                               f"{fingerprint[:16]}…")
-        return checked(version, rec)
+        return version, fingerprint
+    refused: SignatureError | None = None
     for v in range(head(store), 0, -1):
-        rec = load_commit(store, v)
+        try:
+            rec = load_commit(store, v, verifier)
+        except SignatureError as e:  # an unsigned or forged record costs its size, never a parse
+            refused = refused or e
+            continue
         if rec.fingerprint == fingerprint:
-            return checked(v, rec)
+            return v, fingerprint
+    if refused is not None:
+        raise refused
     raise StreamError(f"the engine's weights ({fingerprint[:16]}…) are no version of {store.url}; start it "
                       "from a version's checkpoint")
 
@@ -130,14 +132,13 @@ def held_version(store: Any, fingerprint: str, version: int | None,
 def head_signed(store: Any, public_key: str) -> int:
     """The head version of a plain stream, whose record must be signed by ``public_key``
     (``SignatureError`` otherwise, ``StreamError`` for an empty stream)."""
-    from ...signing import Verifier, check_record_signature
+    from ...signing import Verifier
 
     v = head(store)
     if v == 0:
         raise StreamError(f"{store.url}: no version in this stream")
     verifier = Verifier(public_key)
-    rec = load_commit(store, v, verifier)  # the signature checked over the bytes read, before parsing
-    check_record_signature(rec.signature, rec.signed_bytes(), verifier, f"{store.url} version {v}")
+    load_commit(store, v, verifier)  # the signature checked over the bytes read, before parsing
     return v
 
 
