@@ -101,6 +101,8 @@ $(VLLM_VENV)/.installed: pyproject.toml
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q -m slow -p no:cacheprovider tests/test_vllm.py tests/test_vllm_live.py \
 		tests/test_vllm_sharded.py tests/test_vllm_trust.py
+	# the cases of the default suite that skip without vllm (the backend's record checks, its old import path)
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_trust_paths.py tests/test_moved.py
 
 # deltarefit on Ray (tests/test_ray*.py): a 3-node local Ray cluster, vLLM engine actors (LLM, AsyncLLM, TP=2,
 # vllm serve), real kills and a lost node, a stream in a directory and in S3 (SeaweedFS). Ray, boto3 and the SeaweedFS binary go into $(VLLM_VENV) behind their own
