@@ -333,7 +333,7 @@ def test_a_command_loads_numpy_with_one_blas_thread(files, user):
     """A command of ``cli.common.NUMPY_WITHOUT_BLAS`` (here ``fingerprint``) run as its own process loads
     numpy with OpenBLAS's pool at one thread, and leaves no variable set behind it (a child process or
     torch would read it); where the user set one of the variables, numpy follows the user's."""
-    threadpoolctl = pytest.importorskip("threadpoolctl")
+    threadpoolctl = pytest.importorskip("threadpoolctl", reason="reads OpenBLAS's pool: pip install threadpoolctl")
     del threadpoolctl
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS",
                                                               "OMP_NUM_THREADS")}

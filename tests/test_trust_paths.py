@@ -55,7 +55,7 @@ def _bounded(peak: int, data: bytes) -> None:
 def test_engine_find_by_fingerprint_checks_each_record_before_parsing_it(key, kind):
     """An engine started without a version finds the newest signed version holding its weights: an
     unsigned or forged record above it is passed over unparsed, and named when no signed one holds them."""
-    backend = pytest.importorskip("deltarefit.engines.vllm.backend", reason="needs vllm (the vLLM venv)")
+    backend = pytest.importorskip("deltarefit.engines.vllm.backend", reason="needs vllm: make test-vllm runs it")
     hostile = keys_record(HOSTILE) if kind == "unsigned" else forged(keys_record(HOSTILE))
     store = MemoryStore(f"find-{kind}")
     store.put(commit_key(1), _signed(key).to_bytes())
