@@ -62,6 +62,18 @@ def versions(d: str, n: int, *, size: int = 1 << 16) -> list[str]:
     return out
 
 
+def history_stream(tmp_path) -> tuple[list[str], str, Publisher]:
+    """Four checkpoint versions in ``tmp_path/src`` and a stream coded with history (``tmp_path/store``)
+    holding the first three: (the versions, the store, its publisher)."""
+    os.makedirs(tmp_path / "src", exist_ok=True)
+    vs = versions(str(tmp_path / "src"), 4)
+    store = str(tmp_path / "store")
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=50, keyframe_ratio=1000.0, history=True)
+    for v in vs[:3]:
+        pub.publish(v)
+    return vs, store, pub
+
+
 @pytest.fixture
 def stream(tmp_path):
     """(store dir, [checkpoint files]): versions 1..3 published from v0..v2 (v1 a keyframe)."""
@@ -716,12 +728,7 @@ def test_a_fifo_planted_in_a_history_book_is_started_over_not_a_hang(tmp_path, p
     from deltarefit.history_book import HistoryBook
     from deltarefit.stream.subscriber import history_path
 
-    os.makedirs(tmp_path / "src", exist_ok=True)
-    vs = versions(str(tmp_path / "src"), 4)
-    store = str(tmp_path / "store")
-    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=50, keyframe_ratio=1000.0, history=True)
-    for v in vs[:3]:
-        pub.publish(v)
+    vs, store, pub = history_stream(tmp_path)
     ck = str(tmp_path / "ck.safetensors")
     Subscriber(store, ck, subscriber_id="b").sync()
     book = history_path(ck)

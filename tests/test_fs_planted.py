@@ -14,7 +14,7 @@ import os
 import shutil
 
 import pytest
-from test_fs_identity import cli, one_line, versions
+from test_fs_identity import cli, history_stream, one_line, versions
 
 import deltarefit
 from deltarefit.stream import Publisher, Subscriber
@@ -98,12 +98,7 @@ def test_a_symlink_planted_at_a_keyframe_temporary_is_refused_not_written_throug
 def test_a_symlink_planted_at_the_history_book_is_removed_not_followed(tmp_path):
     """The history book is local state: a link planted at ``CKPT.deltarefit-history`` is unlinked (the
     name, never what it points to) and the sync of deltas coded with history ends verified."""
-    os.makedirs(tmp_path / "src")
-    vs = versions(str(tmp_path / "src"), 4)
-    store = str(tmp_path / "store")
-    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=50, keyframe_ratio=1000.0, history=True)
-    for v in vs[:3]:
-        pub.publish(v)
+    vs, store, _ = history_stream(tmp_path)
     ck = str(tmp_path / "ck.safetensors")
     Subscriber(store, ck).sync(to_version=2)
     at = ck + ".deltarefit-history"
