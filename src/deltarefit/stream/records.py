@@ -287,6 +287,24 @@ def load_commit(store: Store, version: int, verifier: Verifier | None = None) ->
     return load_record(store, version, parse_commit, verifier)
 
 
+def newest_with_fingerprint(store: Store, fingerprint: str, verifier: Verifier | None = None,
+                            ) -> tuple[int | None, SignatureError | None]:
+    """The newest version of ``store`` whose commit record names ``fingerprint`` (None: none does), and
+    the first ``SignatureError`` met on the way (None: none). With ``verifier``, each record is checked
+    over its stored bytes before it is parsed, and one that does not verify is passed over: an older,
+    signed one may still name the fingerprint."""
+    refused: SignatureError | None = None
+    for v in range(head(store), 0, -1):
+        try:
+            rec = load_commit(store, v, verifier)
+        except SignatureError as e:  # an unsigned or forged record costs its size, never a parse
+            refused = refused or e
+            continue
+        if rec.fingerprint == fingerprint:
+            return v, refused
+    return None, refused
+
+
 def legacy_identity(first: SignableRecord) -> str:
     """The identity of a stream whose first record carries none (written before identities existed):
     derived from that record's canonical bytes, so a store wiped and republished gets another one.

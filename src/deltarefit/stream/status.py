@@ -30,7 +30,14 @@ from ..errors import CheckpointError
 from ..storage.base import open_store
 from .chain import head
 from .holder import hash_identity, state_path
-from .records import MalformedRecordError, held_state, identity_unchanged, load_commit, stream_identity
+from .records import (
+    MalformedRecordError,
+    held_state,
+    identity_unchanged,
+    load_commit,
+    newest_with_fingerprint,
+    stream_identity,
+)
 
 __all__ = ["CheckpointStatus", "checkpoint_status"]
 
@@ -101,8 +108,7 @@ def _judge(st: dict, s, checkpoint: str) -> tuple[str, str | None]:
     url, h, v = st["store"], st["head"], st["version"]
     if v is None:
         if s is not None and st["hashed"] is not None:
-            st["found_version"] = next((k for k in range(h, 0, -1)
-                                        if load_commit(s, k).fingerprint == st["hashed"]), None)
+            st["found_version"] = newest_with_fingerprint(s, st["hashed"])[0]
             if st["found_version"] is None:  # a plain sync refuses a fingerprint that is no version
                 return "no-record", _sync_cmd(url, checkpoint, " --repair")
         return "no-record", _sync_cmd(url, checkpoint)

@@ -75,7 +75,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from ...errors import UsageError
 from ...storage.base import open_store
-from ...stream.records import StreamError, head, load_commit
+from ...stream.records import StreamError, head, load_commit, newest_with_fingerprint
 from ...stream.subscriber import Subscriber
 from .holder import EngineHolder, engine_subscriber
 from .sharded import ShardFollower, stream_kind
@@ -105,7 +105,7 @@ def held_version(store: Any, fingerprint: str, version: int | None,
     fingerprint, else the newest version that does; refuses an engine that holds no version. With
     ``public_key``, it must be signed by it: each record is checked over its stored bytes before it is
     parsed; one that does not verify is passed over, its refusal reported when no signed one holds it."""
-    from ...signing import SignatureError, Verifier
+    from ...signing import Verifier
 
     verifier = Verifier(public_key) if public_key else None
     if version is not None:
@@ -114,15 +114,9 @@ def held_version(store: Any, fingerprint: str, version: int | None,
             raise StreamError(f"{store.url} version {version} is {rec.fingerprint[:16]}…; the engine holds "
                               f"{fingerprint[:16]}…")
         return version, fingerprint
-    refused: SignatureError | None = None
-    for v in range(head(store), 0, -1):
-        try:
-            rec = load_commit(store, v, verifier)
-        except SignatureError as e:  # an unsigned or forged record costs its size, never a parse
-            refused = refused or e
-            continue
-        if rec.fingerprint == fingerprint:
-            return v, fingerprint
+    found, refused = newest_with_fingerprint(store, fingerprint, verifier)
+    if found is not None:
+        return found, fingerprint
     if refused is not None:
         raise refused
     raise StreamError(f"the engine's weights ({fingerprint[:16]}…) are no version of {store.url}; start it "

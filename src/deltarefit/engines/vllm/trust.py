@@ -273,18 +273,13 @@ class EngineTrust:
     def signed_version(self, store: Any, fingerprint: str, what: str) -> int:
         """The newest version of ``store`` whose record, signed by the pinned key, names ``fingerprint``;
         refused when none does (``what``: the delta or checkpoint, for the message)."""
-        from ...signing import SignatureError, Verifier
-        from ...stream.records import head, load_commit
+        from ...signing import Verifier
+        from ...stream.records import newest_with_fingerprint
 
         assert self.verify_key is not None
-        verifier = Verifier(self.verify_key)
-        for v in range(head(store), 0, -1):
-            try:  # the signature is checked over the record's bytes before they are parsed
-                rec = load_commit(store, v, verifier)
-            except SignatureError:
-                continue  # an unsigned or forged record: an older, signed one may still name it
-            if rec.fingerprint == fingerprint:
-                return v
+        v, _ = newest_with_fingerprint(store, fingerprint, Verifier(self.verify_key))
+        if v is not None:
+            return v
         raise UntrustedError(f"deltarefit: {what} leads to {fingerprint[:16]}…, which no version of {store.url} "
                              f"signed by key {self.key_id} ({ENV_VERIFY_KEY}) holds")
 
