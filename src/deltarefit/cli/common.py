@@ -49,10 +49,10 @@ def _names(names: list[str], most: int = 4) -> str:
 
 
 def _ckpt_bytes(path: str) -> int:
-    from ..checkpoint.read import open_checkpoint
+    """The bytes of the checkpoint's tensors: a progress bar's total (``stream.progress.tensor_bytes``)."""
+    from ..stream.progress import tensor_bytes
 
-    with open_checkpoint(path) as ck:
-        return sum(t.nbytes for t in ck.tensors.values())
+    return tensor_bytes(path)
 
 
 def _os_error(e: OSError, where: str | None) -> FileSystemError:
