@@ -39,10 +39,8 @@ def _decode(delta: DeltaReader, e: TensorEntry, r: ChunkRecord, base_seg: np.nda
         hist = history.history(e.name, r.chunk_index, base_seg.size)
     dg = None
     if digest:
-        from ..integrity import additive
-
-        seed = additive.seeds(e.name, e.base.dtype, e.base.shape)
-        dg = (r.chunk_index * (SEGMENT_BYTES // base_seg.itemsize), int(seed[0]), int(seed[1]))
+        start, seed = _digest_at(e, r, base_seg.itemsize)
+        dg = (start, int(seed[0]), int(seed[1]))
     return decode_chunk(dtype(e.base.dtype), base_seg, r.encoding, payload, r.n_changed, r.decoded_len, where, hist,
                         digest=dg)
 
@@ -81,8 +79,15 @@ def _moved(e: TensorEntry, r: ChunkRecord, view: np.ndarray, pos: np.ndarray, ne
     additive digest."""
     from ..integrity import additive
 
-    seed = additive.seeds(e.name, e.base.dtype, e.base.shape)
-    return additive.move(seed, r.chunk_index * (SEGMENT_BYTES // view.itemsize), view, pos, new)
+    start, seed = _digest_at(e, r, view.itemsize)
+    return additive.move(seed, start, view, pos, new)
+
+
+def _digest_at(e: TensorEntry, r: ChunkRecord, itemsize: int) -> tuple[int, np.ndarray]:
+    """(chunk ``r``'s first element index in tensor ``e``, ``e``'s additive-digest seeds)."""
+    from ..integrity import additive
+
+    return r.chunk_index * (SEGMENT_BYTES // itemsize), additive.seeds(e.name, e.base.dtype, e.base.shape)
 
 
 def _moved_by(e: TensorEntry, r: ChunkRecord, view: np.ndarray, patch: Patch, pos: np.ndarray,
