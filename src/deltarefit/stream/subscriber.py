@@ -51,7 +51,7 @@ from ..history_book import HistoryBook
 from ..io.beside import check_beside, own_dir
 from ..io.fsutil import fs_error
 from ..io.locks import checkpoint_lock, locked_method
-from ..signing import SignatureError, Verifier, check_record_signature
+from ..signing import SignatureError, Verifier
 from ..storage.base import Store, open_store
 from .arriving import PartDownloads, apply_arriving
 from .chain import check_links, newest_keyframe, sync_target
@@ -170,23 +170,15 @@ class Subscriber:
 
     def _commit(self, version: int) -> CommitRecord:
         """The record of ``version``, refused unless it is of the followed stream and, with a key,
-        signed by it."""
+        signed by it (checked over its stored bytes by ``_load``)."""
         rec = self._load(version)
         where = f"{self.store.url} version {version}"
-        try:
-            self._check_signature(rec, where)
-        except SignatureError as e:
-            raise SignatureError(f"{e}{QUARANTINE_FIX}") from None
         check_identity(rec, self._ident, where, "; a version copied in from another stream is set aside by this "
                        "stream's publisher with 'deltarefit publish --quarantine-head'; to follow a new stream "
                        "in this store instead, 'deltarefit sync --repair'")
         if self._ident is None and rec.stream is not None:  # a legacy holder meets the stream's identity
             self._ident = rec.stream
         return rec
-
-    def _check_signature(self, rec: CommitRecord, where: str) -> None:
-        if self.verifier is not None:
-            check_record_signature(rec.signature, rec.signed_bytes(), self.verifier, where)
 
     # -- sync ------------------------------------------------------------------------------------
 
