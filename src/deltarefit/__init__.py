@@ -12,7 +12,7 @@ from . import _moved
 from ._release import RELEASE as __version__  # the one spelling of the release (format.RELEASE is this)
 
 # Every public name is imported on first use (PEP 562): ``import deltarefit`` loads neither numpy nor any
-# codec, so the command line decides how numpy starts (``cli.common._blas_threads``) and a command that
+# codec, so the command line decides how numpy starts (``cli.common._numpy_with_one_blas_thread``) and a command that
 # needs none of them (``--help``, ``--version``) does not pay for them. ``from deltarefit import X`` and
 # ``deltarefit.X`` work as eager imports would, for every name in ``__all__``. ``apply`` and ``encode``
 # are the modules, each callable as its function of that name (``_callable``): both
