@@ -18,6 +18,7 @@ Python heap; the interpreter's own baseline not counted). The target
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import tracemalloc
@@ -72,6 +73,88 @@ def part_blob(body: bytes) -> bytes:
 
 PART_HEAD = b'{"format":"deltarefit.shard_part","tensors":['
 
+# A 1T-parameter MoE (61 layers of 384 experts of 3 matrices, 13 dense tensors a layer) over 256 ranks:
+# experts spread by expert parallelism, each dense tensor cut along dim 0 over groups of 8 ranks.
+_DENSE = {"self_attn.q_a_proj.weight": [1536, 7168], "self_attn.q_b_proj.weight": [24576, 1536],
+          "self_attn.kv_a_proj_with_mqa.weight": [576, 7168], "self_attn.kv_b_proj.weight": [32768, 512],
+          "self_attn.o_proj.weight": [7168, 16384], "self_attn.q_a_layernorm.weight": [1536],
+          "self_attn.kv_a_layernorm.weight": [512], "input_layernorm.weight": [7168],
+          "post_attention_layernorm.weight": [7168], "mlp.gate.weight": [384, 7168],
+          "mlp.shared_experts.gate_proj.weight": [2048, 7168], "mlp.shared_experts.up_proj.weight": [2048, 7168],
+          "mlp.shared_experts.down_proj.weight": [7168, 2048]}
+
+
+def version_manifest(shapes: dict[str, list[int]], covers: list[dict[str, list[list[int]]]],
+                     keyframe: bool = False, seed: int = 0) -> dict:
+    """A version manifest (``part.join``'s form) of tensors ``shapes`` (BF16, random digests) and one
+    part per entry of ``covers``."""
+    import random
+
+    rnd = random.Random(seed)
+    tensors = {n: {"dtype": "BF16", "shape": list(s), "base": None if keyframe else f"{rnd.getrandbits(128):032x}",
+                   "target": f"{rnd.getrandbits(128):032x}"} for n, s in sorted(shapes.items())}
+    return {"format": "deltarefit.shard_version", "format_version": 1, "version": 7, "keyframe": keyframe,
+            "world": len(covers), "changed": 1 << 30, "elements": 1 << 40, "tensors": tensors,
+            "parts": [{"rank": r, "bytes": 1 << 30, "blake3": f"{rnd.getrandbits(256):064x}", "covers": c}
+                      for r, c in enumerate(covers)]}
+
+
+def moe_manifest(world: int = 256, layers: int = 61, experts: int = 384) -> dict:
+    """The version manifest of the 1T MoE above (29 MiB stored at 256 ranks)."""
+    shapes: dict[str, list[int]] = {}
+    covers: list[dict[str, list[list[int]]]] = [{} for _ in range(world)]
+    for lay in range(layers):
+        for k, s in _DENSE.items():
+            shapes[n := f"model.layers.{lay}.{k}"] = s
+            for r in range(world):
+                covers[r][n] = [[s[0] * (r % 8) // 8, s[0] * (r % 8 + 1) // 8]] + [[0, d] for d in s[1:]]
+        for e in range(experts):
+            for m, s in (("gate_proj", [2048, 7168]), ("up_proj", [2048, 7168]), ("down_proj", [7168, 2048])):
+                shapes[n := f"model.layers.{lay}.mlp.experts.{e}.{m}.weight"] = s
+                covers[(lay * experts + e) % world][n] = [[0, d] for d in s]
+    for n, s in (("model.embed_tokens.weight", [129280, 7168]), ("lm_head.weight", [129280, 7168]),
+                 ("model.norm.weight", [7168])):
+        shapes[n] = s
+        for r in range(world):
+            covers[r][n] = [[s[0] * r // world, s[0] * (r + 1) // world]] + [[0, d] for d in s[1:]]
+    return version_manifest(shapes, [dict(sorted(c.items())) for c in covers])
+
+
+def dense_manifest(kind: str, size: int) -> dict:
+    """The densest manifest of ``kind`` the grammar admits, of at most ``size`` stored bytes: "tensors"
+    (scalar tensors of 7-digit names, null bases: 73 bytes each), "parts" (parts that cover nothing:
+    about 100 bytes each) or "covers" (parts covering each of 1,000 1-element tensors: 15 bytes a cover)."""
+    names = [f"{i:04d}" for i in range(1000)]
+    build = {"tensors": lambda n: version_manifest({f"{i:07d}": [] for i in range(n)}, [{}], keyframe=True),
+             "parts": lambda n: version_manifest({"w": [1]}, [{}] * n),
+             "covers": lambda n: version_manifest({k: [1] for k in names}, [{k: [[0, 1]] for k in names}] * n)}[kind]
+    def length(n: int) -> int:
+        return len(json.dumps(build(n), sort_keys=True, separators=(",", ":")))
+
+    unit = length(2) - length(1)
+    n = (size - length(1)) // unit + 1
+    while (over := length(n) - size) > 0:  # (ranks grow by a digit now and then)
+        n -= over // unit + 1
+    return build(n)
+
+
+def stored_manifest(man: dict, store, parent: str | None = None):
+    """Put ``man``'s stored bytes in ``store`` and return (bytes, the commit record naming them)."""
+    import blake3
+
+    from ...shard.part import manifest_bytes
+    from ...shard.records import ShardCommit, state_fingerprint
+    from ...stream.records import Part
+
+    data = manifest_bytes(man)
+    key = f"v/{man['version']:012d}/0123456789abcdef/manifest.json"
+    store.put(key, data)
+    parts = tuple(Part(f"v/{man['version']:012d}/0123456789abcdef/parts/rank-{p['rank']}", p["bytes"], p["blake3"])
+                  for p in man["parts"])
+    base = None if man["keyframe"] else state_fingerprint(man["tensors"], "base")
+    return data, ShardCommit(man["version"], base, state_fingerprint(man["tensors"]), man["keyframe"], man["world"],
+                             Part(key, len(data), blake3.blake3(data).hexdigest()), parts)
+
 
 def rows() -> list[tuple[str, int, int, str]]:
     """(input, size, traced peak, refusal) for every shape above."""
@@ -116,14 +199,21 @@ def rows() -> list[tuple[str, int, int, str]]:
         del blob, over
         mkey = "v/000000000001/0123456789abcdef/manifest.json"
         for what, unit, tail in (("manifest, 3-lists per 16 B (refused)", b"[999,999,999],  ", b"[]]}"),
-                                 ("manifest, objects per 16 B (refused)", b'{"abcdefghij":0},', b"{}]}"),
-                                 ("manifest, 3-lists per 36 B", b"[999,999,999]," + b" " * 22, b"[]]}"),
-                                 ("manifest, strings per 24 B", b'"abcdefghijklmnopqrstu",', b'"a"]}')):
+                                 ("manifest, strings per 24 B (refused)", b'"abcdefghijklmnopqrstu",', b'"a"]}')):
             data = fill(b'{"format":"deltarefit.shard_version","x":[', unit, sp.MAX_MANIFEST_BYTES, tail)
             store.put(mkey, data)
             ref = Part(mkey, len(data), blake3.blake3(data).hexdigest())
             srec = ShardCommit(1, None, "00" * 32, True, 1, ref, ())
             row(what, len(data), lambda r=srec: load_manifest(store, r))
+        for what, man in (("manifest, a 1T MoE over 256 ranks", moe_manifest()),
+                          ("manifest, densest tensors", dense_manifest("tensors", sp.MAX_MANIFEST_BYTES)),
+                          ("manifest, densest parts", dense_manifest("parts", sp.MAX_MANIFEST_BYTES)),
+                          ("manifest, densest covers", dense_manifest("covers", sp.MAX_MANIFEST_BYTES))):
+            mstore = MemoryStore("trust-memory-manifest")
+            mdata, mrec = stored_manifest(man, mstore)
+            del man
+            row(what, len(mdata), lambda s=mstore, r=mrec: load_manifest(s, r))
+            del mstore, mdata
         # In a signed stream the record names the manifest's (and each part's) size and BLAKE3: an object
         # that is not the one signed is refused by its hash, before it is parsed.
         other = ShardCommit(1, None, "00" * 32, True, 1, Part(mkey, len(data), "00" * 32), ())
