@@ -305,10 +305,10 @@ class TensorTable(Mapping):
                     raise ManifestError(f"byte {m.start()}: a part covers {_name(raw)[:80]!r} after "
                                         f"{_name(self._raw(prev))[:80]!r} (names are sorted, each once)")
                 prev = i
-                # Per tensor its shape and the bounds last found good (the same slices recur in every
-                # part); at most 16,384 kept.
-                shape, good = shapes.get(i) or (None, None)
-                if bounds is not None and bounds == good:
+                # Per tensor its shape and the last 8 bounds found good (a dense tensor's slices recur
+                # in every part of a tensor-parallel group); at most 16,384 tensors kept.
+                shape, good = shapes.get(i) or (None, ())
+                if bounds in good:
                     continue
                 if shape is None and i >= 0:
                     if len(shapes) >= 1 << 14:
@@ -320,7 +320,8 @@ class TensorTable(Mapping):
                     raise ManifestError(f"byte {m.start()}: a part's cover of {_name(raw)[:80]!r}, "
                                         f"{_bounds(bounds or b'')}, " + ("is not a tensor of the manifest" if shape is None else
                                            f"does not fit its shape {shape}"))
-                shapes[i] = shape, bounds
+                if bounds is not None:
+                    shapes[i] = shape, (bounds, *good[:7])
             if at != end + 1 and start != end:
                 raise ManifestError(f"byte {at - 1}: expected a cover \"name\":[[lo,hi],..] in the committer's form")
 
