@@ -10,7 +10,8 @@ import random
 import pytest
 
 from deltarefit.apps.bench.trust_memory import version_manifest
-from deltarefit.shard.manifest import ManifestError, VersionManifest
+from deltarefit.errors import FormatError
+from deltarefit.shard.manifest import VersionManifest
 from deltarefit.shard.part import manifest_bytes
 from deltarefit.shard.records import state_fingerprint
 
@@ -28,7 +29,7 @@ def _manifest(rnd: random.Random) -> dict:
 
 def test_what_is_read_is_what_json_reads_and_the_rest_is_refused_in_one_line():
     """1,500 manifests of awkward names, each with 1-3 random byte edits: every edited manifest is
-    either refused (``ManifestError``, one line naming a byte) or is itself the committer's form and
+    either refused (``FormatError``, one line naming a byte) or is itself the committer's form and
     reads exactly as json.loads reads it, fingerprints included."""
     rnd = random.Random(46)
     refused = read = 0
@@ -49,7 +50,7 @@ def test_what_is_read_is_what_json_reads_and_the_rest_is_refused_in_one_line():
                 b.insert(k, rnd.choice(b'{}[]",:019af \\'))
         try:
             got = VersionManifest(bytes(b))
-        except ManifestError as e:
+        except FormatError as e:
             assert str(e).startswith("byte ") and "\n" not in str(e), str(e)
             refused += 1
             continue
@@ -86,7 +87,7 @@ def _base() -> dict:
 ])
 def test_each_departure_is_refused_naming_its_byte(edit, why):
     data = _edit(_base(), edit)
-    with pytest.raises(ManifestError) as e:
+    with pytest.raises(FormatError) as e:
         VersionManifest(data)
     assert str(e.value).startswith("byte ") and why in str(e.value) and "\n" not in str(e.value), str(e.value)
 
@@ -105,7 +106,7 @@ def test_each_departure_is_refused_naming_its_byte(edit, why):
 ])
 def test_text_outside_the_form_is_refused_naming_its_byte(text, why):
     data = text(manifest_bytes(_base()))
-    with pytest.raises(ManifestError) as e:
+    with pytest.raises(FormatError) as e:
         VersionManifest(data)
     assert why in str(e.value) and "\n" not in str(e.value), str(e.value)
 

@@ -62,14 +62,10 @@ _INT_MAX = (1 << 63) - 1
 _KEYS = ("changed", "elements", "format", "format_version", "keyframe", "parts", "tensors", "version", "world")
 
 
-class ManifestError(FormatError):
-    """A version manifest's bytes are not the committer's form (``str``: one line, with the offset)."""
-
-
 def _int(raw: bytes, what: str, at: int) -> int:
     v = int(raw)
     if v > _INT_MAX:
-        raise ManifestError(f"byte {at}: {what} {raw[:24].decode()} is past 2**63")
+        raise FormatError(f"byte {at}: {what} {raw[:24].decode()} is past 2**63")
     return v
 
 
@@ -85,7 +81,7 @@ def _canonical(name: str) -> bytes:
 
 def _expect(m: re.Match | None, what: str, at: int) -> re.Match:
     if m is None:
-        raise ManifestError(f"byte {at}: expected {what} in the committer's form "
+        raise FormatError(f"byte {at}: expected {what} in the committer's form "
                             "(sorted keys, compact separators, ASCII)")
     return m
 
@@ -96,13 +92,13 @@ class VersionManifest(Mapping):
     __slots__ = ("_p_bytes", "_p_covers", "_p_end", "_p_hash", "_top", "data", "tensors")
 
     def __init__(self, data: bytes) -> None:
-        """Check ``data`` whole; ``ManifestError`` (one line, with the byte offset) on any departure."""
+        """Check ``data`` whole; ``FormatError`` (one line, with the byte offset) on any departure."""
         if not isinstance(data, bytes):
             data = bytes(data)
         self.data = data
         fv = _FORMAT_VERSION.search(data, 0, 256)
         if fv is not None and fv[1] != b"1":
-            raise ManifestError(f"byte {fv.start(1)}: format_version {fv[1][:24].decode()}; this reader knows 1 "
+            raise FormatError(f"byte {fv.start(1)}: format_version {fv[1][:24].decode()}; this reader knows 1 "
                                 "(upgrade deltarefit)")
         m = _expect(_HEAD.match(data), 'the head {"changed":..,"format_version":1,..,"parts":[', 0)
         top = {"changed": _int(m[1], "changed", m.start(1)), "elements": _int(m[2], "elements", m.start(2)),
@@ -113,7 +109,7 @@ class VersionManifest(Mapping):
             while True:
                 m = _expect(_PART_HEAD.match(data, pos), 'a part {"blake3":..,"bytes":..,"covers":{', pos)
                 if int(m[1]) > _INT_MAX or len(p_hash) >= 1 << 31:
-                    raise ManifestError(f"byte {m.start(1)}: part bytes past 2**63")
+                    raise FormatError(f"byte {m.start(1)}: part bytes past 2**63")
                 p_bytes.append(int(m[1]))
                 p_hash.append(pos + 11)
                 p_covers.append(m.end())
@@ -123,14 +119,14 @@ class VersionManifest(Mapping):
                 m = _expect(_PART_TAIL.match(data, end) if end > 0 else None, '},"rank":R}', m.end())
                 p_end.append(end)
                 if int(m[1]) != len(p_hash) - 1:
-                    raise ManifestError(f"byte {m.start(1)}: part of rank {m[1][:24].decode()} where rank "
+                    raise FormatError(f"byte {m.start(1)}: part of rank {m[1][:24].decode()} where rank "
                                         f"{len(p_hash) - 1} belongs (parts are listed by rank, from 0)")
                 pos = m.end()
                 if data[pos:pos + 1] != b",":
                     break
                 pos += 1
         if data[pos:pos + 13] != b'],"tensors":{':
-            raise ManifestError(f"byte {pos}: expected the end of the parts and \"tensors\"")
+            raise FormatError(f"byte {pos}: expected the end of the parts and \"tensors\"")
         self.tensors = TensorTable(data, pos + 13)
         m = _expect(_TAIL.match(data, self.tensors.end), '},"version":N,"world":N} and the end', self.tensors.end)
         top["version"] = _int(m[1], "version", m.start(1))
@@ -242,10 +238,10 @@ class TensorTable(Mapping):
                             '"name":{"base":..,"dtype":..,"shape":[..],"target":..}', pos)
                 name = _name(m[1])
                 if prev is not None and name <= prev:
-                    raise ManifestError(f"byte {pos}: tensor {name[:80]!r} is not after {prev[:80]!r} "
+                    raise FormatError(f"byte {pos}: tensor {name[:80]!r} is not after {prev[:80]!r} "
                                         "(names are sorted, each once)")
                 if m[2].decode() not in DTYPES:
-                    raise ManifestError(f"byte {m.start(2)}: tensor {name[:80]!r} has unknown dtype "
+                    raise FormatError(f"byte {m.start(2)}: tensor {name[:80]!r} has unknown dtype "
                                         f"{m[2].decode()!r}")
                 dims = m[3] or b""
                 for d in _INT.findall(dims):
@@ -282,7 +278,7 @@ class TensorTable(Mapping):
 
     def check_covers(self, starts: array, ends: array) -> None:
         """Each part's covers (the spans ``starts[r]:ends[r]``, their grammar checked): every name a
-        tensor of the manifest, one ``[lo,hi]`` per dim, ``lo <= hi <= dim``. ``ManifestError`` naming
+        tensor of the manifest, one ``[lo,hi]`` per dim, ``lo <= hi <= dim``. ``FormatError`` naming
         the first that is not. (The hot loop of a load: a real 1T MoE has 270,000 covers.)"""
         data, shapes, le = self._data, {}, operator.le
         hashes, order, starts_, vals, n = self._hashes, self._order, self._start, self._val, len(self._start)
@@ -291,7 +287,7 @@ class TensorTable(Mapping):
             at, prev = start, -1
             for m in cover(data, start, end):
                 if m.start() != at or (at != start and data[at - 1] != 44):  # entries back to back, ','
-                    raise ManifestError(f"byte {at}: expected a cover \"name\":[[lo,hi],..] in the committer's form")
+                    raise FormatError(f"byte {at}: expected a cover \"name\":[[lo,hi],..] in the committer's form")
                 at = m.end() + 1
                 raw, bounds = m.group(1, 2)
                 i = prev + 1  # most often the next tensor (a part covers runs of them): no lookup
@@ -302,7 +298,7 @@ class TensorTable(Mapping):
                         j += 1  # a collision: the next name of the same hash
                     i = order[j] if j < n and hashes[j] == h else -1
                 if 0 <= i <= prev:  # tensors are sorted by name: so are a part's covers, each once
-                    raise ManifestError(f"byte {m.start()}: a part covers {_name(raw)[:80]!r} after "
+                    raise FormatError(f"byte {m.start()}: a part covers {_name(raw)[:80]!r} after "
                                         f"{_name(self._raw(prev))[:80]!r} (names are sorted, each once)")
                 prev = i
                 # Per tensor its shape and the last 8 bounds found good (a dense tensor's slices recur
@@ -317,13 +313,13 @@ class TensorTable(Mapping):
                 v = list(map(int, ints(bounds))) if bounds else []
                 if shape is None or len(v) != 2 * len(shape) or not (
                         all(map(le, v[::2], v[1::2])) and all(map(le, v[1::2], shape))):
-                    raise ManifestError(f"byte {m.start()}: a part's cover of {_name(raw)[:80]!r}, "
+                    raise FormatError(f"byte {m.start()}: a part's cover of {_name(raw)[:80]!r}, "
                                         f"{_bounds(bounds or b'')}, " + ("is not a tensor of the manifest" if shape is None else
                                            f"does not fit its shape {shape}"))
                 if bounds is not None:
                     shapes[i] = shape, (bounds, *good[:7])
             if at != end + 1 and start != end:
-                raise ManifestError(f"byte {at - 1}: expected a cover \"name\":[[lo,hi],..] in the committer's form")
+                raise FormatError(f"byte {at - 1}: expected a cover \"name\":[[lo,hi],..] in the committer's form")
 
     def shape(self, i: int) -> list[int]:
         return json.loads(self._data[self._val[i]:self._stop[i]])["shape"]
@@ -363,5 +359,5 @@ class TensorTable(Mapping):
 
 
 def parse_manifest(data: bytes) -> VersionManifest:
-    """``VersionManifest(data)``: the stored bytes of a version manifest, checked (``ManifestError``)."""
+    """``VersionManifest(data)``: the stored bytes of a version manifest, checked (``FormatError``)."""
     return VersionManifest(data)
