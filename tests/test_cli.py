@@ -99,7 +99,7 @@ def test_the_set_of_commands_and_flags_is_deliberate():
         "encode": ["as_json", "base", "history_dir", "output", "quiet", "target", "threads"],
         "apply": ["as_json", "checkpoint", "delta", "history_dir", "quiet", "threads"],
         "inspect": ["as_json", "delta", "show_all"],
-        "fingerprint": ["as_json", "checkpoint", "threads"],
+        "fingerprint": ["as_json", "checkpoint", "quiet", "threads"],
         "verify": ["checkpoint", "expected", "threads"],
         "publish": ["ack_timeout", "advance", "as_json", "catchup", "checkpoint", "history", "keyframe_every",
                     "keyframe_ratio", "quarantine_head", "quiet", "quorum", "reset_baseline", "signing_key", "state_dir", "step",

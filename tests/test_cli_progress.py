@@ -82,6 +82,7 @@ def test_publish_and_sync_show_each_phase_with_a_rate(pair, tmp_path):
     rc, out, term = _tty_run("publish", store, str(pair / "base.safetensors"))
     assert rc == 0 and "version 1" in out, term
     _bar(term, "publish: upload keyframe")
+    assert "publish: fingerprint" in plain(term) and "publish: hash keyframe" in plain(term), term
     rc, out, term = _tty_run("publish", store, str(pair / "target.safetensors"))
     assert rc == 0 and "version 2" in out, term
     _bar(term, "publish: encode")
@@ -98,7 +99,15 @@ def test_publish_and_sync_show_each_phase_with_a_rate(pair, tmp_path):
     assert rc == 0 and "nothing to do" in out and plain(term).strip() == "", term
 
 
-@pytest.mark.parametrize("cmd", ["encode", "apply", "publish", "sync"])
+def test_fingerprint_shows_a_bar_and_prints_what_it_prints_without(pair, tmp_path):
+    b = str(pair / "base.safetensors")
+    rc, out, term = _tty_run("fingerprint", b)
+    assert rc == 0 and "fingerprint" in plain(term).replace(out.strip(), ""), term
+    q = piped("fingerprint", b, cwd=tmp_path)
+    assert q.returncode == 0 and q.stderr == "" and q.stdout.strip() == out.strip() and len(out.strip()) == 64
+
+
+@pytest.mark.parametrize("cmd", ["encode", "apply", "publish", "sync", "fingerprint"])
 def test_quiet_and_not_a_terminal_print_no_progress(pair, tmp_path, cmd):
     b, t = str(pair / "base.safetensors"), str(pair / "target.safetensors")
     shutil.copyfile(b, tmp_path / "w.safetensors")
@@ -107,7 +116,8 @@ def test_quiet_and_not_a_terminal_print_no_progress(pair, tmp_path, cmd):
     argv = {"encode": ["encode", b, t, "-o", str(tmp_path / "e.delta")],
             "apply": ["apply", str(tmp_path / "d.delta"), str(tmp_path / "w.safetensors")],
             "publish": ["publish", str(tmp_path / "s"), b],
-            "sync": ["sync", str(tmp_path / "s0"), str(tmp_path / "r.safetensors")]}[cmd]
+            "sync": ["sync", str(tmp_path / "s0"), str(tmp_path / "r.safetensors")],
+            "fingerprint": ["fingerprint", b]}[cmd]
     rc, out, term = _tty_run(*argv, "--quiet")
     assert rc == 0 and out and term == "", term
     if cmd in ("publish", "sync"):  # again, into a fresh store and checkpoint
@@ -162,9 +172,10 @@ def test_the_stream_s_phases_add_up_to_their_totals(pair, tmp_path):
     old.progress = opener
     old.sync()  # version 2's apply, planned while its part arrives
     labels = [s[0] for s in seen]
-    assert labels == ["publish: upload keyframe", "publish: encode", "publish: upload delta", "sync: fetch keyframe",
-                      "sync: apply v2", "sync: apply v2"], labels
+    assert labels == ["publish: hash keyframe", "publish: fingerprint", "publish: upload keyframe", "publish: encode",
+                      "publish: upload delta", "sync: fetch keyframe", "sync: apply v2", "sync: apply v2"], labels
     for label, total, done in seen:
         assert done == total, (label, total, done)
-    tensors = seen[1][1]
-    assert 0 < size - tensors < 1024 and seen[4][1] == seen[5][1] == tensors  # the checkpoint's tensor bytes
+    tensors = seen[3][1]
+    assert seen[0][1] == size and seen[1][1] == tensors  # the keyframe's file, then its tensors hashed
+    assert 0 < size - tensors < 1024 and seen[6][1] == seen[7][1] == tensors  # the checkpoint's tensor bytes

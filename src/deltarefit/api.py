@@ -11,10 +11,11 @@ from .errors import UsageError, VerificationError
 from .format import DeltaReader
 
 
-def fingerprint(checkpoint: str, *, threads: int | None = None) -> str:
-    """The layout-independent fingerprint (hex) of a checkpoint file or directory."""
+def fingerprint(checkpoint: str, *, threads: int | None = None, progress=None) -> str:
+    """The layout-independent fingerprint (hex) of a checkpoint file or directory. ``progress(n)``: told
+    the bytes hashed, adding up to the tensors' bytes."""
     with open_checkpoint(checkpoint) as ck:
-        return fingerprint_checkpoint(ck, threads=threads)[0]
+        return fingerprint_checkpoint(ck, threads=threads, progress=progress)[0]
 
 
 def verify(checkpoint: str, expected: str, *, threads: int | None = None) -> str:

@@ -34,6 +34,7 @@ import mmap
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Self
 
@@ -387,8 +388,10 @@ def sole_weight_file(path: str | os.PathLike[str]) -> str | None:
 # ----------------------------------------------------------------------------------------------- hashing
 
 
-def fingerprint_checkpoint(ck: Checkpoint, *, threads: int | None = None) -> tuple[str, dict[str, bytes]]:
-    """``(fingerprint hex, {name: tensor digest})``; segments are hashed on ``threads`` threads."""
+def fingerprint_checkpoint(ck: Checkpoint, *, threads: int | None = None,
+                           progress: Callable[[int], None] | None = None) -> tuple[str, dict[str, bytes]]:
+    """``(fingerprint hex, {name: tensor digest})``; segments are hashed on ``threads`` threads.
+    ``progress(n)``: told the bytes of each task as its hashes are collected (they add up to the tensors')."""
     workers = threads if threads is not None else min(32, os.cpu_count() or 1)
     if workers < 1:
         raise UsageError(f"threads must be >= 1, got {threads}")
@@ -401,7 +404,11 @@ def fingerprint_checkpoint(ck: Checkpoint, *, threads: int | None = None) -> tup
         digests: dict[str, bytes] = {}
         for name, futures in jobs.items():
             info = ck.tensors[name]
-            segs = [h for fut in futures for h in fut.result()]
+            segs = []
+            for k, fut in enumerate(futures):
+                segs.extend(fut.result())
+                if progress is not None:
+                    progress(min(step, info.nbytes - k * step))
             digests[name] = tensor_digest_from_segments(info.dtype, info.shape, info.nbytes, segs)
     return fingerprint_from_digests(digests), digests
 

@@ -194,8 +194,9 @@ def inspect(delta: str, as_json: bool, show_all: bool) -> None:
 @main.command()
 @click.argument("checkpoint", type=click.Path())
 @_threads
+@_quiet
 @_json
-def fingerprint(checkpoint: str, threads: int | None, as_json: bool) -> None:
+def fingerprint(checkpoint: str, threads: int | None, quiet: bool, as_json: bool) -> None:
     """Print the layout-independent fingerprint of CHECKPOINT (file or directory)."""
 
     def go() -> None:
@@ -204,7 +205,9 @@ def fingerprint(checkpoint: str, threads: int | None, as_json: bool) -> None:
 
         check_kinds("fingerprint", "deltarefit fingerprint CHECKPOINT", (("checkpoint", checkpoint),))
         with open_checkpoint(checkpoint) as ck:
-            fp, digests = fingerprint_checkpoint(ck, threads=threads)
+            total = sum(t.nbytes for t in ck.tensors.values())
+            with _progress("fingerprint", total, quiet) as cb:
+                fp, digests = fingerprint_checkpoint(ck, threads=threads, progress=cb)
         if as_json:
             click.echo(json.dumps({"fingerprint": fp, "tensors": {k: v.hex() for k, v in digests.items()}}, indent=2))
         else:

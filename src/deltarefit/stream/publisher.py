@@ -30,7 +30,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint.read import open_checkpoint
 from ..encode import EncodeReport
 from ..encode import encode as encode_delta
 from ..errors import DeltaRefitError, PublishError, UsageError
@@ -43,7 +42,7 @@ from .attempts import Attempts, _checkpoint_files
 from .baseline import Baseline, _temp_beside
 from .chain import chain_bytes
 from .history import follows, lineage, open_book, resets, start_over
-from .progress import Opener, encoding, store_phase
+from .progress import Opener, encoding, phase, store_phase, tensor_bytes
 from .publish_state import (
     _TEMP_SUFFIX,
     ALL,
@@ -326,14 +325,15 @@ class Publisher:
             checkpoint = staged
         if keyframe:
             files = _checkpoint_files(checkpoint)
-            kf_parts = [(name, Part(f"{attempt}/keyframe/{name}", os.path.getsize(p), file_hash(p)))
+            told = phase(self.progress, "publish: hash keyframe", sum(os.path.getsize(p) for _, p in files))
+            kf_parts = [(name, Part(f"{attempt}/keyframe/{name}", os.path.getsize(p), file_hash(p, told)))
                         for name, p in files]
-        if fp is None:
+        if fp is None:  # the first version: nothing encoded, the checkpoint hashed whole
             from ..api import fingerprint
 
-            fp = fingerprint(checkpoint, threads=self.threads)
-            with open_checkpoint(checkpoint) as ck:
-                full_bytes = sum(t.nbytes for t in ck.tensors.values())
+            full_bytes = tensor_bytes(checkpoint)
+            fp = fingerprint(checkpoint, threads=self.threads,
+                             progress=phase(self.progress, "publish: fingerprint", full_bytes))
         rec = CommitRecord(version, st.fingerprint if st else None, fp, "keyframe" if keyframe else "delta",
                            delta_part, kf_parts, full_bytes, step, now(), self.publisher_id, catchup_from,
                            catchup_part, stream=st.stream_id if st else new_stream_id(),

@@ -22,6 +22,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -336,12 +337,14 @@ def check_identity(rec: SignableRecord, identity: str | None, where: str, fix: s
                                   f"{identity}{fix}")
 
 
-def file_hash(path: str) -> str:
-    """Full BLAKE3 (hex) of a file, as parts are named in commit records."""
+def file_hash(path: str, progress: Callable[[int], None] | None = None) -> str:
+    """Full BLAKE3 (hex) of a file, as parts are named in commit records; ``progress(n)``: each 16 MiB read."""
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     with open(path, "rb") as f:
         while chunk := f.read(16 << 20):
             h.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
     return h.hexdigest()
 
 
