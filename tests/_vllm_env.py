@@ -91,9 +91,6 @@ def vllm_serve(model: str, log_path: str, *, args: tuple[str, ...] = (), env: di
         wait_healthy(proc, url, str(log_path), timeout, "vllm serve")
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        from deltarefit.io.procs import stop
+
+        stop(proc, grace=60)

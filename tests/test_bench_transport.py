@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from deltarefit.apps.bench import seaweed
 from deltarefit.apps.bench.transport import main
 
 
+@pytest.mark.slow  # 28 s of the default suite for a benchmark's report: make test-slow runs it
 def test_transport_bench_tiny_pair(tmp_path, capsys):
     s3 = seaweed.missing_reason() is None
     if not s3 and os.environ.get("CI"):

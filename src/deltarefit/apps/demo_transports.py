@@ -75,14 +75,6 @@ class RelayTree:
         return mirror
 
     def close(self) -> None:
-        import signal as _signal
+        from ..io.procs import stop
 
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(_signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop(reversed(self.procs))

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import zstandard
 
+from ...io.procs import stop
 from .peak import _MEASURED, read_peak
 from .relay import ENV, listening, relay_cmd
 
@@ -283,12 +284,7 @@ def relay_flood(tmp: str, connections: int = 40, seconds: float = 3.0) -> dict[s
         _, hwm = proc_mem(p.pid)
         return {"rss_before": before, "hwm_before": hwm_before, "hwm_after": hwm, **counts}
     finally:
-        p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        stop(p)
 
 
 # ------------------------------------------------------------------------------------- main

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,8 @@ import threading
 import time
 
 import numpy as np
+
+from ...io.procs import stop
 
 ENV = dict(os.environ, DELTAREFIT_NO_PROGRESS="1")
 
@@ -84,18 +85,6 @@ def count_in(path: str, needle: str) -> int:
             return f.read().count(needle)
     except FileNotFoundError:
         return 0
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def trial(work: str, ckpt: str, nodes: int, fanout: int, rate: str,

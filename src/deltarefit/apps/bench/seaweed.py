@@ -23,6 +23,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ...io.procs import stop as stop_processes
+
 START_TIMEOUT = 30.0  # seconds until the server must accept a bucket create
 BUCKET = "deltarefit-test"
 
@@ -92,16 +94,7 @@ def _die_with_parent() -> None:
 
 
 def _kill(p: subprocess.Popen) -> None:
-    if p.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGTERM)
-    try:
-        p.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait(timeout=10)
+    stop_processes(p, group=True)
 
 
 def _tail(path: str, n: int = 2000) -> str:

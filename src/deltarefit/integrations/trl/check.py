@@ -31,6 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...io.procs import stop
 from ..serving import wait_healthy
 
 # The engine arguments of the server and of every fresh engine compared with it.
@@ -80,13 +81,9 @@ class Server:
             self.proc.wait(60)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        """SIGTERM to the server's session, SIGKILL after 60 s."""
+        if self.proc is not None:
+            stop(self.proc, grace=60, group=True)
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 300.0) -> Any:
