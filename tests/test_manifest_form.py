@@ -125,3 +125,20 @@ def test_names_are_looked_up_decoded_and_iterated_in_order():
     assert covers['q"z'] == [[0, 2]] if 'q"z' in NAMES[::2] else True
     assert got["parts"][0]["blake3"] == man["parts"][0]["blake3"] and got["parts"][0]["rank"] == 0
     assert dict(got) == {**man, "parts": got["parts"], "tensors": got["tensors"]}
+
+
+def test_a_cover_of_millions_of_dims_is_refused_in_kib():
+    """A cover's bounds are parsed whole, so the form allows at most 64 dims (a tensor's most): 30 MiB of
+    "[0,0]," in one cover (10 M integers, some 400 MB as Python ints) is refused where it passes 64."""
+    import tracemalloc
+
+    data = manifest_bytes(version_manifest({"a": [4]}, [{"a": [[0, 4]]}]))
+    bomb = data.replace(b'"a":[[0,4]]', b'"a":[' + b"[0,0]," * (5 << 20) + b"[0,4]]")
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match=r'^byte \d+: expected a cover "name":\[\[lo,hi\],..\]'):
+            VersionManifest(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak

@@ -48,7 +48,8 @@ _STR = rb'"(' + _CH + rb'(?:\\(?:["\\bfnrt]|u[0-9a-f]{4})' + _CH + rb')*)"'
 _HEAD = re.compile(rb'\{"changed":(' + _NUM + rb'),"elements":(' + _NUM + rb'),"format":"deltarefit\.shard_version",'
                    rb'"format_version":1,"keyframe":(true|false),"parts":\[')
 _PART_HEAD = re.compile(rb'\{"blake3":"[0-9a-f]{64}","bytes":(' + _NUM + rb'),"covers":\{')
-_COVER = re.compile(_STR + rb':\[((?:\[' + _NUM + rb',' + _NUM + rb'\])(?:,\[' + _NUM + rb',' + _NUM + rb'\])*)?\]')
+# At most 64 dims (MAX_NDIM), as a tensor's shape: a cover's bounds are parsed whole.
+_COVER = re.compile(_STR + rb':\[((?:\[' + _NUM + rb',' + _NUM + rb'\])(?:,\[' + _NUM + rb',' + _NUM + rb'\]){0,63})?\]')
 _PART_TAIL = re.compile(rb'\},"rank":(' + _NUM + rb')\}')
 _TENSOR = re.compile(_STR + rb':\{"base":(?:null|"[0-9a-f]{32}"),"dtype":"([A-Z0-9_]{1,16})",'
                      rb'"shape":\[((?:' + _NUM + rb')(?:,' + _NUM + rb'){0,63})?\],"target":"[0-9a-f]{32}"\}')
@@ -82,7 +83,7 @@ def _canonical(name: str) -> bytes:
 def _expect(m: re.Match | None, what: str, at: int) -> re.Match:
     if m is None:
         raise FormatError(f"byte {at}: expected {what} in the committer's form "
-                            "(sorted keys, compact separators, ASCII)")
+                          "(sorted keys, compact separators, ASCII)")
     return m
 
 
@@ -95,11 +96,13 @@ class VersionManifest(Mapping):
         """Check ``data`` whole; ``FormatError`` (one line, with the byte offset) on any departure."""
         if not isinstance(data, bytes):
             data = bytes(data)
+        if len(data) >= 1 << 32:  # (offsets are kept in 32 bits; manifests are capped far below)
+            raise FormatError(f"a version manifest of {len(data)} bytes: more than 4 GiB")
         self.data = data
         fv = _FORMAT_VERSION.search(data, 0, 256)
         if fv is not None and fv[1] != b"1":
             raise FormatError(f"byte {fv.start(1)}: format_version {fv[1][:24].decode()}; this reader knows 1 "
-                                "(upgrade deltarefit)")
+                              "(upgrade deltarefit)")
         m = _expect(_HEAD.match(data), 'the head {"changed":..,"format_version":1,..,"parts":[', 0)
         top = {"changed": _int(m[1], "changed", m.start(1)), "elements": _int(m[2], "elements", m.start(2)),
                "format": "deltarefit.shard_version", "format_version": 1, "keyframe": m[3] == b"true"}
@@ -120,7 +123,7 @@ class VersionManifest(Mapping):
                 p_end.append(end)
                 if int(m[1]) != len(p_hash) - 1:
                     raise FormatError(f"byte {m.start(1)}: part of rank {m[1][:24].decode()} where rank "
-                                        f"{len(p_hash) - 1} belongs (parts are listed by rank, from 0)")
+                                      f"{len(p_hash) - 1} belongs (parts are listed by rank, from 0)")
                 pos = m.end()
                 if data[pos:pos + 1] != b",":
                     break
@@ -239,10 +242,10 @@ class TensorTable(Mapping):
                 name = _name(m[1])
                 if prev is not None and name <= prev:
                     raise FormatError(f"byte {pos}: tensor {name[:80]!r} is not after {prev[:80]!r} "
-                                        "(names are sorted, each once)")
+                                      "(names are sorted, each once)")
                 if m[2].decode() not in DTYPES:
                     raise FormatError(f"byte {m.start(2)}: tensor {name[:80]!r} has unknown dtype "
-                                        f"{m[2].decode()!r}")
+                                      f"{m[2].decode()!r}")
                 dims = m[3] or b""
                 for d in _INT.findall(dims):
                     _int(d, f"tensor {name[:80]!r} dimension", m.start(3))
@@ -299,7 +302,7 @@ class TensorTable(Mapping):
                     i = order[j] if j < n and hashes[j] == h else -1
                 if 0 <= i <= prev:  # tensors are sorted by name: so are a part's covers, each once
                     raise FormatError(f"byte {m.start()}: a part covers {_name(raw)[:80]!r} after "
-                                        f"{_name(self._raw(prev))[:80]!r} (names are sorted, each once)")
+                                      f"{_name(self._raw(prev))[:80]!r} (names are sorted, each once)")
                 prev = i
                 # Per tensor its shape and the last 8 bounds found good (a dense tensor's slices recur
                 # in every part of a tensor-parallel group); at most 16,384 tensors kept.
@@ -313,9 +316,9 @@ class TensorTable(Mapping):
                 v = list(map(int, ints(bounds))) if bounds else []
                 if shape is None or len(v) != 2 * len(shape) or not (
                         all(map(le, v[::2], v[1::2])) and all(map(le, v[1::2], shape))):
+                    what = "is not a tensor of the manifest" if shape is None else f"does not fit its shape {shape}"
                     raise FormatError(f"byte {m.start()}: a part's cover of {_name(raw)[:80]!r}, "
-                                        f"{_bounds(bounds or b'')}, " + ("is not a tensor of the manifest" if shape is None else
-                                           f"does not fit its shape {shape}"))
+                                      f"{str(_bounds(bounds or b''))[:200]}, {what}")
                 if bounds is not None:
                     shapes[i] = shape, (bounds, *good[:7])
             if at != end + 1 and start != end:
