@@ -219,8 +219,8 @@ class Covers(Mapping):
     def __len__(self) -> int:
         return sum(1 for _ in self._man._covers(self._rank))
 
-    def items(self):  # one pass over the bytes, not a lookup per name
-        return [(_name(raw), _bounds(b)) for _, raw, b in self._man._covers(self._rank)]
+    def items(self):  # one pass over the bytes, not a lookup per name; one entry built at a time
+        return ((_name(raw), _bounds(b)) for _, raw, b in self._man._covers(self._rank))
 
 
 class TensorTable(Mapping):
