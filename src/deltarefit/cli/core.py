@@ -201,13 +201,12 @@ def fingerprint(checkpoint: str, threads: int | None, quiet: bool, as_json: bool
 
     def go() -> None:
         from ..checkpoint.read import fingerprint_checkpoint, open_checkpoint
+        from ..stream.progress import tensor_bytes
         from .hints import check_kinds
 
         check_kinds("fingerprint", "deltarefit fingerprint CHECKPOINT", (("checkpoint", checkpoint),))
-        with open_checkpoint(checkpoint) as ck:
-            total = sum(t.nbytes for t in ck.tensors.values())
-            with _progress("fingerprint", total, quiet) as cb:
-                fp, digests = fingerprint_checkpoint(ck, threads=threads, progress=cb)
+        with open_checkpoint(checkpoint) as ck, _progress("fingerprint", tensor_bytes(ck), quiet) as cb:
+            fp, digests = fingerprint_checkpoint(ck, threads=threads, progress=cb)
         if as_json:
             click.echo(json.dumps({"fingerprint": fp, "tensors": {k: v.hex() for k, v in digests.items()}}, indent=2))
         else:

@@ -51,13 +51,11 @@ _PART_HEAD = re.compile(rb'\{"blake3":"[0-9a-f]{64}","bytes":(' + _NUM + rb'),"c
 # At most 64 dims (MAX_NDIM), as a tensor's shape: a cover's bounds are parsed whole.
 _COVER = re.compile(_STR + rb':\[((?:\[' + _NUM + rb',' + _NUM + rb'\])(?:,\[' + _NUM + rb',' + _NUM + rb'\]){0,63})?\]')
 _PART_TAIL = re.compile(rb'\},"rank":(' + _NUM + rb')\}')
-_TENSOR = re.compile(_STR + rb':\{"base":(?:null|"[0-9a-f]{32}"),"dtype":"([A-Z0-9_]{1,16})",'
-                     rb'"shape":\[((?:' + _NUM + rb')(?:,' + _NUM + rb'){0,63})?\],"target":"[0-9a-f]{32}"\}')
+# Groups: 1 name, 2 base (null or quoted hex), 3 dtype, 4 the shape's dims, 5 target (quoted hex).
+_TENSOR = re.compile(_STR + rb':\{"base":(null|"[0-9a-f]{32}"),"dtype":"([A-Z0-9_]{1,16})",'
+                     rb'"shape":\[((?:' + _NUM + rb')(?:,' + _NUM + rb'){0,63})?\],"target":("[0-9a-f]{32}")\}')
 _TAIL = re.compile(rb'\},"version":(' + _NUM + rb'),"world":(' + _NUM + rb')\}\Z')
 _INT = re.compile(_NUM)
-# A checked tensor entry, its parts cut out for ``TensorTable.state_items``.
-_STATE = re.compile(_STR + rb':\{"base":(null|"[0-9a-f]{32}"),"dtype":"([A-Z0-9_]+)","shape":(\[[0-9,]*\]),'
-                    rb'"target":("[0-9a-f]{32}")\}')
 _FORMAT_VERSION = re.compile(rb'"format_version":(-?[0-9]+)')
 _INT_MAX = (1 << 63) - 1
 _KEYS = ("changed", "elements", "format", "format_version", "keyframe", "parts", "tensors", "version", "world")
@@ -243,12 +241,12 @@ class TensorTable(Mapping):
                 if prev is not None and name <= prev:
                     raise FormatError(f"byte {pos}: tensor {name[:80]!r} is not after {prev[:80]!r} "
                                       "(names are sorted, each once)")
-                if m[2].decode() not in DTYPES:
-                    raise FormatError(f"byte {m.start(2)}: tensor {name[:80]!r} has unknown dtype "
-                                      f"{m[2].decode()!r}")
-                dims = m[3] or b""
+                if m[3].decode() not in DTYPES:
+                    raise FormatError(f"byte {m.start(3)}: tensor {name[:80]!r} has unknown dtype "
+                                      f"{m[3].decode()!r}")
+                dims = m[4] or b""
                 for d in _INT.findall(dims):
-                    _int(d, f"tensor {name[:80]!r} dimension", m.start(3))
+                    _int(d, f"tensor {name[:80]!r} dimension", m.start(4))
                 start.append(pos)
                 val.append(m.end(1) + 2)
                 stop.append(m.end())
@@ -284,8 +282,8 @@ class TensorTable(Mapping):
         tensor of the manifest, one ``[lo,hi]`` per dim, ``lo <= hi <= dim``. ``FormatError`` naming
         the first that is not. (The hot loop of a load: a real 1T MoE has 270,000 covers.)"""
         data, shapes, le = self._data, {}, operator.le
-        hashes, order, starts_, vals, n = self._hashes, self._order, self._start, self._val, len(self._start)
-        ints, cover, bisect_left = _INT.findall, _COVER.finditer, bisect.bisect_left
+        starts_, vals, n = self._start, self._val, len(self._start)
+        ints, cover = _INT.findall, _COVER.finditer
         for start, end in zip(starts, ends, strict=True):
             at, prev = start, -1
             for m in cover(data, start, end):
@@ -295,11 +293,7 @@ class TensorTable(Mapping):
                 raw, bounds = m.group(1, 2)
                 i = prev + 1  # most often the next tensor (a part covers runs of them): no lookup
                 if i >= n or data[starts_[i] + 1:vals[i] - 2] != raw:
-                    h = hash(raw)
-                    j = bisect_left(hashes, h)
-                    while j < n and hashes[j] == h and data[starts_[order[j]] + 1:vals[order[j]] - 2] != raw:
-                        j += 1  # a collision: the next name of the same hash
-                    i = order[j] if j < n and hashes[j] == h else -1
+                    i = self._find(raw)
                 if 0 <= i <= prev:  # tensors are sorted by name: so are a part's covers, each once
                     raise FormatError(f"byte {m.start()}: a part covers {_name(raw)[:80]!r} after "
                                       f"{_name(self._raw(prev))[:80]!r} (names are sorted, each once)")
@@ -356,11 +350,6 @@ class TensorTable(Mapping):
         g = 2 if which == "base" else 5
         if len(self._start) == 0:
             return
-        for m in _STATE.finditer(self._data, self._start[0], self.end):
+        for m in _TENSOR.finditer(self._data, self._start[0], self.end):  # the entries, back to back
             d = m[g]
-            yield None if d == b"null" else b'["' + m[1] + b'","' + m[3] + b'",' + m[4] + b"," + d + b"]"
-
-
-def parse_manifest(data: bytes) -> VersionManifest:
-    """``VersionManifest(data)``: the stored bytes of a version manifest, checked (``FormatError``)."""
-    return VersionManifest(data)
+            yield None if d == b"null" else b'["' + m[1] + b'","' + m[3] + b'",[' + (m[4] or b"") + b"]," + d + b"]"

@@ -109,27 +109,26 @@ def state_fingerprint(tensors: Mapping[str, Mapping], which: str = "target") -> 
     the digests are absent (the base of a keyframe)."""
     # Hashed entry by entry (the bytes of json.dumps of the whole list, without building it: a 1T
     # MoE's list of 71,000 entries would cost several times its manifest).
-    h = blake3.blake3(b"deltarefit.shard_state.v1\0[")
     if isinstance(tensors, TensorTable):  # the same bytes, cut from the manifest's own
-        sep = b""
-        for item in tensors.state_items(which):
-            if item is None:
-                return None
-            h.update(sep + item)
-            sep = b","
-        h.update(b"]")
-        return h.hexdigest()
-    sep = ""
-    for n in sorted(tensors):
-        t = tensors[n]
-        d = t[which]
-        if d is None:
+        items = tensors.state_items(which)
+    else:
+        items = (_state_item(n, tensors[n], which) for n in sorted(tensors))
+    h = blake3.blake3(b"deltarefit.shard_state.v1\0[")
+    sep = b""
+    for item in items:
+        if item is None:
             return None
-        h.update((sep + json.dumps([n, str(t["dtype"]), [int(x) for x in t["shape"]], str(d)],
-                                   separators=(",", ":"))).encode("utf-8"))
-        sep = ","
+        h.update(sep + item)
+        sep = b","
     h.update(b"]")
     return h.hexdigest()
+
+
+def _state_item(name: str, t: Mapping, which: str) -> bytes | None:
+    """``[name, dtype, shape, digest]`` as the fingerprint hashes it; None for a null digest."""
+    d = t[which]
+    return None if d is None else json.dumps([name, str(t["dtype"]), [int(x) for x in t["shape"]], str(d)],
+                                             separators=(",", ":")).encode("utf-8")
 
 
 # --------------------------------------------------------------------------------------- records
@@ -255,7 +254,7 @@ def load_manifest(store: Store, rec: ShardCommit) -> VersionManifest:
 
     Memory before trust (the record may be unsigned): a manifest past ``MAX_MANIFEST_BYTES`` is never
     read; one within it is checked in one pass and kept as offsets into its bytes (``manifest.py``:
-    the bytes and under 0.7x of them more), never parsed into an object per entry."""
+    the bytes and under half of them more), never parsed into an object per entry."""
     where = f"{store.url}/{rec.manifest.key}"
     if rec.manifest.bytes > MAX_MANIFEST_BYTES:  # never read, whatever an (unsigned) record says
         raise StreamError(f"{where}: manifest of {rec.manifest.bytes} bytes exceeds the limit "
