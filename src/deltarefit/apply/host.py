@@ -9,7 +9,7 @@ import functools
 import numpy as np
 
 from ..codec import elements
-from ..codec.chunk import ULP_HIST, Patch, decode_chunk, decode_new, scratch_array
+from ..codec.chunk import HIST_ENCODINGS, Patch, decode_chunk, decode_new, scratch_array
 from ..dtypes import dtype
 from ..encode import uint_view
 from ..format import ChunkRecord, DeltaReader, TensorEntry
@@ -35,7 +35,7 @@ def _decode(delta: DeltaReader, e: TensorEntry, r: ChunkRecord, base_seg: np.nda
         n = min(SEGMENT_BYTES, e.target.nbytes - r.chunk_index * SEGMENT_BYTES) // dt.itemsize
         return Patch(None, None, decode_new(dt, n, r.encoding, payload, where))
     hist = None
-    if r.encoding == ULP_HIST and history is not None:
+    if r.encoding in HIST_ENCODINGS and history is not None:
         hist = history.history(e.name, r.chunk_index, base_seg.size)
     dg = None
     if digest:
