@@ -3,7 +3,6 @@ broken after its dots and kept in full across its lines. (`simulate`'s tables: t
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+import deltarefit
 from deltarefit.cli.core import _break_name
 
 NAMES = ["model.layers.31.self_attn.q_proj.weight", "model.layers.11.post_attention_layernorm.weight",
@@ -35,8 +35,7 @@ def delta(tmp_path_factory):
     target[NAMES[2]][:] = rng.standard_normal((64, 300))  # all changed: another encoding
     save_file(base, str(d / "a.safetensors"))
     save_file(target, str(d / "b.safetensors"))
-    r = run("encode", str(d / "a.safetensors"), str(d / "b.safetensors"), "-o", str(d / "x.delta"), "-q")
-    assert r.returncode == 0, r.stderr
+    deltarefit.encode(str(d / "a.safetensors"), str(d / "b.safetensors"), str(d / "x.delta"))
     return str(d / "x.delta")
 
 
@@ -51,7 +50,7 @@ def test_inspect_fits_80_columns_and_keeps_every_name_and_figure_whole(delta, sh
     lines = r.stdout.splitlines()
     assert max(len(line.rstrip()) for line in lines) <= 80, max(lines, key=len)
     assert "…" not in r.stdout
-    info = json.loads(run("inspect", delta, "--json").stdout)
+    info = deltarefit.inspect(delta)  # what --json prints
     shown = [t for t in info["tensors"] if show_all or t["op"] != "same"]
     assert len(shown) == (5 if show_all else 3)
     assert "".join(_first_cells(r.stdout)) == "".join(t["name"] for t in shown)  # names whole, in order
