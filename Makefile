@@ -3,13 +3,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: help demo test test-slow bench bench-quick lint clean
+.PHONY: help demo test test-slow test-wheel bench bench-quick lint clean
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make demo             a trainer and two rollouts refit each step over a local store (builds .venv first)"
 	@echo "make test             the default test suite, as CI runs it (about 14 minutes on 2 cores)"
 	@echo "make lint             ruff over src tests scripts examples"
+	@echo "make test-wheel       build the wheel, install it beside torch in a fresh venv, run it (CI runs it too)"
 	@echo "make test-slow        the tests marked slow"
 	@echo "make test-vllm        running vLLM engines refitted in place (builds ../vllm-venv)"
 	@echo "make test-vllm-models the live refit across model families (same venv; over an hour)"
@@ -31,7 +32,8 @@ $(VENV)/.installed: pyproject.toml setup.py src/deltarefit/codec/_native.c
 	# The pin matters: torch 2.13.0 is a CPU build on disk here; anything else downloads a CUDA build.
 	$(PIP_INSTALL) torch==2.13.0
 	@echo "[setup 3/3] deltarefit (its native kernels compiled) with its test, bench and lint extras"
-	$(PIP_INSTALL) -e '.[test,bench,lint]'
+	# The extras ask for torch as a range (a user's own torch stays); the pin on this line keeps the CPU build.
+	$(PIP_INSTALL) -e '.[test,bench,lint]' torch==2.13.0
 	touch $@
 	@echo "$(VENV) is ready: source $(VENV)/bin/activate puts the deltarefit CLI on PATH"
 
@@ -44,6 +46,12 @@ test: $(VENV)/.installed
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow
+
+# The release as a user installs it (scripts/wheel_check.py): python -m build, the wheel's contents, a fresh venv
+# holding torch 2.13.0 first and then the wheel (torch must stay), --version, an encode/apply round trip and the
+# demo's first step from the installed wheel, then the sdist without a C compiler (numba kernels).
+test-wheel: $(VENV)/.installed
+	$(PY) scripts/wheel_check.py
 
 bench: $(VENV)/.installed
 	# ZipNN is a peer in the table when it installs here; the benchmark reports it as unavailable otherwise.

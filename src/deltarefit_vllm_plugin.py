@@ -35,6 +35,16 @@ WEIGHT_TRANSFER_CALLS = frozenset({"init_weight_transfer_engine", "start_weight_
                                    "finish_weight_update", "shutdown_weight_transfer_engine"})
 
 
+def __getattr__(name: str) -> str:
+    """``__version__``: the release of the deltarefit this plugin registers (``deltarefit.__version__``), read
+    on first use, so that vLLM's loading of the plugin imports nothing of deltarefit."""
+    if name == "__version__":
+        from deltarefit._release import RELEASE
+
+        return RELEASE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def register() -> None:
     """Register the worker and trainer engines (idempotent: vLLM may call it more than once)."""
     from vllm.distributed.weight_transfer.factory import (

@@ -189,3 +189,31 @@ def test_the_engine_update_step_follows_the_engine_benchmark():
     assert e == pytest.approx(want)
     assert sim.estimate(replace(s, change=0.01)).apply_s < e
     assert sim.estimate(replace(s, rollout="file")).apply_s == pytest.approx(2e12 / (64 * 8 * sim.APPLY_GBPS_PER_CORE * 1e9))
+
+
+BOX = "┏┃┡│└"  # the first character of every line of a rich table in its default box
+
+
+def _table_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line[:1] in BOX]
+
+
+@pytest.mark.parametrize("args", [["--params", "8B", "--params", "70B", "--params", "235B", "--params", "1T"],
+                                  ["--params", "1.5T", "--link-gbps", "1", "--store-gbps", "3"], ["--references"]])
+def test_every_line_simulate_prints_fits_80_columns_with_no_cell_cut(args):
+    res = CliRunner().invoke(main, ["simulate", *args, "--plot", ""], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert len(_table_lines(res.output)) >= 10
+    assert max(len(line.rstrip()) for line in lines) <= 80, max(lines, key=len)
+    assert not any("…" in line for line in _table_lines(res.output))  # a cell truncated to fit
+
+
+def test_the_tables_are_at_most_80_columns_wide_on_a_wider_terminal(monkeypatch, capsys):
+    """Not squeezed into 80 by the console: rendered 300 wide, they are still at most 80."""
+    monkeypatch.setattr(sim, "WIDTH", 300)
+    sim.run(sim.Setup(), [8e9, 1e12], plot_path=None)
+    sim.run(sim.Setup(), [], show_references=True)
+    tables = _table_lines(capsys.readouterr().out)
+    assert len(tables) >= 30
+    assert max(len(line) for line in tables) <= 80, max(tables, key=len)

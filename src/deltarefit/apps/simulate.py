@@ -57,7 +57,13 @@ from .simulate_refs import (  # noqa: F401 (the published figures, re-exported)
     references,
 )
 from .simulate_render import (  # noqa: F401 (the tables and the plot, re-exported)
+    DELTA_COLS,
+    REF_COLS,
+    REF_HOW_COLS,
+    TIME_COLS,
+    WIDTH,
     _table,
+    columns,
     fmt_params,
     fmt_s,
     parse_params,
@@ -129,7 +135,7 @@ def run(base: Setup, sizes: list[float], *, do_calibrate: bool = False, show_ref
     """What ``deltarefit simulate`` prints (and plots)."""
     from rich.console import Console
 
-    out = Console(width=None if sys.stdout.isatty() else 160, highlight=False)
+    out = Console(width=None if sys.stdout.isatty() else WIDTH, highlight=False)
     if show_references:
         _print_references(out)
         return
@@ -153,8 +159,10 @@ def run(base: Setup, sizes: list[float], *, do_calibrate: bool = False, show_ref
                   f"apply into checkpoint files {base.apply_gbps_core:.3f} GB/s per core")
               + f"; {base.chunk_bytes / MiB:g} MiB chunks")
     cols, rows = render_table(base, sizes)
-    out.print(_table("Refit time per step: full checkpoint (transfer only) vs delta (encode + transfer + apply)",
-                     cols, rows))
+    for title, keep in (("What one step ships, and its cost at each end", DELTA_COLS),
+                        ("Refit time per step: full (transfer) vs delta (encode + transfer + apply)",
+                         TIME_COLS)):
+        out.print(_table(title, *columns(cols, rows, keep)))
     out.print("speed-up: fastest full / fastest delta. full wins above: the bandwidth of one flat fabric (between "
               "and inside the clusters) above which a full-weight broadcast beats the delta refit.")
     big = replace(base, params=max(sizes))
@@ -187,8 +195,11 @@ def _print_references(out) -> None:
     out.print("  - Assumed, not published: NeMo-DCR's codec ratio = NeMo-RL's measured 3% ratio; 1T split over "
               f"{refs[1].setup.shards} producers at NeMo-RL's per-producer cost; NeMo-RL's 8 generation nodes "
               "(binary tree depth 3) and 400 Gbit/s in-cluster links; object-store throughput not limiting.")
-    out.print(_table("Published refit figures reproduced by the model (their codec's ratio, their setup), and "
-                     "ours on the same setup", cols, rows))
+    numbered = [[str(i), *r] for i, r in enumerate(rows, 1)]
+    out.print(_table("Published refit figures and the model (their codec's ratio and setup)",
+                     *columns(["#", *cols], numbered, REF_COLS)))
+    out.print(_table("How each row was used, and ours on the same setup", *columns(["#", *cols], numbered,
+                                                                                  REF_HOW_COLS)))
     worst = max(abs(r.error) for r in refs)
     out.print(f"largest deviation {100 * worst:.1f}%. 'fit' rows define parameters; 'predicted' rows use "
               "parameters derived from other figures only.")

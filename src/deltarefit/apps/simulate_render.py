@@ -12,6 +12,20 @@ from dataclasses import replace
 from .simulate_model import GB, Setup, crossover_gbps, estimate, flat
 from .simulate_refs import CKPT_ENGINE_PARAMS, CKPT_ENGINE_S, Derivation, Reference, references
 
+# Every table fits 80 columns (the console's width when standard output is not a terminal): the model's
+# twelve columns are printed as two tables, the published figures' eight as two numbered ones.
+WIDTH = 80
+DELTA_COLS = ("model", "full GB", "delta GB", "ratio", "encode", "apply", "full wins above")
+TIME_COLS = ("model", "full: store", "full: relay", "delta: store", "delta: relay", "speed-up")
+REF_COLS = ("#", "reference", "published", "model", "error")
+REF_HOW_COLS = ("#", "how", "their ratio", "ours: ratio", "ours: model")
+
+
+def columns(cols: list[str], rows: list[list[str]], keep: tuple[str, ...]) -> tuple[list[str], list[list[str]]]:
+    """The columns named in ``keep`` (in that order) of a table's ``cols`` and ``rows``."""
+    idx = [cols.index(c) for c in keep]
+    return [cols[i] for i in idx], [[r[i] for i in idx] for r in rows]
+
 
 def parse_params(text: str) -> float:
     """'8B', '1T', '70e9', '123.6B' -> parameters."""
@@ -53,8 +67,7 @@ def render_table(base: Setup, sizes: list[float]) -> tuple[list[str], list[list[
 
 def reference_table() -> tuple[list[str], list[list[str]], Derivation, list[Reference]]:
     refs, d = references()
-    cols = ["reference", "published", "model (their ratio)", "error", "how", "their ratio", "ours: ratio",
-            "ours: model"]
+    cols = ["reference", "published", "model", "error", "how", "their ratio", "ours: ratio", "ours: model"]
     rows = []
     for r in refs:
         ours = r.ours_s()
@@ -119,7 +132,8 @@ def _table(title: str, cols: list[str], rows: list[list[str]]):
 
     t = Table(title=title)
     for i, c in enumerate(cols):
-        t.add_column(c, justify="left" if i == 0 or c == "how" else "right")
+        left = c in ("reference", "how") or (i == 0 and c != "#")
+        t.add_column(c, justify="left" if left else "right", no_wrap=True)
     for r in rows:
         t.add_row(*r)
     return t

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 
 import click
 
@@ -173,22 +175,38 @@ def inspect(delta: str, as_json: bool, show_all: bool) -> None:
         from rich.console import Console
         from rich.table import Table
 
+        rows = [[t["name"], t["op"], t["dtype"], f"{t['elements']:,}", f"{100 * t['changed_fraction']:.3f}%",
+                 f"{t['bytes']:,}", " ".join(f"{k}:{v}" for k, v in sorted(t["encodings"].items()))]
+                for t in info["tensors"] if t["op"] != "same" or show_all]
+        cols = ("tensor", "op", "dtype", "elements", "changed", "bytes", "encodings")
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else 80
+        # The figures keep their width; a tensor name longer than what they leave breaks after a dot.
+        fixed = sum(max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(cols) if i) + 3 * len(cols) + 1
+        room = max(width - fixed, 16)
         table = Table(title=f"{delta}  ({info['delta_bytes']:,} bytes, {info['ratio']:.1f}x)")
-        for col in ("tensor", "op", "dtype", "elements", "changed", "bytes", "encodings"):
-            table.add_column(col, justify="right" if col in ("elements", "changed", "bytes") else "left")
-        for t in info["tensors"]:
-            if t["op"] == "same" and not show_all:
-                continue
-            enc = " ".join(f"{k}:{v}" for k, v in sorted(t["encodings"].items()))
-            table.add_row(t["name"], t["op"], t["dtype"], f"{t['elements']:,}",
-                          f"{100 * t['changed_fraction']:.3f}%", f"{t['bytes']:,}", enc)
-        Console(width=160).print(table)
+        for col in cols:
+            table.add_column(col, justify="right" if col in ("elements", "changed", "bytes") else "left",
+                             no_wrap=col not in ("tensor", "encodings"), overflow="fold")
+        for r in rows:
+            table.add_row(_break_name(r[0], room), *r[1:])
+        Console(width=width, highlight=False).print(table)
         click.echo(f"total: {info['changed_elements']:,} of {info['total_elements']:,} elements changed "
-                   f"({100 * info['changed_fraction']:.3f}%); delta {info['delta_bytes']:,} bytes vs full "
-                   f"{info['full_bytes']:,} bytes: {info['ratio']:.1f}x")
+                   f"({100 * info['changed_fraction']:.3f}%)")
+        click.echo(f"delta {info['delta_bytes']:,} bytes vs full {info['full_bytes']:,} bytes: {info['ratio']:.1f}x")
         click.echo(f"base   {info['base_fingerprint']}\ntarget {info['target_fingerprint']}")
 
     _run(go)
+
+
+def _break_name(name: str, room: int) -> str:
+    """``name`` in lines of at most ``room`` characters, broken after a dot where it can be (a part longer
+    than ``room`` is left to the table, which folds it)."""
+    lines = [""]
+    for part in name.replace(".", ".\0").split("\0"):
+        if lines[-1] and len(lines[-1]) + len(part) > room:
+            lines.append("")
+        lines[-1] += part
+    return "\n".join(lines)
 
 
 @main.command()
