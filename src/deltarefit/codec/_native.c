@@ -2937,6 +2937,8 @@ static PyMethodDef methods[] = {
     {"ulp2_kernel", py_ulp2_kernel, METH_VARARGS,
      "ulp2_kernel([name]) -> the one in use before: ulp2_decode's positions pass, one of ulp2_kernels() or 'auto'."},
     {"ulp2_kernels", py_ulp2_kernels, METH_NOARGS, "ulp2_kernels() -> the positions passes ulp2_decode runs here."},
+    {"ulp2_timing", py_ulp2_timing, METH_NOARGS,
+     "ulp2_timing() -> (positions ns, whole ns) of this thread's last successful ulp2_decode (for benchmarks)."},
     {"simd", py_simd, METH_NOARGS, "The instruction set scan16 uses here: 'avx512' or 'portable'."},
     {NULL, NULL, 0, NULL},
 };

@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -398,6 +399,8 @@ typedef struct {
     int32_t *gidx;    /* [nctx] value table of a context, -1 none */
     uint32_t *cum;    /* [G][bits + 1] */
     int32_t *kk;      /* [G] K */
+    uint8_t *klut;    /* variant 0: [G][256] the bit length k of each slot */
+    uint8_t *sbuf;    /* the stream, copied and padded */
     uint32_t sign_p[N_HIST];
     uint32_t x[32];
     const uint8_t *sb; /* stream */
@@ -507,6 +510,19 @@ static int parse_header(dec_t *D, const uint8_t *pl, int64_t plen)
         cu[K] = one;
         D->kk[g] = K;
     }
+    if (V->M == 8) {
+        D->klut = malloc((size_t)(ng * 256) + 1);
+        if (!D->klut) {
+            r = ST_NOMEM;
+            goto fail;
+        }
+        for (int64_t g = 0; g < ng; g++)
+            for (int k = 1, q = 0; q < 256; q++) {
+                while (D->cum[g * B1 + k] <= (uint32_t)q)
+                    k++;
+                D->klut[g * 256 + q] = (uint8_t)k;
+            }
+    }
     free(gctx);
     gctx = NULL;
     for (int t = 0; t < N_HIST; t++)
@@ -532,9 +548,14 @@ static int parse_header(dec_t *D, const uint8_t *pl, int64_t plen)
         D->x[l] = x;
     }
     o += (int64_t)V->W * V->SB;
-    D->sb = pl + o;
     D->slen = plen - o;
     D->sp = 0;
+    D->sbuf = malloc((size_t)D->slen + 64);
+    if (!D->sbuf)
+        return ST_NOMEM;
+    memcpy(D->sbuf, pl + o, (size_t)D->slen);
+    memset(D->sbuf + D->slen, 0, 64);
+    D->sb = D->sbuf;
     return 0;
 fail:
     free(gctx);
@@ -547,81 +568,74 @@ static inline int64_t ctx_at(const dec_t *D, int64_t i, int isz, int hist)
     return hist ? (int64_t)(D->states[i] & 127) * D->n_exp + x : x;
 }
 
-/* Decode one binary decision of probability p (outcome 1: [0, p)) in lane l; returns the outcome, or a
- * negative status on a read past the stream. p = 0: the identity, outcome 0. */
-static inline int dec_bin(dec_t *D, int l, uint32_t p)
-{
-    const vpar_t *V = &D->V;
-    uint32_t x = D->x[l];
-    const uint32_t slot = x & ((1u << V->M) - 1), hi = x >> V->M;
-    const int bit = slot < p;
-    x = bit ? p * hi + slot : x - p * hi - p;
-    if (x < V->L) {
-        if (D->sp + V->UB > D->slen)
-            return ST_TRUNC;
-        const uint32_t u = V->UB == 1 ? D->sb[D->sp] : (uint32_t)D->sb[D->sp] | ((uint32_t)D->sb[D->sp + 1] << 8);
-        D->sp += V->UB;
-        x = (x << V->R) | u;
+/* Lane l's renormalization, branch-free (the stream is a copy padded with 64 zero bytes, so the unit is
+ * read whether or not the lane takes it); a lane that moves past the stream's end jumps to trunc. */
+#define RENORM(xx)                                                                                     \
+    {                                                                                                  \
+        const uint32_t nd_ = (xx) < L;                                                                 \
+        const uint32_t u_ = UB == 1 ? sb[sp] : (uint32_t)sb[sp] | ((uint32_t)sb[sp + 1] << 8);           \
+        (xx) = nd_ ? (((xx) << R) | u_) : (xx);                                                        \
+        sp += nd_ * UB;                                                                                \
+        if (__builtin_expect(sp > slen, 0))                                                            \
+            goto trunc;                                                                                \
     }
-    D->x[l] = x;
-    return bit;
-}
-
-/* Decode [c, c + f) given the slot's symbol: the state update and the renormalization. */
-static inline int dec_upd(dec_t *D, int l, uint32_t c, uint32_t f)
-{
-    const vpar_t *V = &D->V;
-    uint32_t x = D->x[l];
-    x = f * (x >> V->M) + (x & ((1u << V->M) - 1)) - c;
-    if (x < V->L) {
-        if (D->sp + V->UB > D->slen)
-            return ST_TRUNC;
-        const uint32_t u = V->UB == 1 ? D->sb[D->sp] : (uint32_t)D->sb[D->sp] | ((uint32_t)D->sb[D->sp + 1] << 8);
-        D->sp += V->UB;
-        x = (x << V->R) | u;
-    }
-    D->x[l] = x;
-    return 0;
-}
 
 /* Positions steps [s0, s1) one lane at a time (the reference; the SIMD passes' tail). */
-static inline __attribute__((always_inline)) int pos_scalar_t(dec_t *D, int64_t s0, int64_t s1, int isz, int hist)
+static inline __attribute__((always_inline)) int pos_scalar_t(dec_t *D, int64_t s0, int64_t s1, int isz, int hist,
+                                                              const int M, const int R, const int UB, const uint32_t L,
+                                                              const int W)
 {
-    const int64_t W = D->V.W, n = D->n;
+    const int64_t n = D->n, m = D->m, slen = D->slen;
+    const uint32_t smask = (1u << M) - 1;
+    const uint8_t *sb = D->sb;
+    const uint16_t *ptab = D->ptab;
+    int64_t sp = D->sp, k = D->k;
+    uint32_t x[32];
+    memcpy(x, D->x, sizeof x);
     for (int64_t s = s0; s < s1; s++)
         for (int64_t l = 0; l < W; l++) {
             const int64_t i = s * W + l;
             if (i >= n)
                 break;
             const int64_t c = ctx_at(D, i, isz, hist);
-            const int bit = dec_bin(D, (int)l, D->ptab[c]);
-            if (bit < 0)
-                return bit;
+            const uint32_t p = ptab[c], slot = x[l] & smask, hi = x[l] >> M;
+            const int bit = slot < p;
+            x[l] = bit ? p * hi + slot : x[l] - p * hi - p;
+            RENORM(x[l])
             if (bit) {
-                if (D->k < D->m) {
-                    D->pos[D->k] = i;
-                    D->ectx[D->k] = (uint16_t)c;
+                if (k < m) {
+                    D->pos[k] = i;
+                    D->ectx[k] = (uint16_t)c;
                 }
-                D->k++;
+                k++;
             }
         }
+    memcpy(D->x, x, sizeof x);
+    D->sp = sp;
+    D->k = k;
     return 0;
+trunc:
+    return ST_TRUNC;
 }
+
+#define POS_V(isz, hist)                                                                               \
+    (D->V.W == 32 ? pos_scalar_t(D, s0, s1, isz, hist, 8, 8, 1, 256, 32)                               \
+                  : pos_scalar_t(D, s0, s1, isz, hist, 12, 16, 2, 65536, 16))
 
 static __attribute__((noinline)) int pos_scalar(dec_t *D, int64_t s0, int64_t s1)
 {
     if (D->hist)
         switch (D->isz) {
-        case 1: return pos_scalar_t(D, s0, s1, 1, 1);
-        case 2: return pos_scalar_t(D, s0, s1, 2, 1);
-        case 4: return pos_scalar_t(D, s0, s1, 4, 1);
-        default: return pos_scalar_t(D, s0, s1, 8, 1);
+        case 1: return POS_V(1, 1);
+        case 2: return POS_V(2, 1);
+        case 4: return POS_V(4, 1);
+        default: return POS_V(8, 1);
         }
     switch (D->isz) {
-    case 1: return pos_scalar_t(D, s0, s1, 1, 0);
-    case 2: return pos_scalar_t(D, s0, s1, 2, 0);
-    case 4: return pos_scalar_t(D, s0, s1, 4, 0);
-    default: return pos_scalar_t(D, s0, s1, 8, 0);
+    case 1: return POS_V(1, 0);
+    case 2: return POS_V(2, 0);
+    case 4: return POS_V(4, 0);
+    default: return POS_V(8, 0);
     }
 }
 
@@ -645,14 +659,20 @@ static inline void take_bits(dec_t *D, uint32_t bits, int64_t i0)
 /* ------------------------------------------------------------------------------------------------
  * Values pass (scalar, every path)
  * ------------------------------------------------------------------------------------------------ */
-static int values_pass(dec_t *D, uint8_t *val)
+/* The coder's constants are the variant's, compile-time in each copy (no division by a variable). */
+static inline __attribute__((always_inline)) int values_t(dec_t *D, uint8_t *val, const int M, const int R,
+                                                          const int UB, const uint32_t L, const int W, const int hist)
 {
-    const vpar_t *V = &D->V;
-    const int64_t W = V->W, m = D->m, B1 = D->bits + 1;
-    const uint32_t one = 1u << V->M, smask = one - 1;
+    const int64_t m = D->m, B1 = D->bits + 1, n_exp = D->n_exp, slen = D->slen;
+    const uint32_t smask = (1u << M) - 1;
     const uint64_t sign = 1ull << (D->bits - 1), full = (sign - 1) | sign;
+    const uint8_t *sb = D->sb;
+    int64_t sp = D->sp;
+    const int isz = D->isz, kind = D->kind;
+    uint32_t x[32];
     int kl[32], neg[32];
     uint64_t mant[32];
+    memcpy(x, D->x, sizeof x);
     for (int64_t j0 = 0; j0 < m; j0 += W) {
         const int nl = (int)(m - j0 < W ? m - j0 : W);
         int rounds = 0;
@@ -660,46 +680,66 @@ static int values_pass(dec_t *D, uint8_t *val)
             const int32_t g = D->gidx[D->ectx[j0 + l]];
             if (g < 0)
                 return ST_TABLE; /* only where the base changed since the positions pass */
-            const uint32_t *cu = D->cum + (int64_t)g * B1, slot = D->x[l] & smask;
+            const uint32_t *cu = D->cum + (int64_t)g * B1, slot = x[l] & smask;
             int k = 1;
-            while (cu[k] <= slot)
-                k++;
-            if (dec_upd(D, l, cu[k - 1], cu[k] - cu[k - 1]))
-                return ST_TRUNC;
+            if (M == 8)
+                k = D->klut[(int64_t)g * 256 + slot];
+            else
+                for (int q = 1; q < D->kk[g]; q++)
+                    k += cu[q] <= slot;
+            x[l] = (cu[k] - cu[k - 1]) * (x[l] >> M) + slot - cu[k - 1];
+            RENORM(x[l])
             kl[l] = k;
             mant[l] = 0;
-            const int r = (k - 1 + V->M - 1) / V->M;
-            if (r > rounds)
-                rounds = r;
+            const int r = (k - 1 + M - 1) / M;
+            rounds = r > rounds ? r : rounds;
         }
         for (int l = 0; l < nl; l++) { /* round 1: the signs */
-            const int64_t t = D->ectx[j0 + l] / D->n_exp;
-            const int flip = (D->hist && t != 0) ? D->states[D->pos[j0 + l]] >> 7 : 0;
-            const int b = dec_bin(D, l, D->sign_p[t]);
-            if (b < 0)
-                return b;
+            uint32_t p = 1u << (M - 1);
+            int flip = 0;
+            if (hist) {
+                const int64_t t = D->ectx[j0 + l] / n_exp;
+                if (t) {
+                    p = D->sign_p[t];
+                    flip = D->states[D->pos[j0 + l]] >> 7;
+                }
+            }
+            const uint32_t slot = x[l] & smask, hi = x[l] >> M;
+            const int b = slot < p;
+            x[l] = b ? p * hi + slot : x[l] - p * hi - p;
+            RENORM(x[l])
             neg[l] = b ^ flip;
         }
         for (int r = 1; r <= rounds; r++) /* rounds 2, 3, ...: the bits below the leading one */
             for (int l = 0; l < nl; l++) {
-                const int left = kl[l] - 1 - (r - 1) * V->M;
+                const int left = kl[l] - 1 - (r - 1) * M;
                 if (left > 0) {
-                    const int nb = left < V->M ? left : V->M;
-                    const uint32_t v = (D->x[l] & smask) >> (V->M - nb);
-                    if (dec_upd(D, l, v << (V->M - nb), 1u << (V->M - nb)))
-                        return ST_TRUNC;
-                    mant[l] |= (uint64_t)v << ((r - 1) * V->M);
+                    const int nb = left < M ? left : M;
+                    const uint32_t slot = x[l] & smask, v = slot >> (M - nb);
+                    x[l] = (1u << (M - nb)) * (x[l] >> M) + slot - (v << (M - nb));
+                    RENORM(x[l])
+                    mant[l] |= (uint64_t)v << ((r - 1) * M);
                 }
             }
         for (int l = 0; l < nl; l++) {
             const int64_t j = j0 + l;
-            const uint64_t a = (kl[l] >= 64 ? (1ull << 63) : (1ull << (kl[l] - 1))) | mant[l];
-            const uint64_t d = neg[l] ? (0 - a) : a;
-            const uint64_t b = ld(D->base, D->pos[j], D->isz);
-            st(val, j, D->isz, unkey_of((key_of(b, D->kind, sign, full) + d) & full, D->kind, sign, full));
+            const uint64_t a = (1ull << (kl[l] - 1)) | mant[l], d = neg[l] ? (0 - a) : a;
+            const uint64_t b = ld(D->base, D->pos[j], isz);
+            st(val, j, isz, unkey_of((key_of(b, kind, sign, full) + d) & full, kind, sign, full));
         }
     }
+    memcpy(D->x, x, sizeof x);
+    D->sp = sp;
     return 0;
+trunc:
+    return ST_TRUNC;
+}
+
+static __attribute__((noinline)) int values_pass(dec_t *D, uint8_t *val)
+{
+    if (D->V.W == 32)
+        return D->hist ? values_t(D, val, 8, 8, 1, 256, 32, 1) : values_t(D, val, 8, 8, 1, 256, 32, 0);
+    return D->hist ? values_t(D, val, 12, 16, 2, 65536, 16, 1) : values_t(D, val, 12, 16, 2, 65536, 16, 0);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -764,9 +804,21 @@ static int ker_current(void)
     return k;
 }
 
+/* This thread's last decode: nanoseconds of its positions pass and of the whole (ulp2_timing(), for the
+ * benchmark scripts/ulp2_decode_bench.py). */
+static __thread int64_t last_ns[2];
+
+static inline int64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
 static int ulp2_decode_c(dec_t *D, const uint8_t *pl, int64_t plen, uint8_t *val, const uint64_t *dg, uint64_t *sums,
                          int ker)
 {
+    const int64_t t0 = now_ns();
     int r = parse_header(D, pl, plen);
     if (r)
         return r;
@@ -794,6 +846,7 @@ static int ulp2_decode_c(dec_t *D, const uint8_t *pl, int64_t plen, uint8_t *val
     r = pos_scalar(D, done, ns);
     if (r)
         return r;
+    last_ns[0] = now_ns() - t0;
     if (D->k != D->m)
         return ST_COUNT;
     r = values_pass(D, val);
@@ -806,6 +859,7 @@ static int ulp2_decode_c(dec_t *D, const uint8_t *pl, int64_t plen, uint8_t *val
         return ST_TRAIL;
     if (dg)
         move_sums(D, val, dg, sums);
+    last_ns[1] = now_ns() - t0;
     return 0;
 }
 
@@ -988,6 +1042,8 @@ PyObject *py_ulp2_decode(PyObject *self, PyObject *args)
         free(D.ectx);
         free(D.cum);
         free(D.kk);
+        free(D.klut);
+        free(D.sbuf);
         Py_END_ALLOW_THREADS
     }
     if (stv == ST_NOMEM)
@@ -1039,4 +1095,11 @@ PyObject *py_ulp2_kernels(PyObject *self, PyObject *noargs)
             Py_DECREF(s);
         }
     return l;
+}
+
+PyObject *py_ulp2_timing(PyObject *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    return Py_BuildValue("(LL)", (long long)last_ns[0], (long long)last_ns[1]);
 }

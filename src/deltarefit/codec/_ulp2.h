@@ -9,5 +9,6 @@ PyObject *py_ulp2_encode(PyObject *self, PyObject *args);
 PyObject *py_ulp2_decode(PyObject *self, PyObject *args);
 PyObject *py_ulp2_kernel(PyObject *self, PyObject *args);
 PyObject *py_ulp2_kernels(PyObject *self, PyObject *noargs);
+PyObject *py_ulp2_timing(PyObject *self, PyObject *noargs);
 
 #endif

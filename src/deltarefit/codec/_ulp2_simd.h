@@ -1,7 +1,7 @@
 /* _ulp2.c's SIMD positions passes (included there, after dec_t, pos_scalar and take_bits): variant 0,
  * 16-bit elements, no history, the contexts with changes in [clo, clo + 64). Each runs the chunk's full
- * steps of 32 elements and leaves the tail step to pos_scalar (*done = steps run). The stream is read from
- * a copy padded with 64 zero bytes; a step that moves past the stream's end refuses (ST_TRUNC), as the
+ * steps of 32 elements and leaves the tail step to pos_scalar (*done = steps run). The stream is the
+ * copy padded with 64 zero bytes; a step that moves past the stream's end refuses (ST_TRUNC), as the
  * scalar pass refuses the read itself. */
 #if ULP2_X86
 
@@ -20,25 +20,18 @@ __attribute__((constructor)) static void ulp2_init_tables(void)
     }
 }
 
-/* The padded copy of the stream and the 64 probabilities of the window. */
-static uint8_t *simd_setup(const dec_t *D, int64_t clo, uint8_t *tab)
+/* The stream (D->sb: padded with 64 zero bytes) and the 64 probabilities of the window. */
+static const uint8_t *simd_setup(const dec_t *D, int64_t clo, uint8_t *tab)
 {
     for (int j = 0; j < 64; j++)
         tab[j] = clo + j < D->nctx ? (uint8_t)D->ptab[clo + j] : 0;
-    uint8_t *sb = malloc((size_t)D->slen + 64);
-    if (sb) {
-        memcpy(sb, D->sb, (size_t)D->slen);
-        memset(sb + D->slen, 0, 64);
-    }
-    return sb;
+    return D->sb;
 }
 
 __attribute__((target("avx2,popcnt,bmi"))) static int pos_avx2(dec_t *D, int64_t clo, int64_t *done)
 {
     uint8_t tab[64];
-    uint8_t *sb = simd_setup(D, clo, tab);
-    if (!sb)
-        return ST_NOMEM;
+    const uint8_t *sb = simd_setup(D, clo, tab);
     const int64_t S = D->n / 32, slen = D->slen;
     int64_t sp = D->sp;
     const __m256i t0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)tab));
@@ -101,7 +94,6 @@ __attribute__((target("avx2,popcnt,bmi"))) static int pos_avx2(dec_t *D, int64_t
         D->x[l] = xs[l];
     D->sp = sp;
     *done = s;
-    free(sb);
     return r;
 }
 
@@ -109,9 +101,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi2,popcnt,bmi"))) static int po
                                                                                          int64_t *done)
 {
     uint8_t tab[64];
-    uint8_t *sb = simd_setup(D, clo, tab);
-    if (!sb)
-        return ST_NOMEM;
+    const uint8_t *sb = simd_setup(D, clo, tab);
     uint16_t tw[64], xs[32];
     for (int j = 0; j < 64; j++)
         tw[j] = tab[j];
@@ -152,7 +142,6 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi2,popcnt,bmi"))) static int po
         D->x[l] = xs[l];
     D->sp = sp;
     *done = s;
-    free(sb);
     return r;
 }
 #endif
