@@ -23,7 +23,8 @@ help:
 # pip runs without -q: a line per package it collects and installs (a bar per download on a terminal),
 # so the 2-3 minutes of a fresh install are never silent.
 PIP_INSTALL := $(PIP) install --disable-pip-version-check
-$(VENV)/.installed: pyproject.toml setup.py src/deltarefit/codec/_native.c
+$(VENV)/.installed: pyproject.toml setup.py src/deltarefit/codec/_native.c src/deltarefit/codec/_ulp2.c \
+		src/deltarefit/codec/_ulp2.h src/deltarefit/codec/_ulp2_simd.h
 	@echo "[setup 1/3] creating $(VENV) (then torch and deltarefit: 2-3 minutes in all)"
 	python3 -m venv $(VENV)
 	$(PIP_INSTALL) -q --upgrade pip
@@ -70,7 +71,7 @@ SAN_DIR ?= /tmp/deltarefit-sanitized
 SAN_TESTS ?= tests/test_native_decode.py tests/test_native_hist.py tests/test_native.py tests/test_vectors.py \
 	tests/test_codec_props.py tests/test_hostile.py tests/test_history.py tests/test_apply.py \
 	tests/test_apply_targets.py tests/test_encode_pipeline.py tests/test_live_engine.py tests/test_torch.py \
-	tests/test_stream_history.py
+	tests/test_stream_history.py tests/test_ulp2_native.py
 SAN_ENV = PYTHONPATH=$(SAN_DIR)/src LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 .PHONY: test-sanitize
@@ -79,7 +80,7 @@ test-sanitize: $(VENV)/.installed
 	rm -f $(SAN_DIR)/src/deltarefit/codec/_native*.so
 	gcc -O2 -g -fsanitize=address,undefined -fno-omit-frame-pointer -std=gnu11 -fno-strict-overflow -shared -fPIC \
 		-I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" src/deltarefit/codec/_native.c \
-		-o $(SAN_DIR)/src/deltarefit/codec/_native"$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+		src/deltarefit/codec/_ulp2.c -o $(SAN_DIR)/src/deltarefit/codec/_native"$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
 	$(SAN_ENV) \
 		$(PY) -c 'import deltarefit.codec._native as n, sys; sys.exit(0 if n.__file__.startswith("$(SAN_DIR)/") else "not the sanitized build: " + n.__file__)'
 	$(SAN_ENV) \
