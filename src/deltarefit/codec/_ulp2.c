@@ -399,7 +399,7 @@ typedef struct {
     int32_t *gidx;    /* [nctx] value table of a context, -1 none */
     uint32_t *cum;    /* [G][bits + 1] */
     int32_t *kk;      /* [G] K */
-    uint8_t *klut;    /* variant 0: [G][256] the bit length k of each slot */
+    uint32_t *klut;   /* variant 0: [G][256] per slot: k | c << 8 | f << 16 of its bit length k */
     uint8_t *sbuf;    /* the stream, copied and padded */
     uint32_t sign_p[N_HIST];
     uint32_t x[32];
@@ -511,7 +511,7 @@ static int parse_header(dec_t *D, const uint8_t *pl, int64_t plen)
         D->kk[g] = K;
     }
     if (V->M == 8) {
-        D->klut = malloc((size_t)(ng * 256) + 1);
+        D->klut = malloc(sizeof(uint32_t) * (size_t)(ng * 256) + 4);
         if (!D->klut) {
             r = ST_NOMEM;
             goto fail;
@@ -520,7 +520,8 @@ static int parse_header(dec_t *D, const uint8_t *pl, int64_t plen)
             for (int k = 1, q = 0; q < 256; q++) {
                 while (D->cum[g * B1 + k] <= (uint32_t)q)
                     k++;
-                D->klut[g * 256 + q] = (uint8_t)k;
+                D->klut[g * 256 + q] = (uint32_t)k | D->cum[g * B1 + k - 1] << 8 |
+                                       (D->cum[g * B1 + k] - D->cum[g * B1 + k - 1]) << 16;
             }
     }
     free(gctx);
@@ -661,7 +662,8 @@ static inline void take_bits(dec_t *D, uint32_t bits, int64_t i0)
  * ------------------------------------------------------------------------------------------------ */
 /* The coder's constants are the variant's, compile-time in each copy (no division by a variable). */
 static inline __attribute__((always_inline)) int values_t(dec_t *D, uint8_t *val, const int M, const int R,
-                                                          const int UB, const uint32_t L, const int W, const int hist)
+                                                          const int UB, const uint32_t L, const int W, const int hist,
+                                                          const int simd)
 {
     const int64_t m = D->m, B1 = D->bits + 1, n_exp = D->n_exp, slen = D->slen;
     const uint32_t smask = (1u << M) - 1;
@@ -676,6 +678,14 @@ static inline __attribute__((always_inline)) int values_t(dec_t *D, uint8_t *val
     for (int64_t j0 = 0; j0 < m; j0 += W) {
         const int nl = (int)(m - j0 < W ? m - j0 : W);
         int rounds = 0;
+#if ULP2_X86
+        if (M == 8 && simd && nl == 32) {
+            const int r = values_group_avx2(D, j0, x, &sp, kl, neg, mant);
+            if (r)
+                return r;
+            goto values;
+        }
+#endif
         for (int l = 0; l < nl; l++) { /* round 0: the bit lengths */
             const int32_t g = D->gidx[D->ectx[j0 + l]];
             if (g < 0)
@@ -683,7 +693,7 @@ static inline __attribute__((always_inline)) int values_t(dec_t *D, uint8_t *val
             const uint32_t *cu = D->cum + (int64_t)g * B1, slot = x[l] & smask;
             int k = 1;
             if (M == 8)
-                k = D->klut[(int64_t)g * 256 + slot];
+                k = D->klut[(int64_t)g * 256 + slot] & 255;
             else
                 for (int q = 1; q < D->kk[g]; q++)
                     k += cu[q] <= slot;
@@ -721,6 +731,7 @@ static inline __attribute__((always_inline)) int values_t(dec_t *D, uint8_t *val
                     mant[l] |= (uint64_t)v << ((r - 1) * M);
                 }
             }
+    values:
         for (int l = 0; l < nl; l++) {
             const int64_t j = j0 + l;
             const uint64_t a = (1ull << (kl[l] - 1)) | mant[l], d = neg[l] ? (0 - a) : a;
@@ -735,11 +746,14 @@ trunc:
     return ST_TRUNC;
 }
 
-static __attribute__((noinline)) int values_pass(dec_t *D, uint8_t *val)
+static __attribute__((noinline)) int values_pass(dec_t *D, uint8_t *val, int ker)
 {
-    if (D->V.W == 32)
-        return D->hist ? values_t(D, val, 8, 8, 1, 256, 32, 1) : values_t(D, val, 8, 8, 1, 256, 32, 0);
-    return D->hist ? values_t(D, val, 12, 16, 2, 65536, 16, 1) : values_t(D, val, 12, 16, 2, 65536, 16, 0);
+    if (D->V.W == 32) {
+        if (ker > 0 && D->bits <= 32) /* (mantissas in 32-bit lanes) */
+            return D->hist ? values_t(D, val, 8, 8, 1, 256, 32, 1, 1) : values_t(D, val, 8, 8, 1, 256, 32, 0, 1);
+        return D->hist ? values_t(D, val, 8, 8, 1, 256, 32, 1, 0) : values_t(D, val, 8, 8, 1, 256, 32, 0, 0);
+    }
+    return D->hist ? values_t(D, val, 12, 16, 2, 65536, 16, 1, 0) : values_t(D, val, 12, 16, 2, 65536, 16, 0, 0);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -849,7 +863,7 @@ static int ulp2_decode_c(dec_t *D, const uint8_t *pl, int64_t plen, uint8_t *val
     last_ns[0] = now_ns() - t0;
     if (D->k != D->m)
         return ST_COUNT;
-    r = values_pass(D, val);
+    r = values_pass(D, val, ker);
     if (r)
         return r;
     for (int l = 0; l < W; l++)

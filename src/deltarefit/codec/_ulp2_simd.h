@@ -8,6 +8,8 @@
 /* [8-lane need mask] -> a byte shuffle putting the next popcount(mask) bytes, in lane order, into the low
  * bytes of the 16-bit lanes that need one (0 elsewhere). */
 static uint8_t expand8[256][16];
+/* [8-lane need mask] -> the dword permutation taking lane l the (rank of l)-th of 8 bytes widened. */
+static int32_t perm8[256][8];
 
 __attribute__((constructor)) static void ulp2_init_tables(void)
 {
@@ -17,6 +19,9 @@ __attribute__((constructor)) static void ulp2_init_tables(void)
             expand8[msk][2 * l] = (msk >> l) & 1 ? (uint8_t)r++ : 0x80;
             expand8[msk][2 * l + 1] = 0x80;
         }
+        r = 0;
+        for (int l = 0; l < 8; l++)
+            perm8[msk][l] = (msk >> l) & 1 ? r++ : 0;
     }
 }
 
@@ -40,9 +45,9 @@ __attribute__((target("avx2,popcnt,bmi"))) static int pos_avx2(dec_t *D, int64_t
     const __m256i t3 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(tab + 48)));
     const __m128i vsh = _mm_cvtsi32_si128((int)D->shift);
     const __m256i vmask = _mm256_set1_epi16(D->kind == 0 ? (short)D->mask : 0), vclo = _mm256_set1_epi16((short)clo);
-    const __m256i ff = _mm256_set1_epi16(0xFF), not63 = _mm256_set1_epi16(~63), v15 = _mm256_set1_epi16(15);
-    const __m256i z80 = _mm256_set1_epi16((short)0x8000), one = _mm256_set1_epi16(1), two = _mm256_set1_epi16(2);
-    const __m256i three = _mm256_set1_epi16(3), zero = _mm256_setzero_si256();
+    const __m256i ff = _mm256_set1_epi16(0xFF), v64 = _mm256_set1_epi16(64), zero = _mm256_setzero_si256();
+    const __m256i b70 = _mm256_set1_epi8(0x70), b16 = _mm256_set1_epi8(16), b32 = _mm256_set1_epi8(32);
+    const __m256i b48 = _mm256_set1_epi8(48);
     uint16_t xs[32];
     for (int l = 0; l < 32; l++)
         xs[l] = (uint16_t)D->x[l];
@@ -51,17 +56,22 @@ __attribute__((target("avx2,popcnt,bmi"))) static int pos_avx2(dec_t *D, int64_t
     int r = 0;
     int64_t s;
     for (s = 0; s < S; s++) {
-        __m256i bit[2], need[2];
+        __m256i bit[2], need[2], pw[2];
+        {   /* the probabilities: window offsets as bytes (64: outside), four 16-entry byte lookups */
+            const __m256i d0 = _mm256_min_epu16(_mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(
+                                   _mm256_loadu_si256((const __m256i *)(bp + 64 * s)), vsh), vmask), vclo), v64);
+            const __m256i d1 = _mm256_min_epu16(_mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(
+                                   _mm256_loadu_si256((const __m256i *)(bp + 64 * s + 32)), vsh), vmask), vclo), v64);
+            const __m256i d = _mm256_packus_epi16(d0, d1); /* per 128-bit half: 8 of d0, 8 of d1 */
+            __m256i p = _mm256_shuffle_epi8(t0, _mm256_adds_epu8(d, b70));
+            p = _mm256_or_si256(p, _mm256_shuffle_epi8(t1, _mm256_adds_epu8(_mm256_sub_epi8(d, b16), b70)));
+            p = _mm256_or_si256(p, _mm256_shuffle_epi8(t2, _mm256_adds_epu8(_mm256_sub_epi8(d, b32), b70)));
+            p = _mm256_or_si256(p, _mm256_shuffle_epi8(t3, _mm256_adds_epu8(_mm256_sub_epi8(d, b48), b70)));
+            pw[0] = _mm256_unpacklo_epi8(p, zero);
+            pw[1] = _mm256_unpackhi_epi8(p, zero);
+        }
         for (int h = 0; h < 2; h++) {
-            const __m256i b = _mm256_loadu_si256((const __m256i *)(bp + 64 * s + 32 * h));
-            const __m256i d = _mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(b, vsh), vmask), vclo);
-            const __m256i inw = _mm256_cmpeq_epi16(_mm256_and_si256(d, not63), zero);
-            const __m256i idx = _mm256_or_si256(_mm256_and_si256(d, v15), z80), q = _mm256_and_si256(_mm256_srli_epi16(d, 4), three);
-            __m256i p = _mm256_shuffle_epi8(t0, idx);
-            p = _mm256_blendv_epi8(p, _mm256_shuffle_epi8(t1, idx), _mm256_cmpeq_epi16(q, one));
-            p = _mm256_blendv_epi8(p, _mm256_shuffle_epi8(t2, idx), _mm256_cmpeq_epi16(q, two));
-            p = _mm256_blendv_epi8(p, _mm256_shuffle_epi8(t3, idx), _mm256_cmpeq_epi16(q, three));
-            p = _mm256_and_si256(p, inw);
+            const __m256i p = pw[h];
             const __m256i slot = _mm256_and_si256(x[h], ff), hi = _mm256_srli_epi16(x[h], 8);
             const __m256i mul = _mm256_mullo_epi16(p, hi);
             bit[h] = _mm256_cmpgt_epi16(p, slot);
@@ -143,5 +153,117 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi2,popcnt,bmi"))) static int po
     D->sp = sp;
     *done = s;
     return r;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Values pass, variant 0, a full group of 32 changes (lanes 0..31) in four registers of 8 32-bit lanes.
+ * Round 0 looks each lane's slot up in its context's packed table (a gather), round 1 decides the
+ * signs, the rounds after it take the mantissa bits (a lane without bits left is not touched). The
+ * lanes that decode renormalize in lane order: their next bytes widened and permuted into place.
+ * ------------------------------------------------------------------------------------------------ */
+__attribute__((target("avx2,popcnt,bmi"))) static inline int renorm_x4(__m256i *x, const __m256i *xn,
+                                                                       const __m256i *act, const uint8_t *sb,
+                                                                       int64_t *sp, int64_t slen)
+{
+    const __m256i v256 = _mm256_set1_epi32(256);
+    __m256i need[4];
+    uint32_t nm = 0;
+    for (int q = 0; q < 4; q++) {
+        x[q] = _mm256_blendv_epi8(x[q], xn[q], act[q]);
+        need[q] = _mm256_and_si256(act[q], _mm256_cmpgt_epi32(v256, xn[q]));
+        nm |= (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(need[q])) << (8 * q);
+    }
+    int64_t o = *sp;
+    for (int q = 0; q < 4; q++) {
+        const uint32_t mq = (nm >> (8 * q)) & 255;
+        if (mq) {
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + o)));
+            const __m256i w = _mm256_permutevar8x32_epi32(b, _mm256_loadu_si256((const __m256i *)perm8[mq]));
+            x[q] = _mm256_blendv_epi8(x[q], _mm256_or_si256(_mm256_slli_epi32(x[q], 8), w), need[q]);
+            o += __builtin_popcount(mq);
+        }
+    }
+    *sp = o;
+    return o > slen ? ST_TRUNC : 0;
+}
+
+__attribute__((target("avx2,popcnt,bmi"))) static int values_group_avx2(dec_t *D, int64_t j0, uint32_t *xa,
+                                                                        int64_t *sp, int *kl, int *neg,
+                                                                        uint64_t *mant)
+{
+    int32_t go[32];
+    uint32_t ps[32], ma[32];
+    int flip[32];
+    for (int l = 0; l < 32; l++) {
+        const int64_t c = D->ectx[j0 + l];
+        const int32_t g = D->gidx[c];
+        if (g < 0)
+            return ST_TABLE; /* only where the base changed since the positions pass */
+        go[l] = g * 256;
+        ps[l] = 128;
+        flip[l] = 0;
+        if (D->hist) {
+            const int64_t t = c / D->n_exp;
+            if (t) {
+                ps[l] = D->sign_p[t];
+                flip[l] = D->states[D->pos[j0 + l]] >> 7;
+            }
+        }
+    }
+    const __m256i ff = _mm256_set1_epi32(255), ones = _mm256_set1_epi32(-1), one = _mm256_set1_epi32(1);
+    const __m256i v8 = _mm256_set1_epi32(8), zero = _mm256_setzero_si256();
+    __m256i x[4], xn[4], act[4] = {ones, ones, ones, ones}, mt[4] = {zero, zero, zero, zero};
+    for (int q = 0; q < 4; q++)
+        x[q] = _mm256_loadu_si256((const __m256i *)(xa + 8 * q));
+    int r;
+    /* round 0: the bit lengths */
+    for (int q = 0; q < 4; q++) {
+        const __m256i slot = _mm256_and_si256(x[q], ff), hi = _mm256_srli_epi32(x[q], 8);
+        const __m256i e = _mm256_i32gather_epi32((const int *)D->klut,
+                                                 _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(go + 8 * q)), slot), 4);
+        const __m256i c = _mm256_and_si256(_mm256_srli_epi32(e, 8), ff), f = _mm256_srli_epi32(e, 16);
+        xn[q] = _mm256_add_epi32(_mm256_mullo_epi16(f, hi), _mm256_sub_epi32(slot, c));
+        _mm256_storeu_si256((__m256i *)(kl + 8 * q), _mm256_and_si256(e, ff));
+    }
+    if ((r = renorm_x4(x, xn, act, D->sb, sp, D->slen)))
+        return r;
+    /* round 1: the signs */
+    uint32_t nb = 0;
+    for (int q = 0; q < 4; q++) {
+        const __m256i slot = _mm256_and_si256(x[q], ff), hi = _mm256_srli_epi32(x[q], 8);
+        const __m256i p = _mm256_loadu_si256((const __m256i *)(ps + 8 * q)), mul = _mm256_mullo_epi16(p, hi);
+        const __m256i bit = _mm256_cmpgt_epi32(p, slot);
+        xn[q] = _mm256_blendv_epi8(_mm256_sub_epi32(_mm256_sub_epi32(x[q], mul), p), _mm256_add_epi32(mul, slot), bit);
+        nb |= (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(bit)) << (8 * q);
+    }
+    if ((r = renorm_x4(x, xn, act, D->sb, sp, D->slen)))
+        return r;
+    int kmax = 1;
+    for (int l = 0; l < 32; l++) {
+        neg[l] = (int)((nb >> l) & 1) ^ flip[l];
+        kmax = kl[l] > kmax ? kl[l] : kmax;
+    }
+    /* rounds 2, 3, ...: the bits below the leading one, 8 at a time */
+    for (int rr = 1; rr <= (kmax - 1 + 7) / 8; rr++) {
+        const __m256i done = _mm256_set1_epi32(1 + (rr - 1) * 8), at = _mm256_set1_epi32((rr - 1) * 8);
+        for (int q = 0; q < 4; q++) {
+            const __m256i left = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(kl + 8 * q)), done);
+            act[q] = _mm256_cmpgt_epi32(left, zero);
+            const __m256i sh = _mm256_sub_epi32(v8, _mm256_min_epi32(_mm256_max_epi32(left, zero), v8));
+            const __m256i slot = _mm256_and_si256(x[q], ff), hi = _mm256_srli_epi32(x[q], 8);
+            const __m256i f = _mm256_sllv_epi32(one, sh), v = _mm256_srlv_epi32(slot, sh);
+            xn[q] = _mm256_add_epi32(_mm256_mullo_epi16(f, hi), _mm256_and_si256(slot, _mm256_sub_epi32(f, one)));
+            mt[q] = _mm256_or_si256(mt[q], _mm256_and_si256(act[q], _mm256_sllv_epi32(v, at)));
+        }
+        if ((r = renorm_x4(x, xn, act, D->sb, sp, D->slen)))
+            return r;
+    }
+    for (int q = 0; q < 4; q++) {
+        _mm256_storeu_si256((__m256i *)(xa + 8 * q), x[q]);
+        _mm256_storeu_si256((__m256i *)(ma + 8 * q), mt[q]);
+    }
+    for (int l = 0; l < 32; l++)
+        mant[l] = ma[l];
+    return 0;
 }
 #endif
