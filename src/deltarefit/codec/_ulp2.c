@@ -446,7 +446,7 @@ static int parse_header(dec_t *D, const uint8_t *pl, int64_t plen)
     int r = get_varint(pl, plen, &o, &G);
     if (r)
         return r;
-    if (G == 0)
+    if (G == 0 || G > (uint64_t)D->nctx)
         return ST_TABLE;
     int64_t prev = -1, ng = 0;
     int32_t *gctx = malloc(sizeof(int32_t) * (size_t)D->nctx);
@@ -598,16 +598,18 @@ static inline __attribute__((always_inline)) int pos_scalar_t(dec_t *D, int64_t 
             const int64_t i = s * W + l;
             if (i >= n)
                 break;
+            if (hist && (D->states[i] & 127) >= N_HIST)
+                goto table;
             const int64_t c = ctx_at(D, i, isz, hist);
             const uint32_t p = ptab[c], slot = x[l] & smask, hi = x[l] >> M;
             const int bit = slot < p;
             x[l] = bit ? p * hi + slot : x[l] - p * hi - p;
             RENORM(x[l])
             if (bit) {
-                if (k < m) {
-                    D->pos[k] = i;
-                    D->ectx[k] = (uint16_t)c;
-                }
+                if (k >= m)
+                    goto count; /* more changes than the record's, refused at once */
+                D->pos[k] = i;
+                D->ectx[k] = (uint16_t)c;
                 k++;
             }
         }
@@ -617,6 +619,10 @@ static inline __attribute__((always_inline)) int pos_scalar_t(dec_t *D, int64_t 
     return 0;
 trunc:
     return ST_TRUNC;
+table:
+    return ST_TABLE;
+count:
+    return ST_COUNT;
 }
 
 #define POS_V(isz, hist)                                                                               \
@@ -640,17 +646,16 @@ static __attribute__((noinline)) int pos_scalar(dec_t *D, int64_t s0, int64_t s1
     }
 }
 
-/* The changes' bits of one step's mask: positions and contexts (re-read from the base). */
+/* The changes' bits of one step's mask: positions and contexts (re-read from the base). The caller
+ * checked that they fit (k + popcount(bits) <= m). */
 static inline void take_bits(dec_t *D, uint32_t bits, int64_t i0)
 {
     while (bits) {
         const int l = __builtin_ctz(bits);
         bits &= bits - 1;
-        if (D->k < D->m) {
-            const int64_t i = i0 + l;
-            D->pos[D->k] = i;
-            D->ectx[D->k] = (uint16_t)ctx_at(D, i, 2, 0);
-        }
+        const int64_t i = i0 + l;
+        D->pos[D->k] = i;
+        D->ectx[D->k] = (uint16_t)ctx_at(D, i, 2, 0);
         D->k++;
     }
 }
@@ -861,7 +866,7 @@ static int ulp2_decode_c(dec_t *D, const uint8_t *pl, int64_t plen, uint8_t *val
     if (r)
         return r;
     last_ns[0] = now_ns() - t0;
-    if (D->k != D->m)
+    if (D->k != D->m || D->m == 0)
         return ST_COUNT;
     r = values_pass(D, val, ker);
     if (r)
@@ -998,7 +1003,7 @@ PyObject *py_ulp2_decode(PyObject *self, PyObject *args)
         return NULL;
     got = 1;
     const Py_ssize_t n = v[0].len / isz;
-    if (buf(os, &v[1], 0, 1, hist ? n : 0, "states") < 0)
+    if (buf(os, &v[1], 0, 1, 0, "states") < 0)
         goto done;
     got = 2;
     if (buf(opl, &v[2], 0, 1, 0, "payload") < 0)
@@ -1010,18 +1015,8 @@ PyObject *py_ulp2_decode(PyObject *self, PyObject *args)
     if (buf(oval, &v[4], 1, isz, 0, "val_out") < 0)
         goto done;
     got = 5;
-    if (hist) {
-        const uint8_t *s = v[1].buf;
-        for (Py_ssize_t i = 0; i < n; i++)
-            if ((s[i] & 127) >= N_HIST) {
-                PyErr_Format(PyExc_ValueError, "ulp2_decode: history state %d at element %zd (states are 0..6)",
-                             s[i] & 127, i);
-                goto done;
-            }
-    }
-    if (n_changed <= 0 || n_changed > n) {
-        stv = ST_COUNT;
-    } else if (v[3].len / 8 < n_changed || v[4].len / isz < n_changed) {
+    /* numba's order: the outputs and the history too small, then the payload, then the count */
+    if (n_changed < 0 || v[3].len / 8 < n_changed || v[4].len / isz < n_changed || (hist && v[1].len < n)) {
         stv = ST_SMALL;
     } else {
         dec_t D;
@@ -1043,7 +1038,7 @@ PyObject *py_ulp2_decode(PyObject *self, PyObject *args)
         Py_BEGIN_ALLOW_THREADS
         D.ptab = calloc((size_t)D.nctx, 2);
         D.gidx = malloc(sizeof(int32_t) * (size_t)D.nctx);
-        D.ectx = malloc((size_t)n_changed * 2);
+        D.ectx = malloc((size_t)(n_changed < n ? n_changed : n) * 2 + 2);
         if (!D.ptab || !D.gidx || !D.ectx)
             stv = ST_NOMEM;
         else {

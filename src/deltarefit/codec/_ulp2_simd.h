@@ -1,8 +1,9 @@
 /* _ulp2.c's SIMD positions passes (included there, after dec_t, pos_scalar and take_bits): variant 0,
  * 16-bit elements, no history, the contexts with changes in [clo, clo + 64). Each runs the chunk's full
- * steps of 32 elements and leaves the tail step to pos_scalar (*done = steps run). The stream is the
- * copy padded with 64 zero bytes; a step that moves past the stream's end refuses (ST_TRUNC), as the
- * scalar pass refuses the read itself. */
+ * steps of 32 elements and leaves the rest to pos_scalar (*done = steps run). The stream is the copy
+ * padded with 64 zero bytes (a step reads at most 40 bytes past its start). A step that would read past the
+ * stream's end or find more changes than the record's is undone and left to pos_scalar too, which refuses
+ * it at the exact element, with the exact status, as numba's decoder does. */
 #if ULP2_X86
 
 /* [8-lane need mask] -> a byte shuffle putting the next popcount(mask) bytes, in lane order, into the low
@@ -57,6 +58,7 @@ __attribute__((target("avx2,popcnt,bmi"))) static int pos_avx2(dec_t *D, int64_t
     int64_t s;
     for (s = 0; s < S; s++) {
         __m256i bit[2], need[2], pw[2];
+        const __m256i x0 = x[0], x1 = x[1];
         {   /* the probabilities: window offsets as bytes (64: outside), four 16-entry byte lookups */
             const __m256i d0 = _mm256_min_epu16(_mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(
                                    _mm256_loadu_si256((const __m256i *)(bp + 64 * s)), vsh), vmask), vclo), v64);
@@ -90,12 +92,13 @@ __attribute__((target("avx2,popcnt,bmi"))) static int pos_avx2(dec_t *D, int64_t
             const __m128i w3 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q + o3)), _mm_loadu_si128((const __m128i *)expand8[nm >> 24]));
             x[0] = _mm256_blendv_epi8(x[0], _mm256_or_si256(_mm256_slli_epi16(x[0], 8), _mm256_set_m128i(w1, w0)), need[0]);
             x[1] = _mm256_blendv_epi8(x[1], _mm256_or_si256(_mm256_slli_epi16(x[1], 8), _mm256_set_m128i(w3, w2)), need[1]);
-            sp += __builtin_popcount(nm);
-            if (sp > slen) {
-                r = ST_TRUNC;
-                break;
-            }
         }
+        if (sp + __builtin_popcount(nm) > slen || D->k + __builtin_popcount(bm) > D->m) {
+            x[0] = x0; /* a step that refuses: pos_scalar runs it again, lane by lane, for the exact status */
+            x[1] = x1;
+            break;
+        }
+        sp += __builtin_popcount(nm);
         take_bits(D, bm, 32 * s);
     }
     _mm256_storeu_si256((__m256i *)xs, x[0]);
@@ -134,17 +137,14 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi2,popcnt,bmi"))) static int po
         const __m512i p = _mm512_maskz_permutex2var_epi16(inw, tlo, d, thi);
         const __m512i slot = _mm512_and_si512(x, ff), mul = _mm512_mullo_epi16(p, _mm512_srli_epi16(x, 8));
         const __mmask32 bit = _mm512_cmplt_epu16_mask(slot, p);
-        x = _mm512_mask_blend_epi16(bit, _mm512_sub_epi16(_mm512_sub_epi16(x, mul), p), _mm512_add_epi16(mul, slot));
-        const __mmask32 need = _mm512_cmplt_epu16_mask(x, v256);
-        if (need) {
-            const __m512i w = _mm512_maskz_expand_epi16(need, _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(sb + sp))));
-            x = _mm512_mask_blend_epi16(need, x, _mm512_or_si512(_mm512_slli_epi16(x, 8), w));
-            sp += __builtin_popcount((uint32_t)need);
-            if (sp > slen) {
-                r = ST_TRUNC;
-                break;
-            }
-        }
+        const __m512i xd = _mm512_mask_blend_epi16(bit, _mm512_sub_epi16(_mm512_sub_epi16(x, mul), p), _mm512_add_epi16(mul, slot));
+        const __mmask32 need = _mm512_cmplt_epu16_mask(xd, v256);
+        const __m512i w = _mm512_maskz_expand_epi16(need, _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(sb + sp))));
+        const __m512i xr = _mm512_mask_blend_epi16(need, xd, _mm512_or_si512(_mm512_slli_epi16(xd, 8), w));
+        if (sp + __builtin_popcount((uint32_t)need) > slen || D->k + __builtin_popcount((uint32_t)bit) > D->m)
+            break; /* a step that refuses: pos_scalar runs it again, lane by lane, for the exact status */
+        x = xr;
+        sp += __builtin_popcount((uint32_t)need);
         take_bits(D, (uint32_t)bit, 32 * s);
     }
     _mm512_storeu_si512(xs, x);
