@@ -844,7 +844,7 @@ static int ulp2_decode_c(dec_t *D, const uint8_t *pl, int64_t plen, uint8_t *val
     const int64_t W = D->V.W, ns = (D->n + W - 1) / W;
     int64_t done = 0;
 #if ULP2_X86
-    if (ker > 0 && D->V.W == 32 && D->isz == 2 && !D->hist) {
+    if (ker > 0 && D->isz == 2 && !D->hist) {
         /* the contexts with changes must lie in a window of 64 */
         int64_t clo = -1, chi = -1;
         for (int64_t c = 0; c < D->nctx; c++)
@@ -854,7 +854,7 @@ static int ulp2_decode_c(dec_t *D, const uint8_t *pl, int64_t plen, uint8_t *val
                 chi = c;
             }
         if (chi - clo < 64) {
-            r = ker == 2 ? pos_avx512(D, clo, &done) : pos_avx2(D, clo, &done);
+            r = D->V.W == 16 ? pos_avx2_v1(D, clo, &done) : ker == 2 ? pos_avx512(D, clo, &done) : pos_avx2(D, clo, &done);
             if (r)
                 return r;
         }

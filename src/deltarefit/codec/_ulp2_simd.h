@@ -110,6 +110,57 @@ __attribute__((target("avx2,popcnt,bmi"))) static int pos_avx2(dec_t *D, int64_t
     return r;
 }
 
+/* Variant 1 (16 lanes of 32-bit states, 12-bit probabilities, 16-bit units), AVX2: two registers of 8
+ * lanes, the probabilities gathered from the window's table, the units widened and permuted into place. */
+__attribute__((target("avx2,popcnt,bmi"))) static int pos_avx2_v1(dec_t *D, int64_t clo, int64_t *done)
+{
+    int32_t tab[72];
+    for (int j = 0; j < 72; j++)
+        tab[j] = j < 64 && clo + j < D->nctx ? D->ptab[clo + j] : 0;
+    const uint8_t *sb = D->sb;
+    const int64_t S = D->n / 16, slen = D->slen;
+    int64_t sp = D->sp;
+    const __m128i vsh = _mm_cvtsi32_si128((int)D->shift);
+    const __m256i vmask = _mm256_set1_epi32(D->kind == 0 ? (int)D->mask : 0), vclo = _mm256_set1_epi32((int)clo);
+    const __m256i fff = _mm256_set1_epi32(4095), v64 = _mm256_set1_epi32(64), zero = _mm256_setzero_si256();
+    __m256i x[2] = {_mm256_loadu_si256((const __m256i *)D->x), _mm256_loadu_si256((const __m256i *)(D->x + 8))};
+    const uint8_t *bp = D->base;
+    int64_t s;
+    for (s = 0; s < S; s++) {
+        __m256i bit[2], need[2], xd[2];
+        for (int h = 0; h < 2; h++) {
+            const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(bp + 32 * s + 16 * h)));
+            const __m256i d = _mm256_min_epu32(_mm256_sub_epi32(_mm256_and_si256(_mm256_srl_epi32(b, vsh), vmask), vclo), v64);
+            const __m256i p = _mm256_i32gather_epi32(tab, d, 4);
+            const __m256i slot = _mm256_and_si256(x[h], fff), mul = _mm256_mullo_epi32(p, _mm256_srli_epi32(x[h], 12));
+            bit[h] = _mm256_cmpgt_epi32(p, slot);
+            xd[h] = _mm256_blendv_epi8(_mm256_sub_epi32(_mm256_sub_epi32(x[h], mul), p), _mm256_add_epi32(mul, slot), bit[h]);
+            need[h] = _mm256_cmpeq_epi32(_mm256_srli_epi32(xd[h], 16), zero);
+        }
+        const uint32_t bm = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(bit[0])) |
+                            (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(bit[1])) << 8;
+        const uint32_t n0 = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(need[0]));
+        const uint32_t n1 = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(need[1]));
+        const int c0 = __builtin_popcount(n0), c1 = __builtin_popcount(n1);
+        if (sp + 2 * (c0 + c1) > slen || D->k + __builtin_popcount(bm) > D->m)
+            break; /* a step that refuses: pos_scalar runs it again, lane by lane, for the exact status */
+        for (int h = 0; h < 2; h++) {
+            const uint32_t nh = h ? n1 : n0;
+            const __m256i u = _mm256_permutevar8x32_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sb + sp + (h ? 2 * c0 : 0)))),
+                _mm256_loadu_si256((const __m256i *)perm8[nh]));
+            x[h] = _mm256_blendv_epi8(xd[h], _mm256_or_si256(_mm256_slli_epi32(xd[h], 16), u), need[h]);
+        }
+        sp += 2 * (c0 + c1);
+        take_bits(D, bm, 16 * s);
+    }
+    _mm256_storeu_si256((__m256i *)D->x, x[0]);
+    _mm256_storeu_si256((__m256i *)(D->x + 8), x[1]);
+    D->sp = sp;
+    *done = s;
+    return 0;
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vbmi2,popcnt,bmi"))) static int pos_avx512(dec_t *D, int64_t clo,
                                                                                          int64_t *done)
 {
