@@ -104,7 +104,7 @@ def rows(rate: float, reps: int, dec_nb) -> None:
             print(f"{100 * rate:6.2f} {m:8d} {'ulp2 v' + str(variant):>10} {ker:>8} {8 * nb / m:6.2f} "
                   f"{tp / N:12.3f} {t / m:10.2f}")
         X.ulp2_kernel("auto")
-    enc = encode_chunk(BF16, base, tgt)
+    enc = encode_chunk(BF16, base, tgt, fmt=1)
     if enc is not None and enc.encoding == ULP:
         t = best(functools.partial(X.decode_ulp, base, enc.payload, m, 2, 16, 0, 7, 255, 256, pos, val), reps)
         print(f"{100 * rate:6.2f} {m:8d} {'ulp (v1)':>10} {X.decode_kernel():>8} "
