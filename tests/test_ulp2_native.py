@@ -80,7 +80,7 @@ def test_every_width_and_kind_round_trips_in_both_variants_and_encodings_on_ever
     rng = np.random.default_rng(bits * 3 + kind)
     for hist in (False, True):
         for variant in (0, 1):
-            for n, rate in ((4099, 0.04), (1000, 0.3), (70, 1.0), (31, 0.1)):
+            for n, rate in ((4099, 0.04), (1500, 0.05), (1000, 0.3), (70, 1.0), (31, 0.1)):
                 base, tgt, states = make_chunk(rng, bits, kind, n, rate, hist)
                 m, pl = encode(base, tgt, states, bits, kind, hist, variant)
                 exp = np.flatnonzero(base != tgt)

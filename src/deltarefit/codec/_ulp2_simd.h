@@ -110,50 +110,85 @@ __attribute__((target("avx2,popcnt,bmi"))) static int pos_avx2(dec_t *D, int64_t
     return r;
 }
 
-/* Variant 1 (16 lanes of 32-bit states, 12-bit probabilities, 16-bit units), AVX2: two registers of 8
- * lanes, the probabilities gathered from the window's table, the units widened and permuted into place. */
+/* Variant 1 (16 lanes of 32-bit states, 12-bit probabilities, 16-bit units), AVX2: a block's probabilities
+ * first (the window's low and high bytes by four 16-entry byte lookups each, 32 elements at a time), then
+ * the steps over two registers of 8 lanes, the units widened and permuted into place. */
+#define V1_BLOCK 1024
 __attribute__((target("avx2,popcnt,bmi"))) static int pos_avx2_v1(dec_t *D, int64_t clo, int64_t *done)
 {
-    int32_t tab[72];
-    for (int j = 0; j < 72; j++)
-        tab[j] = j < 64 && clo + j < D->nctx ? D->ptab[clo + j] : 0;
+    uint8_t tlo[64], thi[64];
+    for (int j = 0; j < 64; j++) {
+        const uint16_t p = clo + j < D->nctx ? D->ptab[clo + j] : 0;
+        tlo[j] = (uint8_t)p;
+        thi[j] = (uint8_t)(p >> 8);
+    }
+    __m256i tl[4], th[4];
+    for (int j = 0; j < 4; j++) {
+        tl[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(tlo + 16 * j)));
+        th[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(thi + 16 * j)));
+    }
+    const __m256i bsub[4] = {_mm256_setzero_si256(), _mm256_set1_epi8(16), _mm256_set1_epi8(32), _mm256_set1_epi8(48)};
+    const __m256i b70 = _mm256_set1_epi8(0x70), v64w = _mm256_set1_epi16(64);
+    const __m128i vsh = _mm_cvtsi32_si128((int)D->shift);
+    const __m256i vmaskw = _mm256_set1_epi16(D->kind == 0 ? (short)D->mask : 0), vclow = _mm256_set1_epi16((short)clo);
+    uint16_t ptmp[V1_BLOCK];
     const uint8_t *sb = D->sb;
     const int64_t S = D->n / 16, slen = D->slen;
     int64_t sp = D->sp;
-    const __m128i vsh = _mm_cvtsi32_si128((int)D->shift);
-    const __m256i vmask = _mm256_set1_epi32(D->kind == 0 ? (int)D->mask : 0), vclo = _mm256_set1_epi32((int)clo);
-    const __m256i fff = _mm256_set1_epi32(4095), v64 = _mm256_set1_epi32(64), zero = _mm256_setzero_si256();
+    const __m256i fff = _mm256_set1_epi32(4095), zero = _mm256_setzero_si256();
     __m256i x[2] = {_mm256_loadu_si256((const __m256i *)D->x), _mm256_loadu_si256((const __m256i *)(D->x + 8))};
     const uint8_t *bp = D->base;
-    int64_t s;
-    for (s = 0; s < S; s++) {
-        __m256i bit[2], need[2], xd[2];
-        for (int h = 0; h < 2; h++) {
-            const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(bp + 32 * s + 16 * h)));
-            const __m256i d = _mm256_min_epu32(_mm256_sub_epi32(_mm256_and_si256(_mm256_srl_epi32(b, vsh), vmask), vclo), v64);
-            const __m256i p = _mm256_i32gather_epi32(tab, d, 4);
-            const __m256i slot = _mm256_and_si256(x[h], fff), mul = _mm256_mullo_epi32(p, _mm256_srli_epi32(x[h], 12));
-            bit[h] = _mm256_cmpgt_epi32(p, slot);
-            xd[h] = _mm256_blendv_epi8(_mm256_sub_epi32(_mm256_sub_epi32(x[h], mul), p), _mm256_add_epi32(mul, slot), bit[h]);
-            need[h] = _mm256_cmpeq_epi32(_mm256_srli_epi32(xd[h], 16), zero);
+    int64_t s = 0;
+    for (int64_t s0 = 0; s0 < S; s0 += V1_BLOCK / 16) {
+        const int64_t s1 = S - s0 < V1_BLOCK / 16 ? S : s0 + V1_BLOCK / 16;
+        for (int64_t e0 = 16 * s0; e0 < 16 * s1; e0 += 32) { /* (an odd step count: 16 more, from the base or 0) */
+            __m256i dw[2];
+            for (int h = 0; h < 2; h++) {
+                __m256i b;
+                if (e0 + 16 * h + 16 <= D->n)
+                    b = _mm256_loadu_si256((const __m256i *)(bp + 2 * (e0 + 16 * h)));
+                else
+                    b = zero; /* past the chunk: never decoded */
+                dw[h] = _mm256_min_epu16(_mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(b, vsh), vmaskw), vclow), v64w);
+            }
+            const __m256i d = _mm256_packus_epi16(dw[0], dw[1]);
+            __m256i pl = zero, ph = zero;
+            for (int j = 0; j < 4; j++) {
+                const __m256i idx = _mm256_adds_epu8(_mm256_sub_epi8(d, bsub[j]), b70);
+                pl = _mm256_or_si256(pl, _mm256_shuffle_epi8(tl[j], idx));
+                ph = _mm256_or_si256(ph, _mm256_shuffle_epi8(th[j], idx));
+            }
+            _mm256_storeu_si256((__m256i *)(ptmp + (e0 - 16 * s0)), _mm256_unpacklo_epi8(pl, ph));
+            _mm256_storeu_si256((__m256i *)(ptmp + (e0 - 16 * s0) + 16), _mm256_unpackhi_epi8(pl, ph));
         }
-        const uint32_t bm = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(bit[0])) |
-                            (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(bit[1])) << 8;
-        const uint32_t n0 = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(need[0]));
-        const uint32_t n1 = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(need[1]));
-        const int c0 = __builtin_popcount(n0), c1 = __builtin_popcount(n1);
-        if (sp + 2 * (c0 + c1) > slen || D->k + __builtin_popcount(bm) > D->m)
-            break; /* a step that refuses: pos_scalar runs it again, lane by lane, for the exact status */
-        for (int h = 0; h < 2; h++) {
-            const uint32_t nh = h ? n1 : n0;
-            const __m256i u = _mm256_permutevar8x32_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sb + sp + (h ? 2 * c0 : 0)))),
-                _mm256_loadu_si256((const __m256i *)perm8[nh]));
-            x[h] = _mm256_blendv_epi8(xd[h], _mm256_or_si256(_mm256_slli_epi32(xd[h], 16), u), need[h]);
+        for (s = s0; s < s1; s++) {
+            __m256i bit[2], need[2], xd[2];
+            for (int h = 0; h < 2; h++) {
+                const __m256i p = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(ptmp + 16 * (s - s0) + 8 * h)));
+                const __m256i slot = _mm256_and_si256(x[h], fff), mul = _mm256_mullo_epi32(p, _mm256_srli_epi32(x[h], 12));
+                bit[h] = _mm256_cmpgt_epi32(p, slot);
+                xd[h] = _mm256_blendv_epi8(_mm256_sub_epi32(_mm256_sub_epi32(x[h], mul), p), _mm256_add_epi32(mul, slot), bit[h]);
+                need[h] = _mm256_cmpeq_epi32(_mm256_srli_epi32(xd[h], 16), zero);
+            }
+            const uint32_t bm = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(bit[0])) |
+                                (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(bit[1])) << 8;
+            const uint32_t n0 = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(need[0]));
+            const uint32_t n1 = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(need[1]));
+            const int c0 = __builtin_popcount(n0), c1 = __builtin_popcount(n1);
+            if (sp + 2 * (c0 + c1) > slen || D->k + __builtin_popcount(bm) > D->m)
+                goto out; /* a step that refuses: pos_scalar runs it again, lane by lane, for the exact status */
+            for (int h = 0; h < 2; h++) {
+                const uint32_t nh = h ? n1 : n0;
+                const __m256i u = _mm256_permutevar8x32_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sb + sp + (h ? 2 * c0 : 0)))),
+                    _mm256_loadu_si256((const __m256i *)perm8[nh]));
+                x[h] = _mm256_blendv_epi8(xd[h], _mm256_or_si256(_mm256_slli_epi32(xd[h], 16), u), need[h]);
+            }
+            sp += 2 * (c0 + c1);
+            take_bits(D, bm, 16 * s);
         }
-        sp += 2 * (c0 + c1);
-        take_bits(D, bm, 16 * s);
     }
+out:
     _mm256_storeu_si256((__m256i *)D->x, x[0]);
     _mm256_storeu_si256((__m256i *)(D->x + 8), x[1]);
     D->sp = sp;
