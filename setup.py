@@ -10,7 +10,8 @@ setup(
     ext_modules=[
         Extension(
             "deltarefit.codec._native",
-            ["src/deltarefit/codec/_native.c"],
+            ["src/deltarefit/codec/_native.c", "src/deltarefit/codec/_ulp2.c"],
+            depends=["src/deltarefit/codec/_ulp2.h", "src/deltarefit/codec/_ulp2_simd.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-fno-strict-overflow"],
             optional=True,
         ),

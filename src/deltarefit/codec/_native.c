@@ -39,6 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_ulp2.h" /* format 2: ulp2_encode, ulp2_decode, ulp2_kernel(s) */
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define HAVE_AVX512_PATH 1 /* (also: x86-64 inline asm, as for csel) */
@@ -2926,6 +2928,17 @@ static PyMethodDef methods[] = {
      "The positions passes this machine runs: 'scalar' (numba's countdown), 'sse2', 'avx2', 'avx512', 'avx512gfni' "
      "(blocks of 64)."},
     {"use_simd", py_use_simd, METH_O, "use_simd(on) -> previous setting: allow the AVX-512 path (default True)."},
+    {"ulp2_encode", py_ulp2_encode, METH_VARARGS,
+     "ulp2_encode(base, target, states, bits, kind, shift, mask, n_exp, hist, variant, pos, out) -> (m, nbytes): "
+     "encoding 6 (hist 0) or 7 (hist 1, without its history id) in a coder variant, as ulp2_kernels.ulp2_encode."},
+    {"ulp2_decode", py_ulp2_decode, METH_VARARGS,
+     "ulp2_decode(base, states, payload, n_changed, bits, kind, shift, mask, n_exp, hist, pos_out, val_out[, digest]) "
+     "-> status, or (status, a0, a1) with digest = (start, s0, s1): encodings 6 and 7, positions and target bits."},
+    {"ulp2_kernel", py_ulp2_kernel, METH_VARARGS,
+     "ulp2_kernel([name]) -> the one in use before: ulp2_decode's positions pass, one of ulp2_kernels() or 'auto'."},
+    {"ulp2_kernels", py_ulp2_kernels, METH_NOARGS, "ulp2_kernels() -> the positions passes ulp2_decode runs here."},
+    {"ulp2_timing", py_ulp2_timing, METH_NOARGS,
+     "ulp2_timing() -> (positions ns, whole ns) of this thread's last successful ulp2_decode (for benchmarks)."},
     {"simd", py_simd, METH_NOARGS, "The instruction set scan16 uses here: 'avx512' or 'portable'."},
     {NULL, NULL, 0, NULL},
 };
