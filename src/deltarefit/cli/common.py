@@ -113,6 +113,10 @@ class _Group(click.Group):
         kwargs.setdefault("prog_name", "deltarefit")  # not "python -m deltarefit"
         try:
             rv = super().main(*args, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as e:
+            # Bare `deltarefit` (or `deltarefit relay`): the help as --help prints it, not one flattened line.
+            click.echo(e.ctx.get_help(), err=True)
+            sys.exit(2)
         except click.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else "deltarefit"
             msg = " ".join(e.format_message().split())
