@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -69,3 +71,49 @@ def test_status_of_a_checkpoint_the_tool_synced_reads_unchanged_once_a_timestamp
     r = run("status", "r.safetensors", cwd=d)
     assert "files changed since verified: --verify hashes them" in r.stdout, r.stdout
     assert "unchanged" not in r.stdout
+
+
+def _interrupt_when(args: list[str], cwd, appears: str) -> subprocess.CompletedProcess | None:
+    """Run the CLI, send SIGINT (Ctrl-C) as soon as ``appears`` (a glob under ``cwd``) exists, and return
+    the finished process; None where it finished before the signal landed."""
+    proc = subprocess.Popen([*CLI, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(cwd.glob(appears)) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    if proc.poll() is not None:
+        proc.communicate()
+        return None
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def big_pair(tmp_path_factory):
+    """A 4 MiB checkpoint and a delta that rewrites all of it: an apply long enough to interrupt."""
+    d = tmp_path_factory.mktemp("big")
+    rng = np.random.default_rng(1)
+    a = {f"w{i}": rng.standard_normal((512, 1024)).astype(np.float32) for i in range(2)}
+    save_file(a, str(d / "a.safetensors"))
+    b = {k: v + np.float32(1e-3) * rng.standard_normal(v.shape).astype(np.float32) for k, v in a.items()}
+    save_file(b, str(d / "b.safetensors"))
+    assert run("encode", "a.safetensors", "b.safetensors", "-o", "d.delta", "-q", cwd=d).returncode == 0
+    return d
+
+
+def test_ctrl_c_during_an_apply_says_what_was_written_and_that_rerunning_is_safe_and_a_rerun_verifies(big_pair):
+    d = big_pair
+    for _attempt in range(3):
+        shutil.copyfile(d / "a.safetensors", d / "r.safetensors")
+        r = _interrupt_when(["apply", "d.delta", "r.safetensors", "-q"], d, "r.safetensors.deltarefit-lock")
+        if r is not None:
+            break
+    assert r is not None, "the apply finished before each Ctrl-C"
+    assert r.returncode == 130, r.stderr
+    err = r.stderr.strip()
+    assert err.count("\n") == 0 and "Traceback" not in r.stderr, r.stderr
+    assert err.startswith("deltarefit: interrupted: r.safetensors: part of the delta may be written in place")
+    assert "not verified" in err and "rerunning the same command is safe" in err and "resumes" in err
+    r = run("apply", "d.delta", "r.safetensors", cwd=d)
+    assert r.returncode == 0 and "verified" in r.stdout, r.stderr
+    assert (d / "r.safetensors").read_bytes() == (d / "b.safetensors").read_bytes()
