@@ -117,3 +117,46 @@ def test_ctrl_c_during_an_apply_says_what_was_written_and_that_rerunning_is_safe
     r = run("apply", "d.delta", "r.safetensors", cwd=d)
     assert r.returncode == 0 and "verified" in r.stdout, r.stderr
     assert (d / "r.safetensors").read_bytes() == (d / "b.safetensors").read_bytes()
+
+
+def _synced_files(commands: list[str]) -> set[str]:
+    return {os.path.basename(c.split()[3]) for c in commands if c.startswith("deltarefit sync ")}
+
+
+def test_the_readme_and_the_demo_next_steps_sync_into_different_files():
+    from deltarefit.apps.demo_trainer import _next_steps
+
+    class Said:  # the demo's printer, as far as _next_steps uses it
+        def __init__(self):
+            self.commands: list[str] = []
+
+        def line(self, text: str) -> None:
+            pass
+
+        def command(self, cmd: str) -> None:
+            self.commands.append(cmd)
+
+    said = Said()
+    _next_steps(said, "out/demo", 9)
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    readme_cmds = [line.strip() for line in readme.splitlines()]
+    demo, ours = _synced_files(said.commands), _synced_files(readme_cmds)
+    assert demo and ours and not demo & ours, (demo, ours)
+
+
+def test_sync_repair_onto_another_stream_says_what_it_changed(two_versions):
+    d = two_versions
+    for ck in ("a.safetensors", "b.safetensors"):
+        assert run("publish", "t", ck, cwd=d).returncode == 0  # the same checkpoints, another stream
+    assert run("sync", "s", "r.safetensors", cwd=d).returncode == 0
+    r = run("sync", "t", "r.safetensors", cwd=d)
+    assert r.returncode == 9 and "--repair" in r.stderr, r.stderr
+    s_id, t_id = (json.loads(run("log", st, "--json", cwd=d).stdout)[0]["stream"] for st in ("s", "t"))
+    r = run("sync", "t", "r.safetensors", "--repair", cwd=d)
+    assert r.returncode == 0, r.stderr
+    assert "nothing to do" not in r.stdout
+    assert (f"r.safetensors: repaired: the record said version 2 of stream {s_id} ({d / 's'}), now version 2 of "
+            f"stream {t_id} ({d / 't'}); adopted by its fingerprint, unchanged; fingerprint ") in r.stdout, r.stdout
+    assert r.stdout.rstrip().endswith("verified")
+    r = run("sync", "t", "r.safetensors", "--repair", cwd=d)  # a repair that changes nothing says so
+    assert "at version 2, nothing to do" in r.stdout and "repaired" not in r.stdout, r.stdout
