@@ -160,3 +160,29 @@ def test_sync_repair_onto_another_stream_says_what_it_changed(two_versions):
     assert r.stdout.rstrip().endswith("verified")
     r = run("sync", "t", "r.safetensors", "--repair", cwd=d)  # a repair that changes nothing says so
     assert "at version 2, nothing to do" in r.stdout and "repaired" not in r.stdout, r.stdout
+
+
+def test_publishing_another_model_into_a_stream_is_refused_unless_asked_for(two_versions):
+    d = two_versions
+    r = run("publish", "s", "other.safetensors", cwd=d)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "version 2 -> other.safetensors: 100.0% of elements changed: they look unrelated" in r.stderr
+    assert "nothing published" in r.stderr and "--another-model" in r.stderr, r.stderr
+    assert sorted(os.listdir(d / "s" / "v")) == ["000000000001", "000000000002"]
+    r = run("publish", "s", "other.safetensors", "--another-model", cwd=d)
+    assert r.returncode == 0 and "s: version 3" in r.stdout, r.stderr
+
+
+def test_the_library_publish_refuses_another_model_unless_its_keyword_is_given(tmp_path):
+    from deltarefit.errors import UsageError
+    from deltarefit.stream import Publisher
+
+    rng = np.random.default_rng(2)
+    for name, shape in (("a", (32, 32)), ("other", (32, 32))):  # same names and shapes, unrelated values
+        save_file({"w": rng.standard_normal(shape).astype(np.float32)}, str(tmp_path / f"{name}.safetensors"))
+    pub = Publisher(str(tmp_path / "s"), str(tmp_path / "state"))
+    pub.publish(str(tmp_path / "a.safetensors"))
+    with pytest.raises(UsageError, match="another_model=True"):
+        pub.publish(str(tmp_path / "other.safetensors"))
+    pub = Publisher(str(tmp_path / "s"), str(tmp_path / "state"), another_model=True)
+    assert pub.publish(str(tmp_path / "other.safetensors")).version == 2

@@ -43,11 +43,15 @@ from .progress import phases
 @click.option("--quarantine-head", is_flag=True,
               help="First set aside head records that can be no version of this stream (malformed, another "
                    "stream's, unsigned in a signed stream, not verifying with --sign's key) to quarantine/.")
+@click.option("--another-model", is_flag=True,
+              help="Publish CHECKPOINT although it looks like another model than the stream's (most elements "
+                   "changed against the previous version), which is refused otherwise.")
 @_threads
 @_quiet
 @_json
 def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, quorum, ack_timeout, signing_key,
-            catchup, history, advance, reset_baseline, quarantine_head, threads, quiet, as_json) -> None:
+            catchup, history, advance, reset_baseline, quarantine_head, another_model, threads, quiet,
+            as_json) -> None:
     """Commit CHECKPOINT as the next version of the stream in STORE (a directory, or s3://bucket/prefix).
 
     One publisher per state directory at a time: a second one exits 11 naming the first."""
@@ -72,7 +76,7 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
         st = open_store(store)
         pub = Publisher(st, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=q,
                         ack_timeout=ack_timeout, signing_key=signing_key, threads=threads,
-                        catchup=catchup, advance=advance, history=history)
+                        catchup=catchup, advance=advance, history=history, another_model=another_model)
         from ..stream.chain import head
 
         before = head(st)
