@@ -186,3 +186,29 @@ def test_the_library_publish_refuses_another_model_unless_its_keyword_is_given(t
         pub.publish(str(tmp_path / "other.safetensors"))
     pub = Publisher(str(tmp_path / "s"), str(tmp_path / "state"), another_model=True)
     assert pub.publish(str(tmp_path / "other.safetensors")).version == 2
+
+
+def test_a_partial_reload_drops_vllms_expected_not_loaded_warnings_and_says_what_they_meant_once(caplog):
+    """vLLM's own loggers (by name: vLLM is not needed), as its reload logs through them."""
+    import logging
+
+    from deltarefit.engines.kernels import Reloading
+
+    class Model:
+        def modules(self):
+            return []
+
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    inplace = logging.getLogger("vllm.model_executor.model_loader.reload.inplace")
+    caplog.set_level(logging.INFO)
+    with Reloading(Model(), []):
+        for layer in ("Attention", "RMSNorm", "Attention"):
+            layerwise.warning("%s: Failed to load weights", layer)
+        inplace.warning("Following weights were not loaded from checkpoint: %s", {"lm_head.weight"})
+        layerwise.warning("%s: something else", "Linear")
+    said = [r for r in caplog.records if r.name.startswith("vllm.")]
+    assert [r.getMessage() for r in said] == ["Linear: something else"]  # only the expected ones dropped
+    ours = [r for r in caplog.records if r.name == "deltarefit.engines.reload_logs"]
+    assert len(ours) == 1 and "4 warnings of vLLM's reload" in ours[0].getMessage() and "expected" in ours[0].getMessage()
+    layerwise.warning("%s: Failed to load weights", "Attention")  # outside a deltarefit reload: vLLM's own
+    assert caplog.records[-1].name == layerwise.name
