@@ -391,7 +391,7 @@ class Publisher:
         if rep.base_fingerprint != st.fingerprint:
             raise StreamError(f"{self.baseline}: baseline fingerprint {rep.base_fingerprint[:16]}… is not the "
                               f"committed {st.fingerprint[:16]}… (modified by hand?){RESET_FIX}")
-        check_one_model(rep.changed_fraction, str(checkpoint), st.version, allowed=self.another_model)
+        check_one_model(rep.changed_fraction, self.baseline, checkpoint, st.version, allowed=self.another_model)
         fp = rep.target_fingerprint
         part = None if fp == st.fingerprint else Part(f"{attempt}/delta", os.path.getsize(local), file_hash(local))
         return rep, part, fp, rep.full_bytes
