@@ -212,3 +212,19 @@ def test_a_partial_reload_drops_vllms_expected_not_loaded_warnings_and_says_what
     assert len(ours) == 1 and "4 warnings of vLLM's reload" in ours[0].getMessage() and "expected" in ours[0].getMessage()
     layerwise.warning("%s: Failed to load weights", "Attention")  # outside a deltarefit reload: vLLM's own
     assert caplog.records[-1].name == layerwise.name
+
+
+def test_every_worker_extension_cls_in_the_docs_names_a_class():
+    """vLLM imports ``--worker-extension-cls`` as a class path: a string constant there fails at start."""
+    import importlib
+    import inspect
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    named = {(f.name, m) for f in [root / "README.md", *(root / "docs").glob("*.md")]
+             for m in re.findall(r"--worker-extension-cls[ =]([\w.]+)", f.read_text())}
+    assert named
+    for where, path in sorted(named):
+        module, _, attr = path.rpartition(".")
+        assert inspect.isclass(getattr(importlib.import_module(module), attr)), (where, path)
