@@ -319,12 +319,12 @@ def test_good_delta_applies_bit_exact_then_is_a_no_op(pair, tmp_path, how):
 HELD_UNCHECKED = {"lying-target-digest", "record-post-is-pre", "manifest-base-digest"}
 
 
-@pytest.mark.parametrize("how", TARGETS)
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+# Each case on each target, but a lie about BLAKE3 digests only on a held-digest target, which never
+# reads them: test_held_digests_apply_the_additive_digests_bits covers those.
+@pytest.mark.parametrize(("case", "how"), [
+    pytest.param(c, how, id=f"{c.id}-{how}") for c in CASES for how in TARGETS
+    if not (how == "live-held" and c.id in HELD_UNCHECKED)])
 def test_refused_and_nothing_written(pair, tmp_path, ddir, how, case: Case):
-    if how == "live-held" and case.id in HELD_UNCHECKED:
-        pytest.skip("not applicable (nothing to install): a lie about BLAKE3 digests only, which held digests never "
-                    "read; test_held_digests_apply_the_additive_digests_bits covers them")
     base = {k: v.clone() for k, v in pair["tensors"].items()}
     if case.edit:
         case.edit(base, pair)

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 
 CLI = [sys.executable, "-m", "deltarefit"]
 FIELDS = {"checkpoint", "record", "state", "version", "fingerprint", "stream_id", "store", "store_from", "head",
-          "behind", "files_unchanged", "hashed", "found_version", "fix"}
+          "behind", "files_unchanged", "too_soon", "hashed", "found_version", "fix"}
 
 
 def run(*args: str, cwd, env=None) -> subprocess.CompletedProcess:

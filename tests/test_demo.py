@@ -73,6 +73,10 @@ def test_demo_cli_two_steps_two_rollouts_bit_exact(tmp_path):
         assert r.returncode == 0, (cmd, r.stdout, r.stderr)
     assert "rollout 0 pid" in res.stdout and "rollout 1 pid" in res.stdout  # the header says what runs where
     assert "stamped v3" in res.stdout  # the live per-step lines
+    # No silent wait: what it waits for is said before the rollouts start and before they stop.
+    said = " ".join(res.stdout.split())
+    assert said.index("loading the trainer's model") < said.index("waiting for the 2 rollouts") < said.index(
+        "ready in") < said.index("stamped v3") < said.index("stopping the 2 rollouts") < said.index("next steps")
     png = out / "refit.png"
     assert str(png) in res.stdout.replace("\n", "")
     data = png.read_bytes()

@@ -76,6 +76,13 @@ def made(request, tmp_path_factory) -> Made:
     return Made(kind, url, open_store(url), env)
 
 
+def having(capability: str):
+    """Run a test on the stores that declare ``capability`` only: a store without it can never run it
+    (``test_capabilities_are_declared_and_absent_ones_refuse`` checks its refusal)."""
+    return pytest.mark.parametrize("made", sorted(k for k, caps in DECLARED.items() if capability in caps),
+                                   indirect=True)
+
+
 def _ops(st: Store, key: str, tmp: str):
     """Every operation on ``key`` (the optional ones too), as zero-argument calls."""
     return {
@@ -320,15 +327,13 @@ print("finished", flush=True)
 """
 
 
+@having(SWEEP_TEMPS)  # not a memory store: it lives in one process, no writer can be killed under it
 def test_a_killed_writer_leaves_no_object_and_sweep_temps_removes_its_leftovers(made, tmp_path):
     """A writer killed (SIGKILL) mid-upload: its key never appears, ``list`` shows nothing, and
     ``sweep_temps`` finds what it left (a temp file, an incomplete multipart upload) only once older
     than the grace, lists it on a dry run, removes it, and then finds nothing."""
     st = made.store
-    if made.env is None:
-        assert SWEEP_TEMPS not in st.capabilities
-        pytest.skip("not applicable (nothing to install): a memory store lives in one process, no writer can be "
-                    "killed under it")
+    assert made.env is not None
     src = tmp_path / "src"
     src.write_bytes(os.urandom(12 * MiB))
     st.put("v/live", b"ok")
@@ -381,10 +386,9 @@ def test_get_to_replaces_its_destination_by_rename(made, tmp_path):
 # ------------------------------------------------------------------------------------------ optional operations
 
 
+@having(GET_RANGE)
 def test_get_range_bounds(made):
     st = made.store
-    if GET_RANGE not in st.capabilities:
-        pytest.skip(f"not applicable (nothing to install): {made.kind} has no get_range (its refusal is checked above)")
     data = os.urandom(1000)
     st.put("k", data)
     st.put("empty", b"")
@@ -401,10 +405,9 @@ def test_get_range_bounds(made):
     assert st.get_range("big", 3 * MiB, MiB) == big[3 * MiB:]
 
 
+@having(MTIME)
 def test_mtime_dates_the_last_write(made):
     st = made.store
-    if MTIME not in st.capabilities:
-        pytest.skip(f"not applicable (nothing to install): {made.kind} has no mtime (its refusal is checked above)")
     t0 = time.time()
     st.put("k", b"one")
     m1 = st.mtime("k")
@@ -415,20 +418,18 @@ def test_mtime_dates_the_last_write(made):
     assert st.create("c", b"x") and abs(st.mtime("c") - time.time()) < 60
 
 
+@having(PATH_OF)
 def test_path_of_names_the_file_that_holds_a_key(made):
     st = made.store
-    if PATH_OF not in st.capabilities:
-        pytest.skip(f"not applicable (nothing to install): {made.kind} has no path_of (its refusal is checked above)")
     st.put("a/b", b"in a file")
     with open(st.path_of("a/b"), "rb") as f:
         assert f.read() == b"in a file"
     assert not os.path.exists(st.path_of("a/missing"))  # where it would be
 
 
+@having(SET_PROGRESS)
 def test_set_progress_reports_the_bytes_of_each_transfer(made, tmp_path):
     st = made.store
-    if SET_PROGRESS not in st.capabilities:
-        pytest.skip(f"not applicable (nothing to install): {made.kind} has no set_progress (its refusal is checked above)")
     src = tmp_path / "src"
     src.write_bytes(os.urandom(3 * MiB + 5))
     moved: list[int] = []

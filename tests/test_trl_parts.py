@@ -107,3 +107,20 @@ def test_held_copies_each_tensor_to_the_host_in_the_served_dtype(served):
     master.add_(1.0)  # what TRL's iterator does after a yield (PEFT unmerge, ZeRO-3 release) reaches no copy
     ints.add_(1)
     assert torch.equal(out["w"].view(torch.uint8), before.view(torch.uint8)) and out["ids"][0] == 0
+
+
+@pytest.mark.parametrize(("version", "scale_out"), [((0, 32, 0), True), ((0, 30, 0), True), ((0, 29, 1), False),
+                                                     (None, False)])
+def test_the_launcher_passes_what_trl_vllm_serve_passes(tmp_path, capsys, monkeypatch, version, scale_out):
+    """``--max-logprobs -1`` (TRL asks for more than 20 logprobs), and ``--enable-scale-out`` from vLLM 0.30
+    on (the render route of multimodal prompts), as ``trl vllm-serve`` 1.16 does; an option given after
+    ``--`` comes last, so it wins."""
+    import deltarefit.integrations.trl.serve as serve
+
+    monkeypatch.setattr(serve, "vllm_version", lambda: version)  # the vLLM installed: none here
+    model = tmp_path / "model"
+    model.mkdir()
+    rc, _, cmd = _launch(capsys, str(model), "--cpu-workarounds", "off", "--", "--max-logprobs", "50")
+    assert rc == 0
+    assert cmd[cmd.index("--max-logprobs") + 1] == "-1" and cmd[-2:] == ["--max-logprobs", "50"]
+    assert ("--enable-scale-out" in cmd) == scale_out

@@ -146,9 +146,12 @@ def train(p: Printer, procs: Rollouts, out_dir: str, store: str, trainer_dir: st
           seed: int, t_start: float, plot: bool, where: str, label: str) -> bool:
     """Load the policy, wait for the rollouts, run ``steps`` + 1 publishes (the first a keyframe) with a
     refit of every rollout after each, and print the report. True iff every step was bit-exact."""
+    p.line("  loading the trainer's model (torch, transformers, all-MiniLM-L6-v2) while the rollouts start ...")
     pol = _load_policy(store, trainer_dir, lr, seed)
     n = len(procs.procs)
     _announce(p, procs, pol, out_dir, store, where, lr)
+    p.line(f"  waiting for the {n} rollouts: each loads torch, the model and the codec's kernels (numba compiles "
+           "them on a first run) ...")
     if not _wait_ready(p, procs, t_start):
         return False
     rows: list[StepResult] = []
@@ -176,6 +179,8 @@ def train(p: Printer, procs: Rollouts, out_dir: str, store: str, trainer_dir: st
                 f"{100 * row.changed_fraction:.2f}% changed, delta {row.delta_bytes:,} B ({row.ratio:.1f}x)")
         p.line(f"step {step}: v{row.version} {what}; publish {row.publish_s:.2f} s, sync {row.sync_s:.2f} s (max of "
                f"{n}), bit-exact, stamped v{row.version}; reward {row.reward:.3f} (exp. {row.expected_reward:.3f})")
+    p.line(f"stopping the {n} rollouts (each exits once its last reply is sent) and writing the report ...")
+    procs.close()
     _finish(p, rows, n, label, out_dir, plot, ok, steps, t_start)
     return ok
 

@@ -100,8 +100,39 @@ def _run(fn: Callable[[], None], *, where: str | None = None) -> None:
         click.echo(f"deltarefit: error: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        click.echo("deltarefit: interrupted", err=True)
+        click.echo(f"deltarefit: interrupted: {interrupted_what(click.get_current_context(silent=True))}", err=True)
         sys.exit(130)
+
+
+SAFE = "rerunning the same command is safe"
+_CHUNKS = "part of the delta may be written in place (each chunk journaled first), not verified, so not called done"
+
+
+def interrupted_what(ctx: click.Context | None) -> str:
+    """What a command stopped by Ctrl-C wrote and did not, and whether rerunning it is safe (the
+    promise of exit 130: docs/COMMAND-LINE.md), from its name and arguments."""
+    cmd = ctx.command_path.removeprefix("deltarefit ") if ctx is not None else ""
+    p = ctx.params if ctx is not None else {}
+    ck, out, store = p.get("checkpoint"), p.get("output"), p.get("store")
+    if cmd == "apply":
+        return f"{ck}: {_CHUNKS}; {SAFE}: it resumes where it stopped and verifies"
+    if cmd in ("sync", "relay node"):
+        return (f"{ck}: holds its recorded version, or {_CHUNKS}, and no newer version is recorded until "
+                f"verified; {SAFE}: it resumes where it stopped and verifies")
+    if cmd == "publish":
+        return (f"{store}: no new version unless one was printed (a version's record is written after its parts; "
+                f"parts without one are swept by retain); {SAFE}: it publishes the checkpoint, or says it already is")
+    if cmd in ("encode", "compose"):
+        return f"{out}: not written (a delta appears only whole, renamed into place); {SAFE}"
+    if cmd == "keygen":
+        return f"{p.get('private_key')}: a key may be written without its .pub: remove both and run again"
+    if cmd == "retain":
+        return f"{store}: some unneeded parts may be deleted, nothing any reader needs; {SAFE}"
+    if cmd == "demo":
+        return f"{p.get('out')}: holds the run so far; {SAFE}: it starts the demo over"
+    if cmd in ("simulate", "bench"):
+        return f"the tables and figures of the run so far may be written; {SAFE}"
+    return f"nothing was written; {SAFE}"
 
 
 class _Group(click.Group):
@@ -113,6 +144,10 @@ class _Group(click.Group):
         kwargs.setdefault("prog_name", "deltarefit")  # not "python -m deltarefit"
         try:
             rv = super().main(*args, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as e:
+            # Bare `deltarefit` (or `deltarefit relay`): the help as --help prints it, not one flattened line.
+            click.echo(e.ctx.get_help(), err=True)
+            sys.exit(2)
         except click.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else "deltarefit"
             msg = " ".join(e.format_message().split())

@@ -91,10 +91,11 @@ def encode(base: str, target: str, output: str, history_dir: str | None, threads
 def _unrelated_warning(base: str, target: str, rep) -> None:
     """A warning (stderr, one line) for an encode of two checkpoints that look like no two versions of one
     model (most elements changed), or of the same weights twice (none changed): written all the same."""
-    if rep.changed_fraction >= 0.5:
-        click.echo(f"deltarefit: warning: {base} -> {target}: {100 * rep.changed_fraction:.1f}% of elements "
-                   "changed: they look unrelated (not two versions of one model), and the delta saves nothing "
-                   "over the full checkpoint; check the two paths", err=True)
+    from ..stream.relatedness import looks_unrelated, unrelated_words
+
+    if looks_unrelated(rep.changed_fraction):
+        click.echo(f"deltarefit: warning: {unrelated_words(base, target, rep.changed_fraction)}, and the delta "
+                   "saves nothing over the full checkpoint; check the two paths", err=True)
     elif rep.changed_fraction == 0 and rep.base_fingerprint == rep.target_fingerprint:
         click.echo(f"deltarefit: warning: {base} and {target} hold the same weights (fingerprint "
                    f"{rep.target_fingerprint[:16]}…): the delta changes nothing; check the two paths", err=True)

@@ -72,7 +72,8 @@ def lines(s, name: str) -> list[str]:
         out.append(f"fingerprint {s.hashed} (hashed now: {same})")
     else:
         files = ("files unchanged since verified" if s.files_unchanged else
-                 "files changed since verified, or too soon after a write to tell: --verify hashes them")
+                 "files written under a timestamp tick ago, too soon to tell: --verify hashes them" if s.too_soon
+                 else "files changed since verified: --verify hashes them")
         out.append(f"fingerprint {s.fingerprint} (recorded; {files})")
     at = f"store {s.store} ({s.store_from}): head version {s.head}"
     if s.state == "modified":

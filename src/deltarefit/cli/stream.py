@@ -43,11 +43,15 @@ from .progress import phases
 @click.option("--quarantine-head", is_flag=True,
               help="First set aside head records that can be no version of this stream (malformed, another "
                    "stream's, unsigned in a signed stream, not verifying with --sign's key) to quarantine/.")
+@click.option("--another-model", is_flag=True,
+              help="Publish CHECKPOINT although it looks like another model than the stream's (most elements "
+                   "changed against the previous version), which is refused otherwise.")
 @_threads
 @_quiet
 @_json
 def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, quorum, ack_timeout, signing_key,
-            catchup, history, advance, reset_baseline, quarantine_head, threads, quiet, as_json) -> None:
+            catchup, history, advance, reset_baseline, quarantine_head, another_model, threads, quiet,
+            as_json) -> None:
     """Commit CHECKPOINT as the next version of the stream in STORE (a directory, or s3://bucket/prefix).
 
     One publisher per state directory at a time: a second one exits 11 naming the first."""
@@ -72,7 +76,7 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
         st = open_store(store)
         pub = Publisher(st, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=q,
                         ack_timeout=ack_timeout, signing_key=signing_key, threads=threads,
-                        catchup=catchup, advance=advance, history=history)
+                        catchup=catchup, advance=advance, history=history, another_model=another_model)
         from ..stream.chain import head
 
         before = head(st)
@@ -127,10 +131,16 @@ def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, full
             v = sub.prepare()
             click.echo(f"{checkpoint}: " + (f"acknowledged version {v}" if v else "nothing to acknowledge"))
             return
+        before = _record_before(checkpoint) if repair else None
         with phases(quiet) as sub.progress:  # the download, then each version's apply (cli.progress)
             rep = sub.sync(to_version=to_version, verify=full_verify, repair=repair)
+        changed = _repaired(before, rep, st.url, sub._ident) if repair else None
         if as_json:
-            click.echo(json.dumps(rep.__dict__, indent=2))
+            click.echo(json.dumps(rep.__dict__ | ({"repaired": changed} if repair else {}), indent=2))
+        elif changed is not None:
+            how = ("adopted by its fingerprint, unchanged" if rep.route == "none" else
+                   f"version {rep.from_version} -> {rep.version} via {rep.route} ({rep.bytes_fetched:,} bytes fetched)")
+            click.echo(f"{checkpoint}: repaired: {changed}; {how}; fingerprint {rep.fingerprint} verified")
         elif rep.verified and rep.from_version == rep.version and rep.route == "none":
             click.echo(f"{checkpoint}: at version {rep.version}, nothing to do; fingerprint {rep.fingerprint} "
                        "verified")
@@ -142,6 +152,33 @@ def sync(store, checkpoint, to_version, subscriber_id, public_key, prepare, full
                        f"{rep.version}; --verify hashes them) fingerprint {rep.fingerprint}")
 
     _run(go, where=checkpoint)
+
+
+def _record_before(checkpoint: str) -> dict | str | None:
+    """The version record a ``--repair`` finds (None: none; a string: why it is unreadable)."""
+    from ..errors import StreamError
+    from ..stream.holder import state_path
+    from ..stream.records import held_state
+
+    try:
+        return held_state(state_path(checkpoint))
+    except StreamError as e:
+        return f"unreadable ({e})"
+
+
+def _repaired(before: dict | str | None, rep, url: str, stream_id: str | None) -> str | None:
+    """What a ``--repair`` changed in the record, in words (None: nothing)."""
+    if isinstance(before, dict) and (before["version"], before["fingerprint"], before.get("stream_id"),
+                                     before.get("stream")) == (rep.version, rep.fingerprint, stream_id, url):
+        return None
+    if before is None:
+        was = "no version record"
+    elif isinstance(before, str):
+        was = f"the version record was {before}"
+    else:
+        was = (f"the record said version {before['version']} of stream {before.get('stream_id') or '(no identity)'} "
+               f"({before.get('stream')})")
+    return f"{was}, now version {rep.version} of stream {stream_id or '(no identity)'} ({url})"
 
 
 @main.command("log")

@@ -23,6 +23,8 @@ import hashlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .reload_logs import QuietPartialReload
+
 __all__ = ["Reloading", "compare_kernel", "holders_of", "kernel_matches", "kernel_reads", "rebuild", "restore", "snapshot",
            "state_of", "verify_layers"]
 
@@ -343,8 +345,10 @@ class Reloading:
                 self.nones[id(m)] = (m, names)
         self.kept: dict[int, dict[str, Any]] = {}
         self._patched: list[Any] = []
+        self._quiet = QuietPartialReload()  # vLLM's warnings for the layers a partial reload leaves alone
 
     def __enter__(self) -> Reloading:
+        self._quiet.__enter__()
         for m, _names in self.nones.values():
             qm = getattr(m, "quant_method", None)
             if qm is None or not hasattr(qm, "process_weights_after_loading") or \
@@ -365,6 +369,7 @@ class Reloading:
         return wrapped
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._quiet.__exit__(exc_type, exc, tb)
         for qm in self._patched:
             del qm.process_weights_after_loading  # the instance attribute: the class's method again
         for m, names in self.nones.values():

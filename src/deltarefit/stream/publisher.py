@@ -3,7 +3,7 @@
 Protocol for version N (the parent N-1 is the publisher's committed baseline):
 
 1. Encode the delta from the baseline to the new checkpoint (and, on keyframe versions, keep the
-   checkpoint's files too) into a local staging directory.
+   checkpoint's files too) into a local staging directory (another model refused: ``relatedness``).
 2. Upload the parts under ``v/N/<attempt>/`` (an attempt id unique to this publish).
 3. Joint commit (optional): put ``v/N/prepared.json``, wait for enough subscribers to acknowledge
    that they verified the delta against their copy of N-1; too few in time aborts the version.
@@ -69,6 +69,7 @@ from .records import (
     stream_identity,
     vkey,
 )
+from .relatedness import check_one_model
 
 if TYPE_CHECKING:
     from .served import ServedTensors
@@ -91,8 +92,9 @@ class Publisher:
     one hash pass and a copy instead of a decode and the apply's hash passes (a whole publish 1.32x faster in
     docs/STREAMS.md, ``python -m deltarefit.apps.bench.stream``), at the cost of a second copy of the checkpoint
     on disk for a moment (keyframes need it anyway). ``"apply"`` applies the delta in place (no second copy).
-    Directory checkpoints, and a checkpoint that changed after it was
-    encoded, always take the apply route. ``sums`` (default on): deltas carry each changed tensor's
+    Directory checkpoints, and a checkpoint that changed after it was encoded, always take the apply route.
+    ``another_model``: publish a checkpoint that looks like another model (most elements changed:
+    ``relatedness``), else refused (``UsageError``). ``sums`` (default on): deltas carry each changed tensor's
     additive digest, so a live engine checks a refit in O(changed elements) (FORMAT.md, "Held
     digests"); one more pass over the changed tensors per encode. ``history``: code each version's
     delta against a history book kept in ``state_dir/history`` as well (encoding 5, kept where
@@ -106,16 +108,16 @@ class Publisher:
     def __init__(self, store: Store | str, state_dir: str, *, keyframe_every: int = 20,
                  keyframe_ratio: float = 0.5, quorum: int = 0, ack_timeout: float = 60.0, live_ttl: float = 3600.0,
                  signing_key: str | None = None, threads: int | None = None, publisher_id: str | None = None,
-                 catchup: bool = False, advance: str = "copy", sums: bool = True, history: bool = False) -> None:
+                 catchup: bool = False, advance: str = "copy", sums: bool = True, history: bool = False,
+                 another_model: bool = False) -> None:
         if advance not in ("copy", "apply"):
             raise UsageError(f"advance must be 'copy' or 'apply', not {advance!r}")
-        self.sums = sums
+        self.sums, self.another_model = sums, another_model
         if keyframe_every < 1 or keyframe_ratio <= 0 or (quorum < 0 and quorum != ALL) or ack_timeout <= 0:
             raise UsageError("keyframe_every >= 1, keyframe_ratio > 0, quorum >= 0 (or ALL) and ack_timeout > 0 "
                              f"are required, got keyframe_every={keyframe_every}, keyframe_ratio={keyframe_ratio}, "
                              f"quorum={quorum}, ack_timeout={ack_timeout}")
-        self.live_ttl = live_ttl
-        self.state_dir = os.path.abspath(state_dir)
+        self.live_ttl, self.state_dir = live_ttl, os.path.abspath(state_dir)
         os.makedirs(self.state_dir, exist_ok=True)
         store = open_store(store) if isinstance(store, str) else store
         # What holds the committed version (the baseline file, its state, hashes and book), and what the
@@ -124,23 +126,20 @@ class Publisher:
         self.attempts = Attempts(store, self.state_dir, self._check_trust)
         self._store = store
         self.keyframe_every, self.keyframe_ratio = keyframe_every, keyframe_ratio
-        self.quorum, self.ack_timeout = quorum, ack_timeout
+        self.quorum, self.ack_timeout, self.threads = quorum, ack_timeout, threads
         self.signer = Signer(signing_key) if signing_key else None
         # The records this publisher follows (other publishers' versions, a reset) are checked with its
         # own key: in a signed stream a record it cannot verify is not a version of the stream.
         self.verifier = self.signer.verifier() if self.signer else None
         self._head_rec: CommitRecord | None = None  # the record of the baseline's version, after recover
-        self.threads = threads
         # Catch-up deltas: each version also ships one delta straight from the newest keyframe, so a late joiner needs
         # the keyframe and one delta instead of the whole chain (a local copy of it, a second encode per publish).
-        self.catchup = catchup
+        self.catchup, self.history = catchup, history
         if catchup and history:
             log.warning("catch-up deltas and history do not combine: a subscriber takes no catch-up to a version "
                         "coded with history (its book could not follow the next delta), see docs/STREAMS.md")
         self.keyframe_copy = os.path.join(self.state_dir, "keyframe.safetensors")
         self.publisher_id = publisher_id or f"{os.uname().nodename}-{os.getpid()}"
-        self.history = history
-        # The baseline's paths, named as before the baseline became an object.
         self.baseline, self.state_path, self.staging = self.base.path, self.base.state_path, self.base.staging
         self.known_path, self.book_path = self.base.known_path, self.base.book_path
         self.staged_moves_path = self.base.staged_moves_path
@@ -392,6 +391,7 @@ class Publisher:
         if rep.base_fingerprint != st.fingerprint:
             raise StreamError(f"{self.baseline}: baseline fingerprint {rep.base_fingerprint[:16]}… is not the "
                               f"committed {st.fingerprint[:16]}… (modified by hand?){RESET_FIX}")
+        check_one_model(rep.changed_fraction, self.baseline, checkpoint, st.version, allowed=self.another_model)
         fp = rep.target_fingerprint
         part = None if fp == st.fingerprint else Part(f"{attempt}/delta", os.path.getsize(local), file_hash(local))
         return rep, part, fp, rep.full_bytes

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import time
 from dataclasses import asdict, dataclass
 
 from ..checkpoint.read import open_checkpoint
@@ -57,6 +58,7 @@ class CheckpointStatus:
     head: int | None  # the store's newest version (None: no store read)
     behind: int | None  # head - version, where both are known (negative: ahead)
     files_unchanged: bool | None  # the files' identity is the one recorded when last verified (None: no record)
+    too_soon: bool | None  # the identity recorded, but written under a timestamp tick ago: cannot tell unhashed
     hashed: str | None  # the fingerprint hashed now (verify), else None
     found_version: int | None  # hashed, without a record: the store's newest version of that fingerprint
     fix: str | None  # the command that brings it to the head or out of its state, or None at the head
@@ -90,10 +92,11 @@ def checkpoint_status(checkpoint: str, *, store: str | None = None, verify: bool
     st = {"checkpoint": ck, "record": rec_path, "store": url, "hashed": None, "found_version": None,
           "store_from": "given" if store else "recorded" if url else None, "head": None, "behind": None}
     if state is None:
-        st.update(version=None, fingerprint=None, stream_id=None, files_unchanged=None)
+        st.update(version=None, fingerprint=None, stream_id=None, files_unchanged=None, too_soon=None)
     else:
+        same = identity_unchanged(state, ident) or identity_settled(state, ident, time.time_ns())
         st.update(version=state["version"], fingerprint=state["fingerprint"], stream_id=state.get("stream_id"),
-                  files_unchanged=identity_unchanged(state, ident))
+                  files_unchanged=same, too_soon=not same and _same_identity(state, ident))
     if verify:
         st["hashed"] = hash_identity(ck, threads)[0]
     s = None if url is None else open_store(url, create=False)
@@ -101,6 +104,34 @@ def checkpoint_status(checkpoint: str, *, store: str | None = None, verify: bool
         st["head"] = head(s)
     state_name, fix = _judge(st, s, checkpoint)
     return CheckpointStatus(state=state_name, fix=fix, **st)
+
+
+# Whole-second times (FAT keeps 2 s, some network file systems 1 s) show in every time a file system
+# records; the others keep nanoseconds, set from the kernel's clock tick (1-10 ms): a margin of ten.
+COARSE_TICK_NS = 2_000_000_000
+FINE_TICK_NS = 100_000_000
+
+
+def _same_identity(state: dict, identity: tuple) -> bool:
+    rec = state.get("identity")
+    return isinstance(rec, list) and rec == [list(x) for x in identity]
+
+
+def identity_settled(state: dict, identity: tuple, now_ns: int) -> bool:
+    """Whether ``identity`` (taken now) is the one ``state`` recorded after the last write and the
+    verification of a sync (``record_version``: the identity after the final flush, and the time after
+    it), and a timestamp tick has passed since the files' last change: a write since would have given
+    them a later time. What a sync's ``identity_unchanged`` asks more (the recording itself clear of
+    the tick, as git's index does) a sync's own write never meets, so its next check hashes; ``status``
+    reads without hashing. Hazard: another process writing within the tick right after the sync's last
+    write, after its read-back, is not seen (as a writer during the writes is not); ``--verify`` hashes."""
+    at = state.get("identity_at_ns")
+    if not isinstance(at, int) or not _same_identity(state, identity):
+        return False
+    times = [t for x in identity for t in (x[4], x[5])]
+    tick = COARSE_TICK_NS if all(t % 1_000_000_000 == 0 for t in times) else FINE_TICK_NS
+    last = max(times, default=0)
+    return last <= at and last + tick < now_ns
 
 
 def _judge(st: dict, s, checkpoint: str) -> tuple[str, str | None]:

