@@ -23,7 +23,8 @@ The round, in the order verl's ``CheckpointEngineManager.update_weights`` drives
   and its fingerprint, or the publish's error). The other ranks walk the generator (producing each
   tensor is collective over the actor group) and drop what it yields.
 * Rollout, ``receive_weights(global_steps)``: waits for the handoff (``timeout_s``), syncs its local
-  copy (``checkpoint``, one per rollout worker, in ``/dev/shm`` by default) to that version with a
+  copy (``checkpoint``, one per rollout worker, in this user's private directory of ``/dev/shm`` by
+  default) to that version with a
   ``Subscriber`` (records, signatures with ``verify_key``, stream identity, parent links and every apply
   checked; the cheapest route: the chain of deltas or a keyframe), checks that it holds the handoff's
   fingerprint, and only then yields every tensor of the copy. Nothing is yielded from a sync that was
@@ -53,7 +54,6 @@ import json
 import logging
 import os
 import queue
-import tempfile
 import threading
 import time
 import uuid
@@ -84,9 +84,16 @@ def _handoff_key(token: str) -> str:
     return f"{HANDOFF_PREFIX}{token}.json"
 
 
-def default_local_dir() -> str:
-    root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    return os.path.join(root, "deltarefit-verl")
+LOCAL_PREFIX = "deltarefit-verl"
+
+
+def default_local_dir(*, make: bool = False) -> str:
+    """The rollout copies' default directory: this user's private ``deltarefit-verl-UID`` in ``/dev/shm``
+    (else the temp directory), made 0700 or reused only when ``io.private`` finds it this user's alone
+    (``make``; else only named)."""
+    from ..io.private import shared_root, user_dir, user_dir_path
+
+    return (user_dir if make else user_dir_path)(shared_root(prefer_memory=True), LOCAL_PREFIX)
 
 
 def local_copy(local_dir: str, stream: str, subscriber_id: str) -> str:
@@ -126,7 +133,8 @@ class DeltaRefitEngine:
       ``signing_key`` (Ed25519 private key: records are signed), ``served`` (dtype of what is published),
       ``keyframe_every``;
     * rollout: ``verify_key`` (records must verify with it), ``local_dir`` (where each rollout worker keeps
-      its copy, ``<stream hash>-<subscriber_id>.safetensors``; default ``/dev/shm/deltarefit-verl``),
+      its copy, ``<stream hash>-<subscriber_id>.safetensors``; default this user's private
+      ``/dev/shm/deltarefit-verl-UID``),
       ``checkpoint`` (this one worker's copy, exactly: not for a config shared by several), ``subscriber_id``
       (default from the host and verl's ``RANK``), ``timeout_s`` (how long a rollout waits for the
       trainer's handoff, default 1800), ``in_place`` (hand the vLLM engine the backend's update request
@@ -160,6 +168,7 @@ class DeltaRefitEngine:
         self.served = served
         self.keyframe_every = int(keyframe_every)
         self.subscriber_id = subscriber_id or _default_id()
+        self._default_dir = not (checkpoint or local_dir)
         self.checkpoint = os.path.abspath(checkpoint) if checkpoint else local_copy(
             local_dir or default_local_dir(), self.stream, self.subscriber_id)
         self.timeout_s = float(timeout_s)
@@ -271,7 +280,10 @@ class DeltaRefitEngine:
         if self._subscriber is None:
             from ..stream.subscriber import Subscriber
 
-            os.makedirs(os.path.dirname(self.checkpoint), exist_ok=True)
+            if self._default_dir:
+                default_local_dir(make=True)  # private, or refused: another user's files are never ours
+            else:
+                os.makedirs(os.path.dirname(self.checkpoint), exist_ok=True)
             self._subscriber = Subscriber(self.store, self.checkpoint, subscriber_id=self.subscriber_id,
                                           public_key=self.verify_key)
         return self._subscriber
