@@ -60,65 +60,30 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
-import blake3
-
 from ..errors import DeltaRefitError, StoreError, StreamError, UsageError
+from ..stream.chain import get_bounded
+from .verl_args import (  # noqa: F401 (re-exported: the engine's names)
+    HANDOFF_MAX_BYTES,
+    HANDOFF_PREFIX,
+    KEYS,
+    SERVED,
+    _default_id,
+    _handoff_key,
+    check_kwargs,
+    default_local_dir,
+    local_copy,
+    parse_handoff,
+    verified_tensors,
+)
 
 log = logging.getLogger(__name__)
 
 BACKEND = "deltarefit"
-HANDOFF_PREFIX = "verl/"
 # The wire format of an in-place round: one ("deltarefit", update_request) item instead of tensors.
 WIRE_FORMAT = "deltarefit"
-SERVED = (None, "BF16", "F16", "F32")
-KEYS = ("stream", "state_dir", "signing_key", "verify_key", "served", "keyframe_every", "local_dir", "checkpoint",
-        "subscriber_id", "timeout_s", "in_place")  # engine_kwargs.deltarefit
 POLL_S = 0.1
 
 __all__ = ["BACKEND", "DeltaRefitEngine", "register"]
-
-
-def _handoff_key(token: str) -> str:
-    if not token.isalnum():
-        raise UsageError(f"deltarefit verl round token {token!r}: letters and digits only")
-    return f"{HANDOFF_PREFIX}{token}.json"
-
-
-LOCAL_PREFIX = "deltarefit-verl"
-
-
-def default_local_dir(*, make: bool = False) -> str:
-    """The rollout copies' default directory: this user's private ``deltarefit-verl-UID`` in ``/dev/shm``
-    (else the temp directory), made 0700 or reused only when ``io.private`` finds it this user's alone
-    (``make``; else only named)."""
-    from ..io.private import shared_root, user_dir, user_dir_path
-
-    return (user_dir if make else user_dir_path)(shared_root(prefer_memory=True), LOCAL_PREFIX)
-
-
-def local_copy(local_dir: str, stream: str, subscriber_id: str) -> str:
-    """A rollout worker's copy: one per worker and stream in ``local_dir`` (workers of a host share the dir)."""
-    tag = blake3.blake3(stream.encode()).hexdigest(6)
-    return os.path.join(os.path.abspath(local_dir), f"{tag}-{subscriber_id}.safetensors")
-
-
-def _default_id() -> str:
-    rank = os.environ.get("RANK")
-    return f"verl-{os.uname().nodename}-" + (f"rank{rank}" if rank and rank.isdigit() else f"pid{os.getpid()}")
-
-
-def checkpoint_tensors(path: str) -> Iterator[tuple[str, Any]]:
-    """Every tensor of a safetensors checkpoint (a file, or a directory of ``*.safetensors``), one at a
-    time, each a CPU tensor of its own: ``safe_open``'s tensors share the file's mapping, which the next
-    sync writes in place, so each is copied out (one tensor's bytes at a time)."""
-    from safetensors import safe_open
-
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, st.get_tensor(name).clone()
 
 
 class DeltaRefitEngine:
@@ -149,14 +114,9 @@ class DeltaRefitEngine:
         if unknown:
             raise UsageError(f"engine_kwargs.deltarefit: unknown key(s) {', '.join(sorted(unknown))}; known: "
                              f"{', '.join(KEYS)}")
-        if not stream:
-            raise UsageError("engine_kwargs.deltarefit.stream is required: the directory or s3:// URL of the "
-                             "version stream (+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.deltarefit"
-                             ".stream=...)")
-        if served not in SERVED:
-            raise UsageError(f"engine_kwargs.deltarefit.served: {served!r}; use BF16, F16, F32 or null")
-        if timeout_s <= 0:
-            raise UsageError(f"engine_kwargs.deltarefit.timeout_s must be > 0, got {timeout_s}")
+        check_kwargs(stream=stream, state_dir=state_dir, signing_key=signing_key, verify_key=verify_key,
+                     served=served, keyframe_every=keyframe_every, local_dir=local_dir, checkpoint=checkpoint,
+                     subscriber_id=subscriber_id, timeout_s=timeout_s, in_place=in_place)
         self.bucket_size = bucket_size
         self.stream = str(stream)
         # verl passes is_master on the trainer side only (engine_workers), never on the rollout side.
@@ -294,7 +254,7 @@ class DeltaRefitEngine:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                body = json.loads(self.store.get(key))
+                raw = get_bounded(self.store, key, HANDOFF_MAX_BYTES, "the round's handoff")
             except (KeyError, StoreError) as e:
                 # Not yet there: no handoff, or (a directory store) the trainer has not created the store.
                 if isinstance(e, StoreError) and self._store is not None:
@@ -304,16 +264,7 @@ class DeltaRefitEngine:
                                       f"{self.timeout_s:g} s (engine_kwargs.deltarefit.timeout_s)") from None
                 await asyncio.sleep(POLL_S)
                 continue
-            except ValueError as e:
-                raise StreamError(f"{self.stream}/{key}: malformed handoff ({e})") from None
-            if not isinstance(body, dict):
-                raise StreamError(f"{self.stream}/{key}: malformed handoff")
-            if "error" in body:
-                raise StreamError(f"{self.stream}: the trainer's publish for round {self.token} failed: "
-                                  f"{body['error']}")
-            if not isinstance(body.get("version"), int) or not isinstance(body.get("fingerprint"), str):
-                raise StreamError(f"{self.stream}/{key}: malformed handoff (no version or fingerprint)")
-            return body
+            return parse_handoff(raw, f"{self.stream}/{key}", self.token)
 
     def sync_to(self, version: int, fingerprint: str) -> Any:
         """Bring the local copy to ``version`` (verified by the subscriber) and check it holds
@@ -351,7 +302,7 @@ class DeltaRefitEngine:
         log.info("deltarefit: step %s, %s at version %d (%s, %d bytes fetched) in %.2f s", global_steps,
                  self.checkpoint, version, rep.route, rep.bytes_fetched, time.perf_counter() - t0)
         self.last_sync = rep
-        for item in checkpoint_tensors(self.checkpoint):
+        for item in verified_tensors(self.subscriber.holder):  # the bytes verified, or refused
             yield item
 
 
