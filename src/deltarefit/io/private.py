@@ -3,8 +3,8 @@
 
 Two ways, and only these:
 
-* a fresh directory (``fresh_dir``: ``mkdtemp``, mode 0700, a name nobody could predict), for what lives
-  as long as one run;
+* a fresh directory (``tempfile.mkdtemp``, or ``io.locks.owned_temp`` for scratch a later run sweeps:
+  mode 0700, a name nobody could predict), for what lives as long as one run;
 * a per-user directory (``user_dir``: ``PARENT/PREFIX-UID``), made 0700 by this user, or reused only when
   ``lstat`` says it is a directory (not a symbolic link), owned by this user, and neither group nor others
   can read, write or enter it. Anything else there (a directory another user made first, one left 0777, a
@@ -71,15 +71,6 @@ def user_dir(parent: str, prefix: str) -> str:
             raise FileSystemError.of(f"{path}: cannot make the private directory", e) from None
     check_private(path)
     return path
-
-
-def fresh_dir(prefix: str, parent: str | None = None) -> str:
-    """A new directory of this user's alone (``mkdtemp``: 0700, an unpredictable name) in ``parent``
-    (default: the system temp directory)."""
-    try:
-        return tempfile.mkdtemp(prefix=prefix, dir=parent)
-    except OSError as e:
-        raise FileSystemError.of(f"{parent or tempfile.gettempdir()}: cannot make a private directory", e) from None
 
 
 def write_private(path: str, data: bytes, mode: int = 0o600) -> None:
