@@ -121,3 +121,34 @@ def test_private_files_never_follow_a_link_planted_at_their_names(tmp_path):
     private.write_private(os.path.join(d, "f"), b"new")
     assert victim.read_text() == "keep" and open(os.path.join(d, "f")).read() == "new"
     assert not os.path.islink(os.path.join(d, "f"))
+
+
+@pytest.mark.parametrize("planted", ["symbolic link", "their directory"])
+def test_a_publisher_state_directory_planted_in_a_shared_store_is_refused(tmp_path, shared, planted):
+    """A store other users can write (a shared stream directory): another user makes ``STORE/.publisher``
+    first, as a link to a directory of theirs or as their own directory; ``deltarefit publish`` refuses it
+    in one line (exit 4) and writes nothing there (its baseline would be theirs to swap)."""
+    uid = _other_user()
+    import numpy as np
+
+    from deltarefit.checkpoint import TensorSource, write_safetensors
+
+    store = os.path.join(shared, "store")
+    os.mkdir(store)
+    os.chmod(store, 0o1777)
+    theirs = os.path.join(shared, "theirs")
+    state = os.path.join(store, ".publisher")
+    if planted == "symbolic link":
+        as_other(uid, f"mkdir -m 0777 {theirs}; ln -s {theirs} {state}")
+    else:
+        as_other(uid, f"mkdir -m 0777 {state}")
+    a = np.arange(4096, dtype=np.float32)
+    ck = str(tmp_path / "ck.safetensors")
+    write_safetensors(ck, [TensorSource("w", "F32", a.shape, a.nbytes, lambda: [a.tobytes()])])
+    r = subprocess.run([sys.executable, "-m", "deltarefit", "publish", store, ck], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": SRC, "DELTAREFIT_NO_PROGRESS": "1"})
+    assert r.returncode == 4, (r.returncode, r.stderr)
+    assert r.stderr.count("\n") == 1 and "publisher state directory" in r.stderr, r.stderr
+    for d in (theirs, state):
+        if os.path.isdir(d):
+            assert os.listdir(d) == [], os.listdir(d)

@@ -116,7 +116,6 @@ class Publisher:
                              f"quorum={quorum}, ack_timeout={ack_timeout}")
         self.live_ttl = live_ttl
         self.state_dir = os.path.abspath(state_dir)
-        os.makedirs(self.state_dir, exist_ok=True)
         store = open_store(store) if isinstance(store, str) else store
         # What holds the committed version (the baseline file, its state, hashes and book), and what the
         # publisher leaves in the store on the way to a commit: parts held, not inherited.
