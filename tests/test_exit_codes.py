@@ -173,7 +173,14 @@ def _corrupt_record(w: World, d: str) -> None:
         f.write("{not json")
 
 
+def _not_the_demos(w: World, d: str) -> None:
+    os.makedirs(os.path.join(d, "mine", "original"))
+
+
 CASES: dict[str, Case] = {
+    "usage: a demo --out directory the demo did not make": Case(
+        2, "a `demo --out` directory that is not empty", lambda w, d: ["demo", "--out", os.path.join(d, "mine")],
+        "not a directory the demo made", setup=_not_the_demos),
     "usage: a bad option value": Case(2, "usage", lambda w, d: ["sync", w.store, "c", "--to", "0"], "--to"),
     "usage: an output in a missing directory": Case(
         2, "an output whose directory does not exist",

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from deltarefit.errors import UsageError
+from deltarefit.errors import UntrustedError, UsageError
 
 
 def test_the_package_imports_without_trl_and_refuses_before_enable():
@@ -55,10 +55,37 @@ def test_the_launcher_runs_the_api_server_with_the_backend_on_loopback(tmp_path,
     assert opt["--worker-extension-cls"] == "deltarefit.engines.vllm.DeltaRefitWorkerExtension"
     assert opt["--logprobs-mode"] == "processed_logprobs" and cmd[-2:] == ["--dtype", "bfloat16"]
     assert env == {"VLLM_SERVER_DEV_MODE": "1", "DELTAREFIT_VERIFY_KEY": str(key),
-                   "DELTAREFIT_STREAMS": f"{tmp_path / 'run7'},s3://bucket/run7"}
+                   "DELTAREFIT_STREAMS": json.dumps([str(tmp_path / "run7"), "s3://bucket/run7"])}
+
+
+def test_the_launcher_pins_one_stream_per_path_whatever_its_characters(tmp_path, capsys):
+    """A --stream path holding a comma (or a space, a bracket) is one pin in the engine, never two: the
+    launcher writes a JSON array and the engine reads it whole (a comma-joined list widened what it trusted)."""
+    from deltarefit.engines.vllm.trust import EngineTrust
+
+    model = tmp_path / "model"
+    model.mkdir()
+    odd = tmp_path / "runs,/tmp" / "a b[1]"
+    odd.mkdir(parents=True)
+    rc, env, _ = _launch(capsys, str(model), "--stream", str(odd), "--stream", "s3://bucket/x,y",
+                         "--cpu-workarounds", "off")
+    assert rc == 0
+    trust = EngineTrust.from_env(env)
+    assert trust.roots == (os.path.realpath(odd),) and trust.urls == ("s3://bucket/x,y",)
+    trust.check_stream(str(odd))
+    with pytest.raises(UntrustedError):
+        trust.check_stream("/tmp/elsewhere")  # on a comma split, "/tmp" would have been pinned
+    with pytest.raises(UsageError, match="JSON array"):
+        EngineTrust.from_env({"DELTAREFIT_STREAMS": '["/a", 3]'})
+    assert EngineTrust.from_env({"DELTAREFIT_STREAMS": " /a , s3://b/c ,"}).roots == ("/a",)  # typed by hand
 
 
 def test_the_launcher_sets_the_cpu_workarounds_for_every_vllm_process(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    from deltarefit.integrations.trl.serve import site_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     model = tmp_path / "model"
     model.mkdir()
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
@@ -67,7 +94,8 @@ def test_the_launcher_sets_the_cpu_workarounds_for_every_vllm_process(tmp_path, 
         assert rc == 0 and "DELTAREFIT_VERIFY_KEY" not in env and "DELTAREFIT_STREAMS" not in env
         site, rest = env["PYTHONPATH"].split(os.pathsep, 1)
         assert rest == "/elsewhere"
-        text = open(os.path.join(site, "sitecustomize.py")).read()
+        assert site == site_dir(prepack_off, write=False)  # --print names it, and writes nothing
+        text = open(os.path.join(site_dir(prepack_off), "sitecustomize.py")).read()
         assert "_is_amx_tile_supported = lambda: False" in text
         assert ("_supports_onednn = False" in text) == prepack_off
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -74,12 +75,12 @@ def run_demo(out_dir: str, *, steps: int = DEFAULT_STEPS, lr: float = 1e-5, roll
     if transport not in TRANSPORTS:
         raise UsageError(f"transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
     fault_spec = _parse_fault(fault if fault is not None else os.environ.get(FAULT_ENV))
+    out_dir = os.path.abspath(out_dir)
+    store, trainer_dir = _clean(out_dir, rollouts)  # before anything is printed: a refusal is one line
     p = Printer(quiet)
     t_start = time.perf_counter()
     p.line(f"deltarefit demo: starting {rollouts} rollout processes and the trainer ({steps} optimizer steps, "
            f"the stream in {LABELS[transport]}) ...")
-    out_dir = os.path.abspath(out_dir)
-    store, trainer_dir = _clean(out_dir)
     with contextlib.ExitStack() as stack:
         store, where, relay = open_transport(stack, transport, store, out_dir, s3_url)
         # Start the rollouts first: their imports overlap with the trainer's model load.
@@ -100,12 +101,55 @@ def _parse_fault(spec: str | None) -> tuple[str, int, int] | None:
     return m.group(1), int(m.group(2)), int(m.group(3))
 
 
-def _clean(out: str) -> tuple[str, str]:
-    """(store, trainer dir) under ``out``, emptied of an earlier run's stream, state and rollout copies."""
+MARKER = ".deltarefit-demo"  # written first in a directory the demo uses: what it made there, and may clean
+_MADE = re.compile(r"store|trainer|rollout|deltas|checkpoints|relay|seaweedfs|rollout-\d{1,4}"
+                   r"|steps\.json|steps\.csv|refit\.png")  # the entries a run makes
+
+
+def _made_before(out: str) -> list[str] | None:
+    """The entries an earlier run listed in ``out``'s marker (only names a run makes), or None without a
+    marker. A marker that is not a small regular file of that form is refused: it is not the demo's."""
+    from ..io.fsutil import read_small
+    from ..io.jsonlimits import small_json
+
+    path = os.path.join(out, MARKER)
+    if not os.path.lexists(path):
+        return None
+    try:
+        d = small_json(read_small(path, 1 << 16, what="the demo's marker", follow=False), max_depth=2)
+        names = d["made"] if isinstance(d, dict) and d.get("by") == "deltarefit demo" else None
+        if not isinstance(names, list) or not all(isinstance(n, str) and _MADE.fullmatch(n) for n in names):
+            raise ValueError("not the demo's")
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"{path}: not a marker the demo wrote ({e}); remove it, or give --out a new or empty "
+                         "directory") from None
+    return names
+
+
+def _clean(out: str, rollouts: int) -> tuple[str, str]:
+    """(store, trainer dir) under ``out``, emptied of what an earlier run of the demo made there, and only
+    that: the entries its marker (``MARKER``) lists. A directory that is not empty and holds no marker
+    is not the demo's and is refused (``UsageError``), nothing in it touched; a new or empty one is made
+    the demo's (the marker written first, listing the entries this run makes)."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise UsageError(f"{out}: --out must be a directory")
     os.makedirs(out, exist_ok=True)
-    for name in os.listdir(out):
-        if name in ("store", "trainer", "rollout", "deltas", "checkpoints") or re.fullmatch(r"rollout-\d+", name):
-            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    made = _made_before(out)
+    if made is None and os.listdir(out):
+        raise UsageError(f"{out}: not empty, and not a directory the demo made (no {MARKER}); give --out a new or "
+                         "empty directory (nothing was touched)")
+    for name in made or ():
+        p = os.path.join(out, name)
+        if os.path.islink(p) or os.path.isfile(p):
+            os.unlink(p)
+        elif os.path.isdir(p):
+            shutil.rmtree(p)
+    mine = ["store", "trainer", "rollout", "deltas", "checkpoints", "relay", "seaweedfs", "steps.json", "steps.csv",
+            "refit.png", *(f"rollout-{i}" for i in range(rollouts))]
+    from ..io.fsutil import write_atomic
+
+    write_atomic(os.path.join(out, MARKER), json.dumps({"by": "deltarefit demo", "made": mine}).encode(),
+                 durable=False)
     store, trainer = os.path.join(out, "store"), os.path.join(out, "trainer")
     os.makedirs(store)
     os.makedirs(trainer)

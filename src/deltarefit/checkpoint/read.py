@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import shutil
 import stat
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -414,14 +413,15 @@ def fingerprint_checkpoint(ck: Checkpoint, *, threads: int | None = None,
 
 
 def carry_non_weights(src_dir: str, dst_dir: str) -> None:
-    """Copy into ``dst_dir`` what the Hugging Face directory ``src_dir`` holds beside its weights
-    (config, tokenizer, generation settings) and ``dst_dir`` lacks: a keyframe carries only weights.
-    Weight files, their index, deltarefit's own files and subdirectories are not copied."""
+    """Move into ``dst_dir`` every entry the Hugging Face directory ``src_dir`` holds beside its weights
+    (config, tokenizer, subdirectories such as a repository's ``original/``, links, as they are: renamed,
+    never followed) that ``dst_dir`` lacks, and give ``dst_dir`` the mode of ``src_dir``: a keyframe
+    carries only weights. Weight files, their index and deltarefit's own files are not moved."""
     for name in os.listdir(src_dir):
-        src = os.path.join(src_dir, name)
         # ".deltarefit" anywhere: a weight file's own version record, lock or journal inside the directory
         # describes the old files, not the keyframe's.
         if (name.endswith(".safetensors") or name == INDEX_NAME or ".deltarefit" in name
-                or not os.path.isfile(src) or os.path.exists(os.path.join(dst_dir, name))):
+                or os.path.lexists(os.path.join(dst_dir, name))):
             continue
-        shutil.copy2(src, os.path.join(dst_dir, name))
+        os.replace(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+    os.chmod(dst_dir, stat.S_IMODE(os.lstat(src_dir).st_mode))

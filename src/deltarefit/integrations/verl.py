@@ -23,7 +23,8 @@ The round, in the order verl's ``CheckpointEngineManager.update_weights`` drives
   and its fingerprint, or the publish's error). The other ranks walk the generator (producing each
   tensor is collective over the actor group) and drop what it yields.
 * Rollout, ``receive_weights(global_steps)``: waits for the handoff (``timeout_s``), syncs its local
-  copy (``checkpoint``, one per rollout worker, in ``/dev/shm`` by default) to that version with a
+  copy (``checkpoint``, one per rollout worker, in this user's private directory of ``/dev/shm`` by
+  default) to that version with a
   ``Subscriber`` (records, signatures with ``verify_key``, stream identity, parent links and every apply
   checked; the cheapest route: the chain of deltas or a keyframe), checks that it holds the handoff's
   fingerprint, and only then yields every tensor of the copy. Nothing is yielded from a sync that was
@@ -53,65 +54,36 @@ import json
 import logging
 import os
 import queue
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
-import blake3
-
 from ..errors import DeltaRefitError, StoreError, StreamError, UsageError
+from ..stream.chain import get_bounded
+from .verl_args import (  # noqa: F401 (re-exported: the engine's names)
+    HANDOFF_MAX_BYTES,
+    HANDOFF_PREFIX,
+    KEYS,
+    SERVED,
+    _default_id,
+    _handoff_key,
+    check_kwargs,
+    default_local_dir,
+    local_copy,
+    parse_handoff,
+    verified_tensors,
+)
 
 log = logging.getLogger(__name__)
 
 BACKEND = "deltarefit"
-HANDOFF_PREFIX = "verl/"
 # The wire format of an in-place round: one ("deltarefit", update_request) item instead of tensors.
 WIRE_FORMAT = "deltarefit"
-SERVED = (None, "BF16", "F16", "F32")
-KEYS = ("stream", "state_dir", "signing_key", "verify_key", "served", "keyframe_every", "local_dir", "checkpoint",
-        "subscriber_id", "timeout_s", "in_place")  # engine_kwargs.deltarefit
 POLL_S = 0.1
 
 __all__ = ["BACKEND", "DeltaRefitEngine", "register"]
-
-
-def _handoff_key(token: str) -> str:
-    if not token.isalnum():
-        raise UsageError(f"deltarefit verl round token {token!r}: letters and digits only")
-    return f"{HANDOFF_PREFIX}{token}.json"
-
-
-def default_local_dir() -> str:
-    root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    return os.path.join(root, "deltarefit-verl")
-
-
-def local_copy(local_dir: str, stream: str, subscriber_id: str) -> str:
-    """A rollout worker's copy: one per worker and stream in ``local_dir`` (workers of a host share the dir)."""
-    tag = blake3.blake3(stream.encode()).hexdigest(6)
-    return os.path.join(os.path.abspath(local_dir), f"{tag}-{subscriber_id}.safetensors")
-
-
-def _default_id() -> str:
-    rank = os.environ.get("RANK")
-    return f"verl-{os.uname().nodename}-" + (f"rank{rank}" if rank and rank.isdigit() else f"pid{os.getpid()}")
-
-
-def checkpoint_tensors(path: str) -> Iterator[tuple[str, Any]]:
-    """Every tensor of a safetensors checkpoint (a file, or a directory of ``*.safetensors``), one at a
-    time, each a CPU tensor of its own: ``safe_open``'s tensors share the file's mapping, which the next
-    sync writes in place, so each is copied out (one tensor's bytes at a time)."""
-    from safetensors import safe_open
-
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, st.get_tensor(name).clone()
 
 
 class DeltaRefitEngine:
@@ -126,7 +98,8 @@ class DeltaRefitEngine:
       ``signing_key`` (Ed25519 private key: records are signed), ``served`` (dtype of what is published),
       ``keyframe_every``;
     * rollout: ``verify_key`` (records must verify with it), ``local_dir`` (where each rollout worker keeps
-      its copy, ``<stream hash>-<subscriber_id>.safetensors``; default ``/dev/shm/deltarefit-verl``),
+      its copy, ``<stream hash>-<subscriber_id>.safetensors``; default this user's private
+      ``/dev/shm/deltarefit-verl-UID``),
       ``checkpoint`` (this one worker's copy, exactly: not for a config shared by several), ``subscriber_id``
       (default from the host and verl's ``RANK``), ``timeout_s`` (how long a rollout waits for the
       trainer's handoff, default 1800), ``in_place`` (hand the vLLM engine the backend's update request
@@ -141,14 +114,9 @@ class DeltaRefitEngine:
         if unknown:
             raise UsageError(f"engine_kwargs.deltarefit: unknown key(s) {', '.join(sorted(unknown))}; known: "
                              f"{', '.join(KEYS)}")
-        if not stream:
-            raise UsageError("engine_kwargs.deltarefit.stream is required: the directory or s3:// URL of the "
-                             "version stream (+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.deltarefit"
-                             ".stream=...)")
-        if served not in SERVED:
-            raise UsageError(f"engine_kwargs.deltarefit.served: {served!r}; use BF16, F16, F32 or null")
-        if timeout_s <= 0:
-            raise UsageError(f"engine_kwargs.deltarefit.timeout_s must be > 0, got {timeout_s}")
+        check_kwargs(stream=stream, state_dir=state_dir, signing_key=signing_key, verify_key=verify_key,
+                     served=served, keyframe_every=keyframe_every, local_dir=local_dir, checkpoint=checkpoint,
+                     subscriber_id=subscriber_id, timeout_s=timeout_s, in_place=in_place)
         self.bucket_size = bucket_size
         self.stream = str(stream)
         # verl passes is_master on the trainer side only (engine_workers), never on the rollout side.
@@ -160,6 +128,7 @@ class DeltaRefitEngine:
         self.served = served
         self.keyframe_every = int(keyframe_every)
         self.subscriber_id = subscriber_id or _default_id()
+        self._default_dir = not (checkpoint or local_dir)
         self.checkpoint = os.path.abspath(checkpoint) if checkpoint else local_copy(
             local_dir or default_local_dir(), self.stream, self.subscriber_id)
         self.timeout_s = float(timeout_s)
@@ -271,7 +240,10 @@ class DeltaRefitEngine:
         if self._subscriber is None:
             from ..stream.subscriber import Subscriber
 
-            os.makedirs(os.path.dirname(self.checkpoint), exist_ok=True)
+            if self._default_dir:
+                default_local_dir(make=True)  # private, or refused: another user's files are never ours
+            else:
+                os.makedirs(os.path.dirname(self.checkpoint), exist_ok=True)
             self._subscriber = Subscriber(self.store, self.checkpoint, subscriber_id=self.subscriber_id,
                                           public_key=self.verify_key)
         return self._subscriber
@@ -282,7 +254,7 @@ class DeltaRefitEngine:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                body = json.loads(self.store.get(key))
+                raw = get_bounded(self.store, key, HANDOFF_MAX_BYTES, "the round's handoff")
             except (KeyError, StoreError) as e:
                 # Not yet there: no handoff, or (a directory store) the trainer has not created the store.
                 if isinstance(e, StoreError) and self._store is not None:
@@ -292,16 +264,7 @@ class DeltaRefitEngine:
                                       f"{self.timeout_s:g} s (engine_kwargs.deltarefit.timeout_s)") from None
                 await asyncio.sleep(POLL_S)
                 continue
-            except ValueError as e:
-                raise StreamError(f"{self.stream}/{key}: malformed handoff ({e})") from None
-            if not isinstance(body, dict):
-                raise StreamError(f"{self.stream}/{key}: malformed handoff")
-            if "error" in body:
-                raise StreamError(f"{self.stream}: the trainer's publish for round {self.token} failed: "
-                                  f"{body['error']}")
-            if not isinstance(body.get("version"), int) or not isinstance(body.get("fingerprint"), str):
-                raise StreamError(f"{self.stream}/{key}: malformed handoff (no version or fingerprint)")
-            return body
+            return parse_handoff(raw, f"{self.stream}/{key}", self.token)
 
     def sync_to(self, version: int, fingerprint: str) -> Any:
         """Bring the local copy to ``version`` (verified by the subscriber) and check it holds
@@ -339,7 +302,7 @@ class DeltaRefitEngine:
         log.info("deltarefit: step %s, %s at version %d (%s, %d bytes fetched) in %.2f s", global_steps,
                  self.checkpoint, version, rep.route, rep.bytes_fetched, time.perf_counter() - t0)
         self.last_sync = rep
-        for item in checkpoint_tensors(self.checkpoint):
+        for item in verified_tensors(self.subscriber.holder):  # the bytes verified, or refused
             yield item
 
 

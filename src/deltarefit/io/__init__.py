@@ -5,4 +5,6 @@
 * ``locks``       exclusive access to what a run writes (a checkpoint, a publisher's state) and what dead
                   runs leave behind
 * ``jsonlimits``  cheap bounds on untrusted JSON text before ``json.loads`` builds it
+* ``private``     what is kept in a directory every local user can write (the temp directory, ``/dev/shm``):
+                  ``mkdtemp``, or a per-user directory made 0700 and ``lstat``-checked, refused otherwise
 """

@@ -57,3 +57,12 @@ def own_dir(path: str, what: str) -> str:
             raise
     check_beside(path, what, directory=True)
     return path
+
+
+def own_dir_in(path: str, what: str) -> str:
+    """``own_dir`` of ``path`` once its parents exist (made as ``os.makedirs`` makes them): the last level,
+    the one deltarefit keeps its files in, is this user's directory, never a link another user planted
+    there (a publisher's state directory inside a store other users can write). Returns ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return own_dir(path, what)
+

@@ -372,8 +372,9 @@ class Relay(OriginMixin, DownstreamMixin):
 
 
 def _drop_old_copy(old: str, checkpoint: str) -> None:
-    """Remove a checkpoint set aside for a keyframe reinstall. A Hugging Face directory's files that are
-    not weights (config, tokenizer) are carried over first: the keyframe has only the weights."""
+    """Remove a checkpoint set aside for a keyframe reinstall. A Hugging Face directory's entries that are
+    not weights (config, tokenizer, subdirectories, links) are moved back first, and its mode restored
+    (``carry_non_weights``): the keyframe has only the weights."""
     if os.path.isdir(old) and os.path.isdir(checkpoint):
         carry_non_weights(old, checkpoint)
     shutil.rmtree(old, ignore_errors=True)

@@ -17,6 +17,7 @@ from ..checkpoint.read import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
 from ..errors import CheckpointError, DecodeError
 from ..history_book import HistoryBook, MovesRecorder
+from ..io.beside import own_dir, own_dir_in
 from ..io.fsutil import create_temp, open_regular, write_atomic
 from ..storage.base import Store
 from .history import open_book, resets, settle, start_over
@@ -36,6 +37,9 @@ class Baseline:
         self.store = store
         self.threads = threads
         self.advance = advance
+        # The state directory (default inside the store, which other users may write): made, or taken only
+        # where it is this user's directory, never through a link planted there.
+        own_dir_in(state_dir, "publisher state directory")
         self.path = os.path.join(state_dir, "baseline.safetensors")
         self.state_path = os.path.join(state_dir, "publisher.json")
         self.staging = os.path.join(state_dir, "staging")
@@ -113,7 +117,7 @@ class Baseline:
         """Make the baseline equal to committed version ``rec`` and record it."""
         if st is not None and st.version == rec.version and st.fingerprint == rec.fingerprint:
             return st
-        os.makedirs(self.staging, exist_ok=True)
+        own_dir(self.staging, "publisher staging directory")
         if st is not None and rec.delta is not None and rec.parent == st.fingerprint:
             local = self._fetch(rec.delta, os.path.join(self.staging, "advance.delta"))
             try:  # idempotent: a rerun is a no-op
@@ -125,8 +129,7 @@ class Baseline:
                                   f"{self.book_path} is not){RESET_FIX}") from None
             os.unlink(local)
         elif rec.keyframe:
-            kdir = os.path.join(self.staging, "keyframe")
-            os.makedirs(kdir, exist_ok=True)
+            kdir = own_dir(os.path.join(self.staging, "keyframe"), "publisher staging directory")
             for name, part in rec.keyframe:
                 self._fetch(part, os.path.join(kdir, name))
             tmp = _temp_beside(self.path)

@@ -22,7 +22,7 @@ import contextlib
 import os
 from typing import Protocol
 
-from ..checkpoint.read import check_not_replaced, open_checkpoint, sole_weight_file
+from ..checkpoint.read import Checkpoint, check_not_replaced, open_checkpoint, sole_weight_file
 from ..errors import VerificationError
 from ..history_book import HistoryBook
 from .records import StreamError, held_state, identity_unchanged, record_version
@@ -210,6 +210,21 @@ class CheckpointHolder:
     def hash(self) -> tuple[str, tuple]:
         return hash_identity(self.checkpoint, self.threads)
 
+    def open_verified(self) -> Checkpoint:
+        """The checkpoint opened read-only, refused (``VerificationError``, nothing opened) unless the files
+        opened are those its version record says were verified: same paths, devices, inodes, sizes and
+        times. Whatever is read through the returned handles is then the verified bytes, whatever is renamed
+        over the path meanwhile; a write in place after this is seen by ``still_verified``. What hands a
+        synced checkpoint's tensors on reads them so, never by opening the path again after the sync."""
+        state = self.state() or {}
+        ck = open_checkpoint(self.checkpoint)
+        if state.get("identity") != [list(x) for x in ck.identity()]:
+            ck.close()
+            raise VerificationError(f"{self.checkpoint}: not the files that were verified at version "
+                                    f"{state.get('version')} (replaced or written by another process since the "
+                                    f"sync); nothing handed over{REPAIR_FIX}")
+        return ck
+
     def check_held(self, version: int, fp: str, *, verify: bool) -> tuple[bool, tuple | None]:
         """Unhashed where its files' identity is unchanged since they were verified (and not ``verify``),
         else hashed, and recorded again with the identity taken by that hash."""
@@ -232,3 +247,11 @@ class CheckpointHolder:
 
     def plan(self, delta_path: str, book: HistoryBook | None) -> None:
         raise NotImplementedError("a checkpoint plans no delta ahead (plans is False)")
+
+
+def still_verified(ck: Checkpoint, identity: tuple) -> None:
+    """Refuse (``VerificationError``) once a file of ``ck`` (opened by ``open_verified``, its identity then
+    ``identity``) was written since: what was read from it before this check is what was verified."""
+    if ck.identity() != identity:
+        raise VerificationError(f"{ck.path}: written by another process while its verified tensors were handed "
+                                f"over; what was handed over is not verified{REPAIR_FIX}")

@@ -118,7 +118,6 @@ class Publisher:
                              f"are required, got keyframe_every={keyframe_every}, keyframe_ratio={keyframe_ratio}, "
                              f"quorum={quorum}, ack_timeout={ack_timeout}")
         self.live_ttl, self.state_dir = live_ttl, os.path.abspath(state_dir)
-        os.makedirs(self.state_dir, exist_ok=True)
         store = open_store(store) if isinstance(store, str) else store
         # What holds the committed version (the baseline file, its state, hashes and book), and what the
         # publisher leaves in the store on the way to a commit: parts held, not inherited.

@@ -12,7 +12,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..checkpoint.read import carry_non_weights
+from ..checkpoint.read import INDEX_NAME
 from ..format import DeltaReader
 from ..io.beside import check_beside, own_dir
 from ..storage.base import GET_RANGE, Store
@@ -185,28 +185,32 @@ def _new_file_mode(path: str) -> int:
     what a new file gets (0666 less the umask, read without changing it)."""
     with contextlib.suppress(OSError):
         return stat.S_IMODE(os.stat(path).st_mode)
-    umask = 0o022
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (0o022 where it cannot be read)."""
     with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
         for line in f:
             if line.startswith("Umask:"):
-                umask = int(line.split()[1], 8)
-    return 0o666 & ~umask
+                return int(line.split()[1], 8)
+    return 0o022
 
 
 def install_keyframe(rec: CommitRecord, local: dict[str, str], staging: str, checkpoint: str) -> None:
     """Replace the checkpoint by a keyframe's files, built aside and renamed into place.
 
     A checkpoint that is (or, when missing, is named as) a ``.safetensors`` file becomes one file;
-    otherwise a Hugging Face directory holding the keyframe's files as published. Replacing an
-    existing directory takes two renames: a kill between them leaves the checkpoint missing, and
-    the next sync, holding nothing, installs the keyframe again and removes the old copy. The
+    a missing directory is made holding the keyframe's files as published; into an existing directory
+    only the weight files and their index are installed (``_install_weights_into``: every other entry,
+    subdirectory and link, and the directory's mode, stay). The
     temporaries are checked (``check_keyframe_temps``) before each is written: a link another user
     plants there meanwhile is refused, never followed."""
     kdir = own_dir(os.path.join(own_dir(staging, "staging directory"), "keyframe"), "staging directory")
     for name, part in rec.keyframe:
         os.replace(local[part.key], os.path.join(kdir, name))
     # Fixed temp names: a sync killed here leaves them, and the next one replaces them.
-    tmp, old = _keyframe_temps(checkpoint)
+    tmp, _ = _keyframe_temps(checkpoint)
     check_keyframe_temps(checkpoint)
     as_dir = os.path.isdir(checkpoint) or (
         not os.path.exists(checkpoint) and not checkpoint.endswith(".safetensors"))
@@ -226,15 +230,59 @@ def install_keyframe(rec: CommitRecord, local: dict[str, str], staging: str, che
         os.replace(tmp, checkpoint)
         return
     if os.path.isdir(checkpoint):
-        # What is not weights (config, tokenizer) stays: only the weights come from the keyframe.
-        carry_non_weights(checkpoint, kdir)
+        _install_weights_into(kdir, checkpoint)
+        return
     shutil.rmtree(tmp, ignore_errors=True)
+    os.chmod(kdir, 0o777 & ~_umask())  # a new directory as mkdir would make it (the staging's is 0700)
     os.replace(kdir, tmp)
-    if os.path.isdir(checkpoint):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(checkpoint, old)
     os.replace(tmp, checkpoint)
-    shutil.rmtree(old, ignore_errors=True)
+
+
+def _weight_entries(directory: str) -> set[str]:
+    """The top-level entries of a Hugging Face directory that are its weights: ``*.safetensors`` files (or
+    links to them: a hub cache's snapshot) and the index. Nothing else is a keyframe's to replace."""
+    out = set()
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors") or name == INDEX_NAME:
+            with contextlib.suppress(FileNotFoundError):
+                if not stat.S_ISDIR(os.lstat(os.path.join(directory, name)).st_mode):
+                    out.add(name)
+    return out
+
+
+def _install_weights_into(kdir: str, checkpoint: str) -> None:
+    """Install a keyframe's files (``kdir``: its weights, and its index where it has one) into the existing
+    directory ``checkpoint``: each renamed over its name (a link there is replaced, never followed; the
+    mode of the file it replaces kept), the index last, then the old weight files the keyframe does not
+    have removed. Nothing else in the directory is touched: subdirectories (a repository's ``original/``),
+    links, config and tokenizer files, and the directory's own mode stay as they were. A kill midway
+    leaves the directory neither version: its version record then refuses the next sync, and ``sync
+    --repair`` installs the keyframe again."""
+    from ..io.fsutil import create_temp, fsync_dir
+
+    new = sorted(os.listdir(kdir), key=lambda n: (n == INDEX_NAME, n))
+    old = _weight_entries(checkpoint)
+    for name in new:
+        src, dst = os.path.join(kdir, name), os.path.join(checkpoint, name)
+        if os.path.isdir(dst) and not os.path.islink(dst):
+            raise StreamError(f"{dst}: a directory where the keyframe installs its weight file {name}; nothing "
+                              "was replaced there (move it away and run again)")
+        os.chmod(src, _new_file_mode(dst) if not os.path.islink(dst) else 0o666 & ~_umask())
+        try:
+            os.replace(src, dst)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            tmp = f"{dst}.tmp-{os.getpid()}"
+            with open(src, "rb") as f, os.fdopen(create_temp(tmp, stat.S_IMODE(os.stat(src).st_mode)), "wb") as g:
+                shutil.copyfileobj(f, g, 16 << 20)  # never through a link planted at the temp name
+            os.replace(tmp, dst)
+    if INDEX_NAME in old and INDEX_NAME not in new:
+        os.unlink(os.path.join(checkpoint, INDEX_NAME))  # first: an index naming files gone would be read
+    for name in sorted(old - set(new) - {INDEX_NAME}):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(checkpoint, name))
+    fsync_dir(checkpoint)
 
 
 def staging_for(steps: list[Step], memory: str | None, beside: str) -> str:

@@ -8,7 +8,9 @@ What the engine trusts therefore comes from the engine's side, read once per pro
 * ``DELTAREFIT_VERIFY_KEY``: the path of an Ed25519 public key (PEM). Pinned, every record the engine
   follows must be signed by it; an ``init_info`` that names another key, or none, is refused; the
   extension's path methods take only what a version signed by it names.
-* ``DELTAREFIT_STREAMS``: comma-separated stream URLs (``s3://bucket/prefix``) and directory roots. Pinned,
+* ``DELTAREFIT_STREAMS``: stream URLs (``s3://bucket/prefix``) and directory roots, as a JSON array of
+  strings (one pin per entry, whatever its characters: what ``format_pins`` writes, and the launchers
+  set) or, typed by hand, separated by commas (a path holding a comma needs the array). Pinned,
   an ``init_info`` naming a stream outside them is refused, and the extension's path methods take only
   paths under the directory roots (and the engine's own checkpoint directory, to write to).
 
@@ -40,7 +42,8 @@ APPLY_CPUS = ("worker", "node")
 MAX_FIELD_CHARS = 4096  # a path, URL or id past this is no path, URL or id
 
 __all__ = ["ENV_STREAMS", "ENV_VERIFY_KEY", "MAX_VERSION", "EngineTrust", "InitFields", "UpdateFields",
-           "check_init_fields", "check_message", "check_update_fields", "engine_trust", "parse_message"]
+           "check_init_fields", "check_message", "check_update_fields", "engine_trust", "format_pins",
+           "parse_message", "stream_pins"]
 
 
 # ------------------------------------------------------------------------------------ argument types
@@ -168,6 +171,31 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
+def format_pins(pins: list[str]) -> str:
+    """``DELTAREFIT_STREAMS`` naming exactly ``pins``: a JSON array, one entry per pin whatever characters
+    it holds (a comma, a space, a newline)."""
+    import json
+
+    return json.dumps(list(pins))
+
+
+def stream_pins(value: str) -> list[str]:
+    """The pins ``DELTAREFIT_STREAMS`` names: a JSON array of strings (``format_pins``; a value starting
+    with ``[``, which no absolute path or URL does), each entry taken whole; otherwise comma-separated,
+    each item stripped, empty items skipped. A malformed array is refused (``UsageError``)."""
+    import json
+
+    if value.lstrip().startswith("["):
+        try:
+            pins = json.loads(value)
+        except ValueError as e:
+            raise UsageError(f"{ENV_STREAMS}: not a JSON array of strings ({e})") from None
+        if not isinstance(pins, list) or not all(isinstance(p, str) and p for p in pins):
+            raise UsageError(f"{ENV_STREAMS}: not a JSON array of non-empty strings")
+        return pins
+    return [item for item in (s.strip() for s in value.split(",")) if item]
+
+
 @dataclass(frozen=True)
 class EngineTrust:
     """The trust an engine's own configuration pins (module docstring). ``verify_key``: the pinned public key's
@@ -195,9 +223,7 @@ class EngineTrust:
             except UsageError as e:
                 raise UsageError(f"{ENV_VERIFY_KEY}: {e}") from None
         urls, roots = [], []
-        for item in (s.strip() for s in env.get(ENV_STREAMS, "").split(",")):
-            if not item:
-                continue
+        for item in stream_pins(env.get(ENV_STREAMS, "")):
             if _is_url(item):
                 urls.append(item.rstrip("/"))
                 continue

