@@ -131,7 +131,7 @@ def scan_chunk(dt: DType, base: np.ndarray, target: np.ndarray, *, scratch: bool
     return Changes(n, pos[:m], ectx[:m], rank[:m], bvals[:m], tvals[:m])
 
 
-def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray, history: History | None = None) -> EncodedChunk | None:
+def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray, history: History | None = None, fmt: int = 2) -> EncodedChunk | None:
     """Smallest bit-exact encoding of ``target`` given ``base`` (uint views, equal length), or None.
     With ``history`` (what the previous version changed in this chunk), the history-conditioned
     coding (``ULP_HIST``) is a candidate too, and the smaller of it and the rest is kept."""
@@ -142,7 +142,7 @@ def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray, history: Histo
 
 
 def encode_with_changes(dt: DType, base: np.ndarray,
-                        target: np.ndarray) -> tuple[EncodedChunk | None, np.ndarray, np.ndarray, np.ndarray]:
+                        target: np.ndarray, fmt: int = 2) -> tuple[EncodedChunk | None, np.ndarray, np.ndarray, np.ndarray]:
     """``encode_chunk`` without history, and the changes its scan found: (chunk or None, positions
     (int32, ascending), base bits, target bits). The three arrays are views of this thread's scratch
     arrays, valid until its next scan."""
@@ -161,7 +161,7 @@ def encode_with_changes(dt: DType, base: np.ndarray,
 
 
 def encode_with_moves(dt: DType, base: np.ndarray, target: np.ndarray, history: History | None,
-                      changes: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
+                      changes: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None, fmt: int = 2,
                       ) -> tuple[EncodedChunk | None, Moves]:
     """``encode_chunk`` with ``history``, and the chunk's moves in this version (what the next
     version's history is made of), taken from the scan the coding made anyway. ``changes``, where
@@ -211,7 +211,7 @@ def encode_hist(dt: DType, base: np.ndarray, target: np.ndarray, history: Histor
     return EncodedChunk(ULP_HIST, history.id + out[:nbytes].tobytes(), m, 0)
 
 
-def encode_raw(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk | None:
+def encode_raw(dt: DType, base: np.ndarray, target: np.ndarray, fmt: int = 2) -> EncodedChunk | None:
     """``encode_chunk`` of two raw byte views (1-D uint8, equal length, whole elements), viewed as the
     dtype's uint here: the encoder's per-segment entry, kept lean (it runs once per MiB on every thread)."""
     # The native path first, on the raw views as they are: going through uint_view (whose alignment
@@ -256,7 +256,7 @@ def _ulp_candidate(ch: Changes, out: np.ndarray, nbytes: int) -> EncodedChunk | 
     return EncodedChunk(ULP, out[:nbytes].tobytes(), ch.m, 0) if nbytes >= 0 else None
 
 
-def encode_changes(dt: DType, ch: Changes, dense) -> EncodedChunk | None:
+def encode_changes(dt: DType, ch: Changes, dense, fmt: int = 2) -> EncodedChunk | None:
     """Smallest bit-exact encoding of a chunk from its compact changes, or None when nothing changed.
     ``dense()`` returns the whole chunk's (base, target) uint views; it is called only for chunks
     changed so densely that a whole-chunk encoding may win (at least ``DENSE_TRY_FRACTION``)."""
