@@ -218,7 +218,7 @@ def test_appended(pair, ckpt, ddir, extra):
     refused(p, ckpt, FormatError, re.escape(p), "appended")
 
 
-@pytest.mark.parametrize("version", [0, 2, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 3, 0xFFFF])
 def test_unknown_version(pair, ckpt, ddir, version):
     """The header hash is fixed up, so the version check itself must be what refuses the file."""
     bad = fix_header_hash(pair["data"][:8] + struct.pack("<H", version) + pair["data"][10:])

@@ -10,12 +10,13 @@ tensor entries and a table's records become.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from .._release import RELEASE as _RELEASE
 from ..dtypes import DTYPES
-from ..errors import LimitError, UnsupportedVersionError
+from ..errors import FormatError, LimitError, UnsupportedVersionError
 from ..integrity import SEG_HASH_BYTES
 
 # The library's release (``deltarefit.__version__``, pyproject.toml's ``version``), which every delta names
@@ -139,6 +140,14 @@ def check_version(version: object, where: str, what: str = "format version") -> 
         raise UnsupportedVersionError(f"{where}: {what} {shown} is not supported; this build reads format versions "
                                       f"{versions_read()}")
     return version
+
+
+def check_encodings(version: int, encodings: Iterable[int], where: str, what: str = "delta") -> None:
+    """``FormatError`` naming the first of ``encodings`` that a ``what`` of format ``version`` may not hold."""
+    odd = sorted(set(encodings) - VERSION_ENCODINGS[version])
+    if odd:
+        raise FormatError(f"{where}: encoding {odd[0]} is not one of a format version {version} {what}'s "
+                          f"({', '.join(map(str, sorted(VERSION_ENCODINGS[version])))})")
 
 
 def manifest_limit(compressed_len: int) -> int:

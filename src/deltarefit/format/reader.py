@@ -36,6 +36,7 @@ from .layout import (
     ChunkRecord,
     ManifestBudget,
     TensorEntry,
+    check_encodings,
     check_version,
 )
 from .manifest import _hex, read_manifest
@@ -183,8 +184,7 @@ class DeltaReader:
                 raise FormatError(f"{w}: chunk index out of order or beyond the tensor's {nseg} chunks")
             prev = r.chunk_index
             if r.encoding not in allowed:
-                raise FormatError(f"{w}: encoding {r.encoding} is not one of format version {self.version}'s "
-                                  f"({', '.join(map(str, sorted(allowed)))})")
+                check_encodings(self.version, (r.encoding,), w)
             if r.encoding not in ENCODING_NAMES or (e.op != "patch" and r.encoding != OVERWRITE):
                 raise FormatError(f"{w}: encoding {r.encoding} not allowed for op {e.op!r}")
             n = min(SEGMENT_BYTES, meta.nbytes - r.chunk_index * SEGMENT_BYTES) // dt.itemsize

@@ -16,7 +16,7 @@ from typing import Any
 
 import zstandard
 
-from ..errors import FileSystemError, FormatError, LimitError
+from ..errors import FileSystemError, LimitError
 from ..integrity import seg_hash
 from ..io.fsutil import fsync_dir
 from ..io.jsonlimits import json_shape_problem
@@ -31,10 +31,10 @@ from .layout import (
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_TEXT,
     RECORD_SIZE,
-    VERSION_ENCODINGS,
     ZERO_HASH,
     ManifestBudget,
     _pack_record,
+    check_encodings,
     check_version,
     manifest_limit,
 )
@@ -84,10 +84,7 @@ class DeltaWriter:
         The header's format version is the manifest's ``version`` (1 or 2); a chunk of an encoding that
         version does not have (6 or 7 in version 1) is refused, nothing renamed into place."""
         version = check_version(manifest.get("version"), self.path, "manifest version")
-        odd = sorted(self._encodings - VERSION_ENCODINGS[version])
-        if odd:
-            raise FormatError(f"{self.path}: chunks of encoding {', '.join(map(str, odd))} cannot be written in a "
-                              f"format version {version} delta")
+        check_encodings(version, self._encodings, self.path)
         man = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode("utf-8")
         if len(man) > MAX_MANIFEST_TEXT:
             raise LimitError(f"{self.path}: manifest of {len(man)} bytes exceeds {MAX_MANIFEST_TEXT}")
