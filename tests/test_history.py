@@ -14,7 +14,7 @@ import shutil
 
 import numpy as np
 import pytest
-from _chains import deltas_with_history, encodings, momentum_chain, write_chain
+from _chains import deltas_with_history, encodings, hist_chunks, momentum_chain, write_chain
 from _pairs import sha
 
 from deltarefit import apply as apply_mod
@@ -42,7 +42,7 @@ def test_chunks_round_trip_along_a_chain_and_never_cost_more_than_v1(name, bits)
         got = C.encode_chunk(dt, a, b, h)
         assert got is not None and v1 is not None
         assert len(got.payload) <= len(v1.payload)
-        if got.encoding == C.ULP_HIST:
+        if got.encoding in (C.ULP_HIST, C.ULP2_HIST):
             hist_used += 1
             assert got.payload[:H.HIST_ID_BYTES] == h.id
         p = C.decode_chunk(dt, a, got.encoding, got.payload, got.n_changed, got.decoded_len, "t", h)
@@ -218,7 +218,7 @@ def test_a_chain_through_books_stays_bit_exact_and_takes_the_history_coding(tmp_
         assert got.target_fingerprint == rep.target_fingerprint == rollout.tip == trainer.tip
         encs = encodings(out)
         if i >= 2:
-            assert encs.get(C.ULP_HIST, 0) > 0, encs
+            assert hist_chunks(encs) > 0, encs
         assert rep.delta_bytes <= plain.delta_bytes
     assert len(rollout.versions()) == H.DEPTH
     assert len([f for f in os.listdir(tmp_path / "rbook") if f.endswith(".moves")]) == H.DEPTH
@@ -238,7 +238,7 @@ def test_a_rollout_without_the_history_refuses_and_writes_nothing(tmp_path):
     # history: refused too
     book = HistoryBook(tmp_path / "short")
     plain = encode_mod.encode(paths[1], paths[2], str(tmp_path / "plain.delta"))
-    assert C.ULP_HIST not in encodings(plain.path)
+    assert hist_chunks(encodings(plain.path)) == 0
     apply_mod.apply(plain.path, str(shutil.copy(paths[1], tmp_path / "x.safetensors")), history=book)
     assert book.tip == plain.target_fingerprint
     with pytest.raises(DecodeError, match="this decoder holds"):
@@ -301,7 +301,7 @@ def test_the_cli_keeps_books_on_both_sides(tmp_path):
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         assert sha(ckpt) == sha(paths[i])
-    assert C.ULP_HIST in encodings(out)
+    assert hist_chunks(encodings(out)) > 0
     assert HistoryBook(tmp_path / "tb").versions() == HistoryBook(tmp_path / "rb").versions()
     # the same delta applied to a copy without the book: exit 3 (a malformed delta for this rollout), one line
     other = str(shutil.copy(paths[2], tmp_path / "o.safetensors"))

@@ -9,7 +9,7 @@ import functools
 import numpy as np
 
 from ..codec import elements
-from ..codec.chunk import ULP_HIST, Patch, decode_chunk, decode_new, scratch_array
+from ..codec.chunk import ULP2_HIST, ULP_HIST, Patch, decode_chunk, decode_new, scratch_array
 from ..dtypes import dtype
 from ..encode import uint_view
 from ..format import ChunkRecord, DeltaReader, TensorEntry
@@ -36,7 +36,7 @@ def _decode(delta: DeltaReader, e: TensorEntry, r: ChunkRecord, base_seg: np.nda
         n = min(SEGMENT_BYTES, e.target.nbytes - r.chunk_index * SEGMENT_BYTES) // dt.itemsize
         return Patch(None, None, decode_new(dt, n, r.encoding, payload, where))
     hist = None
-    if r.encoding in (ULP_HIST, 7) and history is not None:  # 5 ulp_hist, 7 ulp2_hist: coded against a history
+    if r.encoding in (ULP_HIST, ULP2_HIST) and history is not None:
         hist = history.history(e.name, r.chunk_index, base_seg.size)
     dg = None
     if digest:
