@@ -30,6 +30,7 @@ from .decode import moves_of_patch as moves_of_patch
 from .encodings import (
     DENSE_XOR,
     ENCODING_NAMES,
+    HIST_ENCODINGS,
     OVERWRITE,
     SPARSE_XOR,
     ULP,
@@ -49,7 +50,7 @@ from .native import kernels_in_use as kernels_in_use  # (its earlier home)
 from .ulp2 import encode_ulp2
 
 __all__ = [
-    "DENSE_XOR", "ENCODING_NAMES", "FORMATS", "OVERWRITE", "SPARSE_XOR", "ULP", "ULP2", "ULP2_HIST", "ULP_HIST", "Changes", "EncodedChunk",
+    "DENSE_XOR", "ENCODING_NAMES", "FORMATS", "HIST_ENCODINGS", "OVERWRITE", "SPARSE_XOR", "ULP", "ULP2", "ULP2_HIST", "ULP_HIST", "Changes", "EncodedChunk",
     "Patch", "decode_chunk", "decode_new", "encode_changes", "encode_chunk", "encode_hist", "encode_overwrite",
     "encode_raw", "encode_with_changes", "encode_with_moves", "kernels_in_use", "max_payload_len",
     "moves_of_patch", "scan_chunk", "scratch_array", "uint_view",
