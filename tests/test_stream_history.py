@@ -259,7 +259,7 @@ def test_publisher_killed_at_each_point_then_rerun_keeps_the_chain_decodable(tmp
         rec = _pub(store, state).publish(p)
         assert rec.history
         assert fsub.sync().route == "chain" and sha(follower) == sha(p)
-    assert _delta_encodings(store, head(store)).get(C.ULP_HIST, 0) > 0
+    assert hist_chunks(_delta_encodings(store, head(store))) > 0
     late = str(tmp_path / "late.safetensors")
     assert Subscriber(store, late, subscriber_id="late").sync().version == head(store)
     assert sha(late) == sha(chain[-1])
