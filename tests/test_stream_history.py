@@ -20,7 +20,6 @@ import pytest
 from _chains import encodings, hist_chunks, write_chain
 from _pairs import sha
 
-from deltarefit.codec import chunk as C
 from deltarefit.history_book import HistoryBook, MovesRecorder
 from deltarefit.storage import LocalStore
 from deltarefit.stream import Publisher, Subscriber
