@@ -96,7 +96,7 @@ class DeltaRefitEngine:
     * ``stream``: a directory or ``s3://`` URL both sides reach (required);
     * trainer: ``state_dir`` (the publisher's baseline; default as ``deltarefit publish``'s),
       ``signing_key`` (Ed25519 private key: records are signed), ``served`` (dtype of what is published),
-      ``keyframe_every``;
+      ``keyframe_every``, ``format_version`` (of the deltas, 1 or 2; default the stream's);
     * rollout: ``verify_key`` (records must verify with it), ``local_dir`` (where each rollout worker keeps
       its copy, ``<stream hash>-<subscriber_id>.safetensors``; default this user's private
       ``/dev/shm/deltarefit-verl-UID``),
@@ -110,13 +110,15 @@ class DeltaRefitEngine:
                  state_dir: str | None = None, signing_key: str | None = None, verify_key: str | None = None,
                  served: str | None = None, keyframe_every: int = 20, local_dir: str | None = None,
                  checkpoint: str | None = None, subscriber_id: str | None = None, timeout_s: float = 1800.0,
-                 in_place: bool = False, **unknown: Any) -> None:
+                 in_place: bool = False, format_version: int | None = None, **unknown: Any) -> None:
         if unknown:
             raise UsageError(f"engine_kwargs.deltarefit: unknown key(s) {', '.join(sorted(unknown))}; known: "
                              f"{', '.join(KEYS)}")
         check_kwargs(stream=stream, state_dir=state_dir, signing_key=signing_key, verify_key=verify_key,
                      served=served, keyframe_every=keyframe_every, local_dir=local_dir, checkpoint=checkpoint,
                      subscriber_id=subscriber_id, timeout_s=timeout_s, in_place=in_place)
+        if format_version not in (None, 1, 2):
+            raise UsageError(f"engine_kwargs.deltarefit.format_version: {format_version!r}; use 1, 2 or null")
         self.bucket_size = bucket_size
         self.stream = str(stream)
         # verl passes is_master on the trainer side only (engine_workers), never on the rollout side.
@@ -127,6 +129,7 @@ class DeltaRefitEngine:
         self.verify_key = verify_key
         self.served = served
         self.keyframe_every = int(keyframe_every)
+        self.format_version = format_version
         self.subscriber_id = subscriber_id or _default_id()
         self._default_dir = not (checkpoint or local_dir)
         self.checkpoint = os.path.abspath(checkpoint) if checkpoint else local_copy(
@@ -193,7 +196,8 @@ class DeltaRefitEngine:
             from ..stream.publisher import Publisher, default_state_dir
 
             self._publisher = Publisher(self.store, self.state_dir or default_state_dir(self.stream),
-                                        keyframe_every=self.keyframe_every, signing_key=self.signing_key)
+                                        keyframe_every=self.keyframe_every, signing_key=self.signing_key,
+                                        format_version=self.format_version)
         return self._publisher
 
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, float]:

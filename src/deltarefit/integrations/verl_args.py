@@ -19,7 +19,7 @@ from ..io.jsonlimits import brief
 
 SERVED = (None, "BF16", "F16", "F32")
 KEYS = ("stream", "state_dir", "signing_key", "verify_key", "served", "keyframe_every", "local_dir", "checkpoint",
-        "subscriber_id", "timeout_s", "in_place")  # engine_kwargs.deltarefit
+        "subscriber_id", "timeout_s", "in_place", "format_version")  # engine_kwargs.deltarefit
 HANDOFF_MAX_BYTES = 64 << 10  # the handoff is a version, a fingerprint and a step (or the trainer's error)
 MAX_VERSION = 10**12 - 1  # a version is 12 decimal digits in the store (``stream.chain.vkey``)
 HANDOFF_PREFIX = "verl/"
