@@ -1,0 +1,187 @@
+"""The tables of a ``ulp2`` / ``ulp2_hist`` chunk (FORMAT.md, "Format version 2") as the device kernels
+read them: parsed from a payload's header (decoder), or built from a chunk's counts and written as a
+header (encoder). Pure numpy on O(contexts x bit width) numbers; the per-element work is the kernels'.
+
+Dense forms (``Tables``): ``p[NCT]`` (0 for contexts outside the position table), ``cum[NCT, BITS + 1]``
+(``cum[e, k] = f_1 + ... + f_k`` for ``k < K``, ``2^M`` from ``K`` on, so a bit length is the count of
+entries ``1 .. BITS - 1`` at or below the slot, plus one), ``sp[8]`` (``ulp2_hist``'s sign
+probabilities at states 1..6), ``lanes[W]``, and the stream's offset in the payload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import DecodeError
+
+# variant -> (M probability bits, R unit bits, W lanes, log2 L)
+VARIANTS = {0: (8, 8, 32, 8), 1: (12, 16, 16, 16)}
+N_STATES = 7  # encoding 5's history states
+STATUS2 = {  # format 2's codes (codec.constants.STATUS once f2codec's branch is merged)
+    -1: "payload ends early (truncated or corrupt)",
+    -4: "change counts do not add up to the chunk record's count",
+    -5: "output buffer too small",
+    -6: "payload has trailing bytes",
+    -7: "ulp2: unknown coder variant",
+    -8: "ulp2: bad table (context, probability or frequencies out of range)",
+    -9: "ulp2: a lane state out of range",
+    -10: "ulp2: a lane does not end at the encoder's initial state",
+}
+
+
+class TableError(DecodeError):
+    """A header the format refuses; ``status`` is its ``STATUS2`` code."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(STATUS2[status])
+        self.status = status
+
+
+@dataclass
+class Tables:
+    variant: int
+    p: np.ndarray  # int32[NCT]
+    cum: np.ndarray  # int32[NCT * (BITS + 1)]
+    sp: np.ndarray  # int32[8]
+    lanes: np.ndarray  # int64[W]
+    stream: int  # the stream's offset in the payload (decoder), or 0
+
+
+def _varint(buf: bytes, o: int) -> tuple[int, int]:
+    v = 0
+    for i in range(5):
+        if o + i >= len(buf):
+            raise TableError(-1)
+        b = buf[o + i]
+        v |= (b & 127) << (7 * i)
+        if b < 128:
+            if (i and b == 0) or v >= 1 << 32:  # non-minimal, or past 2^32
+                raise TableError(-8)
+            return v, o + i + 1
+    raise TableError(-8)
+
+
+def _uint(buf: bytes, o: int, size: int) -> tuple[int, int]:
+    if o + size > len(buf):
+        raise TableError(-1)
+    return int.from_bytes(buf[o:o + size], "little"), o + size
+
+
+def parse(payload: bytes, bits: int, nct: int, hist: bool) -> Tables:
+    """The tables of a payload (without ``ulp2_hist``'s history id); ``nct`` the contexts (7 times the
+    dtype's for ``ulp2_hist``). Raises ``TableError`` for every refusal the header can meet."""
+    if not payload:
+        raise TableError(-1)
+    variant = payload[0]
+    if variant not in VARIANTS:
+        raise TableError(-7)
+    M, R, W, LB = VARIANTS[variant]
+    ps = 1 if variant == 0 else 2
+    one = 1 << M
+    g, o = _varint(payload, 1)
+    if g < 1 or g > nct:
+        raise TableError(-8)
+    p = np.zeros(nct, np.int32)
+    ctxs = []
+    e = -1
+    for _ in range(g):
+        gap, o = _varint(payload, o)
+        e = e + 1 + gap
+        if e >= nct:
+            raise TableError(-8)
+        pv, o = _uint(payload, o, ps)
+        if not 1 <= pv <= one - 1:
+            raise TableError(-8)
+        p[e] = pv
+        ctxs.append(e)
+    cum = np.full((nct, bits + 1), one, np.int32)
+    cum[:, 0] = 0
+    for e in ctxs:
+        k, o = _uint(payload, o, 1)
+        if not 1 <= k <= bits:
+            raise TableError(-8)
+        run = 0
+        for i in range(1, k):
+            f, o = _uint(payload, o, ps)
+            run += f
+            cum[e, i] = run
+        if run >= one:
+            raise TableError(-8)
+    sp = np.full(8, one >> 1, np.int32)
+    if hist:
+        for t in range(1, N_STATES):
+            sp[t], o = _uint(payload, o, ps)
+            if not 1 <= sp[t] <= one - 1:
+                raise TableError(-8)
+    sb = 2 if variant == 0 else 4
+    if o + W * sb > len(payload):
+        raise TableError(-1)
+    lanes = np.frombuffer(payload, f"<u{sb}", W, o).astype(np.int64)
+    if lanes.min() < 1 << LB or lanes.max() >= 1 << (LB + R):
+        raise TableError(-9)
+    return Tables(variant, p, cum.reshape(-1), sp, lanes, o + W * sb)
+
+
+@dataclass
+class Counts:
+    """A chunk's counts, from the device: elements and changes per context, changes per (context,
+    bit length ``k`` = 1..BITS), and for ``ulp2_hist`` per state its changes and those whose coded
+    sign bit (``s XOR flip``) is 1."""
+
+    n_e: np.ndarray  # int64[NCT]
+    c_e: np.ndarray  # int64[NCT]
+    c_ek: np.ndarray  # int64[NCT, BITS + 1]
+    c_t: np.ndarray  # int64[8]
+    c1_t: np.ndarray  # int64[8]
+
+
+def build(counts: Counts, bits: int, variant: int, hist: bool) -> tuple[Tables, bytes] | None:
+    """The encoder's tables (FORMAT.md's integer arithmetic) and the header they are written as (the
+    payload up to the lane states), or None where this variant cannot code the chunk."""
+    M, _, W, _ = VARIANTS[variant]
+    one = 1 << M
+    ps = 1 if variant == 0 else 2
+    nct = counts.n_e.size
+    ctxs = np.flatnonzero(counts.c_e)
+    p = np.zeros(nct, np.int32)
+    cum = np.full((nct, bits + 1), one, np.int32)
+    cum[:, 0] = 0
+    head = bytearray([variant]) + _leb(len(ctxs))
+    prev = -1
+    for e in ctxs:
+        c, ne = int(counts.c_e[e]), int(counts.n_e[e])
+        p[e] = min(max((2 * c * one + ne) // (2 * ne), 1), one - 1)
+        head += _leb(int(e) - prev - 1) + int(p[e]).to_bytes(ps, "little")
+        prev = int(e)
+    for e in ctxs:
+        ck = counts.c_ek[e, 1:]
+        big = int(np.flatnonzero(ck)[-1]) + 1  # K
+        total = int(ck.sum())
+        f = np.array([0 if x == 0 else max(1, (int(x) * one) // total) for x in ck[:big]], np.int64)
+        top = int(np.argmax(ck[:big]))  # the largest c_k, smallest k among equals
+        f[top] += one - int(f.sum())
+        if f[top] < 1:
+            return None
+        cum[e, 1:big] = np.cumsum(f[:-1])
+        head += bytes([big]) + b"".join(int(x).to_bytes(ps, "little") for x in f[:-1])
+    sp = np.full(8, one >> 1, np.int32)
+    if hist:
+        for t in range(1, N_STATES):
+            c, c1 = int(counts.c_t[t]), int(counts.c1_t[t])
+            sp[t] = min(max((2 * c1 * one + c) // (2 * c), 1), one - 1) if c else one >> 1
+            head += int(sp[t]).to_bytes(ps, "little")
+    return Tables(variant, p, cum.reshape(-1), sp, np.zeros(W, np.int64), 0), bytes(head)
+
+
+def _leb(v: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = v & 127
+        v >>= 7
+        if v:
+            out.append(b | 128)
+        else:
+            out.append(b)
+            return bytes(out)
