@@ -5,7 +5,7 @@ its names (``W`` lanes, probability bits ``M``, unit bits ``R``, lower bound ``L
 One program per chunk; the W lanes of the coder are the program's vector ``tl.arange(0, W)``, so a
 step (a set of lanes each coding one symbol) is one vector operation. The byte stream is shared by
 the lanes: in a step the lanes that read (decode) or write (encode) a unit take their places in lane
-order from an exclusive prefix count over the lanes that do (``_cumsum(need) - need``).
+order from an exclusive prefix count over the lanes that do (``tl.associative_scan(need, 0, _sum_combine) - need``).
 
 * ``decode_kernel``: the position pass reads the base W elements at a time, looks up each element's
   context probability, decodes the decisions, and turns the change mask into positions with a prefix
@@ -20,7 +20,9 @@ order from an exclusive prefix count over the lanes that do (``_cumsum(need) - n
 
 Values are kept as int64 holding the dtype's unsigned bits (widths up to 32 bits; ``gpu.ulp2`` sends
 8-byte dtypes to the host decoder). Hazards as in ``_scan_kernels``: only ``triton.language``
-builtins and this module's own ``@triton.jit`` helpers (sums and scans through ``_sum_combine``).
+builtins and this module's own ``@triton.jit`` helpers (sums and scans as ``tl.reduce`` /
+``tl.associative_scan`` with ``_sum_combine``, inline: under the interpreter every helper call costs
+milliseconds).
 """
 
 from __future__ import annotations
@@ -29,16 +31,6 @@ import triton
 import triton.language as tl
 
 _sum_combine = tl.standard._sum_combine
-
-
-@triton.jit
-def _sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _sum_combine)
-
-
-@triton.jit
-def _cumsum(x):
-    return tl.associative_scan(x, 0, _sum_combine)
 
 
 @triton.jit
@@ -73,16 +65,16 @@ def _dec_step(x, act, slot, c, f, rd, st, stream_ptr, s_off, s_len,
     x = tl.where(act, f * (x >> M) + slot - c, x)
     need = act & (x < (1 << LB))
     ni = need.to(tl.int32)
-    idx = (rd + _cumsum(ni) - ni).to(tl.int64)
+    idx = (rd + tl.associative_scan(ni, 0, _sum_combine) - ni).to(tl.int64)
     inside = (idx + 1) * UB <= s_len
     ok = need & inside
     u = tl.load(stream_ptr + s_off + idx * UB, mask=ok, other=0).to(tl.int64)
     if UB == 2:
         u = u | (tl.load(stream_ptr + s_off + idx * UB + 1, mask=ok, other=0).to(tl.int64) << 8)
     x = tl.where(need, (x << R) | u, x)
-    short = _sum((need & (inside == 0)).to(tl.int32), 0) > 0
+    short = tl.reduce((need & (inside == 0)).to(tl.int32), 0, _sum_combine) > 0
     st = tl.where(short & (st == 0), -1, st)
-    return x, rd + _sum(ni, 0), st
+    return x, rd + tl.reduce(ni, 0, _sum_combine), st
 
 
 @triton.jit
@@ -129,11 +121,11 @@ def decode_kernel(base_ptr, states_ptr, stream_ptr, chunk_ptr, lanes_ptr, p_ptr,
                               stream_ptr, s_off, s_len, M, R, LB)
         chg = act & bit
         ci = chg.to(tl.int64)
-        dst = cnt + _cumsum(ci) - ci
+        dst = cnt + tl.associative_scan(ci, 0, _sum_combine) - ci
         keep = chg & (dst < m)
         tl.store(pos_ptr + o_off + dst, i, mask=keep)
         tl.store(ctx_ptr + o_off + dst, e, mask=keep)
-        cnt += _sum(ci, 0)
+        cnt += tl.reduce(ci, 0, _sum_combine)
     st = tl.where((cnt != m) & (st == 0), -4, st)
     kk = tl.arange(0, BITS)
     ct = cum_ptr + c * (NCT * (BITS + 1))
@@ -146,7 +138,7 @@ def decode_kernel(base_ptr, states_ptr, stream_ptr, chunk_ptr, lanes_ptr, p_ptr,
         row = ct + e * (BITS + 1)
         slot = x & (ONE - 1)  # round 0: the bit length k of |D|
         cums = tl.load(row[:, None] + kk[None, :], mask=ok[:, None], other=ONE).to(tl.int64)
-        k = 1 + _sum(((cums <= slot[:, None]) & (kk[None, :] >= 1)).to(tl.int32), 1)
+        k = 1 + tl.reduce(((cums <= slot[:, None]) & (kk[None, :] >= 1)).to(tl.int32), 1, _sum_combine)
         c0 = tl.load(row + k - 1, mask=ok, other=0).to(tl.int64)
         c1 = tl.load(row + k, mask=ok, other=ONE).to(tl.int64)
         x, rd, st = _dec_step(x, ok, slot, c0, c1 - c0, rd, st, stream_ptr, s_off, s_len, M, R, LB)
@@ -169,22 +161,23 @@ def decode_kernel(base_ptr, states_ptr, stream_ptr, chunk_ptr, lanes_ptr, p_ptr,
         done = tl.full([W], 0, tl.int64)
         for _q in range(NR):  # rounds 2, 3, ...: the mantissa, M bits at a time, low bits first
             a = ok & (left > 0)
-            r = tl.minimum(left, M)
-            sh = M - r
-            slot = x & (ONE - 1)
-            v = slot >> sh
-            x, rd, st = _dec_step(x, a, slot, v << sh, tl.full([W], 1, tl.int64) << sh, rd, st,
-                                  stream_ptr, s_off, s_len, M, R, LB)
-            mant = tl.where(a, mant | (v << done), mant)
-            done = tl.where(a, done + r, done)
-            left = tl.where(a, left - r, left)
+            if tl.reduce(a.to(tl.int32), 0, _sum_combine) > 0:  # (a round no lane takes is a no-op)
+                r = tl.minimum(left, M)
+                sh = M - r
+                slot = x & (ONE - 1)
+                v = slot >> sh
+                x, rd, st = _dec_step(x, a, slot, v << sh, tl.full([W], 1, tl.int64) << sh, rd, st,
+                                      stream_ptr, s_off, s_len, M, R, LB)
+                mant = tl.where(a, mant | (v << done), mant)
+                done = tl.where(a, done + r, done)
+                left = tl.where(a, left - r, left)
         mag = (tl.full([W], 1, tl.int64) << (k - 1).to(tl.int64)) + mant
         kb = _keys(b, KIND, BITS)
         u = _unkeys(tl.where(neg, kb - mag, kb + mag) & ALL, KIND, BITS)
         if SIGNED:
             u = tl.where(u >= (1 << (BITS - 1)), u - (1 << BITS), u)
         tl.store(val_ptr + o_off + j, u, mask=ok)
-    st = tl.where((_sum((x != (1 << LB)).to(tl.int32), 0) > 0) & (st == 0), -10, st)  # 3. end
+    st = tl.where((tl.reduce((x != (1 << LB)).to(tl.int32), 0, _sum_combine) > 0) & (st == 0), -10, st)  # 3. end
     st = tl.where((rd * (R // 8) != s_len) & (st == 0), -6, st)
     tl.store(status_ptr + c, st)
 
@@ -201,8 +194,8 @@ def _enc_step(x, act, c, f, top, st, out_ptr, o_off,
     x = tl.where(em, x >> R, x)
     x = tl.where(act, ((x // fs) << M) + (x % fs) + c, x)
     ei = em.to(tl.int64)
-    ne = _sum(ei, 0)
-    dst = top - ne + _cumsum(ei) - ei
+    ne = tl.reduce(ei, 0, _sum_combine)
+    dst = top - ne + tl.associative_scan(ei, 0, _sum_combine) - ei
     ok = em & (dst >= 0)
     tl.store(out_ptr + o_off + dst * UB, (unit & 255).to(tl.uint8), mask=ok)
     if UB == 2:
@@ -247,7 +240,7 @@ def encode_kernel(base_ptr, target_ptr, states_ptr, chg_ptr, chunk_ptr, p_ptr, c
         d = (_keys(v, KIND, BITS) - _keys(b, KIND, BITS)) & ALL
         neg = (d >> (BITS - 1)) != 0
         mag = tl.where(neg, (1 << BITS) - d, d)
-        k = _sum(((mag[:, None] >> kk[None, :]) > 0).to(tl.int64), 1)
+        k = tl.reduce(((mag[:, None] >> kk[None, :]) > 0).to(tl.int64), 1, _sum_combine)
         mant = mag - (tl.full([W], 1, tl.int64) << tl.maximum(k - 1, 0))
         e = ((b >> SHIFT) & MASK).to(tl.int32)
         sb = tl.full([W], 0, tl.int32)
@@ -257,11 +250,12 @@ def encode_kernel(base_ptr, target_ptr, states_ptr, chg_ptr, chunk_ptr, p_ptr, c
         for qq in range(NR):  # mantissa rounds, last first
             q = NR - 1 - qq
             a = ok & (k - 1 > q * M)
-            r = tl.minimum(k - 1 - q * M, M)
-            sh = tl.where(a, M - r, 0)
-            val = (mant >> (q * M)) & ((tl.full([W], 1, tl.int64) << tl.maximum(r, 0)) - 1)
-            x, top, st = _enc_step(x, a, val << sh, tl.full([W], 1, tl.int64) << sh, top, st, out_ptr, o_off,
-                                   M, R, LB)
+            if tl.reduce(a.to(tl.int32), 0, _sum_combine) > 0:  # (a round no lane takes is a no-op)
+                r = tl.minimum(k - 1 - q * M, M)
+                sh = tl.where(a, M - r, 0)
+                val = (mant >> (q * M)) & ((tl.full([W], 1, tl.int64) << tl.maximum(r, 0)) - 1)
+                x, top, st = _enc_step(x, a, val << sh, tl.full([W], 1, tl.int64) << sh, top, st, out_ptr,
+                                       o_off, M, R, LB)
         cc = tl.where(neg, HALF, 0)  # the sign
         f = tl.full([W], HALF, tl.int64)
         if HIST:
@@ -275,7 +269,7 @@ def encode_kernel(base_ptr, target_ptr, states_ptr, chg_ptr, chunk_ptr, p_ptr, c
         row = ct + e * (BITS + 1)  # the bit length
         c0 = tl.load(row + k - 1, mask=ok, other=0).to(tl.int64)
         c1 = tl.load(row + k, mask=ok, other=ONE).to(tl.int64)
-        st = tl.where((_sum((ok & (c1 <= c0)).to(tl.int32), 0) > 0) & (st == 0), -8, st)
+        st = tl.where((tl.reduce((ok & (c1 <= c0)).to(tl.int32), 0, _sum_combine) > 0) & (st == 0), -8, st)
         x, top, st = _enc_step(x, ok & (c1 > c0), c0, c1 - c0, top, st, out_ptr, o_off, M, R, LB)
     ns = (n + W - 1) // W
     pt = p_ptr + c * NCT
@@ -290,7 +284,7 @@ def encode_kernel(base_ptr, target_ptr, states_ptr, chg_ptr, chunk_ptr, p_ptr, c
         p = tl.load(pt + e, mask=ok, other=0).to(tl.int64)
         act = ok & (p > 0)
         bit = b != v
-        st = tl.where((_sum((ok & bit & (p == 0)).to(tl.int32), 0) > 0) & (st == 0), -8, st)
+        st = tl.where((tl.reduce((ok & bit & (p == 0)).to(tl.int32), 0, _sum_combine) > 0) & (st == 0), -8, st)
         x, top, st = _enc_step(x, act, tl.where(bit, 0, p), tl.where(bit, p, ONE - p), top, st, out_ptr, o_off,
                                M, R, LB)
     tl.store(lanes_ptr + c * W + lane, x)

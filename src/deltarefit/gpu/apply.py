@@ -50,7 +50,10 @@ from ..format import ChunkRecord, DeltaReader, TensorEntry
 from ..history_book import HistoryBook, MovesRecorder, advance_or_start_over
 from ..integrity import SEGMENT_BYTES
 from . import scan as device_scan
+from . import ulp2 as device_ulp2
 from .encode import _SCANS, _Info, _ints, _scan_mode, _seg_hashes
+
+ENCODING_NAMES_2 = {device_ulp2.ULP2: "ulp2", device_ulp2.ULP2_HIST: "ulp2_hist"}
 
 
 @dataclass
@@ -122,6 +125,29 @@ def _decode_ulp(seg: torch.Tensor, dt, payload: bytes, m: int, where: str, scan:
     return pos_d, _to_device_ints(val, dt.itemsize, dev), base_at, val
 
 
+def _decode_ulp2(seg: torch.Tensor, dt, r: ChunkRecord, payload: bytes, where: str, lock: threading.Lock,
+                 history: HistoryBook | None, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, target bits) of a ulp2 / ulp2_hist chunk decoded by the device (``gpu.ulp2``) into
+    staging arrays; ``DecodeError`` (nothing written) on any refusal."""
+    if r.decoded_len != 0:
+        raise DecodeError(f"{where}: {ENCODING_NAMES_2[r.encoding]} chunk declares a decoded length")
+    states = None
+    if r.encoding == device_ulp2.ULP2_HIST:
+        if len(payload) < 16:
+            raise DecodeError(f"{where}: ulp2_hist chunk is too short to name its history")
+        want, payload = bytes(payload[:16]), payload[16:]
+        n = seg.numel()
+        hist = history.history(name, r.chunk_index, n) if history is not None else None
+        if hist is None:
+            raise DecodeError(f"{where}: chunk is coded against history {want.hex()}, and none is held here")
+        if hist.n != n or hist.id != want:
+            raise DecodeError(f"{where}: chunk is coded against history {want.hex()}, this decoder holds "
+                              f"{hist.id.hex()} (a {hist.n}-element chunk)")
+        states = torch.from_numpy(hist.states().copy()).to(seg.device)
+    with lock:  # one launch at a time, as the hashes (the interpreter is not thread-safe either)
+        return device_ulp2.decode_chunk(dt, seg, bytes(payload), r.n_changed, where, states)
+
+
 def _decode(d: DeltaReader, e: TensorEntry, r: ChunkRecord, seg: torch.Tensor, scan: str,
             lock: threading.Lock, history: HistoryBook | None = None,
             moves: MovesRecorder | None = None) -> DevicePatch:
@@ -139,6 +165,14 @@ def _decode(d: DeltaReader, e: TensorEntry, r: ChunkRecord, seg: torch.Tensor, s
                                              lock)
         if moves is not None:
             moves.add(e.name, r.chunk_index, moves_of_changes(dt, n, pos_d.cpu().numpy(), old, new))
+        return DevicePatch(pos_d, val_d)
+    if r.encoding in (device_ulp2.ULP2, device_ulp2.ULP2_HIST) and device_ulp2.supported(dt) \
+            and _scan_mode(scan, seg.device) == "triton" and device_ulp2.available(seg.device):
+        pos_d, val_d = _decode_ulp2(seg, dt, r, payload, where, lock, history, e.name)
+        if moves is not None:
+            pos = pos_d.cpu().numpy()
+            moves.add(e.name, r.chunk_index, moves_of_changes(dt, n, pos, seg[pos_d].cpu().numpy().view(dt.uint),
+                                                              val_d.cpu().numpy().view(dt.uint)))
         return DevicePatch(pos_d, val_d)
     host = seg.cpu().numpy().view(dt.uint)  # rare encodings: decoded on the host from a copy
     hist = history.history(e.name, r.chunk_index, n) if r.encoding == ULP_HIST and history is not None else None
