@@ -87,15 +87,35 @@ def _decode(dt, b, ch, states=None):
 def test_device_decode_inverts_the_device_encode(device, name, n, frac):
     dt, b, t = _chunk(name, n, frac, n)
     t[-1] = t[-1] ^ 0x7F00 if dt.itemsize > 1 else t[-1]  # one far move (a long mantissa)
-    cn = U.counts(dt, b.to(device), t.to(device), None)
-    assert cn[0].numel() == int((b != t).sum())
+    chg, m, cns = U.counts(dt, b.to(device), t.to(device), n, None)
+    assert m.tolist() == [int((b != t).sum())]
     for variant in (0, 1):  # both variants code and decode the chunk
-        pl = U._encode_variant(dt, b.to(device), t.to(device), None, cn[0], cn[1], variant)
+        pl = U.code_batch(dt, b.to(device), t.to(device), n, None, chg, m, cns, variant)[0]
         assert pl[0] == variant
-        pos, val = U.decode_chunk(dt, b.to(device), pl, cn[0].numel(), "chunk")
+        pos, val = U.decode_chunk(dt, b.to(device), pl, int(m[0]), "chunk")
         img = b.to(device).clone()
         img[pos] = val
         assert torch.equal(img.cpu(), t)
+
+
+def test_a_batch_codes_each_chunk_as_alone(device):
+    """Three chunks of one tensor in one launch (the last short, one unchanged): each payload is the
+    one its chunk gets coded alone, and a batched decode gives the target."""
+    dt, b, t = _chunk("BF16", 700, 0.04, 3)
+    per = 256
+    t[256:512] = b[256:512]
+    got = U.encode_chunks(dt, b.to(device), t.to(device), per)
+    assert got[1] is None
+    for c in (0, 2):
+        alone = U.encode_chunk(dt, b[c * per:(c + 1) * per].to(device), t[c * per:(c + 1) * per].to(device))
+        assert got[c] == alone
+    items = [(c * per, min(per, 700 - c * per), got[c].n_changed, got[c].payload) for c in (0, 2)]
+    pos, val, offs, status = U.decode_chunks(dt, b.to(device), items)
+    assert status.tolist() == [0, 0]
+    img = b.clone().to(device)
+    img[pos[offs[0]:offs[1]]] = val[offs[0]:offs[1]]
+    img[2 * per + pos[offs[1]:offs[2]]] = val[offs[1]:offs[2]]
+    assert torch.equal(img.cpu(), t)
 
 
 def test_ulp2_hist_codes_repeated_moves_smaller_and_decodes(device):
@@ -134,11 +154,11 @@ def _hostile(pl: bytes, m: int):
 
 def test_hostile_payloads_are_refused_by_status_and_only_their_chunk(device):
     dt, b, t = _chunk("I32", 400, 0.1, 9)
-    cn = U.counts(dt, b.to(device), t.to(device), None)
-    pl = U._encode_variant(dt, b.to(device), t.to(device), None, cn[0], cn[1], 0)
-    m = int(cn[0].numel())
-    cases = _hostile(pl, m)
     n = b.numel()
+    chg, mm, cns = U.counts(dt, b.to(device), t.to(device), n, None)
+    pl = U.code_batch(dt, b.to(device), t.to(device), n, None, chg, mm, cns, 0)[0]
+    m = int(mm[0])
+    cases = _hostile(pl, m)
     base = b.repeat(len(cases) + 1).to(device)  # one batch: every hostile chunk and the good one last
     items = [(i * n, n, mm, p) for i, (_, p, mm, _) in enumerate(cases)] + [(len(cases) * n, n, m, pl)]
     before = base.clone()

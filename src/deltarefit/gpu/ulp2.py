@@ -152,84 +152,141 @@ def _key(u: torch.Tensor, dt: DType) -> torch.Tensor:
     return u ^ top if kind == 1 else u
 
 
-def counts(dt: DType, base: torch.Tensor, target: torch.Tensor, states: torch.Tensor | None):
-    """(changed positions on the device, ``ulp2_tables.Counts``) of one chunk: torch ops on the device,
-    ``NCT * (BITS + 2) + 16`` numbers to the host."""
+def counts(dt: DType, base: torch.Tensor, target: torch.Tensor, per: int, states: torch.Tensor | None):
+    """The counts of a batch of chunks of ``per`` elements (the last may be short), from torch ops on
+    the device: ``(chg, m, [ulp2_tables.Counts per chunk])`` with ``chg`` every change's position
+    within its chunk (device, ascending per chunk) and ``m`` the changes per chunk (numpy). About
+    ``NCT * (BITS + 2) + 16`` numbers per chunk cross to the host."""
     shift, mask, nexp = _ctx(dt)
     hist = states is not None
     nct = _nct(dt, hist)
+    nb = dt.bits + 1
+    count = -(-base.numel() // per)
     b, t = _u(base, dt.bits), _u(target, dt.bits)
+    cid = torch.arange(b.numel(), device=b.device) // per
     e = (b >> shift) & mask
     if hist:
         sb = states.to(torch.int64)
         e = (sb & 127).clamp(max=T.N_STATES - 1) * nexp + e
     chg = torch.nonzero(b != t).reshape(-1)
+    cc = cid[chg]
     d = (_key(t[chg], dt) - _key(b[chg], dt)) & ((1 << dt.bits) - 1)
     neg = (d >> (dt.bits - 1)) != 0
     mag = torch.where(neg, (1 << dt.bits) - d, d)
     k = torch.zeros_like(mag)
     for i in range(dt.bits):
         k += (mag >> i) > 0
-    ec = e[chg]
-    c_t = c1_t = torch.zeros(8, dtype=torch.int64, device=b.device)
+    ec = cc * nct + e[chg]
+    c_t = c1_t = torch.zeros(count * 8, dtype=torch.int64, device=b.device)
     if hist:
         st = sb[chg]
-        c_t = torch.bincount(st & 127, minlength=8)
-        c1_t = torch.bincount(st & 127, weights=(neg ^ ((st >> 7) != 0)).to(torch.float64), minlength=8)
+        c_t = torch.bincount(cc * 8 + (st & 127), minlength=count * 8)
+        c1_t = torch.bincount(cc * 8 + (st & 127), weights=(neg ^ ((st >> 7) != 0)).to(torch.float64),
+                              minlength=count * 8)
     host = [x.cpu().numpy().astype(np.int64) for x in (
-        torch.bincount(e, minlength=nct), torch.bincount(ec, minlength=nct),
-        torch.bincount(ec * (dt.bits + 1) + k, minlength=nct * (dt.bits + 1)), c_t, c1_t)]
-    return chg, T.Counts(host[0], host[1], host[2].reshape(nct, dt.bits + 1), host[3], host[4])
+        torch.bincount(cid * nct + e, minlength=count * nct), torch.bincount(ec, minlength=count * nct),
+        torch.bincount(ec * nb + k, minlength=count * nct * nb), c_t, c1_t, torch.bincount(cc, minlength=count))]
+    n_e, c_e, c_ek, ct, c1 = host[0].reshape(count, nct), host[1].reshape(count, nct), \
+        host[2].reshape(count, nct, nb), host[3].reshape(count, 8), host[4].reshape(count, 8)
+    return chg - cc * per, host[5], [T.Counts(n_e[c], c_e[c], c_ek[c], ct[c], c1[c]) for c in range(count)]
 
 
-def _encode_variant(dt: DType, base, target, states, chg, cn: T.Counts, variant: int) -> bytes | None:
-    built = T.build(cn, dt.bits, variant, states is not None)
-    if built is None:
-        return None
-    tb, head = built
+def code_batch(dt: DType, base: torch.Tensor, target: torch.Tensor, per: int, states: torch.Tensor | None,
+               chg: torch.Tensor, m: np.ndarray, cns: list[T.Counts], variant: int) -> list[bytes | None]:
+    """The ``variant`` payload (without a history id) of every chunk of the batch (``counts``'s
+    results), or None for a chunk it cannot code (or without changes). One launch: each program codes
+    its chunk backwards into its own area (bound: one unit per symbol); only the areas' used tails
+    and the lane states cross to the host."""
     k = _kernels()
     cs = _consts(dt, states is not None, variant)
-    n, m = base.numel(), chg.numel()
-    ub = cs["R"] // 8
-    cap = n + m * (2 + cs["NR"])  # units: at most one per symbol
+    ub, W = cs["R"] // 8, cs["W"]
     dev = base.device
-    out = torch.zeros(cap * ub, dtype=torch.uint8, device=dev)
-    lanes = torch.zeros(cs["W"], dtype=torch.int64, device=dev)
-    top = torch.zeros(1, dtype=torch.int64, device=dev)
-    st = torch.zeros(1, dtype=torch.int32, device=dev)
+    nel = base.numel()
+    goffs = np.concatenate([[0], np.cumsum(m)])
+    rows, heads, tabs = [], [], []
+    area = 0
+    for c, cn in enumerate(cns):
+        built = T.build(cn, dt.bits, variant, states is not None) if m[c] else None
+        if built is None:
+            continue
+        n = min(per, nel - c * per)
+        cap = n + int(m[c]) * (2 + cs["NR"])  # units
+        rows.append((c, [c * per, n, int(m[c]), goffs[c], area, cap]))
+        heads.append(built[1])
+        tabs.append(built[0])
+        area += cap * ub
+    out: list[bytes | None] = [None] * len(cns)
+    if not rows:
+        return out
 
     def up(a):
         return torch.from_numpy(np.array(a, copy=True)).to(dev)
 
-    k.encode_kernel[(1,)](base, target, states if states is not None else base, chg,
-                          up(np.array([0, n, m, 0, 0, cap], np.int64)), up(tb.p), up(tb.cum), up(tb.sp),
-                          out, lanes, top, st, **cs)
-    status = int(st.cpu()[0])
-    if status:
-        raise RuntimeError(f"ulp2 device encoder: status {status} ({T.STATUS2.get(status)})")
-    sb = 2 if variant == 0 else 4
-    t0 = int(top.cpu()[0])
-    return head + lanes.cpu().numpy().astype(f"<u{sb}").tobytes() + out[t0 * ub:].cpu().numpy().tobytes()
+    buf = torch.empty(area, dtype=torch.uint8, device=dev)
+    g = len(rows)
+    lanes = torch.zeros(g, W, dtype=torch.int64, device=dev)
+    top = torch.zeros(g, dtype=torch.int64, device=dev)
+    st = torch.zeros(g, dtype=torch.int32, device=dev)
+    chunk = up(np.array([r for _, r in rows], np.int64))
+    k.encode_kernel[(g,)](base, target, states if states is not None else base, chg, chunk,
+                          up(np.stack([x.p for x in tabs])), up(np.stack([x.cum for x in tabs])),
+                          up(np.stack([x.sp for x in tabs])), buf, lanes, top, st, **cs)
+    status = st.cpu().numpy()
+    if status.any():  # the tables came from the same counts: a failure here is a defect, not input
+        c = int(np.flatnonzero(status)[0])
+        raise RuntimeError(f"ulp2 device encoder: chunk {rows[c][0]}: status {status[c]}")
+    # The used tails, packed on the device and copied once.
+    start = chunk[:, 4] + top * ub
+    length = (chunk[:, 5] - top) * ub
+    seg = torch.repeat_interleave(torch.arange(g, device=dev), length)
+    within = torch.arange(seg.numel(), device=dev) - (torch.cumsum(length, 0) - length)[seg]
+    packed = buf[start[seg] + within].cpu().numpy().tobytes()
+    lens = length.cpu().numpy()
+    lane_h = lanes.cpu().numpy().astype(f"<u{2 if variant == 0 else 4}")
+    o = 0
+    for i, (c, _) in enumerate(rows):
+        out[c] = heads[i] + lane_h[i].tobytes() + packed[o:o + int(lens[i])]
+        o += int(lens[i])
+    return out
+
+
+def encode_chunks(dt: DType, base: torch.Tensor, target: torch.Tensor, per: int,
+                  histories: list | None = None) -> list[EncodedChunk | None]:
+    """The smallest ``ulp2`` / ``ulp2_hist`` coding of every chunk of a batch (same-width integer
+    views on the device; chunks of ``per`` elements), None where nothing changed. ``histories``: each
+    chunk's ``codec.history.History`` or None (then ``ulp2_hist`` is a candidate for those that have
+    one; its payload starts with the id). Ties: variant 0, then ``ulp2``."""
+    if not supported(dt):
+        raise ValueError(f"{dt.name}: the device encoder handles widths up to 32 bits")
+    count = -(-base.numel() // per)
+    best: list[EncodedChunk | None] = [None] * count
+    tries: list[tuple[int, torch.Tensor | None]] = [(ULP2, None)]
+    if histories is not None and any(h is not None and h.m for h in histories):
+        st = np.zeros(base.numel(), np.uint8)
+        for c, h in enumerate(histories):
+            if h is not None and h.m:
+                n = min(per, base.numel() - c * per)
+                if h.n != n:
+                    raise ValueError(f"history of a {h.n}-element chunk given for chunk {c} of {n}")
+                st[c * per:c * per + n] = h.states()
+        tries.append((ULP2_HIST, torch.from_numpy(st).to(base.device)))
+    for enc, states in tries:
+        chg, m, cns = counts(dt, base, target, per, states)
+        for variant in (0, 1):
+            for c, coded in enumerate(code_batch(dt, base, target, per, states, chg, m, cns, variant)):
+                if coded is None:
+                    continue
+                pl = coded
+                if enc == ULP2_HIST:
+                    h = histories[c]
+                    if h is None or not h.m:
+                        continue
+                    pl = h.id + coded
+                if best[c] is None or len(pl) < len(best[c].payload):
+                    best[c] = EncodedChunk(enc, pl, int(m[c]), 0)
+    return best
 
 
 def encode_chunk(dt: DType, base: torch.Tensor, target: torch.Tensor, history=None) -> EncodedChunk | None:
-    """The smallest ``ulp2`` / ``ulp2_hist`` coding of one chunk (same-width integer views on the
-    device), or None when nothing changed or no variant can code it. ``history``: the chunk's
-    ``codec.history.History`` (then ``ulp2_hist`` is a candidate too; its payload starts with the id)."""
-    if not supported(dt):
-        raise ValueError(f"{dt.name}: the device encoder handles widths up to 32 bits")
-    best: EncodedChunk | None = None
-    tries: list[tuple[int, torch.Tensor | None, bytes]] = [(ULP2, None, b"")]
-    if history is not None and history.m:
-        if history.n != base.numel():
-            raise ValueError(f"history of a {history.n}-element chunk given for a chunk of {base.numel()}")
-        tries.append((ULP2_HIST, torch.from_numpy(history.states().copy()).to(base.device), history.id))
-    for enc, states, prefix in tries:
-        chg, cn = counts(dt, base, target, states)
-        if chg.numel() == 0:
-            return None
-        for variant in (0, 1):
-            pl = _encode_variant(dt, base, target, states, chg, cn, variant)
-            if pl is not None and (best is None or len(prefix) + len(pl) < len(best.payload)):
-                best = EncodedChunk(enc, prefix + pl, int(chg.numel()), 0)
-    return best
+    """``encode_chunks`` of one chunk (``history``: its ``History`` or None)."""
+    return encode_chunks(dt, base, target, max(base.numel(), 1), [history])[0]
