@@ -2,7 +2,9 @@
 
 A chunk is one segment of a tensor (``integrity.SEGMENT_BYTES`` of raw bytes, the last one shorter).
 ``encode_chunk`` tries the encodings that can win for the chunk's change density and keeps the
-smallest (the encodings are listed in ``codec.encodings``). The scan and the coder of 16-bit chunks run
+smallest (the encodings are listed in ``codec.encodings``). Every encoder entry takes ``fmt``, the
+delta's format version: 2 (the default) codes the ulp class as encodings 6 and 7 (``codec.ulp2``), 1
+writes exactly format version 1's bytes (encodings 1-5). The scan and the coder of 16-bit chunks run
 in the native extension where it was built and is in use (``codec.native``), in numba otherwise; both
 write the same bytes.
 
@@ -31,6 +33,8 @@ from .encodings import (
     OVERWRITE,
     SPARSE_XOR,
     ULP,
+    ULP2,
+    ULP2_HIST,
     ULP_HIST,
     EncodedChunk,
     K,
@@ -42,9 +46,10 @@ from .encodings import (
 )
 from .history import N_STATES, QDEPTH, History, Moves, context_map, moves_of_changes
 from .native import kernels_in_use as kernels_in_use  # (its earlier home)
+from .ulp2 import encode_ulp2
 
 __all__ = [
-    "DENSE_XOR", "ENCODING_NAMES", "OVERWRITE", "SPARSE_XOR", "ULP", "ULP_HIST", "Changes", "EncodedChunk",
+    "DENSE_XOR", "ENCODING_NAMES", "FORMATS", "OVERWRITE", "SPARSE_XOR", "ULP", "ULP2", "ULP2_HIST", "ULP_HIST", "Changes", "EncodedChunk",
     "Patch", "decode_chunk", "decode_new", "encode_changes", "encode_chunk", "encode_hist", "encode_overwrite",
     "encode_raw", "encode_with_changes", "encode_with_moves", "kernels_in_use", "max_payload_len",
     "moves_of_patch", "scan_chunk", "scratch_array", "uint_view",
@@ -59,6 +64,7 @@ __all__ = [
 DENSE_TRY_FRACTION = 0.08
 DENSE_TRY_BITS = 2.0
 ZSTD_LEVEL = 1
+FORMATS = (1, 2)  # the format versions the encoder writes (``fmt``)
 
 _tls = threading.local()
 
@@ -131,21 +137,46 @@ def scan_chunk(dt: DType, base: np.ndarray, target: np.ndarray, *, scratch: bool
     return Changes(n, pos[:m], ectx[:m], rank[:m], bvals[:m], tvals[:m])
 
 
-def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray, history: History | None = None) -> EncodedChunk | None:
+def _check_fmt(fmt: int) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"format version {fmt} is not one this encoder writes ({', '.join(map(str, FORMATS))})")
+
+
+def _encode2(dt: DType, base: np.ndarray, target: np.ndarray, history: History | None) -> tuple[EncodedChunk | None, Changes]:
+    """Format 2's choice: the ulp2 class (``encode_ulp2``, with ``history`` encoding 7 too) and the
+    candidates that may beat it (``_choose``), and the scan's changes (this thread's scratch)."""
+    ch = scan_chunk(dt, base, target, scratch=True)
+    if ch.m == 0:
+        return None, ch
+    if history is not None and history.m == 0:
+        history = None  # (encoding 7 over an empty history is encoding 6 and 28 bytes more)
+    return _choose(dt, ch, lambda: (base, target), encode_ulp2(dt, base, target, history)), ch
+
+
+def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray, history: History | None = None, *,
+                 fmt: int = 2) -> EncodedChunk | None:
     """Smallest bit-exact encoding of ``target`` given ``base`` (uint views, equal length), or None.
     With ``history`` (what the previous version changed in this chunk), the history-conditioned
-    coding (``ULP_HIST``) is a candidate too, and the smaller of it and the rest is kept."""
+    coding (``ULP_HIST``, format 2: ``ULP2_HIST``) is a candidate too, and the smaller of it and the rest
+    is kept. ``fmt``: the delta's format version (1 or 2)."""
+    _check_fmt(fmt)
+    if fmt == 2:
+        return _encode2(dt, base, target, history)[0]
     if history is None and _native16(dt):
         with contextlib.suppress(BufferError):  # an unaligned view: numba takes it
             return _encode_native16(dt, base, target)
-    return encode_with_moves(dt, base, target, history)[0]
+    return encode_with_moves(dt, base, target, history, fmt=1)[0]
 
 
-def encode_with_changes(dt: DType, base: np.ndarray,
-                        target: np.ndarray) -> tuple[EncodedChunk | None, np.ndarray, np.ndarray, np.ndarray]:
+def encode_with_changes(dt: DType, base: np.ndarray, target: np.ndarray, *,
+                        fmt: int = 2) -> tuple[EncodedChunk | None, np.ndarray, np.ndarray, np.ndarray]:
     """``encode_chunk`` without history, and the changes its scan found: (chunk or None, positions
     (int32, ascending), base bits, target bits). The three arrays are views of this thread's scratch
     arrays, valid until its next scan."""
+    _check_fmt(fmt)
+    if fmt == 2:
+        got, ch = _encode2(dt, base, target, None)
+        return got, ch.pos, ch.bvals, ch.tvals
     got = None
     scanned = False
     if _native16(dt):
@@ -153,7 +184,7 @@ def encode_with_changes(dt: DType, base: np.ndarray,
             got = _encode_native16(dt, base, target)
             scanned = True
     if not scanned:
-        got = encode_changes(dt, scan_chunk(dt, base, target, scratch=True), lambda: (base, target))
+        got = encode_changes(dt, scan_chunk(dt, base, target, scratch=True), lambda: (base, target), fmt=1)
     # Both scans fill this thread's scratch arrays with the changes in position order.
     pos, _, _, bvals, tvals = _scan_buffers(base.size, base.dtype, True)
     m = 0 if got is None else got.n_changed
@@ -162,12 +193,20 @@ def encode_with_changes(dt: DType, base: np.ndarray,
 
 def encode_with_moves(dt: DType, base: np.ndarray, target: np.ndarray, history: History | None,
                       changes: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
-                      ) -> tuple[EncodedChunk | None, Moves]:
+                      *, fmt: int = 2) -> tuple[EncodedChunk | None, Moves]:
     """``encode_chunk`` with ``history``, and the chunk's moves in this version (what the next
     version's history is made of), taken from the scan the coding made anyway. ``changes``, where
     given, is called with that scan's changes (as ``encode_with_changes`` returns them) when any."""
-    got, pos, bvals, tvals = encode_with_changes(dt, base, target)
+    _check_fmt(fmt)
     n = base.size
+    if fmt == 2:
+        got, ch = _encode2(dt, base, target, history)
+        if got is None:
+            return None, Moves(n, np.empty(0, np.int64), np.empty(0, np.bool_))
+        if changes is not None:
+            changes(ch.pos, ch.bvals, ch.tvals)
+        return got, moves_of_changes(dt, n, ch.pos, ch.bvals, ch.tvals)
+    got, pos, bvals, tvals = encode_with_changes(dt, base, target, fmt=1)
     if got is None:
         return None, Moves(n, np.empty(0, np.int64), np.empty(0, np.bool_))
     if changes is not None:
@@ -211,9 +250,12 @@ def encode_hist(dt: DType, base: np.ndarray, target: np.ndarray, history: Histor
     return EncodedChunk(ULP_HIST, history.id + out[:nbytes].tobytes(), m, 0)
 
 
-def encode_raw(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk | None:
+def encode_raw(dt: DType, base: np.ndarray, target: np.ndarray, *, fmt: int = 2) -> EncodedChunk | None:
     """``encode_chunk`` of two raw byte views (1-D uint8, equal length, whole elements), viewed as the
     dtype's uint here: the encoder's per-segment entry, kept lean (it runs once per MiB on every thread)."""
+    if fmt != 1:
+        _check_fmt(fmt)
+        return encode_chunk(dt, uint_view(base, dt), uint_view(target, dt), fmt=fmt)
     # The native path first, on the raw views as they are: going through uint_view (whose alignment
     # check, ndarray.ctypes, costs microseconds) for every segment was 0.9-1.2 ms slower per encode of
     # the real 3.5% pair in three of four alternating runs. encode_chunk tries the same path on the
@@ -223,7 +265,7 @@ def encode_raw(dt: DType, base: np.ndarray, target: np.ndarray) -> EncodedChunk 
             return _encode_native16(dt, base, target)
         except BufferError:  # an odd address: a tensor at an odd offset in its file (copied below)
             pass
-    return encode_chunk(dt, uint_view(base, dt), uint_view(target, dt))
+    return encode_chunk(dt, uint_view(base, dt), uint_view(target, dt), fmt=1)
 
 
 def uint_view(raw: np.ndarray, dt: DType) -> np.ndarray:
@@ -256,12 +298,17 @@ def _ulp_candidate(ch: Changes, out: np.ndarray, nbytes: int) -> EncodedChunk | 
     return EncodedChunk(ULP, out[:nbytes].tobytes(), ch.m, 0) if nbytes >= 0 else None
 
 
-def encode_changes(dt: DType, ch: Changes, dense) -> EncodedChunk | None:
+def encode_changes(dt: DType, ch: Changes, dense, *, fmt: int = 2) -> EncodedChunk | None:
     """Smallest bit-exact encoding of a chunk from its compact changes, or None when nothing changed.
-    ``dense()`` returns the whole chunk's (base, target) uint views; it is called only for chunks
-    changed so densely that a whole-chunk encoding may win (at least ``DENSE_TRY_FRACTION``)."""
+    ``dense()`` returns the whole chunk's (base, target) uint views; in format 1 it is called only for
+    chunks changed so densely that a whole-chunk encoding may win (at least ``DENSE_TRY_FRACTION``), in
+    format 2 for every chunk with changes (encoding 6 codes a decision for every element)."""
+    _check_fmt(fmt)
     if ch.m == 0:
         return None
+    if fmt == 2:
+        base, target = dense()
+        return _choose(dt, ch, lambda: (base, target), encode_ulp2(dt, base, target))
     _, _, nctx = _ctx(dt)
     out = scratch_array("payload", max_payload_len(dt, ch.n) + 64, np.uint8)  # copied out by tobytes()
     if native.USE_NATIVE and native.ext is not None:

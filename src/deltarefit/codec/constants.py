@@ -12,4 +12,8 @@ STATUS = {
     -4: "change counts do not add up to the chunk record's count",
     -5: "output buffer too small",
     -6: "payload has trailing bytes",
+    -7: "ulp2: unknown coder variant",
+    -8: "ulp2: bad table (context, probability or frequencies out of range)",
+    -9: "ulp2: a lane state out of range",
+    -10: "ulp2: a lane does not end at the encoder's initial state",
 }

@@ -25,7 +25,7 @@ from ..dtypes import DType
 from ..errors import DecodeError, LimitError
 from . import native
 from .constants import STATUS
-from .encodings import DENSE_XOR, OVERWRITE, SPARSE_XOR, ULP, ULP_HIST, K, Patch, _ctx, _kind
+from .encodings import DENSE_XOR, OVERWRITE, SPARSE_XOR, ULP, ULP2, ULP2_HIST, ULP_HIST, K, Patch, _ctx, _kind
 from .history import (
     HIST_ID_BYTES,
     N_STATES,
@@ -36,6 +36,7 @@ from .history import (
     moves_of_changes,
     moves_of_images,
 )
+from .ulp2 import decode_ulp2
 
 _tls = threading.local()
 
@@ -92,14 +93,18 @@ def decode_chunk(
     history: History | None = None, *, digest: tuple[int, int, int] | None = None,
 ) -> Patch:
     """Decode a chunk payload against its base (uint view). Raises DecodeError/LimitError on bad input.
-    A ``ULP_HIST`` chunk needs ``history``, the one its payload names (refused otherwise).
+    A ``ULP_HIST`` or ``ULP2_HIST`` chunk needs ``history``, the one its payload names (refused otherwise).
     ``digest``: ``(start, s0, s1)``, the chunk's first element index in its tensor and the tensor's
-    additive-digest seeds; the native decoder of ``ULP`` and ``ULP_HIST`` chunks then also gives the
+    additive-digest seeds; the native decoder of ``ULP``, ``ULP_HIST``, ``ULP2`` and ``ULP2_HIST`` chunks then also gives the
     digest's move by the changes (``Patch.moved``, what ``integrity.additive.move`` gives over the base),
     taken in the same pass. Other paths leave ``Patch.moved`` None."""
     n = base.size
     if not 0 <= n_changed <= n:
         raise DecodeError(f"{where}: record claims {n_changed} changed elements in a chunk of {n}")
+    if encoding in (ULP2, ULP2_HIST):
+        if decoded_len != 0:
+            raise DecodeError(f"{where}: {'ulp2' if encoding == ULP2 else 'ulp2_hist'} chunk declares a decoded length")
+        return decode_ulp2(dt, base, encoding, payload, n_changed, where, history, digest)
     if encoding == ULP_HIST:
         return _decode_hist(dt, base, payload, n_changed, decoded_len, where, history, digest)
     if encoding == ULP:

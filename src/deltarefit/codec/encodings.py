@@ -12,6 +12,10 @@ Encodings (numbers are part of the format, see FORMAT.md):
 * ``OVERWRITE``   zstd( target ) over the whole chunk; also used for added or re-typed tensors.
 * ``ULP_HIST``    ``ULP`` with each context split by the element's previous change (FORMAT.md,
                   "Encoding 5: ulp_hist").
+* ``ULP2``        format version 2's ulp class: the changed decisions and the distances as symbols of
+                  static per-chunk tables in interleaved rANS lanes (FORMAT.md, "Format version 2";
+                  ``codec.ulp2``, kernels in ``ulp2_kernels``).
+* ``ULP2_HIST``   ``ULP2`` with encoding 5's history states as contexts and per-state sign probabilities.
 
 No I/O, and no coding: ``codec.chunk`` encodes, ``codec.decode`` decodes.
 """
@@ -45,8 +49,10 @@ SPARSE_XOR = 2
 DENSE_XOR = 3
 OVERWRITE = 4
 ULP_HIST = 5
+ULP2 = 6
+ULP2_HIST = 7
 ENCODING_NAMES = {ULP: "ulp", SPARSE_XOR: "sparse_xor", DENSE_XOR: "dense_xor", OVERWRITE: "overwrite",
-                  ULP_HIST: "ulp_hist"}
+                  ULP_HIST: "ulp_hist", ULP2: "ulp2", ULP2_HIST: "ulp2_hist"}
 
 _tls = threading.local()
 
