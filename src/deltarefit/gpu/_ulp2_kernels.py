@@ -60,7 +60,8 @@ def _unkeys(k, KIND: tl.constexpr, BITS: tl.constexpr):
 def _dec_step(x, act, slot, c, f, rd, st, stream_ptr, s_off, s_len,
               M: tl.constexpr, R: tl.constexpr, LB: tl.constexpr):
     """One decode step over the lanes ``act``: ``x = f * (x >> M) + slot - c``, then the lanes below L
-    read their unit, in lane order, from unit ``rd`` on. Returns (x, rd, st)."""
+    read their unit, in lane order, from unit ``rd`` on. Returns (x, rd, st, the lanes that found the
+    stream ended: status -1)."""
     UB: tl.constexpr = R // 8
     x = tl.where(act, f * (x >> M) + slot - c, x)
     need = act & (x < (1 << LB))
@@ -72,9 +73,9 @@ def _dec_step(x, act, slot, c, f, rd, st, stream_ptr, s_off, s_len,
     if UB == 2:
         u = u | (tl.load(stream_ptr + s_off + idx * UB + 1, mask=ok, other=0).to(tl.int64) << 8)
     x = tl.where(need, (x << R) | u, x)
-    short = tl.reduce((need & (inside == 0)).to(tl.int32), 0, _sum_combine) > 0
-    st = tl.where(short & (st == 0), -1, st)
-    return x, rd + tl.reduce(ni, 0, _sum_combine), st
+    short = need & (inside == 0)
+    st = tl.where((tl.reduce(short.to(tl.int32), 0, _sum_combine) > 0) & (st == 0), -1, st)
+    return x, rd + tl.reduce(ni, 0, _sum_combine), st, short
 
 
 @triton.jit
@@ -112,21 +113,32 @@ def decode_kernel(base_ptr, states_ptr, stream_ptr, chunk_ptr, lanes_ptr, p_ptr,
         e = ((b >> SHIFT) & MASK).to(tl.int32)
         if HIST:
             t = tl.load(states_ptr + boff + i, mask=ok, other=0).to(tl.int32) & 127
+            bad = (tl.reduce((ok & (t >= 7)).to(tl.int32), 0, _sum_combine) > 0) & (st == 0)
+            st = tl.where(bad, -8, st)  # a history byte no book holds (the host decoder's check)
             e = tl.minimum(t, 6) * NEXP + e
         p = tl.load(pt + e, mask=ok, other=0).to(tl.int64)
         act = ok & (p > 0)
         slot = x & (ONE - 1)
         bit = slot < p
-        x, rd, st = _dec_step(x, act, slot, tl.where(bit, 0, p), tl.where(bit, p, ONE - p), rd, st,
-                              stream_ptr, s_off, s_len, M, R, LB)
+        st0 = st
+        x, rd, st, short = _dec_step(x, act, slot, tl.where(bit, 0, p), tl.where(bit, p, ONE - p), rd, st,
+                                     stream_ptr, s_off, s_len, M, R, LB)
         chg = act & bit
         ci = chg.to(tl.int64)
         dst = cnt + tl.associative_scan(ci, 0, _sum_combine) - ci
         keep = chg & (dst < m)
+        # More changes than the record's: -4, unless a lane before (or at) the first such read past
+        # the stream's end (-1), as a decoder taking the lanes one by one finds first.
+        over = chg & (dst >= m)
+        first_over = tl.reduce((tl.associative_scan(over.to(tl.int32), 0, _sum_combine) == 0).to(tl.int32), 0,
+                               _sum_combine)
+        first_short = tl.reduce((tl.associative_scan(short.to(tl.int32), 0, _sum_combine) == 0).to(tl.int32), 0,
+                                _sum_combine)
+        st = tl.where((st0 == 0) & (first_over < first_short), -4, st)
         tl.store(pos_ptr + o_off + dst, i, mask=keep)
         tl.store(ctx_ptr + o_off + dst, e, mask=keep)
         cnt += tl.reduce(ci, 0, _sum_combine)
-    st = tl.where((cnt != m) & (st == 0), -4, st)
+    st = tl.where(((cnt != m) | (m == 0)) & (st == 0), -4, st)
     kk = tl.arange(0, BITS)
     ct = cum_ptr + c * (NCT * (BITS + 1))
     for g in range(0, tl.where(st == 0, (m + W - 1) // W, 0)):  # 2. values
@@ -141,21 +153,20 @@ def decode_kernel(base_ptr, states_ptr, stream_ptr, chunk_ptr, lanes_ptr, p_ptr,
         k = 1 + tl.reduce(((cums <= slot[:, None]) & (kk[None, :] >= 1)).to(tl.int32), 1, _sum_combine)
         c0 = tl.load(row + k - 1, mask=ok, other=0).to(tl.int64)
         c1 = tl.load(row + k, mask=ok, other=ONE).to(tl.int64)
-        x, rd, st = _dec_step(x, ok, slot, c0, c1 - c0, rd, st, stream_ptr, s_off, s_len, M, R, LB)
-        slot = x & (ONE - 1)  # round 1: the sign
-        neg = slot >= HALF
-        cc = tl.where(neg, HALF, 0)
-        f = tl.full([W], HALF, tl.int64)
+        x, rd, st, short = _dec_step(x, ok, slot, c0, c1 - c0, rd, st, stream_ptr, s_off, s_len, M, R, LB)
+        slot = x & (ONE - 1)  # round 1: the sign, a binary decision (1: [0, q))
+        q = tl.full([W], HALF, tl.int64)
+        flip = q < 0
         if HIST:
             sb = tl.load(states_ptr + boff + pos, mask=ok, other=0).to(tl.int32)
             t = tl.minimum(sb & 127, 6)
-            q = tl.load(sp_ptr + c * 8 + t, mask=ok, other=HALF).to(tl.int64)
-            one = slot < q
-            binary = t >= 1
-            neg = tl.where(binary, one ^ ((sb >> 7) != 0), neg)
-            cc = tl.where(binary, tl.where(one, 0, q), cc)
-            f = tl.where(binary, tl.where(one, q, ONE - q), f)
-        x, rd, st = _dec_step(x, ok, slot, cc, f, rd, st, stream_ptr, s_off, s_len, M, R, LB)
+            q = tl.load(sp_ptr + c * 8 + t, mask=ok, other=HALF).to(tl.int64)  # sp[0] = 2^(M-1)
+            flip = (t >= 1) & ((sb >> 7) != 0)  # (no flip in state 0)
+        one = slot < q
+        neg = one ^ flip
+        cc = tl.where(one, 0, q)
+        f = tl.where(one, q, ONE - q)
+        x, rd, st, short = _dec_step(x, ok, slot, cc, f, rd, st, stream_ptr, s_off, s_len, M, R, LB)
         left = (k - 1).to(tl.int64)
         mant = tl.full([W], 0, tl.int64)
         done = tl.full([W], 0, tl.int64)
@@ -166,7 +177,7 @@ def decode_kernel(base_ptr, states_ptr, stream_ptr, chunk_ptr, lanes_ptr, p_ptr,
                 sh = M - r
                 slot = x & (ONE - 1)
                 v = slot >> sh
-                x, rd, st = _dec_step(x, a, slot, v << sh, tl.full([W], 1, tl.int64) << sh, rd, st,
+                x, rd, st, short = _dec_step(x, a, slot, v << sh, tl.full([W], 1, tl.int64) << sh, rd, st,
                                       stream_ptr, s_off, s_len, M, R, LB)
                 mant = tl.where(a, mant | (v << done), mant)
                 done = tl.where(a, done + r, done)
@@ -256,15 +267,14 @@ def encode_kernel(base_ptr, target_ptr, states_ptr, chg_ptr, chunk_ptr, p_ptr, c
                 val = (mant >> (q * M)) & ((tl.full([W], 1, tl.int64) << tl.maximum(r, 0)) - 1)
                 x, top, st = _enc_step(x, a, val << sh, tl.full([W], 1, tl.int64) << sh, top, st, out_ptr,
                                        o_off, M, R, LB)
-        cc = tl.where(neg, HALF, 0)  # the sign
-        f = tl.full([W], HALF, tl.int64)
+        q1 = tl.full([W], HALF, tl.int64)  # the sign, a binary decision (1: [0, q))
+        one = neg
         if HIST:
             t = tl.minimum(sb & 127, 6)
             q1 = tl.load(sp_ptr + c * 8 + t, mask=ok, other=HALF).to(tl.int64)
-            one = neg ^ ((sb >> 7) != 0)
-            binary = t >= 1
-            cc = tl.where(binary, tl.where(one, 0, q1), cc)
-            f = tl.where(binary, tl.where(one, q1, ONE - q1), f)
+            one = neg ^ ((t >= 1) & ((sb >> 7) != 0))
+        cc = tl.where(one, 0, q1)
+        f = tl.where(one, q1, ONE - q1)
         x, top, st = _enc_step(x, ok, cc, f, top, st, out_ptr, o_off, M, R, LB)
         row = ct + e * (BITS + 1)  # the bit length
         c0 = tl.load(row + k - 1, mask=ok, other=0).to(tl.int64)

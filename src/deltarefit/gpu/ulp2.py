@@ -27,12 +27,11 @@ import os
 import numpy as np
 import torch
 
-from ..codec.encodings import EncodedChunk, _ctx, _kind
+from ..codec.encodings import ULP2, ULP2_HIST, EncodedChunk, _ctx, _kind, max_payload_len
+from ..codec.history import HIST_ID_BYTES
 from ..dtypes import DType
 from ..errors import DecodeError
 from . import ulp2_tables as T
-
-ULP2, ULP2_HIST = 6, 7
 
 _STATE: dict = {"kernels": None, "error": None}
 
@@ -245,8 +244,15 @@ def code_batch(dt: DType, base: torch.Tensor, target: torch.Tensor, per: int, st
     lane_h = lanes.cpu().numpy().astype(f"<u{2 if variant == 0 else 4}")
     o = 0
     for i, (c, _) in enumerate(rows):
-        out[c] = heads[i] + lane_h[i].tobytes() + packed[o:o + int(lens[i])]
+        pl = heads[i] + lane_h[i].tobytes() + packed[o:o + int(lens[i])]
         o += int(lens[i])
+        # The host encoder's bound (codec.ulp2.encode_variant): the record's payload limit, and its
+        # worst-case header within it; a coding past either is no candidate.
+        limit = max_payload_len(dt, rows[i][1][1]) - (HIST_ID_BYTES if states is not None else 0)
+        g = int(np.count_nonzero(cns[c].c_e))
+        ps, sb = (1, 2) if variant == 0 else (2, 4)
+        need = 1 + 5 + g * (5 + ps) + g * (1 + ps * (dt.bits - 1)) + 6 * ps + W * sb
+        out[c] = pl if need <= limit and len(pl) <= limit else None
     return out
 
 

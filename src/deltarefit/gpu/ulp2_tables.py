@@ -14,21 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..codec.constants import STATUS
 from ..errors import DecodeError
 
 # variant -> (M probability bits, R unit bits, W lanes, log2 L)
 VARIANTS = {0: (8, 8, 32, 8), 1: (12, 16, 16, 16)}
 N_STATES = 7  # encoding 5's history states
-STATUS2 = {  # format 2's codes (codec.constants.STATUS once f2codec's branch is merged)
-    -1: "payload ends early (truncated or corrupt)",
-    -4: "change counts do not add up to the chunk record's count",
-    -5: "output buffer too small",
-    -6: "payload has trailing bytes",
-    -7: "ulp2: unknown coder variant",
-    -8: "ulp2: bad table (context, probability or frequencies out of range)",
-    -9: "ulp2: a lane state out of range",
-    -10: "ulp2: a lane does not end at the encoder's initial state",
-}
+STATUS2 = STATUS  # codec.constants.STATUS: format 2's codes -7..-10 and the shared -1, -4, -5, -6
 
 
 class TableError(DecodeError):
