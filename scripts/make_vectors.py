@@ -1,5 +1,8 @@
 """Write the golden vectors of tests/vectors (FORMAT.md v1, pinned byte for byte by tests/test_vectors.py).
 
+The whole-delta vectors are deltas of format version 1 (``FORMAT_VERSION``): encoded with
+``format_version=1``, they pin the bytes a version 1 writer writes, which every later reader reads.
+
     PYTHONPATH=src python scripts/make_vectors.py [--out tests/vectors] [--check]
 
 Run it only on an intended change of the delta format or of the encoder's choices (and review the
@@ -70,6 +73,10 @@ from deltarefit.integrity import fingerprint_from_digests, tensor_digest  # noqa
 Tensors = V.Tensors
 FLOATS = ["BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2"]
 INTS = ["I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"]
+
+
+# The whole-delta vectors' format version: version 1's bytes, pinned (FORMAT.md, "Versions").
+FORMAT_VERSION = 1
 
 
 def _u(dt: str) -> np.dtype:
@@ -313,7 +320,7 @@ def _encode(base: str, target: str, out: str, sums: bool, native: bool) -> bytes
     was = NAT.USE_NATIVE
     NAT.USE_NATIVE = native
     try:
-        deltarefit.encode(base, target, out, threads=2, sums=sums, durable=False)
+        deltarefit.encode(base, target, out, threads=2, sums=sums, durable=False, format_version=FORMAT_VERSION)
     finally:
         NAT.USE_NATIVE = was
     return Path(out).read_bytes()
@@ -346,7 +353,7 @@ def build(name: str, fn, sums: bool, recipe: dict | None, work: Path) -> None:
     for side, ts in (("base", base), ("target", target)):
         fp[side] = fingerprint_from_digests({k: bytes.fromhex(_meta(k, v)["digest"]) for k, v in ts.items()})
     vec: dict[str, Any] = {
-        "name": name, "about": ABOUT[name], "format_version": 1, "sums": sums,
+        "name": name, "about": ABOUT[name], "format_version": FORMAT_VERSION, "sums": sums,
         "made_with": {"deltarefit": deltarefit.__version__, "zstandard": zstandard.__version__,
                       "libzstd": ".".join(map(str, zstandard.ZSTD_VERSION))},
         "base_fingerprint": fp["base"], "target_fingerprint": fp["target"],

@@ -96,12 +96,13 @@ def test_the_set_of_commands_and_flags_is_deliberate():
     # Adding a flag is fine; doing it by accident is not. Update this table with the change.
     got = {name: sorted(p.name for p in cmd.params) for name, cmd in main.commands.items()}
     assert got == {
-        "encode": ["as_json", "base", "history_dir", "output", "quiet", "target", "threads"],
+        "encode": ["as_json", "base", "format_version", "history_dir", "output", "quiet", "target", "threads"],
         "apply": ["as_json", "checkpoint", "delta", "history_dir", "quiet", "threads"],
         "inspect": ["as_json", "delta", "show_all"],
         "fingerprint": ["as_json", "checkpoint", "quiet", "threads"],
         "verify": ["checkpoint", "expected", "threads"],
-        "publish": ["ack_timeout", "advance", "as_json", "catchup", "checkpoint", "history", "keyframe_every",
+        "publish": ["ack_timeout", "advance", "as_json", "catchup", "checkpoint", "format_version", "history",
+                    "keyframe_every",
                     "keyframe_ratio", "quarantine_head", "quiet", "quorum", "reset_baseline", "signing_key", "state_dir", "step",
                     "store", "threads"],
         "sync": ["as_json", "checkpoint", "full_verify", "prepare", "public_key", "quiet", "repair", "store",
@@ -110,7 +111,7 @@ def test_the_set_of_commands_and_flags_is_deliberate():
         "retain": ["as_json", "dry_run", "orphan_grace", "store", "ttl", "unsafe_short_grace"],
         "keygen": ["private_key"],
         "status": ["as_json", "checkpoint", "store", "threads", "verify"],
-        "compose": ["base", "deltas", "output", "quiet"],
+        "compose": ["base", "deltas", "format_version", "output", "quiet"],
         "demo": ["as_json", "lr", "out", "rollouts", "s3_url", "steps", "transport"],
         "simulate": ["apply_cores", "apply_gbps_core", "calibrate", "change_pct", "chunk_mb", "codec", "encode_cores",
                      "encode_gbps_core", "fabric_gbps", "fanout", "link_gbps", "nodes", "out_dir", "params", "plot_path",

@@ -166,7 +166,7 @@ def _copy(src: str, dst: Path) -> str:
 def test_encoding_writes_the_stored_delta(name, pairs, kernels, tmp_path):
     base, target = pairs[name]
     out = tmp_path / "out.drd"
-    deltarefit.encode(base, target, str(out), threads=2, sums=load(name)["sums"])
+    deltarefit.encode(base, target, str(out), threads=2, sums=load(name)["sums"], format_version=1)
     check_delta_bytes(name, out.read_bytes(), f"encode with {kernels} kernels")
 
 
@@ -178,7 +178,7 @@ assert not NAT.USE_NATIVE, "DELTAREFIT_KERNELS=numba did not switch the native k
 out = {}
 for name, base, target, sums, work in json.loads(sys.argv[1]):
     d = os.path.join(work, "numba.drd")
-    deltarefit.encode(base, target, d, threads=1, sums=sums)  # one thread: the same bytes as two
+    deltarefit.encode(base, target, d, threads=1, sums=sums, format_version=1)  # one thread: the same bytes as two
     ck = shutil.copyfile(base, os.path.join(work, "applied.safetensors"))
     deltarefit.apply(os.path.join(sys.argv[2], name, "delta.drd"), ck, threads=2)
     out[name] = [hashlib.sha256(open(d, "rb").read()).hexdigest(), deltarefit.fingerprint(ck)]
@@ -253,7 +253,7 @@ def test_the_device_split_writes_the_stored_delta(name, native, pairs, monkeypat
     monkeypatch.setattr(NAT, "USE_NATIVE", native)
     base, target = (load_file(p) for p in pairs[name])
     out = tmp_path / "dev.drd"
-    encode_tensors(base, target, str(out), threads=2, batch_segments=2)
+    encode_tensors(base, target, str(out), threads=2, batch_segments=2, format_version=1)
     check_delta_bytes(name, out.read_bytes(), f"device-split encode on CPU tensors ({'native' if native else 'numba'})")
 
 
@@ -437,7 +437,7 @@ def test_an_encoder_that_chooses_otherwise_fails(monkeypatch, pairs, tmp_path):
     # never tried) writes other bytes and other chunk encodings, and both checks say so.
     monkeypatch.setattr(C, "DENSE_TRY_FRACTION", 2.0)
     out = tmp_path / "other.drd"
-    deltarefit.encode(*pairs["dense"], str(out), threads=2)
+    deltarefit.encode(*pairs["dense"], str(out), threads=2, format_version=1)
     with pytest.raises(AssertionError, match="differs from the stored"):
         check_delta_bytes("dense", out.read_bytes(), "encode that never tries dense encodings")
     with pytest.raises(AssertionError, match="chunk records"):

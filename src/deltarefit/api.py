@@ -34,7 +34,9 @@ def inspect(delta: str) -> dict[str, Any]:
     """Summary of a delta file (validated, payloads not decoded), JSON-ready.
 
     Per tensor: op, dtype, shape, elements, changed elements and fraction, encoded bytes and chunk count
-    per encoding; totals, and the ratio of the target checkpoint's raw bytes to the delta file's size.
+    per encoding; totals (``encodings``: chunks per encoding name over the delta), the format version (the
+    header's, which the manifest's equals), and the ratio of the target checkpoint's raw bytes to the delta
+    file's size.
     """
     import os
 
@@ -42,13 +44,16 @@ def inspect(delta: str) -> dict[str, Any]:
         size = os.path.getsize(delta)
         tensors = []
         tot_el = tot_ch = full = 0
+        counts: dict[str, int] = {}
         for e in d.tensors:
             meta = e.target or e.base
             n = meta.nbytes // dtype(meta.dtype).itemsize
             recs = d.chunks(e)
             enc: dict[str, int] = {}
             for r in recs:
-                enc[ENCODING_NAMES[r.encoding]] = enc.get(ENCODING_NAMES[r.encoding], 0) + 1
+                name = ENCODING_NAMES.get(r.encoding, f"encoding {r.encoding}")
+                enc[name] = enc.get(name, 0) + 1
+                counts[name] = counts.get(name, 0) + 1
             tensors.append({
                 "name": e.name, "op": e.op, "dtype": meta.dtype, "shape": list(meta.shape), "elements": n,
                 "changed": e.changed, "changed_fraction": e.changed / n if n else 0.0,
@@ -59,7 +64,7 @@ def inspect(delta: str) -> dict[str, Any]:
                 full += e.target.nbytes
             tot_ch += e.changed
         return {
-            "path": delta, "format_version": d.manifest["version"],
+            "path": delta, "format_version": d.version, "encodings": dict(sorted(counts.items())),
             "base_fingerprint": d.base_fingerprint, "target_fingerprint": d.target_fingerprint,
             "delta_bytes": size, "full_bytes": full, "ratio": full / size if size else 0.0,
             "total_elements": tot_el, "changed_elements": tot_ch,

@@ -20,13 +20,17 @@ from .codec.chunk import ENCODING_NAMES, decode_chunk, encode_chunk
 from .dtypes import dtype
 from .encode import EncodeReport, tensor_meta, uint_view
 from .errors import BaseMismatchError, UsageError, VerificationError
-from .format import RELEASE, VERSION, DeltaReader, DeltaWriter, TensorEntry
+from .format import RELEASE, VERSION, DeltaReader, DeltaWriter, TensorEntry, check_version
 from .integrity import SEGMENT_BYTES, fingerprint_from_digests, seg_hash
 
 
-def compose(deltas: list[str], out: str, *, base: str, progress: Callable[[int], None] | None = None) -> EncodeReport:
+def compose(deltas: list[str], out: str, *, base: str, progress: Callable[[int], None] | None = None,
+            format_version: int = VERSION) -> EncodeReport:
     """Write to ``out`` the delta equal to applying ``deltas`` in order to checkpoint ``base``.
-    ``progress`` gets the bytes of ``base`` gone through (their sum is the checkpoint's size)."""
+    ``progress`` gets the bytes of ``base`` gone through (their sum is the checkpoint's size).
+    ``format_version``: of the composed delta (2 by default, 1 for readers of version 1 only); the
+    deltas composed may be of either."""
+    fmt = check_version(format_version, "format_version")
     if not deltas:
         raise UsageError("compose needs at least one delta")
     t0 = time.perf_counter()
@@ -49,7 +53,7 @@ def compose(deltas: list[str], out: str, *, base: str, progress: Callable[[int],
             with open_checkpoint(base) as ck:
                 if set(ck.tensors) != set(entries_by[0]):
                     raise BaseMismatchError(f"{base}: its tensors are not the base of {first.path}")
-                entries, counts, changed_total = _compose(ck, readers, entries_by, recs_by, writer, progress)
+                entries, counts, changed_total = _compose(ck, readers, entries_by, recs_by, writer, progress, fmt)
             base_d = {e.name: e.base.digest for e in entries}
             target_d = {e.name: e.target.digest for e in entries}
             if fingerprint_from_digests(base_d) != first.base_fingerprint:
@@ -59,7 +63,7 @@ def compose(deltas: list[str], out: str, *, base: str, progress: Callable[[int],
             total = sum(int(np.prod(e.target.shape, dtype=np.int64)) for e in entries)
             full = sum(e.target.nbytes for e in entries)
             size = writer.finish({
-                "format": "deltarefit.delta", "version": VERSION, "segment_bytes": SEGMENT_BYTES,
+                "format": "deltarefit.delta", "version": fmt, "segment_bytes": SEGMENT_BYTES,
                 "hash": "blake3-128", "base_fingerprint": first.base_fingerprint,
                 "target_fingerprint": last.target_fingerprint, "tensors": [e.to_json() for e in entries],
                 "stats": {"changed_elements": changed_total, "target_elements": total, "target_bytes": full,
@@ -75,7 +79,7 @@ def compose(deltas: list[str], out: str, *, base: str, progress: Callable[[int],
                         time.perf_counter() - t0, counts)
 
 
-def _compose(ck, readers, entries_by, recs_by, writer, progress=None):
+def _compose(ck, readers, entries_by, recs_by, writer, progress=None, fmt=VERSION):
     entries: list[TensorEntry] = []
     counts = {n: 0 for n in ENCODING_NAMES.values()}
     changed_total = 0
@@ -112,7 +116,7 @@ def _compose(ck, readers, entries_by, recs_by, writer, progress=None):
             pre_segs.append(pre)
             post_segs.append(post)
             if post != pre:
-                enc = encode_chunk(dt, base_view, cur)
+                enc = encode_chunk(dt, base_view, cur, fmt=fmt)
                 writer.add_chunk(ti, ci, enc.encoding, enc.n_changed, enc.payload, enc.decoded_len, pre, post)
                 counts[ENCODING_NAMES[enc.encoding]] += 1
                 changed += enc.n_changed

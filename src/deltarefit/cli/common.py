@@ -180,3 +180,13 @@ _threads = click.option("--threads", type=click.IntRange(min=1), default=None,
                         help="Worker threads (default: available cores, at most 8).")
 _quiet = click.option("-q", "--quiet", is_flag=True, help="No progress bar (also off when stderr is not a tty).")
 _json = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+def _format_version(default: int | None, help_default: str):
+    """``--format-version {1,2}``: the delta format version to write (FORMAT.md, "Versions")."""
+    return click.option("--format-version", "format_version", type=click.Choice(["1", "2"]),
+                        default=None if default is None else str(default),
+                        callback=lambda _c, _p, v: None if v is None else int(v),
+                        help="Delta format version to write: 2 (encodings ulp2/ulp2_hist, smaller, decoded in "
+                             "parallel) or 1 (today's bytes, for readers that know version 1 only). "
+                             + help_default)

@@ -9,6 +9,7 @@ import click
 from ..errors import BaseMismatchError
 from .common import (
     _ckpt_bytes,
+    _format_version,
     _json,
     _names,
     _not_an_input,
@@ -45,11 +46,12 @@ Examples:
               help="History book of BASE (a directory, created if missing): code against its last three "
                    "versions' moves too (encoding 5), then advance it to TARGET. For a chain whose every delta "
                    "is delivered in order; the rollout applies with its own --history.")
+@_format_version(2, "Default: 2.")
 @_threads
 @_quiet
 @_json
-def encode(base: str, target: str, output: str, history_dir: str | None, threads: int | None, quiet: bool,
-           as_json: bool) -> None:
+def encode(base: str, target: str, output: str, history_dir: str | None, format_version: int, threads: int | None,
+           quiet: bool, as_json: bool) -> None:
     """Encode the delta taking checkpoint BASE to checkpoint TARGET (a .safetensors file or HF directory)."""
 
     def go() -> None:
@@ -65,13 +67,14 @@ def encode(base: str, target: str, output: str, history_dir: str | None, threads
 
             book = HistoryBook(history_dir)
         with _progress("encode", _ckpt_bytes(target) if _progress_enabled(quiet) else 0, quiet) as cb:
-            rep = enc(base, target, output, threads=threads, progress=cb, history=book)
+            rep = enc(base, target, output, threads=threads, progress=cb, history=book, format_version=format_version)
         if book is not None and rep.moves is not None:
             book.commit(rep.target_fingerprint, rep.moves, parent=rep.base_fingerprint)
         summary = {
             "delta": output, "delta_bytes": rep.delta_bytes, "full_bytes": rep.full_bytes, "ratio": rep.ratio,
             "changed_fraction": rep.changed_fraction, "seconds": rep.seconds,
             "base_fingerprint": rep.base_fingerprint, "target_fingerprint": rep.target_fingerprint,
+            "format_version": format_version, "encodings": rep.encodings,
         }
         _unrelated_warning(base, target, rep)
         if as_json:
@@ -186,6 +189,8 @@ def inspect(delta: str, as_json: bool, show_all: bool) -> None:
         click.echo(f"total: {info['changed_elements']:,} of {info['total_elements']:,} elements changed "
                    f"({100 * info['changed_fraction']:.3f}%); delta {info['delta_bytes']:,} bytes vs full "
                    f"{info['full_bytes']:,} bytes: {info['ratio']:.1f}x")
+        chunks = ", ".join(f"{k} {v:,}" for k, v in info["encodings"].items()) or "none"
+        click.echo(f"format version {info['format_version']}; chunks per encoding: {chunks}")
         click.echo(f"base   {info['base_fingerprint']}\ntarget {info['target_fingerprint']}")
 
     _run(go)
@@ -248,8 +253,9 @@ def keygen(private_key) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(), help="Composed delta to write.")
 @click.option("--base", required=True, type=click.Path(exists=True),
               help="The checkpoint the first delta applies to (read only; chunk contexts come from it).")
+@_format_version(2, "Default: 2.")
 @_quiet
-def compose(deltas, output, base, quiet) -> None:
+def compose(deltas, output, base, format_version, quiet) -> None:
     """Compose DELTAS (applied in order) into one delta equal to them bit for bit."""
 
     def go() -> None:
@@ -262,7 +268,7 @@ def compose(deltas, output, base, quiet) -> None:
         _not_an_input(output, base, *deltas)
         with _progress("compose", _ckpt_bytes(base) if _progress_enabled(quiet) else 0, quiet) as cb:
             try:
-                rep = comp(list(deltas), output, base=base, progress=cb)
+                rep = comp(list(deltas), output, base=base, progress=cb, format_version=format_version)
             except BaseMismatchError as e:
                 raise BaseMismatchError(f"{base}: not the base of {deltas[0]} ({e}); nothing was written. --base "
                                         "names the checkpoint the first delta was encoded from") from None

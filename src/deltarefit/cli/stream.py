@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from .common import _json, _not_an_input, _quiet, _run, _threads, main
+from .common import _format_version, _json, _not_an_input, _quiet, _run, _threads, main
 from .progress import phases
 
 
@@ -43,11 +43,14 @@ from .progress import phases
 @click.option("--quarantine-head", is_flag=True,
               help="First set aside head records that can be no version of this stream (malformed, another "
                    "stream's, unsigned in a signed stream, not verifying with --sign's key) to quarantine/.")
+@_format_version(None, "Default: the stream's, as this publisher last published it (2 for a new stream, 1 for a "
+                       "stream published before the setting existed); a change holds for the versions after it.")
 @_threads
 @_quiet
 @_json
 def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, quorum, ack_timeout, signing_key,
-            catchup, history, advance, reset_baseline, quarantine_head, threads, quiet, as_json) -> None:
+            catchup, history, advance, reset_baseline, quarantine_head, format_version, threads, quiet,
+            as_json) -> None:
     """Commit CHECKPOINT as the next version of the stream in STORE (a directory, or s3://bucket/prefix).
 
     One publisher per state directory at a time: a second one exits 11 naming the first."""
@@ -72,7 +75,7 @@ def publish(store, checkpoint, step, state_dir, keyframe_every, keyframe_ratio, 
         st = open_store(store)
         pub = Publisher(st, sd, keyframe_every=keyframe_every, keyframe_ratio=keyframe_ratio, quorum=q,
                         ack_timeout=ack_timeout, signing_key=signing_key, threads=threads,
-                        catchup=catchup, advance=advance, history=history)
+                        catchup=catchup, advance=advance, history=history, format_version=format_version)
         from ..stream.chain import head
 
         before = head(st)

@@ -25,8 +25,8 @@ import numpy as np
 
 from ..checkpoint.read import Checkpoint, open_checkpoint
 from ..codec.chunk import ENCODING_NAMES, ULP_HIST
-from ..errors import UsageError
-from ..format import RELEASE, VERSION, ZERO_HASH, DeltaWriter, TensorEntry
+from ..errors import UnsupportedVersionError, UsageError
+from ..format import RELEASE, VERSION, ZERO_HASH, DeltaWriter, TensorEntry, check_version
 from ..history_book import HistoryBook, MovesRecorder
 from ..integrity import SEGMENT_BYTES, fingerprint_from_digests, segment_hashes
 from ..known import KnownHashes
@@ -34,6 +34,7 @@ from .pipeline import _ordered, _pools, default_threads
 from .work import PatchWorks, _host_patch_works, _Job, _jobs, _SumMoves, loaded, tensor_meta, uint_view
 
 log = logging.getLogger(__package__)  # "deltarefit.encode", as before the package
+HIST_ENCODINGS = (ULP_HIST, 7)  # the chunks coded against a history: 5 ulp_hist, 7 ulp2_hist
 
 
 @dataclass
@@ -80,7 +81,7 @@ def encode_checkpoints(
     progress: Callable[[int], None] | None = None, patch_works: PatchWorks | None = None,
     base_hashes: Mapping[str, bytes] | None = None, durable: bool = True, sums: bool = False,
     base_sums: Mapping[str, bytes] | None = None, history: HistoryBook | None = None,
-    moves: MovesRecorder | None = None,
+    moves: MovesRecorder | None = None, format_version: int = VERSION,
 ) -> EncodeReport:
     """Write the delta taking ``base`` to ``target`` to ``out``. ``progress`` gets the target's bytes
     scanned (their sum is the target's size).
@@ -109,8 +110,14 @@ def encode_checkpoints(
     kept where smaller), and the delta is refused (``UsageError``, nothing kept) if the base turns out
     to be another checkpoint. ``moves``: records this version's moves, for the caller to commit to
     its book once the version is published (with ``history``, it defaults to a fresh recorder,
-    returned in the report)."""
+    returned in the report).
+
+    ``format_version``: the delta's format version (FORMAT.md, "Versions"): 2 (the default) codes sparse
+    float and integer chunks with ``ulp2`` (and ``ulp2_hist`` against a history) where smaller; 1 writes
+    exactly the bytes version 1 writers wrote, for readers that know only version 1. ``patch_works``
+    must code chunks for the same version (a chunk of an encoding the version lacks refuses the delta)."""
     t0 = time.perf_counter()
+    fmt = _format_version(format_version)
     threads = threads or default_threads()
     names = sorted(set(base.tensors) | set(target.tensors), key=lambda n: n.encode("utf-8"))
     sum_moves = _SumMoves() if sums and patch_works is None else None
@@ -118,9 +125,9 @@ def encode_checkpoints(
         if patch_works is not None:
             raise UsageError("a history book needs the host scan (no patch_works)")
         moves = moves if moves is not None else MovesRecorder()
-        works = _host_patch_works(base, target, base_hashes, (history or _NoBook(), moves), sum_moves)
+        works = _host_patch_works(base, target, base_hashes, (history or _NoBook(), moves), sum_moves, fmt)
     else:
-        works = patch_works or _host_patch_works(base, target, base_hashes, sums=sum_moves)
+        works = patch_works or _host_patch_works(base, target, base_hashes, sums=sum_moves, fmt=fmt)
     if moves is not None:
         for name in names:
             bi, tinfo = base.tensors.get(name), target.tensors.get(name)
@@ -139,10 +146,10 @@ def encode_checkpoints(
         total_elems = sum(math.prod(t.shape) for t in target.tensors.values())
         full_bytes = sum(t.nbytes for t in target.tensors.values())
         bfp, tfp = fingerprint_from_digests(got.base_digests), fingerprint_from_digests(got.target_digests)
-        if history is not None and history.tip not in (None, bfp) and got.counts.get(ULP_HIST):
+        if history is not None and history.tip not in (None, bfp) and any(got.counts.get(e) for e in HIST_ENCODINGS):
             raise UsageError(f"history book {history.path} describes checkpoint {history.tip}, the base is {bfp}")
         manifest = {
-            "format": "deltarefit.delta", "version": VERSION, "segment_bytes": SEGMENT_BYTES, "hash": "blake3-128",
+            "format": "deltarefit.delta", "version": fmt, "segment_bytes": SEGMENT_BYTES, "hash": "blake3-128",
             "base_fingerprint": bfp, "target_fingerprint": tfp,
             "tensors": [e.to_json() for e in entries],
             "stats": {"changed_elements": got.changed, "target_elements": total_elems,
@@ -158,6 +165,14 @@ def encode_checkpoints(
     return EncodeReport(out, bfp, tfp, size, full_bytes, got.changed, total_elems, dt,
                         {ENCODING_NAMES[e]: c for e, c in got.counts.items()}, got.target_hashes,
                         base_hashes is not None and patch_works is None, target_sums, moves)
+
+
+def _format_version(v: object) -> int:
+    """``v`` if it is a format version this build writes (1 or 2), else ``UsageError``."""
+    try:
+        return check_version(v, "format_version")
+    except UnsupportedVersionError as e:
+        raise UsageError(f"{e} (asked to write it)") from None
 
 
 class _NoBook:
@@ -271,7 +286,8 @@ def additive_digests(tensors: list[tuple[Checkpoint, str]], *, threads: int | No
 
 def encode(base: str, target: str | Any, out: str, *, threads: int | None = None,
            progress: Callable[[int], None] | None = None, known_base: KnownHashes | None = None,
-           durable: bool = True, sums: bool = False, history: HistoryBook | None = None) -> EncodeReport:
+           durable: bool = True, sums: bool = False, history: HistoryBook | None = None,
+           format_version: int = VERSION) -> EncodeReport:
     """Encode the delta from checkpoint ``base`` to checkpoint ``target`` into the file ``out``.
     ``history``: code against this book's history of ``base`` too (``encode_checkpoints``); the
     report's ``moves`` then go to ``history.commit`` once the delta is delivered.
@@ -279,7 +295,8 @@ def encode(base: str, target: str | Any, out: str, *, threads: int | None = None
     identity they were taken with (otherwise the base is hashed as usual). ``durable=False``: no fsync
     of ``out``, for a delta staged for upload (the store makes its own copy durable). ``target`` may also
     be an object with the ``Checkpoint`` surface ``encode_checkpoints`` reads (``stream.served.ServedTensors``:
-    a trainer's weights in memory), used as it is."""
+    a trainer's weights in memory), used as it is. ``format_version``: 2 (default) or 1 (``encode_checkpoints``)."""
+    _format_version(format_version)  # refused before anything is opened
     opened = open_checkpoint(target) if isinstance(target, (str, os.PathLike)) else contextlib.nullcontext(target)
     with open_checkpoint(base) as b, opened as t:
         same = known_base is not None and known_base.identity == b.identity()
@@ -288,6 +305,6 @@ def encode(base: str, target: str | Any, out: str, *, threads: int | None = None
             log.info("%s: its files changed since its hashes were taken; hashing it again", base)
         return encode_checkpoints(b, t, out, threads=threads, progress=progress, base_hashes=known,
                                   durable=durable, sums=sums, base_sums=known_base.sums if same else None,
-                                  history=history)
+                                  history=history, format_version=format_version)
 
 

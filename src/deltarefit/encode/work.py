@@ -76,11 +76,12 @@ def loaded(x):
 
 def _patch_work(dt_name: str, b: np.ndarray, t: np.ndarray, known_pre: bytes | None = None,
                 hist: tuple[HistoryBook, MovesRecorder, str, int] | None = None,
-                sums: tuple[_SumMoves, str, np.ndarray, int] | None = None) -> Work:
+                sums: tuple[_SumMoves, str, np.ndarray, int] | None = None, fmt: int = 2) -> Work:
     """One segment of a tensor in both checkpoints; ``known_pre``: the base segment's hash, if known;
     ``hist``: (book, recorder, tensor name, chunk index) to code against the book's history of the
     segment and record its moves; ``sums``: (recorder, tensor name, digest seed, the segment's first
-    flat index) to record how the segment's changes move the tensor's additive digest."""
+    flat index) to record how the segment's changes move the tensor's additive digest; ``fmt``: the
+    delta's format version (1: encodings 1-5 only, as version 1 writers coded; 2: the ``ulp2`` family)."""
     dt = dtype(dt_name)
     t_in = t
 
@@ -91,17 +92,17 @@ def _patch_work(dt_name: str, b: np.ndarray, t: np.ndarray, known_pre: bytes | N
         # or not at all when its base hash is known.
         t = loaded(t_in)
         if hist is None and sums is None:
-            enc = encode_raw(dt, b, t)
+            enc = encode_raw(dt, b, t, fmt=fmt)
         else:
             bu, tu = uint_view(b, dt_name), uint_view(t, dt_name)
             seen = None if sums is None else (lambda pos, _old, new: sums[0].add(*sums[1:], bu, pos, new))
             if hist is None:
-                enc, pos, old, new = encode_with_changes(dt, bu, tu)
+                enc, pos, old, new = encode_with_changes(dt, bu, tu, fmt=fmt)
                 if enc is not None and seen is not None:
                     seen(pos, old, new)
             else:
                 book, rec, name, ci = hist
-                enc, moves = encode_with_moves(dt, bu, tu, book.history(name, ci, bu.size), seen)
+                enc, moves = encode_with_moves(dt, bu, tu, book.history(name, ci, bu.size), seen, fmt=fmt)
                 rec.add(name, ci, moves)
         pre = seg_hash(b) if known_pre is None else known_pre
         return pre, pre if enc is None else seg_hash(t), enc
@@ -171,7 +172,7 @@ def _known_segments(known: Mapping[str, bytes] | None, name: str, info: TensorIn
 
 def _host_patch_works(base: Checkpoint, target: Checkpoint, known: Mapping[str, bytes] | None,
                       hist: tuple[HistoryBook, MovesRecorder] | None = None,
-                      sums: _SumMoves | None = None) -> PatchWorks:
+                      sums: _SumMoves | None = None, fmt: int = 2) -> PatchWorks:
     def works(name: str, bi: TensorInfo, tinfo: TensorInfo) -> list[Work]:
         braw, traw = base.raw(name), target.raw(name)
         pre = _known_segments(known, name, bi)
@@ -179,7 +180,7 @@ def _host_patch_works(base: Checkpoint, target: Checkpoint, known: Mapping[str, 
         s = None if sums is None else sums.start(name, bi.dtype, bi.shape)
         return [_patch_work(bi.dtype, braw[o:o + SEGMENT_BYTES], traw[o:o + SEGMENT_BYTES],
                             None if pre is None else pre[ci], None if hist is None else (*hist, name, ci),
-                            None if s is None else (*s, ci * per))
+                            None if s is None else (*s, ci * per), fmt)
                 for ci, o in _segments(bi.nbytes)]
 
     return works

@@ -10,12 +10,13 @@ tensor entries and a table's records become.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from .._release import RELEASE as _RELEASE
 from ..dtypes import DTYPES
-from ..errors import LimitError
+from ..errors import FormatError, LimitError, UnsupportedVersionError
 from ..integrity import SEG_HASH_BYTES
 
 # The library's release (``deltarefit.__version__``, pyproject.toml's ``version``), which every delta names
@@ -23,7 +24,11 @@ from ..integrity import SEG_HASH_BYTES
 # nothing.
 RELEASE = _RELEASE
 MAGIC = b"DRDELTA\x00"
-VERSION = 1  # the container format's version (the header's), not the release
+VERSION = 2  # the container format's version (the header's) that writers write by default, not the release
+VERSIONS = (1, 2)  # the container format versions this build reads (and writes, on request)
+# The chunk encodings a delta of each format version may use (FORMAT.md, "Versions"): version 2 adds 6
+# ``ulp2`` and 7 ``ulp2_hist``; a version 1 delta with either is refused.
+VERSION_ENCODINGS = {1: frozenset({1, 2, 3, 4, 5}), 2: frozenset({1, 2, 3, 4, 5, 6, 7})}
 HEADER = struct.Struct("<8sHHIQQQQQQ16s16s")
 HEADER_SIZE = HEADER.size  # 96
 RECORD = struct.Struct("<IIBBHIQII16s16s16s")
@@ -120,6 +125,29 @@ class TensorEntry:
             "base": self.base.to_json() if self.base else None,
             "target": self.target.to_json() if self.target else None,
         }
+
+
+def versions_read() -> str:
+    """The versions this build reads, as the refusal of another names them: "1 and 2"."""
+    return ", ".join(map(str, VERSIONS[:-1])) + " and " + str(VERSIONS[-1])
+
+
+def check_version(version: object, where: str, what: str = "format version") -> int:
+    """``version`` if this build reads it, else ``UnsupportedVersionError`` in one line naming the
+    version found and the versions read."""
+    if type(version) is not int or version not in VERSIONS:
+        shown = repr(version)[:24] if type(version) is not int else str(version)
+        raise UnsupportedVersionError(f"{where}: {what} {shown} is not supported; this build reads format versions "
+                                      f"{versions_read()}")
+    return version
+
+
+def check_encodings(version: int, encodings: Iterable[int], where: str, what: str = "delta") -> None:
+    """``FormatError`` naming the first of ``encodings`` that a ``what`` of format ``version`` may not hold."""
+    odd = sorted(set(encodings) - VERSION_ENCODINGS[version])
+    if odd:
+        raise FormatError(f"{where}: encoding {odd[0]} is not one of a format version {version} {what}'s "
+                          f"({', '.join(map(str, sorted(VERSION_ENCODINGS[version])))})")
 
 
 def manifest_limit(compressed_len: int) -> int:

@@ -13,7 +13,7 @@ import os
 
 from ..codec.chunk import ENCODING_NAMES, OVERWRITE, max_payload_len
 from ..dtypes import dtype
-from ..errors import FormatError, IntegrityError, LimitError, UnsupportedVersionError
+from ..errors import FormatError, IntegrityError, LimitError
 from ..integrity import (
     SEGMENT_BYTES,
     fingerprint_from_sorted,
@@ -32,10 +32,12 @@ from .layout import (
     MAX_RECORDS,
     RECORD,
     RECORD_SIZE,
-    VERSION,
+    VERSION_ENCODINGS,
     ChunkRecord,
     ManifestBudget,
     TensorEntry,
+    check_encodings,
+    check_version,
 )
 from .manifest import _hex, read_manifest
 
@@ -72,8 +74,9 @@ class DeltaReader:
             raise FormatError(f"{p}: truncated header ({len(head)} of {HEADER_SIZE} bytes)")
         (_, ver, flags, hsize, pay_off, pay_len, man_off, man_len, tab_off, tab_len, idx_hash,
          head_hash) = HEADER.unpack(head)
-        if ver != VERSION:
-            raise UnsupportedVersionError(f"{p}: format version {ver} is not supported (this build reads {VERSION})")
+        #: The container format version (1 or 2; FORMAT.md, "Versions"): the header's, which the manifest's
+        #: ``version`` must equal.
+        self.version = check_version(ver, p)
         if seg_hash(head[:-16]) != head_hash:
             raise IntegrityError(f"{p}: header hash mismatch (corrupt header)")
         if flags != FLAG_MANIFEST_ZSTD or hsize != HEADER_SIZE:
@@ -110,8 +113,11 @@ class DeltaReader:
 
     def _validate(self, man: dict | None, tensors: list[TensorEntry] | None) -> None:
         p = self.path
-        if not isinstance(man, dict) or man.get("format") != "deltarefit.delta" or man.get("version") != VERSION:
-            raise FormatError(f"{p}: manifest is not a deltarefit.delta v{VERSION} manifest")
+        if not isinstance(man, dict) or man.get("format") != "deltarefit.delta":
+            raise FormatError(f"{p}: manifest is not a deltarefit.delta manifest")
+        if man.get("version") != self.version or type(man.get("version")) is not int:
+            raise FormatError(f"{p}: manifest says version {brief(man.get('version'))}, the header "
+                              f"{self.version}; a delta's two versions are one")
         if man.get("hash") != "blake3-128":
             raise FormatError(f"{p}: unknown chunk hash {brief(man.get('hash'))} (expected 'blake3-128')")
         if man.get("segment_bytes") != SEGMENT_BYTES:
@@ -169,6 +175,7 @@ class DeltaReader:
             raise FormatError(f"{where}: {e.op} needs all {nseg} chunks, has {len(recs)}")
         prev = -1
         changed = 0
+        allowed = VERSION_ENCODINGS[self.version]
         for r in recs:
             w = f"{where} chunk {r.chunk_index}"
             if r.tensor_index != ti:
@@ -176,6 +183,8 @@ class DeltaReader:
             if r.chunk_index <= prev or r.chunk_index >= nseg:
                 raise FormatError(f"{w}: chunk index out of order or beyond the tensor's {nseg} chunks")
             prev = r.chunk_index
+            if r.encoding not in allowed:
+                check_encodings(self.version, (r.encoding,), w)
             if r.encoding not in ENCODING_NAMES or (e.op != "patch" and r.encoding != OVERWRITE):
                 raise FormatError(f"{w}: encoding {r.encoding} not allowed for op {e.op!r}")
             n = min(SEGMENT_BYTES, meta.nbytes - r.chunk_index * SEGMENT_BYTES) // dt.itemsize

@@ -31,10 +31,11 @@ from .layout import (
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_TEXT,
     RECORD_SIZE,
-    VERSION,
     ZERO_HASH,
     ManifestBudget,
     _pack_record,
+    check_encodings,
+    check_version,
     manifest_limit,
 )
 
@@ -60,6 +61,7 @@ class DeltaWriter:
         # that also feeds its workers, so a record costs one struct.pack and no object.
         self._table = bytearray()
         self.n_records = 0
+        self._encodings: set[int] = set()  # the encodings used, checked against the format version at ``finish``
 
     def add_chunk(self, tensor_index: int, chunk_index: int, encoding: int, n_changed: int, payload: bytes,
                   decoded_len: int, pre_hash: bytes, post_hash: bytes) -> None:
@@ -71,13 +73,18 @@ class DeltaWriter:
                                     decoded_len, seg_hash(payload), pre_hash, post_hash)
         self.n_records += 1
         self._off += len(payload)
+        self._encodings.add(encoding)
 
     @property
     def payload_bytes(self) -> int:
         return self._off
 
     def finish(self, manifest: dict[str, Any]) -> int:
-        """Write manifest, table and header, fsync and rename into place. Returns the file size."""
+        """Write manifest, table and header, fsync and rename into place. Returns the file size.
+        The header's format version is the manifest's ``version`` (1 or 2); a chunk of an encoding that
+        version does not have (6 or 7 in version 1) is refused, nothing renamed into place."""
+        version = check_version(manifest.get("version"), self.path, "manifest version")
+        check_encodings(version, self._encodings, self.path)
         man = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode("utf-8")
         if len(man) > MAX_MANIFEST_TEXT:
             raise LimitError(f"{self.path}: manifest of {len(man)} bytes exceeds {MAX_MANIFEST_TEXT}")
@@ -97,7 +104,7 @@ class DeltaWriter:
         table = bytes(self._table)
         payload_off = HEADER_SIZE
         man_off = payload_off + self._off
-        head = HEADER.pack(MAGIC, VERSION, FLAG_MANIFEST_ZSTD, HEADER_SIZE, payload_off, self._off, man_off, len(man),
+        head = HEADER.pack(MAGIC, version, FLAG_MANIFEST_ZSTD, HEADER_SIZE, payload_off, self._off, man_off, len(man),
                            man_off + len(man), len(table), seg_hash(man + table), ZERO_HASH)
         head = head[:-16] + seg_hash(head[:-16])
         size = man_off + len(man) + len(table)

@@ -263,13 +263,14 @@ class RefitTrainer:
     or ``s3://``). ``state_dir``: the trainer's own state (the publisher's baseline and
     ``committed.json``) on its node's disk; a restarted trainer given the same directory resumes.
     ``engine_version``: the version the engines were started from. ``publish_rate`` (bytes/s) paces
-    the trainer's uploads (link emulation, ``open_store(rate=)``).
+    the trainer's uploads (link emulation, ``open_store(rate=)``). ``format_version``: of the deltas (1 or 2;
+    None: the stream's, 2 for a new one).
     """
 
     def __init__(self, engines: list[Any], stream: str, state_dir: str, *, engine_version: int | None = None,
                  keyframe_every: int = 20, publish_rate: float | None = None, max_rounds: int = 3,
                  round_timeout: float = ROUND_TIMEOUT, ready_timeout: float = READY_TIMEOUT,
-                 transport: str = "ray") -> None:
+                 transport: str = "ray", format_version: int | None = None) -> None:
         require_ray()
         if max_rounds < 1:
             raise UsageError(f"max_rounds must be >= 1, got {max_rounds}")
@@ -280,21 +281,22 @@ class RefitTrainer:
         self.state_dir = os.path.abspath(state_dir)
         os.makedirs(self.state_dir, exist_ok=True)
         self.transfer = self._make_transfer(stream, keyframe_every=keyframe_every, engine_version=engine_version,
-                                            publish_rate=publish_rate)
+                                            publish_rate=publish_rate, format_version=format_version)
         self.max_rounds = max_rounds
         self.round_timeout = round_timeout
         self.ready_timeout = ready_timeout
         self.committed_path = os.path.join(self.state_dir, "committed.json")
 
     def _make_transfer(self, stream: str, *, keyframe_every: int, engine_version: int | None,
-                       publish_rate: float | None) -> Any:
+                       publish_rate: float | None, format_version: int | None = None) -> Any:
         """The trainer engine whose ``send_weights`` / ``prepare_weights`` drive a round: vLLM's
         ``DeltaRefitTrainerWeightTransferEngine`` with its ``Publisher`` (``ray_shard`` plugs in the
         sharded stream's, whose trainer ranks publish)."""
         from ..engines.vllm.backend import DeltaRefitTrainerInitInfo, DeltaRefitTrainerWeightTransferEngine
 
         info = DeltaRefitTrainerInitInfo(rank=0, stream=stream, state_dir=os.path.join(self.state_dir, "publisher"),
-                                         keyframe_every=keyframe_every, engine_version=engine_version)
+                                         keyframe_every=keyframe_every, engine_version=engine_version,
+                                         format_version=format_version)
         transfer = DeltaRefitTrainerWeightTransferEngine.trainer_init(info, client=None)
         if publish_rate:
             from ..storage.base import open_store

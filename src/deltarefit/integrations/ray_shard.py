@@ -60,7 +60,7 @@ class TrainerRank:
 
     def __init__(self, stream: str, layout: Mapping[str, Any], *, rank: int, world: int, state_dir: str,
                  cuts: Mapping[str, Any] | None = None, served: str = "BF16", keyframe_every: int = 20,
-                 timeout: float = PUBLISH_TIMEOUT, signing_key: str | None = None) -> None:
+                 timeout: float = PUBLISH_TIMEOUT, signing_key: str | None = None, format_version: int = 2) -> None:
         ray = require_ray()
         from ..shard.stream import ShardStreamPublisher
 
@@ -69,7 +69,8 @@ class TrainerRank:
         self.restarted = bool(ctx.was_current_actor_reconstructed)
         self.publisher = ShardStreamPublisher(stream, layout, served, cuts=cuts, rank=rank, world=world,
                                               state_dir=state_dir, timeout=timeout, poll=0.1,
-                                              keyframe_every=keyframe_every, signing_key=signing_key)
+                                              keyframe_every=keyframe_every, signing_key=signing_key,
+                                              format_version=format_version)
 
     def masters(self, step: int) -> Mapping[str, Any]:
         """This rank's fp32 master shard after ``step`` (a subclass's)."""

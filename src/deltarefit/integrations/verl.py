@@ -72,7 +72,7 @@ HANDOFF_PREFIX = "verl/"
 WIRE_FORMAT = "deltarefit"
 SERVED = (None, "BF16", "F16", "F32")
 KEYS = ("stream", "state_dir", "signing_key", "verify_key", "served", "keyframe_every", "local_dir", "checkpoint",
-        "subscriber_id", "timeout_s", "in_place")  # engine_kwargs.deltarefit
+        "subscriber_id", "timeout_s", "in_place", "format_version")  # engine_kwargs.deltarefit
 POLL_S = 0.1
 
 __all__ = ["BACKEND", "DeltaRefitEngine", "register"]
@@ -124,7 +124,7 @@ class DeltaRefitEngine:
     * ``stream``: a directory or ``s3://`` URL both sides reach (required);
     * trainer: ``state_dir`` (the publisher's baseline; default as ``deltarefit publish``'s),
       ``signing_key`` (Ed25519 private key: records are signed), ``served`` (dtype of what is published),
-      ``keyframe_every``;
+      ``keyframe_every``, ``format_version`` (of the deltas, 1 or 2; default the stream's);
     * rollout: ``verify_key`` (records must verify with it), ``local_dir`` (where each rollout worker keeps
       its copy, ``<stream hash>-<subscriber_id>.safetensors``; default ``/dev/shm/deltarefit-verl``),
       ``checkpoint`` (this one worker's copy, exactly: not for a config shared by several), ``subscriber_id``
@@ -137,7 +137,7 @@ class DeltaRefitEngine:
                  state_dir: str | None = None, signing_key: str | None = None, verify_key: str | None = None,
                  served: str | None = None, keyframe_every: int = 20, local_dir: str | None = None,
                  checkpoint: str | None = None, subscriber_id: str | None = None, timeout_s: float = 1800.0,
-                 in_place: bool = False, **unknown: Any) -> None:
+                 in_place: bool = False, format_version: int | None = None, **unknown: Any) -> None:
         if unknown:
             raise UsageError(f"engine_kwargs.deltarefit: unknown key(s) {', '.join(sorted(unknown))}; known: "
                              f"{', '.join(KEYS)}")
@@ -147,6 +147,8 @@ class DeltaRefitEngine:
                              ".stream=...)")
         if served not in SERVED:
             raise UsageError(f"engine_kwargs.deltarefit.served: {served!r}; use BF16, F16, F32 or null")
+        if format_version not in (None, 1, 2):
+            raise UsageError(f"engine_kwargs.deltarefit.format_version: {format_version!r}; use 1, 2 or null")
         if timeout_s <= 0:
             raise UsageError(f"engine_kwargs.deltarefit.timeout_s must be > 0, got {timeout_s}")
         self.bucket_size = bucket_size
@@ -159,6 +161,7 @@ class DeltaRefitEngine:
         self.verify_key = verify_key
         self.served = served
         self.keyframe_every = int(keyframe_every)
+        self.format_version = format_version
         self.subscriber_id = subscriber_id or _default_id()
         self.checkpoint = os.path.abspath(checkpoint) if checkpoint else local_copy(
             local_dir or default_local_dir(), self.stream, self.subscriber_id)
@@ -224,7 +227,8 @@ class DeltaRefitEngine:
             from ..stream.publisher import Publisher, default_state_dir
 
             self._publisher = Publisher(self.store, self.state_dir or default_state_dir(self.stream),
-                                        keyframe_every=self.keyframe_every, signing_key=self.signing_key)
+                                        keyframe_every=self.keyframe_every, signing_key=self.signing_key,
+                                        format_version=self.format_version)
         return self._publisher
 
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, float]:

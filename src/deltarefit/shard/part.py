@@ -6,14 +6,14 @@ base/target digests and the codec chunks of the cell's changes in cell (box) ord
 executable content: fixed bytes, one JSON header, raw codec payloads. Never pickled.
 
 ```
-offset 0   magic  b"DRSHPART" (8) | u16 format_version = 1 | u16 zero | u32 header_len
+offset 0   magic  b"DRSHPART" (8) | u16 format_version (1 or 2) | u16 zero | u32 header_len
 offset 16  header (header_len bytes of UTF-8 JSON)
            payload (header["payload_bytes"] bytes: chunk payloads back to back, in header order)
 ```
 
 Header::
 
-    {"format": "deltarefit.shard_part", "format_version": 1, "version": 7, "rank": 0, "world": 2,
+    {"format": "deltarefit.shard_part", "format_version": 2, "version": 7, "rank": 0, "world": 2,
      "keyframe": false, "payload_bytes": 1234, "payload_blake3": "<64 hex>",
      "tensors": [{"name": "model.layers.0.mlp.down_proj.weight", "dtype": "BF16", "shape": [64, 128],
                   "cells": [{"box": [[off, stride, len], ...one per checkpoint dim],
@@ -25,7 +25,9 @@ A chunk covers cell-order elements ``[first, first + count)`` (at most ``chunk_e
 1 MiB / itemsize); only chunks with changes are listed (a keyframe lists every chunk, encoding
 ``overwrite``). ``offset`` is relative to the payload start. Encodings and payloads are exactly the
 codec's (FORMAT.md, "Chunks and encodings"), with the chunk's base being the base bits of those cell
-elements in cell order.
+elements in cell order. ``format_version`` (the prefix's and the header's, equal) follows the delta format's
+(FORMAT.md, "Versions"): a version 1 part holds encodings 1-5 only, a version 2 part also 6 and 7; readers
+read both and refuse any other version.
 
 A **version manifest** (``join``) names every part by size and BLAKE3 (and the bounding box of its
 cells per tensor, ``covers``, so a rollout rank fetches only the parts that meet its slices) and
@@ -49,12 +51,13 @@ from ..codec.chunk import ENCODING_NAMES, OVERWRITE, max_payload_len
 from ..dtypes import DType
 from ..dtypes import dtype as lookup_dtype
 from ..errors import FormatError, IntegrityError, LimitError
+from ..format.layout import check_encodings, check_version
 from ..geometry.projection import Box, intersect_boxes
 from ..integrity import additive as D
 from ..io.jsonlimits import json_shape_problem_of_pieces, parse_cost
 
 MAGIC = b"DRSHPART"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what ``write_part`` writes by default; readers read ``format.VERSIONS`` (1 and 2)
 # What a real header needs: about 250 bytes per cell (its box and two digests; the tensor's name, dtype
 # and shape once per tensor) and 45 per listed chunk (a keyframe lists every 1 MiB chunk). A rank of a
 # 1T-parameter MoE over 256 ranks, its experts spread by expert parallelism, covers about 1,000 checkpoint
@@ -120,15 +123,19 @@ class Part:
         return bytes(self.payload[c.offset:c.offset + c.length])
 
 
-def write_part(header: dict, payload: bytes) -> bytes:
-    """Serialize a part; fills in ``payload_bytes`` and ``payload_blake3``."""
-    header = dict(header, format="deltarefit.shard_part", format_version=FORMAT_VERSION,
+def write_part(header: dict, payload: bytes, format_version: int = FORMAT_VERSION) -> bytes:
+    """Serialize a part of ``format_version`` (1 or 2); fills in ``payload_bytes`` and ``payload_blake3``.
+    A chunk of an encoding that version lacks is refused (``FormatError``)."""
+    check_version(format_version, "part", "part format version")
+    check_encodings(format_version, (k[2] for t in header.get("tensors", ()) for c in t["cells"] for k in c["chunks"]),
+                    "part", "part")
+    header = dict(header, format="deltarefit.shard_part", format_version=format_version,
                   payload_bytes=len(payload), payload_blake3=blake3.blake3(payload).hexdigest())
     hb = json.dumps(header, separators=(",", ":"), sort_keys=True).encode("utf-8")
     if len(hb) > MAX_HEADER:  # refused here, by the writer, rather than by every reader
         raise LimitError(f"part header of {len(hb)} bytes exceeds the {MAX_HEADER >> 20} MiB limit (too many "
                          "chunks for one rank: shard the checkpoint over more ranks)")
-    return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(hb)) + hb + payload
+    return _PREFIX.pack(MAGIC, format_version, 0, len(hb)) + hb + payload
 
 
 def _int(x, where: str, lo: int = 0) -> int:
@@ -177,6 +184,8 @@ def read_part(data: bytes | memoryview, where: str = "part", *, head_only: bool 
     for ti, t in enumerate(h["tensors"]):
         tensor, pos = _read_tensor(t, ti, where, keyframe, pos)
         tensors.append(tensor)
+        check_encodings(h["format_version"], (k.encoding for c in tensor.cells for k in c.chunks),
+                        f"{where}: tensor {tensor.name!r}", "part")
     if pos != payload_bytes:
         raise FormatError(f"{where}: chunks cover {pos} of {payload_bytes} payload bytes")
     return Part(h, tuple(tensors), payload)
@@ -189,8 +198,9 @@ def _read_header(mv: memoryview, where: str, cap: int = MAX_HEADER) -> tuple[dic
     magic, ver, zero, hlen = _PREFIX.unpack(mv[:_PREFIX.size])
     if magic != MAGIC:
         raise FormatError(f"{where}: not a deltarefit shard part (magic {magic!r})")
-    if ver != FORMAT_VERSION or zero:
-        raise FormatError(f"{where}: unsupported part format version {ver}")
+    check_version(ver, where, "part format version")
+    if zero:
+        raise FormatError(f"{where}: the prefix's reserved field is {zero}, not 0")
     if hlen > cap and cap < MAX_HEADER:
         raise LimitError(f"{where}: header of {hlen} bytes exceeds the {cap} bytes what the version manifest says "
                          "the part covers may need")
@@ -211,8 +221,9 @@ def _read_header(mv: memoryview, where: str, cap: int = MAX_HEADER) -> tuple[dic
         h = json.loads(str(raw, "utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FormatError(f"{where}: header is not JSON ({type(e).__name__}: {str(e)[:200]})") from None
-    if not isinstance(h, dict) or h.get("format") != "deltarefit.shard_part" or h.get("format_version") != 1:
-        raise FormatError(f"{where}: not a version-1 shard part header")
+    if not isinstance(h, dict) or h.get("format") != "deltarefit.shard_part" or h.get("format_version") != ver \
+            or type(h.get("format_version")) is not int:
+        raise FormatError(f"{where}: not a shard part header of format version {ver} (the prefix's)")
     return h, mv[_PREFIX.size + hlen:]
 
 
@@ -385,22 +396,6 @@ def _covers(p: Part) -> dict[str, list[list[int]]]:
             out[t.name] = [[min(c.box.aps[d].off for c in t.cells), max(c.box.aps[d].last for c in t.cells) + 1]
                            for d in range(len(t.shape))]
     return out
-
-
-def parts_needed(manifest: dict, boxes: dict[str, list[Box]]) -> list[int]:
-    """Ranks whose parts meet any of ``boxes`` (``{tensor: [Box]}``, e.g. a rollout layout's piece
-    boxes): the only parts that rank has to fetch."""
-    need = []
-    for ent in manifest["parts"]:
-        for name, bb in ent.get("covers", {}).items():
-            for box in boxes.get(name, ()):
-                if all(lo <= ap.last and ap.off < hi for (lo, hi), ap in zip(bb, box.aps, strict=True)):
-                    need.append(ent["rank"])
-                    break
-            else:
-                continue
-            break
-    return need
 
 
 # What a real version manifest needs: about 160 bytes per tensor (its name, dtype, shape and two digests)

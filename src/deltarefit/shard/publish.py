@@ -29,13 +29,14 @@ import numpy as np
 from ..codec.chunk import encode_chunk, encode_overwrite
 from ..dtypes import dtype as lookup_dtype
 from ..errors import UsageError
+from ..format.layout import check_version
 from ..geometry.projection import AP, INDEX_BLOCK, Axis, Box, Piece, box_indices
 from ..integrity import SEGMENT_BYTES
 from ..integrity import additive as D
 from .budget import MIN_CHUNK_BYTES
 from .convert import FP8_BLOCK, FP8_MAX, SCALE_SUFFIX, _f32, e4m3fn_bits, fp8_block_shape, to_served_bits
 from .names import Layout, LocalTensor
-from .part import Part, read_part, write_part
+from .part import FORMAT_VERSION, Part, read_part, write_part
 
 __all__ = ["PartStats", "ShardPublisher", "cells_of"]
 
@@ -161,12 +162,15 @@ class ShardPublisher:
     dtype of every checkpoint tensor (one name, or ``{checkpoint name: dtype}``; BF16, F16, F32, or
     F8_E4M3 with 128x128 block scales published as ``<name>_scale_inv``: pieces must be block-aligned);
     ``cuts``: cell boundaries (``names.cuts_from_layouts`` of the rollout layouts), None for none.
+    ``format_version``: of the parts and their chunks (2: the ``ulp2`` encodings where smaller; 1: version 1's
+    encodings, for rollout ranks that read part format version 1 only).
     """
 
     def __init__(self, layout: Layout, served: str | Mapping[str, str] = "BF16", *,
                  cuts: Mapping[str, tuple[tuple[int, ...], ...]] | None = None, rank: int = 0, world: int = 1,
-                 chunk_bytes: int = SEGMENT_BYTES) -> None:
+                 chunk_bytes: int = SEGMENT_BYTES, format_version: int = FORMAT_VERSION) -> None:
         self.layout = layout
+        self.format_version = check_version(format_version, "format_version")
         self.rank, self.world = rank, world
         self.cuts = dict(cuts or {})
         if chunk_bytes < MIN_CHUNK_BYTES:  # readers budget a part's header by chunks of at least this size
@@ -251,7 +255,7 @@ class ShardPublisher:
                 for ch in c["chunks"]:
                     ch[4] = len(payload)
                     payload += blobs.pop(id(ch))
-        blob = write_part(header, bytes(payload))
+        blob = write_part(header, bytes(payload), self.format_version)
         return blob, PartStats(int(version), changed, elements, len(blob), served_bytes, time.perf_counter() - t0)
 
     def _cell(self, p: Piece, cell: Box, mflat, bflat, dt, seed, step: int, blobs: dict[int, bytes],
@@ -273,7 +277,7 @@ class ShardPublisher:
             # Memory hazard: free this chunk's index arrays before encoding and before the next chunk's
             # are built, or two chunks' worth are alive at once.
             del flat, loc
-            enc = encode_overwrite(tgt) if base is None else encode_chunk(dt, base, tgt)
+            enc = encode_overwrite(tgt) if base is None else encode_chunk(dt, base, tgt, fmt=self.format_version)
             del base, tgt
             if enc is None:
                 continue

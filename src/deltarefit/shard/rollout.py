@@ -35,11 +35,11 @@ import numpy as np
 from ..codec.chunk import decode_chunk, decode_new
 from ..dtypes import dtype as lookup_dtype
 from ..errors import BaseMismatchError, UsageError, VerificationError
-from ..geometry.projection import Piece, box_indices, intersect_boxes
+from ..geometry.projection import Box, Piece, box_indices, intersect_boxes
 from ..integrity import additive as D
 from .budget import header_budget
 from .names import Layout
-from .part import Cell, Part, TensorPart, check_blob, parts_needed, read_part
+from .part import Cell, Part, TensorPart, check_blob, read_part
 
 __all__ = ["ApplyStats", "apply_parts", "apply_version", "apply_version_to_module", "bits_view", "group_check",
            "needed_ranks", "slice_digests"]
@@ -307,3 +307,19 @@ def group_check(summed: Mapping[str, np.ndarray], manifest: dict, which: str = "
         if not np.array_equal(got, D.from_hex(want)):
             bad.append(name)
     return bad
+
+
+def parts_needed(manifest: dict, boxes: dict[str, list[Box]]) -> list[int]:
+    """Ranks whose parts meet any of ``boxes`` (``{tensor: [Box]}``, e.g. a rollout layout's piece
+    boxes): the only parts that rank has to fetch."""
+    need = []
+    for ent in manifest["parts"]:
+        for name, bb in ent.get("covers", {}).items():
+            for box in boxes.get(name, ()):
+                if all(lo <= ap.last and ap.off < hi for (lo, hi), ap in zip(bb, box.aps, strict=True)):
+                    need.append(ent["rank"])
+                    break
+            else:
+                continue
+            break
+    return need

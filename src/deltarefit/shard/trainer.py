@@ -89,20 +89,22 @@ class ShardStreamPublisher:
     ``advance``s to ``wait_commit`` (a single rank's ``publish`` does all three).
     ``committer``: the rank that commits. ``timeout``: seconds to wait for the other ranks' parts (the
     committer) or for the commit record (the others). ``keyframe_every``: version numbers divisible by
-    it are keyframes (every cell overwritten; a late rollout rank starts there).
+    it are keyframes (every cell overwritten; a late rollout rank starts there). ``format_version``: of
+    the rank's parts (``ShardPublisher``; 2 by default); ranks of one stream may change it between versions.
     """
 
     def __init__(self, store: Store | str, layout: Layout, served: str | Mapping[str, str] = "BF16", *,
                  cuts: Mapping[str, tuple[tuple[int, ...], ...]] | None = None, rank: int = 0, world: int = 1,
                  state_dir: str | None = None, group=None, committer: int = 0, timeout: float = 60.0,
                  poll: float = 0.05, keyframe_every: int = 0, publisher_id: str | None = None,
-                 chunk_bytes: int = SEGMENT_BYTES, signing_key: str | None = None) -> None:
+                 chunk_bytes: int = SEGMENT_BYTES, signing_key: str | None = None, format_version: int = 2) -> None:
         if not 0 <= rank < world or not 0 <= committer < world or timeout <= 0 or keyframe_every < 0:
             raise UsageError("0 <= rank, committer < world, timeout > 0 and keyframe_every >= 0 are required, got "
                              f"rank={rank}, committer={committer}, world={world}, timeout={timeout}, "
                              f"keyframe_every={keyframe_every}")
         self.store = open_store(store) if isinstance(store, str) else store
-        self.pub = ShardPublisher(layout, served, cuts=cuts, rank=rank, world=world, chunk_bytes=chunk_bytes)
+        self.pub = ShardPublisher(layout, served, cuts=cuts, rank=rank, world=world, chunk_bytes=chunk_bytes,
+                                  format_version=format_version)
         self.rank, self.world, self.committer = rank, world, committer
         self.group = group
         self.timeout, self.poll = timeout, poll

@@ -3,14 +3,15 @@ state files, and the fixes its refusals name."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import blake3
 
-from ..errors import CheckpointError
-from ..io.fsutil import open_regular, read_capped
+from ..errors import CheckpointError, StreamError
+from ..io.fsutil import open_regular, read_capped, write_atomic
 from ..io.jsonlimits import LOCAL_STATE_MAX_BYTES, small_json
 
 ALL = -1  # quorum: every live subscriber
@@ -31,6 +32,38 @@ class PublishState:
 
 
 _TEMP_SUFFIX = ".tmp-"
+FORMAT_NAME = "format.json"  # the stream's delta format version, as this publisher last published it
+
+
+def stream_format(state_dir: str, asked: int | None, has_state: bool) -> int:
+    """The delta format version (FORMAT.md, "Versions") of the next version a publisher keeping its state in
+    ``state_dir`` publishes: ``asked`` where given (1 or 2), else the one it last published (``FORMAT_NAME``), else
+    2 for a new stream (no state) and 1 for a stream its publisher kept before format versions were a setting
+    (its subscribers may read version 1 only). A stream may change it between any two versions."""
+    if asked is not None:
+        return asked
+    try:
+        v = read_state_json(os.path.join(state_dir, FORMAT_NAME), "publisher format setting")["format_version"]
+    except FileNotFoundError:
+        return 2 if not has_state else 1
+    except (ValueError, KeyError, TypeError, CheckpointError) as e:
+        raise StreamError(f"{os.path.join(state_dir, FORMAT_NAME)}: unreadable ({e}); publish with --format-version "
+                          "1 or 2 to write it again") from None
+    if v not in (1, 2) or type(v) is not int:
+        raise StreamError(f"{os.path.join(state_dir, FORMAT_NAME)}: format version {v!r} is not 1 or 2; publish with "
+                          "--format-version 1 or 2 to write it again")
+    return v
+
+
+def remember_format(state_dir: str, version: int) -> None:
+    """Record ``version`` as the stream's format version for the next publish (``stream_format``)."""
+    path = os.path.join(state_dir, FORMAT_NAME)
+    try:
+        if read_state_json(path, "publisher format setting").get("format_version") == version:
+            return
+    except (FileNotFoundError, ValueError, AttributeError, CheckpointError):
+        pass
+    write_atomic(path, json.dumps({"format_version": version}).encode())
 ATTEMPT_NAME = "attempt.json"  # the upload in progress: {"attempt": "v/<version>/<id>"}
 
 

@@ -41,7 +41,7 @@ from ..storage.base import Store, open_store
 from .attempts import Attempts, _checkpoint_files
 from .baseline import Baseline, _temp_beside
 from .chain import chain_bytes
-from .history import follows, lineage, open_book, resets, start_over
+from .history import book_at, open_book, resets, start_over
 from .progress import Opener, encoding, phase, store_phase, tensor_bytes
 from .publish_state import (
     _TEMP_SUFFIX,
@@ -52,6 +52,8 @@ from .publish_state import (
     PublishState,
     default_state_dir,
     keyframe_state,
+    remember_format,
+    stream_format,
 )
 from .records import (
     CommitRecord,
@@ -99,17 +101,21 @@ class Publisher:
     smaller; the record's ``history`` flag), which describes the baseline: it advances only once the
     version is committed and the baseline has reached it, starts over at keyframes, and where it does
     not follow the stream's lineage at the baseline (``stream.history``) the version is published
-    without it. Catch-up deltas never use it.
+    without it. Catch-up deltas never use it. ``format_version``: of the deltas (1 or 2; FORMAT.md,
+    "Versions"); None: the one this publisher last published (``publish_state.stream_format``: 2 for a new
+    stream). Changing it between versions is allowed: subscribers follow a stream of both.
     """
     progress: Opener | None = None  # told each long step's bytes (``stream.progress``); None: no calls
 
     def __init__(self, store: Store | str, state_dir: str, *, keyframe_every: int = 20,
                  keyframe_ratio: float = 0.5, quorum: int = 0, ack_timeout: float = 60.0, live_ttl: float = 3600.0,
                  signing_key: str | None = None, threads: int | None = None, publisher_id: str | None = None,
-                 catchup: bool = False, advance: str = "copy", sums: bool = True, history: bool = False) -> None:
-        if advance not in ("copy", "apply"):
-            raise UsageError(f"advance must be 'copy' or 'apply', not {advance!r}")
-        self.sums = sums
+                 catchup: bool = False, advance: str = "copy", sums: bool = True, history: bool = False,
+                 format_version: int | None = None) -> None:
+        if advance not in ("copy", "apply") or format_version not in (None, 1, 2):
+            raise UsageError(f"advance must be 'copy' or 'apply' and format_version 1, 2 or None, not {advance!r} "
+                             f"and {format_version!r}")
+        self.sums, self.format_version = sums, format_version
         if keyframe_every < 1 or keyframe_ratio <= 0 or (quorum < 0 and quorum != ALL) or ack_timeout <= 0:
             raise UsageError("keyframe_every >= 1, keyframe_ratio > 0, quorum >= 0 (or ALL) and ack_timeout > 0 "
                              f"are required, got keyframe_every={keyframe_every}, keyframe_ratio={keyframe_ratio}, "
@@ -142,8 +148,9 @@ class Publisher:
         self.history = history
         # The baseline's paths, named as before the baseline became an object.
         self.baseline, self.state_path, self.staging = self.base.path, self.base.state_path, self.base.staging
-        self.known_path, self.book_path = self.base.known_path, self.base.book_path
-        self.staged_moves_path = self.base.staged_moves_path
+        self.known_path, self.book_path, self.staged_moves_path = (self.base.known_path, self.base.book_path,
+                                                                   self.base.staged_moves_path)
+        self._fmt = 2  # the format version of the publish in progress (``stream_format``)
 
     @property
     def store(self) -> Store:
@@ -307,7 +314,8 @@ class Publisher:
         attempt = f"{vkey(version)}/{uuid.uuid4().hex[:12]}"
         shutil.rmtree(self.staging, ignore_errors=True)
         os.makedirs(self.staging)
-        book = self._book_at(st) if self.history and st is not None else None
+        book = book_at(self.book_path, lambda v: load_commit(self.store, v), st.version) if self.history and st else None
+        self._fmt = stream_format(self.state_dir, self.format_version, st is not None)
         rep, delta_part, fp, full_bytes = self._delta(st, checkpoint, attempt, book)
         if st is not None and fp == st.fingerprint:
             shutil.rmtree(self.staging, ignore_errors=True)
@@ -354,19 +362,9 @@ class Publisher:
             # state that ``recover`` finishes from pending.json on the next run (a full disk freed).
             log.warning("%s: version %d is committed, but the publisher state in %s could not follow it (%s); "
                         "the next publish finishes that first", self.store.url, version, self.state_dir, e)
+        remember_format(self.state_dir, self._fmt)
         log.info("published version %d (%s, %d bytes)", version, rec.kind, rec.part_bytes)
         return rec
-
-    def _book_at(self, st: PublishState) -> HistoryBook | None:
-        """The history book to code the next delta against: the baseline's, where it follows the
-        stream's lineage at the baseline; else None (the version goes out without history, which
-        starts every book over at it)."""
-        book = open_book(self.book_path)
-        if follows(book, lineage(lambda v: load_commit(self.store, v), st.version)):
-            return book
-        log.warning("%s: the history book does not describe the baseline (version %d); this version is "
-                    "published without history, which starts the book over", self.book_path, st.version)
-        return None
 
     def _delta(self, st: PublishState | None, checkpoint: str | ServedTensors, attempt: str,
                book: HistoryBook | None = None) -> tuple[EncodeReport | None, Part | None, str | None, int]:
@@ -379,7 +377,8 @@ class Publisher:
         # Staged, not durable: the store makes its copy durable, and nothing after a crash reads
         # the staged file (a rerun encodes again; recovery fetches the committed part).
         rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, known_base=self.base.known_base(),
-                           durable=False, sums=self.sums, history=book, progress=encoding(self.progress, checkpoint))
+                           durable=False, sums=self.sums, history=book, progress=encoding(self.progress, checkpoint),
+                           format_version=self._fmt)
         if rep.base_fingerprint != st.fingerprint and rep.base_hashes_known:
             # The kept hashes do not describe the committed baseline (their file edited, or a write
             # the identity missed): drop them and hash the baseline, so the check below is the
@@ -388,7 +387,7 @@ class Publisher:
                         self.known_path)
             self.base.forget_known()
             rep = encode_delta(self.baseline, checkpoint, local, threads=self.threads, durable=False,
-                               sums=self.sums, history=book)
+                               sums=self.sums, history=book, format_version=self._fmt)
         if rep.base_fingerprint != st.fingerprint:
             raise StreamError(f"{self.baseline}: baseline fingerprint {rep.base_fingerprint[:16]}… is not the "
                               f"committed {st.fingerprint[:16]}… (modified by hand?){RESET_FIX}")
@@ -405,7 +404,7 @@ class Publisher:
             return None, None
         local = os.path.join(self.staging, "catchup")
         crep = encode_delta(self.keyframe_copy, checkpoint, local, threads=self.threads, durable=False,
-                            sums=self.sums)
+                            sums=self.sums, format_version=self._fmt)
         if crep.base_fingerprint != kf_state[1]:
             return None, None
         return kf_state[0], Part(f"{attempt}/catchup", os.path.getsize(local), file_hash(local))

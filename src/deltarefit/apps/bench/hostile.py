@@ -77,12 +77,13 @@ def _repeat(unit: bytes, count: int, block: int = 1 << 18):
 
 def write_delta_with_manifest(path: str, frame: bytes) -> int:
     """A delta file with no payload and no chunk table whose manifest section is ``frame``; every
-    header field and hash is right, so only the manifest itself can be refused. Returns its size."""
-    from ...format import FLAG_MANIFEST_ZSTD, HEADER, HEADER_SIZE, MAGIC, VERSION, ZERO_HASH
+    header field and hash is right, so only the manifest itself can be refused. Returns its size. The
+    header says format version 1, as the manifests written here do (``MANIFEST_HEAD``)."""
+    from ...format import FLAG_MANIFEST_ZSTD, HEADER, HEADER_SIZE, MAGIC, ZERO_HASH
     from ...integrity import seg_hash
 
     off = HEADER_SIZE
-    head = HEADER.pack(MAGIC, VERSION, FLAG_MANIFEST_ZSTD, HEADER_SIZE, off, 0, off, len(frame),
+    head = HEADER.pack(MAGIC, 1, FLAG_MANIFEST_ZSTD, HEADER_SIZE, off, 0, off, len(frame),
                        off + len(frame), 0, seg_hash(frame), ZERO_HASH)
     head = head[:-16] + seg_hash(head[:-16])
     with open(path, "wb") as f:

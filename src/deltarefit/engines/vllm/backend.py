@@ -391,6 +391,7 @@ class DeltaRefitTrainerInitInfo(TrainerInitInfo):
     verify_key: str | None = None  # the matching public key, handed to the engines
     keyframe_every: int = 20
     engine_version: int | None = None  # the version the engines were started from
+    format_version: int | None = None  # of the deltas, 1 or 2; None: the stream's (``Publisher``)
 
 
 class DeltaRefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaRefitTrainerInitInfo]):
@@ -405,7 +406,7 @@ class DeltaRefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaRef
         self = cls(client=client, source=source, is_sender=init_info.is_sender)
         self.init_info = init_info
         self.publisher = Publisher(init_info.stream, init_info.state_dir, keyframe_every=init_info.keyframe_every,
-                                   signing_key=init_info.signing_key)
+                                   signing_key=init_info.signing_key, format_version=init_info.format_version)
         self.engines_ready = False
         return self
 

@@ -35,7 +35,7 @@ __all__ = ["RolloutVersion", "TRLSync", "disable", "enable", "rollout_version", 
 
 def enable(stream: str, *, state_dir: str | None = None, signing_key: str | None = None,
            verify_key: str | None = None, served: str | None = None, keyframe_every: int = 20,
-           timeout: float = 300.0) -> TRLSync:
+           timeout: float = 300.0, format_version: int | None = None) -> TRLSync:
     """Make TRL's vLLM server mode sync through deltarefit (module docstring); returns the settings.
 
     Call it before the trainer is built (TRL reads the client class when ``VLLMGeneration`` is
@@ -43,7 +43,8 @@ def enable(stream: str, *, state_dir: str | None = None, signing_key: str | None
     ``signing_key``/``verify_key``: sign every record on the trainer, and have the server's workers
     verify them; ``verify_key`` is a path the server's host reads, of the key it pins with
     ``serve --verify-key`` (a pinned server refuses another key, or none). ``served``: the dtype
-    the server computes in, default its model dtype. Calling it again replaces the settings."""
+    the server computes in, default its model dtype. ``format_version``: of the deltas (1 or 2; None: the
+    stream's, 2 for a new one). Calling it again replaces the settings."""
     import trl.generation.vllm_generation as gen
 
     from ...stream.publisher import default_state_dir
@@ -51,10 +52,12 @@ def enable(stream: str, *, state_dir: str | None = None, signing_key: str | None
 
     if served is not None and served not in ("BF16", "F16", "F32"):
         raise UsageError(f"served must be 'BF16', 'F16' or 'F32', not {served!r}")
+    if format_version not in (None, 1, 2):
+        raise UsageError(f"format_version must be 1, 2 or None, not {format_version!r}")
     if verify_key is not None and signing_key is None:
         raise UsageError("verify_key without signing_key: the server would refuse every unsigned record")
     _state.settings = TRLSync(stream, state_dir or default_state_dir(stream), signing_key, verify_key, served,
-                              keyframe_every, timeout)
+                              keyframe_every, timeout, format_version)
     if gen.VLLMClient is not DeltaRefitVLLMClient:
         _state.original = gen.VLLMClient
         gen.VLLMClient = DeltaRefitVLLMClient

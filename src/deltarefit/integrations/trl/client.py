@@ -116,7 +116,7 @@ class DeltaRefitVLLMClient(VLLMClient):
             raise UsageError(f"the vLLM server at {self.base_url} computes in {dtype!r}; pass enable(served=...) "
                              "with one of BF16, F16, F32")
         self.publisher = Publisher(self.sync.stream, self.sync.state_dir, keyframe_every=self.sync.keyframe_every,
-                                   signing_key=self.sync.signing_key)
+                                   signing_key=self.sync.signing_key, format_version=self.sync.format_version)
         self.http = HTTPClient(self.base_url, timeout=self.sync.timeout)
 
     def close_communicator(self) -> None:

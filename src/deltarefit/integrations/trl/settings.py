@@ -20,6 +20,7 @@ class TRLSync:
     served: str | None = None  # "BF16" / "F16" / "F32"; default: the server's model dtype
     keyframe_every: int = 20
     timeout: float = 300.0  # seconds for one route call to the server
+    format_version: int | None = None  # of the deltas, 1 or 2; None: the stream's (``Publisher``)
 
 
 @dataclass(frozen=True)
