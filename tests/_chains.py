@@ -83,8 +83,9 @@ def encodings(delta_path: str) -> dict[int, int]:
 
 def deltas_with_history(paths: list[str], d) -> Iterator[tuple[str, Any, int]]:
     """Each step of the chain ``paths`` encoded as a trainer does with a history book (kept in ``d``,
-    advanced by each step's moves): (the delta's path, its ``EncodeReport``, its ``ulp_hist`` chunks)."""
-    from deltarefit.codec.chunk import ULP_HIST
+    advanced by each step's moves): (the delta's path, its ``EncodeReport``, its chunks coded with
+    history: ``ulp_hist`` in format 1, ``ulp2_hist`` in format 2)."""
+    from deltarefit.codec.chunk import ULP2_HIST, ULP_HIST
     from deltarefit.encode import encode
     from deltarefit.history_book import HistoryBook
 
@@ -93,7 +94,8 @@ def deltas_with_history(paths: list[str], d) -> Iterator[tuple[str, Any, int]]:
         out = os.path.join(d, f"h{i}.delta")
         rep = encode(paths[i - 1], paths[i], out, history=trainer, sums=True)
         trainer.commit(rep.target_fingerprint, rep.moves, parent=rep.base_fingerprint)
-        yield out, rep, encodings(out).get(ULP_HIST, 0)
+        got = encodings(out)
+        yield out, rep, got.get(ULP_HIST, 0) + got.get(ULP2_HIST, 0)
 
 
 def checkpoint_bits(path: str) -> dict[str, bytes]:

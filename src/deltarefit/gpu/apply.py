@@ -175,7 +175,8 @@ def _decode(d: DeltaReader, e: TensorEntry, r: ChunkRecord, seg: torch.Tensor, s
                                                               val_d.cpu().numpy().view(dt.uint)))
         return DevicePatch(pos_d, val_d)
     host = seg.cpu().numpy().view(dt.uint)  # rare encodings: decoded on the host from a copy
-    hist = history.history(e.name, r.chunk_index, n) if r.encoding == ULP_HIST and history is not None else None
+    hist = history.history(e.name, r.chunk_index, n) if r.encoding in (ULP_HIST, device_ulp2.ULP2_HIST) \
+        and history is not None else None
     patch = decode_chunk(dt, host, r.encoding, payload, r.n_changed, r.decoded_len, where, hist)
     if patch.dense is not None:
         pos = np.flatnonzero(patch.dense != host)
