@@ -8,9 +8,12 @@ touches whole segments on the device and the host only what is compact:
 * segment hashes: BLAKE3 on the device (``gpu.blake3_triton``: Triton on CUDA, else the torch
   reference; on CPU tensors the host's BLAKE3 over a view of their memory), all segments of a tensor
   in one call for the plan; 16 bytes per MiB cross to the host;
-* decode: the ulp encoding in compact form (below); chunks of the other encodings (rare: dense or
-  non-float changes, and ``ulp_hist``, which decodes against the tensors' history book) are decoded
-  on the host from a copy of their segment and reduced to the positions they change;
+* decode: the ulp encoding in compact form (below); format 2's ``ulp2`` / ``ulp2_hist`` on the device
+  itself (``gpu.ulp2``: the Triton rANS lanes decode into staging arrays, a status per chunk; the
+  payload goes up, only the status comes back; ``ulp2_hist`` with the book's history bytes); chunks
+  of the other encodings (rare: dense or non-float changes, ``ulp_hist``, and 6/7 of 8-byte dtypes or
+  where the kernels cannot run) are decoded on the host from a copy of their segment and reduced to
+  the positions they change;
 * post-image hash: the decoded values scattered into a device copy of the segment, hashed there;
 * write: only the patched positions are scattered into the tensor, and the segment (the storage
   itself) is hashed again on the device.

@@ -13,7 +13,10 @@ the two state dicts saved as safetensors files. Per tensor, in batches of segmen
 
 Only that compact stream (about 14 bytes per changed element) and 32 bytes of hashes per MiB cross to
 the host, where ``codec.chunk.encode_changes`` codes each segment on the encoder's thread pool, while
-the device goes on to the next tensor. A segment changed so densely that a whole-segment encoding may
+the device goes on to the next tensor. In format 2 (the default), where the Triton kernels run, the
+device also codes each segment's ``ulp2`` candidate itself (``gpu.ulp2.encode_chunks``: counts, then
+the rANS lanes backwards; only the payloads cross), and the host only weighs it against the
+whole-segment and sparse candidates (``codec.chunk._choose``), so the bytes stay the host encoder's. A segment changed so densely that a whole-segment encoding may
 win (8% of its elements) is copied to the host whole, as the CPU encoder would read it.
 
 The same code runs on CPU tensors: through the sort fallback with torch's CPU kernels, or through the

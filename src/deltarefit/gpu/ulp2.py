@@ -122,7 +122,7 @@ def decode_chunks(dt: DType, base: torch.Tensor, items: list[tuple[int, int, int
             base, states if hist else base, up(stream), up(chunk), up(np.stack([x[5].lanes for x in g])),
             up(np.stack([x[5].p for x in g])), up(np.stack([x[5].cum for x in g])),
             up(np.stack([x[5].sp for x in g])), pos, ctx, val, st, SIGNED=dt.itemsize > 1,
-            **_consts(dt, hist, variant))
+            num_warps=1, **_consts(dt, hist, variant))  # one warp: the W lanes
         st_dev.append(([x[0] for x in g], st))
     for idx, st in st_dev:
         status[idx] = st.cpu().numpy()
@@ -229,7 +229,7 @@ def code_batch(dt: DType, base: torch.Tensor, target: torch.Tensor, per: int, st
     chunk = up(np.array([r for _, r in rows], np.int64))
     k.encode_kernel[(g,)](base, target, states if states is not None else base, chg, chunk,
                           up(np.stack([x.p for x in tabs])), up(np.stack([x.cum for x in tabs])),
-                          up(np.stack([x.sp for x in tabs])), buf, lanes, top, st, **cs)
+                          up(np.stack([x.sp for x in tabs])), buf, lanes, top, st, num_warps=1, **cs)
     status = st.cpu().numpy()
     if status.any():  # the tables came from the same counts: a failure here is a defect, not input
         c = int(np.flatnonzero(status)[0])

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codec.constants import STATUS
-from ..errors import DecodeError
 
 # variant -> (M probability bits, R unit bits, W lanes, log2 L)
 VARIANTS = {0: (8, 8, 32, 8), 1: (12, 16, 16, 16)}
@@ -23,8 +22,9 @@ N_STATES = 7  # encoding 5's history states
 STATUS2 = STATUS  # codec.constants.STATUS: format 2's codes -7..-10 and the shared -1, -4, -5, -6
 
 
-class TableError(DecodeError):
-    """A header the format refuses; ``status`` is its ``STATUS2`` code."""
+class TableError(ValueError):
+    """A header the format refuses; ``status`` is its ``STATUS2`` code. Internal: ``gpu.ulp2`` turns it
+    into a chunk's status (and ``DecodeError``); outside the error hierarchy, which is closed."""
 
     def __init__(self, status: int) -> None:
         super().__init__(STATUS2[status])
