@@ -55,11 +55,12 @@ class _Count:
     """Counts the chunks the device decoder takes (the real function runs)."""
 
     def __init__(self, monkeypatch):
-        self.n = 0
+        self.n = self.hist = 0
         real = U.decode_chunk
 
         def counted(*a, **k):
             self.n += 1
+            self.hist += (a[5] if len(a) > 5 else k.get("states")) is not None
             return real(*a, **k)
 
         monkeypatch.setattr(U, "decode_chunk", counted)
@@ -109,3 +110,29 @@ def test_the_device_encoder_writes_the_host_encoders_format_2_bytes(tmp_path, de
     base, target = _pair(3)
     host = _check_same_bytes(tmp_path, _on(base, device), _on(target, device), 2, scan="triton")
     assert host.encodings["ulp2"] >= 2
+
+
+def test_a_chain_coded_with_history_decodes_its_ulp2_hist_chunks_on_the_device(tmp_path, device, monkeypatch):
+    """A momentum chain encoded with the trainer's book (``ulp2_hist`` chunks from the second delta on)
+    followed by device tensors with their own book: each delta with history is first refused by name,
+    nothing written, given an empty book; then every chunk decodes on the device against the book and
+    the tensors end at each checkpoint bit for bit (``_chains.follow_with_book``)."""
+    from _chains import follow_with_book
+    from safetensors.torch import load_file, save_file
+
+    rng = np.random.default_rng(4)
+    w = (torch.randn(2000, generator=torch.Generator().manual_seed(4)) * 0.02).to(torch.bfloat16).view(torch.int16)
+    idx = torch.from_numpy(rng.choice(2000, 200, replace=False))
+    step = torch.from_numpy(rng.choice([-1, 1], 200)).to(torch.int16)
+    paths = []
+    for i in range(4):  # the same elements keep moving the same way: what the history predicts
+        paths.append(str(tmp_path / f"v{i}.safetensors"))
+        save_file({"w": w.view(torch.bfloat16).clone()}, paths[-1])
+        w = w.clone()
+        w[idx] += step
+    seen = _Count(monkeypatch)
+    live = {"w": load_file(paths[0])["w"].to(device)}
+    follow_with_book(paths, str(tmp_path),
+                     lambda out, book: apply_to_device_tensors(out, live, history=book, scan="triton"),
+                     lambda: {"w": live["w"].cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()})
+    assert seen.hist > 0 and seen.n == 3
