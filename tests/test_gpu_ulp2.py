@@ -198,6 +198,8 @@ def test_hostile_payloads_get_the_host_decoders_status_and_only_their_chunk(devi
     assert torch.equal(img.cpu(), t)
     with pytest.raises(DecodeError, match=r"chunk: ulp2: unknown coder variant"):
         U.decode_chunk(dt, b.to(device), cases[0][1], m, "chunk")
+    with pytest.raises(DecodeError, match=r"chunk: change counts do not add up"):  # no staging of 2^32 changes
+        U.decode_chunk(dt, b.to(device), pl, (1 << 32) - 1, "chunk")
 
 
 def test_header_refusals_are_the_formats():

@@ -91,14 +91,21 @@ def decode_chunks(dt: DType, base: torch.Tensor, items: list[tuple[int, int, int
     dev = base.device
     nct = _nct(dt, hist)
     status = np.zeros(len(items), np.int64)
+    for c, (boff, n, m, _) in enumerate(items):
+        if boff < 0 or n < 0 or boff + n > base.numel():
+            raise ValueError(f"chunk {c}: elements {boff}..{boff + n} outside the base's {base.numel()}")
+        if not 0 <= m <= n:  # a count no chunk can hold: refused before staging is sized by it
+            status[c] = -4
     offs = np.zeros(len(items) + 1, np.int64)
-    offs[1:] = np.cumsum([it[2] for it in items])
+    offs[1:] = np.cumsum([0 if status[c] else it[2] for c, it in enumerate(items)])
     total = int(offs[-1])
     pos = torch.zeros(max(total, 1), dtype=torch.int64, device=dev)
     ctx = torch.zeros(max(total, 1), dtype=torch.int32, device=dev)
     val = torch.zeros(max(total, 1), dtype=base.dtype, device=dev)
     groups: dict[int, list] = {0: [], 1: []}
     for c, (boff, n, m, payload) in enumerate(items):
+        if status[c]:
+            continue
         try:
             tb = T.parse(payload, dt.bits, nct, hist)
         except T.TableError as err:
