@@ -426,6 +426,55 @@ def write_hist_chunks(out: Path) -> None:
     (out / "chunk.json").write_text(json.dumps(about, indent=1, sort_keys=True) + "\n")
 
 
+ULP2_DIR = "ulp2"
+
+
+def write_ulp2_vectors(out: Path) -> None:
+    """``ulp2``: encodings 6 and 7 at chunk level (FORMAT.md, "Format version 2"), in ``vectors.json``:
+    for every dtype the ulp class takes, a sparse chunk (40 elements, 6 changed, the widest distance among
+    them where the dtype is wide) coded in both coder variants without and with a history (encoding 7), a
+    chunk whose every element changed (12) in both variants, and an unchanged one (no payload). Each chunk
+    holds its base and target bits (little-endian, base64), its history bytes and id where coded with
+    one, and its payloads by ``<encoding>_v<variant>`` (base64). Coded by the numba kernels (the
+    reference); the native ones, where built, must write the same."""
+    import base64
+
+    import _ulp2 as U2
+
+    from deltarefit.codec import ulp2_kernels as K2
+
+    def b64(raw: bytes) -> str:
+        return base64.b64encode(raw).decode()
+
+    nat = NAT.ext is not None and getattr(NAT.ext, "ulp2_encode", None)
+    chunks = []
+    for i, dt in enumerate(sorted(DTYPES)):
+        d = DTYPES[dt]
+        for case, n, m in (("sparse", 40, 6), ("full", 12, 12), ("empty", 6, 0)):
+            base, target = U2.make_pair(d, n, m, seed=20261208 + 10 * i + n + m)
+            hist = U2.make_history(n, seed=20261208 + i, frac=0.3)
+            states = hist.states().copy()
+            payloads = {}
+            for enc in ((C.ULP2, C.ULP2_HIST) if case == "sparse" else (C.ULP2,)):
+                for variant in (0, 1):
+                    st = states if enc == C.ULP2_HIST else None
+                    got_m, payload = U2.encode(K2.ulp2_encode, d, base, target, st, variant)
+                    assert got_m == m and (payload is None) == (m == 0), (dt, case)
+                    if nat:
+                        assert U2.encode(NAT.ext.ulp2_encode, d, base, target, st, variant) == (got_m, payload), (
+                            f"{dt} {case}: the native and numba encoders disagree")
+                    payloads[f"{C.ENCODING_NAMES[enc]}_v{variant}"] = b64(payload or b"")
+            le = base.dtype.newbyteorder("<")
+            chunks.append({"dtype": dt, "case": case, "n": n, "n_changed": m, "base": b64(base.astype(le).tobytes()),
+                           "target": b64(target.astype(le).tobytes()),
+                           "states": b64(states.tobytes()) if case == "sparse" else None,
+                           "history_id": hist.id.hex() if case == "sparse" else None, "payloads": payloads})
+    out.mkdir(parents=True, exist_ok=True)
+    about = " ".join(write_ulp2_vectors.__doc__.split("\n\n")[0].split())
+    body = ",\n".join(json.dumps(c, sort_keys=True, separators=(",", ":")) for c in chunks)
+    (out / "vectors.json").write_text(f'{{"about":{json.dumps(about)},\n"chunks":[\n{body}]}}\n')
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "tests" / "vectors"))
@@ -438,8 +487,9 @@ def main() -> None:
             build(name, fn, sums, recipe, work)
         final = work / "final"
         write_hist_chunks(final / HIST_DIR)
+        write_ulp2_vectors(final / ULP2_DIR)
         if a.check:
-            bad = [n for n in [*(n for n, *_ in VECTORS), HIST_DIR] if not (out / n).is_dir()
+            bad = [n for n in [*(n for n, *_ in VECTORS), HIST_DIR, ULP2_DIR] if not (out / n).is_dir()
                    or filecmp.dircmp(final / n, out / n).diff_files or sorted(os.listdir(final / n))
                    != sorted(os.listdir(out / n))]
             print("vectors differ: " + ", ".join(bad) if bad else "vectors are up to date")
@@ -452,6 +502,9 @@ def main() -> None:
         if (out / HIST_DIR).exists():
             shutil.rmtree(out / HIST_DIR)
         shutil.copytree(final / HIST_DIR, out / HIST_DIR)
+        if (out / ULP2_DIR).exists():
+            shutil.rmtree(out / ULP2_DIR)
+        shutil.copytree(final / ULP2_DIR, out / ULP2_DIR)
     print(f"wrote {len(VECTORS)} vectors and {HIST_DIR} to {out}")
 
 

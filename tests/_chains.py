@@ -81,11 +81,14 @@ def encodings(delta_path: str) -> dict[int, int]:
     return out
 
 
+def hist_chunks(encs: dict[int, int]) -> int:
+    """The chunks coded against a history in ``encodings``' count: ``ulp_hist`` (5) and ``ulp2_hist`` (7)."""
+    return encs.get(5, 0) + encs.get(7, 0)
+
+
 def deltas_with_history(paths: list[str], d) -> Iterator[tuple[str, Any, int]]:
     """Each step of the chain ``paths`` encoded as a trainer does with a history book (kept in ``d``,
-    advanced by each step's moves): (the delta's path, its ``EncodeReport``, its chunks coded with
-    history: ``ulp_hist`` in format 1, ``ulp2_hist`` in format 2)."""
-    from deltarefit.codec.chunk import ULP2_HIST, ULP_HIST
+    advanced by each step's moves): (the delta's path, its ``EncodeReport``, its chunks coded with history)."""
     from deltarefit.encode import encode
     from deltarefit.history_book import HistoryBook
 
@@ -94,8 +97,7 @@ def deltas_with_history(paths: list[str], d) -> Iterator[tuple[str, Any, int]]:
         out = os.path.join(d, f"h{i}.delta")
         rep = encode(paths[i - 1], paths[i], out, history=trainer, sums=True)
         trainer.commit(rep.target_fingerprint, rep.moves, parent=rep.base_fingerprint)
-        got = encodings(out)
-        yield out, rep, got.get(ULP_HIST, 0) + got.get(ULP2_HIST, 0)
+        yield out, rep, hist_chunks(encodings(out))
 
 
 def checkpoint_bits(path: str) -> dict[str, bytes]:

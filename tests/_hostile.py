@@ -49,7 +49,9 @@ def make_pair(d: Path) -> dict:
     """The base/target pair of ``_pairs.write_pair`` in ``d``, its delta, and both as tensors."""
     base, target = write_pair(d)
     delta = str(d / "good.delta")
-    deltarefit.encode(base, target, delta, sums=True)  # additive digests too: every target reads them or not
+    # Format version 1 (ulp chunks): the corpus below garbles ulp payloads; additive digests too (every target
+    # reads them or not).
+    deltarefit.encode(base, target, delta, sums=True, format_version=1)
     with open(delta, "rb") as f:
         data = f.read()
     return {"dir": d, "base": base, "target": target, "delta": delta, "data": data,
@@ -63,7 +65,7 @@ def other_pair(pair: dict, seed: int) -> tuple[str, str, str]:
         d = pair["dir"] / key
         d.mkdir()
         b, t = write_pair(d, seed=seed)
-        deltarefit.encode(b, t, str(d / "d.delta"), sums=True)
+        deltarefit.encode(b, t, str(d / "d.delta"), sums=True, format_version=1)
         pair[key] = (b, t, str(d / "d.delta"))
     return pair[key]
 

@@ -25,9 +25,9 @@ SPECIAL = {
 }
 
 
-def roundtrip(dt_name: str, base: np.ndarray, target: np.ndarray) -> C.EncodedChunk | None:
+def roundtrip(dt_name: str, base: np.ndarray, target: np.ndarray, fmt: int = 2) -> C.EncodedChunk | None:
     dt = dtype(dt_name)
-    enc = C.encode_chunk(dt, base, target)
+    enc = C.encode_chunk(dt, base, target, fmt=fmt)
     if enc is None:
         assert np.array_equal(base, target)
         return None
@@ -102,8 +102,10 @@ def test_one_changed_element_in_a_full_chunk_costs_a_few_bytes():
     base = np.random.default_rng(1).integers(0, 1 << 16, n, dtype=np.uint64).astype(np.uint16)
     target = base.copy()
     target[123457] ^= 1
-    enc = roundtrip("BF16", base, target)
+    enc = roundtrip("BF16", base, target, fmt=1)
     assert enc.encoding == C.ULP and len(enc.payload) < 40
+    # Format 2's ulp class holds 64 bytes of lane states: a sparse XOR wins such a chunk.
+    assert len(roundtrip("BF16", base, target).payload) < 40
 
 
 def test_every_element_changed_picks_a_dense_encoding():
@@ -130,12 +132,14 @@ def test_realistic_ulp_changes_beat_plain_sparse_xor():
     p = np.clip(0.004 / np.abs(w), 0, 0.5)
     idx = np.flatnonzero(rng.random(base.size) < p)
     target[idx] = (target[idx].astype(np.int64) + rng.choice([-1, 1], idx.size)).astype(np.uint16)
-    ulp = roundtrip("BF16", base, target)
+    ulp = roundtrip("BF16", base, target, fmt=1)
+    ulp2 = roundtrip("BF16", base, target)
     pos = np.flatnonzero(base != target)
     gaps = np.diff(pos, prepend=-1) - 1
     raw = bytes([2]) + gaps.astype("<u2").tobytes() + np.bitwise_xor(base[pos], target[pos]).tobytes()
-    assert ulp.encoding == C.ULP
+    assert ulp.encoding == C.ULP and ulp2.encoding == C.ULP2
     assert len(ulp.payload) < 0.8 * len(C._zc().compress(raw))
+    assert len(ulp2.payload) < 0.8 * len(C._zc().compress(raw))
 
 
 @settings(max_examples=200, deadline=None)

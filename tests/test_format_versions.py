@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -75,6 +76,7 @@ def test_the_cli_encodes_version_2_by_default_and_it_applies_bit_exact(pair, tmp
     assert r.returncode == 0 and "format version 2; chunks per encoding: " in r.stdout, r.stdout
     info = json.loads(cli("inspect", delta, "--json").stdout)
     assert info["format_version"] == 2 and sum(info["encodings"].values()) == len(fmt.DeltaReader(delta).records)
+    assert info["encodings"].get("ulp2", 0) > 0, info["encodings"]  # real ulp2 chunks, applied above
 
 
 @pytest.mark.parametrize("name", ["ulp_floats", "ulp_ints"])
@@ -99,10 +101,11 @@ def test_a_delta_of_version_3_is_refused_in_one_line_naming_both(pair, tmp_path)
     assert str(e.value) == want
     ck = tmp_path / "ck.safetensors"
     ck.write_bytes(Path(base).read_bytes())
-    for args in (("apply", str(bad), str(ck)), ("inspect", str(bad))):
-        r = cli(*args)
-        assert r.returncode == 3, r.stderr  # FormatError's exit code (docs/COMMAND-LINE.md)
-        assert r.stderr.strip().splitlines() == [f"deltarefit: error: {want}"], r.stderr
+    r = cli("apply", str(bad), str(ck))
+    assert r.returncode == 3, r.stderr  # FormatError's exit code (docs/COMMAND-LINE.md)
+    assert r.stderr.strip().splitlines() == [f"deltarefit: error: {want}"], r.stderr
+    with pytest.raises(UnsupportedVersionError, match=re.escape(want)):
+        deltarefit.inspect(str(bad))
     assert ck.read_bytes() == Path(base).read_bytes()  # nothing written
 
 
@@ -195,6 +198,33 @@ def test_a_stream_switched_between_formats_is_followed_to_its_head(tmp_path):
     assert deltarefit.fingerprint(str(tmp_path / "sub.safetensors")) == deltarefit.fingerprint(ckpts[5])
 
 
+def test_a_history_stream_switched_between_formats_codes_with_5_or_7_and_is_followed(tmp_path):
+    """With history, a format 2 delta's chunks coded against the book are ``ulp2_hist`` (7), a format 1
+    delta's ``ulp_hist`` (5): the book (moves, taken from the patches) is the same for both, so a stream
+    switched 2, 1, 2 is followed by a subscriber with its book, version by version, bit-exact."""
+    from _chains import encodings, write_chain
+    from _pairs import sha
+
+    from deltarefit.stream.publisher import Publisher
+    from deltarefit.stream.subscriber import Subscriber
+
+    chain = write_chain(str(tmp_path / "chain"), 4, n=(1 << 19) + 3000, seed=11, rate=0.05, prefix="c")
+    store = str(tmp_path / "store")
+    ck = str(tmp_path / "sub.safetensors")
+    sub = Subscriber(store, ck, subscriber_id="s")
+    got = {}
+    for v, (p, fv) in enumerate(zip(chain, (2, 2, 2, 1, 2), strict=True), 1):
+        rec = Publisher(store, str(tmp_path / "pub"), keyframe_every=1000, keyframe_ratio=1000.0, history=True,
+                        format_version=fv).publish(p)
+        rep = sub.sync()
+        assert rep.version == v and sha(ck) == sha(p) and rep.route == ("keyframe" if v == 1 else "chain")
+        if rec.delta is not None:
+            got[v] = encodings(os.path.join(store, rec.delta.key))
+    assert got[3].get(7, 0) > 0, got  # from the second delta after the keyframe on
+    assert got[4].get(5, 0) > 0 and not {6, 7} & set(got[4]), got
+    assert got[5].get(7, 0) > 0 and got[5].get(6, 0) + got[2].get(6, 0) > 0, got
+
+
 def test_a_stream_published_before_format_versions_stays_at_version_1(tmp_path):
     from _pairs import pair_tensors, write_tensors
 
@@ -246,6 +276,6 @@ def test_sharded_parts_of_both_versions_round_trip_and_others_are_refused():
     with pytest.raises(UnsupportedVersionError) as e:
         read_part(bad, "rank 0 part")
     assert str(e.value) == f"rank 0 part: part format version 3 is not supported; {READS}"
-    h["tensors"][0]["cells"][0]["chunks"] = [[0, 1, 7, 1, 0, 0, 0]]
-    with pytest.raises(FormatError, match="encoding 7 is not one of a format version 1 part's"):
-        write_part({k: h[k] for k in ("version", "rank", "world", "keyframe", "tensors")}, b"", 1)
+    t0 = dict(h["tensors"][0], cells=[dict(h["tensors"][0]["cells"][0], chunks=[[0, 1, 7, 1, 0, 0, 0]])])
+    with pytest.raises(FormatError, match=r"part: encoding 7 is not one of a format version 1 part's \(1, 2, 3, 4, 5\)"):
+        write_part({"version": 3, "rank": 0, "world": 1, "keyframe": False, "tensors": [t0]}, b"", 1)

@@ -630,7 +630,7 @@ MANIFESTS = [
     ("not-utf8", _manifest_raw(b'{"a":"\xff\xfe"}'), FormatError, "not valid JSON"),
     ("empty", _manifest_raw(b""), FormatError, "not valid JSON"),
     ("wrong-format", _set("format", "safetensors"), FormatError, "not a deltarefit.delta"),
-    ("wrong-version", _set("version", 1), FormatError, "manifest says version 1, the header 2"),
+    ("wrong-version", _set("version", 2), FormatError, "manifest says version 2, the header 1"),
     ("segment-bytes", _set("segment_bytes", 1 << 16), FormatError, "segment size"),
     ("base-fp-not-hex", _set("base_fingerprint", "zz" * 32), FormatError, "base_fingerprint"),
     ("target-fp-short", _set("target_fingerprint", "ab"), FormatError, "target_fingerprint"),
@@ -816,7 +816,7 @@ def spair(pair):
     t2["proj.f16"] = t2["proj.f16"].float()
     target = write_tensors(d / "target2.safetensors", t2)
     delta = str(d / "structural.delta")
-    deltarefit.encode(pair["base"], target, delta)
+    deltarefit.encode(pair["base"], target, delta, format_version=1)
     with open(delta, "rb") as f:
         data = f.read()
     ops = {t["name"]: t["op"] for t in Delta.parse(data).manifest["tensors"]}

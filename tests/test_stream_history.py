@@ -17,10 +17,9 @@ import sys
 import textwrap
 
 import pytest
-from _chains import encodings, write_chain
+from _chains import encodings, hist_chunks, write_chain
 from _pairs import sha
 
-from deltarefit.codec import chunk as C
 from deltarefit.history_book import HistoryBook, MovesRecorder
 from deltarefit.storage import LocalStore
 from deltarefit.stream import Publisher, Subscriber
@@ -87,9 +86,9 @@ def test_a_history_stream_followed_version_by_version_is_bit_exact(chain, tmp_pa
         encs = _delta_encodings(store, rec.version)
         since_kf = rec.version - max(v for v in range(1, rec.version) if load_commit(store, v).keyframe)
         if since_kf >= 2:  # the second delta after a keyframe on
-            assert encs.get(C.ULP_HIST, 0) > 0, (rec.version, encs)
+            assert hist_chunks(encs) > 0, (rec.version, encs)
         else:  # the first delta after a keyframe: the book is empty there
-            assert C.ULP_HIST not in encs, (rec.version, encs)
+            assert hist_chunks(encs) == 0, (rec.version, encs)
         hist_bytes += rec.delta.bytes
         plain_bytes += prec.delta.bytes
     assert [v for v in range(1, 10) if load_commit(store, v).keyframe] == [1, 5]
@@ -115,7 +114,7 @@ def test_late_joiners_build_the_publishers_history(chain, tmp_path):
     assert Subscriber(store, early, subscriber_id="early").sync(to_version=3).route == "keyframe"
     assert sha(early) == sha(chain[2])
     pub.publish(chain[7])
-    assert _delta_encodings(store, 8).get(C.ULP_HIST, 0) > 0
+    assert hist_chunks(_delta_encodings(store, 8)) > 0
     # both now follow by the chain, decoding deltas coded with history
     rep = Subscriber(store, late, subscriber_id="late").sync()
     assert (rep.route, rep.versions_applied) == ("chain", [8]) and sha(late) == sha(chain[7])
@@ -134,7 +133,7 @@ def test_a_deleted_book_is_recovered_by_the_keyframe_route(chain, tmp_path):
     pub.publish(chain[4])  # version 5, a keyframe
     pub.publish(chain[5])
     pub.publish(chain[6])  # version 7 holds ulp_hist chunks
-    assert _delta_encodings(store, 7).get(C.ULP_HIST, 0) > 0
+    assert hist_chunks(_delta_encodings(store, 7)) > 0
     sub.sync(to_version=6)
     shutil.rmtree(history_path(ckpt))
     # The chain's next delta needs the history; no keyframe lies ahead: back to the one at version 5.
@@ -152,7 +151,7 @@ def test_a_wrong_book_is_refused_by_name_and_the_sync_takes_a_keyframe_route(cha
     sub = Subscriber(store, ckpt, subscriber_id="r")
     sub.sync()
     pub.publish(chain[5])
-    assert _delta_encodings(store, 6).get(C.ULP_HIST, 0) > 0
+    assert hist_chunks(_delta_encodings(store, 6)) > 0
     # A book that names the right versions but holds no moves: the lineage check passes, the delta's
     # ulp_hist chunks are refused against it (nothing written), and the sync plans again.
     bp = history_path(ckpt)
@@ -192,7 +191,7 @@ def test_publish_history_cli_flag(chain, tmp_path):
                        check=True, timeout=120)
     st = LocalStore(store)
     assert [load_commit(st, v).history for v in (2, 3)] == [True, True]
-    assert _delta_encodings(st, 3).get(C.ULP_HIST, 0) > 0
+    assert hist_chunks(_delta_encodings(st, 3)) > 0
     log = subprocess.run([sys.executable, "-m", "deltarefit", "log", store, "--json"], env=env, check=True,
                          capture_output=True, text=True, timeout=120)
     assert [row["history"] for row in json.loads(log.stdout)] == [False, True, True]
@@ -259,7 +258,7 @@ def test_publisher_killed_at_each_point_then_rerun_keeps_the_chain_decodable(tmp
         rec = _pub(store, state).publish(p)
         assert rec.history
         assert fsub.sync().route == "chain" and sha(follower) == sha(p)
-    assert _delta_encodings(store, head(store)).get(C.ULP_HIST, 0) > 0
+    assert hist_chunks(_delta_encodings(store, head(store))) > 0
     late = str(tmp_path / "late.safetensors")
     assert Subscriber(store, late, subscriber_id="late").sync().version == head(store)
     assert sha(late) == sha(chain[-1])
@@ -295,7 +294,7 @@ def test_a_sync_killed_then_rerun_stays_bit_exact(chain, tmp_path, point, route_
     ckpt = str(tmp_path / "r.safetensors")
     Subscriber(store, ckpt, subscriber_id="r").sync()
     pub.publish(chain[4])
-    assert _delta_encodings(store, 5).get(C.ULP_HIST, 0) > 0
+    assert hist_chunks(_delta_encodings(store, 5)) > 0
     r = subprocess.run([sys.executable, "-c", _SYNC_KILLER, store.url, ckpt, point], capture_output=True, text=True,
                        timeout=120, env=dict(os.environ, DELTAREFIT_NO_PROGRESS="1"))
     assert r.returncode == -signal.SIGKILL, (point, r.returncode, r.stderr[-2000:])
@@ -323,7 +322,7 @@ def test_joint_commit_checks_a_history_delta_against_each_subscribers_book(chain
     jpub = _pub(LocalStore(store.url), str(tmp_path / "pub"), quorum=2, ack_timeout=30)
     rec, got = _joint_round(jpub, chain[4], subs)
     assert not isinstance(rec, BaseException), rec
-    assert rec.version == 5 and rec.history and _delta_encodings(store, 5).get(C.ULP_HIST, 0) > 0
+    assert rec.version == 5 and rec.history and hist_chunks(_delta_encodings(store, 5)) > 0
     assert got == {"s1": [5], "s2": [5], "bookless": []}
     ack = json.loads(store.get("acks/000000000005/bookless.json"))
     assert ack["ok"] is False and "history" in ack["why"], ack
@@ -359,7 +358,7 @@ def test_a_symlink_at_the_book_is_removed_and_the_checkpoint_never_goes_back(cha
     else:
         assert not os.path.lexists(victim)
     pub.publish(chain[6])
-    assert _delta_encodings(store, 7).get(C.ULP_HIST, 0) > 0
+    assert hist_chunks(_delta_encodings(store, 7)) > 0
     rep = sub.sync()
     assert (rep.route, rep.versions_applied) == ("chain", [7]) and sha(ckpt) == sha(chain[6])
     _assert_books_agree(store, pub, ckpt)
@@ -405,7 +404,7 @@ def test_an_unwritable_book_goes_forward_where_it_decodes_and_never_back(chain, 
         assert sha(ckpt) == sha(chain[3])
         pub.publish(chain[4])
         pub.publish(chain[5])
-        assert _delta_encodings(store, 5).get(C.ULP_HIST, 0) > 0
+        assert hist_chunks(_delta_encodings(store, 5)) > 0
         r = _unprivileged_sync(store.url, ckpt)
         lines = r.stderr.strip().splitlines()
         assert r.rc != 0 and len(lines) == 1 and "history book cannot be written" in lines[0], r.stderr

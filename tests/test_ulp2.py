@@ -142,7 +142,7 @@ def test_the_value_tables_follow_the_encoders_integer_rules():
 @pytest.mark.parametrize("name", ["BF16", "F32", "I8", "U64", "BOOL"])
 def test_the_chunk_codec_round_trips_format_2_and_keeps_format_1_encodings(name):
     dt = dtype(name)
-    base, target = make_pair(dt, 3000, 100, seed=11)
+    base, target = make_pair(dt, 30000, C.ULP1_MAX_CHANGES + 100, seed=11)
     enc2 = C.encode_chunk(dt, base, target)
     enc1 = C.encode_chunk(dt, base, target, fmt=1)
     assert enc1.encoding in (C.ULP, C.SPARSE_XOR, C.DENSE_XOR, C.OVERWRITE)
@@ -162,10 +162,20 @@ def test_the_chunk_codec_round_trips_format_2_and_keeps_format_1_encodings(name)
         C.encode_chunk(dt, base, target, fmt=3)
 
 
+def test_format_2_keeps_format_1s_coding_of_a_chunk_with_few_changes_where_smaller():
+    dt = dtype("BF16")
+    base, target = make_pair(dt, 2000, 10, seed=4)
+    got = C.encode_chunk(dt, base, target)
+    ulp1 = C.encode_chunk(dt, base, target, fmt=1)
+    assert len(got.payload) <= len(ulp1.payload) and len(got.payload) <= len(ulp2.encode_ulp2(dt, base, target).payload)
+    big_base, big_target = make_pair(dt, 30000, C.ULP1_MAX_CHANGES + 1, seed=4)
+    assert C.encode_chunk(dt, big_base, big_target).encoding != C.ULP
+
+
 def test_moves_of_a_format_2_chunk_feed_the_next_versions_history():
     dt = dtype("BF16")
-    n = 5000
-    b0, b1 = make_pair(dt, n, 200, seed=1)
+    n = 20000
+    b0, b1 = make_pair(dt, n, C.ULP1_MAX_CHANGES + 300, seed=1)
     enc, moves = C.encode_with_moves(dt, b0, b1, None)
     assert enc.encoding == C.ULP2
     patch = C.decode_chunk(dt, b0, enc.encoding, enc.payload, enc.n_changed, 0, "t")

@@ -320,8 +320,11 @@ def test_the_stored_delta_has_the_stored_chunk_encodings(name):
 def test_the_vectors_cover_the_format():
     vs = [load(n) for n in NAMES]
     chunks = [c for v in vs for c in v["chunks"]]
-    # ulp_hist needs a history beside the delta: it has its chunk-level vector (test below)
-    assert {c[2] for c in chunks} | {"ulp_hist"} == set(C.ENCODING_NAMES.values())
+    # ulp_hist needs a history beside the delta: it has its chunk-level vector (test below); the whole-delta
+    # vectors are of format version 1, whose encodings they cover all of: ulp2 and ulp2_hist (format version 2)
+    # have chunk-level vectors (tests/vectors/ulp2, tests/test_ulp2_vectors.py)
+    assert {c[2] for c in chunks} | {"ulp_hist", "ulp2", "ulp2_hist"} == set(C.ENCODING_NAMES.values())
+    assert {v["format_version"] for v in vs} == {1}
     assert (VECTORS_DIR / "chunk_ulp_hist" / "chunk.json").is_file()
     assert {m["op"] for v in vs for m in v["tensors"].values()} == set(OPS)
     dts = {s["dtype"] for v in vs for m in v["tensors"].values() for s in (m["base"], m["target"]) if s}

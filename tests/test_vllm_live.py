@@ -406,9 +406,8 @@ def test_backend_tensor_parallel_engine_follows_a_stream_coded_with_history(tmp_
     is refused alike by both workers' books (the rerun checks by segments, which needs every chunk's
     history everywhere) and completes by the keyframe route, no restart. Weights and generations equal a
     fresh TP=2 engine's on the last version."""
-    from _chains import encodings
+    from _chains import encodings, hist_chunks
 
-    from deltarefit.codec.chunk import ULP_HIST
     from deltarefit.engines.vllm import engine_digests
     from deltarefit.engines.vllm.backend import LLMClient
     from deltarefit.storage.local import LocalStore
@@ -420,9 +419,9 @@ def test_backend_tensor_parallel_engine_follows_a_stream_coded_with_history(tmp_
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     versions, store = _history_stream(tmp_path, 5)
     st = LocalStore(store)
-    hist_chunks = [encodings(os.path.join(store, load_commit(st, v).delta.key)).get(ULP_HIST, 0)
-                   for v in range(3, len(versions) + 1)]
-    assert all(n > 0 for n in hist_chunks), hist_chunks
+    used = [hist_chunks(encodings(os.path.join(store, load_commit(st, v).delta.key)))
+            for v in range(3, len(versions) + 1)]
+    assert all(n > 0 for n in used), used
 
     llm = _start_tp(versions[0], True)
     try:

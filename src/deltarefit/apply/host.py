@@ -9,7 +9,7 @@ import functools
 import numpy as np
 
 from ..codec import elements
-from ..codec.chunk import ULP_HIST, Patch, decode_chunk, decode_new, scratch_array
+from ..codec.chunk import HIST_ENCODINGS, Patch, decode_chunk, decode_new, scratch_array
 from ..dtypes import dtype
 from ..encode import uint_view
 from ..format import ChunkRecord, DeltaReader, TensorEntry
@@ -25,8 +25,7 @@ def _where(e: TensorEntry, r: ChunkRecord | None = None) -> str:
 def _decode(delta: DeltaReader, e: TensorEntry, r: ChunkRecord, base_seg: np.ndarray | None,
             history: HistoryBook | None = None, *, digest: bool = False) -> Patch:
     """Decode a chunk against its base segment, or (``base_seg`` None) a chunk of a new tensor. An
-    ``ulp_hist`` or ``ulp2_hist`` chunk takes its history from ``history`` (refused without one, or with
-    another).
+    ``ulp_hist`` chunk takes its history from ``history`` (refused without one, or with another).
     ``digest``: the decoder also takes the move of the tensor's additive digest in its pass where it can
     (``Patch.moved``; ``_moved_by`` falls back to a pass of its own)."""
     where = f"{delta.path}: {_where(e, r)}"
@@ -36,7 +35,7 @@ def _decode(delta: DeltaReader, e: TensorEntry, r: ChunkRecord, base_seg: np.nda
         n = min(SEGMENT_BYTES, e.target.nbytes - r.chunk_index * SEGMENT_BYTES) // dt.itemsize
         return Patch(None, None, decode_new(dt, n, r.encoding, payload, where))
     hist = None
-    if r.encoding in (ULP_HIST, 7) and history is not None:  # 5 ulp_hist, 7 ulp2_hist: coded against a history
+    if r.encoding in HIST_ENCODINGS and history is not None:
         hist = history.history(e.name, r.chunk_index, base_seg.size)
     dg = None
     if digest:

@@ -30,6 +30,7 @@ from .decode import moves_of_patch as moves_of_patch
 from .encodings import (
     DENSE_XOR,
     ENCODING_NAMES,
+    HIST_ENCODINGS,
     OVERWRITE,
     SPARSE_XOR,
     ULP,
@@ -49,7 +50,7 @@ from .native import kernels_in_use as kernels_in_use  # (its earlier home)
 from .ulp2 import encode_ulp2
 
 __all__ = [
-    "DENSE_XOR", "ENCODING_NAMES", "FORMATS", "OVERWRITE", "SPARSE_XOR", "ULP", "ULP2", "ULP2_HIST", "ULP_HIST", "Changes", "EncodedChunk",
+    "DENSE_XOR", "ENCODING_NAMES", "FORMATS", "HIST_ENCODINGS", "OVERWRITE", "SPARSE_XOR", "ULP", "ULP2", "ULP2_HIST", "ULP_HIST", "Changes", "EncodedChunk",
     "Patch", "decode_chunk", "decode_new", "encode_changes", "encode_chunk", "encode_hist", "encode_overwrite",
     "encode_raw", "encode_with_changes", "encode_with_moves", "kernels_in_use", "max_payload_len",
     "moves_of_patch", "scan_chunk", "scratch_array", "uint_view",
@@ -65,6 +66,12 @@ DENSE_TRY_FRACTION = 0.08
 DENSE_TRY_BITS = 2.0
 ZSTD_LEVEL = 1
 FORMATS = (1, 2)  # the format versions the encoder writes (``fmt``)
+# Format 2 also tries format 1's ulp coding (encodings 1 and 5) for chunks of at most this many changes:
+# the ulp2 class carries 64 bytes of lane states and a table per context, which a chunk of a few changes
+# (a LayerNorm's or a bias's) does not earn back, and the serial decoder costs such a chunk microseconds.
+# Measured on the real 1% AdamW MiniLM pair (scripts/ulp2_sizes.py): chunks under 4,096 elements took
+# 2,857 bytes in format 2 without this against 1,881 in format 1.
+ULP1_MAX_CHANGES = 512
 
 _tls = threading.local()
 
@@ -150,7 +157,14 @@ def _encode2(dt: DType, base: np.ndarray, target: np.ndarray, history: History |
         return None, ch
     if history is not None and history.m == 0:
         history = None  # (encoding 7 over an empty history is encoding 6 and 28 bytes more)
-    return _choose(dt, ch, lambda: (base, target), encode_ulp2(dt, base, target, history)), ch
+    got = _choose(dt, ch, lambda: (base, target), encode_ulp2(dt, base, target, history))
+    if ch.m <= ULP1_MAX_CHANGES:
+        cands = [got, encode_changes(dt, ch, lambda: (base, target), fmt=1)]
+        if history is not None:
+            # (last: its scan rewrites this thread's scan buffers, with the same changes in the same order)
+            cands.append(encode_hist(dt, base, target, history))
+        got = min((c for c in cands if c is not None), key=lambda c: len(c.payload))  # (ties: the first)
+    return got, ch
 
 
 def encode_chunk(dt: DType, base: np.ndarray, target: np.ndarray, history: History | None = None, *,

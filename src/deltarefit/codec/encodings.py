@@ -53,6 +53,7 @@ ULP2 = 6
 ULP2_HIST = 7
 ENCODING_NAMES = {ULP: "ulp", SPARSE_XOR: "sparse_xor", DENSE_XOR: "dense_xor", OVERWRITE: "overwrite",
                   ULP_HIST: "ulp_hist", ULP2: "ulp2", ULP2_HIST: "ulp2_hist"}
+HIST_ENCODINGS = (ULP_HIST, ULP2_HIST)  # the encodings coded against the stream's history (they need it to decode)
 
 _tls = threading.local()
 

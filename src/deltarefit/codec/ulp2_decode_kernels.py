@@ -7,6 +7,10 @@ entry range-checked (-8), lane states checked on entry (-9) and at the end (-10)
 checked against the record (-4), unread bytes refused (-6). Each base element is read once (its bits
 are kept in ``val_out`` until its value is decoded) and each change's context is kept, so a base that
 changes while it runs cannot send an index out of bounds. Status codes: ``codec.constants.STATUS``.
+
+Hazard: numba's on-disk cache of ``ulp2_decode`` is invalidated by changes to this file only; it inlines
+``variant_params`` from ``ulp2_encode_kernels`` and ``_key``/``_unkey`` from ``primitives``. After editing
+those, touch this file (see ``primitives``).
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def _renorm(x, L, R, UB, buf, o):
     return x, o, 0
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def ulp2_decode(base, states, payload, n_changed, bits, kind, shift, mask, n_exp, hist, pos_out, val_out):
     """Decode an encoding 6 (``hist`` 0) or 7 (``hist`` 1; ``payload`` without the history id) payload
     against ``base`` (and the history ``states``, uint8 per element, for ``hist`` 1). Writes the

@@ -67,7 +67,7 @@ def _put_uint(out, o, v, nbytes):
     return o + nbytes
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def ulp2_encode(base, target, states, bits, kind, shift, mask, n_exp, hist, variant, pos, out):
     """Code a chunk as encoding 6 (``hist`` 0) or 7 (``hist`` 1, without the 16-byte history id) in coder
     ``variant``. Returns (m changed elements, payload bytes written to ``out``); bytes = 0 where m = 0,

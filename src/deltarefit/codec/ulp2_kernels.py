@@ -7,7 +7,8 @@ version 2"): the import path of ``ulp2_encode`` and ``ulp2_decode``, whose signa
 * ``ulp2_decode(base, states, payload, n_changed, bits, kind, shift, mask, n_exp, hist, pos_out, val_out)
   -> status`` (``ulp2_decode_kernels``; status 0 or a negative code of ``codec.constants.STATUS``).
 
-Importing this module imports numba: ``codec.ulp2`` reaches it on first use only.
+Both release the GIL (chunks run in parallel on threads). Importing this module imports numba: ``codec.ulp2``
+reaches it on first use only.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint.read import Checkpoint, open_checkpoint
-from ..codec.chunk import ENCODING_NAMES, ULP_HIST
+from ..codec.chunk import ENCODING_NAMES, HIST_ENCODINGS
 from ..errors import UnsupportedVersionError, UsageError
 from ..format import RELEASE, VERSION, ZERO_HASH, DeltaWriter, TensorEntry, check_version
 from ..history_book import HistoryBook, MovesRecorder
@@ -34,7 +34,6 @@ from .pipeline import _ordered, _pools, default_threads
 from .work import PatchWorks, _host_patch_works, _Job, _jobs, _SumMoves, loaded, tensor_meta, uint_view
 
 log = logging.getLogger(__package__)  # "deltarefit.encode", as before the package
-HIST_ENCODINGS = (ULP_HIST, 7)  # the chunks coded against a history: 5 ulp_hist, 7 ulp2_hist
 
 
 @dataclass

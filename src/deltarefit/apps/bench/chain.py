@@ -118,12 +118,12 @@ def hist_tensor_bits(b: np.ndarray, t: np.ndarray, states: np.ndarray) -> float:
 
 
 def _encodings(path: str) -> tuple[int, int]:
-    from ...codec.chunk import ULP_HIST
+    from ...codec.chunk import HIST_ENCODINGS
     from ...format import DeltaReader
 
     with DeltaReader(path) as r:
         recs = [c for e in r.tensors for c in r.chunks(e)]
-    return sum(c.encoding == ULP_HIST for c in recs), len(recs)
+    return sum(c.encoding in HIST_ENCODINGS for c in recs), len(recs)
 
 
 def run_chain(d: str, *, threads: int | None = None, log=print) -> ChainResult:
