@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from ..apply.tensors import safetensors_dtype
-from ..codec.chunk import Changes, EncodedChunk, _choose, _ctx, encode_changes
+from ..codec.chunk import ULP1_MAX_CHANGES, Changes, EncodedChunk, _choose, _ctx, encode_changes
+from ..codec.ulp2 import encode_ulp2
 from ..dtypes import dtype
 from ..encode import EncodeReport, Work, encode_checkpoints
 from ..errors import UsageError
@@ -171,6 +172,18 @@ def _dense(base: torch.Tensor, target: torch.Tensor, dt_name: str, k: int):
     return load
 
 
+def _format2(dt, ch: Changes, dense, ulp2: EncodedChunk | None) -> EncodedChunk | None:
+    """The host encoder's format 2 choice for a chunk without history (``codec.chunk._encode2``) given
+    its ulp2 coding: the smallest of it and the whole-chunk and sparse candidates (``_choose``), and for
+    a chunk of few changes (``ULP1_MAX_CHANGES``) format 1's ulp coding too (ties: the first)."""
+    got = _choose(dt, ch, dense, ulp2)
+    if got is not None and ch.m <= ULP1_MAX_CHANGES:
+        alt = encode_changes(dt, ch, dense, fmt=1)
+        if alt is not None and len(alt.payload) < len(got.payload):
+            got = alt
+    return got
+
+
 def _device_ulp2(dt, device: torch.device, scan: str, fmt: int) -> bool:
     """Whether format 2's ulp2 candidates are coded on the device (``gpu.ulp2``): where the scan runs
     its Triton kernels and the dtype is at most 32 bits wide."""
@@ -201,9 +214,13 @@ def _patch_works(bset: _TensorSet, tset: _TensorSet, batch_segments: int, impl: 
 
         def work(k: int) -> Work:
             def run():
-                if on_device:  # the host only weighs the whole-chunk and sparse candidates against it
-                    return pre[k], post[k], _choose(dt, changes[k], _dense(b, t, bi.dtype, k), ulp2[k])
-                return pre[k], post[k], encode_changes(dt, changes[k], _dense(b, t, bi.dtype, k), fmt=fmt)
+                dense = _dense(b, t, bi.dtype, k)
+                if fmt == 1 or changes[k].m == 0:
+                    return pre[k], post[k], encode_changes(dt, changes[k], dense, fmt=fmt)
+                if on_device:  # the host only weighs the other candidates against the device's coding
+                    return pre[k], post[k], _format2(dt, changes[k], dense, ulp2[k])
+                bh, th = dense()
+                return pre[k], post[k], _format2(dt, changes[k], lambda: (bh, th), encode_ulp2(dt, bh, th))
 
             return run
 
