@@ -13,6 +13,8 @@ Run from the repository root on a CUDA machine:  ``python scripts/gpu_check.py [
    reduction over the same buffer as bandwidth references. The big buffer's hashes are cross-checked:
    every config against the torch reference (all segments) and sampled segments (across the 2 GiB and
    4 GiB offsets) against the CPU.
+4. With ``--ulp2 MELEMS``: format 2's rows (``scripts/gpu_ulp2_check.py``): the device decode and
+   encode of encodings 6/7 on a bf16 pair, in GB/s beside a copy, checked bit for bit.
 
 Exit status: 0 all hashes matched, 1 a mismatch, 2 no CUDA device or a missing package.
 Needs torch (CUDA build), numpy, blake3; triton optional. The rest of deltarefit's dependencies are not
@@ -69,6 +71,9 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cuda (default), or cpu for a smoke run of this script "
                     "(with TRITON_INTERPRET=1 for the kernels)")
     ap.add_argument("--quick", action="store_true", help="smoke run: few small cases, one Triton config")
+    ap.add_argument("--ulp2", type=float, default=0.0, metavar="MELEMS",
+                    help="also print format 2's device decode/encode rows on MELEMS Mi bf16 elements "
+                    "(scripts/gpu_ulp2_check.py; needs the whole deltarefit package)")
     args = ap.parse_args()
 
     try:
@@ -226,6 +231,13 @@ def main() -> int:
         rate = gb / triton_res[best][0]
         say(f"summary: best {best}: {rate:.1f} GB/s = {rate / (gb / t_copy):.2f}x copy, "
             f"{rate / (gb / t_read):.2f}x read-only bandwidth")
+    if args.ulp2 > 0:
+        try:
+            from gpu_ulp2_check import rows as ulp2_rows
+
+            failed |= not ulp2_rows(args.device, int(args.ulp2 * MIB), 0.03, 1024, args.reps, 8, say=say)
+        except ImportError as e:
+            say(f"format 2 rows skipped: {e}")
     say(f"result: {'FAIL (hash mismatch)' if failed else 'PASS: every hash matched the CPU blake3 package'}; "
         f"{elapsed():.0f} s")
     return 1 if failed else 0

@@ -16,7 +16,9 @@ Prints, in GB/s of checkpoint scanned (the bf16 bytes of one tensor):
 * end to end: ``encode_tensors`` to a delta file on the host (range coding on ``--threads`` cores);
 * device apply: ``apply_to_device_tensors`` of that delta to a device copy of the base, checked bit
   for bit against the target;
-and checks that the delta bytes equal the host encoder's on the first ``--check-elems`` of the pair.
+and checks that the delta bytes equal the host encoder's on the first ``--check-elems`` of the pair;
+then format 2's rows (``scripts/gpu_ulp2_check.py``: device decode and device encode of encodings 6/7
+against a copy, on the first ``--ulp2-melems`` Mi elements).
 Exits 1 if a check fails.
 
 Without a GPU, a smoke run of the same code through Triton's interpreter (hashes then on the host):
@@ -58,6 +60,8 @@ def main() -> int:
     ap.add_argument("--sweep", default="32:8192,64:16384,128:16384",
                     help="extra scan launch shapes block:tile[,...] ('' for none)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--ulp2-melems", type=float, default=512.0,
+                    help="elements (Mi) of the format-2 device decode/encode rows (0: none)")
     a = ap.parse_args()
     import torch
 
@@ -162,6 +166,11 @@ def main() -> int:
         same = open(os.path.join(d, "h"), "rb").read() == open(os.path.join(d, "g"), "rb").read()
         ok &= same
         print(f"identical to the host encoder on {k:,} elements: {'yes' if same else 'NO'}", flush=True)
+    if a.ulp2_melems > 0:  # format 2's device decoder and encoder (scripts/gpu_ulp2_check.py's rows)
+        from gpu_ulp2_check import rows as ulp2_rows
+
+        ok &= ulp2_rows(a.device, min(n, int(a.ulp2_melems * (1 << 20))), a.rate, 1024, reps, 8,
+                        say=lambda *x: print(*x, flush=True))
     return 0 if ok else 1
 
 

@@ -25,11 +25,13 @@ def _patch_only_pair(seed: int = 0):
     return base, target
 
 
-def _delta(tmp_path, base, target, name="d.delta"):
+def _delta(tmp_path, base, target, name="d.delta", format_version: int = 1):
+    """The host encoder's delta (format 1 by default: the ulp encoding these tests apply through the
+    device's rank map; format 2's ulp2 class is tests/test_gpu_ulp2_apply.py's)."""
     save_file(base, str(tmp_path / "base.safetensors"))
     save_file(target, str(tmp_path / "target.safetensors"))
     rep = deltarefit.encode(str(tmp_path / "base.safetensors"), str(tmp_path / "target.safetensors"),
-                            str(tmp_path / name))
+                            str(tmp_path / name), format_version=format_version)
     return str(tmp_path / name), rep
 
 

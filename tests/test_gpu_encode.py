@@ -72,12 +72,14 @@ def _pair(seed: int = 0):
     return base, target
 
 
-def _check_same_bytes(tmp_path, base, target, **kw):
+def _check_same_bytes(tmp_path, base, target, format_version: int = 1, **kw):
+    """Both encoders in ``format_version`` (1: the ulp encoding split between device and host, which
+    these tests were written for; 2: the ulp2 class)."""
     save_file({k: v.cpu() for k, v in base.items()}, str(tmp_path / "base.safetensors"))
     save_file({k: v.cpu() for k, v in target.items()}, str(tmp_path / "target.safetensors"))
     host = deltarefit.encode(str(tmp_path / "base.safetensors"), str(tmp_path / "target.safetensors"),
-                             str(tmp_path / "host.delta"), threads=2)
-    dev = encode_tensors(base, target, str(tmp_path / "dev.delta"), threads=2, **kw)
+                             str(tmp_path / "host.delta"), threads=2, format_version=format_version)
+    dev = encode_tensors(base, target, str(tmp_path / "dev.delta"), threads=2, format_version=format_version, **kw)
     assert _sha(tmp_path / "host.delta") == _sha(tmp_path / "dev.delta")
     assert (dev.target_fingerprint, dev.changed_elements) == (host.target_fingerprint, host.changed_elements)
     # And the delta applies: the base file becomes the target, bit for bit.
@@ -86,10 +88,12 @@ def _check_same_bytes(tmp_path, base, target, **kw):
     return host
 
 
-def test_same_bytes_as_the_host_encoder_every_dtype_and_structural_change(tmp_path):
+@pytest.mark.parametrize("format_version", [1, 2])
+def test_same_bytes_as_the_host_encoder_every_dtype_and_structural_change(tmp_path, format_version):
     base, target = _pair()
-    host = _check_same_bytes(tmp_path, base, target, batch_segments=2)
-    assert host.encodings["ulp"] > 0 and (host.encodings["dense_xor"] + host.encodings["overwrite"]) > 0
+    host = _check_same_bytes(tmp_path, base, target, format_version, batch_segments=2)
+    ulp = "ulp" if format_version == 1 else "ulp2"
+    assert host.encodings[ulp] > 0 and (host.encodings["dense_xor"] + host.encodings["overwrite"]) > 0
 
 
 @pytest.mark.parametrize("batch", [1, 3, 64])

@@ -146,7 +146,7 @@ def _small_pair(seed: int):
 
 def test_encode_through_the_fused_scan_writes_the_host_encoders_bytes(tmp_path, device):
     base, target = _small_pair(0)
-    host = _check_same_bytes(tmp_path, _on(base, device), _on(target, device), scan="triton")
+    host = _check_same_bytes(tmp_path, _on(base, device), _on(target, device), 1, scan="triton")
     assert host.encodings["ulp"] > 0 and host.encodings["dense_xor"] + host.encodings["overwrite"] > 0
 
 

@@ -8,9 +8,12 @@ touches whole segments on the device and the host only what is compact:
 * segment hashes: BLAKE3 on the device (``gpu.blake3_triton``: Triton on CUDA, else the torch
   reference; on CPU tensors the host's BLAKE3 over a view of their memory), all segments of a tensor
   in one call for the plan; 16 bytes per MiB cross to the host;
-* decode: the ulp encoding in compact form (below); chunks of the other encodings (rare: dense or
-  non-float changes, and ``ulp_hist``, which decodes against the tensors' history book) are decoded
-  on the host from a copy of their segment and reduced to the positions they change;
+* decode: the ulp encoding in compact form (below); format 2's ``ulp2`` / ``ulp2_hist`` on the device
+  itself (``gpu.ulp2``: the Triton rANS lanes decode into staging arrays, a status per chunk; the
+  payload goes up, only the status comes back; ``ulp2_hist`` with the book's history bytes); chunks
+  of the other encodings (rare: dense or non-float changes, ``ulp_hist``, and 6/7 of 8-byte dtypes or
+  where the kernels cannot run) are decoded on the host from a copy of their segment and reduced to
+  the positions they change;
 * post-image hash: the decoded values scattered into a device copy of the segment, hashed there;
 * write: only the patched positions are scattered into the tensor, and the segment (the storage
   itself) is hashed again on the device.
@@ -50,7 +53,10 @@ from ..format import ChunkRecord, DeltaReader, TensorEntry
 from ..history_book import HistoryBook, MovesRecorder, advance_or_start_over
 from ..integrity import SEGMENT_BYTES
 from . import scan as device_scan
+from . import ulp2 as device_ulp2
 from .encode import _SCANS, _Info, _ints, _scan_mode, _seg_hashes
+
+ENCODING_NAMES_2 = {device_ulp2.ULP2: "ulp2", device_ulp2.ULP2_HIST: "ulp2_hist"}
 
 
 @dataclass
@@ -122,6 +128,29 @@ def _decode_ulp(seg: torch.Tensor, dt, payload: bytes, m: int, where: str, scan:
     return pos_d, _to_device_ints(val, dt.itemsize, dev), base_at, val
 
 
+def _decode_ulp2(seg: torch.Tensor, dt, r: ChunkRecord, payload: bytes, where: str, lock: threading.Lock,
+                 history: HistoryBook | None, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, target bits) of a ulp2 / ulp2_hist chunk decoded by the device (``gpu.ulp2``) into
+    staging arrays; ``DecodeError`` (nothing written) on any refusal."""
+    if r.decoded_len != 0:
+        raise DecodeError(f"{where}: {ENCODING_NAMES_2[r.encoding]} chunk declares a decoded length")
+    states = None
+    if r.encoding == device_ulp2.ULP2_HIST:
+        if len(payload) < 16:
+            raise DecodeError(f"{where}: ulp2_hist chunk is too short to name its history")
+        want, payload = bytes(payload[:16]), payload[16:]
+        n = seg.numel()
+        hist = history.history(name, r.chunk_index, n) if history is not None else None
+        if hist is None:
+            raise DecodeError(f"{where}: chunk is coded against history {want.hex()}, and none is held here")
+        if hist.n != n or hist.id != want:
+            raise DecodeError(f"{where}: chunk is coded against history {want.hex()}, this decoder holds "
+                              f"{hist.id.hex()} (a {hist.n}-element chunk)")
+        states = torch.from_numpy(hist.states().copy()).to(seg.device)
+    with lock:  # one launch at a time, as the hashes (the interpreter is not thread-safe either)
+        return device_ulp2.decode_chunk(dt, seg, bytes(payload), r.n_changed, where, states)
+
+
 def _decode(d: DeltaReader, e: TensorEntry, r: ChunkRecord, seg: torch.Tensor, scan: str,
             lock: threading.Lock, history: HistoryBook | None = None,
             moves: MovesRecorder | None = None) -> DevicePatch:
@@ -140,8 +169,17 @@ def _decode(d: DeltaReader, e: TensorEntry, r: ChunkRecord, seg: torch.Tensor, s
         if moves is not None:
             moves.add(e.name, r.chunk_index, moves_of_changes(dt, n, pos_d.cpu().numpy(), old, new))
         return DevicePatch(pos_d, val_d)
+    if r.encoding in (device_ulp2.ULP2, device_ulp2.ULP2_HIST) and device_ulp2.supported(dt) \
+            and _scan_mode(scan, seg.device) == "triton" and device_ulp2.available(seg.device):
+        pos_d, val_d = _decode_ulp2(seg, dt, r, payload, where, lock, history, e.name)
+        if moves is not None:
+            pos = pos_d.cpu().numpy()
+            moves.add(e.name, r.chunk_index, moves_of_changes(dt, n, pos, seg[pos_d].cpu().numpy().view(dt.uint),
+                                                              val_d.cpu().numpy().view(dt.uint)))
+        return DevicePatch(pos_d, val_d)
     host = seg.cpu().numpy().view(dt.uint)  # rare encodings: decoded on the host from a copy
-    hist = history.history(e.name, r.chunk_index, n) if r.encoding == ULP_HIST and history is not None else None
+    hist = history.history(e.name, r.chunk_index, n) if r.encoding in (ULP_HIST, device_ulp2.ULP2_HIST) \
+        and history is not None else None
     patch = decode_chunk(dt, host, r.encoding, payload, r.n_changed, r.decoded_len, where, hist)
     if patch.dense is not None:
         pos = np.flatnonzero(patch.dense != host)

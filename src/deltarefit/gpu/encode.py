@@ -13,7 +13,10 @@ the two state dicts saved as safetensors files. Per tensor, in batches of segmen
 
 Only that compact stream (about 14 bytes per changed element) and 32 bytes of hashes per MiB cross to
 the host, where ``codec.chunk.encode_changes`` codes each segment on the encoder's thread pool, while
-the device goes on to the next tensor. A segment changed so densely that a whole-segment encoding may
+the device goes on to the next tensor. In format 2 (the default), where the Triton kernels run, the
+device also codes each segment's ``ulp2`` candidate itself (``gpu.ulp2.encode_chunks``: counts, then
+the rANS lanes backwards; only the payloads cross), and the host only weighs it against the
+whole-segment and sparse candidates (``codec.chunk._choose``), so the bytes stay the host encoder's. A segment changed so densely that a whole-segment encoding may
 win (8% of its elements) is copied to the host whole, as the CPU encoder would read it.
 
 The same code runs on CPU tensors: through the sort fallback with torch's CPU kernels, or through the
@@ -30,12 +33,15 @@ import numpy as np
 import torch
 
 from ..apply.tensors import safetensors_dtype
-from ..codec.chunk import Changes, _ctx, encode_changes
+from ..codec.chunk import ULP1_MAX_CHANGES, Changes, EncodedChunk, _choose, _ctx, encode_changes
+from ..codec.ulp2 import encode_ulp2
 from ..dtypes import dtype
 from ..encode import EncodeReport, Work, encode_checkpoints
 from ..errors import UsageError
+from ..format.layout import VERSION, check_version
 from ..integrity import SEGMENT_BYTES, seg_hash
 from . import scan as device_scan
+from . import ulp2 as device_ulp2
 
 # Signed views of each width: torch compares and shifts these; numpy reinterprets them as unsigned.
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -166,7 +172,26 @@ def _dense(base: torch.Tensor, target: torch.Tensor, dt_name: str, k: int):
     return load
 
 
-def _patch_works(bset: _TensorSet, tset: _TensorSet, batch_segments: int, impl: str, scan: str):
+def _format2(dt, ch: Changes, dense, ulp2: EncodedChunk | None) -> EncodedChunk | None:
+    """The host encoder's format 2 choice for a chunk without history (``codec.chunk._encode2``) given
+    its ulp2 coding: the smallest of it and the whole-chunk and sparse candidates (``_choose``), and for
+    a chunk of few changes (``ULP1_MAX_CHANGES``) format 1's ulp coding too (ties: the first)."""
+    got = _choose(dt, ch, dense, ulp2)
+    if got is not None and ch.m <= ULP1_MAX_CHANGES:
+        alt = encode_changes(dt, ch, dense, fmt=1)
+        if alt is not None and len(alt.payload) < len(got.payload):
+            got = alt
+    return got
+
+
+def _device_ulp2(dt, device: torch.device, scan: str, fmt: int) -> bool:
+    """Whether format 2's ulp2 candidates are coded on the device (``gpu.ulp2``): where the scan runs
+    its Triton kernels and the dtype is at most 32 bits wide."""
+    return fmt == 2 and _scan_mode(scan, device) == "triton" and device_ulp2.supported(dt) \
+        and device_ulp2.available(device)
+
+
+def _patch_works(bset: _TensorSet, tset: _TensorSet, batch_segments: int, impl: str, scan: str, fmt: int):
     def works(name: str, bi: _Info, ti: _Info) -> list[Work]:
         b, t = bset.torch[name], tset.torch[name]
         if b.device != t.device:
@@ -175,14 +200,27 @@ def _patch_works(bset: _TensorSet, tset: _TensorSet, batch_segments: int, impl: 
         if n_seg == 0:
             return []
         pre, post = _seg_hashes(b, impl), _seg_hashes(t, impl)
-        changes: list[Changes] = []
-        for first in range(0, n_seg, batch_segments):
-            changes += scan_segments(b, t, bi.dtype, first, min(batch_segments, n_seg - first), scan=scan)
         dt = dtype(bi.dtype)
+        on_device = _device_ulp2(dt, b.device, scan, fmt)
+        per = SEGMENT_BYTES // dt.itemsize
+        changes: list[Changes] = []
+        ulp2: list[EncodedChunk | None] = []
+        for first in range(0, n_seg, batch_segments):
+            count = min(batch_segments, n_seg - first)
+            changes += scan_segments(b, t, bi.dtype, first, count, scan=scan)
+            if on_device:
+                lo, hi = first * per, min(b.numel(), (first + count) * per)
+                ulp2 += device_ulp2.encode_chunks(dt, _ints(b)[lo:hi], _ints(t)[lo:hi], per)
 
         def work(k: int) -> Work:
             def run():
-                return pre[k], post[k], encode_changes(dt, changes[k], _dense(b, t, bi.dtype, k))
+                dense = _dense(b, t, bi.dtype, k)
+                if fmt == 1 or changes[k].m == 0:
+                    return pre[k], post[k], encode_changes(dt, changes[k], dense, fmt=fmt)
+                if on_device:  # the host only weighs the other candidates against the device's coding
+                    return pre[k], post[k], _format2(dt, changes[k], dense, ulp2[k])
+                bh, th = dense()
+                return pre[k], post[k], _format2(dt, changes[k], lambda: (bh, th), encode_ulp2(dt, bh, th))
 
             return run
 
@@ -193,16 +231,20 @@ def _patch_works(bset: _TensorSet, tset: _TensorSet, batch_segments: int, impl: 
 
 def encode_tensors(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], out: str, *,
                    threads: int | None = None, batch_segments: int = 64, impl: str = "auto",
-                   scan: str = "auto") -> EncodeReport:
+                   scan: str = "auto", format_version: int = VERSION) -> EncodeReport:
     """Write the delta from state dict ``base`` to ``target`` (tensors on CPU or CUDA) to ``out``: the
     same bytes as ``deltarefit.encode`` of the two saved as safetensors. ``batch_segments`` bounds the
     device's scratch memory (``12 + 2 * itemsize`` bytes per element of a batch for the fused scan,
     about 40 for the sort). ``scan`` picks the compare-and-compact step: "triton" (the fused kernels of
     ``gpu.scan``), "torch" (a stable sort), or "auto" (Triton wherever it can run: CUDA, or CPU tensors
-    under ``TRITON_INTERPRET=1``); ``impl`` the CUDA segment hash ("auto", "triton", "torch")."""
+    under ``TRITON_INTERPRET=1``); ``impl`` the CUDA segment hash ("auto", "triton", "torch").
+    ``format_version``: 2 (default) or 1, as ``deltarefit.encode``'s; in format 2, where the Triton
+    kernels run, the ulp2 coding itself is done on the device too (``gpu.ulp2``)."""
     if scan not in _SCANS:  # refused before anything is written
         raise UsageError(f"scan must be one of {', '.join(_SCANS)}, got {scan!r}")
+    fmt = check_version(format_version, "format_version")
     bset, tset = _TensorSet(base), _TensorSet(target)
     with torch.no_grad():
         return encode_checkpoints(bset, tset, out, threads=threads,  # type: ignore[arg-type]
-                                  patch_works=_patch_works(bset, tset, batch_segments, impl, scan))
+                                  patch_works=_patch_works(bset, tset, batch_segments, impl, scan, fmt),
+                                  format_version=fmt)
