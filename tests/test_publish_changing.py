@@ -43,13 +43,24 @@ _HAMMER = textwrap.dedent("""
         while not stop.is_set():
             i = int(r.integers(0, n - 4096))
             target[i:i + 4096] ^= 1  # flips between equal and one ulp away, under the scan
+            dbase[i:i + 4096] ^= 0x0100  # moves elements between contexts, under the decoder's passes
     shift, mask, nctx = chunk._ctx(dt)
     bufs = [np.empty(n, np.int32) for _ in range(3)] + [np.empty(n, np.uint16) for _ in range(2)]
     out = np.empty(chunk.max_payload_len(dt, n) + 64, np.uint8)
     hist = History.from_moves(n, [])
     target[::7] += 1  # compiled (numba) at rest first: the writers would hold the GIL from the compiler
-    chunk.encode_raw(dt, base.view(np.uint8), target.view(np.uint8))
+    enc = chunk.encode_raw(dt, base.view(np.uint8), target.view(np.uint8))
     chunk.encode_hist(dt, base, target, hist)
+    from deltarefit.codec.decode import decode_chunk
+    from deltarefit.errors import DeltaRefitError
+    dbase = base.copy()  # the decoder's base, written under it too (a tensor applied into while in use)
+    def decode():
+        try:
+            decode_chunk(dt, dbase, enc.encoding, enc.payload, enc.n_changed, enc.decoded_len, "hammer",
+                         digest=(0, 1, 2))
+        except DeltaRefitError:
+            pass  # refused: a base that changed may not decode; never a read or write outside it
+    decode()
     ths = [threading.Thread(target=mutate, args=(s,)) for s in (1, 2)]
     for t in ths:
         t.start()
@@ -66,6 +77,7 @@ _HAMMER = textwrap.dedent("""
                     pass  # arrays changed between the two calls: refused, never followed
             chunk.encode_raw(dt, base.view(np.uint8), target.view(np.uint8))
             chunk.encode_hist(dt, base, target, hist)
+            decode()
     finally:
         stop.set()
         for t in ths:
