@@ -172,11 +172,14 @@ def test_the_part_header_budget_applies_to_a_manifest_read_as_bytes():
 
 # -- 12. publish_tensors' one-line refusals ----------------------------------------------------------
 
-@pytest.mark.parametrize("case", ["meta", "nested", "surrogate"])
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("case", ["meta", "nested", "jagged", "surrogate"])
 def test_publish_tensors_refuses_what_it_cannot_publish_in_one_line(tmp_path, case):
     good = torch.randn(4, 4).to(torch.bfloat16)
+    nested = torch.nested.nested_tensor
     tensors = {"meta": {"w": torch.empty(4, 4, device="meta", dtype=torch.bfloat16)},
-               "nested": {"w": torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged)},
+               "nested": {"w": nested([torch.randn(2), torch.randn(3)])},
+               "jagged": {"w": nested([torch.randn(2), torch.randn(3)], layout=torch.jagged)},
                "surrogate": {"w\udc80": good}}[case]
     pub = Publisher(str(tmp_path / "store"), str(tmp_path / "state"))
     with pytest.raises(UsageError) as e:
@@ -191,7 +194,10 @@ def test_status_verify_on_a_store_without_version_1_says_no_version(tmp_path):
     ck, rec = _synced_checkpoint(tmp_path)
     os.unlink(rec)
     store = tmp_path / "store"
-    os.unlink(store / commit_key(1))  # retention, or a mirror that starts later
+    other = str(tmp_path / "other.safetensors")
+    save_file({"w": torch.randn(32, 32).to(torch.bfloat16)}, other)
+    Publisher(str(store), str(tmp_path / "state"), keyframe_every=1).publish(other)  # version 2, a keyframe
+    os.unlink(store / commit_key(1))  # retention, or a mirror that starts at a later keyframe
     p = cli("status", ck, "--store", str(store), "--verify")
     assert p.returncode == 0, p.stderr
     assert "is no version of" in p.stdout
