@@ -89,7 +89,7 @@ _HAMMER = textwrap.dedent("""
 @pytest.mark.parametrize("kernels", ["native", "numba"])
 def test_the_encoder_kernels_survive_a_target_written_under_them(kernels):
     env = dict(ENV, DELTAREFIT_KERNELS=kernels)
-    p = subprocess.run([sys.executable, "-c", _HAMMER, "10"], capture_output=True, text=True, timeout=120, env=env,
+    p = subprocess.run([sys.executable, "-c", _HAMMER, "10"], capture_output=True, text=True, timeout=300, env=env,
                        check=False)
     assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stderr[-2000:])
 
