@@ -90,9 +90,10 @@ class Publisher:
     one hash pass and a copy instead of a decode and the apply's hash passes (a whole publish 1.32x faster in
     docs/STREAMS.md, ``python -m deltarefit.apps.bench.stream``), at the cost of a second copy of the checkpoint
     on disk for a moment (keyframes need it anyway). ``"apply"`` applies the delta in place (no second copy).
-    Directory checkpoints, and a checkpoint that changed after it was encoded, always take the apply route. ``sums`` (default on): deltas carry each changed tensor's
-    additive digest, so a live engine checks a refit in O(changed elements) (FORMAT.md, "Held
-    digests"); one more pass over the changed tensors per encode. ``history``: code each version's
+    Directory checkpoints, and a checkpoint that changed after it was encoded, always take the apply route.
+    ``sums`` (default on): deltas carry each changed tensor's additive digest, so a live engine checks a
+    refit in O(changed elements) (FORMAT.md, "Held digests"); one more pass over the changed tensors per
+    encode. ``history``: code each version's
     delta against a history book kept in ``state_dir/history`` as well (encoding 5, kept where
     smaller; the record's ``history`` flag), which describes the baseline: it advances only once the
     version is committed and the baseline has reached it, starts over at keyframes, and where it does
