@@ -215,7 +215,7 @@ class TPGroup(TorchGroup):
         names = sorted(man["tensors"])
         if self.pg is None:
             whole = {n: man["tensors"][n] for n in _owned_whole(layout, man["tensors"])}
-            mine = slice_digests(tensors, layout, whole)
+            mine = slice_digests(tensors, layout, man["tensors"])
             bad = group_check(mine, {"tensors": whole}, which)
             return bad if alt is None else sorted(set(bad) & set(group_check(mine, {"tensors": whole}, alt)))
         mine = slice_digests(tensors, layout, man["tensors"])

@@ -389,7 +389,7 @@ class ShardStreamPublisher:
                     raise PublishError("; ".join(errors) + "; not committed, baselines unchanged")
                 if len({g["version"] for g in got}) != 1:
                     raise PublishError(f"ranks publish different versions {[g['version'] for g in got]}")
-                refs = [Part(**g["ref"]) for g in got]
+                refs = [PartRef(**g["ref"]) for g in got]
                 outcome = [self.commit_version(got[0]["version"], attempt, refs=refs, step=step).to_bytes().decode()]
             except Exception as e:  # every rank must hear the outcome
                 outcome = [{"error": str(e)}]
