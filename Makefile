@@ -80,7 +80,8 @@ SAN_DIR ?= /tmp/deltarefit-sanitized
 SAN_TESTS ?= tests/test_native_decode.py tests/test_native_hist.py tests/test_native.py tests/test_vectors.py \
 	tests/test_codec_props.py tests/test_hostile.py tests/test_history.py tests/test_apply.py \
 	tests/test_apply_targets.py tests/test_encode_pipeline.py tests/test_live_engine.py tests/test_torch.py \
-	tests/test_stream_history.py tests/test_ulp2_native.py
+	tests/test_stream_history.py tests/test_ulp2_native.py \
+	tests/test_publish_changing.py::test_the_encoder_kernels_survive_a_target_written_under_them
 SAN_ENV = PYTHONPATH=$(SAN_DIR)/src LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 .PHONY: test-sanitize

@@ -20,7 +20,8 @@ from ._release import RELEASE as __version__  # the one spelling of the release 
 # and tensor-parallel rollouts, docs/SHARDING.md) is a subpackage, with numba behind it.
 _ERRORS = (
     "AuthError", "BadPartError", "BaseMismatchError", "BroadcastError", "CheckpointError", "DecodeError",
-    "DeltaRefitError", "FileSystemError", "FormatError", "IntegrityError", "LimitError", "LockedError",
+    "DeltaRefitError", "FileSystemError", "FormatError", "InputChangedError", "IntegrityError", "LimitError",
+    "LockedError",
     "MalformedRecordError", "ProtocolError", "PublishError", "SignatureError", "StoreError", "StreamError",
     "StreamIdentityError", "UnsupportedVersionError", "UntrustedError", "UsageError", "VerificationError",
 )
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
         DeltaRefitError,
         FileSystemError,
         FormatError,
+        InputChangedError,
         IntegrityError,
         LimitError,
         LockedError,
@@ -76,6 +78,7 @@ __all__ = [
     "EncodeReport",
     "FileSystemError",
     "FormatError",
+    "InputChangedError",
     "IntegrityError",
     "KnownHashes",
     "LimitError",

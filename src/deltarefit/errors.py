@@ -85,6 +85,11 @@ class VerificationError(DeltaRefitError):
     exit_code = 6
 
 
+class InputChangedError(VerificationError):
+    """A publisher's input (a checkpoint file, tensors in memory) changed while it was published: what
+    was hashed is not what was encoded or uploaded. Nothing was committed; publishing again is safe."""
+
+
 class UsageError(DeltaRefitError):
     """The caller asked for something that cannot work (bad option combination, wrong argument)."""
 

@@ -14,7 +14,8 @@ parentheses). Usage errors too are one line, exit 2, click's own included.
                              name kept beside it (the lock file, the staging, a keyframe's temporaries)
     5    BaseMismatchError   wrong base: the checkpoint is not the delta's base (nothing written)
     6    VerificationError   verification: a result does not match its fingerprint or digest, a
-                             checkpoint modified by another process while applied or synced
+                             checkpoint modified by another process while applied or synced, a
+                             publisher's input changed while published (InputChangedError)
     7    StoreError          storage: the store's own I/O, permissions, a lost connection (the local
                              side of a download is 12)
     8    SignatureError      signature: a commit record unsigned, or its signature does not verify

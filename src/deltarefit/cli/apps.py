@@ -99,6 +99,8 @@ def simulate(params, change_pct, ratio, codec, link_gbps, store_gbps, fabric_gbp
                          apply_gbps_core=apply_gbps_core or sim.APPLY_GBPS_PER_CORE, chunk_bytes=chunk_mb * (1 << 20),
                          rollout=rollout)
         png = os.path.join(out_dir, "simulate.png") if plot_path is None else plot_path
+        if png and not png.lower().endswith(".png"):  # refused before the run (matplotlib would after it)
+            raise UsageError(f"--plot {png}: the plot is written as PNG; name a .png file (empty: no plot)")
         sim.run(base, sizes, do_calibrate=calibrate, show_references=references, plot_path=png or None)
 
     _run(go)

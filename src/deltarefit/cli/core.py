@@ -82,7 +82,8 @@ def encode(base: str, target: str, output: str, history_dir: str | None, format_
         if as_json:
             click.echo(json.dumps(summary, indent=2))
         else:
-            size = f"{rep.ratio:.1f}x smaller than" if rep.ratio >= 1 else f"{1 / rep.ratio:.2f}x the size of"
+            size = (f"{rep.ratio:.1f}x smaller than" if rep.ratio >= 1 else f"{1 / rep.ratio:.2f}x the size of"
+                    if rep.ratio > 0 else "no ratio to")
             click.echo(f"{output}: {rep.delta_bytes:,} bytes, {size} the full checkpoint "
                        f"({rep.full_bytes:,} bytes), {100 * rep.changed_fraction:.3f}% of elements changed, "
                        f"{rep.seconds:.2f} s")

@@ -26,9 +26,12 @@ Examples:
 @click.option("--verify", is_flag=True,
               help="Hash the checkpoint (a pass over every byte): check it holds the recorded version; without a "
                    "record, look its fingerprint up in the store.")
+@click.option("--verify-key", "public_key", type=click.Path(exists=True), default=None,
+              help="Refuse store records (the head's, the held version's) not signed by this Ed25519 public key.")
 @_threads
 @_json
-def status(checkpoint: str, store: str | None, verify: bool, threads: int | None, as_json: bool) -> None:
+def status(checkpoint: str, store: str | None, verify: bool, public_key: str | None, threads: int | None,
+           as_json: bool) -> None:
     """Say which stream and version CHECKPOINT holds (its version record, written by 'deltarefit sync'),
     and whether it is behind the store's head. Writes nothing; exits 0 whatever the state (--json's
     "state" tells it to a script)."""
@@ -36,14 +39,20 @@ def status(checkpoint: str, store: str | None, verify: bool, threads: int | None
     def go() -> None:
         from ..stream.status import checkpoint_status
 
-        s = checkpoint_status(checkpoint, store=store, verify=verify, threads=threads)
+        s = checkpoint_status(checkpoint, store=store, verify=verify, threads=threads, public_key=public_key)
         if as_json:
             click.echo(json.dumps(s.as_dict(), indent=2))
             return
         for line in lines(s, checkpoint):
-            click.echo(line)
+            click.echo(printable(line))
 
     _run(go)
+
+
+def printable(line: str) -> str:
+    """``line`` with every character a terminal would act on (escape sequences, carriage returns, bidi
+    controls) written as its Python escape: a record's fields are anyone's text."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in line)
 
 
 def lines(s, name: str) -> list[str]:

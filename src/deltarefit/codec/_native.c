@@ -30,8 +30,11 @@
  * per lane i % 4, so that consecutive increments of one context do not wait on each other's store.
  *
  * Buffers are checked here (size, alignment, writability): a bad one raises ValueError, a misaligned one
- * BufferError (the caller copies and retries). The encoder's inputs are trusted; the decoder's payload
- * is not.
+ * BufferError (the caller copies and retries). The encoder's inputs are trusted to be what they are
+ * (bits coded as found) but not to hold still: a caller's tensor may change during the scan (another
+ * thread writing it), so each element is read once and the tables indexed with what was read are
+ * checked where they are used; whatever the input, no read or write leaves the buffers. (Whether the
+ * delta then decodes to what was hashed is the publisher's check.) The decoder's payload is not trusted.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -60,16 +63,19 @@ static Py_ssize_t scan16_tail(const uint16_t *b, const uint16_t *t, Py_ssize_t i
                               unsigned shift, unsigned mask, int32_t *c, out16 o, Py_ssize_t m)
 {
     for (; i < n; i++) {
-        unsigned e = ((unsigned)b[i] >> shift) & mask;
-        if (b[i] != t[i]) {
+        /* Each element read once: the caller's buffers may change under the scan (a tensor written by
+         * another thread), and a change coded from a second read could hold equal values. */
+        const uint16_t bi = b[i], ti = t[i];
+        unsigned e = ((unsigned)bi >> shift) & mask;
+        if (bi != ti) {
             o.pos[m] = (int32_t)i;
             o.ectx[m] = (int32_t)e;
             int32_t r = 0;
             for (unsigned l = 0; l < LANES; l++)
                 r += c[l * (mask + 1) + e];
             o.rank[m] = r;
-            o.bvals[m] = b[i];
-            o.tvals[m] = t[i];
+            o.bvals[m] = bi;
+            o.tvals[m] = ti;
             m++;
         }
         c[(i % LANES) * (mask + 1) + e]++;
@@ -120,29 +126,38 @@ static Py_ssize_t scan16_avx512(const uint16_t *b, const uint16_t *t, Py_ssize_t
     for (unsigned k = 0; k < WINDOW; k++)
         vk[k] = _mm512_set1_epi16((short)(e0 + k));
     int32_t *const hot = c + e0;
+    /* A block's elements are loaded once, into registers, and every use reads those (stored to the
+     * arrays below when a lane is needed): a second read of a buffer that changes under the scan could
+     * code a change with equal values or count an element in another context than its rank's. */
+    uint16_t bb[32], tt[32], eb[32];
     for (; i + 32 <= n; i += 32) {
         __m512i vb = _mm512_loadu_si512((const void *)(b + i));
         __m512i vt = _mm512_loadu_si512((const void *)(t + i));
         __m512i ve = _mm512_and_si512(_mm512_srl_epi16(vb, vshift), vmask);
         __mmask32 ch = _mm512_cmpneq_epu16_mask(vb, vt);
+        uint32_t out = ~(uint32_t)_mm512_cmplt_epu16_mask(_mm512_sub_epi16(ve, ve0), vwin);
+        if (ch | out)
+            _mm512_storeu_si512((void *)eb, ve);
+        if (ch) {
+            _mm512_storeu_si512((void *)bb, vb);
+            _mm512_storeu_si512((void *)tt, vt);
+        }
         while (ch) {
             unsigned k = (unsigned)__builtin_ctz(ch);
-            unsigned ek = ((unsigned)b[i + k] >> shift) & mask;
+            unsigned ek = eb[k];
             __mmask32 same = _mm512_cmpeq_epu16_mask(ve, _mm512_set1_epi16((short)ek));
             o.pos[m] = (int32_t)(i + k);
             o.ectx[m] = (int32_t)ek;
             o.rank[m] = c[ek] + __builtin_popcount((uint32_t)same & ((1u << k) - 1u));
-            o.bvals[m] = b[i + k];
-            o.tvals[m] = t[i + k];
+            o.bvals[m] = bb[k];
+            o.tvals[m] = tt[k];
             m++;
             ch &= ch - 1;
         }
         for (unsigned k = 0; k < WINDOW; k++)
             hot[k] += __builtin_popcount((uint32_t)_mm512_cmpeq_epu16_mask(ve, vk[k]));
-        uint32_t out = ~(uint32_t)_mm512_cmplt_epu16_mask(_mm512_sub_epi16(ve, ve0), vwin);
         if (__builtin_expect(out != 0, 0)) while (out) {
-            unsigned k = (unsigned)__builtin_ctz(out);
-            c[((unsigned)b[i + k] >> shift) & mask]++;
+            c[eb[__builtin_ctz(out)]]++;
             out &= out - 1;
         }
     }
@@ -320,7 +335,8 @@ typedef struct {
     Py_ssize_t n_exp;
 } hmodel_t;
 
-/* Returns the payload length, -5 if out is too small, -7 if memory ran out. Inlined into one copy per
+/* Returns the payload length, -5 if out is too small, -7 if memory ran out, -2 if the changes' arrays
+ * are not a scan's (a context or state out of range, ranks not increasing, a change with equal values). Inlined into one copy per
  * item size (below), so the value loads are not a switch per change; H is NULL (encoding 1) or the
  * history model (encoding 5). */
 static inline __attribute__((always_inline)) Py_ssize_t encode_changes_t(const int32_t *ectx, const int32_t *rank, const void *bvals, const void *tvals,
@@ -344,13 +360,34 @@ static inline __attribute__((always_inline)) Py_ssize_t encode_changes_t(const i
     if (H)
         for (size_t i = 0; i < ((size_t)H->qdepth + 1) * (size_t)H->n_states; i++)
             pqh[i] = 1u << (PROB_BITS - 1);
-    for (Py_ssize_t j = 0; j < m; j++)
-        gcount[ectx[j]]++;
+    /* The changes' arrays are read more than once (contexts twice here, again with the values): each
+     * read is checked where it indexes, so that arrays changed between reads are refused (-2), never
+     * followed outside the tables. */
+    for (Py_ssize_t j = 0; j < m; j++) {
+        const int32_t e = ectx[j];
+        if (e < 0 || e >= n_ctx) {
+            ret = -2;
+            goto done;
+        }
+        gcount[e]++;
+    }
     for (Py_ssize_t c = 0; c < n_ctx; c++)
         gstart[c + 1] = gstart[c] + gcount[c];
     memcpy(fill, gstart, (size_t)n_ctx * sizeof(int64_t));
-    for (Py_ssize_t j = 0; j < m; j++)
-        granks[fill[ectx[j]]++] = rank[j];
+    for (Py_ssize_t j = 0; j < m; j++) {
+        const int32_t e = ectx[j];
+        if (e < 0 || e >= n_ctx || fill[e] >= gstart[e + 1]) {
+            ret = -2;
+            goto done;
+        }
+        granks[fill[e]++] = rank[j];
+    }
+    if (H)
+        for (Py_ssize_t c = 0; c < n_ctx; c++)
+            if (H->cstate[c] < 0 || H->cstate[c] >= H->n_states) {
+                ret = -2;
+                goto done;
+            }
 
     rc_t rc = {0, 0xFFFFFFFFull, 0, 1, 4, out_cap, out};
     raw_t w = {0, 0, 0, rawcap + 8, raw};
@@ -375,8 +412,16 @@ static inline __attribute__((always_inline)) Py_ssize_t encode_changes_t(const i
         int klo = k0 - 1 > 0 ? k0 - 1 : 0, khi = k0 + 2 < 25 ? k0 + 2 : 25;
         /* The (up to) three candidates' costs in one pass over the gaps; ties go to the smallest k. */
         int64_t q0 = 0, q1 = 0, q2 = 0, prev_r = -1;
+        if (g[0] < 0 || span < 0) {
+            ret = -2;
+            goto done;
+        }
         for (int64_t j = 0; j < cnt; j++) {
             int64_t gap = g[j] - prev_r - 1;
+            if (gap < 0) { /* ranks in a context strictly increase */
+                ret = -2;
+                goto done;
+            }
             prev_r = g[j];
             q0 += gap >> klo;
             q1 += gap >> (klo + 1);
@@ -394,7 +439,12 @@ static inline __attribute__((always_inline)) Py_ssize_t encode_changes_t(const i
         int64_t prev = -1;
         const uint64_t kmask = (1ull << best_k) - 1;
         if (H) { /* encoding 5: qdepth decisions in the context's state's slots, then as below */
-            uint16_t *pqs = pqh + (Py_ssize_t)H->qdepth * H->cstate[c];
+            const int32_t cs = H->cstate[c];
+            if (cs < 0 || cs >= H->n_states) {
+                ret = -2;
+                goto done;
+            }
+            uint16_t *pqs = pqh + (Py_ssize_t)H->qdepth * cs;
             const uint64_t qd = (uint64_t)H->qdepth;
             for (int64_t j = 0; j < cnt; j++) {
                 int64_t gap = g[j] - prev - 1;
@@ -446,6 +496,10 @@ static inline __attribute__((always_inline)) Py_ssize_t encode_changes_t(const i
     for (Py_ssize_t j = 0; j < m; j++) {
         uint64_t b = load_item(bvals, j, itemsize), t = load_item(tvals, j, itemsize);
         Py_ssize_t e = ectx[j];
+        if (e < 0 || e >= n_ctx || ((b ^ t) & mask) == 0) { /* a change holds two values */
+            ret = -2;
+            goto done;
+        }
         /* Sign and magnitude without a branch: the sign of a step is a coin flip (a branch on it cost a
          * third of this loop). */
         uint64_t d = (key_of(t, kind, sign, mask) - key_of(b, kind, sign, mask)) & mask;
@@ -455,6 +509,10 @@ static inline __attribute__((always_inline)) Py_ssize_t encode_changes_t(const i
         uint16_t *pl = plen + e * MAX_UNARY;
         /* encoding 5, a state other than 0: the sign through the range coder, after the length */
         const int32_t h = H ? H->cstate[e] : 0;
+        if (h < 0 || (H && h >= H->n_states)) {
+            ret = -2;
+            goto done;
+        }
         if (__builtin_expect(ln == 1 && bits > 1, 1)) { /* a step of one ulp: most changes */
             rc_bit(&rc, pl, 0, 0);
             if (H && h)
@@ -568,6 +626,9 @@ static PyObject *py_encode_changes(PyObject *self, PyObject *args)
         Py_END_ALLOW_THREADS
         if (r == -7)
             PyErr_NoMemory();
+        else if (r == -2)
+            PyErr_SetString(PyExc_ValueError, "encode_changes: the changes are not a scan's (a context out of range, "
+                            "ranks not increasing or equal values; changed while coded?)");
         else
             ret = PyLong_FromSsize_t(r);
     }
@@ -651,6 +712,8 @@ static PyObject *py_scan16(PyObject *self, PyObject *args)
         free(counters);
         if (nbytes == -7)
             PyErr_NoMemory();
+        else if (nbytes == -2)
+            PyErr_SetString(PyExc_ValueError, "scan16: the changes found are not consistent");
         else if (oout == Py_None)
             ret = PyLong_FromSsize_t(m);
         else
@@ -675,23 +738,31 @@ done:
  * ------------------------------------------------------------------------------------------------ */
 
 /* Elements [i, n) one by one, the m changes before them already out (the tail of the block loop below,
- * or a whole chunk on the portable path). */
+ * or a whole chunk on the portable path); -1 where a history state or a context is out of range. */
 static Py_ssize_t scan_hist16(const uint16_t *b, const uint16_t *t, const uint8_t *hist, const int32_t *cmap,
-                              unsigned shift, unsigned mask, Py_ssize_t n_exp, Py_ssize_t n_ctx, Py_ssize_t i,
+                              unsigned shift, unsigned mask, Py_ssize_t n_exp, Py_ssize_t n_ctx, Py_ssize_t n_states,
+                              Py_ssize_t i,
                               Py_ssize_t n, int32_t *c, out16 o, uint8_t *flip, Py_ssize_t m)
 {
     for (; i < n; i++) {
+        /* Each element, history byte and table entry read once and checked where it is used: the
+         * caller's checks ran before the scan, and its buffers may change under it. */
         const unsigned h = hist[i];
-        const int32_t e = cmap[(Py_ssize_t)(h & 127) * n_exp + (((unsigned)b[i] >> shift) & mask)];
-        if (b[i] != t[i]) {
+        const uint16_t bi = b[i], ti = t[i];
+        if ((Py_ssize_t)(h & 127) >= n_states)
+            return -1;
+        const int32_t e = cmap[(Py_ssize_t)(h & 127) * n_exp + (((unsigned)bi >> shift) & mask)];
+        if (e < 0 || e >= n_ctx)
+            return -1;
+        if (bi != ti) {
             o.pos[m] = (int32_t)i;
             o.ectx[m] = e;
             int32_t r = 0;
             for (Py_ssize_t l = 0; l < LANES; l++)
                 r += c[l * n_ctx + e];
             o.rank[m] = r;
-            o.bvals[m] = b[i];
-            o.tvals[m] = t[i];
+            o.bvals[m] = bi;
+            o.tvals[m] = ti;
             flip[m] = (uint8_t)(h >> 7);
             m++;
         }
@@ -722,10 +793,11 @@ static int hist_identity(const int32_t *cmap, Py_ssize_t n_exp, Py_ssize_t n_ctx
 __attribute__((target("avx512f,avx512bw,avx512vl,popcnt,bmi,bmi2")))
 static Py_ssize_t scan_hist16_avx512(const uint16_t *b, const uint16_t *t, const uint8_t *hist, const int32_t *cmap,
                                      unsigned shift, unsigned mask, unsigned ebits, Py_ssize_t n_exp, Py_ssize_t n_ctx,
-                                     Py_ssize_t n, int32_t *c, int32_t *scratch, out16 o, uint8_t *flip)
+                                     Py_ssize_t n_states, Py_ssize_t n, int32_t *c, int32_t *scratch, out16 o,
+                                     uint8_t *flip)
 {
     if (mask + 1 < WINDOW)
-        return scan_hist16(b, t, hist, cmap, shift, mask, n_exp, n_ctx, 0, n, c, o, flip, 0);
+        return scan_hist16(b, t, hist, cmap, shift, mask, n_exp, n_ctx, n_states, 0, n, c, o, flip, 0);
     Py_ssize_t m = 0, i = 0;
     const unsigned e0 = hot_window(b, n, shift, mask, scratch); /* state 0's contexts are the exponents */
     const __m512i vmask = _mm512_set1_epi16((short)mask), v127 = _mm512_set1_epi16(127);
@@ -735,17 +807,28 @@ static Py_ssize_t scan_hist16_avx512(const uint16_t *b, const uint16_t *t, const
     for (unsigned k = 0; k < WINDOW; k++)
         vk[k] = _mm512_set1_epi16((short)(e0 + k));
     int32_t *const hot = c + e0;
-    uint16_t eb[32];
+    /* Each block loaded once (as scan16_avx512), its history states checked in the registers used. */
+    const __m512i vns = _mm512_set1_epi16((short)n_states);
+    uint16_t eb[32], bb[32], tt[32];
+    uint8_t hb[32];
     for (; i + 32 <= n; i += 32) {
         const __m512i vb = _mm512_loadu_si512((const void *)(b + i));
         const __m512i vt = _mm512_loadu_si512((const void *)(t + i));
-        const __m512i vh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(hist + i)));
+        const __m256i vh8 = _mm256_loadu_si256((const __m256i *)(hist + i));
+        const __m512i vh = _mm512_cvtepu8_epi16(vh8);
+        if (_mm512_cmpge_epu16_mask(_mm512_and_si512(vh, v127), vns))
+            return -1;
         const __m512i ve = _mm512_or_si512(_mm512_sll_epi16(_mm512_and_si512(vh, v127), vebits),
                                            _mm512_and_si512(_mm512_srl_epi16(vb, vshift), vmask));
         __mmask32 ch = _mm512_cmpneq_epu16_mask(vb, vt);
         uint32_t out = ~(uint32_t)_mm512_cmplt_epu16_mask(_mm512_sub_epi16(ve, ve0), vwin);
         if (ch | out)
             _mm512_storeu_si512((void *)eb, ve);
+        if (ch) {
+            _mm512_storeu_si512((void *)bb, vb);
+            _mm512_storeu_si512((void *)tt, vt);
+            _mm256_storeu_si256((__m256i *)hb, vh8);
+        }
         while (ch) {
             const unsigned k = (unsigned)__builtin_ctz(ch);
             const unsigned ek = eb[k];
@@ -753,9 +836,9 @@ static Py_ssize_t scan_hist16_avx512(const uint16_t *b, const uint16_t *t, const
             o.pos[m] = (int32_t)(i + k);
             o.ectx[m] = (int32_t)ek;
             o.rank[m] = c[ek] + __builtin_popcount((uint32_t)same & ((1u << k) - 1u));
-            o.bvals[m] = b[i + k];
-            o.tvals[m] = t[i + k];
-            flip[m] = (uint8_t)(hist[i + k] >> 7);
+            o.bvals[m] = bb[k];
+            o.tvals[m] = tt[k];
+            flip[m] = (uint8_t)(hb[k] >> 7);
             m++;
             ch &= ch - 1;
         }
@@ -767,7 +850,7 @@ static Py_ssize_t scan_hist16_avx512(const uint16_t *b, const uint16_t *t, const
         }
     }
     /* The tail counts with the portable path's lanes; lanes 1-3 start at zero, so ranks stay sums. */
-    return scan_hist16(b, t, hist, cmap, shift, mask, n_exp, n_ctx, i, n, c, o, flip, m);
+    return m < 0 ? m : scan_hist16(b, t, hist, cmap, shift, mask, n_exp, n_ctx, n_states, i, n, c, o, flip, m);
 }
 #endif
 
@@ -864,17 +947,20 @@ static PyObject *py_encode_hist16(PyObject *self, PyObject *args)
 #if HAVE_AVX512_PATH
         if (ebits >= 0)
             m = scan_hist16_avx512(v[0].buf, v[1].buf, v[2].buf, v[3].buf, shift, mask, (unsigned)ebits, n_exp, n_ctx,
-                                   n, counters, counters + (size_t)n_ctx * LANES, o, flip);
+                                   n_states, n, counters, counters + (size_t)n_ctx * LANES, o, flip);
         else
 #endif
-            m = scan_hist16(v[0].buf, v[1].buf, v[2].buf, v[3].buf, shift, mask, n_exp, n_ctx, 0, n, counters, o, flip,
-                            0);
+            m = scan_hist16(v[0].buf, v[1].buf, v[2].buf, v[3].buf, shift, mask, n_exp, n_ctx, n_states, 0, n,
+                            counters, o, flip, 0);
         if (m > 0)
             nbytes = encode_changes_t(o.ectx, o.rank, o.bvals, o.tvals, m, 2, bits, kind, n_ctx, v[11].buf,
                                       v[11].len, &H);
         Py_END_ALLOW_THREADS
         free(counters);
-        if (nbytes == -7)
+        if (m < 0 || nbytes == -2)
+            PyErr_SetString(PyExc_ValueError, "encode_hist16: a history state, cmap or cstate entry is out of "
+                            "range (changed during the scan)");
+        else if (nbytes == -7)
             PyErr_NoMemory();
         else
             ret = Py_BuildValue("(nn)", m, nbytes);

@@ -50,14 +50,17 @@ def ulp_scan(base, target, ctx_shift, ctx_mask, n_ctx, pos, ectx, rank, bvals, t
         if ((b0 != U64(target[i])) | (b1 != U64(target[i + 1])) | (b2 != U64(target[i + 2]))
                 | (b3 != U64(target[i + 3]))):
             for k in range(4):
+                # Each element read once here and its bits stored as read: a target changing under the
+                # scan (a tensor another thread writes) must not give a change two equal values.
                 bk = U64(base[i + k])
+                tk = U64(target[i + k])
                 ek = np.int64((bk >> cs) & cm)
-                if bk != U64(target[i + k]):
+                if bk != tk:
                     pos[m] = i + k
                     ectx[m] = ek
                     rank[m] = s0[ek] + s1[ek] + s2[ek] + s3[ek]
-                    bvals[m] = base[i + k]
-                    tvals[m] = target[i + k]
+                    bvals[m] = bk
+                    tvals[m] = tk
                     m += 1
                 if k == 0:
                     s0[ek] += 1
@@ -75,13 +78,14 @@ def ulp_scan(base, target, ctx_shift, ctx_mask, n_ctx, pos, ectx, rank, bvals, t
         i += 4
     for j in range(n4, n):
         bk = U64(base[j])
+        tk = U64(target[j])
         ek = np.int64((bk >> cs) & cm)
-        if bk != U64(target[j]):
+        if bk != tk:
             pos[m] = j
             ectx[m] = ek
             rank[m] = s0[ek] + s1[ek] + s2[ek] + s3[ek]
-            bvals[m] = base[j]
-            tvals[m] = target[j]
+            bvals[m] = bk
+            tvals[m] = tk
             m += 1
         s0[ek] += 1
     return m
@@ -108,15 +112,16 @@ def hist_scan(base, target, hist, cmap, ctx_shift, ctx_mask, n_exp, n_ctx, pos, 
     m = 0
     for i in range(n):
         bk = U64(base[i])
+        tk = U64(target[i])  # read once (ulp_scan)
         hk = np.int64(hist[i])
         ek = np.int64(cmap[(hk & 127) * n_exp + np.int64((bk >> cs) & cm)])
-        if bk != U64(target[i]):
+        if bk != tk:
             flip[m] = hk >> 7
             pos[m] = i
             ectx[m] = ek
             rank[m] = seen[ek]
-            bvals[m] = base[i]
-            tvals[m] = target[i]
+            bvals[m] = bk
+            tvals[m] = tk
             m += 1
         seen[ek] += 1
     return m

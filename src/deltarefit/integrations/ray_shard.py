@@ -105,13 +105,13 @@ class TrainerRank:
         ref = self.publisher.upload(self.masters(step), attempt)
         self._upload_s = time.perf_counter() - t0
         return {"version": self.publisher.version + 1, "ref": {"key": ref.key, "bytes": ref.bytes,
-                                                               "blake3": ref.blake3}}
+                                                               "blake3": ref.blake3, "head": ref.head}}
 
     def finish(self, step: int, attempt: str, version: int, refs: list[dict[str, Any]]) -> dict[str, Any]:
         """Phase two: the committer commits ``version`` from ``refs`` (every rank's ``upload`` return, in rank
         order, as the driver gathered them); every rank then advances to the committed record. Returns the
         summary; a version already committed and reached returns it (a rerun after a restart)."""
-        from ..stream.records import Part
+        from ..shard.records import PartRef
 
         done = self._resumed(step)
         if done is not None:
@@ -121,7 +121,8 @@ class TrainerRank:
         if sp.version + 1 != version:
             raise UsageError(f"rank {self.rank} is at version {sp.version}; cannot finish version {version}")
         if self.rank == sp.committer:
-            parts = [Part(str(r["key"]), int(r["bytes"]), str(r["blake3"])) for r in refs]
+            parts = [PartRef(str(r["key"]), int(r["bytes"]), str(r["blake3"]), str(r.get("head", "")))
+                     for r in refs]  # the head's BLAKE3 binds the descriptor's head (``PartRef``)
             rec = sp.commit_version(version, attempt, refs=parts, step=step)
         else:
             rec = sp.wait_commit(version)

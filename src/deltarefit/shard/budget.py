@@ -4,6 +4,7 @@ header tighter than ``part.MAX_HEADER`` for the parts of small slices (``read_pa
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from ..dtypes import dtype as lookup_dtype
 from ..errors import FormatError
@@ -22,14 +23,14 @@ HEADER_CHUNK_BUDGET = 64
 MIN_CHUNK_BYTES = 64 << 10
 
 
-def header_budget(manifest: dict, rank: int) -> int:
+def header_budget(manifest: Mapping, rank: int) -> int:
     """The most header bytes the part of ``rank`` may need, from what the version manifest declares it
     covers (its tensors, and the boxes of their cells: see ``HEADER_TENSOR_BUDGET``), at most
     ``MAX_HEADER``; ``MAX_HEADER`` where the manifest does not say (no entry, no covers)."""
     try:
         ent = next((p for p in manifest["parts"] if p["rank"] == rank), None)
         covers = ent["covers"] if ent is not None else None
-        if not isinstance(covers, dict):
+        if not isinstance(covers, Mapping):  # a dict, or a manifest read as bytes (``manifest._Covers``)
             return MAX_HEADER
         total = HEADER_FIXED_BUDGET
         for name, bb in covers.items():

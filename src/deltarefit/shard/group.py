@@ -14,6 +14,7 @@ processes, never pickled objects.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -207,15 +208,29 @@ class TPGroup(TorchGroup):
         return all(int(t[i]) == -int(t[n + i]) for i in range(n))
 
     def check(self, tensors, layout, man: dict, which: str, alt: str | None = None) -> list[str]:
-        """Tensors whose group-summed digest is not the manifest's ``which`` (nor ``alt``) digest."""
-        if self.pg is None:
-            return []
+        """Tensors whose group-summed digest is not the manifest's ``which`` (nor ``alt``) digest. A rank
+        on its own checks the tensors it owns every element of (the others it cannot tell alone)."""
         from ..integrity import additive as D
 
         names = sorted(man["tensors"])
+        if self.pg is None:
+            whole = {n: man["tensors"][n] for n in _owned_whole(layout, man["tensors"])}
+            mine = slice_digests(tensors, layout, man["tensors"])
+            bad = group_check(mine, {"tensors": whole}, which)
+            return bad if alt is None else sorted(set(bad) & set(group_check(mine, {"tensors": whole}, alt)))
         mine = slice_digests(tensors, layout, man["tensors"])
         limbs = np.stack([D.to_limbs(mine.get(n, D.ZERO)) for n in names])
         self.reduce_in_place(limbs)
         summed = {n: D.from_limbs(limbs[i]) for i, n in enumerate(names)}
         bad = group_check(summed, man, which)
         return bad if alt is None else sorted(set(bad) & set(group_check(summed, man, alt)))
+
+
+def _owned_whole(layout, meta) -> list[str]:
+    """The manifest's tensors whose every element this rank's owner pieces hold."""
+    owned: dict[str, int] = {}
+    for lt in layout.values():
+        for p in lt.pieces:
+            if p.owner and p.count:
+                owned[p.name] = owned.get(p.name, 0) + p.count
+    return [n for n, c in owned.items() if n in meta and c == math.prod(int(d) for d in meta[n]["shape"])]

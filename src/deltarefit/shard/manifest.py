@@ -238,6 +238,9 @@ class TensorTable(Mapping):
                 m = _expect(_TENSOR.match(data, pos),
                             '"name":{"base":..,"dtype":..,"shape":[..],"target":..}', pos)
                 name = _name(m[1])
+                if b"\\" in m[1] and _canonical(name) != m[1]:  # one text per name: lookups compare bytes
+                    raise FormatError(f"byte {m.start(1)}: tensor {name[:80]!r} is not written as json.dumps "
+                                      "writes it (a non-canonical escape)")
                 if prev is not None and name <= prev:
                     raise FormatError(f"byte {pos}: tensor {name[:80]!r} is not after {prev[:80]!r} "
                                       "(names are sorted, each once)")

@@ -64,6 +64,24 @@ def head_key(version: int, attempt: str, rank: int) -> str:
     return part_key(version, attempt, rank) + ".head.json"
 
 
+@dataclass(frozen=True)
+class PartRef(Part):
+    """What a rank's ``upload`` returns for the committer: its part (key, size, BLAKE3) and ``head``, the
+    BLAKE3 (hex) of the part's head, the bytes the committer joins into the manifest. The descriptor in
+    the store carries that head too; the committer takes it only where it hashes to this (a descriptor
+    rewritten after the upload, with the rank's true part but another part's head, is refused)."""
+
+    head: str = ""
+
+    def part(self) -> Part:
+        return Part(self.key, self.bytes, self.blake3)
+
+
+def part_ref(key: str, blob: bytes) -> PartRef:
+    """``blob``'s ref as its rank hands it to the committer."""
+    return PartRef(key, len(blob), blake3.blake3(blob).hexdigest(), blake3.blake3(part_head(blob)).hexdigest())
+
+
 def _descriptor(key: str, blob: bytes) -> bytes:
     ref = _ref(key, blob)
     return json.dumps({"key": ref.key, "bytes": ref.bytes, "blake3": ref.blake3,

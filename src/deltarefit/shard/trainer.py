@@ -40,6 +40,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, replace
 
+import blake3
 import numpy as np
 
 from ..dtypes import dtype as lookup_dtype
@@ -56,6 +57,7 @@ from .names import Layout
 from .part import join, manifest_bytes, read_part
 from .publish import PartStats, ShardPublisher
 from .records import (
+    PartRef,
     ShardCommit,
     _check_attempt,
     _descriptor,
@@ -69,6 +71,7 @@ from .records import (
     new_attempt,
     parse_shard_commit,
     part_key,
+    part_ref,
     shard_stream_identity,
     version_fingerprint,
 )
@@ -221,7 +224,7 @@ class ShardStreamPublisher:
         _put_once(self.store, head_key(v, attempt, self.rank), _descriptor(key, blob))
         self._own = (v, attempt, blob)
         self.last_part = blob
-        return _ref(key, blob)
+        return part_ref(key, blob)
 
     def commit_version(self, version: int, attempt: str, *, refs: list[Part] | None = None,
                        step: int | None = None) -> ShardCommit:
@@ -284,7 +287,7 @@ class ShardStreamPublisher:
                                    f"ranks; the committer never commits what it reads back from the store (anyone "
                                    "who writes to it could plant a part): pass refs=, each rank's upload() return, "
                                    "handed over by the caller; not committed")
-            return [_ref(part_key(version, attempt, 0), own[2])]
+            return [part_ref(part_key(version, attempt, 0), own[2])]
         refs = list(refs)
         if len(refs) != self.world or not all(isinstance(r, Part) for r in refs):
             raise PublishError(f"{self.store.url}: version {version}: {len(refs)} part refs for {self.world} ranks; "
@@ -313,10 +316,16 @@ class ShardStreamPublisher:
                     descs[r] = get_descriptor(self.store, hk)
                 except KeyError:
                     continue
-                if descs[r][0].key != k or refs[r] != descs[r][0]:
-                    raise PublishError(f"{self.store.url}/{hk}: rank {r} describes {descs[r][0]}, expected part {k} "
-                                       f"as the rank reported it, {refs[r]} (planted by another writer of the "
+                d, ref = descs[r][0], refs[r]
+                if d.key != k or (ref.key, ref.bytes, ref.blake3) != (d.key, d.bytes, d.blake3):
+                    raise PublishError(f"{self.store.url}/{hk}: rank {r} describes {d}, expected part {k} "
+                                       f"as the rank reported it, {ref} (planted by another writer of the "
                                        "store?); not committed")
+                if not isinstance(ref, PartRef) or blake3.blake3(descs[r][1]).hexdigest() != ref.head:
+                    raise PublishError(f"{self.store.url}/{hk}: rank {r}'s descriptor carries a part head that is "
+                                       "not the one its upload() returned (rewritten by another writer of the "
+                                       "store?), or its ref binds none (pass each rank's upload() return); "
+                                       "not committed")
             missing = [r for r, d in enumerate(descs) if d is None]
             if not missing:
                 break
@@ -382,7 +391,7 @@ class ShardStreamPublisher:
                     raise PublishError("; ".join(errors) + "; not committed, baselines unchanged")
                 if len({g["version"] for g in got}) != 1:
                     raise PublishError(f"ranks publish different versions {[g['version'] for g in got]}")
-                refs = [Part(**g["ref"]) for g in got]
+                refs = [PartRef(**g["ref"]) for g in got]
                 outcome = [self.commit_version(got[0]["version"], attempt, refs=refs, step=step).to_bytes().decode()]
             except Exception as e:  # every rank must hear the outcome
                 outcome = [{"error": str(e)}]

@@ -53,30 +53,38 @@ class Attempts:
         self.staging = os.path.join(state_dir, "staging")
         self.check_trust = check_trust
 
-    def quarantine(self, floor: int, *, strict: bool) -> list[int]:
+    def quarantine(self, floor: int, *, strict: bool,
+                   decodes: Callable[[CommitRecord], str | None] | None = None) -> list[int]:
         """``Publisher.quarantine_head`` for a publisher at version ``floor`` (0 without a state;
-        ``strict``: it has one, and sets aside more than malformed records)."""
+        ``strict``: it has one, and sets aside more than malformed records). ``decodes(rec)``: why the
+        version after ``floor`` does not decode on the publisher's baseline, or None."""
         out = []
-        while (h := head(self.store)) > floor and (why := self._unusable(h, strict=strict)) is not None:
-            # Set aside whole where it is a record's size; a larger object is no record, and is not read
-            # (memory before trust): what it was is noted in its place.
-            data = get_capped(self.store, commit_key(h), MAX_RECORD_BYTES)
-            if data is None:
-                data = json.dumps({"set_aside": commit_key(h), "why": f"larger than {MAX_RECORD_BYTES} bytes, "
-                                   "not kept"}).encode()
-            qkey = f"quarantine/{h:012d}-{uuid.uuid4().hex[:8]}.json"
-            self.store.put(qkey, data)
-            self.store.delete(commit_key(h))
-            log.warning("set aside the record of version %d as %s: %s", h, qkey, why)
+        while (h := head(self.store)) > floor and (
+                why := self._unusable(h, strict=strict, decodes=decodes if h == floor + 1 else None)) is not None:
+            self.set_aside(h, why)
             out.append(h)
-        if out:
-            self.store.put("HEAD", f"{head(self.store)}\n".encode())
         return out
 
-    def _unusable(self, version: int, *, strict: bool) -> str | None:
+    def set_aside(self, h: int, why: str) -> None:
+        """Move the head's record (version ``h``) to ``quarantine/`` and HEAD down with it."""
+        # Set aside whole where it is a record's size; a larger object is no record, and is not read
+        # (memory before trust): what it was is noted in its place.
+        data = get_capped(self.store, commit_key(h), MAX_RECORD_BYTES)
+        if data is None:
+            data = json.dumps({"set_aside": commit_key(h), "why": f"larger than {MAX_RECORD_BYTES} bytes, "
+                               "not kept"}).encode()
+        qkey = f"quarantine/{h:012d}-{uuid.uuid4().hex[:8]}.json"
+        self.store.put(qkey, data)
+        self.store.delete(commit_key(h))
+        log.warning("set aside the record of version %d as %s: %s", h, qkey, why)
+        self.store.put("HEAD", f"{head(self.store)}\n".encode())
+
+    def _unusable(self, version: int, *, strict: bool,
+                  decodes: Callable[[CommitRecord], str | None] | None = None) -> str | None:
         """Why the committed record of ``version`` can be no version of this stream, or None if it can:
         malformed; and, ``strict``, of another stream, unsigned in a signed stream, not verifying with
-        this publisher's key, or not following the version before it."""
+        this publisher's key, not following the version before it, or (``decodes``) a delta that does
+        not decode to what it names (committed by a publisher whose input changed under it)."""
         where = f"{self.store.url}/{commit_key(version)}"
         try:
             rec = load_commit(self.store, version)
@@ -96,7 +104,8 @@ class Attempts:
             return str(e)
         if prev is not None and rec.parent != prev.fingerprint:
             return f"{where}: applies to {str(rec.parent)[:16]}…, not to version {version - 1}"
-        return None
+        why = decodes(rec) if decodes is not None else None
+        return f"{where}: {why}" if why else None
 
     def joint(self, rec: CommitRecord, quorum: int, ack_timeout: float, live_ttl: float) -> None:
         # The wall-clock deadline lets retention tell a live proposal from a dead publisher's.
@@ -195,9 +204,10 @@ class Attempts:
 
 
     def upload_and_commit(self, rec: CommitRecord, attempt: str, checkpoint: str, *, quorum: int,
-                          ack_timeout: float, live_ttl: float) -> str:
+                          ack_timeout: float, live_ttl: float, before_commit: Callable[[], None] | None = None) -> str:
         """Upload ``rec``'s staged parts, then (joint) commit it; the path of the local copy of the record
-        kept until the baseline has advanced. A failure before the commit removes the attempt's parts."""
+        kept until the baseline has advanced. A failure before the commit removes the attempt's parts.
+        ``before_commit()``, after the upload, raises to refuse the commit (the input changed)."""
         version, delta_part, catchup_part, kf_parts = rec.version, rec.delta, rec.catchup, rec.keyframe
         # Upload, then (joint) commit. The attempt is named in the state first, so that the next run
         # removes what a kill mid-upload left in the store (parts and unfinished uploads).
@@ -211,6 +221,8 @@ class Attempts:
             if kf_parts:
                 for (_name, part), (_, path) in zip(kf_parts, _checkpoint_files(checkpoint), strict=True):
                     self.store.put_file(part.key, path)
+            if before_commit is not None:
+                before_commit()
             if quorum:
                 self.joint(rec, quorum, ack_timeout, live_ttl)
             # The record we are about to commit, kept locally first: a kill right after the commit

@@ -6,6 +6,7 @@ stream (``Publisher.reset_baseline``)."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -15,14 +16,15 @@ from collections.abc import Callable
 from ..apply.files import apply as apply_delta
 from ..checkpoint.read import open_checkpoint
 from ..encode import EncodeReport, KnownHashes
-from ..errors import CheckpointError, DecodeError
+from ..errors import CheckpointError, DecodeError, VerificationError
 from ..history_book import HistoryBook, MovesRecorder
 from ..io.beside import own_dir, own_dir_in
 from ..io.fsutil import create_temp, open_regular, write_atomic
 from ..storage.base import Store
-from .history import open_book, resets, settle, start_over
+from .history import follows, lineage, open_book, resets, settle, start_over
 from .publish_state import _TEMP_SUFFIX, RESET_FIX, PublishState, read_state_json
-from .records import CommitRecord, Part, StreamError, fetch_part
+from .records import CommitRecord, Part, StreamError, commit_key, fetch_part, load_commit
+from .unchanged import undecodable
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +88,52 @@ class Baseline:
         self.known = None
         shutil.rmtree(self.staging, ignore_errors=True)
 
-    def rebuild(self, h: int, trusted: Callable[[int], CommitRecord]) -> PublishState | None:
+    def rebuild(self, h: int, trusted: Callable[[int], CommitRecord],
+                set_aside: Callable[[int, str], None] | None = None) -> PublishState | None:
         """Rebuild the baseline from the stream (after ``forget``): the newest keyframe, then the deltas
         after it to the head ``h``, each record from ``trusted(version)`` (which refuses one this
         publisher must not build on) and the baseline verified after each. None for an empty stream
-        (no baseline left)."""
+        (no baseline left). ``set_aside(h, why)``: called for a head delta that does not decode on the
+        version before it (``undecodable``), rebuilt then to that version instead."""
+        try:
+            return self._rebuild(h, trusted)
+        except (VerificationError, DecodeError):
+            if set_aside is None or h < 2:
+                raise
+            self.forget()
+            st = self._rebuild(h - 1, trusted)
+            why = self.undecodable(trusted(h), st) if st is not None else None
+            if why is None:
+                raise
+            set_aside(h, f"{self.store.url}/{commit_key(h)}: {why}")
+            return st
+
+    def book_at(self, st: PublishState) -> HistoryBook | None:
+        """The history book to code the next delta against: the baseline's, where it follows the
+        stream's lineage at the baseline; else None (the version goes out without history, which
+        starts every book over at it)."""
+        book = open_book(self.book_path)
+        if follows(book, lineage(lambda v: load_commit(self.store, v), st.version)):
+            return book
+        log.warning("%s: the history book does not describe the baseline (version %d); this version is "
+                    "published without history, which starts the book over", self.book_path, st.version)
+        return None
+
+    def undecodable(self, rec: CommitRecord, st: PublishState) -> str | None:
+        """Why delta ``rec`` does not decode on this baseline at ``st`` (its parent, verified), or None
+        where it does or cannot be told here: not a delta on it, or coded with a history book that is
+        not at ``st`` (``unchanged.undecodable``)."""
+        if rec.delta is None or rec.parent != st.fingerprint or (
+                rec.history and open_book(self.book_path).tip != st.fingerprint):
+            return None
+        os.makedirs(self.staging, exist_ok=True)
+        local = self._fetch(rec.delta, os.path.join(self.staging, "check.delta"))
+        try:
+            return undecodable(local, self.path, threads=self.threads, history=self._book_for(rec))
+        finally:
+            os.unlink(local)
+
+    def _rebuild(self, h: int, trusted: Callable[[int], CommitRecord]) -> PublishState | None:
         if h == 0:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
@@ -127,6 +170,9 @@ class Baseline:
                     raise
                 raise StreamError(f"{e} (version {rec.version} is coded against a history book this publisher's "
                                   f"{self.book_path} is not){RESET_FIX}") from None
+            except VerificationError as e:  # committed by a publisher whose input changed under it?
+                raise type(e)(f"{e}; version {rec.version} does not decode on the version before it: 'deltarefit "
+                              "publish --quarantine-head' (same arguments) sets it aside") from None
             os.unlink(local)
         elif rec.keyframe:
             kdir = own_dir(os.path.join(self.staging, "keyframe"), "publisher staging directory")
@@ -272,3 +318,12 @@ def _copy_checkpoint(src: str, dest: str) -> None:
                                 lambda n=n, i=i: (ck.raw(n)[o:o + SEGMENT_BYTES] for o in range(0, i.nbytes, SEGMENT_BYTES)))
                    for n, i in ck.tensors.items()]
         write_safetensors(dest, sources)
+
+
+def remove_temps_of(*paths: str) -> None:
+    """Remove the temps a killed writer left of each of ``paths`` (``_temp_beside``'s names); the caller
+    holds the lock under which they are written."""
+    for base in paths:
+        for stale in glob.glob(glob.escape(base) + _TEMP_SUFFIX + "*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)

@@ -73,18 +73,6 @@ def follows(book: HistoryBook, expected: tuple[list[str], bool]) -> bool:
     return got == want or (started and got == want[:-1])
 
 
-def book_at(path: str, load: Callable[[int], CommitRecord], version: int) -> HistoryBook | None:
-    """The publisher's history book at ``path`` to code the delta after ``version`` (its baseline) against,
-    where it follows the stream's lineage there; else None (the version goes out without history, which
-    starts every book over at it)."""
-    book = open_book(path)
-    if follows(book, lineage(load, version)):
-        return book
-    log.warning("%s: the history book does not describe the baseline (version %d); this version is "
-                "published without history, which starts the book over", path, version)
-    return None
-
-
 def open_book(path: str) -> HistoryBook:
     """The book at ``path``; a malformed one is started over (logged), since it is local state that
     the lineage rebuilds, and a wrong book only costs a route."""

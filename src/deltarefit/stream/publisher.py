@@ -20,7 +20,6 @@ step 5 before anything else. Publishing the same checkpoint again returns the ex
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import logging
 import os
@@ -39,12 +38,11 @@ from ..io.locks import lock_path_beside, locked_method
 from ..signing import SignatureError, Signer, check_record_signature, record_signature
 from ..storage.base import Store, open_store
 from .attempts import Attempts, _checkpoint_files
-from .baseline import Baseline, _temp_beside
+from .baseline import Baseline, _temp_beside, remove_temps_of
 from .chain import chain_bytes
-from .history import book_at, open_book, resets, start_over
+from .history import open_book, resets, start_over
 from .progress import Opener, encoding, phase, store_phase, tensor_bytes
 from .publish_state import (
-    _TEMP_SUFFIX,
     ALL,
     ATTEMPT_NAME,
     QUARANTINE_FIX,
@@ -72,6 +70,7 @@ from .records import (
     vkey,
 )
 from .relatedness import check_one_model
+from .unchanged import InputGuard, check_decodes
 
 if TYPE_CHECKING:
     from .served import ServedTensors
@@ -176,11 +175,8 @@ class Publisher:
         pending = os.path.join(self.state_dir, "pending.json")
         # What a killed publish left behind: the temp of every file it writes atomically in its state
         # directory. This process holds the state's lock, so no live writer of these names remains.
-        for base in (self.baseline, self.keyframe_copy, self.keyframe_copy + ".json", self.known_path,
-                     self.state_path, pending, os.path.join(self.state_dir, ATTEMPT_NAME)):
-            for stale in glob.glob(glob.escape(base) + _TEMP_SUFFIX + "*"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(stale)
+        remove_temps_of(self.baseline, self.keyframe_copy, self.keyframe_copy + ".json", self.known_path,
+                        self.state_path, pending, os.path.join(self.state_dir, ATTEMPT_NAME))
         done: list[PublishState] = []
         self.attempts.settle_killed(lambda rec: done.append(self.base.advance_to(st, rec)))
         st = done[0] if done else st
@@ -256,7 +252,7 @@ class Publisher:
         self.base.forget()
         h = head(self.store)
         sid = None if h == 0 else stream_identity(self.store)
-        st = self.base.rebuild(h, lambda v: self._trusted(v, sid, self.verifier is not None))
+        st = self.base.rebuild(h, lambda v: self._trusted(v, sid, self.verifier is not None), self.attempts.set_aside)
         if st is None:
             return None
         if st.stream_id is None and sid is not None:
@@ -272,10 +268,12 @@ class Publisher:
         for inspection; ``list_versions`` and retention ignore it) and its parts become orphans that
         retention removes. A usable head stops it: valid versions are never set aside. Only versions
         after this publisher's committed one are considered, and without a state only malformed
-        records (a wrong ``signing_key`` must not make the stream's own history look foreign).
-        Returns the versions set aside."""
+        records (a wrong ``signing_key`` must not make the stream's own history look foreign). With a
+        state, a delta after it that does not decode on the baseline is set aside too. Returns the
+        versions set aside."""
         st = self.state()
-        return self.attempts.quarantine(st.version if st is not None else 0, strict=st is not None)
+        return self.attempts.quarantine(st.version if st is not None else 0, strict=st is not None,
+                                        decodes=(lambda rec: self.base.undecodable(rec, st)) if st else None)
 
     # -- publish ---------------------------------------------------------------------------------
 
@@ -311,9 +309,10 @@ class Publisher:
         attempt = f"{vkey(version)}/{uuid.uuid4().hex[:12]}"
         shutil.rmtree(self.staging, ignore_errors=True)
         os.makedirs(self.staging)
-        book = book_at(self.book_path, lambda v: load_commit(self.store, v), st.version) if self.history and st else None
+        book = self.base.book_at(st) if self.history and st is not None else None
         self._fmt = stream_format(self.state_dir, self.format_version, st is not None)
-        rep, delta_part, fp, full_bytes = self._delta(st, checkpoint, attempt, book)
+        guard = InputGuard(checkpoint)  # the input as it is before the first read (it may change: ``unchanged``)
+        rep, delta_part, fp, full_bytes = self._delta(st, checkpoint, attempt, book, guard.source)
         if st is not None and fp == st.fingerprint:
             shutil.rmtree(self.staging, ignore_errors=True)
             log.info("checkpoint is already version %d; nothing to publish", st.version)
@@ -321,7 +320,8 @@ class Publisher:
         keyframe = st is None or version % self.keyframe_every == 0 or chain_bytes(
             lambda v: load_commit(self.store, v), version) + (delta_part.bytes if delta_part else 0) >= (
             self.keyframe_ratio * max(full_bytes, 1))
-        catchup_from, catchup_part = self._catchup(version, checkpoint, attempt) if not keyframe else (None, None)
+        catchup_from, catchup_part = self._catchup(version, checkpoint, attempt, guard.source) if not keyframe else (
+            None, None)
         kf_parts: list[tuple[str, Part]] = []
         if keyframe and not isinstance(checkpoint, str):
             # Tensors in memory: the keyframe's one file, streamed into staging (it becomes the baseline).
@@ -349,8 +349,9 @@ class Publisher:
             start_over(self.staged_moves_path)
             HistoryBook(self.staged_moves_path).commit(fp, rep.moves, parent=None)
         with store_phase(self.store, self.progress, f"publish: upload {rec.kind}", rec.part_bytes):
-            pending = self.attempts.upload_and_commit(rec, attempt, checkpoint, quorum=self.quorum,
-                                                      ack_timeout=self.ack_timeout, live_ttl=self.live_ttl)
+            pending = self.attempts.upload_and_commit(
+                rec, attempt, checkpoint, quorum=self.quorum, ack_timeout=self.ack_timeout, live_ttl=self.live_ttl,
+                before_commit=guard.check if kf_parts else None)
         try:
             self._after_commit(rec, checkpoint, rep, pending)
         except (OSError, DeltaRefitError) as e:
@@ -363,8 +364,8 @@ class Publisher:
         log.info("published version %d (%s, %d bytes)", version, rec.kind, rec.part_bytes)
         return rec
 
-    def _delta(self, st: PublishState | None, checkpoint: str | ServedTensors, attempt: str,
-               book: HistoryBook | None = None) -> tuple[EncodeReport | None, Part | None, str | None, int]:
+    def _delta(self, st: PublishState | None, checkpoint: str | ServedTensors, attempt: str, book: HistoryBook | None,
+               source: str) -> tuple[EncodeReport | None, Part | None, str | None, int]:
         """(encode report, delta part, target fingerprint, full bytes) of ``checkpoint`` against the
         committed baseline, staged; all None/0 for a first version. Refuses a baseline that is not the
         committed version. ``book``: the baseline's history book, coded against too."""
@@ -390,10 +391,13 @@ class Publisher:
                               f"committed {st.fingerprint[:16]}… (modified by hand?){RESET_FIX}")
         check_one_model(rep.changed_fraction, self.baseline, checkpoint, st.version, allowed=self.another_model)
         fp = rep.target_fingerprint
+        if fp != st.fingerprint:  # nothing committed that does not decode to what was hashed
+            check_decodes(local, self.baseline, source=source, threads=self.threads, history=book)
         part = None if fp == st.fingerprint else Part(f"{attempt}/delta", os.path.getsize(local), file_hash(local))
         return rep, part, fp, rep.full_bytes
 
-    def _catchup(self, version: int, checkpoint: str | ServedTensors, attempt: str) -> tuple[int | None, Part | None]:
+    def _catchup(self, version: int, checkpoint: str | ServedTensors, attempt: str, source: str) -> tuple[int | None,
+                                                                                                    Part | None]:
         """(the keyframe it starts from, its part) of a staged catch-up delta from the newest keyframe
         to ``checkpoint``, when this publisher ships them and the chain since that keyframe is long
         enough to need one; (None, None) otherwise."""
@@ -405,6 +409,7 @@ class Publisher:
                             sums=self.sums, format_version=self._fmt)
         if crep.base_fingerprint != kf_state[1]:
             return None, None
+        check_decodes(local, self.keyframe_copy, source=source, threads=self.threads)
         return kf_state[0], Part(f"{attempt}/catchup", os.path.getsize(local), file_hash(local))
 
     def _after_commit(self, rec: CommitRecord, checkpoint: str | ServedTensors, rep: EncodeReport | None,

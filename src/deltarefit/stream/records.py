@@ -36,6 +36,7 @@ from ..storage.base import Store
 
 # The chain layer owns the keys, the head and loading a record; re-exported here for their callers.
 from .chain import MAX_RECORD_BYTES, commit_key, get_capped, head, list_versions, load_record, vkey  # noqa: F401
+from .held_record import check_held
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +297,8 @@ def newest_with_fingerprint(store: Store, fingerprint: str, verifier: Verifier |
     signed one may still name the fingerprint."""
     refused: SignatureError | None = None
     for v in range(head(store), 0, -1):
+        if not store.exists(commit_key(v)):  # removed by retention (or a mirror that starts later): no version
+            continue
         try:
             rec = load_commit(store, v, verifier)
         except SignatureError as e:  # an unsigned or forged record costs its size, never a parse
@@ -394,11 +397,11 @@ def held_state(state_path: str) -> dict | None:
         # At most LOCAL_STATE_MAX_BYTES read, its shape bounded before it is parsed (``small_json``).
         with os.fdopen(open_regular(state_path, os.O_RDONLY, what="version state"), "rb") as f:
             d = small_json(read_capped(f.fileno(), LOCAL_STATE_MAX_BYTES))
-        d["version"], d["fingerprint"] = int(d["version"]), str(d["fingerprint"])
+        check_held(d)
         return d
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
         raise StreamError(f"{state_path}: unreadable version state ({e}); 'deltarefit sync --repair' rebuilds "
                           "it") from None
 

@@ -75,10 +75,18 @@ class ServedTensors:
                 raise UsageError(f"expected (name, tensor) pairs, got {type(item).__name__}") from None
             if not isinstance(name, str) or not name:
                 raise UsageError(f"tensor name {name!r}: expected a non-empty str")
+            try:  # a safetensors header holds UTF-8 (a lone surrogate has none)
+                name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise UsageError(f"tensor name {name!r}: not encodable as UTF-8 (a lone surrogate?)") from None
             if name in self._src:
                 raise UsageError(f"tensor {name!r} is given twice")
-            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-                raise UsageError(f"tensor {name!r}: expected a dense torch.Tensor, got {type(t).__name__}")
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_nested:
+                what = "a nested tensor" if isinstance(t, torch.Tensor) and t.is_nested else type(t).__name__
+                raise UsageError(f"tensor {name!r}: expected a dense torch.Tensor, got {what}")
+            if t.is_meta or t.device.type == "meta":
+                raise UsageError(f"tensor {name!r} is on the meta device: it holds no data to publish (materialize "
+                                 "it first, e.g. to_empty() then load its weights)")
             own = safetensors_dtype(t.dtype)
             dt = _served_dtype(name, own, served)
             if dt != own and (own not in _CONVERTIBLE or dt not in SERVED_FLOATS):

@@ -27,9 +27,10 @@ import time
 from dataclasses import asdict, dataclass
 
 from ..checkpoint.read import open_checkpoint
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StreamError, UsageError
+from ..signing import Verifier
 from ..storage.base import open_store
-from .chain import head
+from .chain import commit_key, head
 from .holder import hash_identity, state_path
 from .records import (
     MalformedRecordError,
@@ -72,12 +73,14 @@ def _sync_cmd(store: str | None, checkpoint: str, extra: str = "") -> str:
 
 
 def checkpoint_status(checkpoint: str, *, store: str | None = None, verify: bool = False,
-                      threads: int | None = None) -> CheckpointStatus:
+                      threads: int | None = None, public_key: str | None = None) -> CheckpointStatus:
     """Where ``checkpoint`` stands (module docstring), compared with ``store`` (a URL, else the one
     its record names). Raises ``CheckpointError`` for a checkpoint that is missing or unreadable,
-    ``StreamError`` for a corrupt version record (the ``--repair`` way out), ``StoreError`` for a
-    store that cannot be read or is not there, ``MalformedRecordError`` for a store record that
-    cannot be parsed. Writes nothing."""
+    ``StreamError`` for a corrupt version record (the ``--repair`` way out; a recorded store that
+    cannot be opened too), ``StoreError`` for a store that cannot be read or is not there,
+    ``MalformedRecordError`` for a store record that cannot be parsed. ``public_key``: every store
+    record read (the head's, the held version's, the stream's first) must verify with this Ed25519
+    key (``SignatureError`` otherwise). Writes nothing."""
     ck = os.path.abspath(checkpoint)
     rec_path = state_path(ck)
     if not os.path.lexists(ck):
@@ -99,10 +102,19 @@ def checkpoint_status(checkpoint: str, *, store: str | None = None, verify: bool
                   files_unchanged=same, too_soon=not same and _same_identity(state, ident))
     if verify:
         st["hashed"] = hash_identity(ck, threads)[0]
-    s = None if url is None else open_store(url, create=False)
+    try:
+        s = None if url is None else open_store(url, create=False)
+    except UsageError as e:
+        if store:
+            raise
+        raise StreamError(f"{rec_path}: names store {url!r}, which cannot be opened ({e}); "
+                          f"'{_sync_cmd(None, checkpoint, ' --repair')}' with the store rebuilds the record") from None
+    verifier = Verifier(public_key) if public_key else None
     if s is not None:
         st["head"] = head(s)
-    state_name, fix = _judge(st, s, checkpoint)
+        if verifier is not None and st["head"]:  # the head shown is one the key signed
+            load_commit(s, st["head"], verifier)
+    state_name, fix = _judge(st, s, checkpoint, verifier)
     return CheckpointStatus(state=state_name, fix=fix, **st)
 
 
@@ -134,12 +146,12 @@ def identity_settled(state: dict, identity: tuple, now_ns: int) -> bool:
     return last <= at and last + tick < now_ns
 
 
-def _judge(st: dict, s, checkpoint: str) -> tuple[str, str | None]:
+def _judge(st: dict, s, checkpoint: str, verifier: Verifier | None) -> tuple[str, str | None]:
     """(state, fix) from what was read; looks up the store's records as needed (read-only)."""
     url, h, v = st["store"], st["head"], st["version"]
     if v is None:
         if s is not None and st["hashed"] is not None:
-            st["found_version"] = newest_with_fingerprint(s, st["hashed"])[0]
+            st["found_version"] = newest_with_fingerprint(s, st["hashed"], verifier)[0]
             if st["found_version"] is None:  # a plain sync refuses a fingerprint that is no version
                 return "no-record", _sync_cmd(url, checkpoint, " --repair")
         return "no-record", _sync_cmd(url, checkpoint)
@@ -149,13 +161,15 @@ def _judge(st: dict, s, checkpoint: str) -> tuple[str, str | None]:
         return "no-store", _sync_cmd(None, checkpoint)
     st["behind"] = h - v
     try:
-        ident = stream_identity(s)
+        ident = stream_identity(s, verifier)
     except MalformedRecordError:
         ident = None  # the store's first record cannot be read: compared below by the held version's
     if ident is not None and st["stream_id"] is not None and ident != st["stream_id"]:
         return "other-stream", _sync_cmd(url, checkpoint, " --repair")
     if v > h:
         return "ahead", _sync_cmd(url, checkpoint, " --repair")
-    if load_commit(s, v).fingerprint != st["fingerprint"]:
+    if not s.exists(commit_key(v)):  # retention removed it: which fingerprint it was is not known here
+        return ("at-head", None) if v == h else ("behind", _sync_cmd(url, checkpoint))
+    if load_commit(s, v, verifier).fingerprint != st["fingerprint"]:
         return "replaced", _sync_cmd(url, checkpoint, " --repair")
     return ("at-head", None) if v == h else ("behind", _sync_cmd(url, checkpoint))
