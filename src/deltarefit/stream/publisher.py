@@ -96,15 +96,14 @@ class Publisher:
     Directory checkpoints, and a checkpoint that changed after it was encoded, always take the apply route.
     ``another_model``: publish a checkpoint that looks like another model (most elements changed:
     ``relatedness``), else refused (``UsageError``). ``sums`` (default on): deltas carry each changed tensor's
-    additive digest, so a live engine checks a refit in O(changed elements) (FORMAT.md, "Held
-    digests"); one more pass over the changed tensors per encode. ``history``: code each version's
-    delta against a history book kept in ``state_dir/history`` as well (encoding 5, kept where
-    smaller; the record's ``history`` flag), which describes the baseline: it advances only once the
-    version is committed and the baseline has reached it, starts over at keyframes, and where it does
-    not follow the stream's lineage at the baseline (``stream.history``) the version is published
-    without it. Catch-up deltas never use it. ``format_version``: of the deltas (1 or 2; FORMAT.md,
-    "Versions"); None: the one this publisher last published (``publish_state.stream_format``: 2 for a new
-    stream). Changing it between versions is allowed: subscribers follow a stream of both.
+    additive digest, so a live engine checks a refit in O(changed elements) (FORMAT.md, "Held digests"); one
+    more pass over the changed tensors per encode. ``history``: code each version's delta against a history
+    book kept in ``state_dir/history`` as well (encoding 5 or 7, kept where smaller; the record's ``history``
+    flag), which describes the baseline: it advances only once the version is committed and the baseline has
+    reached it, starts over at keyframes, and where it does not follow the stream's lineage at the baseline
+    (``stream.history``) the version is published without it. Catch-up deltas never use it.
+    ``format_version``: of the deltas (1 or 2; FORMAT.md, "Versions"); None: the one this publisher last
+    published (``publish_state.stream_format``: 2 for a new stream); subscribers follow a stream of both.
     """
     progress: Opener | None = None  # told each long step's bytes (``stream.progress``); None: no calls
 
@@ -135,14 +134,14 @@ class Publisher:
         # own key: in a signed stream a record it cannot verify is not a version of the stream.
         self.verifier = self.signer.verifier() if self.signer else None
         self._head_rec: CommitRecord | None = None  # the record of the baseline's version, after recover
-        # Catch-up deltas: each version also ships one delta straight from the newest keyframe, so a late joiner needs
-        # the keyframe and one delta instead of the whole chain (a local copy of it, a second encode per publish).
+        # Catch-up deltas: each version also ships one delta straight from the newest keyframe, so a late joiner
+        # needs the keyframe and one delta instead of the chain (a local copy of it, a second encode per publish).
         self.catchup, self.history = catchup, history
         if catchup and history:
             log.warning("catch-up deltas and history do not combine: a subscriber takes no catch-up to a version "
                         "coded with history (its book could not follow the next delta), see docs/STREAMS.md")
-        self.keyframe_copy = os.path.join(self.state_dir, "keyframe.safetensors")
-        self.publisher_id = publisher_id or f"{os.uname().nodename}-{os.getpid()}"
+        self.keyframe_copy, self.publisher_id = (os.path.join(self.state_dir, "keyframe.safetensors"),
+                                                 publisher_id or f"{os.uname().nodename}-{os.getpid()}")
         self.baseline, self.state_path, self.staging = self.base.path, self.base.state_path, self.base.staging
         self.known_path, self.book_path, self.staged_moves_path = (self.base.known_path, self.base.book_path,
                                                                    self.base.staged_moves_path)
@@ -150,8 +149,7 @@ class Publisher:
 
     @property
     def store(self) -> Store:
-        """The stream's store. Replacing it (a rate-limited or counting wrapper) replaces it for the
-        baseline and the attempts too."""
+        """The stream's store; replacing it (a rate-limited or counting wrapper) replaces it everywhere."""
         return self._store
 
     @store.setter
