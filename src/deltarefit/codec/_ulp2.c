@@ -84,15 +84,17 @@ static inline void st(uint8_t *p, int64_t i, int isz, uint64_t v)
 
 static inline uint64_t key_of(uint64_t u, int kind, uint64_t sign, uint64_t full)
 {
-    if (kind == 0)
-        return (u & sign) ? full - u : (u | sign);
+    if (kind == 0) /* (u & sign) ? full - u : u | sign, branch-free: the sign of a weight is a coin toss */
+        return u ^ (sign | ((0 - (uint64_t)((u & sign) != 0)) & (sign - 1)));
+    (void)full;
     return kind == 1 ? u ^ sign : u;
 }
 
 static inline uint64_t unkey_of(uint64_t k, int kind, uint64_t sign, uint64_t full)
 {
-    if (kind == 0)
-        return (k & sign) ? k ^ sign : full - k;
+    if (kind == 0) /* (k & sign) ? k ^ sign : full - k, branch-free */
+        return k ^ (sign | (((uint64_t)((k & sign) != 0) - 1) & (sign - 1)));
+    (void)full;
     return kind == 1 ? k ^ sign : k;
 }
 
@@ -646,18 +648,21 @@ static __attribute__((noinline)) int pos_scalar(dec_t *D, int64_t s0, int64_t s1
     }
 }
 
-/* The changes' bits of one step's mask: positions and contexts (re-read from the base). The caller
- * checked that they fit (k + popcount(bits) <= m). */
+/* The changes' bits of one step's mask: their positions (no history: the values pass reads each change's
+ * context from the base, ectx_of). The caller checked that they fit (k + popcount(bits) <= m). */
 static inline void take_bits(dec_t *D, uint32_t bits, int64_t i0)
 {
     while (bits) {
         const int l = __builtin_ctz(bits);
         bits &= bits - 1;
-        const int64_t i = i0 + l;
-        D->pos[D->k] = i;
-        D->ectx[D->k] = (uint16_t)ctx_at(D, i, 2, 0);
-        D->k++;
+        D->pos[D->k++] = i0 + l;
     }
+}
+
+/* Change j's context: kept by the positions pass with a history, else read from the base at its position. */
+static inline int64_t ectx_of(const dec_t *D, int64_t j)
+{
+    return D->hist ? D->ectx[j] : ctx_at(D, D->pos[j], D->isz, 0);
 }
 
 #include "_ulp2_simd.h"
@@ -676,6 +681,8 @@ static inline __attribute__((always_inline)) int values_t(dec_t *D, uint8_t *val
     const uint8_t *sb = D->sb;
     int64_t sp = D->sp;
     const int isz = D->isz, kind = D->kind;
+    const uint8_t *const base = D->base; /* (locals: the stores through val may alias D for the compiler) */
+    const int64_t *const posv = D->pos;
     uint32_t x[32];
     int kl[32], neg[32];
     uint64_t mant[32];
@@ -692,7 +699,7 @@ static inline __attribute__((always_inline)) int values_t(dec_t *D, uint8_t *val
         }
 #endif
         for (int l = 0; l < nl; l++) { /* round 0: the bit lengths */
-            const int32_t g = D->gidx[D->ectx[j0 + l]];
+            const int32_t g = D->gidx[ectx_of(D, j0 + l)];
             if (g < 0)
                 return ST_TABLE; /* only where the base changed since the positions pass */
             const uint32_t *cu = D->cum + (int64_t)g * B1, slot = x[l] & smask;
@@ -739,8 +746,8 @@ static inline __attribute__((always_inline)) int values_t(dec_t *D, uint8_t *val
     values:
         for (int l = 0; l < nl; l++) {
             const int64_t j = j0 + l;
-            const uint64_t a = (1ull << (kl[l] - 1)) | mant[l], d = neg[l] ? (0 - a) : a;
-            const uint64_t b = ld(D->base, D->pos[j], isz);
+            const uint64_t a = (1ull << (kl[l] - 1)) | mant[l], ng = 0 - (uint64_t)neg[l], d = (a ^ ng) - ng;
+            const uint64_t b = ld(base, posv[j], isz);
             st(val, j, isz, unkey_of((key_of(b, kind, sign, full) + d) & full, kind, sign, full));
         }
     }

@@ -11,6 +11,8 @@
 static uint8_t expand8[256][16];
 /* [8-lane need mask] -> the dword permutation taking lane l the (rank of l)-th of 8 bytes widened. */
 static int32_t perm8[256][8];
+/* [8-lane mask] -> the lanes set, in increasing order (then zeros): a step's changes by one compress. */
+static uint8_t cidx8[256][8];
 
 __attribute__((constructor)) static void ulp2_init_tables(void)
 {
@@ -23,6 +25,10 @@ __attribute__((constructor)) static void ulp2_init_tables(void)
         r = 0;
         for (int l = 0; l < 8; l++)
             perm8[msk][l] = (msk >> l) & 1 ? r++ : 0;
+        r = 0;
+        for (int l = 0; l < 8; l++)
+            if ((msk >> l) & 1)
+                cidx8[msk][r++] = (uint8_t)l;
     }
 }
 
@@ -99,7 +105,20 @@ __attribute__((target("avx2,popcnt,bmi"))) static int pos_avx2(dec_t *D, int64_t
             break;
         }
         sp += __builtin_popcount(nm);
-        take_bits(D, bm, 32 * s);
+        if (!bm) {
+        } else if (D->k + 32 <= D->m) { /* room for 8 positions a group: the lanes set by a table */
+            int64_t *pk = D->pos + D->k;
+            for (int g = 0; g < 4; g++) {
+                const uint32_t bg = (bm >> (8 * g)) & 255;
+                const __m128i ix = _mm_loadl_epi64((const __m128i *)cidx8[bg]);
+                const __m256i i0 = _mm256_set1_epi64x(32 * s + 8 * g);
+                _mm256_storeu_si256((__m256i *)pk, _mm256_add_epi64(i0, _mm256_cvtepu8_epi64(ix)));
+                _mm256_storeu_si256((__m256i *)(pk + 4), _mm256_add_epi64(i0, _mm256_cvtepu8_epi64(_mm_srli_si128(ix, 4))));
+                pk += __builtin_popcount(bg);
+            }
+            D->k = pk - D->pos;
+        } else
+            take_bits(D, bm, 32 * s);
     }
     _mm256_storeu_si256((__m256i *)xs, x[0]);
     _mm256_storeu_si256((__m256i *)(xs + 16), x[1]);
@@ -281,7 +300,7 @@ __attribute__((target("avx2,popcnt,bmi"))) static int values_group_avx2(dec_t *D
     uint32_t ps[32], ma[32];
     int flip[32];
     for (int l = 0; l < 32; l++) {
-        const int64_t c = D->ectx[j0 + l];
+        const int64_t c = ectx_of(D, j0 + l);
         const int32_t g = D->gidx[c];
         if (g < 0)
             return ST_TABLE; /* only where the base changed since the positions pass */
