@@ -861,7 +861,7 @@ static int ulp2_decode_c(dec_t *D, const uint8_t *pl, int64_t plen, uint8_t *val
                 chi = c;
             }
         if (chi - clo < 64) {
-            r = D->V.W == 16 ? pos_avx2_v1(D, clo, &done) : ker == 2 ? pos_avx512(D, clo, &done) : pos_avx2(D, clo, &done);
+            r = D->V.W == 16 ? pos_avx2_v1(D, clo, &done) : ker == 2 ? pos_avx512(D, clo, &done) : pos_avx2(D, clo, chi, &done);
             if (r)
                 return r;
         }
