@@ -518,12 +518,12 @@ static int parse_header(dec_t *D, const uint8_t *pl, int64_t plen)
             r = ST_NOMEM;
             goto fail;
         }
-        for (int64_t g = 0; g < ng; g++)
-            for (int k = 1, q = 0; q < 256; q++) {
-                while (D->cum[g * B1 + k] <= (uint32_t)q)
-                    k++;
-                D->klut[g * 256 + q] = (uint32_t)k | D->cum[g * B1 + k - 1] << 8 |
-                                       (D->cum[g * B1 + k] - D->cum[g * B1 + k - 1]) << 16;
+        for (int64_t g = 0; g < ng; g++) /* the slots [cum[k-1], cum[k]) of each k (cum rises to 256) */
+            for (int k = 1; k <= D->kk[g]; k++) {
+                const uint32_t c0 = D->cum[g * B1 + k - 1], c1 = D->cum[g * B1 + k];
+                const uint32_t e = (uint32_t)k | c0 << 8 | (c1 - c0) << 16;
+                for (uint32_t q = c0; q < c1; q++)
+                    D->klut[g * 256 + q] = e;
             }
     }
     free(gctx);
