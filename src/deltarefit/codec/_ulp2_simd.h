@@ -13,6 +13,8 @@ static uint8_t expand8[256][16];
 static int32_t perm8[256][8];
 /* [8-lane mask] -> the lanes set, in increasing order (then zeros): a step's changes by one compress. */
 static uint8_t cidx8[256][8];
+/* [8-lane mask] -> the byte shuffle gathering those lanes' 16-bit elements in increasing order. */
+static uint8_t cidx16[256][16];
 
 __attribute__((constructor)) static void ulp2_init_tables(void)
 {
@@ -26,9 +28,13 @@ __attribute__((constructor)) static void ulp2_init_tables(void)
         for (int l = 0; l < 8; l++)
             perm8[msk][l] = (msk >> l) & 1 ? r++ : 0;
         r = 0;
+        memset(cidx16[msk], 0x80, 16);
         for (int l = 0; l < 8; l++)
-            if ((msk >> l) & 1)
+            if ((msk >> l) & 1) {
+                cidx16[msk][2 * r] = (uint8_t)(2 * l);
+                cidx16[msk][2 * r + 1] = (uint8_t)(2 * l + 1);
                 cidx8[msk][r++] = (uint8_t)l;
+            }
     }
 }
 
@@ -52,6 +58,7 @@ pos_avx2_t(dec_t *D, int64_t clo, int64_t *done, const int NT)
     const int64_t S = D->n / 32, slen = D->slen, m = D->m;
     int64_t sp = D->sp, k = D->k;
     int64_t *const pos = D->pos;
+    uint16_t *const eb = D->ebase;
     __m256i t[4], bsub[4];
     for (int j = 0; j < NT; j++) {
         t[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(tab + 16 * j)));
@@ -69,11 +76,11 @@ pos_avx2_t(dec_t *D, int64_t clo, int64_t *done, const int NT)
     int64_t s;
     for (s = 0; s < S; s++) {
         __m256i bit[2], need[2], pw[2], xd[2];
+        const __m256i bv0 = _mm256_loadu_si256((const __m256i *)(bp + 64 * s));
+        const __m256i bv1 = _mm256_loadu_si256((const __m256i *)(bp + 64 * s + 32));
         {   /* the probabilities: window offsets as bytes (16 NT: outside), NT 16-entry byte lookups */
-            const __m256i d0 = _mm256_min_epu16(_mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(
-                                   _mm256_loadu_si256((const __m256i *)(bp + 64 * s)), vsh), vmask), vclo), vout);
-            const __m256i d1 = _mm256_min_epu16(_mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(
-                                   _mm256_loadu_si256((const __m256i *)(bp + 64 * s + 32)), vsh), vmask), vclo), vout);
+            const __m256i d0 = _mm256_min_epu16(_mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(bv0, vsh), vmask), vclo), vout);
+            const __m256i d1 = _mm256_min_epu16(_mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(bv1, vsh), vmask), vclo), vout);
             const __m256i d = _mm256_packus_epi16(d0, d1); /* per 128-bit half: 8 of d0, 8 of d1 */
             __m256i p = _mm256_shuffle_epi8(t[0], _mm256_adds_epu8(d, b70));
             for (int j = 1; j < NT; j++)
@@ -106,22 +113,26 @@ pos_avx2_t(dec_t *D, int64_t clo, int64_t *done, const int NT)
             x[1] = _mm256_or_si256(_mm256_blendv_epi8(xd[1], _mm256_slli_epi16(xd[1], 8), need[1]), _mm256_set_m128i(w3, w2));
         }
         sp += nn;
-        if (br) { /* the changes in lane order: a compress table per 8 lanes (8 positions written, k moved) */
+        if (br) { /* the changes in lane order and their base elements: compress tables per 8 lanes (8 written) */
             const uint32_t bm = (br & 0xFF0000FF) | ((br >> 8) & 0xFF00) | ((br << 8) & 0xFF0000);
             if (k + 32 <= m) {
-                int64_t *pk = pos + k;
+                const __m128i bh[4] = {_mm256_castsi256_si128(bv0), _mm256_extracti128_si256(bv0, 1),
+                                       _mm256_castsi256_si128(bv1), _mm256_extracti128_si256(bv1, 1)};
                 for (int g = 0; g < 4; g++) {
                     const uint32_t bg = (bm >> (8 * g)) & 255;
                     const __m128i ix = _mm_loadl_epi64((const __m128i *)cidx8[bg]);
                     const __m256i i0 = _mm256_set1_epi64x(32 * s + 8 * g);
-                    _mm256_storeu_si256((__m256i *)pk, _mm256_add_epi64(i0, _mm256_cvtepu8_epi64(ix)));
-                    _mm256_storeu_si256((__m256i *)(pk + 4), _mm256_add_epi64(i0, _mm256_cvtepu8_epi64(_mm_srli_si128(ix, 4))));
-                    pk += __builtin_popcount(bg);
+                    _mm256_storeu_si256((__m256i *)(pos + k), _mm256_add_epi64(i0, _mm256_cvtepu8_epi64(ix)));
+                    _mm256_storeu_si256((__m256i *)(pos + k + 4), _mm256_add_epi64(i0, _mm256_cvtepu8_epi64(_mm_srli_si128(ix, 4))));
+                    _mm_storeu_si128((__m128i *)(eb + k), _mm_shuffle_epi8(bh[g], _mm_loadu_si128((const __m128i *)cidx16[bg])));
+                    k += __builtin_popcount(bg);
                 }
-                k = pk - pos;
             } else
-                for (uint32_t b2 = bm; b2; b2 &= b2 - 1)
-                    pos[k++] = 32 * s + __builtin_ctz(b2);
+                for (uint32_t b2 = bm; b2; b2 &= b2 - 1) {
+                    const int64_t i = 32 * s + __builtin_ctz(b2);
+                    eb[k] = (uint16_t)ld(bp, i, 2);
+                    pos[k++] = i;
+                }
         }
     }
     _mm256_storeu_si256((__m256i *)xs, x[0]);
@@ -310,7 +321,7 @@ __attribute__((target("avx2,popcnt,bmi"))) static inline int renorm_x4(__m256i *
 
 __attribute__((target("avx2,popcnt,bmi"))) static int values_group_avx2(dec_t *D, int64_t j0, uint32_t *xa,
                                                                         int64_t *sp, int *kl, int *neg,
-                                                                        uint64_t *mant)
+                                                                        uint64_t *mant, uint8_t *val, int *stored)
 {
     int32_t go[32];
     uint32_t ps[32], ma[32];
@@ -379,10 +390,32 @@ __attribute__((target("avx2,popcnt,bmi"))) static int values_group_avx2(dec_t *D
         if ((r = renorm_x4(x, xn, act, D->sb, sp, D->slen)))
             return r;
     }
-    for (int q = 0; q < 4; q++) {
+    for (int q = 0; q < 4; q++)
         _mm256_storeu_si256((__m256i *)(xa + 8 * q), x[q]);
-        _mm256_storeu_si256((__m256i *)(ma + 8 * q), mt[q]);
+    if (D->ebase && D->kind == 0 && !D->hist) {
+        /* 16-bit float elements: the targets here, 8 lanes at a time; the order key of b is
+         * b ^ (b's sign ? 0xFFFF : 0x8000), its inverse t ^ (t's sign ? 0x8000 : 0xFFFF) */
+        const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), s15 = _mm256_set1_epi32(0x8000);
+        const __m256i lo15 = _mm256_set1_epi32(0x7FFF), f16 = _mm256_set1_epi32(0xFFFF);
+        __m256i t[4];
+        for (int q = 0; q < 4; q++) {
+            const __m256i k1 = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(kl + 8 * q)), one);
+            const __m256i a = _mm256_or_si256(_mm256_sllv_epi32(one, k1), mt[q]);
+            const __m256i ng = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)((nb >> (8 * q)) & 255)), sel), sel);
+            const __m256i d = _mm256_sub_epi32(_mm256_xor_si256(a, ng), ng);
+            const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(D->ebase + j0 + 8 * q)));
+            const __m256i bs = _mm256_srli_epi32(b, 15), key = _mm256_xor_si256(b, _mm256_or_si256(s15,
+                                   _mm256_and_si256(_mm256_sub_epi32(zero, bs), lo15)));
+            const __m256i u = _mm256_and_si256(_mm256_add_epi32(key, d), f16);
+            t[q] = _mm256_xor_si256(u, _mm256_or_si256(s15, _mm256_and_si256(_mm256_sub_epi32(_mm256_srli_epi32(u, 15), one), lo15)));
+        }
+        _mm256_storeu_si256((__m256i *)val + 2 * (j0 / 32), _mm256_permute4x64_epi64(_mm256_packus_epi32(t[0], t[1]), 0xD8));
+        _mm256_storeu_si256((__m256i *)val + 2 * (j0 / 32) + 1, _mm256_permute4x64_epi64(_mm256_packus_epi32(t[2], t[3]), 0xD8));
+        *stored = 1;
+        return 0;
     }
+    for (int q = 0; q < 4; q++)
+        _mm256_storeu_si256((__m256i *)(ma + 8 * q), mt[q]);
     for (int l = 0; l < 32; l++)
         mant[l] = ma[l];
     return 0;
