@@ -326,6 +326,22 @@ __attribute__((target("avx2,popcnt,bmi"))) static int values_group_avx2(dec_t *D
     int32_t go[32];
     uint32_t ps[32], ma[32];
     int flip[32];
+    if (D->ebase && !D->hist && D->kind == 0) { /* the contexts from the kept base elements, 8 at a time */
+        const __m128i vsh = _mm_cvtsi32_si128((int)D->shift);
+        const __m256i vm = _mm256_set1_epi32((int)D->mask), half = _mm256_set1_epi32(128);
+        __m256i any = _mm256_setzero_si256();
+        for (int q = 0; q < 4; q++) {
+            const __m256i c = _mm256_and_si256(_mm256_srl_epi32(_mm256_cvtepu16_epi32(
+                                  _mm_loadu_si128((const __m128i *)(D->ebase + j0 + 8 * q))), vsh), vm);
+            const __m256i g = _mm256_i32gather_epi32(D->gidx, c, 4); /* (c <= mask < n_exp) */
+            any = _mm256_or_si256(any, g);
+            _mm256_storeu_si256((__m256i *)(go + 8 * q), _mm256_slli_epi32(g, 8));
+            _mm256_storeu_si256((__m256i *)(ps + 8 * q), half);
+        }
+        if (_mm256_movemask_ps(_mm256_castsi256_ps(any)))
+            return ST_TABLE;
+        memset(flip, 0, sizeof flip);
+    } else
     for (int l = 0; l < 32; l++) {
         const int64_t c = ectx_of(D, j0 + l);
         const int32_t g = D->gidx[c];
