@@ -84,15 +84,17 @@ static inline void st(uint8_t *p, int64_t i, int isz, uint64_t v)
 
 static inline uint64_t key_of(uint64_t u, int kind, uint64_t sign, uint64_t full)
 {
-    if (kind == 0)
-        return (u & sign) ? full - u : (u | sign);
+    if (kind == 0) /* (u & sign) ? full - u : u | sign, branch-free: the sign of a weight is a coin toss */
+        return u ^ (sign | ((0 - (uint64_t)((u & sign) != 0)) & (sign - 1)));
+    (void)full;
     return kind == 1 ? u ^ sign : u;
 }
 
 static inline uint64_t unkey_of(uint64_t k, int kind, uint64_t sign, uint64_t full)
 {
-    if (kind == 0)
-        return (k & sign) ? k ^ sign : full - k;
+    if (kind == 0) /* (k & sign) ? k ^ sign : full - k, branch-free */
+        return k ^ (sign | (((uint64_t)((k & sign) != 0) - 1) & (sign - 1)));
+    (void)full;
     return kind == 1 ? k ^ sign : k;
 }
 
@@ -408,7 +410,9 @@ typedef struct {
     /* the output */
     int64_t m, k;
     int64_t *pos;
-    uint16_t *ectx;   /* [m] contexts of the changes */
+    uint16_t *ectx;   /* [m] contexts of the changes (with a history) */
+    uint16_t *ebase;  /* [m + 32] base elements of the changes (16-bit elements without a history, else NULL):
+                       * the positions pass keeps them, the values pass reads no base at a position */
 } dec_t;
 
 static int get_varint(const uint8_t *p, int64_t len, int64_t *o, uint64_t *v)
@@ -516,12 +520,12 @@ static int parse_header(dec_t *D, const uint8_t *pl, int64_t plen)
             r = ST_NOMEM;
             goto fail;
         }
-        for (int64_t g = 0; g < ng; g++)
-            for (int k = 1, q = 0; q < 256; q++) {
-                while (D->cum[g * B1 + k] <= (uint32_t)q)
-                    k++;
-                D->klut[g * 256 + q] = (uint32_t)k | D->cum[g * B1 + k - 1] << 8 |
-                                       (D->cum[g * B1 + k] - D->cum[g * B1 + k - 1]) << 16;
+        for (int64_t g = 0; g < ng; g++) /* the slots [cum[k-1], cum[k]) of each k (cum rises to 256) */
+            for (int k = 1; k <= D->kk[g]; k++) {
+                const uint32_t c0 = D->cum[g * B1 + k - 1], c1 = D->cum[g * B1 + k];
+                const uint32_t e = (uint32_t)k | c0 << 8 | (c1 - c0) << 16;
+                for (uint32_t q = c0; q < c1; q++)
+                    D->klut[g * 256 + q] = e;
             }
     }
     free(gctx);
@@ -609,7 +613,10 @@ static inline __attribute__((always_inline)) int pos_scalar_t(dec_t *D, int64_t 
                 if (k >= m)
                     goto count; /* more changes than the record's, refused at once */
                 D->pos[k] = i;
-                D->ectx[k] = (uint16_t)c;
+                if (hist)
+                    D->ectx[k] = (uint16_t)c;
+                else if (isz == 2)
+                    D->ebase[k] = (uint16_t)ld(D->base, i, 2);
                 k++;
             }
         }
@@ -646,18 +653,28 @@ static __attribute__((noinline)) int pos_scalar(dec_t *D, int64_t s0, int64_t s1
     }
 }
 
-/* The changes' bits of one step's mask: positions and contexts (re-read from the base). The caller
- * checked that they fit (k + popcount(bits) <= m). */
+/* The changes' bits of one step's mask (16-bit elements, no history): their positions and base elements.
+ * The caller checked that they fit (k + popcount(bits) <= m). */
 static inline void take_bits(dec_t *D, uint32_t bits, int64_t i0)
 {
     while (bits) {
-        const int l = __builtin_ctz(bits);
+        const int64_t i = i0 + __builtin_ctz(bits);
         bits &= bits - 1;
-        const int64_t i = i0 + l;
-        D->pos[D->k] = i;
-        D->ectx[D->k] = (uint16_t)ctx_at(D, i, 2, 0);
-        D->k++;
+        D->ebase[D->k] = (uint16_t)ld(D->base, i, 2);
+        D->pos[D->k++] = i;
     }
+}
+
+/* Change j's base element: kept by the positions pass (16-bit elements without a history), else read. */
+static inline uint64_t ebase_of(const dec_t *D, int64_t j)
+{
+    return D->ebase ? D->ebase[j] : ld(D->base, D->pos[j], D->isz);
+}
+
+/* Change j's context: kept by the positions pass with a history, else from its base element. */
+static inline int64_t ectx_of(const dec_t *D, int64_t j)
+{
+    return D->hist ? D->ectx[j] : D->kind == 0 ? (int64_t)((ebase_of(D, j) >> D->shift) & D->mask) : 0;
 }
 
 #include "_ulp2_simd.h"
@@ -676,6 +693,9 @@ static inline __attribute__((always_inline)) int values_t(dec_t *D, uint8_t *val
     const uint8_t *sb = D->sb;
     int64_t sp = D->sp;
     const int isz = D->isz, kind = D->kind;
+    const uint8_t *const base = D->base; /* (locals: the stores through val may alias D for the compiler) */
+    const int64_t *const posv = D->pos;
+    const uint16_t *const eb = D->ebase;
     uint32_t x[32];
     int kl[32], neg[32];
     uint64_t mant[32];
@@ -685,14 +705,17 @@ static inline __attribute__((always_inline)) int values_t(dec_t *D, uint8_t *val
         int rounds = 0;
 #if ULP2_X86
         if (M == 8 && simd && nl == 32) {
-            const int r = values_group_avx2(D, j0, x, &sp, kl, neg, mant);
+            int stored = 0;
+            const int r = values_group_avx2(D, j0, x, &sp, kl, neg, mant, val, &stored);
             if (r)
                 return r;
+            if (stored)
+                continue;
             goto values;
         }
 #endif
         for (int l = 0; l < nl; l++) { /* round 0: the bit lengths */
-            const int32_t g = D->gidx[D->ectx[j0 + l]];
+            const int32_t g = D->gidx[ectx_of(D, j0 + l)];
             if (g < 0)
                 return ST_TABLE; /* only where the base changed since the positions pass */
             const uint32_t *cu = D->cum + (int64_t)g * B1, slot = x[l] & smask;
@@ -739,8 +762,8 @@ static inline __attribute__((always_inline)) int values_t(dec_t *D, uint8_t *val
     values:
         for (int l = 0; l < nl; l++) {
             const int64_t j = j0 + l;
-            const uint64_t a = (1ull << (kl[l] - 1)) | mant[l], d = neg[l] ? (0 - a) : a;
-            const uint64_t b = ld(D->base, D->pos[j], isz);
+            const uint64_t a = (1ull << (kl[l] - 1)) | mant[l], ng = 0 - (uint64_t)neg[l], d = (a ^ ng) - ng;
+            const uint64_t b = eb ? eb[j] : ld(base, posv[j], isz);
             st(val, j, isz, unkey_of((key_of(b, kind, sign, full) + d) & full, kind, sign, full));
         }
     }
@@ -781,7 +804,7 @@ static void move_sums(const dec_t *D, const uint8_t *val, const uint64_t *dg, ui
         const uint64_t f = dg[0] + (uint64_t)D->pos[j];
         const uint64_t g0 = mix64(f ^ dg[1]), g1 = mix64(f ^ dg[2]);
         const uint64_t bn = ld(val, j, D->isz) * 0x9E3779B97F4A7C15ULL;
-        const uint64_t bo = ld(D->base, D->pos[j], D->isz) * 0x9E3779B97F4A7C15ULL;
+        const uint64_t bo = ebase_of(D, j) * 0x9E3779B97F4A7C15ULL;
         a0 += mix64(g0 ^ bn) - mix64(g0 ^ bo);
         a1 += mix64(g1 ^ bn) - mix64(g1 ^ bo);
     }
@@ -854,7 +877,7 @@ static int ulp2_decode_c(dec_t *D, const uint8_t *pl, int64_t plen, uint8_t *val
                 chi = c;
             }
         if (chi - clo < 64) {
-            r = D->V.W == 16 ? pos_avx2_v1(D, clo, &done) : ker == 2 ? pos_avx512(D, clo, &done) : pos_avx2(D, clo, &done);
+            r = D->V.W == 16 ? pos_avx2_v1(D, clo, &done) : ker == 2 ? pos_avx512(D, clo, &done) : pos_avx2(D, clo, chi, &done);
             if (r)
                 return r;
         }
@@ -1039,7 +1062,9 @@ PyObject *py_ulp2_decode(PyObject *self, PyObject *args)
         D.ptab = calloc((size_t)D.nctx, 2);
         D.gidx = malloc(sizeof(int32_t) * (size_t)D.nctx);
         D.ectx = malloc((size_t)(n_changed < n ? n_changed : n) * 2 + 2);
-        if (!D.ptab || !D.gidx || !D.ectx)
+        if (!hist && isz == 2)
+            D.ebase = malloc((size_t)((n_changed < n ? n_changed : n) + 32) * 2);
+        if (!D.ptab || !D.gidx || !D.ectx || (!hist && isz == 2 && !D.ebase))
             stv = ST_NOMEM;
         else {
             for (int64_t c = 0; c < D.nctx; c++)
@@ -1049,6 +1074,7 @@ PyObject *py_ulp2_decode(PyObject *self, PyObject *args)
         free(D.ptab);
         free(D.gidx);
         free(D.ectx);
+        free(D.ebase);
         free(D.cum);
         free(D.kk);
         free(D.klut);

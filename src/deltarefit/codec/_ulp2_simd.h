@@ -11,6 +11,10 @@
 static uint8_t expand8[256][16];
 /* [8-lane need mask] -> the dword permutation taking lane l the (rank of l)-th of 8 bytes widened. */
 static int32_t perm8[256][8];
+/* [8-lane mask] -> the lanes set, in increasing order (then zeros): a step's changes by one compress. */
+static uint8_t cidx8[256][8];
+/* [8-lane mask] -> the byte shuffle gathering those lanes' 16-bit elements in increasing order. */
+static uint8_t cidx16[256][16];
 
 __attribute__((constructor)) static void ulp2_init_tables(void)
 {
@@ -23,6 +27,14 @@ __attribute__((constructor)) static void ulp2_init_tables(void)
         r = 0;
         for (int l = 0; l < 8; l++)
             perm8[msk][l] = (msk >> l) & 1 ? r++ : 0;
+        r = 0;
+        memset(cidx16[msk], 0x80, 16);
+        for (int l = 0; l < 8; l++)
+            if ((msk >> l) & 1) {
+                cidx16[msk][2 * r] = (uint8_t)(2 * l);
+                cidx16[msk][2 * r + 1] = (uint8_t)(2 * l + 1);
+                cidx8[msk][r++] = (uint8_t)l;
+            }
     }
 }
 
@@ -34,41 +46,45 @@ static const uint8_t *simd_setup(const dec_t *D, int64_t clo, uint8_t *tab)
     return D->sb;
 }
 
-__attribute__((target("avx2,popcnt,bmi"))) static int pos_avx2(dec_t *D, int64_t clo, int64_t *done)
+/* One step of 32: the probabilities by NT 16-entry byte lookups (the contexts with changes lie in
+ * [clo, clo + 16 NT)), the decisions, and the lanes below L refilled in lane order. The need and bit masks
+ * are packed without a lane permute (their bytes: lanes 0-7, 16-23, 8-15, 24-31) and the refill runs
+ * branch-free (a step refills about one byte: a branch on it mispredicts). */
+__attribute__((target("avx2,popcnt,bmi"))) static inline __attribute__((always_inline)) int
+pos_avx2_t(dec_t *D, int64_t clo, int64_t *done, const int NT)
 {
     uint8_t tab[64];
     const uint8_t *sb = simd_setup(D, clo, tab);
-    const int64_t S = D->n / 32, slen = D->slen;
-    int64_t sp = D->sp;
-    const __m256i t0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)tab));
-    const __m256i t1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(tab + 16)));
-    const __m256i t2 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(tab + 32)));
-    const __m256i t3 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(tab + 48)));
+    const int64_t S = D->n / 32, slen = D->slen, m = D->m;
+    int64_t sp = D->sp, k = D->k;
+    int64_t *const pos = D->pos;
+    uint16_t *const eb = D->ebase;
+    __m256i t[4], bsub[4];
+    for (int j = 0; j < NT; j++) {
+        t[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(tab + 16 * j)));
+        bsub[j] = _mm256_set1_epi8((char)(16 * j));
+    }
     const __m128i vsh = _mm_cvtsi32_si128((int)D->shift);
     const __m256i vmask = _mm256_set1_epi16(D->kind == 0 ? (short)D->mask : 0), vclo = _mm256_set1_epi16((short)clo);
-    const __m256i ff = _mm256_set1_epi16(0xFF), v64 = _mm256_set1_epi16(64), zero = _mm256_setzero_si256();
-    const __m256i b70 = _mm256_set1_epi8(0x70), b16 = _mm256_set1_epi8(16), b32 = _mm256_set1_epi8(32);
-    const __m256i b48 = _mm256_set1_epi8(48);
+    const __m256i ff = _mm256_set1_epi16(0xFF), vout = _mm256_set1_epi16((short)(16 * NT)), zero = _mm256_setzero_si256();
+    const __m256i b70 = _mm256_set1_epi8(0x70);
     uint16_t xs[32];
     for (int l = 0; l < 32; l++)
         xs[l] = (uint16_t)D->x[l];
     __m256i x[2] = {_mm256_loadu_si256((const __m256i *)xs), _mm256_loadu_si256((const __m256i *)(xs + 16))};
     const uint8_t *bp = D->base;
-    int r = 0;
     int64_t s;
     for (s = 0; s < S; s++) {
-        __m256i bit[2], need[2], pw[2];
-        const __m256i x0 = x[0], x1 = x[1];
-        {   /* the probabilities: window offsets as bytes (64: outside), four 16-entry byte lookups */
-            const __m256i d0 = _mm256_min_epu16(_mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(
-                                   _mm256_loadu_si256((const __m256i *)(bp + 64 * s)), vsh), vmask), vclo), v64);
-            const __m256i d1 = _mm256_min_epu16(_mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(
-                                   _mm256_loadu_si256((const __m256i *)(bp + 64 * s + 32)), vsh), vmask), vclo), v64);
+        __m256i bit[2], need[2], pw[2], xd[2];
+        const __m256i bv0 = _mm256_loadu_si256((const __m256i *)(bp + 64 * s));
+        const __m256i bv1 = _mm256_loadu_si256((const __m256i *)(bp + 64 * s + 32));
+        {   /* the probabilities: window offsets as bytes (16 NT: outside), NT 16-entry byte lookups */
+            const __m256i d0 = _mm256_min_epu16(_mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(bv0, vsh), vmask), vclo), vout);
+            const __m256i d1 = _mm256_min_epu16(_mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(bv1, vsh), vmask), vclo), vout);
             const __m256i d = _mm256_packus_epi16(d0, d1); /* per 128-bit half: 8 of d0, 8 of d1 */
-            __m256i p = _mm256_shuffle_epi8(t0, _mm256_adds_epu8(d, b70));
-            p = _mm256_or_si256(p, _mm256_shuffle_epi8(t1, _mm256_adds_epu8(_mm256_sub_epi8(d, b16), b70)));
-            p = _mm256_or_si256(p, _mm256_shuffle_epi8(t2, _mm256_adds_epu8(_mm256_sub_epi8(d, b32), b70)));
-            p = _mm256_or_si256(p, _mm256_shuffle_epi8(t3, _mm256_adds_epu8(_mm256_sub_epi8(d, b48), b70)));
+            __m256i p = _mm256_shuffle_epi8(t[0], _mm256_adds_epu8(d, b70));
+            for (int j = 1; j < NT; j++)
+                p = _mm256_or_si256(p, _mm256_shuffle_epi8(t[j], _mm256_adds_epu8(_mm256_sub_epi8(d, bsub[j]), b70)));
             pw[0] = _mm256_unpacklo_epi8(p, zero);
             pw[1] = _mm256_unpackhi_epi8(p, zero);
         }
@@ -77,37 +93,67 @@ __attribute__((target("avx2,popcnt,bmi"))) static int pos_avx2(dec_t *D, int64_t
             const __m256i slot = _mm256_and_si256(x[h], ff), hi = _mm256_srli_epi16(x[h], 8);
             const __m256i mul = _mm256_mullo_epi16(p, hi);
             bit[h] = _mm256_cmpgt_epi16(p, slot);
-            x[h] = _mm256_blendv_epi8(_mm256_sub_epi16(_mm256_sub_epi16(x[h], mul), p), _mm256_add_epi16(mul, slot), bit[h]);
-            need[h] = _mm256_cmpeq_epi16(_mm256_srli_epi16(x[h], 8), zero);
+            xd[h] = _mm256_blendv_epi8(_mm256_sub_epi16(_mm256_sub_epi16(x[h], mul), p), _mm256_add_epi16(mul, slot), bit[h]);
+            need[h] = _mm256_cmpeq_epi16(_mm256_srli_epi16(xd[h], 8), zero);
         }
-        const uint32_t bm = (uint32_t)_mm256_movemask_epi8(_mm256_permute4x64_epi64(_mm256_packs_epi16(bit[0], bit[1]), 0xD8));
-        const uint32_t nm = (uint32_t)_mm256_movemask_epi8(_mm256_permute4x64_epi64(_mm256_packs_epi16(need[0], need[1]), 0xD8));
-        if (nm) {
+        const uint32_t br = (uint32_t)_mm256_movemask_epi8(_mm256_packs_epi16(bit[0], bit[1]));
+        const uint32_t nr = (uint32_t)_mm256_movemask_epi8(_mm256_packs_epi16(need[0], need[1]));
+        const int nn = __builtin_popcount(nr), nb = __builtin_popcount(br);
+        if (sp + nn > slen || k + nb > m)
+            break; /* a step that refuses: pos_scalar runs it again, lane by lane, for the exact status */
+        {   /* the refill: sp <= slen here, the loads stay within the 64 bytes of padding */
             const uint8_t *q = sb + sp;
-            const int o1 = __builtin_popcount(nm & 0xFF), o2 = __builtin_popcount(nm & 0xFFFF);
-            const int o3 = __builtin_popcount(nm & 0xFFFFFF);
-            const __m128i w0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)q), _mm_loadu_si128((const __m128i *)expand8[nm & 0xFF]));
-            const __m128i w1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q + o1)), _mm_loadu_si128((const __m128i *)expand8[(nm >> 8) & 0xFF]));
-            const __m128i w2 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q + o2)), _mm_loadu_si128((const __m128i *)expand8[(nm >> 16) & 0xFF]));
-            const __m128i w3 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q + o3)), _mm_loadu_si128((const __m128i *)expand8[nm >> 24]));
-            x[0] = _mm256_blendv_epi8(x[0], _mm256_or_si256(_mm256_slli_epi16(x[0], 8), _mm256_set_m128i(w1, w0)), need[0]);
-            x[1] = _mm256_blendv_epi8(x[1], _mm256_or_si256(_mm256_slli_epi16(x[1], 8), _mm256_set_m128i(w3, w2)), need[1]);
+            const int o1 = __builtin_popcount(nr & 0xFF), o2 = __builtin_popcount(nr & 0xFF00FF);
+            const int o3 = __builtin_popcount(nr & 0xFFFFFF);
+            const __m128i w0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)q), _mm_loadu_si128((const __m128i *)expand8[nr & 0xFF]));
+            const __m128i w1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q + o1)), _mm_loadu_si128((const __m128i *)expand8[(nr >> 16) & 0xFF]));
+            const __m128i w2 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q + o2)), _mm_loadu_si128((const __m128i *)expand8[(nr >> 8) & 0xFF]));
+            const __m128i w3 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q + o3)), _mm_loadu_si128((const __m128i *)expand8[nr >> 24]));
+            x[0] = _mm256_or_si256(_mm256_blendv_epi8(xd[0], _mm256_slli_epi16(xd[0], 8), need[0]), _mm256_set_m128i(w1, w0));
+            x[1] = _mm256_or_si256(_mm256_blendv_epi8(xd[1], _mm256_slli_epi16(xd[1], 8), need[1]), _mm256_set_m128i(w3, w2));
         }
-        if (sp + __builtin_popcount(nm) > slen || D->k + __builtin_popcount(bm) > D->m) {
-            x[0] = x0; /* a step that refuses: pos_scalar runs it again, lane by lane, for the exact status */
-            x[1] = x1;
-            break;
+        sp += nn;
+        if (br) { /* the changes in lane order and their base elements: compress tables per 8 lanes (8 written) */
+            const uint32_t bm = (br & 0xFF0000FF) | ((br >> 8) & 0xFF00) | ((br << 8) & 0xFF0000);
+            if (k + 32 <= m) {
+                const __m128i bh[4] = {_mm256_castsi256_si128(bv0), _mm256_extracti128_si256(bv0, 1),
+                                       _mm256_castsi256_si128(bv1), _mm256_extracti128_si256(bv1, 1)};
+                for (int g = 0; g < 4; g++) {
+                    const uint32_t bg = (bm >> (8 * g)) & 255;
+                    const __m128i ix = _mm_loadl_epi64((const __m128i *)cidx8[bg]);
+                    const __m256i i0 = _mm256_set1_epi64x(32 * s + 8 * g);
+                    _mm256_storeu_si256((__m256i *)(pos + k), _mm256_add_epi64(i0, _mm256_cvtepu8_epi64(ix)));
+                    _mm256_storeu_si256((__m256i *)(pos + k + 4), _mm256_add_epi64(i0, _mm256_cvtepu8_epi64(_mm_srli_si128(ix, 4))));
+                    _mm_storeu_si128((__m128i *)(eb + k), _mm_shuffle_epi8(bh[g], _mm_loadu_si128((const __m128i *)cidx16[bg])));
+                    k += __builtin_popcount(bg);
+                }
+            } else
+                for (uint32_t b2 = bm; b2; b2 &= b2 - 1) {
+                    const int64_t i = 32 * s + __builtin_ctz(b2);
+                    eb[k] = (uint16_t)ld(bp, i, 2);
+                    pos[k++] = i;
+                }
         }
-        sp += __builtin_popcount(nm);
-        take_bits(D, bm, 32 * s);
     }
     _mm256_storeu_si256((__m256i *)xs, x[0]);
     _mm256_storeu_si256((__m256i *)(xs + 16), x[1]);
     for (int l = 0; l < 32; l++)
         D->x[l] = xs[l];
     D->sp = sp;
+    D->k = k;
     *done = s;
-    return r;
+    return 0;
+}
+
+/* Window of 64 contexts from clo; the lookups only over the part that holds one (chi: the last). */
+__attribute__((target("avx2,popcnt,bmi"))) static int pos_avx2(dec_t *D, int64_t clo, int64_t chi, int64_t *done)
+{
+    switch ((chi - clo) / 16) {
+    case 0: return pos_avx2_t(D, clo, done, 1);
+    case 1: return pos_avx2_t(D, clo, done, 2);
+    case 2: return pos_avx2_t(D, clo, done, 3);
+    default: return pos_avx2_t(D, clo, done, 4);
+    }
 }
 
 /* Variant 1 (16 lanes of 32-bit states, 12-bit probabilities, 16-bit units), AVX2: a block's probabilities
@@ -275,13 +321,29 @@ __attribute__((target("avx2,popcnt,bmi"))) static inline int renorm_x4(__m256i *
 
 __attribute__((target("avx2,popcnt,bmi"))) static int values_group_avx2(dec_t *D, int64_t j0, uint32_t *xa,
                                                                         int64_t *sp, int *kl, int *neg,
-                                                                        uint64_t *mant)
+                                                                        uint64_t *mant, uint8_t *val, int *stored)
 {
     int32_t go[32];
     uint32_t ps[32], ma[32];
     int flip[32];
+    if (D->ebase && !D->hist && D->kind == 0) { /* the contexts from the kept base elements, 8 at a time */
+        const __m128i vsh = _mm_cvtsi32_si128((int)D->shift);
+        const __m256i vm = _mm256_set1_epi32((int)D->mask), half = _mm256_set1_epi32(128);
+        __m256i any = _mm256_setzero_si256();
+        for (int q = 0; q < 4; q++) {
+            const __m256i c = _mm256_and_si256(_mm256_srl_epi32(_mm256_cvtepu16_epi32(
+                                  _mm_loadu_si128((const __m128i *)(D->ebase + j0 + 8 * q))), vsh), vm);
+            const __m256i g = _mm256_i32gather_epi32(D->gidx, c, 4); /* (c <= mask < n_exp) */
+            any = _mm256_or_si256(any, g);
+            _mm256_storeu_si256((__m256i *)(go + 8 * q), _mm256_slli_epi32(g, 8));
+            _mm256_storeu_si256((__m256i *)(ps + 8 * q), half);
+        }
+        if (_mm256_movemask_ps(_mm256_castsi256_ps(any)))
+            return ST_TABLE;
+        memset(flip, 0, sizeof flip);
+    } else
     for (int l = 0; l < 32; l++) {
-        const int64_t c = D->ectx[j0 + l];
+        const int64_t c = ectx_of(D, j0 + l);
         const int32_t g = D->gidx[c];
         if (g < 0)
             return ST_TABLE; /* only where the base changed since the positions pass */
@@ -344,10 +406,32 @@ __attribute__((target("avx2,popcnt,bmi"))) static int values_group_avx2(dec_t *D
         if ((r = renorm_x4(x, xn, act, D->sb, sp, D->slen)))
             return r;
     }
-    for (int q = 0; q < 4; q++) {
+    for (int q = 0; q < 4; q++)
         _mm256_storeu_si256((__m256i *)(xa + 8 * q), x[q]);
-        _mm256_storeu_si256((__m256i *)(ma + 8 * q), mt[q]);
+    if (D->ebase && D->kind == 0 && !D->hist) {
+        /* 16-bit float elements: the targets here, 8 lanes at a time; the order key of b is
+         * b ^ (b's sign ? 0xFFFF : 0x8000), its inverse t ^ (t's sign ? 0x8000 : 0xFFFF) */
+        const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), s15 = _mm256_set1_epi32(0x8000);
+        const __m256i lo15 = _mm256_set1_epi32(0x7FFF), f16 = _mm256_set1_epi32(0xFFFF);
+        __m256i t[4];
+        for (int q = 0; q < 4; q++) {
+            const __m256i k1 = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(kl + 8 * q)), one);
+            const __m256i a = _mm256_or_si256(_mm256_sllv_epi32(one, k1), mt[q]);
+            const __m256i ng = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)((nb >> (8 * q)) & 255)), sel), sel);
+            const __m256i d = _mm256_sub_epi32(_mm256_xor_si256(a, ng), ng);
+            const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(D->ebase + j0 + 8 * q)));
+            const __m256i bs = _mm256_srli_epi32(b, 15), key = _mm256_xor_si256(b, _mm256_or_si256(s15,
+                                   _mm256_and_si256(_mm256_sub_epi32(zero, bs), lo15)));
+            const __m256i u = _mm256_and_si256(_mm256_add_epi32(key, d), f16);
+            t[q] = _mm256_xor_si256(u, _mm256_or_si256(s15, _mm256_and_si256(_mm256_sub_epi32(_mm256_srli_epi32(u, 15), one), lo15)));
+        }
+        _mm256_storeu_si256((__m256i *)val + 2 * (j0 / 32), _mm256_permute4x64_epi64(_mm256_packus_epi32(t[0], t[1]), 0xD8));
+        _mm256_storeu_si256((__m256i *)val + 2 * (j0 / 32) + 1, _mm256_permute4x64_epi64(_mm256_packus_epi32(t[2], t[3]), 0xD8));
+        *stored = 1;
+        return 0;
     }
+    for (int q = 0; q < 4; q++)
+        _mm256_storeu_si256((__m256i *)(ma + 8 * q), mt[q]);
     for (int l = 0; l < 32; l++)
         mant[l] = ma[l];
     return 0;
