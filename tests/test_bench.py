@@ -344,10 +344,21 @@ def test_per_element_fits_a_line_and_prints_every_target_and_stage():
     c0, c1 = pe.fit([1e5, 2e5, 4e5], [0.02 + 3e-8 * x for x in (1e5, 2e5, 4e5)])
     assert abs(c0 - 0.02) < 1e-9 and abs(c1 - 3e-8) < 1e-15
     st = {s: 1e-3 for s in pe.STAGES}
-    rows = [{"rate": r, "changed": int(1e7 * r), "stages": {"segments": st, "held": st},
-             "apply": dict.fromkeys(pe.TARGETS, 0.05)} for r in (0.01, 0.05)]
-    res = {"params": 10_000_000, "kernels": "k", "rows": rows,
-           "fits": {k: pe.fit([r["changed"] for r in rows], [0.05, 0.05]) for k in pe.TARGETS}}
-    out = pe.render(res)
+    detail = []
+    for fmt, secs in ((1, 1e-3), (2, 2.5e-4)):
+        st = dict.fromkeys(pe.STAGES, secs)
+        rows = [{"rate": r, "changed": int(1e7 * r), "stages": {"segments": st, "held": st},
+                 "apply": dict.fromkeys(pe.TARGETS, 0.05 * secs / 1e-3), "delta_bytes": 1000 * fmt}
+                for r in (0.01, 0.05)]
+        detail.append({"format": fmt, "params": 10_000_000, "kernels": "k", "rows": rows,
+                       "fits": {k: pe.fit([r["changed"] for r in rows], [0.05, 0.05]) for k in pe.TARGETS}})
+    flat = pe.flat_rows(detail)
+    assert len(flat) == 2 * 2 * len(pe.TARGETS)
+    assert {r["target"] for r in flat} == {"file", "torch", "engine-like"}
+    one = next(r for r in flat if (r["format"], r["rate"], r["target"]) == (1, 0.01, "file"))
+    assert abs(one["decode_ns"] - 10.0) < 1e-9  # 1 ms over 100,000 changes: 10 ns each
+    assert abs(one["apply_ns"] - 500.0) < 1e-9
+    out = pe.render({"params": 10_000_000, "kernels": "k", "rows": flat, "detail": detail})
     assert all(t in out for t in pe.TARGETS) and all(s in out for s in pe.STAGES)
-    assert "10.00" in out  # 1 ms over 100,000 changes: 10 ns each
+    assert "10.00" in out and "format 2" in out
+    assert "( 4.0x)" in out and "size 2.0000x" in out  # format 2 decodes 4x faster, twice the bytes

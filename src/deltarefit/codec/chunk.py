@@ -320,9 +320,13 @@ def encode_changes(dt: DType, ch: Changes, dense, *, fmt: int = 2) -> EncodedChu
     _check_fmt(fmt)
     if ch.m == 0:
         return None
-    if fmt == 2:
+    if fmt == 2:  # _encode2's choice (no history), so that every caller writes deltarefit.encode's bytes
         base, target = dense()
-        return _choose(dt, ch, lambda: (base, target), encode_ulp2(dt, base, target))
+        got = _choose(dt, ch, lambda: (base, target), encode_ulp2(dt, base, target))
+        if ch.m <= ULP1_MAX_CHANGES:
+            alt = encode_changes(dt, ch, lambda: (base, target), fmt=1)
+            got = min((c for c in (got, alt) if c is not None), key=lambda c: len(c.payload))  # (ties: the first)
+        return got
     _, _, nctx = _ctx(dt)
     out = scratch_array("payload", max_payload_len(dt, ch.n) + 64, np.uint8)  # copied out by tobytes()
     if native.USE_NATIVE and native.ext is not None:

@@ -361,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rates", type=float, nargs="+", default=None,
                     help=f"fractions of the elements each target changes (default {' '.join(map(str, RATES))}; "
                     f"--quick: {RATES[-1]})")
+    ap.add_argument("--format-version", type=int, default=2, choices=(1, 2),
+                    help="format version of the deltas (FORMAT.md; default 2)")
     ap.add_argument("--model", default="llama", choices=sorted(MODELS),
                     help="the model family: a dense Llama (default) or a Qwen3-MoE whose every layer is sparse")
     args = ap.parse_args(argv)
@@ -398,6 +400,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     os.makedirs(work, exist_ok=True)
     try:
         prep = prepare(work, config, rates, 1 if args.quick else max(1, args.repeat), model=args.model,
+                       format_version=args.format_version,
                        targets=args.targets)
         prep_path = os.path.join(work, "prep.json")
         with open(prep_path, "w") as f:
@@ -408,6 +411,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                "torch": torch.__version__.split("+")[0], "model": {**config, "params": prep["params"],
                                                                    "bytes": prep["bytes"], "family": args.model},
                "layouts": layouts, "notes": [], "repeat": 1 if args.quick else max(1, args.repeat),
+               "format_version": args.format_version,
                "targets": {**prep["targets"], "warmup": WARMUP_STEPS, "warmup_lr": WARMUP_LR}}
         res["findings"] = findings(res)
         for s in res["findings"]:

@@ -362,9 +362,10 @@ TARGETS = ("adamw", "ulp")  # --targets: one real AdamW step (default), or one-u
 
 
 def prepare(work: str, config: dict[str, Any], rates: Sequence[float], repeat: int = 1, log=print,
-            model: str = "llama", targets: str = "adamw") -> dict[str, Any]:
+            model: str = "llama", targets: str = "adamw", format_version: int = 2) -> dict[str, Any]:
     """Checkpoints, the stream and the deltas the layouts share (see the module docstring). ``targets``:
-    ``"adamw"`` (:func:`build_stepped`) or ``"ulp"`` (a random-init base, :func:`perturb_checkpoint`)."""
+    ``"adamw"`` (:func:`build_stepped`) or ``"ulp"`` (a random-init base, :func:`perturb_checkpoint`);
+    ``format_version``: of the stream's deltas and the others (FORMAT.md)."""
     from safetensors import safe_open
 
     from ...encode import encode
@@ -388,7 +389,8 @@ def prepare(work: str, config: dict[str, Any], rates: Sequence[float], repeat: i
     log(f"models: {params / 1e6:.1f}M parameters, {time.perf_counter() - t:.1f} s")
     plan = version_plan(rates, repeat, passes=2)  # in place, then in place planned while serving
     store = os.path.join(work, "store")
-    pub = Publisher(store, os.path.join(work, "publisher"), keyframe_every=10**6, keyframe_ratio=1e9)
+    pub = Publisher(store, os.path.join(work, "publisher"), keyframe_every=10**6, keyframe_ratio=1e9,
+                    format_version=format_version)
     for name in plan["checkpoints"]:
         pub.publish(ck[name])
     deltas, changed = {}, {}
@@ -396,7 +398,7 @@ def prepare(work: str, config: dict[str, Any], rates: Sequence[float], repeat: i
         for way, (a, b) in (("fwd", ("base", name)), ("back", (name, "base"))):
             p = os.path.join(work, "deltas", f"{name}-{way}.delta")
             os.makedirs(os.path.dirname(p), exist_ok=True)
-            rep = encode(ck[a], ck[b], p)
+            rep = encode(ck[a], ck[b], p, format_version=format_version)
             deltas[f"{name}-{way}"] = p
             if way == "fwd":
                 changed[name] = rep.changed_fraction

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     m = ch.m
     shift, mask, nctx = _ctx(dt)
     out = np.empty(max_payload_len(dt, n) + 64, np.uint8)
-    enc = encode_changes(dt, ch, lambda: (b, t))
+    enc = encode_changes(dt, ch, lambda: (b, t), fmt=1)  # (the rows below time format 1's kernels)
     buf = np.frombuffer(enc.payload, np.uint8)
     gbeg, gend = np.zeros(nctx, np.int64), np.zeros(nctx, np.int64)
     gr, gc = np.empty(m, np.int64), np.empty(m, np.int32)

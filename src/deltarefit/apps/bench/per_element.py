@@ -2,9 +2,11 @@
 the fixed cost per refit, for the file, torch-tensor and engine-like targets.
 
 ``python -m deltarefit.apps.bench.per_element [--params 3.2e7] [--rates 0.01,0.035,0.05] [--reps 3]
-[--work DIR] [--json FILE]`` builds held-out-like synthetic bf16 pairs (``pairs.make_synthetic_pair``,
-calibrated on the real AdamW step of the pretrained MiniLM at lr 3e-6, kept in ``DIR/calibration.json``),
-one per rate, encodes each both ways (with additive digests) and prints, on one thread:
+[--formats 1,2] [--work DIR] [--json FILE]`` builds held-out-like synthetic bf16 pairs
+(``pairs.make_synthetic_pair``, calibrated on the real AdamW step of the pretrained MiniLM at lr 3e-6, kept
+in ``DIR/calibration.json``), one per rate, encodes each both ways (with additive digests) in each format
+version asked for (FORMAT.md; 1: the serial range coder, 2: interleaved rANS lanes) and prints, on one
+thread, per format:
 
 * **stages**, each timed alone over every chunk of the delta (best of ``--reps`` passes), in ns per
   changed element: *decode* (``apply.host._decode``: the payload read and hash check, and the decoder),
@@ -26,6 +28,10 @@ one per rate, encodes each both ways (with additive digests) and prints, on one 
 
 Stages are in-memory and cache-warm where the data fits; read them as the cost of one core's work, not
 of a refit's wall time (which ``apply`` gives).
+
+``--json FILE`` writes ``{"params", "kernels", "rows": [...], "detail": [...]}``: one row per (format, rate,
+target), ``{"format", "rate", "target", "decode_ns", "apply_ns", "changed", "delta_bytes"}`` (ns per changed
+element; ``apply_ns`` is the whole one-thread apply), and the full figures per format under ``detail``.
 """
 
 from __future__ import annotations
@@ -65,8 +71,9 @@ def calibration(work: Path) -> Any:
     return Calibration.load(path)
 
 
-def make_pairs(work: Path, params: float, rates: list[float]) -> list[dict[str, Any]]:
-    """Per rate: the synthetic pair and its deltas both ways (with additive digests), made once."""
+def make_pairs(work: Path, params: float, rates: list[float], fmt: int = 2) -> list[dict[str, Any]]:
+    """Per rate: the synthetic pair and its deltas both ways (with additive digests) in format version
+    ``fmt``, made once."""
     from deltarefit import encode
 
     from .pairs import make_synthetic_pair
@@ -78,12 +85,12 @@ def make_pairs(work: Path, params: float, rates: list[float]) -> list[dict[str, 
         base, target = work / f"synth_base_{tag}.safetensors", work / f"synth_target_{tag}.safetensors"
         if not target.exists():
             make_synthetic_pair(work, params, change_rate=rate, calibration=cal, seed=1000 * (j + 1))
-        fwd, back = work / f"{tag}.fwd.delta", work / f"{tag}.back.delta"
+        fwd, back = work / f"{tag}.f{fmt}.fwd.delta", work / f"{tag}.f{fmt}.back.delta"
         if not back.exists():
-            encode(str(base), str(target), str(fwd), sums=True)
-            encode(str(target), str(base), str(back), sums=True)
+            encode(str(base), str(target), str(fwd), sums=True, format_version=fmt)
+            encode(str(target), str(base), str(back), sums=True, format_version=fmt)
         out.append({"rate": rate, "tag": tag, "base": str(base), "target": str(target), "fwd": str(fwd),
-                    "back": str(back)})
+                    "back": str(back), "format": fmt, "delta_bytes": os.path.getsize(fwd)})
     return out
 
 
@@ -185,7 +192,7 @@ def applies(p: dict[str, Any], work: Path, reps: int) -> dict[str, float]:
     copy = work / "apply-copy.safetensors"
     shutil.copyfile(p["base"], copy)
     tensors = load_file(p["base"])
-    ckdir = work / f"engine-{p['tag']}"
+    ckdir = work / f"engine-{p['tag']}-f{p['format']}"
     ckdir.mkdir(exist_ok=True)
     if not (ckdir / "model.safetensors").exists():
         os.link(p["base"], ckdir / "model.safetensors")
@@ -235,22 +242,69 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return float(c0), float(c1)
 
 
-def run(params: float, rates: list[float], reps: int, work: Path) -> dict[str, Any]:
+def run_format(params: float, rates: list[float], reps: int, work: Path, fmt: int) -> dict[str, Any]:
+    """The figures of one format version (module docstring)."""
     from deltarefit.codec.native import kernels_in_use
 
     work.mkdir(parents=True, exist_ok=True)
     rows = []
-    for p in make_pairs(work, params, rates):
+    for p in make_pairs(work, params, rates, fmt):
         _, _, changed = _chunks(p["fwd"], p["base"])
         st = stages(p["fwd"], p["base"], reps)
         ap = applies(p, work, reps)
-        rows.append({"rate": p["rate"], "changed": changed, "stages": st, "apply": ap})
+        rows.append({"rate": p["rate"], "changed": changed, "stages": st, "apply": ap,
+                     "delta_bytes": p["delta_bytes"]})
     fits = {k: fit([r["changed"] for r in rows], [r["apply"][k] for r in rows]) for k in TARGETS}
-    return {"params": int(params), "kernels": kernels_in_use(), "rows": rows, "fits": fits}
+    return {"format": fmt, "params": int(params), "kernels": kernels_in_use(), "rows": rows, "fits": fits}
+
+
+def run(params: float, rates: list[float], reps: int, work: Path, formats: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
+    """Every format's figures, and the flat rows ``--json`` writes (module docstring)."""
+    detail = [run_format(params, rates, reps, work, fmt) for fmt in formats]
+    return {"params": int(params), "kernels": detail[0]["kernels"], "rows": flat_rows(detail), "detail": detail}
+
+
+def flat_rows(detail: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows ``--json`` writes, one per (format, rate, target), from ``run_format``'s results."""
+    flat = []
+    for res in detail:
+        for r in res["rows"]:
+            m = r["changed"]
+            for kind in TARGETS:
+                st = r["stages"]["held" if kind == "engine" else "segments"]
+                flat.append({"format": res["format"], "rate": r["rate"], "target": "engine-like" if kind == "engine"
+                             else kind, "decode_ns": 1e9 * st["decode"] / m, "apply_ns": 1e9 * r["apply"][kind] / m,
+                             "changed": m, "delta_bytes": r["delta_bytes"]})
+    return flat
 
 
 def render(res: dict[str, Any]) -> str:
-    lines = [f"{res['params']:,} bf16 parameters per pair; {res['kernels']}; one thread; ns per changed element"]
+    out = [render_format(d) for d in res["detail"]]
+    if len(res["detail"]) > 1:
+        out.append(render_ratios(res))
+    return "\n\n".join(out)
+
+
+def render_ratios(res: dict[str, Any]) -> str:
+    """Each later format against the first, per rate and target: decode and apply speed-ups, delta size."""
+    first = res["detail"][0]["format"]
+    by = {(r["format"], r["rate"], r["target"]): r for r in res["rows"]}
+    lines = [f"against format {first}: decode and apply speed-up per changed element, delta size"]
+    for d in res["detail"][1:]:
+        for r in d["rows"]:
+            for kind in TARGETS:
+                t = "engine-like" if kind == "engine" else kind
+                a, b = by[(first, r["rate"], t)], by[(d["format"], r["rate"], t)]
+                lines.append(f"  format {d['format']} {100 * r['rate']:5.2f}% {t:<11} decode {a['decode_ns']:6.2f} -> "
+                             f"{b['decode_ns']:6.2f} ns ({a['decode_ns'] / b['decode_ns']:4.1f}x)  apply "
+                             f"{a['apply_ns']:6.2f} -> {b['apply_ns']:6.2f} ns ({a['apply_ns'] / b['apply_ns']:4.1f}x)  "
+                             f"size {b['delta_bytes'] / a['delta_bytes']:.4f}x")
+    return "\n".join(lines)
+
+
+def render_format(res: dict[str, Any]) -> str:
+    lines = [f"format {res['format']}: {res['params']:,} bf16 parameters per pair; {res['kernels']}; one thread; "
+             "ns per changed element"]
     head = f"  {'target':<7} {'changed':>8} {'elements':>11} " + " ".join(f"{s:>9}" for s in STAGES) + \
         f" {'sum':>7} {'apply':>9} {'apply/chg':>9}"
     lines.append(head)
@@ -275,10 +329,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=float, default=3.2e7, help="bf16 parameters per pair (default 3.2e7)")
     ap.add_argument("--rates", default="0.01,0.035,0.05", help="fractions changed (default 0.01,0.035,0.05)")
     ap.add_argument("--reps", type=int, default=3, help="timed passes per figure, best taken (default 3)")
-    ap.add_argument("--work", default="/tmp/deltarefit-per-element", help="pairs and deltas, kept for reruns")
+    ap.add_argument("--formats", default="1,2", help="format versions to run, the first the baseline (default 1,2)")
+    ap.add_argument("--work", default=None, help="pairs and deltas, kept for reruns (default: a private temp "
+                    "directory, removed)")
     ap.add_argument("--json", help="also write the figures here")
     a = ap.parse_args(argv)
-    res = run(a.params, [float(x) for x in a.rates.split(",")], a.reps, Path(a.work))
+    import tempfile
+
+    formats = tuple(int(x) for x in a.formats.split(","))
+    with tempfile.TemporaryDirectory(prefix="deltarefit-per-element-") as tmp:
+        res = run(a.params, [float(x) for x in a.rates.split(",")], a.reps, Path(a.work or tmp), formats)
     print(render(res))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
