@@ -182,7 +182,7 @@ def test_the_rollouts_warm_up_compiles_every_kernel_a_sync_then_needs(tmp_path, 
     warm-up compiles those the applies use."""
     import json
 
-    from deltarefit.codec.native import USE_NATIVE
+    from deltarefit.codec.native import SCAN_AVX512, USE_NATIVE
 
     if kernels == "native" and not USE_NATIVE:
         pytest.skip("the native kernels are not built here (pip install -e . builds them where a C compiler is)")
@@ -202,5 +202,7 @@ def test_the_rollouts_warm_up_compiles_every_kernel_a_sync_then_needs(tmp_path, 
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     print(f"warm-up {got['seconds']:.2f} s; compiled kernels {sorted(k for k, n in got['before'].items() if n)}")
-    assert (sum(got["before"].values()) > 0) == (kernels == "numba")
+    # (without AVX-512 the encoder's scan is numba's by design, native kernels or not: codec.native)
+    used = {k: n for k, n in got["before"].items() if SCAN_AVX512 or kernels == "numba" or k != "ulp_scan"}
+    assert (sum(used.values()) > 0) == (kernels == "numba")
     assert got["after"] == got["before"], "an apply after the warm-up compiled a kernel the warm-up did not"

@@ -200,7 +200,7 @@ def test_paths_that_cannot_be_written_are_one_line(fx, tmp_path):
     cases = [
         (["encode", v1, v2, "-o", str(tmp_path / "adir")], "adir is a directory"),  # refused before the encode
         (["compose", fx.delta, "--base", v1, "-o", str(tmp_path / "adir")], "adir is a directory"),
-        (["publish", str(tmp_path / "store"), v2, "--state", str(tmp_path / "afile")], "File exists"),
+        (["publish", str(tmp_path / "store"), v2, "--state", str(tmp_path / "afile")], "is not a directory"),
         (["keygen", str(tmp_path / "afile" / "k")], "Not a directory"),
         (["apply", fx.delta, str(tmp_path / "missing" / "ck")], "does not exist"),
         (["sync", fx.store, str(tmp_path / "afile" / "ck")], "Not a directory"),

@@ -949,7 +949,7 @@ def test_writer_refuses_a_manifest_readers_would_refuse(tmp_path):
     path = str(tmp_path / "w.delta")
     w = fmt.DeltaWriter(path)
     with pytest.raises(LimitError, match="manifest nests JSON"):
-        w.finish({"format": "deltarefit.delta", "stats": _nested(20)})
+        w.finish({"format": "deltarefit.delta", "version": 2, "stats": _nested(20)})
     w.abort()
     assert os.listdir(tmp_path) == []
 

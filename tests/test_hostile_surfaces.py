@@ -196,7 +196,7 @@ def test_status_verify_on_a_store_without_version_1_says_no_version(tmp_path):
     store = tmp_path / "store"
     other = str(tmp_path / "other.safetensors")
     save_file({"w": torch.randn(32, 32).to(torch.bfloat16)}, other)
-    Publisher(str(store), str(tmp_path / "state"), keyframe_every=1).publish(other)  # version 2, a keyframe
+    Publisher(str(store), str(tmp_path / "state"), keyframe_every=1, another_model=True).publish(other)  # v2, a keyframe
     os.unlink(store / commit_key(1))  # retention, or a mirror that starts at a later keyframe
     p = cli("status", ck, "--store", str(store), "--verify")
     assert p.returncode == 0, p.stderr

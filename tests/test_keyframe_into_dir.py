@@ -66,7 +66,7 @@ def _check_kept(ck: str, tmp_path) -> None:
 def stream(tmp_path):
     """A stream of keyframes only (every version one), published from sharded directories: (store, [dirs])."""
     store = str(tmp_path / "store")
-    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=1)
+    pub = Publisher(store, str(tmp_path / "pub"), keyframe_every=1, another_model=True)  # (random weights)
     dirs = []
     for step in (1, 2):
         d = _sharded(str(tmp_path / f"src{step}"), _weights(step))

@@ -84,7 +84,7 @@ def test_packages_keep_the_old_modules_names():
 
 def test_release_has_one_spelling_below_the_package():
     """``deltarefit.__version__`` is ``format.RELEASE`` (what encode and compose name in a manifest's
-    ``encoder``, importable without the package's ``__init__``), and pyproject.toml's version."""
+    ``encoder``, importable without the package's ``__init__``), which pyproject.toml reads as its version."""
     import tomllib
     from pathlib import Path
 
@@ -93,7 +93,9 @@ def test_release_has_one_spelling_below_the_package():
 
     assert deltarefit.__version__ is RELEASE
     pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
-    assert tomllib.loads(pyproject.read_text())["project"]["version"] == RELEASE
+    meta = tomllib.loads(pyproject.read_text())
+    assert meta["project"]["dynamic"] == ["version"]  # read from the one place it is written
+    assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "deltarefit._release.RELEASE"}
 
 
 def _fresh(code: str) -> str:

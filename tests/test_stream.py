@@ -377,7 +377,8 @@ def test_republishing_head_is_a_no_op(stream, chain, chain_fps):
     rec = pub.publish(chain[HEAD])
     assert rec.version == HEAD and rec.fingerprint == chain_fps[HEAD]
     assert sorted(stream.store.list()) == before and pub.state().version == HEAD
-    assert sorted(os.listdir(stream.pub_state)) == ["baseline.hashes", "baseline.safetensors", "publisher.json"]
+    assert sorted(os.listdir(stream.pub_state)) == ["baseline.hashes", "baseline.safetensors", "format.json",
+                                                     "publisher.json"]
 
 
 GATED = """

@@ -114,8 +114,12 @@ def warm_kernels(work: str) -> float:
             path = os.path.join(d, f"{label}.safetensors")
             write_safetensors(path, [TensorSource(k, "BF16", (n,), 2 * n, lambda v=v: [v]) for k, v in tensors.items()])
             paths.append(path)
-        encode(paths[0], paths[1], os.path.join(d, "w.delta"), threads=1)
-        apply(os.path.join(d, "w.delta"), paths[0], threads=1)
+        # Both format versions: a format 2 stream codes its sparsest chunks with format 1's coder where smaller.
+        for fv in (2, 1):
+            work_copy = os.path.join(d, f"w{fv}.safetensors")
+            shutil.copyfile(paths[0], work_copy)
+            encode(paths[0], paths[1], os.path.join(d, f"w{fv}.delta"), threads=1, format_version=fv)
+            apply(os.path.join(d, f"w{fv}.delta"), work_copy, threads=1)
     finally:
         shutil.rmtree(d, ignore_errors=True)
     return time.perf_counter() - t0
