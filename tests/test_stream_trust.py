@@ -556,7 +556,8 @@ def test_structural_versions_with_history_publish_encode_and_apply(tmp_path):
     from _chains import encodings
 
     # the last delta (structural version to structural version) was coded against the history
-    assert encodings(os.path.join(store, *load_commit(LocalStore(store), 4).delta.key.split("/"))).get(5)
+    got = encodings(os.path.join(store, *load_commit(LocalStore(store), 4).delta.key.split("/")))
+    assert got.get(5) or got.get(7), got  # (encoding 5 in format 1, 7 in format 2)
 
     book, abook = str(tmp_path / "enc.history"), str(tmp_path / "app.history")
     target = str(tmp_path / "applied.safetensors")
@@ -567,7 +568,7 @@ def test_structural_versions_with_history_publish_encode_and_apply(tmp_path):
         run_ok("apply", delta, target, "--history", abook, "-q")
         assert deltarefit.fingerprint(target) == deltarefit.fingerprint(paths[i])
         if i == 3:
-            assert encodings(delta).get(5)
+            assert encodings(delta).get(5) or encodings(delta).get(7)  # (format 1: 5, format 2: 7)
         r = run_ok("apply", delta, target, "--history", abook, "-q")  # a rerun: already the target
         assert "verified" in r.stdout and deltarefit.fingerprint(target) == deltarefit.fingerprint(paths[i])
 
