@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 
 help:
 	@echo "make demo             a trainer and two rollouts refit each step over a local store (builds .venv first)"
-	@echo "make test             the default test suite, as CI runs it (about 14 minutes on 2 cores)"
+	@echo "make test             the default test suite, as CI runs it (about 27 minutes on 2 cores)"
 	@echo "make lint             ruff over src tests scripts examples"
 	@echo "make test-wheel       build the wheel, install it beside torch in a fresh venv, run it (CI runs it too)"
 	@echo "make test-slow        the tests marked slow"
